@@ -1,0 +1,3 @@
+"""flashkit: exact, memory-efficient attention (FlashAttention) for Python."""
+
+__version__ = "0.1.0"

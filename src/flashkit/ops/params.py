@@ -1,0 +1,51 @@
+"""What every backend is told about one attention call, already validated by the API layer.
+
+A backend is a module with two functions of the same shape:
+
+    forward(q, k, v, params)                   -> (out, lse)
+    backward(dout, q, k, v, out, lse, params)  -> (dq, dk, dv, dsink)
+
+Layouts (flash-attn): dense q (batch, seqlen_q, nheads, d), k/v (batch, seqlen_k, nheads_k, d[_v]),
+out like q with d_v, lse (batch, nheads, seqlen_q) float32. Varlen (params.cu_seqlens_q is set):
+q (total_q, nheads, d), k/v (total_k, nheads_k, d), lse (nheads, total_q). dsink is None when
+there is no sink.
+
+The visible band is given relative to the bottom-right aligned diagonal (DESIGN section 1): with
+shift = seqlen_k - seqlen_q, key j is visible from query i iff
+    i + shift - window_left <= j <= i + shift + window_right,
+where None means unbounded on that side. Causal is window_right = 0. The SDPA entry point's
+top-left causal is window_right = seqlen_q - seqlen_k, which is why "unbounded" is None and not -1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionParams:
+    softmax_scale: float
+    window_left: int | None = None
+    window_right: int | None = None
+    softcap: float = 0.0  # 0 = off; else s = softcap * tanh(s / softcap)
+    alibi_slopes: torch.Tensor | None = None  # float32 (nheads,) or (batch, nheads)
+    sink: torch.Tensor | None = None  # (nheads,) learnable logit, one per query head
+    attn_bias: torch.Tensor | None = None  # SDPA attn_mask as an additive float bias, 4-D
+    dropout_p: float = 0.0
+    dropout_seed: int = 0  # with (batch, head, i, j) it fixes the keep-mask
+    cu_seqlens_q: torch.Tensor | None = None  # int32 (batch + 1,): varlen when set
+    cu_seqlens_k: torch.Tensor | None = None
+    max_seqlen_q: int = 0
+    max_seqlen_k: int = 0
+    deterministic: bool = False
+
+    @property
+    def causal(self) -> bool:
+        """Bottom-right causal with no left limit: the common case kernels specialise on."""
+        return self.window_left is None and self.window_right == 0
+
+    @property
+    def is_varlen(self) -> bool:
+        return self.cu_seqlens_q is not None

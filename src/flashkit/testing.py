@@ -1,0 +1,52 @@
+"""Helpers for testing attention kernels against the oracle (DESIGN section 5).
+
+The rule (flash-attn's own): a kernel in dtype t passes when
+
+    max|kernel - oracle| <= 2 * max|torch_in_t - oracle| + atol
+
+where the oracle is `flashkit.reference` in float64 and torch_in_t is the same materialised
+computation carried out in dtype t. It scales with what dtype t can do, so it is neither loose
+for float32 nor impossible for bf16.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["assert_close_to_oracle", "max_error", "poison"]
+
+
+def max_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """max |actual - expected| in float64, with inf - inf at the same place counting as 0."""
+    a, e = actual.detach().double().cpu(), expected.detach().double().cpu()
+    same_inf = torch.isinf(a) & torch.isinf(e) & (torch.sign(a) == torch.sign(e))
+    diff = torch.where(same_inf, torch.zeros_like(a), (a - e).abs())
+    if diff.numel() == 0:
+        return 0.0
+    return float(torch.nan_to_num(diff, nan=float("inf")).max())
+
+
+def assert_close_to_oracle(name: str, actual: torch.Tensor, oracle: torch.Tensor,
+                           baseline: torch.Tensor, atol: float = 1e-5) -> None:
+    """Assert the DESIGN section 5 rule; the message names the tensor, the ratio and the worst spot."""
+    if actual.shape != oracle.shape:
+        raise AssertionError(f"{name}: shape {tuple(actual.shape)} != oracle "
+                             f"{tuple(oracle.shape)}")
+    if torch.isnan(actual).any():
+        where = tuple(torch.nonzero(torch.isnan(actual))[0].tolist())
+        raise AssertionError(f"{name}: NaN at {where} (was every element written?)")
+    err, base = max_error(actual, oracle), max_error(baseline, oracle)
+    bound = 2 * base + atol
+    if err > bound:
+        a, o = actual.detach().double().cpu(), oracle.detach().double().cpu()
+        diff = torch.nan_to_num((a - o).abs(), nan=float("inf"))
+        worst = tuple(torch.nonzero(diff == diff.max())[0].tolist())
+        raise AssertionError(
+            f"{name}: max error {err:.3e} > bound {bound:.3e} (2 x baseline {base:.3e} + "
+            f"{atol:g}), ratio {err / bound:.2f}; worst at {worst}: got {a[worst].item():.6g}, "
+            f"oracle {o[worst].item():.6g}")
+
+
+def poison(t: torch.Tensor) -> torch.Tensor:
+    """Fill with NaN (floats) so any element a kernel forgets to write fails the comparison."""
+    return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-1)
