@@ -1,3 +1,28 @@
-"""flashkit: exact, memory-efficient attention (FlashAttention) for Python."""
+"""flashkit: exact, memory-efficient attention (FlashAttention) for Python.
+
+    import flashkit
+    out = flashkit.flash_attn_func(q, k, v, causal=True)   # q, k, v: (batch, seqlen, nheads, d)
+
+`flashkit.reference` is the materialised oracle every backend is tested against; the teaching
+tools live in `flashkit.algorithms` and `flashkit.sim`; the JAX port in `flashkit.jax`.
+"""
+
+from flashkit import reference
+from flashkit.api import (
+    flash_attn_func,
+    flash_attn_kvpacked_func,
+    flash_attn_qkvpacked_func,
+    flash_attn_varlen_func,
+)
+from flashkit.sdpa import scaled_dot_product_attention
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "flash_attn_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_varlen_func",
+    "scaled_dot_product_attention",
+    "reference",
+]

@@ -1,0 +1,161 @@
+"""The flash-attn style entry points: check the inputs, build AttentionParams, dispatch.
+
+Signatures and return values follow flash-attn 2 (`out`, or `(out, softmax_lse, attn_probs)` with
+return_attn_probs=True), plus two keyword-only additions: `sink` (a learnable per-head logit,
+DESIGN section 1) and `backend` (None, "torch", "triton" or "reference").
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+from flashkit import checks, reference
+from flashkit.ops import custom_op
+from flashkit.ops.params import AttentionParams
+
+__all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
+           "flash_attn_varlen_func"]
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
+                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                    return_attn_probs=False, *, sink=None, backend=None):
+    """Exact attention of q (batch, seqlen_q, nheads, d) over k, v (batch, seqlen_k, nheads_k, d).
+
+    causal/window_size are bottom-right aligned when seqlen_q != seqlen_k; window_size=(left,
+    right) with -1 for unbounded; nheads_k must divide nheads (GQA/MQA); alibi_slopes float32
+    (nheads,) or (batch, nheads); softcap > 0 applies cap * tanh(s / cap); sink (nheads,) adds
+    one value-less logit to every row's softmax. Returns out (batch, seqlen_q, nheads, d_v), or
+    (out, lse (batch, nheads, seqlen_q), probs (batch, nheads, seqlen_q, seqlen_k)) when
+    return_attn_probs (probs materialise the whole matrix: for testing at small sizes).
+    """
+    checks.tensor("q", q, "(batch, seqlen_q, nheads, headdim)")
+    checks.tensor("k", k, "(batch, seqlen_k, nheads_k, headdim)")
+    checks.tensor("v", v, "(batch, seqlen_k, nheads_k, headdim_v)")
+    checks.same_dtype_and_device({"q": q, "k": k, "v": v})
+    for name, t in (("k", k), ("v", v)):
+        if t.shape[0] != q.shape[0]:
+            raise ValueError(f"{name}: batch {t.shape[0]} differs from q's {q.shape[0]}")
+    if v.shape[1] != k.shape[1]:
+        raise ValueError(f"v: seqlen {v.shape[1]} differs from k's {k.shape[1]}")
+    checks.heads(q.shape[2], k.shape[2], k, v, dim=2)
+    checks.head_dims(q, k, v)
+    params = _params(q, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                     deterministic, sink, batch=q.shape[0])
+    return _run(q, k, v, params, backend, return_attn_probs)
+
+
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
+                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                              deterministic=False, return_attn_probs=False, *, sink=None,
+                              backend=None):
+    """flash_attn_func on qkv (batch, seqlen, 3, nheads, headdim); gradients flow to qkv."""
+    checks.tensor("qkv", qkv, "(batch, seqlen, 3, nheads, headdim)")
+    if qkv.shape[2] != 3:
+        raise ValueError(f"qkv: dim 2 must be 3 (q, k, v), got shape {tuple(qkv.shape)}")
+    q, k, v = qkv.unbind(2)
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                           alibi_slopes, deterministic, return_attn_probs, sink=sink,
+                           backend=backend)
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
+                             window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                             deterministic=False, return_attn_probs=False, *, sink=None,
+                             backend=None):
+    """flash_attn_func on q and kv (batch, seqlen_k, 2, nheads_k, headdim)."""
+    checks.tensor("kv", kv, "(batch, seqlen_k, 2, nheads_k, headdim)")
+    if kv.shape[2] != 2:
+        raise ValueError(f"kv: dim 2 must be 2 (k, v), got shape {tuple(kv.shape)}")
+    k, v = kv.unbind(2)
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                           alibi_slopes, deterministic, return_attn_probs, sink=sink,
+                           backend=backend)
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                           softcap=0.0, alibi_slopes=None, deterministic=False,
+                           return_attn_probs=False, *, sink=None, backend=None):
+    """Attention over sequences packed without padding: q (total_q, nheads, d), k/v (total_k,
+    nheads_k, d), sequence b spanning rows cu_seqlens[b]:cu_seqlens[b + 1] (int32, batch + 1).
+    Masks align per sequence. lse is (nheads, total_q); probs a list of per-sequence matrices.
+    """
+    checks.tensor("q", q, "(total_q, nheads, headdim)")
+    checks.tensor("k", k, "(total_k, nheads_k, headdim)")
+    checks.tensor("v", v, "(total_k, nheads_k, headdim_v)")
+    checks.same_dtype_and_device({"q": q, "k": k, "v": v})
+    if v.shape[0] != k.shape[0]:
+        raise ValueError(f"v: {v.shape[0]} tokens differ from k's {k.shape[0]}")
+    checks.heads(q.shape[1], k.shape[1], k, v, dim=1)
+    checks.head_dims(q, k, v)
+    batch = checks.cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q,
+                              "max_seqlen_q", q.device)
+    if checks.cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k,
+                         "max_seqlen_k", q.device) != batch:
+        raise ValueError(f"cu_seqlens_k: describes {cu_seqlens_k.numel() - 1} sequences, "
+                         f"cu_seqlens_q {batch}")
+    params = _params(q, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                     deterministic, sink, batch=batch, nheads=q.shape[1],
+                     cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                     max_seqlen_q=int(max_seqlen_q), max_seqlen_k=int(max_seqlen_k))
+    return _run(q, k, v, params, backend, return_attn_probs)
+
+
+def _params(q, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+            deterministic, sink, batch, nheads=None, **varlen) -> AttentionParams:
+    """Check the scalar and per-head arguments and gather them for the backends."""
+    nheads = q.shape[2] if nheads is None else nheads
+    window_left, window_right = checks.window_size(window_size, causal)
+    checks.alibi_slopes(alibi_slopes, batch, nheads, q.device)
+    checks.sink(sink, nheads, q.device)
+    dropout_p = checks.dropout_p(dropout_p)
+    return AttentionParams(
+        softmax_scale=checks.softmax_scale(softmax_scale, q.shape[-1]),
+        window_left=window_left, window_right=window_right, softcap=checks.softcap(softcap),
+        alibi_slopes=alibi_slopes, sink=sink, dropout_p=dropout_p,
+        dropout_seed=_draw_seed() if dropout_p > 0 else 0,
+        deterministic=bool(deterministic), **varlen)
+
+
+def _draw_seed() -> int:
+    """A dropout seed from torch's default generator, so torch.manual_seed reproduces a call."""
+    return int(torch.randint(0, 2**62, (), device="cpu"))
+
+
+def _run(q, k, v, params: AttentionParams, backend, return_attn_probs):
+    """Dispatch to a backend; returns out or (out, lse, probs)."""
+    name = checks.backend(backend, q.device)
+    if params.attn_bias is not None and params.attn_bias.requires_grad:
+        raise NotImplementedError("attn_mask: gradients with respect to a float mask are not "
+                                  "supported; pass a mask that does not require grad")
+    if name == "reference":
+        if params.dropout_p > 0:
+            raise NotImplementedError(
+                "backend 'reference': dropout needs the keep-mask; call "
+                "flashkit.reference.attention(..., dropout_mask=...) directly")
+        out, lse, *probs = reference.attention_with_params(q, k, v, params,
+                                                           return_probs=return_attn_probs)
+        lse = lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
+        return (out, lse, probs[0]) if return_attn_probs else out
+    _require_available(name, q.device)
+    out, lse = custom_op.attention(q, k, v, params, name)
+    if not return_attn_probs:
+        return out
+    probs = custom_op.backend_module(name).attention_probs(q, k, v, lse, params)
+    return out, lse, probs
+
+
+def _require_available(name: str, device: torch.device) -> None:
+    if name != "triton":
+        return
+    if importlib.util.find_spec("triton") is None:
+        raise ImportError("backend 'triton' needs the triton package: pip install "
+                          "'flashkit[gpu]', or pass backend='torch'")
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"backend 'triton' runs on CUDA tensors (got {device}); set "
+                         "TRITON_INTERPRET=1 to run its kernels in the interpreter, or pass "
+                         "backend='torch'")

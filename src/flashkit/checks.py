@@ -1,0 +1,150 @@
+"""Input checks shared by the public entry points. Each error names the argument and what was
+expected, and every check runs before any kernel launch."""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+MAX_HEAD_DIM = 256
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+BACKEND_NAMES = ("torch", "triton", "reference")
+
+
+def tensor(name: str, t, layout: str) -> None:
+    """t is a tensor whose rank matches `layout`, e.g. "(batch, seqlen_q, nheads, headdim)"."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor {layout}, got {type(t).__name__}")
+    ndim = layout.count(",") + 1
+    if t.dim() != ndim:
+        raise ValueError(f"{name}: expected {ndim} dims {layout}, got shape {tuple(t.shape)}")
+
+
+def same_dtype_and_device(named: dict) -> None:
+    """All tensors share one supported floating dtype and one device."""
+    (first, t0), *rest = named.items()
+    if t0.dtype not in DTYPES:
+        raise TypeError(f"{first}: dtype {t0.dtype} is not supported; expected one of "
+                        f"{', '.join(str(d) for d in DTYPES)}")
+    for name, t in rest:
+        if t.dtype != t0.dtype:
+            raise TypeError(f"{name}: dtype {t.dtype} differs from {first}'s {t0.dtype}")
+        if t.device != t0.device:
+            raise ValueError(f"{name}: device {t.device} differs from {first}'s {t0.device}")
+
+
+def head_dims(q, k, v, dim: int = -1) -> None:
+    """q and k share a head dim; both head dims are within 1..MAX_HEAD_DIM."""
+    if k.shape[dim] != q.shape[dim]:
+        raise ValueError(f"k: head dim {k.shape[dim]} differs from q's {q.shape[dim]}")
+    for name, t in (("q", q), ("v", v)):
+        if not 1 <= t.shape[dim] <= MAX_HEAD_DIM:
+            raise ValueError(f"{name}: head dim {t.shape[dim]} is outside 1..{MAX_HEAD_DIM}")
+
+
+def heads(nheads: int, nheads_k: int, k, v, dim: int) -> None:
+    """k and v have the same kv heads, and they divide the query heads (GQA/MQA)."""
+    if v.shape[dim] != nheads_k:
+        raise ValueError(f"v: {v.shape[dim]} heads differ from k's {nheads_k}")
+    if nheads_k == 0 or nheads % nheads_k != 0:
+        raise ValueError(f"k: nheads_k = {nheads_k} must divide q's nheads = {nheads} "
+                         "(GQA/MQA groups query heads over kv heads)")
+
+
+def softmax_scale(scale, head_dim: int) -> float:
+    if scale is None:
+        return head_dim ** -0.5
+    if not isinstance(scale, numbers.Real) or not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"softmax_scale: expected a finite positive number, got {scale!r}")
+    return float(scale)
+
+
+def dropout_p(p) -> float:
+    if not isinstance(p, numbers.Real) or not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout_p: expected a number in [0, 1), got {p!r}")
+    return float(p)
+
+
+def softcap(cap) -> float:
+    if not isinstance(cap, numbers.Real) or not math.isfinite(cap) or cap < 0:
+        raise ValueError(f"softcap: expected a finite number >= 0 (0 = off), got {cap!r}")
+    return float(cap)
+
+
+def window_size(window, causal) -> tuple[int | None, int | None]:
+    """flash-attn's (left, right) with -1 = unbounded -> the backends' (left, right), None = unbounded."""
+    if (not isinstance(window, (tuple, list)) or len(window) != 2
+            or not all(isinstance(w, numbers.Integral) for w in window)):
+        raise ValueError(f"window_size: expected a pair of ints (left, right), got {window!r}")
+    if min(window) < -1:
+        raise ValueError(f"window_size: entries must be >= -1 (-1 = unbounded), got {window!r}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
+    left, right = (None if w == -1 else int(w) for w in window)
+    return left, 0 if causal else right
+
+
+def alibi_slopes(slopes, batch: int, nheads: int, device) -> None:
+    if slopes is None:
+        return
+    if not isinstance(slopes, torch.Tensor):
+        raise TypeError(f"alibi_slopes: expected a float32 tensor, got {type(slopes).__name__}")
+    if slopes.dtype != torch.float32:
+        raise TypeError(f"alibi_slopes: expected dtype torch.float32, got {slopes.dtype}")
+    if tuple(slopes.shape) not in ((nheads,), (batch, nheads)):
+        raise ValueError(f"alibi_slopes: expected shape ({nheads},) or ({batch}, {nheads}), "
+                         f"got {tuple(slopes.shape)}")
+    if slopes.device != device:
+        raise ValueError(f"alibi_slopes: device {slopes.device} differs from q's {device}")
+
+
+def sink(s, nheads: int, device) -> None:
+    if s is None:
+        return
+    if not isinstance(s, torch.Tensor):
+        raise TypeError(f"sink: expected a floating tensor of shape ({nheads},), "
+                        f"got {type(s).__name__}")
+    if s.dtype not in DTYPES:
+        raise TypeError(f"sink: expected a floating dtype, got {s.dtype}")
+    if tuple(s.shape) != (nheads,):
+        raise ValueError(f"sink: expected shape ({nheads},) (one logit per query head), "
+                         f"got {tuple(s.shape)}")
+    if s.device != device:
+        raise ValueError(f"sink: device {s.device} differs from q's {device}")
+
+
+def cu_seqlens(name: str, cu, total: int, max_seqlen, max_name: str, device) -> int:
+    """A valid int32 prefix sum of sequence lengths; returns the batch size it describes.
+
+    Reading the values costs a device sync; a malformed cu_seqlens would make a kernel read or
+    write out of bounds, so it is worth one.
+    """
+    if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1:
+        got = f"{cu.dtype} of shape {tuple(cu.shape)}" if isinstance(cu, torch.Tensor) else \
+            type(cu).__name__
+        raise TypeError(f"{name}: expected a 1-D torch.int32 tensor (batch + 1,), got {got}")
+    if cu.numel() < 2:
+        raise ValueError(f"{name}: expected batch + 1 >= 2 entries, got {cu.numel()}")
+    if cu.device != device:
+        raise ValueError(f"{name}: device {cu.device} differs from q's {device}")
+    values = cu.tolist()
+    lengths = [b - a for a, b in zip(values, values[1:], strict=False)]
+    if values[0] != 0 or min(lengths) < 0:
+        raise ValueError(f"{name}: expected 0 first and non-decreasing entries, got {values}")
+    if values[-1] != total:
+        raise ValueError(f"{name}: last entry {values[-1]} != total tokens {total}")
+    if not isinstance(max_seqlen, numbers.Integral) or max_seqlen < max(lengths):
+        raise ValueError(f"{max_name}: expected an int >= the longest sequence "
+                         f"({max(lengths)}), got {max_seqlen!r}")
+    return len(values) - 1
+
+
+def backend(name, device) -> str:
+    """The backend to run: None picks "triton" for CUDA tensors and "torch" otherwise."""
+    if name is None:
+        return "triton" if device.type == "cuda" else "torch"
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"backend: expected None or one of {BACKEND_NAMES}, got {name!r}")
+    return name

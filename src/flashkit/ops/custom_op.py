@@ -1,0 +1,116 @@
+"""flashkit's attention as torch.library custom ops, so torch.compile traces it without a break.
+
+`flashkit::attention_forward` and `flashkit::attention_backward` take the backend's name and the
+fields of AttentionParams flattened in declaration order (custom ops take tensors and scalars,
+not dataclasses). Each has a fake implementation giving output shapes for tracing, and the
+forward op's autograd formula calls the backward op.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+
+import torch
+from torch import Tensor
+
+from flashkit.ops.params import AttentionParams
+
+__all__ = ["attention", "backend_module", "BACKENDS"]
+
+BACKENDS = {"torch": "flashkit.ops.tiled", "triton": "flashkit.ops.triton"}
+_FIELDS = [f.name for f in dataclasses.fields(AttentionParams)]
+_TENSOR_FIELDS = ["alibi_slopes", "sink", "attn_bias", "cu_seqlens_q", "cu_seqlens_k"]
+
+
+def backend_module(name: str):
+    """The module implementing forward/backward for a backend name."""
+    return importlib.import_module(BACKENDS[name])
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, params: AttentionParams, backend: str):
+    """(out, lse) through the custom op; differentiable in q, k, v and the sink."""
+    return attention_forward(q, k, v, *(getattr(params, f) for f in _FIELDS), backend)
+
+
+def _params(args) -> AttentionParams:
+    return AttentionParams(**dict(zip(_FIELDS, args, strict=True)))
+
+
+def _lse_shape(q: Tensor, params: AttentionParams):
+    if params.is_varlen:
+        return (q.shape[1], q.shape[0])  # (nheads, total_q)
+    return (q.shape[0], q.shape[2], q.shape[1])  # (batch, nheads, seqlen_q)
+
+
+# The op signatures spell out AttentionParams' fields in order; tests/ops check they agree.
+@torch.library.custom_op("flashkit::attention_forward", mutates_args=())
+def attention_forward(
+    q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, window_left: int | None,
+    window_right: int | None, softcap: float, alibi_slopes: Tensor | None, sink: Tensor | None,
+    attn_bias: Tensor | None, dropout_p: float, dropout_seed: int, cu_seqlens_q: Tensor | None,
+    cu_seqlens_k: Tensor | None, max_seqlen_q: int, max_seqlen_k: int, deterministic: bool,
+    backend: str,
+) -> tuple[Tensor, Tensor]:
+    params = _params((softmax_scale, window_left, window_right, softcap, alibi_slopes, sink,
+                      attn_bias, dropout_p, dropout_seed, cu_seqlens_q, cu_seqlens_k,
+                      max_seqlen_q, max_seqlen_k, deterministic))
+    return backend_module(backend).forward(q, k, v, params)
+
+
+@attention_forward.register_fake
+def _(q, k, v, *args):
+    params = _params(args[:-1])
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return (q.new_empty(*q.shape[:-1], v.shape[-1]),
+            q.new_empty(_lse_shape(q, params), dtype=lse_dtype))
+
+
+@torch.library.custom_op("flashkit::attention_backward", mutates_args=())
+def attention_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+    dlse: Tensor | None, softmax_scale: float, window_left: int | None,
+    window_right: int | None, softcap: float, alibi_slopes: Tensor | None, sink: Tensor | None,
+    attn_bias: Tensor | None, dropout_p: float, dropout_seed: int, cu_seqlens_q: Tensor | None,
+    cu_seqlens_k: Tensor | None, max_seqlen_q: int, max_seqlen_k: int, deterministic: bool,
+    backend: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    params = _params((softmax_scale, window_left, window_right, softcap, alibi_slopes, sink,
+                      attn_bias, dropout_p, dropout_seed, cu_seqlens_q, cu_seqlens_k,
+                      max_seqlen_q, max_seqlen_k, deterministic))
+    dq, dk, dv, dsink = backend_module(backend).backward(dout, q, k, v, out, lse, params,
+                                                         dlse=dlse)
+    # A custom op returns tensors only: an empty one stands for "no sink".
+    return dq, dk, dv, q.new_empty(0) if dsink is None else dsink
+
+
+@attention_backward.register_fake
+def _(dout, q, k, v, out, lse, dlse, *args):
+    sink = _params(args[:-1]).sink
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+            q.new_empty(0) if sink is None else torch.empty_like(sink))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, *param_args, backend = inputs
+    params = _params(param_args)
+    ctx.params = dataclasses.replace(params, **dict.fromkeys(_TENSOR_FIELDS))  # scalars only
+    ctx.backend = backend
+    ctx.save_for_backward(q, k, v, *output, *(getattr(params, f) for f in _TENSOR_FIELDS))
+    ctx.set_materialize_grads(False)  # an unused lse passes None, not a tensor of zeros
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse, *tensor_params = ctx.saved_tensors
+    params = dataclasses.replace(ctx.params, **dict(zip(_TENSOR_FIELDS, tensor_params,
+                                                         strict=True)))
+    if dout is None:
+        dout = torch.zeros_like(out)
+    dq, dk, dv, dsink = attention_backward(dout, q, k, v, out, lse, dlse,
+                                           *(getattr(params, f) for f in _FIELDS), ctx.backend)
+    grads = dict.fromkeys(["q", "k", "v", *_FIELDS, "backend"])
+    grads.update(q=dq, k=dk, v=dv, sink=dsink if params.sink is not None else None)
+    return tuple(grads.values())
+
+
+attention_forward.register_autograd(_backward, setup_context=_setup_context)

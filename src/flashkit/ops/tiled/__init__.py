@@ -1,0 +1,7 @@
+"""The tiled pure-PyTorch backend: FlashAttention's algorithm on any device torch runs on."""
+
+from flashkit.ops.tiled.backward import backward
+from flashkit.ops.tiled.forward import forward
+from flashkit.ops.tiled.probs import attention_probs
+
+__all__ = ["forward", "backward", "attention_probs"]

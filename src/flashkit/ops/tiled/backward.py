@@ -1,0 +1,91 @@
+"""Tiled backward pass: KV tiles outer (dK, dV accumulate in place), Q tiles inner.
+
+P is recomputed from the saved log-sum-exp instead of being stored, and the softmax Jacobian
+collapses to dS = P * (dP - D) with D = rowsum(dO * O), one number per query row: that is what
+lets the backward pass see one tile at a time. A gradient on the lse output adds to D's role:
+d(lse_i)/d(s_ij) = P_ij, so D becomes D - dlse.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from flashkit.ops.params import AttentionParams
+from flashkit.ops.tiled import layout, tile
+from flashkit.ops.tiled.forward import BLOCK_M, BLOCK_N, accumulation_dtype
+
+
+def backward(dout, q, k, v, out, lse, params: AttentionParams, dlse=None,
+             block_m: int = BLOCK_M, block_n: int = BLOCK_N):
+    """(dq, dk, dv, dsink) for dense or varlen inputs; dsink is None without a sink."""
+    if not params.is_varlen:
+        return backward_dense(dout, q, k, v, out, lse, params, params.alibi_slopes, dlse,
+                              block_m, block_n)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dsink = None if params.sink is None else torch.zeros_like(params.sink)
+    for b, sq, sk in layout.sequences(params):
+        grads = backward_dense(dout[None, sq], q[None, sq], k[None, sk], v[None, sk],
+                               out[None, sq], lse[None, :, sq], params,
+                               layout.sequence_slopes(params, b),
+                               None if dlse is None else dlse[None, :, sq], block_m, block_n)
+        dq[sq], dk[sk], dv[sk] = grads[0][0], grads[1][0], grads[2][0]
+        if dsink is not None:
+            dsink += grads[3]
+    return dq, dk, dv, dsink
+
+
+def backward_dense(dout, q, k, v, out, lse, params: AttentionParams, alibi_slopes, dlse=None,
+                   block_m=BLOCK_M, block_n=BLOCK_N):
+    seqlen_q, nheads = q.shape[1], q.shape[2]
+    seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    shift = seqlen_k - seqlen_q
+    acc_dtype = accumulation_dtype(q.dtype)
+    scale = params.softmax_scale
+
+    q_g, do_g = layout.group_heads(q, nheads_k), layout.group_heads(dout, nheads_k)
+    k_g, v_g = layout.group_heads(k, nheads_k), layout.group_heads(v, nheads_k)
+    slopes = layout.group_slopes(alibi_slopes, nheads_k, acc_dtype)
+    bias = layout.group_bias(params.attn_bias, nheads_k)
+
+    lse_g = lse.unflatten(1, (nheads_k, -1)).to(acc_dtype)  # (b, hk, g, sq)
+    # A row with no visible key has lse = -inf; +inf there makes exp(s - lse) = 0, not NaN.
+    lse_safe = torch.where(lse_g == -math.inf, torch.full_like(lse_g, math.inf), lse_g)
+    delta = (dout.to(acc_dtype) * out.to(acc_dtype)).sum(-1)  # D = rowsum(dO * O): (b, sq, h)
+    delta = delta.transpose(1, 2).unflatten(1, (nheads_k, -1))  # (b, hk, g, sq)
+    if dlse is not None:
+        delta = delta - dlse.unflatten(1, (nheads_k, -1)).to(acc_dtype)
+
+    dq_acc = torch.zeros(q_g.shape, dtype=acc_dtype, device=q.device)  # (b, hk, g, sq, d)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    dk_g, dv_g = layout.group_heads(dk, nheads_k), layout.group_heads(dv, nheads_k)
+
+    for j0 in range(0, seqlen_k, block_n):
+        j1 = min(j0 + block_n, seqlen_k)
+        k_t, v_t = k_g[..., j0:j1, :].to(acc_dtype), v_g[..., j0:j1, :].to(acc_dtype)
+        dk_t, dv_t = torch.zeros_like(k_t), torch.zeros_like(v_t)  # (b, hk, 1, BN, d)
+        lo, hi = tile.query_range(j0, j1, seqlen_q, shift, params)
+        for i0 in range(lo, hi, block_m):
+            i1 = min(i0 + block_m, hi)
+            q_t, do_t = q_g[..., i0:i1, :].to(acc_dtype), do_g[..., i0:i1, :].to(acc_dtype)
+            s, tanh = tile.scores(q_t, k_t, i0, i1, j0, j1, shift, params, slopes, bias)
+            p = torch.exp(s - lse_safe[..., i0:i1, None])  # (b, hk, g, BM, BN)
+            # The group's query heads all read this kv head: their contributions add up.
+            dv_t += (p.transpose(-1, -2) @ do_t).sum(2, keepdim=True)  # [BN, dv] = [BN, BM] @ [BM, dv]
+            dp = do_t @ v_t.transpose(-1, -2)  # [BM, BN] = [BM, dv] @ [dv, BN]
+            ds = p * (dp - delta[..., i0:i1, None])
+            if tanh is not None:
+                ds = ds * (1 - tanh * tanh)  # d(cap * tanh(x / cap))/dx
+            dq_acc[..., i0:i1, :] += scale * (ds @ k_t)  # [BM, d] = [BM, BN] @ [BN, d]
+            dk_t += scale * (ds.transpose(-1, -2) @ q_t).sum(2, keepdim=True)  # [BN, d]
+        dk_g[..., j0:j1, :], dv_g[..., j0:j1, :] = dk_t, dv_t
+
+    dq = torch.empty_like(q)
+    layout.group_heads(dq, nheads_k)[...] = dq_acc
+    dsink = None
+    if params.sink is not None:
+        # d(lse_i)/d(sink) = P_sink,i and out_i scales by (1 - ...) alike: dsink = -sum P_sink D.
+        p_sink = torch.exp(params.sink.to(acc_dtype).reshape(1, nheads_k, -1, 1) - lse_g)
+        dsink = -(p_sink * delta).sum((0, 3)).reshape(nheads).to(params.sink.dtype)
+    return dq, dk, dv, dsink

@@ -1,0 +1,99 @@
+"""What one (BLOCK_M, BLOCK_N) tile of scores needs, shared by the forward and backward passes.
+
+Notation: rows i are queries, columns j are keys, shift = seqlen_k - seqlen_q puts query i's
+diagonal at key i + shift (bottom-right alignment). Tensors keep the query heads split as
+(kv head, group) so that K and V broadcast over the group instead of being repeated (GQA):
+
+    q tile  (b, hk, g, BM, d)      k, v tile  (b, hk, 1, BN, d)      scores  (b, hk, g, BM, BN)
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from flashkit.ops.params import AttentionParams
+
+
+def key_range(i0: int, i1: int, seqlen_k: int, shift: int, params: AttentionParams):
+    """Keys [lo, hi) that some query in [i0, i1) can see; lo >= hi means none."""
+    lo = 0 if params.window_left is None else max(0, i0 + shift - params.window_left)
+    hi = seqlen_k if params.window_right is None else min(seqlen_k,
+                                                          i1 - 1 + shift + params.window_right + 1)
+    return lo, hi
+
+
+def query_range(j0: int, j1: int, seqlen_q: int, shift: int, params: AttentionParams):
+    """Queries [lo, hi) that can see some key in [j0, j1); lo >= hi means none."""
+    lo = 0 if params.window_right is None else max(0, j0 - shift - params.window_right)
+    hi = seqlen_q if params.window_left is None else min(seqlen_q,
+                                                         j1 - 1 - shift + params.window_left + 1)
+    return lo, hi
+
+
+def band_mask(i0, i1, j0, j1, shift, params: AttentionParams, device):
+    """(BM, BN) bool of visible pairs, or None when the whole tile is visible (no masking cost)."""
+    left, right = params.window_left, params.window_right
+    # Corners decide: the band's edges are diagonals, so the tile is inside iff its corners are.
+    inside_left = left is None or j0 >= (i1 - 1) + shift - left
+    inside_right = right is None or j1 - 1 <= i0 + shift + right
+    if inside_left and inside_right:
+        return None
+    diag = torch.arange(i0, i1, device=device)[:, None] + shift  # (BM, 1) key on the diagonal
+    j = torch.arange(j0, j1, device=device)[None, :]
+    keep = torch.ones(i1 - i0, j1 - j0, dtype=torch.bool, device=device)
+    if left is not None:
+        keep &= j >= diag - left
+    if right is not None:
+        keep &= j <= diag + right
+    return keep
+
+
+def scores(q_t, k_t, i0, i1, j0, j1, shift, params: AttentionParams, slopes, bias):
+    """Masked scores of one tile and, with softcap, tanh(raw / cap) for the backward pass.
+
+    q_t (b, hk, g, BM, d), k_t (b, hk, 1, BN, d) in the accumulation dtype; slopes (b|1, hk, g)
+    or None; bias: the 5-D (b|1, hk|1, g|1, sq, sk) view of the SDPA bias, or None.
+    Returns s (b, hk, g, BM, BN) with -inf where masked, and tanh or None.
+    """
+    s = (q_t @ k_t.transpose(-1, -2)) * params.softmax_scale  # [BM, BN] = [BM, d] @ [d, BN]
+    tanh = None
+    if params.softcap > 0:
+        tanh = torch.tanh(s / params.softcap)
+        s = params.softcap * tanh
+    if slopes is not None:
+        i = torch.arange(i0, i1, device=s.device, dtype=s.dtype)[:, None] + shift
+        j = torch.arange(j0, j1, device=s.device, dtype=s.dtype)[None, :]
+        s = s - slopes[..., None, None] * (i - j).abs()
+    if bias is not None:
+        s = s + bias[..., i0:i1, j0:j1].to(s.dtype)
+    keep = band_mask(i0, i1, j0, j1, shift, params, s.device)
+    if keep is not None:
+        s = s.masked_fill(~keep, -math.inf)
+    return s, tanh
+
+
+def online_update(m, l, acc, s, v_t):
+    """Fold one tile of scores into the running (max, sum, output) state of each row.
+
+    m, l (b, hk, g, BM); acc (b, hk, g, BM, dv); s (b, hk, g, BM, BN); v_t (b, hk, 1, BN, dv).
+    The old state is rescaled by exp(m_old - m_new) so every term shares the newest max.
+    A row that has seen only -inf keeps m = -inf; exp is then taken against 0, giving 0, not NaN.
+    """
+    m_new = torch.maximum(m, s.amax(-1))
+    m_safe = torch.where(m_new == -math.inf, torch.zeros_like(m_new), m_new)
+    p = torch.exp(s - m_safe[..., None])
+    alpha = torch.exp(m - m_safe)
+    l = l * alpha + p.sum(-1)
+    acc = acc * alpha[..., None] + p @ v_t  # [BM, dv] = [BM, BN] @ [BN, dv]
+    return m_new, l, acc
+
+
+def finalize(m, l, acc):
+    """(out, lse) of the running state; a row with no mass (l = 0) gives out 0 and lse -inf."""
+    has_mass = l > 0
+    l_safe = torch.where(has_mass, l, torch.ones_like(l))
+    out = acc / l_safe[..., None]
+    lse = torch.where(has_mass, m + torch.log(l_safe), torch.full_like(l, -math.inf))
+    return out, lse
