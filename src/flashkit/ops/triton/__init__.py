@@ -1,0 +1,51 @@
+"""The Triton backend: fused FlashAttention-2 kernels (dense, any band given by a window).
+
+    forward(q, k, v, params)                  -> (out, lse)
+    backward(dout, q, k, v, out, lse, params) -> (dq, dk, dv, dsink)
+
+Layouts and the meaning of params: flashkit.ops.params. Supported: dense inputs, fp16 / bf16 /
+fp32, head dims 1..256 (q/k and v may differ), GQA/MQA, any softmax_scale, any window (full,
+causal, sliding, bottom-right aligned), deterministic gradients (always: no atomics). Anything
+else raises NotImplementedError before a kernel launches.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashkit.ops.params import AttentionParams
+from flashkit.ops.triton.backward import attention_backward
+from flashkit.ops.triton.forward import attention_forward
+
+__all__ = ["forward", "backward"]
+
+
+def _check_supported(params: AttentionParams) -> None:
+    unsupported = {
+        "alibi_slopes": params.alibi_slopes is not None,
+        "softcap": params.softcap > 0,
+        "sink": params.sink is not None,
+        "dropout": params.dropout_p > 0,
+        "attn_bias": params.attn_bias is not None,
+        "varlen": params.is_varlen,
+    }
+    for feature, used in unsupported.items():
+        if used:
+            raise NotImplementedError(f"triton backend: {feature} is not supported yet")
+
+
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: AttentionParams, *,
+            out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
+    """(out, lse): out like q with v's head dim, lse float32 (batch, nheads, seqlen_q)."""
+    _check_supported(params)
+    return attention_forward(q, k, v, params, out=out, lse=lse)
+
+
+def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             out: torch.Tensor, lse: torch.Tensor, params: AttentionParams, *,
+             dq: torch.Tensor | None = None, dk: torch.Tensor | None = None,
+             dv: torch.Tensor | None = None):
+    """(dq, dk, dv, None): gradients in the inputs' dtypes; dsink is None (no sink support)."""
+    _check_supported(params)
+    dq, dk, dv = attention_backward(dout, q, k, v, out, lse, params, dq=dq, dk=dk, dv=dv)
+    return dq, dk, dv, None

@@ -1,0 +1,320 @@
+"""FlashAttention-2 backward in Triton: three kernels and their host launcher.
+
+Notation as in common.py, plus
+    dO, delta     the output gradient and delta_i = sum_d dO_id * O_id (= rowsum(P * dP))
+    P, dP, dS     P = exp2(s - lse2) recomputed from the saved lse; dP = dO V^T;
+                  dS = P * (dP - delta); dQ = scale dS K, dK = scale dS^T Q, dV = P^T dO
+The kernels:
+    _bwd_preprocess_kernel   delta for BLOCK_M rows of one (batch, head)
+    _bwd_dkdv_kernel         one program per BLOCK_N key columns of one (batch, kv head): loops
+                             over the query heads of its GQA group and the query tiles that see
+                             the block, so dK/dV are reduced over the group in registers
+    _bwd_dq_kernel           one program per BLOCK_M query rows, looping over key tiles
+No atomics anywhere: every gradient element is summed by one program in a fixed order, so
+gradients are bitwise reproducible and `deterministic=True` costs nothing.
+Transposed tiles carry a _t suffix: s_t is [BLOCK_N, BLOCK_M] = s^T.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from flashkit.ops.params import AttentionParams
+from flashkit.ops.triton.common import (
+    DOT_PRECISION,
+    LOG2E,
+    interpreting,
+    key_tile_ranges,
+    load_tile,
+    query_tile_ranges,
+    store_tile,
+    visible,
+    window_args,
+)
+from flashkit.ops.triton.configs import padded_head_dim, tile_config
+
+
+@triton.jit
+def _bwd_preprocess_kernel(Out, DO, Delta,
+                           stride_ob, stride_os, stride_oh, stride_od,
+                           stride_dob, stride_dos, stride_doh, stride_dod,
+                           stride_deltab, stride_deltah, stride_deltas,
+                           nheads, seqlen_q,
+                           HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+                           BLOCK_M: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    off_b = (pid_bh // nheads).to(tl.int64)
+    off_h = (pid_bh % nheads).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    o_ptrs = (Out + off_b * stride_ob + off_h * stride_oh
+              + offs_m[:, None] * stride_os + offs_dv[None, :] * stride_od)
+    do_ptrs = (DO + off_b * stride_dob + off_h * stride_doh
+               + offs_m[:, None] * stride_dos + offs_dv[None, :] * stride_dod)
+    o_tile = load_tile(o_ptrs, offs_m, seqlen_q, offs_dv, HEAD_DIM_V, True, HEAD_DIM_V != BLOCK_DV)
+    do_tile = load_tile(do_ptrs, offs_m, seqlen_q, offs_dv, HEAD_DIM_V, True,
+                        HEAD_DIM_V != BLOCK_DV)
+    delta = tl.sum(o_tile.to(tl.float32) * do_tile.to(tl.float32), 1)
+    delta_ptrs = Delta + off_b * stride_deltab + off_h * stride_deltah + offs_m * stride_deltas
+    tl.store(delta_ptrs, delta, mask=offs_m < seqlen_q)
+
+
+@triton.jit
+def _load_lse2(lse_ptrs, offs_m, seqlen_q):
+    """lse in log2 units; a row that saw no key (lse = -inf) and rows past seqlen_q read +inf,
+    so P = exp2(s - lse2) = 0 for them."""
+    lse = tl.load(lse_ptrs, mask=offs_m < seqlen_q, other=float("-inf"))
+    return tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+
+
+@triton.jit
+def _bwd_dkdv_tiles(dk, dv, k_tile, v_tile, q_base, do_base, lse_base, delta_base,
+                    stride_qs, stride_qd, stride_dos, stride_dod, stride_ls, stride_deltas,
+                    start, end, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, window_left,
+                    window_right, qk_scale,
+                    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
+                    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
+                    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, PRECISION: tl.constexpr):
+    """Accumulate dK, dV of one key block over query tiles [start, end)."""
+    for start_m in tl.range(start, end, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        q_ptrs = q_base + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd
+        q_tile = load_tile(q_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, MASKED,
+                           HEAD_DIM != BLOCK_D)
+        lse2 = _load_lse2(lse_base + offs_m * stride_ls, offs_m, seqlen_q)
+        # [BLOCK_N, BLOCK_M] = [BLOCK_N, BLOCK_D] @ [BLOCK_D, BLOCK_M]
+        s_t = tl.dot(k_tile, tl.trans(q_tile), input_precision=PRECISION) * qk_scale
+        p_t = tl.math.exp2(s_t - lse2[None, :])
+        if MASKED:
+            keep_t = visible(offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k, window_left,
+                             window_right, HAS_LEFT, HAS_RIGHT)
+            p_t = tl.where(keep_t, p_t, 0.0)
+        do_ptrs = do_base + offs_m[:, None] * stride_dos + offs_dv[None, :] * stride_dod
+        do_tile = load_tile(do_ptrs, offs_m, seqlen_q, offs_dv, HEAD_DIM_V, MASKED,
+                            HEAD_DIM_V != BLOCK_DV)
+        # [BLOCK_N, BLOCK_DV] = [BLOCK_N, BLOCK_M] @ [BLOCK_M, BLOCK_DV]
+        dv = tl.dot(p_t.to(do_tile.dtype), do_tile, dv, input_precision=PRECISION)
+        # [BLOCK_N, BLOCK_M] = [BLOCK_N, BLOCK_DV] @ [BLOCK_DV, BLOCK_M]
+        dp_t = tl.dot(v_tile, tl.trans(do_tile), input_precision=PRECISION)
+        if MASKED:
+            delta = tl.load(delta_base + offs_m * stride_deltas, mask=offs_m < seqlen_q,
+                            other=0.0)
+        else:
+            delta = tl.load(delta_base + offs_m * stride_deltas)
+        ds_t = p_t * (dp_t - delta[None, :])
+        # [BLOCK_N, BLOCK_D] = [BLOCK_N, BLOCK_M] @ [BLOCK_M, BLOCK_D]
+        dk = tl.dot(ds_t.to(q_tile.dtype), q_tile, dk, input_precision=PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def _bwd_dkdv_kernel(Q, K, V, DO, Lse, Delta, DK, DV,
+                     stride_qb, stride_qs, stride_qh, stride_qd,
+                     stride_kb, stride_ks, stride_kh, stride_kd,
+                     stride_vb, stride_vs, stride_vh, stride_vd,
+                     stride_dob, stride_dos, stride_doh, stride_dod,
+                     stride_lb, stride_lh, stride_ls,
+                     stride_deltab, stride_deltah, stride_deltas,
+                     stride_dkb, stride_dks, stride_dkh, stride_dkd,
+                     stride_dvb, stride_dvs, stride_dvh, stride_dvd,
+                     nheads_k, group, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
+                     softmax_scale,
+                     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
+                     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, EVEN_N: tl.constexpr,
+                     PRECISION: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    off_b = (pid_bh // nheads_k).to(tl.int64)
+    off_hk = (pid_bh % nheads_k).to(tl.int64)
+    start_n = pid_n * BLOCK_N
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+
+    k_ptrs = (K + off_b * stride_kb + off_hk * stride_kh
+              + offs_n[:, None] * stride_ks + offs_d[None, :] * stride_kd)
+    v_ptrs = (V + off_b * stride_vb + off_hk * stride_vh
+              + offs_n[:, None] * stride_vs + offs_dv[None, :] * stride_vd)
+    k_tile = load_tile(k_ptrs, offs_n, seqlen_k, offs_d, HEAD_DIM, not EVEN_N,
+                       HEAD_DIM != BLOCK_D)
+    v_tile = load_tile(v_ptrs, offs_n, seqlen_k, offs_dv, HEAD_DIM_V, not EVEN_N,
+                       HEAD_DIM_V != BLOCK_DV)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+
+    lo, mid_lo, mid_hi, hi = query_tile_ranges(start_n, seqlen_q, seqlen_k, window_left,
+                                               window_right, BLOCK_M, BLOCK_N, HAS_LEFT,
+                                               HAS_RIGHT)
+    for g in range(group):  # the query heads that share this kv head, in a fixed order
+        off_h = off_hk * group + g
+        q_base = Q + off_b * stride_qb + off_h * stride_qh
+        do_base = DO + off_b * stride_dob + off_h * stride_doh
+        lse_base = Lse + off_b * stride_lb + off_h * stride_lh
+        delta_base = Delta + off_b * stride_deltab + off_h * stride_deltah
+        dk, dv = _bwd_dkdv_tiles(dk, dv, k_tile, v_tile, q_base, do_base, lse_base, delta_base,
+                                 stride_qs, stride_qd, stride_dos, stride_dod, stride_ls,
+                                 stride_deltas, lo, mid_lo, offs_n, offs_d, offs_dv, seqlen_q,
+                                 seqlen_k, window_left, window_right, qk_scale, HEAD_DIM,
+                                 HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, True, HAS_LEFT,
+                                 HAS_RIGHT, PRECISION)
+        dk, dv = _bwd_dkdv_tiles(dk, dv, k_tile, v_tile, q_base, do_base, lse_base, delta_base,
+                                 stride_qs, stride_qd, stride_dos, stride_dod, stride_ls,
+                                 stride_deltas, mid_lo, mid_hi, offs_n, offs_d, offs_dv,
+                                 seqlen_q, seqlen_k, window_left, window_right, qk_scale,
+                                 HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, False,
+                                 HAS_LEFT, HAS_RIGHT, PRECISION)
+        dk, dv = _bwd_dkdv_tiles(dk, dv, k_tile, v_tile, q_base, do_base, lse_base, delta_base,
+                                 stride_qs, stride_qd, stride_dos, stride_dod, stride_ls,
+                                 stride_deltas, mid_hi, hi, offs_n, offs_d, offs_dv, seqlen_q,
+                                 seqlen_k, window_left, window_right, qk_scale, HEAD_DIM,
+                                 HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, True, HAS_LEFT,
+                                 HAS_RIGHT, PRECISION)
+
+    dk_ptrs = (DK + off_b * stride_dkb + off_hk * stride_dkh
+               + offs_n[:, None] * stride_dks + offs_d[None, :] * stride_dkd)
+    dv_ptrs = (DV + off_b * stride_dvb + off_hk * stride_dvh
+               + offs_n[:, None] * stride_dvs + offs_dv[None, :] * stride_dvd)
+    store_tile(dk_ptrs, (dk * softmax_scale).to(DK.dtype.element_ty), offs_n, seqlen_k, offs_d,
+               HEAD_DIM, not EVEN_N, HEAD_DIM != BLOCK_D)
+    store_tile(dv_ptrs, dv.to(DV.dtype.element_ty), offs_n, seqlen_k, offs_dv, HEAD_DIM_V,
+               not EVEN_N, HEAD_DIM_V != BLOCK_DV)
+
+
+@triton.jit
+def _bwd_dq_tiles(dq, q_tile, do_tile, lse2, delta, k_base, v_base, stride_ks, stride_kd,
+                  stride_vs, stride_vd, start, end, offs_m, offs_d, offs_dv, seqlen_q,
+                  seqlen_k, window_left, window_right, qk_scale,
+                  HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                  HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, PRECISION: tl.constexpr):
+    """Accumulate dQ of one query block over key tiles [start, end)."""
+    for start_n in tl.range(start, end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k_ptrs = k_base + offs_n[:, None] * stride_ks + offs_d[None, :] * stride_kd
+        k_tile = load_tile(k_ptrs, offs_n, seqlen_k, offs_d, HEAD_DIM, MASKED,
+                           HEAD_DIM != BLOCK_D)
+        v_ptrs = v_base + offs_n[:, None] * stride_vs + offs_dv[None, :] * stride_vd
+        v_tile = load_tile(v_ptrs, offs_n, seqlen_k, offs_dv, HEAD_DIM_V, MASKED,
+                           HEAD_DIM_V != BLOCK_DV)
+        # [BLOCK_M, BLOCK_N] = [BLOCK_M, BLOCK_D] @ [BLOCK_D, BLOCK_N]
+        s = tl.dot(q_tile, tl.trans(k_tile), input_precision=PRECISION) * qk_scale
+        p = tl.math.exp2(s - lse2[:, None])
+        if MASKED:
+            keep = visible(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, window_left,
+                           window_right, HAS_LEFT, HAS_RIGHT)
+            p = tl.where(keep, p, 0.0)
+        # [BLOCK_M, BLOCK_N] = [BLOCK_M, BLOCK_DV] @ [BLOCK_DV, BLOCK_N]
+        dp = tl.dot(do_tile, tl.trans(v_tile), input_precision=PRECISION)
+        ds = p * (dp - delta[:, None])
+        # [BLOCK_M, BLOCK_D] = [BLOCK_M, BLOCK_N] @ [BLOCK_N, BLOCK_D]
+        dq = tl.dot(ds.to(k_tile.dtype), k_tile, dq, input_precision=PRECISION)
+    return dq
+
+
+@triton.jit
+def _bwd_dq_kernel(Q, K, V, DO, Lse, Delta, DQ,
+                   stride_qb, stride_qs, stride_qh, stride_qd,
+                   stride_kb, stride_ks, stride_kh, stride_kd,
+                   stride_vb, stride_vs, stride_vh, stride_vd,
+                   stride_dob, stride_dos, stride_doh, stride_dod,
+                   stride_lb, stride_lh, stride_ls,
+                   stride_deltab, stride_deltah, stride_deltas,
+                   stride_dqb, stride_dqs, stride_dqh, stride_dqd,
+                   nheads, group, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
+                   softmax_scale,
+                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, EVEN_M: tl.constexpr,
+                   PRECISION: tl.constexpr):
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest tiles first, as forward
+    pid_bh = tl.program_id(1)
+    off_b = (pid_bh // nheads).to(tl.int64)
+    off_h = (pid_bh % nheads).to(tl.int64)
+    off_hk = off_h // group
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+
+    q_ptrs = (Q + off_b * stride_qb + off_h * stride_qh
+              + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd)
+    do_ptrs = (DO + off_b * stride_dob + off_h * stride_doh
+               + offs_m[:, None] * stride_dos + offs_dv[None, :] * stride_dod)
+    q_tile = load_tile(q_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, not EVEN_M,
+                       HEAD_DIM != BLOCK_D)
+    do_tile = load_tile(do_ptrs, offs_m, seqlen_q, offs_dv, HEAD_DIM_V, not EVEN_M,
+                        HEAD_DIM_V != BLOCK_DV)
+    lse2 = _load_lse2(Lse + off_b * stride_lb + off_h * stride_lh + offs_m * stride_ls, offs_m,
+                      seqlen_q)
+    delta = tl.load(Delta + off_b * stride_deltab + off_h * stride_deltah
+                    + offs_m * stride_deltas, mask=offs_m < seqlen_q, other=0.0)
+    k_base = K + off_b * stride_kb + off_hk * stride_kh
+    v_base = V + off_b * stride_vb + off_hk * stride_vh
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    lo, mid_lo, mid_hi, hi = key_tile_ranges(start_m, seqlen_q, seqlen_k, window_left,
+                                             window_right, BLOCK_M, BLOCK_N, HAS_LEFT,
+                                             HAS_RIGHT)
+    dq = _bwd_dq_tiles(dq, q_tile, do_tile, lse2, delta, k_base, v_base, stride_ks, stride_kd,
+                       stride_vs, stride_vd, lo, mid_lo, offs_m, offs_d, offs_dv, seqlen_q,
+                       seqlen_k, window_left, window_right, qk_scale, HEAD_DIM, HEAD_DIM_V,
+                       BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, PRECISION)
+    dq = _bwd_dq_tiles(dq, q_tile, do_tile, lse2, delta, k_base, v_base, stride_ks, stride_kd,
+                       stride_vs, stride_vd, mid_lo, mid_hi, offs_m, offs_d, offs_dv, seqlen_q,
+                       seqlen_k, window_left, window_right, qk_scale, HEAD_DIM, HEAD_DIM_V,
+                       BLOCK_D, BLOCK_DV, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, PRECISION)
+    dq = _bwd_dq_tiles(dq, q_tile, do_tile, lse2, delta, k_base, v_base, stride_ks, stride_kd,
+                       stride_vs, stride_vd, mid_hi, hi, offs_m, offs_d, offs_dv, seqlen_q,
+                       seqlen_k, window_left, window_right, qk_scale, HEAD_DIM, HEAD_DIM_V,
+                       BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, PRECISION)
+
+    dq_ptrs = (DQ + off_b * stride_dqb + off_h * stride_dqh
+               + offs_m[:, None] * stride_dqs + offs_d[None, :] * stride_dqd)
+    store_tile(dq_ptrs, (dq * softmax_scale).to(DQ.dtype.element_ty), offs_m, seqlen_q, offs_d,
+               HEAD_DIM, not EVEN_M, HEAD_DIM != BLOCK_D)
+
+
+def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       out: torch.Tensor, lse: torch.Tensor, params: AttentionParams,
+                       dq: torch.Tensor | None = None, dk: torch.Tensor | None = None,
+                       dv: torch.Tensor | None = None):
+    """Launch preprocess, dK/dV and dQ. Returns (dq, dk, dv); buffers may be preallocated."""
+    batch, seqlen_q, nheads, head_dim = q.shape
+    _, seqlen_k, nheads_k, head_dim_v = v.shape
+    group = nheads // nheads_k
+    dq = torch.empty_like(q) if dq is None else dq
+    dk = torch.empty_like(k) if dk is None else dk
+    dv = torch.empty_like(v) if dv is None else dv
+    delta = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
+    window_left, window_right, has_left, has_right = window_args(params)
+    block_d, block_dv = padded_head_dim(head_dim), padded_head_dim(head_dim_v)
+    d_max = max(head_dim, head_dim_v)
+    qk_scale = params.softmax_scale * LOG2E
+    dims = dict(HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv)
+    band = dict(HAS_LEFT=has_left, HAS_RIGHT=has_right, PRECISION=DOT_PRECISION)
+    common_strides = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lse.stride(),
+                      *delta.stride())
+
+    preprocess_block_m = 64
+    _bwd_preprocess_kernel[(triton.cdiv(seqlen_q, preprocess_block_m), batch * nheads)](
+        out, dout, delta, *out.stride(), *dout.stride(), *delta.stride(), nheads, seqlen_q,
+        HEAD_DIM_V=head_dim_v, BLOCK_DV=block_dv, BLOCK_M=preprocess_block_m)
+
+    block_m, block_n, num_warps, num_stages = tile_config("dkdv", d_max, interpreting())
+    _bwd_dkdv_kernel[(triton.cdiv(seqlen_k, block_n), batch * nheads_k)](
+        q, k, v, dout, lse, delta, dk, dv, *common_strides, *dk.stride(), *dv.stride(),
+        nheads_k, group, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
+        params.softmax_scale, **dims, BLOCK_M=block_m, BLOCK_N=block_n, **band,
+        EVEN_N=seqlen_k % block_n == 0, num_warps=num_warps, num_stages=num_stages)
+
+    block_m, block_n, num_warps, num_stages = tile_config("dq", d_max, interpreting())
+    _bwd_dq_kernel[(triton.cdiv(seqlen_q, block_m), batch * nheads)](
+        q, k, v, dout, lse, delta, dq, *common_strides, *dq.stride(),
+        nheads, group, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
+        params.softmax_scale, **dims, BLOCK_M=block_m, BLOCK_N=block_n, **band,
+        EVEN_M=seqlen_q % block_m == 0, num_warps=num_warps, num_stages=num_stages)
+    return dq, dk, dv

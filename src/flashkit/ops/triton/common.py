@@ -1,0 +1,163 @@
+"""Shared @triton.jit helpers: the mask predicate, the tile ranges, the online-softmax update.
+
+Notation (every kernel file of this backend uses it):
+    i, j          query row, key column (0-based, within one sequence)
+    shift         seqlen_k - seqlen_q: query i's diagonal is key column i + shift
+    band          key j is visible from query i iff
+                      i + shift - window_left <= j <= i + shift + window_right
+                  HAS_LEFT / HAS_RIGHT say whether each side is bounded (causal: right = 0)
+    s             scores in log2 units: s = (scale * log2(e)) * q . k, so exp(x) = exp2(x log2 e)
+    m, l          running row max and row sum of exp2(s - m) (online softmax)
+    lse           natural-log log-sum-exp as stored; lse2 = lse * log2(e) inside kernels
+    *_tile        a block of a tensor in registers; *_ptrs a block of pointers; offs_* index vectors
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+# Every tl.dot: fp32 inputs get IEEE fp32 products (exact to fp32, no tf32); bf16/fp16 dots
+# ignore the setting and accumulate in fp32.
+DOT_PRECISION = "ieee"
+
+
+def interpreting() -> bool:
+    """True under TRITON_INTERPRET=1 (the CPU interpreter): launchers pick the test tiles."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def window_args(params) -> tuple[int, int, bool, bool]:
+    """(window_left, window_right, HAS_LEFT, HAS_RIGHT) as the kernels take them."""
+    left, right = params.window_left, params.window_right
+    return (0 if left is None else left, 0 if right is None else right,
+            left is not None, right is not None)
+
+
+@triton.jit
+def visible(i, j, seqlen_q, seqlen_k, window_left, window_right,
+            HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """The mask predicate, once for every kernel: key j is in bounds and inside query i's band.
+
+    i and j broadcast against each other ([M, 1] and [1, N], or [1, M] and [N, 1]).
+    """
+    diag = i + (seqlen_k - seqlen_q)
+    keep = j < seqlen_k
+    if HAS_LEFT:
+        keep = keep & (j >= diag - window_left)
+    if HAS_RIGHT:
+        keep = keep & (j <= diag + window_right)
+    return keep
+
+
+@triton.jit
+def key_tile_ranges(start_m, seqlen_q, seqlen_k, window_left, window_right,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """Key tiles seen by query rows [start_m, start_m + BLOCK_M), in three consecutive pieces.
+
+    Returns (lo, mid_lo, mid_hi, hi), lo <= mid_lo <= mid_hi <= hi, each a multiple of BLOCK_N
+    or equal to hi: tiles starting in [lo, mid_lo) and [mid_hi, hi) need the mask; tiles in
+    [mid_lo, mid_hi) are in bounds and fully visible from every row of the block, so they skip
+    it (FA2's off-diagonal tiles). Negative intermediate values truncate to 0 under Triton's
+    C-style division, which the clamps make harmless.
+    """
+    shift = seqlen_k - seqlen_q
+    lo = 0
+    hi = seqlen_k
+    full_lo = 0
+    full_hi = seqlen_k
+    if HAS_LEFT:
+        lo = tl.maximum(start_m + shift - window_left, 0)
+        full_lo = start_m + BLOCK_M - 1 + shift - window_left
+    if HAS_RIGHT:
+        hi = tl.minimum(start_m + BLOCK_M + shift + window_right, seqlen_k)
+        full_hi = start_m + shift + window_right + 1
+    hi = tl.maximum(hi, 0)
+    lo = tl.minimum(lo, hi) // BLOCK_N * BLOCK_N
+    mid_lo = tl.minimum(tl.cdiv(tl.maximum(full_lo, lo), BLOCK_N) * BLOCK_N, hi)
+    mid_hi = tl.maximum(tl.minimum(full_hi, hi) // BLOCK_N * BLOCK_N, mid_lo)
+    return lo, mid_lo, mid_hi, hi
+
+
+@triton.jit
+def query_tile_ranges(start_n, seqlen_q, seqlen_k, window_left, window_right,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """Query tiles that see key columns [start_n, start_n + BLOCK_N), as key_tile_ranges.
+
+    Visible iff j - shift - right <= i <= j - shift + left; the unmasked middle holds the
+    row tiles in bounds that see every column of the block.
+    """
+    shift = seqlen_k - seqlen_q
+    lo = 0
+    hi = seqlen_q
+    full_lo = 0
+    full_hi = seqlen_q
+    if HAS_RIGHT:
+        lo = tl.maximum(start_n - shift - window_right, 0)
+        full_lo = start_n + BLOCK_N - 1 - shift - window_right
+    if HAS_LEFT:
+        hi = tl.minimum(start_n + BLOCK_N - shift + window_left, seqlen_q)
+        full_hi = start_n - shift + window_left + 1
+    hi = tl.maximum(hi, 0)
+    lo = tl.minimum(lo, hi) // BLOCK_M * BLOCK_M
+    mid_lo = tl.minimum(tl.cdiv(tl.maximum(full_lo, lo), BLOCK_M) * BLOCK_M, hi)
+    mid_hi = tl.maximum(tl.minimum(full_hi, hi) // BLOCK_M * BLOCK_M, mid_lo)
+    return lo, mid_lo, mid_hi, hi
+
+
+@triton.jit
+def online_softmax_update(m_i, l_i, s, MASKED: tl.constexpr):
+    """One step of the online softmax over a [BLOCK_M, BLOCK_N] score tile s (log2 units).
+
+    Returns (p, alpha, m_new, l_new): p = exp2(s - m_new) and alpha = exp2(m_i - m_new), the
+    factor that rescales what was accumulated before. With MASKED a row may have seen only -inf
+    so far; it then subtracts 0 instead of -inf so p = 0 and nothing becomes NaN.
+    """
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = m_new
+    if MASKED:
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_use[:, None])
+    alpha = tl.math.exp2(m_i - m_use)
+    l_new = l_i * alpha + tl.sum(p, 1)
+    return p, alpha, m_new, l_new
+
+
+@triton.jit
+def load_tile(ptrs, rows, n_rows, cols, n_cols, CHECK_ROWS: tl.constexpr,
+              CHECK_COLS: tl.constexpr):
+    """Load a [R, C] tile, masking rows >= n_rows and columns >= n_cols only where asked."""
+    if CHECK_ROWS:
+        if CHECK_COLS:
+            tile = tl.load(ptrs, mask=(rows[:, None] < n_rows) & (cols[None, :] < n_cols),
+                           other=0.0)
+        else:
+            tile = tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
+    else:
+        if CHECK_COLS:
+            tile = tl.load(ptrs, mask=cols[None, :] < n_cols, other=0.0)
+        else:
+            tile = tl.load(ptrs)
+    return tile
+
+
+@triton.jit
+def store_tile(ptrs, tile, rows, n_rows, cols, n_cols, CHECK_ROWS: tl.constexpr,
+               CHECK_COLS: tl.constexpr):
+    """Store a [R, C] tile with the same masking rule as load_tile."""
+    if CHECK_ROWS:
+        if CHECK_COLS:
+            tl.store(ptrs, tile, mask=(rows[:, None] < n_rows) & (cols[None, :] < n_cols))
+        else:
+            tl.store(ptrs, tile, mask=rows[:, None] < n_rows)
+    else:
+        if CHECK_COLS:
+            tl.store(ptrs, tile, mask=cols[None, :] < n_cols)
+        else:
+            tl.store(ptrs, tile)

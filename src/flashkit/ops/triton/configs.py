@@ -1,0 +1,60 @@
+"""Tile configurations of the Triton attention kernels, as data (importable without triton).
+
+One row per padded head dim (the head dim rounded up to a power of two, at least 16). Each
+entry is (BLOCK_M, BLOCK_N, num_warps, num_stages):
+    forward  one program per BLOCK_M query rows, looping over BLOCK_N key columns
+    dkdv     one program per BLOCK_N key columns, looping over BLOCK_M query rows
+    dq       one program per BLOCK_M query rows, looping over BLOCK_N key columns
+
+HOPPER: chosen on one H200 (torch 2.11, triton 3.6.0) by the config sweep of
+`benchmarks/bench_triton.py --sweep` (bf16, 16k tokens, nheads * headdim = 2048, seqlen 4096,
+causal and not): the fastest entry of the sweep's candidate list per head dim, see
+benchmarks/NOTES_triton.md and benchmarks/results/triton_sweep_*.json.
+
+INTERPRETER: small, unequal tiles so that CPU tests at seqlen ~50 cross several tiles in both
+directions and exercise every loop split (masked / unmasked / partial); speed is irrelevant there.
+"""
+
+from __future__ import annotations
+
+HOPPER = {
+    "forward": {
+        16: (128, 64, 4, 3),
+        32: (128, 64, 4, 3),
+        64: (128, 64, 4, 3),
+        128: (128, 64, 8, 3),
+        256: (64, 64, 4, 2),
+    },
+    "dkdv": {
+        16: (32, 128, 4, 3),
+        32: (32, 128, 4, 3),
+        64: (32, 128, 4, 3),
+        128: (32, 128, 8, 3),
+        256: (32, 64, 8, 2),
+    },
+    "dq": {
+        16: (128, 32, 4, 3),
+        32: (128, 32, 4, 3),
+        64: (128, 32, 4, 3),
+        128: (128, 32, 8, 3),
+        256: (64, 32, 8, 2),
+    },
+}
+
+INTERPRETER = {
+    "forward": (32, 16, 1, 1),
+    "dkdv": (16, 32, 1, 1),
+    "dq": (32, 16, 1, 1),
+}
+
+
+def padded_head_dim(d: int) -> int:
+    """The head dim the kernels compute with: the next power of two, at least 16 (tl.dot's minimum)."""
+    return max(16, 1 << (d - 1).bit_length())
+
+
+def tile_config(kernel: str, head_dim: int, interpreter: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for `kernel` at a (padded) head dim."""
+    if interpreter:
+        return INTERPRETER[kernel]
+    return HOPPER[kernel][padded_head_dim(head_dim)]
