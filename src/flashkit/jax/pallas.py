@@ -1,0 +1,264 @@
+"""FlashAttention as Pallas kernels (Triton lowering, NVIDIA GPUs), forward and backward.
+
+Three kernels, each one program per (batch, kv head, block), the tile math from `_tile`:
+    forward   a block of BM query rows walks the key blocks its band can see (online softmax),
+              writes out [BM, Dv] and lse [BM]
+    dK/dV     a block of BN keys walks the query blocks that can see it: dV += P^T dO, dK += dS^T Q
+    dQ        a block of BM query rows walks its key blocks again: dQ += dS K
+Only the blocks a causal/window band can reach are visited (`_block_range`); the mask is applied
+only when there is a band or padded keys.
+
+The host side pads rows and keys to whole blocks and head dims to powers of two >= 16 (what the
+Triton lowering needs), so kernels never read out of bounds; padded query rows get lse2 = +inf
+(P = 0 in the backward) and are sliced off. On a CPU backend the same kernels run in Pallas's
+interpreter (`interpret=True`), which is how CI tests them.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+import jax
+from flashkit.jax._checks import AttentionConfig
+from flashkit.jax._tile import (
+    grad_tile,
+    matmul,
+    scores,
+    softmax_finish,
+    softmax_init,
+    softmax_step,
+    visible,
+)
+from jax import lax
+
+__all__ = ["forward", "backward", "TILES"]
+
+# (block_q, block_k, num_warps, num_stages) per pass, keyed by the padded head dim it serves up
+# to. Backward: one (block_q, block_k) for both the dK/dV and the dQ kernel.
+# Chosen on the H200 by benchmarks/bench_jax.py's tile sweep (see benchmarks/results/jax_*.json).
+TILES = {
+    "fwd": {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 8, 2)},
+    "bwd": {64: (64, 64, 4, 2), 128: (64, 64, 8, 2), 256: (32, 32, 8, 1)},
+}
+
+
+def _pow2_at_least(n: int, floor: int = 16) -> int:
+    return max(floor, 1 << (n - 1).bit_length())
+
+
+def _tiles(cfg: AttentionConfig, which: str, rows: int, d: int):
+    """(block_q, block_k, compiler params): the table's entry, user overrides, clipped to size."""
+    key = min(k for k in TILES[which] if k >= d)
+    bq, bk, warps, stages = TILES[which][key]
+    bq = min(cfg.block_q or bq, _pow2_at_least(rows))
+    bk = min(cfg.block_k or bk, _pow2_at_least(cfg.seqlen_k))
+    return bq, bk, plgpu.CompilerParams(num_warps=warps, num_stages=stages)
+
+
+def _pad_to(x, axis: int, size: int, value=0.0):
+    if x.shape[axis] == size:
+        return x
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, pad, constant_values=value)
+
+
+def _round_up(n: int, block: int) -> int:
+    return -(-n // block) * block
+
+
+def _block_range(first, last, block: int, n_blocks: int):
+    """Blocks [lo, hi) of size `block` covering element indices first..last (int32 scalars that
+    may lie outside 0..n_blocks*block-1; an empty range gives hi <= lo)."""
+    size = n_blocks * block
+    lo = lax.div(jnp.clip(first, 0, size), block)
+    hi = lax.div(jnp.clip(last + 1, 0, size) + block - 1, block)
+    return lo, hi
+
+
+def _key_blocks(cfg: AttentionConfig, row0, bq: int, bk: int, nk: int):
+    """Key blocks [lo, hi) that query rows row0..row0+bq-1 can see."""
+    if not cfg.banded:
+        return 0, nk
+    if cfg.group == 1:
+        pos_lo, pos_hi = row0, row0 + bq - 1
+    else:  # the block may span query heads: any position
+        pos_lo, pos_hi = 0, cfg.seqlen_q - 1
+    first = pos_lo + cfg.shift - cfg.window_left if cfg.window_left is not None else 0
+    last = pos_hi + cfg.shift + cfg.window_right if cfg.window_right is not None else nk * bk
+    return _block_range(first, last, bk, nk)
+
+
+def _query_blocks(cfg: AttentionConfig, col0, bk: int, bq: int, nq: int):
+    """Query blocks [lo, hi) whose rows can see keys col0..col0+bk-1."""
+    if not cfg.banded or cfg.group > 1:
+        return 0, nq
+    first = col0 - cfg.shift - cfg.window_right if cfg.window_right is not None else 0
+    last = col0 + bk - 1 - cfg.shift + cfg.window_left if cfg.window_left is not None else nq * bq
+    return _block_range(first, last, bq, nq)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels. Refs are blocks of the padded arrays with (batch, kv head) squeezed away.
+
+
+def _forward_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, *, cfg, bq, bk, mask_cols):
+    i = pl.program_id(2)
+    nk = k_ref.shape[0] // bk
+    q = q_ref[...]  # [BQ, D]
+    rows = i * bq + jnp.arange(bq)
+
+    def step(j, state):
+        cols = j * bk + jnp.arange(bk)
+        k = k_ref[pl.ds(j * bk, bk), :]  # [BK, D]
+        s = scores(q, k, cfg, visible(rows, cols, cfg, mask_cols))  # [BQ, BK]
+        return softmax_step(state, s, v_ref[pl.ds(j * bk, bk), :])
+
+    lo, hi = _key_blocks(cfg, i * bq, bq, bk, nk)
+    state = lax.fori_loop(lo, hi, step, softmax_init(bq, out_ref.shape[1], jnp.float32))
+    out, lse = softmax_finish(state)
+    out_ref[...] = out.astype(out_ref.dtype)
+    lse_ref[...] = lse
+
+
+def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, dk_ref, dv_ref, *,
+                 cfg, bq, bk, mask_cols):
+    j = pl.program_id(2)
+    nq = q_ref.shape[0] // bq
+    k, v = k_ref[...], v_ref[...]  # [BK, D], [BK, Dv]
+    cols = j * bk + jnp.arange(bk)
+
+    def step(i, carry):
+        dk, dv = carry
+        rows = pl.ds(i * bq, bq)
+        q, do = q_ref[rows, :], do_ref[rows, :]  # [BQ, D], [BQ, Dv]
+        p, ds = grad_tile(q, k, v, do, lse2_ref[rows], delta_ref[rows], cfg,
+                          visible(i * bq + jnp.arange(bq), cols, cfg, mask_cols))
+        dv = dv + matmul(p.astype(do.dtype), do, trans_a=True)  # [BK, Dv] = [BK, BQ] @ [BQ, Dv]
+        dk = dk + matmul(ds.astype(q.dtype), q, trans_a=True)  # [BK, D] = [BK, BQ] @ [BQ, D]
+        return dk, dv
+
+    lo, hi = _query_blocks(cfg, j * bk, bk, bq, nq)
+    zeros = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+    dk, dv = lax.fori_loop(lo, hi, step, zeros)
+    dk_ref[...] = dk.astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, dq_ref, *,
+               cfg, bq, bk, mask_cols):
+    i = pl.program_id(2)
+    nk = k_ref.shape[0] // bk
+    q, do = q_ref[...], do_ref[...]  # [BQ, D], [BQ, Dv]
+    lse2, delta = lse2_ref[...], delta_ref[...]  # [BQ]
+    rows = i * bq + jnp.arange(bq)
+
+    def step(j, dq):
+        cols = pl.ds(j * bk, bk)
+        k = k_ref[cols, :]  # [BK, D]
+        _, ds = grad_tile(q, k, v_ref[cols, :], do, lse2, delta, cfg,
+                          visible(rows, j * bk + jnp.arange(bk), cfg, mask_cols))
+        return dq + matmul(ds.astype(k.dtype), k)  # [BQ, D] = [BQ, BK] @ [BK, D]
+
+    lo, hi = _key_blocks(cfg, i * bq, bq, bk, nk)
+    dq = lax.fori_loop(lo, hi, step, jnp.zeros(q.shape, jnp.float32))
+    dq_ref[...] = dq.astype(dq_ref.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side: padding, grids and block specs.
+
+
+def _spec(block_rows, width=None):
+    """BlockSpec over (batch, kv head, rows[, width]) arrays: block (block_rows[, width]) at the
+    grid's (b, h, program 2) when block_rows is an int, else the whole extent (block_rows=(n,))."""
+    whole = isinstance(block_rows, tuple)
+    rows = block_rows[0] if whole else block_rows
+    shape = (None, None, rows) + (() if width is None else (width,))
+
+    def index(b, h, n):
+        return (b, h, 0 if whole else n) + (() if width is None else (0,))
+
+    return pl.BlockSpec(shape, index)
+
+
+def _padded(q, k, v, cfg, bq, bk):
+    """Pad rows/keys to whole blocks (of both passes) and head dims to powers of two."""
+    d, dv = _pow2_at_least(q.shape[3]), _pow2_at_least(v.shape[3])
+    rows, keys = _round_up(q.shape[2], bq), _round_up(cfg.seqlen_k, bk)
+    q = _pad_to(_pad_to(q, 2, rows), 3, d)
+    k = _pad_to(_pad_to(k, 2, keys), 3, d)
+    v = _pad_to(_pad_to(v, 2, keys), 3, dv)
+    return q, k, v
+
+
+def _check_backend(cfg: AttentionConfig):
+    if not cfg.interpret and jax.default_backend() != "gpu":
+        raise NotImplementedError(
+            f"implementation='pallas' compiles for NVIDIA GPUs (Triton lowering); on "
+            f"{jax.default_backend()!r} pass interpret=True or use implementation='xla'")
+
+
+def forward(q, k, v, cfg: AttentionConfig):
+    """q [B, Hk, R, D], k [B, Hk, Sk, D], v [B, Hk, Sk, Dv]
+    -> (out [B, Hk, R, Dv], lse [B, Hk, R]).
+    """
+    _check_backend(cfg)
+    batch, heads, rows, _ = q.shape
+    bq, bk, params = _tiles(cfg, "fwd", rows, _pow2_at_least(q.shape[3]))
+    qp, kp, vp = _padded(q, k, v, cfg, bq, bk)
+    nq, keys, dv = qp.shape[2] // bq, kp.shape[2], vp.shape[3]
+    kernel = functools.partial(_forward_kernel, cfg=cfg, bq=bq, bk=bk,
+                               mask_cols=keys != cfg.seqlen_k)
+    out, lse = pl.pallas_call(
+        kernel,
+        grid=(batch, heads, nq),
+        in_specs=[_spec(bq, qp.shape[3]), _spec((keys,), kp.shape[3]), _spec((keys,), dv)],
+        out_specs=[_spec(bq, dv), _spec(bq)],
+        out_shape=[jax.ShapeDtypeStruct((batch, heads, qp.shape[2], dv), q.dtype),
+                   jax.ShapeDtypeStruct((batch, heads, qp.shape[2]), jnp.float32)],
+        compiler_params=params, interpret=cfg.interpret, name="flashkit_attention_fwd",
+    )(qp, kp, vp)
+    return out[:, :, :rows, :v.shape[3]], lse[:, :, :rows]
+
+
+def backward(q, k, v, dout, lse2, delta, cfg: AttentionConfig):
+    """(dq, dk, dv) in the input layout; lse2/delta [B, Hk, R] from `_tile.backward_rows`."""
+    _check_backend(cfg)
+    batch, heads, rows, _ = q.shape
+    bq, bk, params = _tiles(cfg, "bwd", rows, _pow2_at_least(q.shape[3]))
+    qp, kp, vp = _padded(q, k, v, cfg, bq, bk)
+    nq, nk = qp.shape[2] // bq, kp.shape[2] // bk
+    d, dv, rows_p, keys = qp.shape[3], vp.shape[3], qp.shape[2], kp.shape[2]
+    dop = _pad_to(_pad_to(dout, 2, rows_p), 3, dv)
+    lse2p = _pad_to(lse2.astype(jnp.float32), 2, rows_p, jnp.inf)
+    deltap = _pad_to(delta.astype(jnp.float32), 2, rows_p)
+    args = (qp, kp, vp, dop, lse2p, deltap)
+    statics = dict(cfg=cfg, bq=bq, bk=bk, mask_cols=keys != cfg.seqlen_k)
+
+    whole_q = [_spec((rows_p,), d), _spec((keys,), d), _spec((keys,), dv), _spec((rows_p,), dv),
+               _spec((rows_p,)), _spec((rows_p,))]
+    dk, dv_ = pl.pallas_call(
+        functools.partial(_dkdv_kernel, **statics),
+        grid=(batch, heads, nk),
+        in_specs=[whole_q[0], _spec(bk, d), _spec(bk, dv), *whole_q[3:]],
+        out_specs=[_spec(bk, d), _spec(bk, dv)],
+        out_shape=[jax.ShapeDtypeStruct(kp.shape, k.dtype),
+                   jax.ShapeDtypeStruct(vp.shape, v.dtype)],
+        compiler_params=params, interpret=cfg.interpret, name="flashkit_attention_dkdv",
+    )(*args)
+    dq = pl.pallas_call(
+        functools.partial(_dq_kernel, **statics),
+        grid=(batch, heads, nq),
+        in_specs=[_spec(bq, d), whole_q[1], whole_q[2], _spec(bq, dv), _spec(bq), _spec(bq)],
+        out_specs=_spec(bq, d),
+        out_shape=jax.ShapeDtypeStruct(qp.shape, q.dtype),
+        compiler_params=params, interpret=cfg.interpret, name="flashkit_attention_dq",
+    )(*args)
+    sk = cfg.seqlen_k
+    return (dq[:, :, :rows, :q.shape[3]], dk[:, :, :sk, :k.shape[3]],
+            dv_[:, :, :sk, :v.shape[3]])
