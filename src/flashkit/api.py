@@ -117,11 +117,11 @@ def _params(q, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slo
         softmax_scale=checks.softmax_scale(softmax_scale, q.shape[-1]),
         window_left=window_left, window_right=window_right, softcap=checks.softcap(softcap),
         alibi_slopes=alibi_slopes, sink=sink, dropout_p=dropout_p,
-        dropout_seed=_draw_seed() if dropout_p > 0 else 0,
+        dropout_seed=draw_dropout_seed() if dropout_p > 0 else 0,
         deterministic=bool(deterministic), **varlen)
 
 
-def _draw_seed() -> int:
+def draw_dropout_seed() -> int:
     """A dropout seed from torch's default generator, so torch.manual_seed reproduces a call."""
     return int(torch.randint(0, 2**62, (), device="cpu"))
 

@@ -13,7 +13,7 @@ import math
 import torch
 
 from flashkit import checks
-from flashkit.api import _draw_seed, _run
+from flashkit.api import draw_dropout_seed, _run
 from flashkit.ops.params import AttentionParams
 
 __all__ = ["scaled_dot_product_attention"]
@@ -50,7 +50,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         softmax_scale=checks.softmax_scale(scale, query.shape[-1]),
         window_right=seqlen_q - seqlen_k if is_causal else None,  # top-left: j <= i
         attn_bias=_bias(attn_mask, batch, nheads, seqlen_q, seqlen_k, query.device),
-        dropout_p=dropout_p, dropout_seed=_draw_seed() if dropout_p > 0 else 0)
+        dropout_p=dropout_p, dropout_seed=draw_dropout_seed() if dropout_p > 0 else 0)
     out = _run(*(t.transpose(1, 2) for t in (query, key, value)), params, backend, False)
     out = out.transpose(1, 2)  # (batch, nheads, L, Ev)
     return out.squeeze(0) if squeeze else out

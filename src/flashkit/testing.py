@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["assert_close_to_oracle", "max_error", "poison"]
+__all__ = ["assert_close_to_oracle", "max_error", "poison", "dropout_keep_mask"]
 
 
 def max_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -50,3 +50,21 @@ def assert_close_to_oracle(name: str, actual: torch.Tensor, oracle: torch.Tensor
 def poison(t: torch.Tensor) -> torch.Tensor:
     """Fill with NaN (floats) so any element a kernel forgets to write fails the comparison."""
     return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-1)
+
+
+def dropout_keep_mask(seed: int, batch: int, nheads: int, seqlen_q: int, seqlen_k: int,
+                      dropout_p: float, backend: str = "torch") -> torch.Tensor:
+    """The keep-mask (batch, nheads, seqlen_q, seqlen_k) a backend used for a dropout call.
+
+    The seed is the one the call drew from torch's default generator: after
+    `torch.manual_seed(s)`, `flashkit.api.draw_dropout_seed()` returns it. For varlen, pass the
+    number of sequences and the max lengths; sequence b uses mask[b, :, :len_q, :len_k].
+    Pass the mask to `flashkit.reference.attention(..., dropout_mask=mask)`.
+    """
+    if backend != "torch":
+        raise NotImplementedError(f"dropout_keep_mask: backend {backend!r} is not supported")
+    from flashkit.ops.tiled.dropout import keep_mask
+
+    return keep_mask(seed, torch.arange(batch).view(-1, 1, 1, 1),
+                     torch.arange(nheads).view(1, -1, 1, 1), torch.arange(seqlen_q).view(-1, 1),
+                     torch.arange(seqlen_k).view(1, -1), dropout_p)

@@ -13,7 +13,7 @@ import math
 import torch
 
 from flashkit.ops.params import AttentionParams
-from flashkit.ops.tiled import layout, tile
+from flashkit.ops.tiled import dropout, layout, tile
 from flashkit.ops.tiled.forward import BLOCK_M, BLOCK_N, accumulation_dtype
 
 
@@ -29,7 +29,8 @@ def backward(dout, q, k, v, out, lse, params: AttentionParams, dlse=None,
         grads = backward_dense(dout[None, sq], q[None, sq], k[None, sk], v[None, sk],
                                out[None, sq], lse[None, :, sq], params,
                                layout.sequence_slopes(params, b),
-                               None if dlse is None else dlse[None, :, sq], block_m, block_n)
+                               None if dlse is None else dlse[None, :, sq], block_m, block_n,
+                               batch0=b)
         dq[sq], dk[sk], dv[sk] = grads[0][0], grads[1][0], grads[2][0]
         if dsink is not None:
             dsink += grads[3]
@@ -37,7 +38,8 @@ def backward(dout, q, k, v, out, lse, params: AttentionParams, dlse=None,
 
 
 def backward_dense(dout, q, k, v, out, lse, params: AttentionParams, alibi_slopes, dlse=None,
-                   block_m=BLOCK_M, block_n=BLOCK_N):
+                   block_m=BLOCK_M, block_n=BLOCK_N, batch0=0):
+    """One dense batch; batch0 is the index of its first sequence (for the dropout mask)."""
     seqlen_q, nheads = q.shape[1], q.shape[2]
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     shift = seqlen_k - seqlen_q
@@ -71,9 +73,15 @@ def backward_dense(dout, q, k, v, out, lse, params: AttentionParams, alibi_slope
             q_t, do_t = q_g[..., i0:i1, :].to(acc_dtype), do_g[..., i0:i1, :].to(acc_dtype)
             s, tanh = tile.scores(q_t, k_t, i0, i1, j0, j1, shift, params, slopes, bias)
             p = torch.exp(s - lse_safe[..., i0:i1, None])  # (b, hk, g, BM, BN)
+            # Dropout: out = (P * Z) @ V with Z = keep / (1 - p), so dV sees P * Z and dP gains Z.
+            drop = dropout.tile_scale(params, batch0, p.shape[:3], i0, i1, j0, j1, acc_dtype,
+                                      q.device)
+            p_kept = p if drop is None else p * drop
             # The group's query heads all read this kv head: their contributions add up.
-            dv_t += (p.transpose(-1, -2) @ do_t).sum(2, keepdim=True)  # [BN, dv] = [BN, BM] @ [BM, dv]
+            dv_t += (p_kept.transpose(-1, -2) @ do_t).sum(2, keepdim=True)  # [BN, BM] @ [BM, dv]
             dp = do_t @ v_t.transpose(-1, -2)  # [BM, BN] = [BM, dv] @ [dv, BN]
+            if drop is not None:
+                dp = dp * drop
             ds = p * (dp - delta[..., i0:i1, None])
             if tanh is not None:
                 ds = ds * (1 - tanh * tanh)  # d(cap * tanh(x / cap))/dx

@@ -11,7 +11,7 @@ import math
 import torch
 
 from flashkit.ops.params import AttentionParams
-from flashkit.ops.tiled import layout, tile
+from flashkit.ops.tiled import dropout, layout, tile
 
 BLOCK_M = 128
 BLOCK_N = 128
@@ -24,21 +24,21 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def forward(q, k, v, params: AttentionParams, block_m: int = BLOCK_M, block_n: int = BLOCK_N):
     """(out, lse) for dense or varlen inputs; see flashkit.ops.params for the layouts."""
-    if params.dropout_p > 0:
-        raise NotImplementedError("torch backend: dropout is not supported yet")
     if not params.is_varlen:
         return forward_dense(q, k, v, params, params.alibi_slopes, block_m, block_n)
     out = q.new_empty(*q.shape[:-1], v.shape[-1])
     lse = torch.empty(q.shape[1], q.shape[0], dtype=accumulation_dtype(q.dtype), device=q.device)
     for b, sq, sk in layout.sequences(params):
         out_b, lse_b = forward_dense(q[None, sq], k[None, sk], v[None, sk], params,
-                                     layout.sequence_slopes(params, b), block_m, block_n)
+                                     layout.sequence_slopes(params, b), block_m, block_n,
+                                     batch0=b)
         out[sq], lse[:, sq] = out_b[0], lse_b[0]
     return out, lse
 
 
 def forward_dense(q, k, v, params: AttentionParams, alibi_slopes, block_m=BLOCK_M,
-                  block_n=BLOCK_N):
+                  block_n=BLOCK_N, batch0=0):
+    """One dense batch; batch0 is the index of its first sequence (for the dropout mask)."""
     batch, seqlen_q, nheads, _ = q.shape
     seqlen_k, nheads_k, head_dim_v = k.shape[1], k.shape[2], v.shape[-1]
     shift = seqlen_k - seqlen_q
@@ -74,7 +74,9 @@ def forward_dense(q, k, v, params: AttentionParams, alibi_slopes, block_m=BLOCK_
             j1 = min(j0 + block_n, hi)
             s, _ = tile.scores(q_t, k_g[..., j0:j1, :].to(acc_dtype), i0, i1, j0, j1, shift,
                                params, slopes, bias)
-            m, l, acc = tile.online_update(m, l, acc, s, v_g[..., j0:j1, :].to(acc_dtype))
+            drop = dropout.tile_scale(params, batch0, state_shape, i0, i1, j0, j1, acc_dtype,
+                                      q.device)
+            m, l, acc = tile.online_update(m, l, acc, s, v_g[..., j0:j1, :].to(acc_dtype), drop)
 
         out_t, lse_t = tile.finalize(m, l, acc)
         out_g[..., i0:i1, :] = out_t.to(out.dtype)

@@ -8,21 +8,21 @@ import math
 import torch
 
 from flashkit.ops.params import AttentionParams
-from flashkit.ops.tiled import layout, tile
+from flashkit.ops.tiled import dropout, layout, tile
 from flashkit.ops.tiled.forward import BLOCK_M, BLOCK_N, accumulation_dtype
 
 
 def attention_probs(q, k, v, lse, params: AttentionParams):
-    """exp(s - lse) per tile: (batch, nheads, seqlen_q, seqlen_k) in float32 (float64 for
-    float64 inputs); for varlen, a list with one (nheads, seqlen_q, seqlen_k) per sequence."""
+    """exp(s - lse) per tile, times keep / (1 - p) under dropout: (batch, nheads, seqlen_q,
+    seqlen_k) in float32 (float64 for float64 inputs); varlen: a list of (nheads, sq, sk)."""
     if not params.is_varlen:
         return _dense_probs(q, k, lse, params, params.alibi_slopes)
     return [_dense_probs(q[None, sq], k[None, sk], lse[None, :, sq], params,
-                         layout.sequence_slopes(params, b))[0]
+                         layout.sequence_slopes(params, b), batch0=b)[0]
             for b, sq, sk in layout.sequences(params)]
 
 
-def _dense_probs(q, k, lse, params: AttentionParams, alibi_slopes):
+def _dense_probs(q, k, lse, params: AttentionParams, alibi_slopes, batch0=0):
     batch, seqlen_q, nheads, _ = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     shift = seqlen_k - seqlen_q
@@ -42,5 +42,8 @@ def _dense_probs(q, k, lse, params: AttentionParams, alibi_slopes):
             j1 = min(j0 + BLOCK_N, hi)
             s, _ = tile.scores(q_g[..., i0:i1, :].to(acc_dtype), k_g[..., j0:j1, :].to(acc_dtype),
                                i0, i1, j0, j1, shift, params, slopes, bias)
-            probs_g[..., i0:i1, j0:j1] = torch.exp(s - lse_safe[..., i0:i1, None])
+            p = torch.exp(s - lse_safe[..., i0:i1, None])
+            drop = dropout.tile_scale(params, batch0, p.shape[:3], i0, i1, j0, j1, acc_dtype,
+                                      q.device)
+            probs_g[..., i0:i1, j0:j1] = p if drop is None else p * drop
     return probs

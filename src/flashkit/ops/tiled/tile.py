@@ -74,18 +74,22 @@ def scores(q_t, k_t, i0, i1, j0, j1, shift, params: AttentionParams, slopes, bia
     return s, tanh
 
 
-def online_update(m, l, acc, s, v_t):
+def online_update(m, l, acc, s, v_t, dropout=None):
     """Fold one tile of scores into the running (max, sum, output) state of each row.
 
-    m, l (b, hk, g, BM); acc (b, hk, g, BM, dv); s (b, hk, g, BM, BN); v_t (b, hk, 1, BN, dv).
-    The old state is rescaled by exp(m_old - m_new) so every term shares the newest max.
-    A row that has seen only -inf keeps m = -inf; exp is then taken against 0, giving 0, not NaN.
+    m, l (b, hk, g, BM); acc (b, hk, g, BM, dv); s (b, hk, g, BM, BN); v_t (b, hk, 1, BN, dv);
+    dropout: keep / (1 - p) like s, or None. The old state is rescaled by exp(m_old - m_new) so
+    every term shares the newest max. l sums the probabilities before dropout (lse is the
+    pre-dropout log-sum-exp); only the output sees the dropped ones. A row that has seen only
+    -inf keeps m = -inf; exp is then taken against 0, giving 0, not NaN.
     """
     m_new = torch.maximum(m, s.amax(-1))
     m_safe = torch.where(m_new == -math.inf, torch.zeros_like(m_new), m_new)
     p = torch.exp(s - m_safe[..., None])
     alpha = torch.exp(m - m_safe)
     l = l * alpha + p.sum(-1)
+    if dropout is not None:
+        p = p * dropout
     acc = acc * alpha[..., None] + p @ v_t  # [BM, dv] = [BM, BN] @ [BN, dv]
     return m_new, l, acc
 
