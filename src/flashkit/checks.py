@@ -74,7 +74,7 @@ def softcap(cap) -> float:
 
 
 def window_size(window, causal) -> tuple[int | None, int | None]:
-    """flash-attn's (left, right) with -1 = unbounded -> the backends' (left, right), None = unbounded."""
+    """flash-attn's (left, right), -1 = unbounded -> the backends' pair, None = unbounded."""
     if (not isinstance(window, (tuple, list)) or len(window) != 2
             or not all(isinstance(w, numbers.Integral) for w in window)):
         raise ValueError(f"window_size: expected a pair of ints (left, right), got {window!r}")

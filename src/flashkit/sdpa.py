@@ -13,7 +13,7 @@ import math
 import torch
 
 from flashkit import checks
-from flashkit.api import draw_dropout_seed, _run
+from flashkit.api import _run, draw_dropout_seed
 from flashkit.ops.params import AttentionParams
 
 __all__ = ["scaled_dot_product_attention"]

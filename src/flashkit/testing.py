@@ -28,7 +28,7 @@ def max_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 def assert_close_to_oracle(name: str, actual: torch.Tensor, oracle: torch.Tensor,
                            baseline: torch.Tensor, atol: float = 1e-5) -> None:
-    """Assert the DESIGN section 5 rule; the message names the tensor, the ratio and the worst spot."""
+    """Assert the DESIGN section 5 rule; the message names the tensor, ratio and worst spot."""
     if actual.shape != oracle.shape:
         raise AssertionError(f"{name}: shape {tuple(actual.shape)} != oracle "
                              f"{tuple(oracle.shape)}")

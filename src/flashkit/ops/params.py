@@ -6,8 +6,9 @@ A backend is a module with two functions of the same shape:
     backward(dout, q, k, v, out, lse, params)  -> (dq, dk, dv, dsink)
 
 Layouts (flash-attn): dense q (batch, seqlen_q, nheads, d), k/v (batch, seqlen_k, nheads_k, d[_v]),
-out like q with d_v, lse (batch, nheads, seqlen_q) float32 (float64 for float64 inputs). Varlen (params.cu_seqlens_q is set):
-q (total_q, nheads, d), k/v (total_k, nheads_k, d), lse (nheads, total_q). dsink is None when
+out like q with d_v, lse (batch, nheads, seqlen_q) float32 (float64 for float64 inputs).
+Varlen (params.cu_seqlens_q is set): q (total_q, nheads, d), k/v (total_k, nheads_k, d), lse
+(nheads, total_q). dsink is None when
 there is no sink.
 
 The visible band is given relative to the bottom-right aligned diagonal (DESIGN section 1): with
