@@ -1,0 +1,34 @@
+"""`flashkit learn <topic>`: print a worked example of one seed algorithm."""
+
+from __future__ import annotations
+
+import argparse
+
+from flashkit.algorithms import lessons
+
+TOPICS = {
+    "softmax": lessons.softmax,
+    "merge": lessons.merge_states,
+    "loop-orders": lessons.loop_orders,
+    "welford": lessons.welford_variance,
+}
+
+
+def register(subparsers) -> None:
+    """Add the `learn` subcommand to the `flashkit` parser's subparsers."""
+    parser = subparsers.add_parser(
+        "learn", help="print worked examples of the algorithms behind FlashAttention",
+        description="Print a worked example of one seed algorithm.\n\n" + "\n".join(
+            f"  {name:<12} {lesson.__doc__.splitlines()[0]}" for name, lesson in TOPICS.items()),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("topic", choices=[*TOPICS, "all"], help="which example to print")
+    parser.set_defaults(func=_learn)
+
+
+def _learn(args: argparse.Namespace) -> int:
+    names = list(TOPICS) if args.topic == "all" else [args.topic]
+    for n, name in enumerate(names):
+        if n:
+            print("\n" + "-" * 100 + "\n")
+        TOPICS[name]()
+    return 0
