@@ -28,6 +28,9 @@ sum so far measured against the running max m_i; when the max grows, the old sum
 The rescale factor e^{m_{i-1} - m_i} has an exponent <= 0, so it is <= 1 and cannot overflow
 (e^{m_{i-1}} / e^{m_i} is the same number on paper and overflows in practice). Starting from
 m_0 = -inf, d_0 = 0 makes the first step give m_1 = x_1, d_1 = 1 with no special case.
+
+The inputs here are finite numbers. Masked scores (-inf) are the business of the tensor state in
+`merge.py`, which takes exponents relative to 0 for a row that has seen nothing but -inf.
 """
 
 from __future__ import annotations
