@@ -1,0 +1,34 @@
+"""flashkit.sim: the machines FlashAttention was designed for, executable and counted.
+
+* :mod:`~flashkit.sim.machine`, :mod:`~flashkit.sim.programs` -- the toy register machine of
+  seed 002 and its programs (matmul by inner and outer product, safe and online softmax, online
+  attention): cycles, DRAM reads and writes, the register table after every step.
+
+Every part prints its tables through ``flashkit simulate ...`` (see :mod:`flashkit.sim.cli`).
+"""
+
+from flashkit.sim.machine import (
+    Instruction,
+    MachineError,
+    Program,
+    RegisterMachine,
+    Run,
+    assemble,
+    op,
+    run,
+)
+from flashkit.sim.programs import (
+    dot_product_c00,
+    example_program,
+    matmul_inner_product,
+    matmul_outer_product,
+    online_attention,
+    online_softmax,
+    safe_softmax,
+)
+
+__all__ = [
+    "Instruction", "MachineError", "Program", "RegisterMachine", "Run", "assemble", "op", "run",
+    "dot_product_c00", "example_program", "matmul_inner_product", "matmul_outer_product",
+    "online_attention", "online_softmax", "safe_softmax",
+]

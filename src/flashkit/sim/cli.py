@@ -1,0 +1,91 @@
+"""``flashkit simulate ...``: run the machines of the seed documents and print their tables.
+
+The lead's ``flashkit/cli.py`` calls :func:`register`; each machine is one sub-subcommand whose
+handler returns an exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+__all__ = ["register"]
+
+_DESCRIPTION = """\
+Simulate the machines FlashAttention was designed for, and print what they count.
+
+  machine      the toy register machine (seed 002): register table after every step,
+               cycles, DRAM reads and writes; without --program, the seed's cost tables
+"""
+
+_MACHINE_EPILOG = """\
+examples:
+  flashkit simulate machine                       # inner vs outer product, softmax passes
+  flashkit simulate machine --program c00         # the seed's 7-step trace
+  flashkit simulate machine --program matmul-outer --n 2
+  flashkit simulate machine --program online-softmax --n 4 --values
+  flashkit simulate machine --program online-attention --n 3 --d 2
+"""
+
+
+def _print_help(parser: argparse.ArgumentParser):
+    def handler(args: argparse.Namespace) -> int:
+        parser.print_help()
+        return 0
+    return handler
+
+
+def _machine(args: argparse.Namespace) -> int:
+    from flashkit.sim.machine import run
+    from flashkit.sim.machine_tables import cost_tables, format_counts, format_trace
+    from flashkit.sim.programs import example_program
+
+    if args.program is None:
+        print(cost_tables(n=args.n, softmax_n=args.n if args.n > 2 else 8))
+        return 0
+    program = example_program(args.program, n=args.n, d=args.d, seed=args.seed)
+    result = run(program)
+    print(f"{program.name}: {program.description} ({program.num_registers} registers)\n")
+    print(format_trace(result, values=args.values))
+    print()
+    print(format_counts(result))
+    for name in program.outputs:
+        print(f"\n{name} =\n{result.output(name)}")
+    return 0
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _add_machine(machines) -> None:
+    from flashkit.sim.programs import PROGRAM_NAMES
+
+    parser = machines.add_parser(
+        "machine", help="the toy register machine of seed 002",
+        description="Run a program on the toy register machine: LOAD/STORE move one value "
+                    "between DRAM and a register, every instruction is one cycle.",
+        epilog=_MACHINE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--program", choices=PROGRAM_NAMES,
+                        help="program to run; leave out for the seed's cost comparison tables")
+    parser.add_argument("--n", type=_positive, default=2,
+                        help="size: n x n matmul, length-n softmax, n queries and keys "
+                             "(default 2)")
+    parser.add_argument("--d", type=_positive, default=1,
+                        help="head dimension for online-attention (default 1)")
+    parser.add_argument("--seed", type=int, default=0, help="random inputs' seed (default 0)")
+    parser.add_argument("--values", action="store_true",
+                        help="show the numbers in the registers instead of the seed's names")
+    parser.set_defaults(func=_machine)
+
+
+def register(subparsers) -> None:
+    """Add the ``simulate`` command, with one sub-subcommand per machine, to ``subparsers``."""
+    parser = subparsers.add_parser(
+        "simulate", help="register machine, loop orders, systolic array, TPU, HBM IO model",
+        description=_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    machines = parser.add_subparsers(title="machines", metavar="MACHINE")
+    _add_machine(machines)
+    parser.set_defaults(func=_print_help(parser))

@@ -1,0 +1,48 @@
+"""``flashkit simulate ...`` through our own argparse parser (the lead wires register() in)."""
+
+import argparse
+
+import pytest
+
+from flashkit.sim.cli import register
+
+
+def _parser():
+    parser = argparse.ArgumentParser(prog="flashkit")
+    register(parser.add_subparsers())
+    return parser
+
+
+def _run(capsys, *argv):
+    args = _parser().parse_args(["simulate", *argv])
+    assert args.func(args) == 0
+    return capsys.readouterr().out
+
+
+def test_simulate_alone_prints_help(capsys):
+    assert "machine" in _run(capsys)
+
+
+def test_machine_cost_tables(capsys):
+    out = _run(capsys, "machine")
+    assert "Inner product" in out and "25" in out and "22" in out
+
+
+def test_machine_program_trace(capsys):
+    out = _run(capsys, "machine", "--program", "c00")
+    assert "MAC R0, R1, R2, R2" in out and "c00" in out
+    assert "total         7           4            1" in out
+
+
+def test_machine_values_and_attention(capsys):
+    out = _run(capsys, "machine", "--program", "online-attention", "--n", "2", "--d", "2",
+               "--values")
+    assert "[query 1]" in out and "o =" in out
+
+
+def test_machine_rejects_bad_arguments(capsys):
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["simulate", "machine", "--n", "0"])
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["simulate", "machine", "--program", "sort"])
+    assert "--n" in capsys.readouterr().err
