@@ -28,7 +28,7 @@ def oracle(q, k, v, **kw):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seqlen_q,seqlen_k",
                          [(1, 1), (3, 17), (17, 3), (113, 203), (203, 113), (64, 64)])
-@pytest.mark.parametrize("block_q,block_k", [(16, 32), (7, 5), (64, 256)])
+@pytest.mark.parametrize("block_q,block_k", [(16, 32), (7, 5)])  # ragged; bigger than seqlen
 def test_matches_reference(forward, causal, seqlen_q, seqlen_k, block_q, block_k):
     q, k, v = inputs((2, 3), seqlen_q, seqlen_k, seed=seqlen_q * 1000 + seqlen_k)
     res = forward(q, k, v, causal=causal, block_q=block_q, block_k=block_k)
