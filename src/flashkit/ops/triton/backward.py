@@ -25,6 +25,7 @@ from flashkit.ops.params import AttentionParams
 from flashkit.ops.triton.common import (
     DOT_PRECISION,
     LOG2E,
+    LOG2E_JIT,
     interpreting,
     key_tile_ranges,
     load_tile,
@@ -67,7 +68,7 @@ def _load_lse2(lse_ptrs, offs_m, seqlen_q):
     """lse in log2 units; a row that saw no key (lse = -inf) and rows past seqlen_q read +inf,
     so P = exp2(s - lse2) = 0 for them."""
     lse = tl.load(lse_ptrs, mask=offs_m < seqlen_q, other=float("-inf"))
-    return tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    return tl.where(lse == float("-inf"), float("inf"), lse * LOG2E_JIT)
 
 
 @triton.jit
@@ -281,8 +282,12 @@ def _bwd_dq_kernel(Q, K, V, DO, Lse, Delta, DQ,
 def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        out: torch.Tensor, lse: torch.Tensor, params: AttentionParams,
                        dq: torch.Tensor | None = None, dk: torch.Tensor | None = None,
-                       dv: torch.Tensor | None = None):
-    """Launch preprocess, dK/dV and dQ. Returns (dq, dk, dv); buffers may be preallocated."""
+                       dv: torch.Tensor | None = None, tiles: dict | None = None):
+    """Launch preprocess, dK/dV and dQ. Returns (dq, dk, dv); buffers may be preallocated.
+
+    tiles = {"dkdv": (BLOCK_M, BLOCK_N, num_warps, num_stages), "dq": ...} overrides configs.py.
+    """
+    tiles = tiles or {}
     batch, seqlen_q, nheads, head_dim = q.shape
     _, seqlen_k, nheads_k, head_dim_v = v.shape
     group = nheads // nheads_k
@@ -304,14 +309,16 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         out, dout, delta, *out.stride(), *dout.stride(), *delta.stride(), nheads, seqlen_q,
         HEAD_DIM_V=head_dim_v, BLOCK_DV=block_dv, BLOCK_M=preprocess_block_m)
 
-    block_m, block_n, num_warps, num_stages = tile_config("dkdv", d_max, interpreting())
+    block_m, block_n, num_warps, num_stages = tiles.get("dkdv") or tile_config(
+        "dkdv", d_max, interpreting())
     _bwd_dkdv_kernel[(triton.cdiv(seqlen_k, block_n), batch * nheads_k)](
         q, k, v, dout, lse, delta, dk, dv, *common_strides, *dk.stride(), *dv.stride(),
         nheads_k, group, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
         params.softmax_scale, **dims, BLOCK_M=block_m, BLOCK_N=block_n, **band,
         EVEN_N=seqlen_k % block_n == 0, num_warps=num_warps, num_stages=num_stages)
 
-    block_m, block_n, num_warps, num_stages = tile_config("dq", d_max, interpreting())
+    block_m, block_n, num_warps, num_stages = tiles.get("dq") or tile_config(
+        "dq", d_max, interpreting())
     _bwd_dq_kernel[(triton.cdiv(seqlen_q, block_m), batch * nheads)](
         q, k, v, dout, lse, delta, dq, *common_strides, *dq.stride(),
         nheads, group, seqlen_q, seqlen_k, window_left, window_right, qk_scale,

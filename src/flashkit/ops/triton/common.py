@@ -19,8 +19,9 @@ import os
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+LOG2E = 1.4426950408889634  # host side: qk_scale = softmax_scale * LOG2E
+LOG2E_JIT = tl.constexpr(LOG2E)  # the same constants as kernels can read them
+LN2_JIT = tl.constexpr(0.6931471805599453)
 # Every tl.dot: fp32 inputs get IEEE fp32 products (exact to fp32, no tf32); bf16/fp16 dots
 # ignore the setting and accumulate in fp32.
 DOT_PRECISION = "ieee"

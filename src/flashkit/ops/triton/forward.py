@@ -20,7 +20,7 @@ import triton.language as tl
 from flashkit.ops.params import AttentionParams
 from flashkit.ops.triton.common import (
     DOT_PRECISION,
-    LN2,
+    LN2_JIT,
     LOG2E,
     interpreting,
     key_tile_ranges,
@@ -118,7 +118,7 @@ def _fwd_kernel(Q, K, V, Out, Lse,
     has_mass = l_i > 0.0
     l_safe = tl.where(has_mass, l_i, 1.0)
     out_tile = acc / l_safe[:, None]
-    lse = tl.where(has_mass, (m_i + tl.math.log2(l_safe)) * LN2, float("-inf"))
+    lse = tl.where(has_mass, (m_i + tl.math.log2(l_safe)) * LN2_JIT, float("-inf"))
 
     o_ptrs = (Out + off_b * stride_ob + off_h * stride_oh
               + offs_m[:, None] * stride_os + offs_dv[None, :] * stride_od)
@@ -133,15 +133,20 @@ def _fwd_kernel(Q, K, V, Out, Lse,
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       params: AttentionParams, out: torch.Tensor | None = None,
-                      lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the forward kernel. Returns (out, lse); out/lse may be given preallocated."""
+                      lse: torch.Tensor | None = None,
+                      tile: tuple[int, int, int, int] | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the forward kernel. Returns (out, lse); out/lse may be given preallocated.
+
+    tile = (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides configs.py (the tuning sweep).
+    """
     batch, seqlen_q, nheads, head_dim = q.shape
     _, seqlen_k, nheads_k, head_dim_v = v.shape
     if out is None:
         out = torch.empty((batch, seqlen_q, nheads, head_dim_v), dtype=q.dtype, device=q.device)
     if lse is None:
         lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
-    block_m, block_n, num_warps, num_stages = tile_config(
+    block_m, block_n, num_warps, num_stages = tile or tile_config(
         "forward", max(head_dim, head_dim_v), interpreting())
     window_left, window_right, has_left, has_right = window_args(params)
     grid = (triton.cdiv(seqlen_q, block_m), batch * nheads)
