@@ -46,3 +46,9 @@ def test_machine_rejects_bad_arguments(capsys):
     with pytest.raises(SystemExit):
         _parser().parse_args(["simulate", "machine", "--program", "sort"])
     assert "--n" in capsys.readouterr().err
+
+
+def test_loop_orders_prints_the_seed_table(capsys):
+    out = _run(capsys, "loop-orders", "--n", "4")
+    assert "Q loads     4 (n)                16 (n^2)" in out
+    assert "resident R" in out

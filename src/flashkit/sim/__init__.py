@@ -3,10 +3,17 @@
 * :mod:`~flashkit.sim.machine`, :mod:`~flashkit.sim.programs` -- the toy register machine of
   seed 002 and its programs (matmul by inner and outer product, safe and online softmax, online
   attention): cycles, DRAM reads and writes, the register table after every step.
+* :mod:`~flashkit.sim.loop_orders` -- attention with queries outside (FlashAttention-2) or keys
+  and values outside (FlashAttention-1), against a memory that counts HBM loads and stores.
 
 Every part prints its tables through ``flashkit simulate ...`` (see :mod:`flashkit.sim.cli`).
 """
 
+from flashkit.sim.loop_orders import (
+    HBMTraffic,
+    inner_product_attention,
+    outer_product_attention,
+)
 from flashkit.sim.machine import (
     Instruction,
     MachineError,
@@ -28,6 +35,7 @@ from flashkit.sim.programs import (
 )
 
 __all__ = [
+    "HBMTraffic", "inner_product_attention", "outer_product_attention",
     "Instruction", "MachineError", "Program", "RegisterMachine", "Run", "assemble", "op", "run",
     "dot_product_c00", "example_program", "matmul_inner_product", "matmul_outer_product",
     "online_attention", "online_softmax", "safe_softmax",

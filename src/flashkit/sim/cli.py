@@ -15,6 +15,8 @@ Simulate the machines FlashAttention was designed for, and print what they count
 
   machine      the toy register machine (seed 002): register table after every step,
                cycles, DRAM reads and writes; without --program, the seed's cost tables
+  loop-orders  attention with queries outside (FA2) or keys/values outside (FA1): HBM loads
+               and stores of Q, KV and O, and how keeping outputs in fast memory moves them
 """
 
 _MACHINE_EPILOG = """\
@@ -81,6 +83,27 @@ def _add_machine(machines) -> None:
     parser.set_defaults(func=_machine)
 
 
+def _loop_orders(args: argparse.Namespace) -> int:
+    from flashkit.sim.loop_orders import format_loop_orders
+
+    print(format_loop_orders(n=args.n, d=args.d, seed=args.seed))
+    return 0
+
+
+def _add_loop_orders(machines) -> None:
+    parser = machines.add_parser(
+        "loop-orders", help="FA2 (queries outside) vs FA1 (KV outside): HBM traffic",
+        description="Run attention in both loop orders against a memory that counts every row "
+                    "moved between HBM and fast memory (seed 002's cost comparison).",
+        epilog="example:\n  flashkit simulate loop-orders --n 16",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--n", type=_positive, default=8,
+                        help="number of queries and of keys (default 8)")
+    parser.add_argument("--d", type=_positive, default=4, help="head dimension (default 4)")
+    parser.add_argument("--seed", type=int, default=0, help="random inputs' seed (default 0)")
+    parser.set_defaults(func=_loop_orders)
+
+
 def register(subparsers) -> None:
     """Add the ``simulate`` command, with one sub-subcommand per machine, to ``subparsers``."""
     parser = subparsers.add_parser(
@@ -88,4 +111,5 @@ def register(subparsers) -> None:
         description=_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     machines = parser.add_subparsers(title="machines", metavar="MACHINE")
     _add_machine(machines)
+    _add_loop_orders(machines)
     parser.set_defaults(func=_print_help(parser))
