@@ -310,7 +310,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         HEAD_DIM_V=head_dim_v, BLOCK_DV=block_dv, BLOCK_M=preprocess_block_m)
 
     block_m, block_n, num_warps, num_stages = tiles.get("dkdv") or tile_config(
-        "dkdv", d_max, interpreting())
+        "dkdv", d_max, q.element_size(), interpreting())
     _bwd_dkdv_kernel[(triton.cdiv(seqlen_k, block_n), batch * nheads_k)](
         q, k, v, dout, lse, delta, dk, dv, *common_strides, *dk.stride(), *dv.stride(),
         nheads_k, group, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
@@ -318,7 +318,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         EVEN_N=seqlen_k % block_n == 0, num_warps=num_warps, num_stages=num_stages)
 
     block_m, block_n, num_warps, num_stages = tiles.get("dq") or tile_config(
-        "dq", d_max, interpreting())
+        "dq", d_max, q.element_size(), interpreting())
     _bwd_dq_kernel[(triton.cdiv(seqlen_q, block_m), batch * nheads)](
         q, k, v, dout, lse, delta, dq, *common_strides, *dq.stride(),
         nheads, group, seqlen_q, seqlen_k, window_left, window_right, qk_scale,

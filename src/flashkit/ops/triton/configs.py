@@ -41,6 +41,14 @@ HOPPER = {
     },
 }
 
+# fp32 inputs (a correctness path, IEEE dots): one small tile for every head dim, single-stage,
+# so head dim 256 fits in shared memory (dq: 64x256 Q and dO plus 32x256 K and V, 192 KiB).
+FP32 = {
+    "forward": (64, 32, 4, 1),
+    "dkdv": (32, 32, 4, 1),
+    "dq": (64, 32, 4, 1),
+}
+
 INTERPRETER = {
     "forward": (32, 16, 1, 1),
     "dkdv": (16, 32, 1, 1),
@@ -53,8 +61,11 @@ def padded_head_dim(d: int) -> int:
     return max(16, 1 << (d - 1).bit_length())
 
 
-def tile_config(kernel: str, head_dim: int, interpreter: bool) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for `kernel` at a (padded) head dim."""
+def tile_config(kernel: str, head_dim: int, element_size: int,
+                interpreter: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for `kernel` at a head dim and element size."""
     if interpreter:
         return INTERPRETER[kernel]
+    if element_size > 2:
+        return FP32[kernel]
     return HOPPER[kernel][padded_head_dim(head_dim)]

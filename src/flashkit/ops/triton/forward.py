@@ -147,7 +147,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if lse is None:
         lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
     block_m, block_n, num_warps, num_stages = tile or tile_config(
-        "forward", max(head_dim, head_dim_v), interpreting())
+        "forward", max(head_dim, head_dim_v), q.element_size(), interpreting())
     window_left, window_right, has_left, has_right = window_args(params)
     grid = (triton.cdiv(seqlen_q, block_m), batch * nheads)
     _fwd_kernel[grid](
