@@ -52,3 +52,8 @@ def test_loop_orders_prints_the_seed_table(capsys):
     out = _run(capsys, "loop-orders", "--n", "4")
     assert "Q loads     4 (n)                16 (n^2)" in out
     assert "resident R" in out
+
+
+def test_systolic_both_designs(capsys):
+    out = _run(capsys, "systolic", "--design", "both")
+    assert out.count("matches A @ B: True; cycles 5, M + K + N - 2 = 5") == 2

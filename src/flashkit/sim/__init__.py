@@ -5,6 +5,8 @@
   attention): cycles, DRAM reads and writes, the register table after every step.
 * :mod:`~flashkit.sim.loop_orders` -- attention with queries outside (FlashAttention-2) or keys
   and values outside (FlashAttention-1), against a memory that counts HBM loads and stores.
+* :mod:`~flashkit.sim.systolic` -- weight-stationary (TPU MXU) and output-stationary systolic
+  arrays, ticked cycle by cycle (seed 003).
 
 Every part prints its tables through ``flashkit simulate ...`` (see :mod:`flashkit.sim.cli`).
 """
@@ -33,10 +35,16 @@ from flashkit.sim.programs import (
     online_softmax,
     safe_softmax,
 )
+from flashkit.sim.systolic import (
+    OutputStationaryArray,
+    WeightStationaryArray,
+    systolic_matmul,
+)
 
 __all__ = [
     "HBMTraffic", "inner_product_attention", "outer_product_attention",
     "Instruction", "MachineError", "Program", "RegisterMachine", "Run", "assemble", "op", "run",
     "dot_product_c00", "example_program", "matmul_inner_product", "matmul_outer_product",
     "online_attention", "online_softmax", "safe_softmax",
+    "OutputStationaryArray", "WeightStationaryArray", "systolic_matmul",
 ]
