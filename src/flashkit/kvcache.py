@@ -1,0 +1,272 @@
+"""flash_attn_with_kvcache: attention for incremental decoding over a (paged) KV cache.
+
+Semantics follow flash-attn 2's function of the same name; see its docstring below. Steps:
+check every argument (reading cache_seqlens, cache_batch_idx and the used block_table entries
+costs one device sync: a bad index would otherwise read or write out of bounds), rotate q and
+the new k, append the new k and v to the cache in place, then run the backend's attention over
+each sequence's cached keys, split along the key length into num_splits chunks merged by lse.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+
+import torch
+
+from flashkit import checks, reference
+from flashkit.api import _params, _require_available
+from flashkit.ops.params import AttentionParams
+from flashkit.ops.tiled import kvcache as tiled_kvcache
+
+__all__ = ["flash_attn_with_kvcache", "MIN_PAGE_SIZE"]
+
+MIN_PAGE_SIZE = 16  # paged caches: page_size must be a multiple (every key tile fits one page)
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
+                            rotary_sin=None, cache_seqlens=None, cache_batch_idx=None,
+                            cache_leftpad=None, block_table=None, softmax_scale=None,
+                            causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0,
+                            return_softmax_lse=False, *, sink=None, backend=None):
+    """Attention of q over a KV cache, optionally appending new keys/values first (in place).
+
+    q (batch, seqlen_q, nheads, d). k_cache, v_cache: (batch_cache, seqlen_cache, nheads_k, d)
+    contiguous, or paged (num_blocks, page_size, nheads_k, d) with block_table (batch,
+    max_blocks_per_seq) int32: slot p of sequence b is page block_table[b, p // page_size],
+    position p % page_size; page_size a multiple of 16.
+    cache_seqlens: int or int32 (batch,), the filled length of each sequence (None = the whole
+    capacity). cache_batch_idx int32 (batch,): the cache row of each sequence (contiguous only;
+    default 0..batch-1). cache_leftpad int32 (batch,): the first valid slot (contiguous only).
+    k, v (batch, seqlen_new, nheads_k, d): written into the cache at slots cache_seqlens ..
+    cache_seqlens + seqlen_new - 1 before attention; this is the only in-place mutation. With
+    duplicate cache_batch_idx the cache keeps one of the writes.
+    rotary_cos/sin (seqlen_ro, rotary_dim / 2) (needs k, v): the new k is rotated at positions
+    cache_seqlens - cache_leftpad + [0, seqlen_new); q at cache_seqlens - cache_leftpad +
+    [0, seqlen_q) when causal or local, else every query row at cache_seqlens - cache_leftpad.
+    rotary_interleaved pairs dims (0, 1), (2, 3)... (GPT-J), else (i, i + rotary_dim / 2).
+    The keys of sequence b are its slots [leftpad, cache_seqlens + seqlen_new); causal and
+    window_size are bottom-right aligned to them, so the query rows are the sequence's last
+    positions. softcap, alibi_slopes, sink and GQA/MQA are as in flash_attn_func.
+    num_splits: key-length chunks per sequence, merged by their log-sum-exp (0 = choose from
+    batch, heads and length; the torch backend then uses 1).
+    Forward only, as in flash-attn: inputs that require grad are refused.
+    Returns out (batch, seqlen_q, nheads, d_v), and lse (batch, nheads, seqlen_q) float32 with
+    return_softmax_lse.
+    """
+    checks.tensor("q", q, "(batch, seqlen_q, nheads, headdim)")
+    checks.tensor("k_cache", k_cache, "(batch_cache | num_blocks, seqlen_cache | page_size, "
+                  "nheads_k, headdim)")
+    checks.tensor("v_cache", v_cache, "(batch_cache | num_blocks, seqlen_cache | page_size, "
+                  "nheads_k, headdim_v)")
+    named = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
+    if (k is None) != (v is None):
+        raise ValueError("k, v: pass both new keys and new values, or neither")
+    if k is not None:
+        checks.tensor("k", k, "(batch, seqlen_new, nheads_k, headdim)")
+        checks.tensor("v", v, "(batch, seqlen_new, nheads_k, headdim_v)")
+        named.update(k=k, v=v)
+    checks.same_dtype_and_device(named)
+    _no_grad(named)
+    if v_cache.shape[:3] != k_cache.shape[:3]:
+        raise ValueError(f"v_cache: shape {tuple(v_cache.shape)} differs from k_cache's "
+                         f"{tuple(k_cache.shape)} in the first three dims")
+    checks.heads(q.shape[2], k_cache.shape[2], k_cache, v_cache, dim=2)
+    checks.head_dims(q, k_cache, v_cache)
+    batch, device = q.shape[0], q.device
+    seqlen_new = 0 if k is None else k.shape[1]
+    if k is not None:
+        for name, t, cache in (("k", k, k_cache), ("v", v, v_cache)):
+            expected = (batch, seqlen_new, *cache.shape[2:])
+            if tuple(t.shape) != expected:
+                raise ValueError(f"{name}: expected shape {expected} (batch, seqlen_new, "
+                                 f"nheads_k, headdim), got {tuple(t.shape)}")
+
+    capacity = _check_paging(block_table, k_cache, batch, device, cache_batch_idx,
+                             cache_leftpad)
+    cache_batch_idx = _index_vector("cache_batch_idx", cache_batch_idx, batch, device,
+                                    torch.arange(batch, dtype=torch.int32, device=device))
+    cache_leftpad = _index_vector("cache_leftpad", cache_leftpad, batch, device,
+                                  torch.zeros(batch, dtype=torch.int32, device=device))
+    cache_seqlens = _cache_seqlens(cache_seqlens, batch, capacity, device)
+    _check_values(cache_seqlens, seqlen_new, capacity, cache_batch_idx, cache_leftpad,
+                  block_table, k_cache)
+    params = _params(q, 0.0, softmax_scale, causal, window_size, softcap, alibi_slopes, False,
+                     sink, batch=batch)
+    num_splits = _num_splits(num_splits)
+    name = checks.backend(backend, device)
+    if name == "triton":
+        _require_available(name, device)
+
+    positions = cache_seqlens - cache_leftpad  # (b,) position of the first new token
+    if rotary_cos is not None or rotary_sin is not None:
+        # flash-attn: with a causal or local mask the query rows are consecutive positions,
+        # without one they all sit at the first new position.
+        q_rows = q.shape[1] if params.window_left is not None \
+            or params.window_right is not None else 1
+        _check_rotary(rotary_cos, rotary_sin, q, k, positions, seqlen_new, q_rows)
+        first = positions.long()[:, None]
+        q_pos = first + torch.arange(q.shape[1], device=device).clamp(max=q_rows - 1)
+        k_pos = first + torch.arange(seqlen_new, device=device)
+        q = tiled_kvcache.rotary(q, rotary_cos, rotary_sin, q_pos, rotary_interleaved)
+        k = tiled_kvcache.rotary(k, rotary_cos, rotary_sin, k_pos, rotary_interleaved)
+    if k is not None:
+        tiled_kvcache.append(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
+                             block_table)
+    seqlens_k = positions + seqlen_new
+    out, lse = _run(name, q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad,
+                    block_table, params, num_splits)
+    return (out, lse) if return_softmax_lse else out
+
+
+def _run(name, q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, block_table,
+         params: AttentionParams, num_splits: int):
+    if name == "torch":
+        return tiled_kvcache.forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx,
+                                     cache_leftpad, block_table, params, num_splits or 1)
+    if name == "triton":
+        from flashkit.ops.triton import decode
+
+        return decode.forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad,
+                              block_table, params, num_splits)
+    return _reference(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad,
+                      block_table, params)
+
+
+def _reference(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, block_table,
+               params: AttentionParams):
+    """The oracle on each sequence's gathered keys (backend="reference")."""
+    outs, lses = [], []
+    for b, (seqlen_k, leftpad) in enumerate(zip(seqlens_k.tolist(), cache_leftpad.tolist(),
+                                                strict=True)):
+        k_b, v_b = (tiled_kvcache.gather(c, b, leftpad, leftpad + seqlen_k, cache_batch_idx,
+                                         block_table) for c in (k_cache, v_cache))
+        slopes = params.alibi_slopes
+        params_b = params if slopes is None or slopes.dim() == 1 else dataclasses.replace(
+            params, alibi_slopes=slopes[b])
+        out_b, lse_b = reference.attention_with_params(q[b:b + 1], k_b, v_b, params_b)
+        outs.append(out_b)
+        lses.append(lse_b)
+    lse = torch.cat(lses).to(torch.float64 if q.dtype == torch.float64 else torch.float32)
+    return torch.cat(outs), lse
+
+
+def _no_grad(named: dict) -> None:
+    if torch.is_grad_enabled() and any(t.requires_grad for t in named.values()):
+        raise NotImplementedError(
+            "flash_attn_with_kvcache: there is no backward pass (as in flash-attn); call it "
+            "under torch.no_grad() or pass tensors that do not require grad")
+
+
+def _check_paging(block_table, k_cache, batch, device, cache_batch_idx, cache_leftpad) -> int:
+    """Validate the block table's layout; returns the capacity of one sequence in slots."""
+    if block_table is None:
+        return k_cache.shape[1]
+    if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 \
+            or block_table.dim() != 2:
+        got = (f"{block_table.dtype} of shape {tuple(block_table.shape)}"
+               if isinstance(block_table, torch.Tensor) else type(block_table).__name__)
+        raise TypeError(f"block_table: expected a 2-D torch.int32 tensor (batch, "
+                        f"max_blocks_per_seq), got {got}")
+    if block_table.shape[0] != batch:
+        raise ValueError(f"block_table: {block_table.shape[0]} rows differ from q's batch "
+                         f"{batch}")
+    if block_table.device != device:
+        raise ValueError(f"block_table: device {block_table.device} differs from q's {device}")
+    page_size = k_cache.shape[1]
+    if page_size % MIN_PAGE_SIZE != 0:
+        raise ValueError(f"k_cache: page_size (dim 1 of a paged cache) must be a positive "
+                         f"multiple of {MIN_PAGE_SIZE}, got {page_size}")
+    if cache_batch_idx is not None:
+        raise ValueError("cache_batch_idx: not supported with a paged cache (block_table "
+                         "already maps each sequence to its pages)")
+    if cache_leftpad is not None:
+        raise ValueError("cache_leftpad: not supported with a paged cache")
+    return block_table.shape[1] * page_size
+
+
+def _index_vector(name, t, batch, device, default):
+    """An int32 (batch,) tensor on q's device, or the default when None."""
+    if t is None:
+        return default
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or tuple(t.shape) != (batch,):
+        got = (f"{t.dtype} of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor)
+               else type(t).__name__)
+        raise TypeError(f"{name}: expected a torch.int32 tensor of shape ({batch},), got {got}")
+    if t.device != device:
+        raise ValueError(f"{name}: device {t.device} differs from q's {device}")
+    return t
+
+
+def _cache_seqlens(cache_seqlens, batch, capacity, device):
+    """cache_seqlens as an int32 (batch,) tensor; an int broadcasts, None means full."""
+    if cache_seqlens is None:
+        cache_seqlens = capacity
+    if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
+        return torch.full((batch,), int(cache_seqlens), dtype=torch.int32, device=device)
+    return _index_vector("cache_seqlens", cache_seqlens, batch, device, None)
+
+
+def _check_values(cache_seqlens, seqlen_new, capacity, cache_batch_idx, cache_leftpad,
+                  block_table, k_cache) -> None:
+    """Index values in range (one device sync): nothing reads or writes outside the cache.
+    Only the block_table entries of pages a sequence uses are read, so the rest may be padding."""
+    num_blocks = batch_cache = k_cache.shape[0]
+    page_size = k_cache.shape[1]
+    seqlens = cache_seqlens.tolist()
+    if min(seqlens) < 0:
+        raise ValueError(f"cache_seqlens: entries must be >= 0, got {seqlens}")
+    if max(seqlens) + seqlen_new > capacity:
+        worst = max(range(len(seqlens)), key=seqlens.__getitem__)
+        raise ValueError(f"cache_seqlens: sequence {worst} holds {seqlens[worst]} tokens and "
+                         f"appends {seqlen_new}, beyond the cache's capacity of {capacity} "
+                         "slots per sequence")
+    rows = cache_batch_idx.tolist()
+    if block_table is None and rows and not all(0 <= r < batch_cache for r in rows):
+        raise ValueError(f"cache_batch_idx: entries must be in [0, {batch_cache}) (k_cache's "
+                         f"batch_cache), got {rows}")
+    leftpad = cache_leftpad.tolist()
+    bad = [b for b, (p, n) in enumerate(zip(leftpad, seqlens, strict=True)) if not 0 <= p <= n]
+    if bad:
+        raise ValueError(f"cache_leftpad: entries must be in [0, cache_seqlens]; sequence "
+                         f"{bad[0]} has {leftpad[bad[0]]} > {seqlens[bad[0]]}")
+    if block_table is None:
+        return
+    table = block_table.tolist()
+    for b, n in enumerate(seqlens):
+        used = table[b][:-(-(n + seqlen_new) // page_size)]
+        if not all(0 <= page < num_blocks for page in used):
+            raise ValueError(f"block_table: sequence {b} uses pages {used}; every entry must be "
+                             f"in [0, {num_blocks}) (k_cache's num_blocks)")
+
+
+def _check_rotary(cos, sin, q, k, positions, seqlen_new: int, q_rows: int) -> None:
+    """cos/sin (seqlen_ro, rotary_dim / 2) cover every rotated position; k, v are given."""
+    if cos is None or sin is None:
+        raise ValueError("rotary_cos, rotary_sin: pass both or neither")
+    if k is None:
+        raise ValueError("rotary_cos: the rotary embedding applies to new keys; pass k and v "
+                         "too (flash-attn's rule)")
+    for name, t in (("rotary_cos", cos), ("rotary_sin", sin)):
+        checks.tensor(name, t, "(seqlen_ro, rotary_dim / 2)")
+        if not t.is_floating_point() or t.device != q.device:
+            raise TypeError(f"{name}: expected a floating tensor on {q.device}, got {t.dtype} "
+                            f"on {t.device}")
+    if sin.shape != cos.shape:
+        raise ValueError(f"rotary_sin: shape {tuple(sin.shape)} differs from rotary_cos's "
+                         f"{tuple(cos.shape)}")
+    if not 1 <= 2 * cos.shape[1] <= q.shape[-1]:
+        raise ValueError(f"rotary_cos: rotary_dim = 2 * {cos.shape[1]} must be in 2..headdim "
+                         f"({q.shape[-1]})")
+    needed = int(positions.max()) + max(seqlen_new, q_rows)
+    if cos.shape[0] < needed:
+        raise ValueError(f"rotary_cos: {cos.shape[0]} positions (seqlen_ro), but positions up "
+                         f"to {needed - 1} are rotated")
+
+
+def _num_splits(num_splits) -> int:
+    if not isinstance(num_splits, numbers.Integral) or isinstance(num_splits, bool) \
+            or num_splits < 0:
+        raise ValueError(f"num_splits: expected an int >= 0 (0 = automatic), got {num_splits!r}")
+    return int(num_splits)

@@ -1,0 +1,383 @@
+"""flash_attn_with_kvcache against the float64 oracle on each sequence's gathered keys.
+
+Each case builds a "logical" cache per sequence (capacity slots), lays it out contiguously (rows
+permuted through cache_batch_idx) or in shuffled pages, appends new keys at ragged lengths and
+checks (1) out and lse against flashkit.reference by the DESIGN section 5 rule, (2) that the
+cache holds exactly the new (rotated) keys at their slots and that nothing else changed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from flashkit import reference
+from flashkit.kvcache import flash_attn_with_kvcache
+from flashkit.testing import assert_close_to_oracle
+
+
+def rotate_half_reference(x, cos, sin, positions, interleaved):
+    """flash-attn's apply_rotary_emb_torch: x * cos + rotate_half(x) * sin on the first dims."""
+    ro = 2 * cos.shape[1]
+    c, s = cos[positions][:, :, None], sin[positions][:, :, None]  # (b, n, 1, ro / 2)
+    if interleaved:
+        c, s = c.repeat_interleave(2, -1), s.repeat_interleave(2, -1)
+        x1, x2 = x[..., 0:ro:2], x[..., 1:ro:2]
+        rotated = torch.stack((-x2, x1), dim=-1).flatten(-2)
+    else:
+        c, s = torch.cat((c, c), -1), torch.cat((s, s), -1)
+        x1, x2 = x[..., :ro // 2], x[..., ro // 2:ro]
+        rotated = torch.cat((-x2, x1), dim=-1)
+    return torch.cat((x[..., :ro] * c.to(x.dtype) + rotated * s.to(x.dtype), x[..., ro:]), -1)
+
+
+class Case:
+    """Inputs of one call, their logical per-sequence caches, and the expected results."""
+
+    def __init__(self, *, batch=3, seqlen_q=1, seqlen_new=1, nheads=4, nheads_k=2, d=32,
+                 capacity=64, page_size=None, rotary=None, causal=False, window=(-1, -1),
+                 dtype=torch.float32, leftpad=False, seqlens=None, **extra):
+        self.dtype, self.causal, self.window, self.extra = dtype, causal, window, extra
+        self.seqlen_new = seqlen_new
+        rand = lambda *shape: torch.randn(*shape, dtype=dtype)  # noqa: E731
+        self.q = rand(batch, seqlen_q, nheads, d)
+        self.k_new = rand(batch, seqlen_new, nheads_k, d) if seqlen_new else None
+        self.v_new = rand(batch, seqlen_new, nheads_k, d) if seqlen_new else None
+        logical_k, logical_v = rand(batch, capacity, nheads_k, d), rand(batch, capacity,
+                                                                        nheads_k, d)
+        if seqlens is None:  # ragged, one empty cache, one filled to the brim
+            seqlens = torch.randint(0, capacity - seqlen_new + 1, (batch,))
+            seqlens[0], seqlens[-1] = 0, capacity - seqlen_new
+        self.seqlens = torch.as_tensor(seqlens, dtype=torch.int32)
+        self.leftpad = None
+        if leftpad:
+            self.leftpad = (torch.rand(batch) * (self.seqlens + 1)).to(torch.int32)
+        self.cos = self.sin = None
+        self.interleaved = rotary == "interleaved"
+        if rotary:
+            angles = torch.rand(capacity, d // 4, dtype=torch.float64) * 2 * math.pi
+            self.cos, self.sin = angles.cos().to(dtype), angles.sin().to(dtype)
+        self.page_size = page_size
+        if page_size is None:  # rows in a shuffled order, plus one spare row
+            self.batch_idx = torch.randperm(batch + 1)[:batch].to(torch.int32)
+            self.k_cache = rand(batch + 1, capacity, nheads_k, d)
+            self.v_cache = rand(batch + 1, capacity, nheads_k, d)
+            self.k_cache[self.batch_idx.long()] = logical_k
+            self.v_cache[self.batch_idx.long()] = logical_v
+            self.block_table = None
+        else:  # shuffled pages, two spare ones
+            pages = capacity // page_size
+            perm = torch.randperm(batch * pages + 2)
+            self.block_table = perm[:batch * pages].reshape(batch, pages).to(torch.int32)
+            self.batch_idx = None
+            self.k_cache = rand(batch * pages + 2, page_size, nheads_k, d)
+            self.v_cache = rand(batch * pages + 2, page_size, nheads_k, d)
+            self.k_cache[self.block_table.long()] = logical_k.unflatten(1, (pages, page_size))
+            self.v_cache[self.block_table.long()] = logical_v.unflatten(1, (pages, page_size))
+
+    def logical(self, cache):
+        """(batch, capacity, hk, d): each sequence's slots, read back through the layout."""
+        if self.block_table is None:
+            return cache[self.batch_idx.long()]
+        pages = self.block_table.long().clamp(0, cache.shape[0] - 1)  # padding: never read
+        return cache[pages].flatten(1, 2)
+
+    def call(self, backend, **kw):
+        kw = {"causal": self.causal, "window_size": self.window, **self.extra, **kw}
+        return flash_attn_with_kvcache(
+            self.q, self.k_cache, self.v_cache, self.k_new, self.v_new, self.cos, self.sin,
+            cache_seqlens=self.seqlens, cache_batch_idx=self.batch_idx,
+            cache_leftpad=self.leftpad, block_table=self.block_table,
+            rotary_interleaved=self.interleaved, return_softmax_lse=True, backend=backend,
+            **kw)
+
+    def expected(self, dtype):
+        """(out, lse, new keys) of the materialised computation in `dtype` on the logical cache,
+        taken before the call (the caches are mutated by it)."""
+        batch, seqlen_q = self.q.shape[:2]
+        first = self.seqlens.long() - (0 if self.leftpad is None else self.leftpad.long())
+        q, k_new = self.q.to(dtype), None
+        if self.k_new is not None:
+            k_new = self.k_new.to(dtype)
+        if self.cos is not None:
+            cos, sin = self.cos.to(dtype), self.sin.to(dtype)
+            local = self.causal or tuple(self.window) != (-1, -1)
+            q_pos = first[:, None] + (torch.arange(seqlen_q) if local else 0)
+            q_pos = q_pos.expand(batch, seqlen_q)
+            q = rotate_half_reference(q, cos, sin, q_pos, self.interleaved)
+            k_pos = first[:, None] + torch.arange(self.seqlen_new)
+            k_new = rotate_half_reference(k_new, cos, sin, k_pos, self.interleaved)
+        logical_k, logical_v = (self.logical(c).to(dtype) for c in (self.k_cache, self.v_cache))
+        outs, lses = [], []
+        for b in range(batch):
+            start = 0 if self.leftpad is None else int(self.leftpad[b])
+            n = int(self.seqlens[b])
+            parts_k, parts_v = [logical_k[b, start:n]], [logical_v[b, start:n]]
+            if k_new is not None:
+                parts_k.append(k_new[b])
+                parts_v.append(self.v_new[b].to(dtype))
+            extra = dict(self.extra)
+            extra.pop("num_splits", None)
+            slopes = extra.pop("alibi_slopes", None)
+            if slopes is not None:
+                slopes = slopes[b] if slopes.dim() == 2 else slopes
+            sink = extra.pop("sink", None)
+            sink = None if sink is None else sink.to(dtype)
+            keys, values = torch.cat(parts_k)[None], torch.cat(parts_v)[None]
+            if keys.shape[1] == 0:  # no key at all: out 0, lse = the sink's logit or -inf
+                out = torch.zeros_like(q[b:b + 1])
+                lse = torch.full((1, q.shape[2], seqlen_q), -math.inf, dtype=dtype)
+                if sink is not None:
+                    lse[:] = sink[None, :, None]
+            else:
+                out, lse = reference.attention(q[b:b + 1], keys, values, causal=self.causal,
+                                               window_size=self.window, alibi_slopes=slopes,
+                                               sink=sink, **extra)
+            outs.append(out)
+            lses.append(lse)
+        return torch.cat(outs), torch.cat(lses), k_new
+
+    def check(self, backend, **kw):
+        k_before, v_before = self.k_cache.clone(), self.v_cache.clone()
+        oracle_out, oracle_lse, k_rot64 = self.expected(torch.float64)
+        base_out, base_lse, _ = self.expected(self.dtype)
+        out, lse = self.call(backend, **kw)
+        assert_close_to_oracle("out", out, oracle_out, base_out)
+        assert_close_to_oracle("lse", lse, oracle_lse, base_lse)
+        self.check_append(k_before, v_before, k_rot64)
+
+    def check_append(self, k_before, v_before, k_rot64):
+        """The new slots hold the new (rotated) values; every other element is unchanged."""
+        written = torch.zeros(self.k_cache.shape[:2], dtype=torch.bool)
+        if self.k_new is not None:
+            for b in range(self.q.shape[0]):
+                for p in range(int(self.seqlens[b]), int(self.seqlens[b]) + self.seqlen_new):
+                    row, slot = (int(self.batch_idx[b]), p) if self.block_table is None else (
+                        int(self.block_table[b, p // self.page_size]), p % self.page_size)
+                    written[row, slot] = True
+                    t = p - int(self.seqlens[b])
+                    assert torch.equal(self.v_cache[row, slot], self.v_new[b, t])
+                    k_expected = k_rot64[b, t].to(self.dtype)
+                    if self.cos is None:
+                        assert torch.equal(self.k_cache[row, slot], k_expected)
+                    else:  # rotated in float32 by the module: within one rounding of float64
+                        torch.testing.assert_close(self.k_cache[row, slot], k_expected)
+        assert torch.equal(self.k_cache[~written], k_before[~written])
+        assert torch.equal(self.v_cache[~written], v_before[~written])
+
+
+MASKS = {"full": {}, "causal": {"causal": True}, "window": {"window": (5, 2)}}
+LAYOUTS = {"contiguous": None, "paged16": 16, "paged32": 32}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 8])
+@pytest.mark.parametrize("rotary", [None, "interleaved", "neox"])
+@pytest.mark.parametrize("nheads_k", [1, 2, 4])
+@pytest.mark.parametrize("mask", list(MASKS))
+def test_torch_backend_matches_oracle(layout, num_splits, rotary, nheads_k, mask):
+    Case(page_size=LAYOUTS[layout], rotary=rotary, nheads_k=nheads_k, num_splits=num_splits,
+         **MASKS[mask]).check("torch")
+
+
+@pytest.mark.parametrize("seqlen_q, seqlen_new", [(1, 0), (1, 1), (3, 3), (5, 2), (2, 7)])
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("layout", ["contiguous", "paged16"])
+def test_query_and_append_lengths(seqlen_q, seqlen_new, mask, layout):
+    Case(seqlen_q=seqlen_q, seqlen_new=seqlen_new, page_size=LAYOUTS[layout], num_splits=3,
+         **MASKS[mask]).check("torch")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_dtypes(dtype):
+    Case(dtype=dtype, seqlen_q=2, seqlen_new=2, rotary="neox", causal=True,
+         num_splits=2).check("torch")
+
+
+@pytest.mark.parametrize("feature", ["softcap", "alibi", "alibi_batch", "sink", "leftpad",
+                                     "scale", "headdim_40"])
+def test_features(feature):
+    nheads, batch = 4, 3
+    kw = {"softcap": {"softcap": 3.0},
+          "alibi": {"alibi_slopes": torch.rand(nheads)},
+          "alibi_batch": {"alibi_slopes": torch.rand(batch, nheads)},
+          "sink": {"sink": torch.randn(nheads)},
+          "leftpad": {"leftpad": True, "rotary": "interleaved"},
+          "scale": {"softmax_scale": 0.3},
+          "headdim_40": {"d": 40, "rotary": "neox"}}[feature]
+    for mask in MASKS.values():
+        Case(batch=batch, nheads=nheads, seqlen_q=2, seqlen_new=2, num_splits=3, **kw,
+             **mask).check("torch")
+
+
+def test_reference_backend_and_int_seqlens():
+    case = Case(seqlens=[9, 9, 9], causal=True)
+    case.check("reference")
+    out = flash_attn_with_kvcache(case.q, case.k_cache, case.v_cache, cache_seqlens=10,
+                                  cache_batch_idx=case.batch_idx, causal=True)
+    expected = flash_attn_with_kvcache(case.q, case.k_cache, case.v_cache,
+                                       cache_seqlens=torch.full((3,), 10, dtype=torch.int32),
+                                       cache_batch_idx=case.batch_idx, causal=True,
+                                       backend="reference")
+    torch.testing.assert_close(out, expected)
+
+
+def test_unused_block_table_entries_are_never_read():
+    case = Case(page_size=16, seqlens=[3, 20, 0], capacity=64)
+    case.block_table[0, 1:] = -1  # pages past a sequence's length may be padding
+    case.block_table[2, 1:] = 10**6
+    case.check("torch")
+
+
+def test_decoding_loop_matches_one_prefill():
+    """Appending one token at a time and attending gives what one causal pass over all gives."""
+    batch, steps, h, d = 2, 6, 4, 16
+    q, k, v = (torch.randn(batch, steps, h, d, dtype=torch.float64) for _ in range(3))
+    k_cache = torch.zeros(4, 16, h, d, dtype=torch.float64)
+    v_cache = torch.zeros_like(k_cache)
+    block_table = torch.tensor([[2], [0]], dtype=torch.int32)
+    outs = [flash_attn_with_kvcache(q[:, t:t + 1], k_cache, v_cache, k[:, t:t + 1],
+                                    v[:, t:t + 1], cache_seqlens=t, block_table=block_table,
+                                    causal=True, num_splits=2)
+            for t in range(steps)]
+    expected, _ = reference.attention(q, k, v, causal=True)
+    torch.testing.assert_close(torch.cat(outs, 1), expected)
+
+
+# --- errors: each names the argument, and nothing is read or written out of bounds ---------
+
+def _inputs(page_size=None):
+    q = torch.randn(2, 1, 4, 16)
+    if page_size is None:
+        cache = torch.randn(3, 32, 2, 16)
+        table = None
+    else:
+        cache = torch.randn(4, page_size, 2, 16)
+        table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    new = torch.randn(2, 1, 2, 16)
+    return q, cache, cache.clone(), new, new.clone(), table
+
+
+def _call(q, kc, vc, k=None, v=None, **kw):
+    return flash_attn_with_kvcache(q, kc, vc, k, v, **kw)
+
+
+@pytest.mark.parametrize("case, match", [
+    ("block_table_out_of_range", "block_table"),
+    ("block_table_negative", "block_table"),
+    ("block_table_int64", "block_table"),
+    ("block_table_rows", "block_table"),
+    ("seqlens_beyond_capacity", "cache_seqlens"),
+    ("seqlens_beyond_after_append", "cache_seqlens"),
+    ("seqlens_negative", "cache_seqlens"),
+    ("seqlens_int64", "cache_seqlens"),
+    ("paged_seqlens_beyond", "cache_seqlens"),
+    ("page_size_8", "page_size"),
+    ("page_size_24", "page_size"),
+    ("batch_idx_out_of_range", "cache_batch_idx"),
+    ("batch_idx_paged", "cache_batch_idx"),
+    ("leftpad_beyond_seqlens", "cache_leftpad"),
+    ("k_shape", "k:"),
+    ("k_without_v", "k, v"),
+    ("v_cache_shape", "v_cache"),
+    ("headdim", "head dim"),
+    ("heads", "nheads_k"),
+    ("rotary_without_k", "rotary_cos"),
+    ("rotary_too_short", "rotary_cos"),
+    ("rotary_sin_missing", "rotary_sin"),
+    ("num_splits", "num_splits"),
+    ("dtype", "dtype"),
+])
+def test_errors(case, match):
+    paged = case.startswith(("block_table", "paged", "page_size", "batch_idx_paged"))
+    q, kc, vc, k, v, table = _inputs(page_size=16 if paged else None)
+    lens = torch.tensor([3, 5], dtype=torch.int32)
+    kw = {"cache_seqlens": lens, "block_table": table}
+    args = (q, kc, vc, k, v)
+    if case == "block_table_out_of_range":
+        table[1, 0] = 4
+    elif case == "block_table_negative":
+        table[0, 0] = -1
+    elif case == "block_table_int64":
+        kw["block_table"] = table.long()
+    elif case == "block_table_rows":
+        kw["block_table"] = table[:1]
+    elif case == "seqlens_beyond_capacity":
+        kw["cache_seqlens"] = torch.tensor([3, 33], dtype=torch.int32)
+        args = (q, kc, vc)
+    elif case == "seqlens_beyond_after_append":
+        kw["cache_seqlens"] = torch.tensor([3, 32], dtype=torch.int32)
+    elif case == "seqlens_negative":
+        kw["cache_seqlens"] = torch.tensor([-1, 2], dtype=torch.int32)
+    elif case == "seqlens_int64":
+        kw["cache_seqlens"] = lens.long()
+    elif case == "paged_seqlens_beyond":
+        kw["cache_seqlens"] = 32  # 2 pages of 16: full, so the append overflows
+    elif case == "page_size_8":
+        q, kc, vc, k, v, table = _inputs(page_size=8)
+        args, kw["block_table"] = (q, kc, vc, k, v), table
+    elif case == "page_size_24":
+        q, kc, vc, k, v, table = _inputs(page_size=24)
+        args, kw["block_table"] = (q, kc, vc, k, v), table
+    elif case == "batch_idx_out_of_range":
+        kw["cache_batch_idx"] = torch.tensor([0, 3], dtype=torch.int32)
+    elif case == "batch_idx_paged":
+        kw["cache_batch_idx"] = torch.tensor([0, 1], dtype=torch.int32)
+    elif case == "leftpad_beyond_seqlens":
+        kw["cache_leftpad"] = torch.tensor([4, 0], dtype=torch.int32)
+    elif case == "k_shape":
+        args = (q, kc, vc, k[:, :, :1], v)
+    elif case == "k_without_v":
+        args = (q, kc, vc, k, None)
+    elif case == "v_cache_shape":
+        args = (q, kc, vc[:, :16], k, v)
+    elif case == "headdim":
+        args = (q[..., :8], kc, vc, k, v)
+    elif case == "heads":
+        args = (q[:, :, :3], kc, vc, k, v)
+    elif case == "rotary_without_k":
+        args = (q, kc, vc)
+        kw.update(rotary_cos=torch.ones(64, 4), rotary_sin=torch.zeros(64, 4))
+    elif case == "rotary_too_short":
+        kw.update(rotary_cos=torch.ones(5, 4), rotary_sin=torch.zeros(5, 4))
+    elif case == "rotary_sin_missing":
+        kw.update(rotary_cos=torch.ones(64, 4))
+    elif case == "num_splits":
+        kw["num_splits"] = -1
+    elif case == "dtype":
+        args = (q, kc.double(), vc, k, v)
+    kc_before = args[1].clone()
+    with pytest.raises((ValueError, TypeError), match=match):
+        _call(*args, **kw)
+    assert torch.equal(args[1], kc_before), "a rejected call must not write the cache"
+
+
+def test_requires_grad_is_refused():
+    q, kc, vc, k, v, _ = _inputs()
+    with pytest.raises(NotImplementedError, match="no backward"):
+        _call(q.requires_grad_(), kc, vc, k, v, cache_seqlens=3)
+    with torch.no_grad():
+        _call(q, kc, vc, k, v, cache_seqlens=3)
+
+
+def test_poisoned_spare_cache_does_not_leak():
+    """NaN in every slot outside the valid keys never reaches the output."""
+    case = Case(page_size=16, seqlen_q=2, seqlen_new=2, causal=True, num_splits=3)
+    valid = torch.zeros(case.k_cache.shape[:2], dtype=torch.bool)
+    for b in range(3):
+        for p in range(int(case.seqlens[b])):
+            valid[case.block_table[b, p // 16], p % 16] = True
+    case.k_cache[~valid] = float("nan")
+    case.v_cache[~valid] = float("nan")
+    out, lse = case.call("torch")
+    assert not out.isnan().any() and not lse.isnan().any()
+
+
+def _combos():
+    """The Triton grid: every layout x mask x rotary at least once, splits 1..8, GQA 1/2/4."""
+    layouts, masks, rotaries = list(LAYOUTS), list(MASKS), [None, "interleaved", "neox"]
+    for n, (layout, mask, rotary) in enumerate(itertools.product(layouts, masks, rotaries)):
+        yield layout, mask, rotary, [1, 2, 3, 8][n % 4], [1, 2, 4][n % 3]
