@@ -57,3 +57,8 @@ def test_loop_orders_prints_the_seed_table(capsys):
 def test_systolic_both_designs(capsys):
     out = _run(capsys, "systolic", "--design", "both")
     assert out.count("matches A @ B: True; cycles 5, M + K + N - 2 = 5") == 2
+
+
+def test_tpu_prints_the_seed_table(capsys):
+    out = _run(capsys, "tpu", "--breakdown")
+    assert "VPU cycles         10,876     10,576    18,432" in out and "exp rescale" in out

@@ -7,6 +7,8 @@
   and values outside (FlashAttention-1), against a memory that counts HBM loads and stores.
 * :mod:`~flashkit.sim.systolic` -- weight-stationary (TPU MXU) and output-stationary systolic
   arrays, ticked cycle by cycle (seed 003).
+* :mod:`~flashkit.sim.tpu` -- a TPU core's MXU and VPU running flash and standard attention,
+  counting cycles and MXU utilisation (seed 003).
 
 Every part prints its tables through ``flashkit simulate ...`` (see :mod:`flashkit.sim.cli`).
 """
@@ -40,6 +42,12 @@ from flashkit.sim.systolic import (
     WeightStationaryArray,
     systolic_matmul,
 )
+from flashkit.sim.tpu import (
+    TPUCycleSimulator,
+    compare_attention,
+    flash_attention,
+    standard_attention,
+)
 
 __all__ = [
     "HBMTraffic", "inner_product_attention", "outer_product_attention",
@@ -47,4 +55,5 @@ __all__ = [
     "dot_product_c00", "example_program", "matmul_inner_product", "matmul_outer_product",
     "online_attention", "online_softmax", "safe_softmax",
     "OutputStationaryArray", "WeightStationaryArray", "systolic_matmul",
+    "TPUCycleSimulator", "compare_attention", "flash_attention", "standard_attention",
 ]

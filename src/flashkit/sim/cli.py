@@ -19,6 +19,8 @@ Simulate the machines FlashAttention was designed for, and print what they count
                and stores of Q, KV and O, and how keeping outputs in fast memory moves them
   systolic     a weight-stationary (TPU MXU) and an output-stationary systolic array, ticked
                cycle by cycle: the stagger, the product, M + K + N - 2 cycles
+  tpu          a TPU core's MXU (systolic array) and 128-lane VPU running causal flash
+               attention at several block sizes and standard attention: cycles, utilisation
 """
 
 _MACHINE_EPILOG = """\
@@ -143,6 +145,42 @@ def _add_systolic(machines) -> None:
     parser.set_defaults(func=_systolic)
 
 
+def _tpu(args: argparse.Namespace) -> int:
+    from flashkit.sim.tpu import compare_attention, format_comparison, format_vpu_breakdown
+
+    runs = compare_attention(n=args.n, d=args.d, blocks=args.blocks, causal=not args.no_causal,
+                             seed=args.seed)
+    kind = "non-causal" if args.no_causal else "causal"
+    print(format_comparison(runs, title=f"TPU cycles, {kind} attention, n = {args.n}, "
+                                        f"d = {args.d} (flash at each block size vs standard)"))
+    if args.breakdown:
+        print()
+        print(format_vpu_breakdown(runs))
+    return 0
+
+
+def _add_tpu(machines) -> None:
+    parser = machines.add_parser(
+        "tpu", help="TPU MXU + VPU cycles: tiled flash vs standard attention",
+        description="Run attention on a cycle model of one TPU core (seed 003): matmuls on the "
+                    "MXU cost M + K + N - 2 cycles (ticked through the systolic array when "
+                    "every dimension is <= 16), elementwise work on a 128-lane VPU costs one "
+                    "cycle per 128 values (exp: two). The VPU op list is in "
+                    "flashkit.sim.tpu's docstring; --breakdown prints it per configuration.",
+        epilog="examples:\n  flashkit simulate tpu                      # seed 003's table\n"
+               "  flashkit simulate tpu --n 2048 --blocks 128 256 512 --breakdown\n"
+               "  flashkit simulate tpu --n 48 --d 8 --blocks 8 16  # small tiles tick the array",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--n", type=_positive, default=512, help="sequence length (default 512)")
+    parser.add_argument("--d", type=_positive, default=64, help="head dimension (default 64)")
+    parser.add_argument("--blocks", type=_positive, nargs="+", default=[64, 128],
+                        help="square tile sizes for flash attention (default 64 128)")
+    parser.add_argument("--no-causal", action="store_true", help="attend to every key")
+    parser.add_argument("--breakdown", action="store_true", help="VPU cycles per operation")
+    parser.add_argument("--seed", type=int, default=0, help="random inputs' seed (default 0)")
+    parser.set_defaults(func=_tpu)
+
+
 def register(subparsers) -> None:
     """Add the ``simulate`` command, with one sub-subcommand per machine, to ``subparsers``."""
     parser = subparsers.add_parser(
@@ -152,4 +190,5 @@ def register(subparsers) -> None:
     _add_machine(machines)
     _add_loop_orders(machines)
     _add_systolic(machines)
+    _add_tpu(machines)
     parser.set_defaults(func=_print_help(parser))
