@@ -1,0 +1,34 @@
+"""The demo's report: one Markdown page with tables and the PNGs beside it.
+
+Sections are added as the demo produces them; `write()` renders whatever is there, so a demo
+that stops half-way still leaves a readable page.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class Report:
+    title: str
+    environment: dict
+    sections: list[str] = field(default_factory=list)
+
+    def add(self, heading: str, text: str, image: Path | None = None) -> None:
+        """A section: heading, Markdown text, and optionally a PNG in the report folder."""
+        body = f"## {heading}\n\n{text.strip()}\n"
+        if image is not None:
+            body += f"\n![{heading}]({image.name})\n"
+        self.sections.append(body)
+
+    def write(self, path: Path) -> Path:
+        env = self.environment
+        triton = env["triton"] or "not installed"
+        lines = [f"# {self.title}", "",
+                 f"{env['date']} on {env['device_name']} ({env['device']}); Python "
+                 f"{env['python']}, torch {env['torch']}, triton {triton}, "
+                 f"flashkit {env['flashkit']}.", ""]
+        path.write_text("\n".join(lines + self.sections))
+        return path
