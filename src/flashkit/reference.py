@@ -115,7 +115,8 @@ def _dense(q, k, v, params: AttentionParams, alibi_slopes, dropout_mask, return_
 
     # Safe softmax. The max is a constant shift (softmax does not depend on it): detach it, and
     # use 0 for rows where everything is masked so exp(-inf - 0) = 0 instead of NaN.
-    m = s.detach().amax(-1, keepdim=True)
+    m = (s.detach().amax(-1, keepdim=True) if seqlen_k > 0  # amax cannot reduce an empty row
+         else s.new_full((*s.shape[:-1], 1), -math.inf))
     sink = None
     if params.sink is not None:
         sink = params.sink.to(s.dtype).reshape(1, nheads, 1, 1)
