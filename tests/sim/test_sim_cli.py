@@ -62,3 +62,14 @@ def test_systolic_both_designs(capsys):
 def test_tpu_prints_the_seed_table(capsys):
     out = _run(capsys, "tpu", "--breakdown")
     assert "VPU cycles         10,876     10,576    18,432" in out and "exp rescale" in out
+
+
+def test_hbm_prints_the_theorem_and_the_tiles(capsys):
+    out = _run(capsys, "hbm", "--ns", "256", "1024", "--causal", "--tiles", "128x64")
+    assert "standard / (Nd+N^2)" in out and "FA1 x M / (N^2 d^2)" in out
+    assert "Triton forward, causal" in out and "128       64" in out
+
+
+def test_hbm_rejects_a_bad_tile():
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["simulate", "hbm", "--tiles", "128"])

@@ -9,10 +9,20 @@
   arrays, ticked cycle by cycle (seed 003).
 * :mod:`~flashkit.sim.tpu` -- a TPU core's MXU and VPU running flash and standard attention,
   counting cycles and MXU utilisation (seed 003).
+* :mod:`~flashkit.sim.hbm` -- HBM traffic of standard attention, FlashAttention (the paper's
+  Algorithm 1 and Theorem 2, seed 004) and a Triton FlashAttention-2 forward's tile config.
 
 Every part prints its tables through ``flashkit simulate ...`` (see :mod:`flashkit.sim.cli`).
 """
 
+from flashkit.sim.hbm import (
+    IOCount,
+    flash_attention_io,
+    flash_attention_v1,
+    flash_attention_v2,
+    standard_attention_io,
+    triton_forward_io,
+)
 from flashkit.sim.loop_orders import (
     HBMTraffic,
     inner_product_attention,
@@ -42,18 +52,15 @@ from flashkit.sim.systolic import (
     WeightStationaryArray,
     systolic_matmul,
 )
-from flashkit.sim.tpu import (
-    TPUCycleSimulator,
-    compare_attention,
-    flash_attention,
-    standard_attention,
-)
+from flashkit.sim.tpu import TPUCycleSimulator, compare_attention
 
 __all__ = [
+    "IOCount", "flash_attention_io", "flash_attention_v1", "flash_attention_v2",
+    "standard_attention_io", "triton_forward_io",
     "HBMTraffic", "inner_product_attention", "outer_product_attention",
     "Instruction", "MachineError", "Program", "RegisterMachine", "Run", "assemble", "op", "run",
     "dot_product_c00", "example_program", "matmul_inner_product", "matmul_outer_product",
     "online_attention", "online_softmax", "safe_softmax",
     "OutputStationaryArray", "WeightStationaryArray", "systolic_matmul",
-    "TPUCycleSimulator", "compare_attention", "flash_attention", "standard_attention",
+    "TPUCycleSimulator", "compare_attention",
 ]

@@ -21,6 +21,8 @@ Simulate the machines FlashAttention was designed for, and print what they count
                cycle by cycle: the stagger, the product, M + K + N - 2 cycles
   tpu          a TPU core's MXU (systolic array) and 128-lane VPU running causal flash
                attention at several block sizes and standard attention: cycles, utilisation
+  hbm          the FlashAttention paper's Theorem 2: HBM traffic of standard attention vs
+               FlashAttention as N and the SRAM size grow, and a Triton kernel's block config
 """
 
 _MACHINE_EPILOG = """\
@@ -181,6 +183,63 @@ def _add_tpu(machines) -> None:
     parser.set_defaults(func=_tpu)
 
 
+def _tile(text: str) -> tuple[int, int]:
+    block_m, sep, block_n = text.lower().partition("x")
+    if not sep or not block_m.isdigit() or not block_n.isdigit() or "0" in (block_m, block_n):
+        raise argparse.ArgumentTypeError(f"expected BLOCK_MxBLOCK_N such as 128x64, got {text!r}")
+    return int(block_m), int(block_n)
+
+
+# The seed 004 Triton tutorial's autotuning grid: BLOCK_M in {64, 128}, BLOCK_N in {32, 64, 128}.
+_SEED_TILES = [(m, n) for m in (64, 128) for n in (32, 64, 128)]
+
+
+def _hbm(args: argparse.Namespace) -> int:
+    from flashkit.sim.hbm import format_io_sweep, format_sram_sweep, format_triton_configs
+
+    sram = args.sram_kib * 1024 // args.dtype_bytes
+    print(format_io_sweep(args.ns, args.d, sram, args.dtype_bytes))
+    print()
+    print(format_sram_sweep(args.ns[-1], args.d, [sram // 4, sram // 2, sram, sram * 2]))
+    print()
+    print(format_triton_configs(args.seqlen, args.head_dim, args.tiles, args.causal,
+                                args.dtype_bytes, args.batch, args.nheads))
+    return 0
+
+
+def _add_hbm(machines) -> None:
+    parser = machines.add_parser(
+        "hbm", help="HBM traffic: standard attention vs FlashAttention (Theorem 2), Triton tiles",
+        description="Count the elements and bytes attention moves between HBM and SRAM: "
+                    "standard attention Theta(N d + N^2), FlashAttention (Algorithm 1) "
+                    "Theta(N^2 d^2 / M), and the FlashAttention-2 Triton forward for each "
+                    "BLOCK_M x BLOCK_N tile (every program's loads counted: no L2 reuse).",
+        epilog="examples:\n  flashkit simulate hbm\n"
+               "  flashkit simulate hbm --d 128 --sram-kib 228 --ns 1024 4096 16384 65536\n"
+               "  flashkit simulate hbm --seqlen 8192 --head-dim 128 --causal "
+               "--tiles 128x64 128x128 --batch 2 --nheads 16",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ns", type=_positive, nargs="+",
+                        default=[512, 1024, 2048, 4096, 8192, 16384],
+                        help="sequence lengths N to sweep (default 512 .. 16384)")
+    parser.add_argument("--d", type=_positive, default=64, help="head dimension (default 64)")
+    parser.add_argument("--sram-kib", type=_positive, default=192,
+                        help="SRAM per streaming multiprocessor in KiB, M in Theorem 2 "
+                             "(default 192, an A100 SM as in the paper)")
+    parser.add_argument("--dtype-bytes", type=_positive, default=2,
+                        help="bytes per element: 2 for fp16/bf16, 4 for fp32 (default 2)")
+    parser.add_argument("--seqlen", type=_positive, default=4096,
+                        help="sequence length for the Triton tile table (default 4096)")
+    parser.add_argument("--head-dim", type=_positive, default=128,
+                        help="head dimension for the Triton tile table (default 128)")
+    parser.add_argument("--tiles", type=_tile, nargs="+", default=_SEED_TILES,
+                        help="BLOCK_MxBLOCK_N tiles (default: the seed's autotune grid)")
+    parser.add_argument("--causal", action="store_true", help="causal Triton forward")
+    parser.add_argument("--batch", type=_positive, default=1, help="batch size (default 1)")
+    parser.add_argument("--nheads", type=_positive, default=1, help="query heads (default 1)")
+    parser.set_defaults(func=_hbm)
+
+
 def register(subparsers) -> None:
     """Add the ``simulate`` command, with one sub-subcommand per machine, to ``subparsers``."""
     parser = subparsers.add_parser(
@@ -191,4 +250,5 @@ def register(subparsers) -> None:
     _add_loop_orders(machines)
     _add_systolic(machines)
     _add_tpu(machines)
+    _add_hbm(machines)
     parser.set_defaults(func=_print_help(parser))
