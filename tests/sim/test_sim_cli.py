@@ -73,3 +73,19 @@ def test_hbm_prints_the_theorem_and_the_tiles(capsys):
 def test_hbm_rejects_a_bad_tile():
     with pytest.raises(SystemExit):
         _parser().parse_args(["simulate", "hbm", "--tiles", "128"])
+
+
+def test_machine_on_more_registers_and_too_few(capsys):
+    out = _run(capsys, "machine", "--program", "safe-softmax", "--registers", "5")
+    assert "(5 registers)" in out and "R4" in out
+    args = _parser().parse_args(["simulate", "machine", "--program", "matmul-outer",
+                                 "--registers", "3"])
+    with pytest.raises(ValueError, match="registers=3 is too few: this program needs 6"):
+        args.func(args)
+
+
+def test_every_machine_has_teaching_help(capsys):
+    for machine in ("machine", "loop-orders", "systolic", "tpu", "hbm"):
+        with pytest.raises(SystemExit):
+            _parser().parse_args(["simulate", machine, "--help"])
+        assert "examples:\n  flashkit simulate " + machine in capsys.readouterr().out

@@ -301,9 +301,11 @@ PROGRAM_NAMES = ("c00", "matmul-inner", "matmul-outer", "safe-softmax", "online-
                  "online-attention")
 
 
-def example_program(name: str, n: int = 2, d: int = 1, seed: int = 0) -> Program:
+def example_program(name: str, n: int = 2, d: int = 1, seed: int = 0,
+                    registers: int | None = None) -> Program:
     """Program ``name`` on random inputs of size n (head dim d for attention): small integers
-    for the matmuls so the table is readable, one-decimal floats for softmax and attention."""
+    for the matmuls so the table is readable, one-decimal floats for softmax and attention.
+    ``registers`` runs it on a larger machine than it needs."""
     if name not in PROGRAM_NAMES:
         raise ValueError(f"program must be one of {PROGRAM_NAMES}, got {name!r}")
     if n < 1 or d < 1:
@@ -313,9 +315,9 @@ def example_program(name: str, n: int = 2, d: int = 1, seed: int = 0) -> Program
         a, b = rng.integers(1, 10, (2, n, n)).astype(np.float64)
         builder = {"c00": dot_product_c00, "matmul-inner": matmul_inner_product,
                    "matmul-outer": matmul_outer_product}[name]
-        return builder(a, b)
+        return builder(a, b, registers)
     if name in ("safe-softmax", "online-softmax"):
         x = np.round(rng.normal(size=n) * 2, 1)
-        return (safe_softmax if name == "safe-softmax" else online_softmax)(x)
+        return (safe_softmax if name == "safe-softmax" else online_softmax)(x, registers)
     q, k, v = np.round(rng.normal(size=(3, n, d)), 1)
-    return online_attention(q / np.sqrt(d), k, v)
+    return online_attention(q / np.sqrt(d), k, v, registers)
