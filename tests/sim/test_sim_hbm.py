@@ -16,6 +16,7 @@ from flashkit.sim.hbm import (
     format_triton_configs,
     standard_attention,
     standard_attention_io,
+    triton_forward_bytes,
     triton_forward_io,
 )
 
@@ -114,6 +115,7 @@ def test_triton_prediction_counts_a_whole_pass_per_query_block():
     assert causal.reads["K"] == 128 * 128 * blocks * (blocks + 1) // 2
     # bf16: Q, K, V, O at 2 bytes, lse at 4.
     assert causal.bytes(2) == 2 * (causal.elements - 4096) + 4 * 4096
+    assert triton_forward_bytes(4096, 4096, 128, 128, 64, True, 2) == causal.bytes(2)
 
 
 def test_tables_print():

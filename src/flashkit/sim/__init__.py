@@ -21,6 +21,7 @@ from flashkit.sim.hbm import (
     flash_attention_v1,
     flash_attention_v2,
     standard_attention_io,
+    triton_forward_bytes,
     triton_forward_io,
 )
 from flashkit.sim.loop_orders import (
@@ -56,7 +57,7 @@ from flashkit.sim.tpu import TPUCycleSimulator, compare_attention
 
 __all__ = [
     "IOCount", "flash_attention_io", "flash_attention_v1", "flash_attention_v2",
-    "standard_attention_io", "triton_forward_io",
+    "standard_attention_io", "triton_forward_bytes", "triton_forward_io",
     "HBMTraffic", "inner_product_attention", "outer_product_attention",
     "Instruction", "MachineError", "Program", "RegisterMachine", "Run", "assemble", "op", "run",
     "dot_product_c00", "example_program", "matmul_inner_product", "matmul_outer_product",

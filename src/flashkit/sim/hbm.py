@@ -39,6 +39,7 @@ from flashkit.sim.table import format_table
 __all__ = [
     "IOCount", "flash_block_sizes", "standard_attention", "flash_attention_v1",
     "flash_attention_v2", "standard_attention_io", "flash_attention_io", "triton_forward_io",
+    "triton_forward_bytes",
     "format_io_sweep", "format_sram_sweep", "format_triton_configs",
 ]
 
@@ -261,6 +262,17 @@ def triton_forward_io(seqlen_q: int, seqlen_k: int, head_dim: int, block_m: int,
                               "V": keys_read * head_dim_v},
                        writes={"O": seqlen_q * head_dim_v, "lse": seqlen_q})
     return one_head.scaled(batch * nheads)
+
+
+def triton_forward_bytes(seqlen_q: int, seqlen_k: int, head_dim: int, block_m: int,
+                         block_n: int, causal: bool, dtype_bytes: int,
+                         head_dim_v: int | None = None, batch: int = 1, nheads: int = 1) -> int:
+    """:func:`triton_forward_io` in bytes: Q, K, V, O at ``dtype_bytes``, lse at 4 (float32).
+
+    The one number to set beside a kernel config and its measured DRAM traffic.
+    """
+    return triton_forward_io(seqlen_q, seqlen_k, head_dim, block_m, block_n, causal, head_dim_v,
+                             batch, nheads).bytes(dtype_bytes)
 
 
 def _megabytes(count: int) -> str:

@@ -1,8 +1,9 @@
 """Programs for the toy register machine: the problems of seed 002, generalised to size n.
 
 Every builder returns a :class:`~flashkit.sim.machine.Program` whose instructions are the seed's
-trace when n = 2 (matmul) or the seed's per-element steps (softmax, attention). Running it gives
-the numbers and the counts; the closed forms below are what the tests check the runs against.
+trace where the seed prints one (c00, the 2 x 2 outer product, the online-softmax steady state)
+and follow the seed's steps elsewhere. Running it gives the numbers and the counts; the closed
+forms below are what the tests check the runs against.
 
     program                    registers    cycles            DRAM reads           writes
     c00 (one dot product)      3            3n + 1            2n                   1

@@ -37,10 +37,12 @@ _IDLE = -1  # index marking a cell (or an input slot) with nothing in it this cy
 
 @dataclass
 class SystolicRun:
-    """A finished matmul: the product, the cycles it took, and what entered the array when.
+    """A finished matmul: the product, the cycles it took, and what moved when.
 
-    ``entering[c]`` lists, per cycle c, the (m, k) of each A element entering a row (weight-
-    stationary) or row of the grid (output-stationary), None where nothing enters.
+    ``entering[c]`` lists, for cycle c and each row of the grid, the (m, k) of the A element
+    entering that row from the left, None where nothing enters. ``leaving[c]`` lists the (m, n)
+    of the results leaving the bottom that cycle (weight-stationary; output-stationary results
+    stay in their cells).
     """
 
     product: np.ndarray
