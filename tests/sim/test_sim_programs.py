@@ -88,6 +88,47 @@ def test_online_softmax_two_passes(n):
     assert _counts(result) == (14 * n - 4, 2 * n, n)
 
 
+def test_safe_softmax_is_the_seed_trace():
+    # Seed 002, Problem 4 hints, passes 1-3 for n = 2, with the seed's register names.
+    seed_trace = assemble("""
+        LOAD x[0], r1
+        LOAD x[1], R0
+        MAX R0, r1, r1
+        LOAD x[0], R0
+        SUB R0, r1, R0
+        EXP R0, R0
+        MOV R0, r2
+        LOAD x[1], R0
+        SUB R0, r1, R0
+        EXP R0, R0
+        ADD r2, R0, r2
+        LOAD x[0], R0
+        SUB R0, r1, R0
+        EXP R0, R0
+        DIV R0, r2, R0
+        STORE R0, out[0]
+        LOAD x[1], R0
+        SUB R0, r1, R0
+        EXP R0, R0
+        DIV R0, r2, R0
+        STORE R0, out[1]""")
+    program = safe_softmax(np.array([0.3, -1.2]))
+    assert [str(i) for i in program.instructions] == [str(i).replace("r", "R")
+                                                      for i in seed_trace]
+
+
+def test_online_softmax_init_is_the_seed_trace():
+    # Seed 002, Problem 5 "Initialization (first element)".
+    seed_init = assemble("""
+        LOAD x[0], R0
+        MOV R0, r1
+        SUB R0, r1, R0
+        EXP R0, R0
+        MOV R0, r2""")
+    body = online_softmax(np.array([1.0, 3.0])).sections[0][1]
+    assert [str(i) for i in body[:5]] == [str(i).replace("r", "R") for i in seed_init]
+
+
 def test_online_softmax_steady_state_is_the_seed_trace():
     program = online_softmax(np.array([1.0, 3.0, 2.0]))
     # Seed 002, Problem 5 "Steady state (each subsequent element x_i)", steps 1-9 for i = 1,
