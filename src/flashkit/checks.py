@@ -35,29 +35,30 @@ def same_dtype_and_device(named: dict) -> None:
             raise ValueError(f"{name}: device {t.device} differs from {first}'s {t0.device}")
 
 
-def head_dims(q, k, v, dim: int = -1) -> None:
+def head_dims(q, k, v, dim: int = -1, names=("q", "k", "v")) -> None:
     """q and k share a head dim; both head dims are within 1..MAX_HEAD_DIM."""
     if k.shape[dim] != q.shape[dim]:
-        raise ValueError(f"k: head dim {k.shape[dim]} differs from q's {q.shape[dim]}")
-    for name, t in (("q", q), ("v", v)):
+        raise ValueError(f"{names[1]}: head dim {k.shape[dim]} differs from {names[0]}'s "
+                         f"{q.shape[dim]}")
+    for name, t in ((names[0], q), (names[2], v)):
         if not 1 <= t.shape[dim] <= MAX_HEAD_DIM:
             raise ValueError(f"{name}: head dim {t.shape[dim]} is outside 1..{MAX_HEAD_DIM}")
 
 
-def heads(nheads: int, nheads_k: int, k, v, dim: int) -> None:
+def heads(nheads: int, nheads_k: int, k, v, dim: int, names=("q", "k", "v")) -> None:
     """k and v have the same kv heads, and they divide the query heads (GQA/MQA)."""
     if v.shape[dim] != nheads_k:
-        raise ValueError(f"v: {v.shape[dim]} heads differ from k's {nheads_k}")
+        raise ValueError(f"{names[2]}: {v.shape[dim]} heads differ from {names[1]}'s {nheads_k}")
     if nheads_k == 0 or nheads % nheads_k != 0:
-        raise ValueError(f"k: nheads_k = {nheads_k} must divide q's nheads = {nheads} "
-                         "(GQA/MQA groups query heads over kv heads)")
+        raise ValueError(f"{names[1]}: nheads_k = {nheads_k} must divide {names[0]}'s nheads = "
+                         f"{nheads} (GQA/MQA groups query heads over kv heads)")
 
 
-def softmax_scale(scale, head_dim: int) -> float:
+def softmax_scale(scale, head_dim: int, name: str = "softmax_scale") -> float:
     if scale is None:
         return head_dim ** -0.5
     if not isinstance(scale, numbers.Real) or not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"softmax_scale: expected a finite positive number, got {scale!r}")
+        raise ValueError(f"{name}: expected a finite positive number, got {scale!r}")
     return float(scale)
 
 

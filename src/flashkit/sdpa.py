@@ -40,14 +40,15 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if nheads_k != nheads and not enable_gqa:
         raise ValueError(f"key: {nheads_k} heads differ from query's {nheads}; pass "
                          "enable_gqa=True for grouped-query attention")
-    checks.heads(nheads, nheads_k, key, value, dim=1)
-    checks.head_dims(query, key, value)
+    names = ("query", "key", "value")
+    checks.heads(nheads, nheads_k, key, value, dim=1, names=names)
+    checks.head_dims(query, key, value, names=names)
     if is_causal and attn_mask is not None:
         raise ValueError("attn_mask: cannot be combined with is_causal=True")
     dropout_p = checks.dropout_p(dropout_p)
 
     params = AttentionParams(
-        softmax_scale=checks.softmax_scale(scale, query.shape[-1]),
+        softmax_scale=checks.softmax_scale(scale, query.shape[-1], "scale"),
         window_right=seqlen_q - seqlen_k if is_causal else None,  # top-left: j <= i
         attn_bias=_bias(attn_mask, batch, nheads, seqlen_q, seqlen_k, query.device),
         dropout_p=dropout_p, dropout_seed=draw_dropout_seed() if dropout_p > 0 else 0)
