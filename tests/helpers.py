@@ -90,14 +90,15 @@ GRAD_NAMES = ("q", "k", "v", "sink")
 
 
 def check_against_oracle(fn, inputs: dict, *, grads=True, output_names=("out", "lse"),
-                         oracle_fn=oracle):
+                         oracle_fn=oracle, baseline_fn=None, grad_names=GRAD_NAMES):
     """Assert the DESIGN section 5 rule for fn's outputs and, with grads, for the gradients of
-    q, k, v (and sink when given), under random cotangents shared by the three computations.
-    oracle_fn(**inputs) computes the oracle (on float64 copies) and the baseline (as given).
+    the inputs named in grad_names (q, k, v and sink when given), under random cotangents
+    shared by the three computations. oracle_fn(**inputs) computes the oracle (on float64
+    copies) and, unless baseline_fn is given, the baseline (on the inputs as given).
 
     Also checks that fn leaves the caller's tensors untouched. Returns fn's outputs.
     """
-    grad_names = [n for n in GRAD_NAMES if grads and inputs.get(n) is not None]
+    grad_names = [n for n in grad_names if grads and inputs.get(n) is not None]
     before = {n: t.clone() for n, t in inputs.items() if isinstance(t, torch.Tensor)}
 
     def prepare(to_float64: bool):
@@ -113,7 +114,7 @@ def check_against_oracle(fn, inputs: dict, *, grads=True, output_names=("out", "
 
     runs = {}
     for label, func, to_float64 in (("kernel", fn, False), ("oracle", oracle_fn, True),
-                                    ("baseline", oracle_fn, False)):
+                                    ("baseline", baseline_fn or oracle_fn, False)):
         args = prepare(to_float64)
         runs[label] = (args, tuple(func(**args))[:len(output_names)])
 
@@ -126,7 +127,7 @@ def check_against_oracle(fn, inputs: dict, *, grads=True, output_names=("out", "
         return runs["kernel"][1]
 
     # Rounded to the inputs' dtype, so all three computations see the same cotangent values.
-    dtype = inputs["q"].dtype
+    dtype = inputs[grad_names[0]].dtype
     cotangents = [torch.randn(o.shape, dtype=dtype).double() for o in runs["oracle"][1]]
     grads = {}
     for label, (args, outs) in runs.items():
