@@ -64,12 +64,13 @@ def inputs(seqlen, head_dim, dtype):
     return q, k, v, dout
 
 
-def ours(q, k, v, dout, causal, tile=None, tiles=None):
+def ours(q, k, v, dout, causal, atomic_dq=None):
+    """(fwd ms, bwd ms) with configs.py's defaults; atomic_dq picks the backward's dQ path."""
     params = AttentionParams(q.shape[-1] ** -0.5, None, 0 if causal else None)
-    out, lse = fwd_mod.attention_forward(q, k, v, params, tile=tile)
-    t_fwd = bench(lambda: fwd_mod.attention_forward(q, k, v, params, tile=tile))
+    out, lse = fwd_mod.attention_forward(q, k, v, params)
+    t_fwd = bench(lambda: fwd_mod.attention_forward(q, k, v, params))
     t_bwd = bench(lambda: bwd_mod.attention_backward(dout, q, k, v, out, lse, params,
-                                                     tiles=tiles))
+                                                     atomic_dq=atomic_dq))
     return t_fwd, t_bwd
 
 
@@ -168,11 +169,15 @@ def run_grid(grid, anchors, out_path, env):
                     row = {"dtype": str(dtype).replace("torch.", ""), "head_dim": head_dim,
                            "seqlen": seqlen, "batch": batch, "nheads": nheads,
                            "causal": causal, "ms": {}, "tflops": {}}
-                    impls = ["ours"] + anchors
+                    impls = ["ours", "ours_det", "ours_atomic"] + anchors
                     for impl in impls:
                         try:
-                            times = (ours(q, k, v, dout, causal) if impl == "ours"
-                                     else anchor(impl, q, k, v, dout, causal))
+                            if impl.startswith("ours"):
+                                atomic = {"ours": None, "ours_det": False,
+                                          "ours_atomic": True}[impl]
+                                times = ours(q, k, v, dout, causal, atomic)
+                            else:
+                                times = anchor(impl, q, k, v, dout, causal)
                         except Exception as e:  # an anchor that lacks this case is recorded
                             row.setdefault("errors", {})[impl] = f"{type(e).__name__}: {e}"[:200]
                             continue
@@ -204,10 +209,13 @@ def print_row(row, impls):
 
 
 SWEEP = {  # candidate (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel
+    "forward_pointers": [(128, 128, 8, 3), (128, 64, 4, 3)],
     "forward": [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2),
                 (64, 64, 4, 3), (128, 64, 8, 4), (64, 128, 4, 3)],
     "dkdv": [(32, 128, 4, 3), (32, 128, 8, 3), (64, 128, 8, 3), (64, 128, 8, 2),
              (32, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2)],
+    "dkdv_atomic": [(64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3),
+                    (128, 128, 8, 2), (32, 64, 4, 3), (128, 64, 8, 2)],
     "dq": [(128, 32, 4, 3), (128, 32, 8, 3), (128, 64, 8, 3), (128, 64, 8, 2),
            (64, 32, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2)],
 }
@@ -223,16 +231,20 @@ def run_sweep(out_path, env, head_dims=(64, 128), seqlen=4096):
             params = AttentionParams(head_dim ** -0.5, None, 0 if causal else None)
             out, lse = fwd_mod.attention_forward(q, k, v, params)
             base = {"dkdv": HOPPER["dkdv"][head_dim], "dq": HOPPER["dq"][head_dim]}
+
+            def time_tile(kernel, tile):
+                if kernel.startswith("forward"):
+                    return bench(lambda: fwd_mod.attention_forward(
+                        q, k, v, params, tile=tile, use_tma=kernel == "forward"))
+                tiles = dict(base, **{kernel: tile})
+                return bench(lambda: bwd_mod.attention_backward(
+                    dout, q, k, v, out, lse, params, tiles=tiles,
+                    atomic_dq=kernel == "dkdv_atomic"))
+
             for kernel, candidates in SWEEP.items():
                 for tile in candidates:
                     try:
-                        if kernel == "forward":
-                            ms = bench(lambda: fwd_mod.attention_forward(q, k, v, params,
-                                                                         tile=tile))
-                        else:
-                            tiles = dict(base, **{kernel: tile})
-                            ms = bench(lambda: bwd_mod.attention_backward(
-                                dout, q, k, v, out, lse, params, tiles=tiles))
+                        ms = time_tile(kernel, tile)
                     except Exception as e:  # e.g. out of shared memory
                         ms = None
                         print(f"sweep {kernel} {tile}: {type(e).__name__}: {str(e)[:100]}")
@@ -265,8 +277,18 @@ def main():
     ap.add_argument("--sweep-head-dims", default="64,128")
     ap.add_argument("--memory", action="store_true")
     ap.add_argument("--tag", default="")
+    ap.add_argument("--check", action="store_true",
+                    help="first run the gpu tests of tests/ops/test_triton.py (pytest -m gpu)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
+    if args.check:
+        import pytest
+
+        code = pytest.main(["-q", "-m", "gpu", "-p", "no:cacheprovider",
+                            os.path.join(os.path.dirname(__file__), "..", "tests", "ops",
+                                         "test_triton.py")])
+        if code != 0:
+            return int(code)
     env = environment()
     print(env, flush=True)
     stamp = time.strftime("%Y%m%d_%H%M", time.gmtime()) + (f"_{args.tag}" if args.tag else "")

@@ -9,6 +9,7 @@ every loop split. With CUDA the `gpu` tests run the full grid.
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
 
@@ -23,6 +24,7 @@ from flashkit.ops.params import AttentionParams
 from flashkit.reference import attention_with_params
 from flashkit.testing import assert_close_to_oracle, poison
 
+backward_launcher = importlib.import_module("flashkit.ops.triton.backward")
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 DEVICE = "cpu" if INTERPRET else "cuda"
 
@@ -181,6 +183,25 @@ def test_unsupported_features_raise_before_launch(feature, change):
         triton_backend.backward(dout, q, k, v, q, torch.zeros(1, 2, 5), params)
 
 
+@pytest.mark.parametrize("case", [
+    (1, 50, 37, 4, 2, 40, 40, torch.float16, "causal"),
+    (2, 33, 70, 2, 1, 16, 16, torch.float32, "sliding"),
+    (1, 64, 64, 2, 2, 64, 64, torch.float32, "full"),
+], ids=lambda c: "-".join(map(str, c)).replace("torch.", ""))
+def test_atomic_dq_path_matches_oracle(case):
+    """The non-deterministic backward (dQ by fp32 atomics in the dK/dV kernel), poisoned dq."""
+    *shape, dtype, window = case
+    q, k, v, dout = make_inputs(*shape, dtype)
+    params = AttentionParams(shape[5] ** -0.5, *WINDOWS[window])
+    out, lse = triton_backend.forward(q, k, v, params)
+    dq, dk, dv = backward_launcher.attention_backward(
+        dout, q, k, v, out, lse, params, dq=poison(torch.empty_like(q)), atomic_dq=True)
+    oracle = reference_grads(q, k, v, dout, params, torch.float64)[2:]
+    baseline = reference_grads(q, k, v, dout, params, dtype)[2:]
+    for name, got, want, base in zip(("dq", "dk", "dv"), (dq, dk, dv), oracle, baseline):
+        assert_close_to_oracle(name, got, want, base)
+
+
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seqlen_q=st.integers(1, 70), seqlen_k=st.integers(1, 70),
        group=st.sampled_from([1, 2]), head_dim=st.sampled_from([8, 16, 40, 64]),
@@ -203,7 +224,7 @@ GPU_HEAD_DIMS = [16, 32, 40, 64, 80, 96, 128, 192, 256]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("seqlens", GPU_SEQLENS, ids=str)
 @pytest.mark.parametrize("window", ["full", "causal"])
 def test_gpu_seqlens(dtype, seqlens, window):
@@ -229,6 +250,39 @@ def test_gpu_head_dims(case):
     q, k, v, dout = make_inputs(2, 301, 263, 6, 2, head_dim, head_dim, dtype, "cuda")
     left, right = WINDOWS[window]
     check_against_oracle(q, k, v, dout, AttentionParams(head_dim ** -0.5, left, right))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [
+    (2, 1000, 1000, 8, 2, 128, 128, torch.bfloat16, "causal"),
+    (1, 203, 113, 4, 4, 64, 64, torch.float16, "full"),
+    (2, 301, 263, 6, 2, 96, 96, torch.bfloat16, "sliding"),
+    (1, 517, 517, 4, 1, 256, 256, torch.bfloat16, "causal"),
+], ids=str)
+def test_gpu_atomic_dq_path(case):
+    *shape, dtype, window = case
+    q, k, v, dout = make_inputs(*shape, dtype, "cuda")
+    params = AttentionParams(shape[5] ** -0.5, *WINDOWS[window])
+    out, lse = triton_backend.forward(q, k, v, params)
+    dq, dk, dv = backward_launcher.attention_backward(
+        dout, q, k, v, out, lse, params, dq=poison(torch.empty_like(q)),
+        dk=poison(torch.empty_like(k)), dv=poison(torch.empty_like(v)), atomic_dq=True)
+    oracle = reference_grads(q, k, v, dout, params, torch.float64)[2:]
+    baseline = reference_grads(q, k, v, dout, params, dtype)[2:]
+    for name, got, want, base in zip(("dq", "dk", "dv"), (dq, dk, dv), oracle, baseline):
+        assert_close_to_oracle(name, got, want, base)
+
+
+@pytest.mark.gpu
+def test_gpu_tma_and_pointer_forward_agree():
+    """The TMA descriptor path and the pointer path compute the same forward, bit for bit."""
+    forward_launcher = importlib.import_module("flashkit.ops.triton.forward")
+    q, k, v, _ = make_inputs(2, 999, 1001, 8, 2, 128, 128, torch.bfloat16, "cuda")
+    params = AttentionParams(128 ** -0.5, None, 0)
+    out_tma, lse_tma = forward_launcher.attention_forward(q, k, v, params, use_tma=True)
+    out_ptr, lse_ptr = forward_launcher.attention_forward(q, k, v, params, use_tma=False)
+    assert torch.equal(lse_tma, lse_ptr)
+    assert torch.equal(out_tma, out_ptr)
 
 
 @pytest.mark.gpu

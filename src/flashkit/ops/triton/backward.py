@@ -1,4 +1,4 @@
-"""FlashAttention-2 backward in Triton: three kernels and their host launcher.
+"""FlashAttention-2 backward in Triton: kernels and their host launcher.
 
 Notation as in common.py, plus
     dO, delta     the output gradient and delta_i = sum_d dO_id * O_id (= rowsum(P * dP))
@@ -10,8 +10,11 @@ The kernels:
                              over the query heads of its GQA group and the query tiles that see
                              the block, so dK/dV are reduced over the group in registers
     _bwd_dq_kernel           one program per BLOCK_M query rows, looping over key tiles
-No atomics anywhere: every gradient element is summed by one program in a fixed order, so
-gradients are bitwise reproducible and `deterministic=True` costs nothing.
+    _bwd_dq_convert_kernel   (atomic path) dQ = scale * the fp32 accumulator, in q's dtype
+dQ two ways: the deterministic path (always under params.deterministic) sums every gradient
+element in one program in a fixed order, so gradients are bitwise reproducible; the atomic path
+(configs.ATOMIC_DQ) lets the dK/dV kernel also add dS K into an fp32 dQ accumulator with atomics,
+saving the dQ kernel's two recomputed matmuls (5 instead of 7) at the price of a run-to-run order.
 Transposed tiles carry a _t suffix: s_t is [BLOCK_N, BLOCK_M] = s^T.
 """
 
@@ -34,7 +37,7 @@ from flashkit.ops.triton.common import (
     visible,
     window_args,
 )
-from flashkit.ops.triton.configs import padded_head_dim, tile_config
+from flashkit.ops.triton.configs import ATOMIC_DQ, padded_head_dim, tile_config
 
 
 @triton.jit
@@ -72,14 +75,16 @@ def _load_lse2(lse_ptrs, offs_m, seqlen_q):
 
 
 @triton.jit
-def _bwd_dkdv_tiles(dk, dv, k_tile, v_tile, q_base, do_base, lse_base, delta_base,
+def _bwd_dkdv_tiles(dk, dv, k_tile, v_tile, q_base, do_base, lse_base, delta_base, dqacc_base,
                     stride_qs, stride_qd, stride_dos, stride_dod, stride_ls, stride_deltas,
                     start, end, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, window_left,
                     window_right, qk_scale,
                     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
-                    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, PRECISION: tl.constexpr):
-    """Accumulate dK, dV of one key block over query tiles [start, end)."""
+                    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+                    PRECISION: tl.constexpr):
+    """Accumulate dK, dV of one key block over query tiles [start, end); with ATOMIC_DQ also
+    add this block's share of dQ / scale into the fp32 accumulator (b, h, seqlen_q, BLOCK_D)."""
     for start_m in tl.range(start, end, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         q_ptrs = q_base + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd
@@ -108,11 +113,20 @@ def _bwd_dkdv_tiles(dk, dv, k_tile, v_tile, q_base, do_base, lse_base, delta_bas
         ds_t = p_t * (dp_t - delta[None, :])
         # [BLOCK_N, BLOCK_D] = [BLOCK_N, BLOCK_M] @ [BLOCK_M, BLOCK_D]
         dk = tl.dot(ds_t.to(q_tile.dtype), q_tile, dk, input_precision=PRECISION)
+        if ATOMIC_DQ:
+            # [BLOCK_M, BLOCK_D] = [BLOCK_M, BLOCK_N] @ [BLOCK_N, BLOCK_D]
+            dq_part = tl.dot(tl.trans(ds_t).to(k_tile.dtype), k_tile, input_precision=PRECISION)
+            dqacc_ptrs = dqacc_base + offs_m[:, None] * BLOCK_D + offs_d[None, :]
+            if MASKED:
+                tl.atomic_add(dqacc_ptrs, dq_part, mask=offs_m[:, None] < seqlen_q,
+                              sem="relaxed")
+            else:
+                tl.atomic_add(dqacc_ptrs, dq_part, sem="relaxed")
     return dk, dv
 
 
 @triton.jit
-def _bwd_dkdv_kernel(Q, K, V, DO, Lse, Delta, DK, DV,
+def _bwd_dkdv_kernel(Q, K, V, DO, Lse, Delta, DK, DV, DQAcc,
                      stride_qb, stride_qs, stride_qh, stride_qd,
                      stride_kb, stride_ks, stride_kh, stride_kd,
                      stride_vb, stride_vs, stride_vh, stride_vd,
@@ -126,7 +140,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, Lse, Delta, DK, DV,
                      HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                      BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, EVEN_N: tl.constexpr,
-                     PRECISION: tl.constexpr):
+                     ATOMIC_DQ: tl.constexpr, PRECISION: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     off_b = (pid_bh // nheads_k).to(tl.int64)
@@ -156,24 +170,25 @@ def _bwd_dkdv_kernel(Q, K, V, DO, Lse, Delta, DK, DV,
         do_base = DO + off_b * stride_dob + off_h * stride_doh
         lse_base = Lse + off_b * stride_lb + off_h * stride_lh
         delta_base = Delta + off_b * stride_deltab + off_h * stride_deltah
+        dqacc_base = DQAcc + ((off_b * nheads_k + off_hk) * group + g) * seqlen_q * BLOCK_D
         dk, dv = _bwd_dkdv_tiles(dk, dv, k_tile, v_tile, q_base, do_base, lse_base, delta_base,
-                                 stride_qs, stride_qd, stride_dos, stride_dod, stride_ls,
+                                 dqacc_base, stride_qs, stride_qd, stride_dos, stride_dod, stride_ls,
                                  stride_deltas, lo, mid_lo, offs_n, offs_d, offs_dv, seqlen_q,
                                  seqlen_k, window_left, window_right, qk_scale, HEAD_DIM,
                                  HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, True, HAS_LEFT,
-                                 HAS_RIGHT, PRECISION)
+                                 HAS_RIGHT, ATOMIC_DQ, PRECISION)
         dk, dv = _bwd_dkdv_tiles(dk, dv, k_tile, v_tile, q_base, do_base, lse_base, delta_base,
-                                 stride_qs, stride_qd, stride_dos, stride_dod, stride_ls,
+                                 dqacc_base, stride_qs, stride_qd, stride_dos, stride_dod, stride_ls,
                                  stride_deltas, mid_lo, mid_hi, offs_n, offs_d, offs_dv,
                                  seqlen_q, seqlen_k, window_left, window_right, qk_scale,
                                  HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, False,
-                                 HAS_LEFT, HAS_RIGHT, PRECISION)
+                                 HAS_LEFT, HAS_RIGHT, ATOMIC_DQ, PRECISION)
         dk, dv = _bwd_dkdv_tiles(dk, dv, k_tile, v_tile, q_base, do_base, lse_base, delta_base,
-                                 stride_qs, stride_qd, stride_dos, stride_dod, stride_ls,
+                                 dqacc_base, stride_qs, stride_qd, stride_dos, stride_dod, stride_ls,
                                  stride_deltas, mid_hi, hi, offs_n, offs_d, offs_dv, seqlen_q,
                                  seqlen_k, window_left, window_right, qk_scale, HEAD_DIM,
                                  HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, True, HAS_LEFT,
-                                 HAS_RIGHT, PRECISION)
+                                 HAS_RIGHT, ATOMIC_DQ, PRECISION)
 
     dk_ptrs = (DK + off_b * stride_dkb + off_hk * stride_dkh
                + offs_n[:, None] * stride_dks + offs_d[None, :] * stride_dkd)
@@ -279,13 +294,36 @@ def _bwd_dq_kernel(Q, K, V, DO, Lse, Delta, DQ,
                HEAD_DIM, not EVEN_M, HEAD_DIM != BLOCK_D)
 
 
+@triton.jit
+def _bwd_dq_convert_kernel(DQAcc, DQ, stride_dqb, stride_dqs, stride_dqh, stride_dqd,
+                           nheads, seqlen_q, softmax_scale,
+                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """dQ = scale * the fp32 accumulator (b, h, seqlen_q, BLOCK_D), in q's dtype and layout."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1).to(tl.int64)
+    off_b = pid_bh // nheads
+    off_h = pid_bh % nheads
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    acc_ptrs = DQAcc + pid_bh * seqlen_q * BLOCK_D + offs_m[:, None] * BLOCK_D + offs_d[None, :]
+    dq = tl.load(acc_ptrs, mask=offs_m[:, None] < seqlen_q, other=0.0)
+    dq_ptrs = (DQ + off_b * stride_dqb + off_h * stride_dqh
+               + offs_m[:, None] * stride_dqs + offs_d[None, :] * stride_dqd)
+    store_tile(dq_ptrs, (dq * softmax_scale).to(DQ.dtype.element_ty), offs_m, seqlen_q, offs_d,
+               HEAD_DIM, True, HEAD_DIM != BLOCK_D)
+
+
 def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        out: torch.Tensor, lse: torch.Tensor, params: AttentionParams,
                        dq: torch.Tensor | None = None, dk: torch.Tensor | None = None,
-                       dv: torch.Tensor | None = None, tiles: dict | None = None):
+                       dv: torch.Tensor | None = None, tiles: dict | None = None,
+                       atomic_dq: bool | None = None):
     """Launch preprocess, dK/dV and dQ. Returns (dq, dk, dv); buffers may be preallocated.
 
-    tiles = {"dkdv": (BLOCK_M, BLOCK_N, num_warps, num_stages), "dq": ...} overrides configs.py.
+    dQ comes from its own kernel (deterministic) or, when atomic_dq, from fp32 atomic adds in
+    the dK/dV kernel plus a conversion (fewer matmuls, order of the adds not fixed). atomic_dq
+    None picks configs.ATOMIC_DQ unless params.deterministic. tiles = {"dkdv": (BLOCK_M,
+    BLOCK_N, num_warps, num_stages), "dq": ...} overrides configs.py (the tuning sweep).
     """
     tiles = tiles or {}
     batch, seqlen_q, nheads, head_dim = q.shape
@@ -298,6 +336,8 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     window_left, window_right, has_left, has_right = window_args(params)
     block_d, block_dv = padded_head_dim(head_dim), padded_head_dim(head_dim_v)
     d_max = max(head_dim, head_dim_v)
+    if atomic_dq is None:
+        atomic_dq = ATOMIC_DQ and not params.deterministic
     qk_scale = params.softmax_scale * LOG2E
     dims = dict(HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv)
     band = dict(HAS_LEFT=has_left, HAS_RIGHT=has_right, PRECISION=DOT_PRECISION)
@@ -309,13 +349,24 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         out, dout, delta, *out.stride(), *dout.stride(), *delta.stride(), nheads, seqlen_q,
         HEAD_DIM_V=head_dim_v, BLOCK_DV=block_dv, BLOCK_M=preprocess_block_m)
 
-    block_m, block_n, num_warps, num_stages = tiles.get("dkdv") or tile_config(
-        "dkdv", d_max, q.element_size(), interpreting())
+    kernel = "dkdv_atomic" if atomic_dq else "dkdv"
+    block_m, block_n, num_warps, num_stages = tiles.get(kernel) or tile_config(
+        kernel, d_max, q.element_size(), interpreting())
+    dq_acc = (torch.zeros((batch, nheads, seqlen_q, block_d), dtype=torch.float32,
+                          device=q.device) if atomic_dq else delta)
     _bwd_dkdv_kernel[(triton.cdiv(seqlen_k, block_n), batch * nheads_k)](
-        q, k, v, dout, lse, delta, dk, dv, *common_strides, *dk.stride(), *dv.stride(),
+        q, k, v, dout, lse, delta, dk, dv, dq_acc, *common_strides, *dk.stride(), *dv.stride(),
         nheads_k, group, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
         params.softmax_scale, **dims, BLOCK_M=block_m, BLOCK_N=block_n, **band,
-        EVEN_N=seqlen_k % block_n == 0, num_warps=num_warps, num_stages=num_stages)
+        EVEN_N=seqlen_k % block_n == 0, ATOMIC_DQ=atomic_dq, num_warps=num_warps,
+        num_stages=num_stages)
+
+    if atomic_dq:
+        convert_block_m = 64
+        _bwd_dq_convert_kernel[(triton.cdiv(seqlen_q, convert_block_m), batch * nheads)](
+            dq_acc, dq, *dq.stride(), nheads, seqlen_q, params.softmax_scale,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=convert_block_m)
+        return dq, dk, dv
 
     block_m, block_n, num_warps, num_stages = tiles.get("dq") or tile_config(
         "dq", d_max, q.element_size(), interpreting())

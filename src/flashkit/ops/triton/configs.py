@@ -21,37 +21,52 @@ HOPPER = {
     "forward": {
         16: (128, 64, 4, 3),
         32: (128, 64, 4, 3),
-        64: (128, 64, 4, 3),
-        128: (128, 64, 8, 3),
+        64: (128, 64, 4, 3),  # sweep 2026-11-21 02:06: 1.266 + 0.729 ms (next: 128,64,8,3)
+        128: (128, 128, 8, 3),  # 1.113 + 0.647 ms (next: 64,64,4,3 at 1.114 + 0.657)
         256: (64, 64, 4, 2),
     },
     "dkdv": {
         16: (32, 128, 4, 3),
         32: (32, 128, 4, 3),
-        64: (32, 128, 4, 3),
-        128: (32, 128, 8, 3),
+        64: (32, 128, 4, 3),  # whole backward 4.048 + 2.284 ms (next: 32,64,4,3)
+        128: (32, 64, 4, 3),  # 3.492 + 2.047 ms (next: 64,128,8,3 / 64,128,8,2)
+        256: (32, 64, 8, 2),
+    },
+    "dkdv_atomic": {
+        16: (64, 128, 8, 3),
+        32: (64, 128, 8, 3),
+        64: (64, 128, 8, 3),
+        128: (64, 128, 8, 2),
         256: (32, 64, 8, 2),
     },
     "dq": {
-        16: (128, 32, 4, 3),
-        32: (128, 32, 4, 3),
-        64: (128, 32, 4, 3),
-        128: (128, 32, 8, 3),
+        16: (128, 64, 8, 3),
+        32: (128, 64, 8, 3),
+        64: (128, 64, 8, 3),  # whole backward 3.718 + 2.145 ms
+        128: (128, 64, 8, 3),  # 3.698 + 2.148 ms
         256: (64, 32, 8, 2),
     },
 }
+
+# Forward K/V loads through TMA descriptors where the layout allows (common.kv_descriptor).
+USE_TMA = True
+
+# Non-deterministic backward: dQ by fp32 atomics inside the dK/dV kernel instead of its own kernel.
+ATOMIC_DQ = False
 
 # fp32 inputs (a correctness path, IEEE dots): one small tile for every head dim, single-stage,
 # so head dim 256 fits in shared memory (dq: 64x256 Q and dO plus 32x256 K and V, 192 KiB).
 FP32 = {
     "forward": (64, 32, 4, 1),
     "dkdv": (32, 32, 4, 1),
+    "dkdv_atomic": (32, 32, 4, 1),
     "dq": (64, 32, 4, 1),
 }
 
 INTERPRETER = {
     "forward": (32, 16, 1, 1),
     "dkdv": (16, 32, 1, 1),
+    "dkdv_atomic": (16, 32, 1, 1),
     "dq": (32, 16, 1, 1),
 }
 

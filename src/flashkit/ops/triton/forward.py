@@ -24,28 +24,30 @@ from flashkit.ops.triton.common import (
     LOG2E,
     interpreting,
     key_tile_ranges,
+    kv_descriptor,
+    load_kv_tile,
     load_tile,
     online_softmax_update,
     store_tile,
     visible,
     window_args,
 )
-from flashkit.ops.triton.configs import padded_head_dim, tile_config
+from flashkit.ops.triton.configs import USE_TMA, padded_head_dim, tile_config
 
 
 @triton.jit
-def _fwd_tiles(acc, m_i, l_i, q_tile, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
-               start, end, offs_m, offs_d, offs_dv, seqlen_q, seqlen_k, window_left,
-               window_right, qk_scale,
+def _fwd_tiles(acc, m_i, l_i, q_tile, k_src, v_src, off_b, off_hk, stride_ks, stride_kd,
+               stride_vs, stride_vd, start, end, offs_m, offs_d, offs_dv, seqlen_q, seqlen_k,
+               window_left, window_right, qk_scale,
                HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, PRECISION: tl.constexpr):
+               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, USE_TMA: tl.constexpr,
+               PRECISION: tl.constexpr):
     """Stream key tiles [start, end) into (acc, m_i, l_i); MASKED applies the band predicate."""
     for start_n in tl.range(start, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k_ptrs = k_base + offs_n[:, None] * stride_ks + offs_d[None, :] * stride_kd
-        k_tile = load_tile(k_ptrs, offs_n, seqlen_k, offs_d, HEAD_DIM, MASKED,
-                           HEAD_DIM != BLOCK_D)
+        k_tile = load_kv_tile(k_src, off_b, off_hk, start_n, offs_n, seqlen_k, offs_d,
+                              stride_ks, stride_kd, HEAD_DIM, BLOCK_N, BLOCK_D, MASKED, USE_TMA)
         # [BLOCK_M, BLOCK_N] = [BLOCK_M, BLOCK_D] @ [BLOCK_D, BLOCK_N]
         s = tl.dot(q_tile, tl.trans(k_tile), input_precision=PRECISION) * qk_scale
         if MASKED:
@@ -53,9 +55,9 @@ def _fwd_tiles(acc, m_i, l_i, q_tile, k_base, v_base, stride_ks, stride_kd, stri
                            window_right, HAS_LEFT, HAS_RIGHT)
             s = tl.where(keep, s, float("-inf"))
         p, alpha, m_i, l_i = online_softmax_update(m_i, l_i, s, MASKED)
-        v_ptrs = v_base + offs_n[:, None] * stride_vs + offs_dv[None, :] * stride_vd
-        v_tile = load_tile(v_ptrs, offs_n, seqlen_k, offs_dv, HEAD_DIM_V, MASKED,
-                           HEAD_DIM_V != BLOCK_DV)
+        v_tile = load_kv_tile(v_src, off_b, off_hk, start_n, offs_n, seqlen_k, offs_dv,
+                              stride_vs, stride_vd, HEAD_DIM_V, BLOCK_N, BLOCK_DV, MASKED,
+                              USE_TMA)
         # [BLOCK_M, BLOCK_DV] = [BLOCK_M, BLOCK_N] @ [BLOCK_N, BLOCK_DV]
         acc = tl.dot(p.to(v_tile.dtype), v_tile, acc * alpha[:, None], input_precision=PRECISION)
     return acc, m_i, l_i
@@ -72,7 +74,8 @@ def _fwd_kernel(Q, K, V, Out, Lse,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, EVEN_M: tl.constexpr,
-                PRECISION: tl.constexpr):
+                USE_TMA: tl.constexpr, PRECISION: tl.constexpr):
+    """K and V are tensor descriptors when USE_TMA (see common.kv_descriptor), else pointers."""
     # Heaviest query tiles first: under a causal band the last rows see the most keys.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -88,8 +91,12 @@ def _fwd_kernel(Q, K, V, Out, Lse,
               + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd)
     q_tile = load_tile(q_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, not EVEN_M,
                        HEAD_DIM != BLOCK_D)
-    k_base = K + off_b * stride_kb + off_hk * stride_kh
-    v_base = V + off_b * stride_vb + off_hk * stride_vh
+    if USE_TMA:
+        k_src = K
+        v_src = V
+    else:
+        k_src = K + off_b * stride_kb + off_hk * stride_kh
+        v_src = V + off_b * stride_vb + off_hk * stride_vh
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -98,21 +105,21 @@ def _fwd_kernel(Q, K, V, Out, Lse,
     lo, mid_lo, mid_hi, hi = key_tile_ranges(start_m, seqlen_q, seqlen_k, window_left,
                                              window_right, BLOCK_M, BLOCK_N, HAS_LEFT,
                                              HAS_RIGHT)
-    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q_tile, k_base, v_base, stride_ks, stride_kd,
-                               stride_vs, stride_vd, lo, mid_lo, offs_m, offs_d, offs_dv,
+    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q_tile, k_src, v_src, off_b, off_hk,
+                               stride_ks, stride_kd, stride_vs, stride_vd, lo, mid_lo, offs_m, offs_d, offs_dv,
                                seqlen_q, seqlen_k, window_left, window_right, qk_scale,
                                HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True,
-                               HAS_LEFT, HAS_RIGHT, PRECISION)
-    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q_tile, k_base, v_base, stride_ks, stride_kd,
-                               stride_vs, stride_vd, mid_lo, mid_hi, offs_m, offs_d, offs_dv,
+                               HAS_LEFT, HAS_RIGHT, USE_TMA, PRECISION)
+    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q_tile, k_src, v_src, off_b, off_hk,
+                               stride_ks, stride_kd, stride_vs, stride_vd, mid_lo, mid_hi, offs_m, offs_d, offs_dv,
                                seqlen_q, seqlen_k, window_left, window_right, qk_scale,
                                HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, False,
-                               HAS_LEFT, HAS_RIGHT, PRECISION)
-    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q_tile, k_base, v_base, stride_ks, stride_kd,
-                               stride_vs, stride_vd, mid_hi, hi, offs_m, offs_d, offs_dv,
+                               HAS_LEFT, HAS_RIGHT, USE_TMA, PRECISION)
+    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q_tile, k_src, v_src, off_b, off_hk,
+                               stride_ks, stride_kd, stride_vs, stride_vd, mid_hi, hi, offs_m, offs_d, offs_dv,
                                seqlen_q, seqlen_k, window_left, window_right, qk_scale,
                                HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True,
-                               HAS_LEFT, HAS_RIGHT, PRECISION)
+                               HAS_LEFT, HAS_RIGHT, USE_TMA, PRECISION)
 
     # A row that saw no key has l = 0: out = 0 (acc is 0) and lse = -inf, never NaN.
     has_mass = l_i > 0.0
@@ -134,11 +141,12 @@ def _fwd_kernel(Q, K, V, Out, Lse,
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       params: AttentionParams, out: torch.Tensor | None = None,
                       lse: torch.Tensor | None = None,
-                      tile: tuple[int, int, int, int] | None = None
+                      tile: tuple[int, int, int, int] | None = None, use_tma: bool = USE_TMA
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernel. Returns (out, lse); out/lse may be given preallocated.
 
-    tile = (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides configs.py (the tuning sweep).
+    tile = (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides configs.py (the tuning sweep);
+    use_tma=False keeps K/V loads on pointers even where a TMA descriptor would do.
     """
     batch, seqlen_q, nheads, head_dim = q.shape
     _, seqlen_k, nheads_k, head_dim_v = v.shape
@@ -149,14 +157,16 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     block_m, block_n, num_warps, num_stages = tile or tile_config(
         "forward", max(head_dim, head_dim_v), q.element_size(), interpreting())
     window_left, window_right, has_left, has_right = window_args(params)
+    block_d, block_dv = padded_head_dim(head_dim), padded_head_dim(head_dim_v)
+    k_desc, v_desc = kv_descriptor(k, block_n, block_d), kv_descriptor(v, block_n, block_dv)
+    use_tma = use_tma and k_desc is not None and v_desc is not None
     grid = (triton.cdiv(seqlen_q, block_m), batch * nheads)
     _fwd_kernel[grid](
-        q, k, v, out, lse,
+        q, k_desc if use_tma else k, v_desc if use_tma else v, out, lse,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
         nheads, nheads // nheads_k, seqlen_q, seqlen_k, window_left, window_right,
         params.softmax_scale * LOG2E,
-        HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=padded_head_dim(head_dim),
-        BLOCK_DV=padded_head_dim(head_dim_v), BLOCK_M=block_m, BLOCK_N=block_n,
-        HAS_LEFT=has_left, HAS_RIGHT=has_right, EVEN_M=seqlen_q % block_m == 0,
-        PRECISION=DOT_PRECISION, num_warps=num_warps, num_stages=num_stages)
+        HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
+        BLOCK_M=block_m, BLOCK_N=block_n, HAS_LEFT=has_left, HAS_RIGHT=has_right,
+        EVEN_M=seqlen_q % block_m == 0, USE_TMA=use_tma, PRECISION=DOT_PRECISION, num_warps=num_warps, num_stages=num_stages)
     return out, lse
