@@ -1,0 +1,163 @@
+"""The public ring attention functions: check the call on every rank, plan the ring, run it.
+
+Both are collectives over `group` (default: the whole world): every rank calls with its own
+shard of the same sequences, laid out as `layout` says (see `flashkit.distributed.layout`), and
+gets the attention output of its shard's queries over ALL the keys; the backward pass is a
+collective too. Masks (causal, window_size) refer to global positions, bottom-right aligned on
+the global lengths, exactly as flash_attn_func would see the unsharded tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashkit import checks
+from flashkit.distributed import layout as layouts
+from flashkit.distributed.checks import agree, resolve_group
+from flashkit.distributed.engine import RingAttention, RingProblem
+from flashkit.distributed.plan import ring_plans
+from flashkit.distributed.ring import Ring
+from flashkit.ops.params import AttentionParams
+
+__all__ = ["ring_flash_attn_func", "ring_flash_attn_varlen_func"]
+
+_DENSE = {"q": "(batch, seqlen_q, nheads, headdim)", "k": "(batch, seqlen_k, nheads_k, headdim)",
+          "v": "(batch, seqlen_k, nheads_k, headdim_v)"}
+_VARLEN = {"q": "(total_q, nheads, headdim)", "k": "(total_k, nheads_k, headdim)",
+           "v": "(total_k, nheads_k, headdim_v)"}
+# The checked settings every rank must share, with the arguments they come from.
+_SETTINGS = {"softmax_scale": "softmax_scale", "softcap": "softcap",
+             "window_left": "window_size[0] (left)", "window_right": "causal / window_size[1]",
+             "dtype": "dtype of q, k, v", "batch": "number of sequences (cu_seqlens)",
+             "layout": "layout", "backend": "backend"}
+
+
+def ring_flash_attn_func(q, k, v, group=None, causal=False, softmax_scale=None,
+                         window_size=(-1, -1), softcap=0.0, layout="contiguous",
+                         return_lse=False, backend=None):
+    """Sequence-parallel attention: this rank's queries over the keys of every rank of the group.
+
+    q (batch, seqlen_q, nheads, d), k (batch, seqlen_k, nheads_k, d), v (batch, seqlen_k,
+    nheads_k, d_v): this rank's shards (dim 1), equal on every rank; with layout="zigzag" each
+    shard is two chunks, so seqlen_q and seqlen_k must be even. The global problem is
+    flash_attn_func on the unsharded tensors (global seqlen = world * local seqlen): causal and
+    window_size=(left, right) (-1 = unbounded) are bottom-right aligned on the global lengths;
+    nheads_k divides nheads (GQA); softcap > 0 applies cap * tanh(s / cap). backend: None picks
+    "triton" for CUDA tensors and "torch" (tiled) otherwise.
+
+    Returns out (batch, seqlen_q, nheads, d_v), this rank's shard of the global output, or
+    (out, lse (batch, nheads, seqlen_q) float32) with return_lse. Differentiable in q, k, v.
+    """
+    group = resolve_group(group)
+    try:
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            checks.tensor(name, t, _DENSE[name])
+        checks.same_dtype_and_device({"q": q, "k": k, "v": v})
+        for name, t in (("k", k), ("v", v)):
+            if t.shape[0] != q.shape[0]:
+                raise ValueError(f"{name}: batch {t.shape[0]} differs from q's {q.shape[0]}")
+        if v.shape[1] != k.shape[1]:
+            raise ValueError(f"v: seqlen {v.shape[1]} differs from k's {k.shape[1]}")
+        checks.heads(q.shape[2], k.shape[2], k, v, dim=2)
+        checks.head_dims(q, k, v)
+        call = _settings(q, causal, softmax_scale, window_size, softcap, layout, backend)
+        error = None
+    except (TypeError, ValueError) as e:
+        call, error = None, e
+    agree(group, _device(q), _signature({"q": q, "k": k, "v": v}, _DENSE, call), error)
+    for name, t in (("q", q), ("k", k)):
+        _check_splits(f"{name}: seqlen_{name} (dim 1)", [t.shape[1]], call["layout"])
+    out, lse = _run(q, k, v, [q.shape[1]], [k.shape[1]], group, call)
+    return (out, lse) if return_lse else out
+
+
+def ring_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                group=None, causal=False, softmax_scale=None,
+                                window_size=(-1, -1), softcap=0.0, layout="contiguous",
+                                return_lse=False, backend=None):
+    """ring_flash_attn_func for sequences packed without padding.
+
+    q (total_q, nheads, d), k/v (total_k, nheads_k, d[_v]) are this rank's packed tokens; local
+    cu_seqlens_q/k (int32, batch + 1) and max_seqlen_q/k describe them. Every sequence is sharded
+    across the group with `layout` (flashkit.distributed.shard_varlen does it), so all ranks hold
+    the same local lengths: sequence b has global length world * (its local length), and masks
+    align per sequence on the global lengths. Returns out (total_q, nheads, d_v), or (out, lse
+    (nheads, total_q)) with return_lse.
+    """
+    group = resolve_group(group)
+    try:
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            checks.tensor(name, t, _VARLEN[name])
+        checks.same_dtype_and_device({"q": q, "k": k, "v": v})
+        if v.shape[0] != k.shape[0]:
+            raise ValueError(f"v: {v.shape[0]} tokens differ from k's {k.shape[0]}")
+        checks.heads(q.shape[1], k.shape[1], k, v, dim=1)
+        checks.head_dims(q, k, v)
+        batch = checks.cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q,
+                                  "max_seqlen_q", q.device)
+        if checks.cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k,
+                             "max_seqlen_k", q.device) != batch:
+            raise ValueError(f"cu_seqlens_k: describes {cu_seqlens_k.numel() - 1} sequences, "
+                             f"cu_seqlens_q {batch}")
+        call = _settings(q, causal, softmax_scale, window_size, softcap, layout, backend)
+        call["batch"], error = batch, None
+    except (TypeError, ValueError) as e:
+        call, error = None, e
+    agree(group, _device(q), _signature({"q": q, "k": k, "v": v}, _VARLEN, call), error)
+    # Now the number of sequences agrees: compare the lengths themselves.
+    cu = {"cu_seqlens_q": cu_seqlens_q.tolist(), "cu_seqlens_k": cu_seqlens_k.tolist()}
+    agree(group, _device(q), [(f"{name}[{b}]", x) for name, values in cu.items()
+                              for b, x in enumerate(values)], None)
+    lens = {name: [b - a for a, b in zip(c, c[1:], strict=False)] for name, c in cu.items()}
+    for name, n in lens.items():
+        _check_splits(f"{name}: local sequence lengths", n, call["layout"])
+    out, lse = _run(q[None], k[None], v[None], lens["cu_seqlens_q"], lens["cu_seqlens_k"],
+                    group, call)
+    return (out[0], lse[0]) if return_lse else out[0]
+
+
+def _settings(q, causal, softmax_scale, window_size, softcap, layout, backend) -> dict:
+    """The checked scalar arguments (raises naming the bad one)."""
+    window_left, window_right = checks.window_size(window_size, causal)
+    name = checks.backend(backend, q.device)
+    if name == "reference":
+        raise ValueError("backend: ring attention runs a block kernel, 'torch' or 'triton' "
+                         "(None picks one); 'reference' materialises the whole matrix")
+    return {"softmax_scale": checks.softmax_scale(softmax_scale, q.shape[-1]),
+            "softcap": checks.softcap(softcap), "window_left": window_left,
+            "window_right": window_right, "layout": layouts.check_layout(layout),
+            "backend": name, "dtype": checks.DTYPES.index(q.dtype)}
+
+
+def _signature(tensors: dict, dims: dict, call: dict | None) -> list[tuple[str, object]]:
+    """What must agree across ranks; placeholders (-1) when this rank's checks failed."""
+    fields = []
+    for name, t in tensors.items():
+        for i, label in enumerate(dims[name].strip("()").split(", ")):
+            fields.append((f"{name}: {label} (dim {i})", -1 if call is None else t.shape[i]))
+    if call is not None:
+        call = {**call, "layout": layouts.LAYOUTS.index(call["layout"]),
+                "backend": checks.BACKEND_NAMES.index(call["backend"])}
+    for key, name in _SETTINGS.items():
+        fields.append((name, -1 if call is None else call.get(key, 0)))
+    return fields
+
+
+def _check_splits(what: str, lengths: list[int], layout: str) -> None:
+    if layout == "zigzag" and any(n % 2 for n in lengths):
+        raise ValueError(f"{what} must be even with layout='zigzag' (each rank's shard is two "
+                         f"chunks, r and 2 * world - 1 - r); got {lengths}")
+
+
+def _device(q) -> torch.device:
+    return q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
+
+
+def _run(q, k, v, q_lens, k_lens, group, call):
+    """Plan the ring for this rank and run it: (out, lse) on batch-first dense tensors."""
+    ring = Ring(group)
+    plans = ring_plans(call["layout"], ring.rank, ring.world, q_lens, k_lens,
+                       call["window_left"], call["window_right"])
+    params = AttentionParams(softmax_scale=call["softmax_scale"], softcap=call["softcap"])
+    problem = RingProblem(ring, plans, params, call["backend"])
+    return RingAttention.apply(q, k.contiguous(), v.contiguous(), problem)
