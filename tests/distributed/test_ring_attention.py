@@ -1,0 +1,77 @@
+"""Ring attention against the float64 oracle on 1, 2 and 4 CPU processes (gloo).
+
+Each world size runs every case of ring_cases in ONE process group (spawned once, cached for the
+module); each test then reports one case. World size 1 runs in this process. The gpu test runs
+the Triton backend over NCCL when two GPUs are present.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from ring_cases import REJECT, VALID, run
+
+import flashkit.distributed as fd
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_group(world: int, out_dir, dist_backend: str = "gloo", names=None) -> dict:
+    path = str(out_dir / f"ring_{dist_backend}_{world}.json")
+    args = (world, _free_port(), path, dist_backend, names)
+    if world == 1:
+        run(0, *args)
+    else:
+        mp.spawn(run, args=args, nprocs=world)
+    with open(path) as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def cpu_results(tmp_path_factory):
+    """results(world): {case name: failure or ""}, from one group per world size."""
+    return functools.cache(lambda world: _run_group(world, tmp_path_factory.mktemp("ring")))
+
+
+def _report(results: dict, name: str) -> None:
+    assert name in results, f"{name}: the worker did not run it"
+    if results[name]:
+        pytest.fail(results[name], pytrace=False)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("case", VALID, ids=lambda c: c.name)
+def test_ring_matches_oracle(cpu_results, world, case):
+    _report(cpu_results(world), case.name)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("reject", REJECT, ids=lambda r: r.name)
+def test_ring_rejects(cpu_results, world, reject):
+    """Every rank raises the expected clear error (none hangs) and the group stays usable."""
+    _report(cpu_results(world), reject.name)
+
+
+def test_needs_initialized_process_group():
+    q = torch.randn(1, 4, 2, 16)
+    with pytest.raises(RuntimeError, match="group: torch.distributed is not initialized"):
+        fd.ring_flash_attn_func(q, q, q)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_ring_triton_nccl(tmp_path):
+    names = ("contiguous-causal", "zigzag-causal-gqa4", "zigzag-causal-bf16", "contiguous-window",
+             "contiguous-causal-q-longer")
+    results = _run_group(2, tmp_path, "nccl", names)
+    failures = {n: results[n] for n in names if results[n]}
+    assert not failures, failures
