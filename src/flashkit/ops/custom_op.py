@@ -9,7 +9,6 @@ forward op's autograd formula calls the backward op.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 
 import torch
 from torch import Tensor
@@ -18,14 +17,24 @@ from flashkit.ops.params import AttentionParams
 
 __all__ = ["attention", "backend_module", "BACKENDS"]
 
-BACKENDS = {"torch": "flashkit.ops.tiled", "triton": "flashkit.ops.triton"}
+BACKENDS = ("torch", "triton")
 _FIELDS = [f.name for f in dataclasses.fields(AttentionParams)]
 _TENSOR_FIELDS = ["alibi_slopes", "sink", "attn_bias", "cu_seqlens_q", "cu_seqlens_k"]
 
 
 def backend_module(name: str):
-    """The module implementing forward/backward for a backend name."""
-    return importlib.import_module(BACKENDS[name])
+    """The module implementing forward/backward for a backend name, imported on first use.
+
+    Import statements, not importlib.import_module: torch.compile traces the former and breaks
+    the graph at the latter (return_attn_probs calls this outside the custom op).
+    """
+    if name == "torch":
+        from flashkit.ops import tiled
+        return tiled
+    if name == "triton":
+        from flashkit.ops import triton
+        return triton
+    raise ValueError(f"backend: expected one of {BACKENDS}, got {name!r}")
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, params: AttentionParams, backend: str):
