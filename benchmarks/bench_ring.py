@@ -1,0 +1,200 @@
+"""Weak scaling of ring attention: tokens/s per GPU as the group grows, each GPU holding T tokens.
+
+Causal, zigzag layout, bf16, head dim 128, nheads 16, batch 1, forward + backward, Triton block
+kernels over NCCL. For every T (tokens per GPU, default 32k..256k) it times
+
+    ring    flashkit.distributed.ring_flash_attn_func on the whole group (global seqlen W * T)
+    local   the same rank's block calls and merges with no communication: one GPU doing one
+            shard's worth of the work (on W = 1 the two are the same program)
+
+and reports tokens/s per GPU for both, efficiency = local / ring time (1.0 = the P2P transfers
+are fully hidden behind the kernels), and attention TFLOP/s per GPU (4 b h d per visible pair
+forward, 2.5x that backward; causal visible pairs N (N + 1) / 2 over the group, 1/W per GPU).
+
+    PYTHONPATH=src python3 benchmarks/bench_ring.py             # spawns one rank per GPU
+    PYTHONPATH=src torchrun --nproc-per-node 4 benchmarks/bench_ring.py
+
+    PYTHONPATH=src python3 benchmarks/bench_ring.py --cpu 2 --tokens 256 --out-dir /tmp
+                                               # smoke test of the script: gloo, CPU, float32
+
+Timing: wall clock of each of --iters iterations after --warmup, ranks released together by a
+barrier and the device synchronised around it; the slowest rank's median counts. Rank 0 writes
+benchmarks/results/ring_<W>gpu_<date>.json with the date, device, versions and config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import socket
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import flashkit
+import flashkit.distributed as fd
+from flashkit.distributed.engine import RingProblem, ring_backward, ring_forward
+from flashkit.distributed.plan import ring_plans
+from flashkit.distributed.ring import Pending
+from flashkit.ops.params import AttentionParams
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+class NoComm:
+    """A ring whose shifts hand back what they were given: the compute of a step, no transfer."""
+
+    def shift(self, tensors):
+        return Pending([], tensors)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_ms(fn, device, warmup: int, iters: int) -> float:
+    """The slowest rank's median wall time of fn() in milliseconds."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        dist.barrier()
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    worst = torch.tensor([statistics.median(times)], device=device)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return worst.item()
+
+
+def bench_one(tokens: int, args, rank: int, world: int, device: torch.device) -> dict:
+    """Time the ring and its communication-free twin on random shards of `tokens` tokens."""
+    gen = torch.Generator(device=device).manual_seed(1234 + rank)
+    shape, dtype = (1, tokens, args.nheads, args.headdim), _dtype(device)
+    q, k, v, dout = (torch.randn(shape, generator=gen, device=device, dtype=dtype)
+                     for _ in range(4))
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+
+    def ring():
+        out = fd.ring_flash_attn_func(q, k, v, causal=True, layout="zigzag")
+        out.backward(dout)
+
+    plans = ring_plans("zigzag", rank, world, [tokens], [tokens], None, 0)
+    problem = RingProblem(NoComm(), plans, AttentionParams(softmax_scale=args.headdim ** -0.5),
+                          _backend(device))
+
+    def local():
+        with torch.no_grad():
+            out, lse = ring_forward(q, k, v, problem)
+            ring_backward(dout, q, k, v, out, lse, None, problem)
+
+    ring_ms = _median_ms(ring, device, args.warmup, args.iters)
+    local_ms = _median_ms(local, device, args.warmup, args.iters)
+    n = world * tokens
+    flops = 3.5 * 4 * args.nheads * args.headdim * (n * (n + 1) / 2) / world
+    return {"tokens_per_gpu": tokens, "global_seqlen": n, "ring_ms": ring_ms,
+            "local_ms": local_ms, "efficiency": local_ms / ring_ms,
+            "tokens_per_s_per_gpu": tokens / (ring_ms / 1e3),
+            "local_tokens_per_s": tokens / (local_ms / 1e3),
+            "tflops_per_gpu": flops / (ring_ms / 1e3) / 1e12}
+
+
+def _dtype(device: torch.device) -> torch.dtype:
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def _backend(device: torch.device) -> str:
+    return "triton" if device.type == "cuda" else "torch"
+
+
+def main(rank: int, world: int, args) -> None:
+    """One rank: join the group (NCCL, or gloo with --cpu), time every T, rank 0 writes."""
+    if args.cpu:
+        device = torch.device("cpu")
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    else:
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
+    try:
+        rows = []
+        for tokens in args.tokens:
+            row = bench_one(tokens, args, rank, world, device)
+            rows.append(row)
+            if rank == 0:
+                print(json.dumps(row), flush=True)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        if rank == 0:
+            _write(rows, world, device, args)
+    finally:
+        dist.destroy_process_group()
+
+
+def _versions() -> dict:
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    return {"python": platform.python_version(), "torch": torch.__version__,
+            "cuda": torch.version.cuda, "triton": triton_version,
+            "flashkit": flashkit.__version__}
+
+
+def _write(rows: list, world: int, device: torch.device, args) -> None:
+    now = datetime.datetime.now(datetime.timezone.utc)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
+    record = {"benchmark": "ring attention weak scaling", "date": now.isoformat(),
+              "device": f"{world} x {name or 'cpu'}", "world": world, "versions": _versions(),
+              "config": {"layout": "zigzag", "causal": True, "dtype": str(_dtype(device)),
+                         "batch": 1, "nheads": args.nheads, "headdim": args.headdim,
+                         "backend": _backend(device), "dist_backend": dist.get_backend(),
+                         "warmup": args.warmup, "iters": args.iters, "pass": "forward+backward"},
+              "results": rows}
+    kind = "cpu" if device.type == "cpu" else "gpu"
+    path = Path(args.out_dir) / f"ring_{world}{kind}_{now:%Y%m%d-%H%M}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {path}")
+
+
+def _parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=int, nargs="+",
+                   default=[32768, 65536, 131072, 262144], help="tokens per GPU")
+    p.add_argument("--nheads", type=int, default=16)
+    p.add_argument("--headdim", type=int, default=128)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--cpu", type=int, default=0, metavar="W",
+                   help="smoke test: W gloo processes on the CPU, torch backend, float32")
+    p.add_argument("--out-dir", default=str(RESULTS))
+    return p.parse_args()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+if __name__ == "__main__":
+    arguments = _parse()
+    if "RANK" in os.environ:  # torchrun set up the rendezvous (one node)
+        main(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), arguments)
+    else:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        ranks = arguments.cpu or torch.cuda.device_count()
+        mp.spawn(main, args=(ranks, arguments), nprocs=ranks)
