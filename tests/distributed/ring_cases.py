@@ -78,7 +78,8 @@ class Reject:
     message contains `match_rank0` when given).
 
     `call` sets inputs (shard, headdim_k, lengths) and keyword arguments on every rank, `rank0`
-    on rank 0 only (calls that differ across ranks).
+    on rank 0 only (calls that differ across ranks). The group SUBGROUP_WITHOUT_RANK0 is made
+    by a collective new_group when the case runs.
     """
 
     name: str
@@ -88,6 +89,10 @@ class Reject:
     rank0: dict = field(default_factory=dict)
     varlen: bool = False
     match_rank0: str | None = None
+    others_pass: bool = False  # only rank 0 must raise; the others' call must succeed
+
+
+SUBGROUP_WITHOUT_RANK0 = "<new_group of ranks 1..W-1>"
 
 
 REJECT = [
@@ -101,6 +106,8 @@ REJECT = [
            rank0={"causal": True}),
     Reject("bad-group", TypeError, "group: expected a torch.distributed.ProcessGroup",
            call={"group": "world"}),
+    Reject("not-a-member", ValueError, "group: this process is not a member of the group",
+           call={"group": SUBGROUP_WITHOUT_RANK0}, others_pass=True),
     Reject("bad-layout", ValueError, "layout: expected one of", call={"layout": "spiral"}),
     Reject("reference-backend", ValueError, "backend: ring attention runs a block kernel",
            call={"backend": "reference"}),
@@ -199,10 +206,14 @@ def check_reject(r: Reject, rank: int, world: int, device) -> None:
     kwargs = {"shard": 6, "headdim_k": 16, "lengths": (4, 6), **r.call,
               **(r.rank0 if rank == 0 else {})}
     shard, headdim_k, lengths = (kwargs.pop(key) for key in ("shard", "headdim_k", "lengths"))
+    if kwargs.get("group") == SUBGROUP_WITHOUT_RANK0:
+        kwargs["group"] = dist.new_group(list(range(1, world)))
     lead = (sum(lengths),) if r.varlen else (1, shard)
     gen = torch.Generator().manual_seed(_seed(r.name))
     q, k, v = (torch.randn(*lead, 2, d, generator=gen).to(device) for d in (16, headdim_k, 16))
     match = r.match_rank0 if rank == 0 and r.match_rank0 else r.match
+    if rank != 0 and r.others_pass:
+        match = None
     try:
         if r.varlen:
             cu = _cu_seqlens(lengths, device)
@@ -210,10 +221,12 @@ def check_reject(r: Reject, rank: int, world: int, device) -> None:
         else:
             fd.ring_flash_attn_func(q, k, v, **kwargs)
     except r.error as e:
-        if match not in str(e):
-            raise AssertionError(f"expected {r.error.__name__} matching {match!r}, got: {e}") from e
+        expected = "success" if match is None else f"{r.error.__name__} matching {match!r}"
+        if match is None or match not in str(e):
+            raise AssertionError(f"expected {expected}, got: {e}") from e
         return
-    raise AssertionError(f"expected {r.error.__name__} matching {match!r}, nothing raised")
+    if match is not None:
+        raise AssertionError(f"expected {r.error.__name__} matching {match!r}, nothing raised")
 
 
 def run(rank: int, world: int, port: int, out_path: str, dist_backend: str = "gloo",

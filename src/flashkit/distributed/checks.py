@@ -23,6 +23,9 @@ def resolve_group(group):
                            "torch.distributed.init_process_group first")
     if group is None:
         return dist.group.WORLD
+    if isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError("group: this process is not a member of the group (new_group gave "
+                         "it GroupMember.NON_GROUP_MEMBER); call only on the group's ranks")
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"group: expected a torch.distributed.ProcessGroup or None, got "
                         f"{type(group).__name__}")
