@@ -1,4 +1,4 @@
-"""The experiment subcommands of `flashkit`: demo, memory (and the rest as they land).
+"""The experiment subcommands of `flashkit`: demo, memory, bench, break-it, train.
 
 Every subcommand runs at small sizes on the CPU by default and at real sizes with --device cuda;
 sizes left unset get the default for the device. Results go under --out.
@@ -7,11 +7,12 @@ sizes left unset get the default for the device. Results go under --out.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 import torch
 
-from flashkit.experiments import memory
+from flashkit.experiments import bench, break_it, memory, train
 from flashkit.experiments.attention_methods import DTYPES, METHODS
 
 
@@ -19,9 +20,12 @@ def register(subparsers) -> None:
     """Add the experiment subcommands to the `flashkit` parser's subparsers."""
     _add_demo(subparsers)
     _add_memory(subparsers)
+    _add_bench(subparsers)
+    _add_break_it(subparsers)
+    _add_train(subparsers)
 
 
-def seqlens_arg(text: str) -> list[int]:
+def ints_arg(text: str) -> list[int]:
     """'1k,4k,128k' or '1024,4096' -> [1024, 4096, ...]."""
     values = []
     for item in text.split(","):
@@ -68,7 +72,7 @@ def _add_memory(subparsers) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=memory.__doc__)
     _common(parser, "flashkit-results")
-    parser.add_argument("--seqlens", type=seqlens_arg,
+    parser.add_argument("--seqlens", type=ints_arg,
                         help="comma-separated lengths, k = 1024 (default: 512,1k,2k,4k on the "
                              "CPU; 1k,2k,...,256k on the GPU)")
     parser.add_argument("--methods", type=lambda s: s.split(","), default=list(METHODS),
@@ -103,3 +107,92 @@ def _run_memory(args) -> int:
     memory.run(problem, seqlens, args.methods, args.out, max_gib, args.max_seconds)
     return 0
 
+
+
+def _add_bench(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "bench", help="TFLOP/s of flashkit vs SDPA (FA2, cuDNN, efficient) and FlexAttention",
+        formatter_class=argparse.RawDescriptionHelpFormatter, description=bench.__doc__)
+    _common(parser, "flashkit-results")
+    parser.add_argument("--full", action="store_true",
+                        help="GPU: DESIGN section 6's whole grid (bf16 and fp16, d 64/128/256, "
+                             "seqlen 512..16k); default: bf16, d 64/128, seqlen 1k/4k/16k")
+    parser.add_argument("--methods", type=lambda s: s.split(","),
+                        help=f"comma-separated subset (GPU: {','.join(bench.GPU_METHODS)}; "
+                             f"CPU: {','.join(bench.CPU_METHODS)})")
+    parser.add_argument("--seqlens", type=ints_arg, help="override the grid's lengths")
+    parser.add_argument("--headdims", type=ints_arg, help="override the grid's head dims")
+    parser.add_argument("--directions", type=lambda s: s.split(","),
+                        help="fwd, bwd or fwd,bwd (default: both)")
+    parser.set_defaults(func=_run_bench)
+
+
+def _run_bench(args) -> int:
+    device = _device(args)
+    gpu = device.startswith("cuda")
+    grid = bench.gpu_grid(args.full) if gpu else bench.cpu_grid()
+    overrides = {"seqlens": args.seqlens, "headdims": args.headdims,
+                 "directions": args.directions}
+    grid = dataclasses.replace(grid, **{k: v for k, v in overrides.items() if v})
+    methods = args.methods or list(bench.GPU_METHODS if gpu else bench.CPU_METHODS)
+    bench.run(grid, methods, device, args.out)
+    return 0
+
+
+def _add_break_it(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "break-it", help="remove the running max or the rescaling and watch attention break",
+        formatter_class=argparse.RawDescriptionHelpFormatter, description=break_it.__doc__)
+    parser.add_argument("--out", type=Path, default=Path("flashkit-results"),
+                        help="folder for break_it.json (default: flashkit-results)")
+    parser.add_argument("--logit-stds", type=lambda s: [float(x) for x in s.split(",")],
+                        default=[1.0, 4.0, 25.0],
+                        help="standard deviations of the scores to try (default: 1,4,25)")
+    parser.add_argument("--seqlen", type=int, default=512)
+    parser.add_argument("--nheads", type=int, default=2)
+    parser.add_argument("--headdim", type=int, default=64)
+    parser.add_argument("--block", type=int, default=64, help="tile size (default: 64)")
+    parser.set_defaults(func=_run_break_it)
+
+
+def _run_break_it(args) -> int:
+    break_it.run(args.out, args.logit_stds, args.seqlen, args.nheads, args.headdim, args.block)
+    return 0
+
+
+def _add_train(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "train", help="train a small GPT with naive and with flashkit attention, same seed",
+        formatter_class=argparse.RawDescriptionHelpFormatter, description=train.__doc__)
+    _common(parser, "flashkit-results")
+    parser.add_argument("--steps", type=int, help="default: 40 on the CPU, 200 on the GPU")
+    parser.add_argument("--seqlens", type=ints_arg,
+                        help="one training comparison per length (default: 64 on the CPU; "
+                             "1k,4k on the GPU)")
+    parser.add_argument("--tokens", type=int,
+                        help="tokens per batch, batch = tokens / seqlen (default: 512 on the "
+                             "CPU, 16k on the GPU)")
+    parser.add_argument("--layers", type=int, help="default: 2 on the CPU, 6 on the GPU")
+    parser.add_argument("--heads", type=int, help="default: 4 on the CPU, 8 on the GPU")
+    parser.add_argument("--embd", type=int, help="default: 64 on the CPU, 512 on the GPU")
+    parser.add_argument("--lr", type=float, help="default: 3e-3 on the CPU, 1e-3 on the GPU")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.set_defaults(func=_run_train)
+
+
+def train_configs(args, device: str) -> list[train.TrainConfig]:
+    """One TrainConfig per seqlen, with the device's defaults for what args leave unset."""
+    gpu = device.startswith("cuda")
+    pick = lambda value, cpu, gpu_value: value if value is not None else (gpu_value if gpu
+                                                                           else cpu)
+    tokens = pick(args.tokens, 512, 16384)
+    return [train.TrainConfig(
+        steps=pick(args.steps, 40, 200), batch=max(1, tokens // n), seqlen=n,
+        n_layer=pick(args.layers, 2, 6), n_head=pick(args.heads, 4, 8),
+        n_embd=pick(args.embd, 64, 512), lr=pick(args.lr, 3e-3, 1e-3), device=device,
+        seed=args.seed) for n in (args.seqlens or ([1024, 4096] if gpu else [64]))]
+
+
+def _run_train(args) -> int:
+    train.run(train_configs(args, _device(args)), args.out)
+    return 0

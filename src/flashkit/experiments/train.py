@@ -1,0 +1,154 @@
+"""`flashkit train`: the same GPT trained twice from the same seed, naive vs flashkit attention.
+
+Exact attention means exactly that: with the same initial weights and the same batches, the two
+loss curves must lie on top of each other (they differ only by floating-point rounding, which
+grows slowly as the runs drift apart), while flashkit's steps are faster and lighter at long
+sequence lengths because the (seqlen x seqlen) score matrix is never stored for backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from flashkit.experiments import corpus, plotting, results
+from flashkit.experiments.progress import track
+from flashkit.models.gpt import GPT, GPTConfig
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int
+    batch: int
+    seqlen: int
+    n_layer: int
+    n_head: int
+    n_embd: int
+    lr: float
+    device: str
+    seed: int = 0
+
+    @property
+    def autocast(self):
+        """bfloat16 autocast on CUDA (the Triton kernels' dtype); float32 on the CPU."""
+        if self.device.startswith("cuda"):
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+
+@dataclass
+class Run:
+    attention: str
+    seqlen: int
+    losses: list[float] = field(default_factory=list)
+    step_seconds: list[float] = field(default_factory=list)
+    peak_gib: float | None = None
+
+    @property
+    def median_step(self) -> float:
+        """Median step time after the first fifth of the steps (warm-up, compilation)."""
+        steady = self.step_seconds[len(self.step_seconds) // 5:] or self.step_seconds
+        return statistics.median(steady)
+
+
+def train_once(attention: str, config: TrainConfig, tokens: torch.Tensor,
+               vocab_size: int) -> Run:
+    """Train from config.seed with one attention; batches come from a generator seeded the same
+    way, so two calls differ only in the attention implementation."""
+    torch.manual_seed(config.seed)
+    model_config = GPTConfig(vocab_size, config.seqlen, config.n_layer, config.n_head,
+                             config.n_embd)
+    model = GPT(model_config, attention).to(config.device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
+    batches = torch.Generator().manual_seed(config.seed)
+    cuda = config.device.startswith("cuda")
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(config.device)
+    run = Run(attention, config.seqlen)
+    for _ in track(range(config.steps), f"train {attention:>8} seqlen={config.seqlen}",
+                   describe=lambda step: f"step {step}"):
+        x, y = (t.to(config.device) for t in corpus.random_batch(tokens, config.batch,
+                                                                  config.seqlen, batches))
+        start = time.perf_counter()
+        with config.autocast:
+            _, loss = model(x, y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        if cuda:
+            torch.cuda.synchronize(config.device)
+        run.step_seconds.append(time.perf_counter() - start)
+        run.losses.append(loss.item())
+    if cuda:
+        run.peak_gib = torch.cuda.max_memory_allocated(config.device) / 2**30
+    return run
+
+
+def compare(naive: Run, flash: Run, config: TrainConfig) -> dict:
+    """Max |loss difference| (at step 0 and overall), tokens/s, and flashkit's speed-up."""
+    tokens_per_step = config.batch * config.seqlen
+    deltas = [abs(a - b) for a, b in zip(naive.losses, flash.losses, strict=True)]
+    return {"seqlen": config.seqlen, "step0_delta": deltas[0], "max_delta": max(deltas),
+            "final_loss_naive": naive.losses[-1], "final_loss_flashkit": flash.losses[-1],
+            "tokens_per_s_naive": tokens_per_step / naive.median_step,
+            "tokens_per_s_flashkit": tokens_per_step / flash.median_step,
+            "speedup": naive.median_step / flash.median_step,
+            "peak_gib_naive": naive.peak_gib, "peak_gib_flashkit": flash.peak_gib}
+
+
+HEADER = ["seqlen", "final loss naive", "final loss flashkit", "max |delta loss|",
+          "tokens/s naive", "tokens/s flashkit", "speed-up"]
+
+
+def _row(c: dict) -> list:
+    return [c["seqlen"], f"{c['final_loss_naive']:.4f}", f"{c['final_loss_flashkit']:.4f}",
+            f"{c['max_delta']:.2e}", f"{c['tokens_per_s_naive']:,.0f}",
+            f"{c['tokens_per_s_flashkit']:,.0f}", f"{c['speedup']:.2f}x"]
+
+
+def plot(runs: list[tuple[Run, Run]], comparisons: list[dict], path: Path) -> Path | None:
+    """One panel per seqlen: both loss curves, with max |delta| and the speed-up in the title."""
+    plt = plotting.pyplot()
+    if plt is None:
+        return None
+    fig, axes = plt.subplots(1, len(runs), figsize=(6 * len(runs), 4), squeeze=False)
+    for ax, (naive, flash), c in zip(axes[0], runs, comparisons, strict=True):
+        ax.plot(naive.losses, label="naive (materialised)", linewidth=3, alpha=0.5)
+        ax.plot(flash.losses, label="flashkit", linewidth=1.2, linestyle="--")
+        ax.set_xlabel("step")
+        ax.set_ylabel("training loss")
+        ax.set_title(f"seqlen {c['seqlen']}: max |delta loss| {c['max_delta']:.1e}, "
+                     f"flashkit {c['speedup']:.2f}x per step", fontsize=9)
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    return plotting.save(fig, path)
+
+
+def run(configs: list[TrainConfig], out: Path) -> dict:
+    """Train naive and flashkit for each config (one per seqlen); print, write and plot."""
+    out = results.output_dir(out)
+    text = corpus.load_text()
+    tokenizer = corpus.CharTokenizer(text)
+    tokens = tokenizer.encode(text)
+    pairs, comparisons = [], []
+    for config in configs:
+        naive = train_once("naive", config, tokens, tokenizer.vocab_size)
+        flash = train_once("flashkit", config, tokens, tokenizer.vocab_size)
+        pairs.append((naive, flash))
+        comparisons.append(compare(naive, flash, config))
+    rows = [_row(c) for c in comparisons]
+    print(f"\n{configs[0].steps} steps, same seed and batches; model {configs[0].n_layer} "
+          f"layers x {configs[0].n_head} heads x {configs[0].n_embd}, {configs[0].device}:")
+    print(results.text_table(HEADER, rows))
+    data = {"environment": results.environment(configs[0].device),
+            "configs": [asdict(c) for c in configs], "comparisons": comparisons,
+            "runs": [asdict(r) for pair in pairs for r in pair]}
+    files = [results.write_json(out / "train.json", data)]
+    png = plot(pairs, comparisons, out / "train.png")
+    return {**data, "markdown": results.markdown_table(HEADER, rows), "png": png,
+            "files": files + ([png] if png else [])}

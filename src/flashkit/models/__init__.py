@@ -1,0 +1,1 @@
+"""Models built on flashkit's attention: a small GPT with pluggable attention (`gpt`)."""
