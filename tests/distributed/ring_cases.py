@@ -11,7 +11,6 @@ from __future__ import annotations
 import gc
 import itertools
 import json
-import os
 import traceback
 import zlib
 from dataclasses import dataclass, field
@@ -232,14 +231,14 @@ def check_reject(r: Reject, rank: int, world: int, device) -> None:
 def run(rank: int, world: int, port: int, out_path: str, dist_backend: str = "gloo",
         names: tuple[str, ...] | None = None) -> None:
     """Worker: join the group, run the cases (all, or those named), rank 0 writes the results."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)  # several ranks share the CI machine's cores
+    if world > 1:
+        torch.set_num_threads(1)  # several ranks share the CI machine's cores
     device = torch.device("cpu")
     if dist_backend == "nccl":
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
-    dist.init_process_group(dist_backend, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
+    dist.init_process_group(dist_backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=120))
     try:
         results = {}
         todo = [(c.name, check_case, c) for c in VALID] + [(r.name, check_reject, r)
