@@ -66,6 +66,24 @@ def test_compiled_sdpa_matches_eager():
                                fn(query, key, value), rtol=1e-6, atol=1e-6)
 
 
+def test_compiled_dropout_draws_a_seed_per_call():
+    """The seed is drawn at run time, not baked into the graph: compiled == eager under the
+    same torch.manual_seed, and two compiled calls drop differently."""
+    q, k, v = random_qkv(1, 16, 16, 2, 2, headdim=16)
+
+    def fn(q, k, v):
+        return flashkit.flash_attn_func(q, k, v, dropout_p=0.5, backend="torch")
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    torch.manual_seed(3)
+    eager = fn(q, k, v)
+    torch.manual_seed(3)
+    first = compiled(q, k, v)
+    torch.testing.assert_close(first, eager, rtol=0, atol=0)
+    assert not torch.equal(compiled(q, k, v), first)
+
+
 def _forward_args(q, k, v, params, backend="torch"):
     return (q, k, v, *(getattr(params, f.name) for f in dataclasses.fields(params)), backend)
 

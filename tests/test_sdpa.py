@@ -14,14 +14,17 @@ import torch
 import torch.nn.functional as F
 
 import flashkit
+from flashkit.api import draw_dropout_seed
+from flashkit.testing import dropout_keep_mask
 from helpers import DTYPE_IDS, DTYPES, check_against_oracle, randn
 
 SDPA_GRADS = ("query", "key", "value")
 
 
 def materialised(query, key, value, attn_mask=None, is_causal=False, scale=None,
-                 enable_gqa=False):
-    """softmax(q k^T * scale + mask) v in the inputs' dtype, fully masked rows giving 0."""
+                 enable_gqa=False, dropout_p=0.0, dropout_mask=None):
+    """softmax(q k^T * scale + mask) v in the inputs' dtype, fully masked rows giving 0;
+    with dropout, the weights times dropout_mask / (1 - dropout_p)."""
     if enable_gqa:
         group = query.shape[-3] // key.shape[-3]
         key, value = key.repeat_interleave(group, -3), value.repeat_interleave(group, -3)
@@ -34,6 +37,8 @@ def materialised(query, key, value, attn_mask=None, is_causal=False, scale=None,
     elif attn_mask is not None:
         s = s + attn_mask.to(s.dtype)
     p = torch.softmax(s, -1).nan_to_num(0.0)
+    if dropout_p > 0:
+        p = p * dropout_mask / (1 - dropout_p)
     return (p @ value,)
 
 
@@ -123,6 +128,26 @@ def test_fully_masked_rows_give_zero(kind):
     assert all(torch.isfinite(g).all() for g in grads)
     assert (grads[0][:, :, [1, 4]] == 0).all()
     check_sdpa(query.detach(), key.detach(), value.detach(), attn_mask=mask)
+
+
+@pytest.mark.parametrize("dtype", DTYPES[:2], ids=DTYPE_IDS[:2])
+def test_dropout(dtype):
+    """Against the materialised math with the keep-mask rebuilt from the call's seed."""
+    p = 0.2
+    query, key, value = random_bhsd(2, 4, 2, 11, 17, dtype=dtype)
+    torch.manual_seed(5)
+    mask = dropout_keep_mask(draw_dropout_seed(), 2, 4, 11, 17, p)
+
+    def kernel(**kwargs):
+        torch.manual_seed(5)  # the call draws the same seed
+        return flashkit_sdpa(**kwargs)
+
+    def with_mask(**kwargs):
+        return materialised(**kwargs, dropout_mask=mask)
+
+    check_against_oracle(kernel, dict(query=query, key=key, value=value, dropout_p=p,
+                                      is_causal=True, enable_gqa=True),
+                         oracle_fn=with_mask, grad_names=SDPA_GRADS, output_names=("out",))
 
 
 def test_is_causal_with_empty_rows_past_keys():
