@@ -10,6 +10,7 @@ each sequence's cached keys, split along the key length into num_splits chunks m
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 
 import torch
@@ -145,7 +146,14 @@ def _reference(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, b
         slopes = params.alibi_slopes
         params_b = params if slopes is None or slopes.dim() == 1 else dataclasses.replace(
             params, alibi_slopes=slopes[b])
-        out_b, lse_b = reference.attention_with_params(q[b:b + 1], k_b, v_b, params_b)
+        if seqlen_k == 0:  # no key: out 0, lse the sink's logit or -inf (section 1)
+            out_b = q.new_zeros(1, *q.shape[1:3], v_cache.shape[-1])
+            lse_b = torch.full((1, q.shape[2], q.shape[1]), -math.inf, dtype=q.dtype,
+                               device=q.device)
+            if params.sink is not None:
+                lse_b[:] = params.sink.to(q.dtype)[None, :, None]
+        else:
+            out_b, lse_b = reference.attention_with_params(q[b:b + 1], k_b, v_b, params_b)
         outs.append(out_b)
         lses.append(lse_b)
     lse = torch.cat(lses).to(torch.float64 if q.dtype == torch.float64 else torch.float32)

@@ -1,0 +1,301 @@
+"""Decode and prefill speed of the Triton KV-cache kernels (flashkit.ops.triton.decode).
+
+    PYTHONPATH=src python3 benchmarks/bench_decode.py --out DIR [--quick] [--sweep]
+
+First a correctness gate on the GPU (poisoned outputs, bf16 against the float64 oracle by the
+DESIGN section 5 rule, contiguous and paged, splits 1 and auto, with an append and rotary through
+the public API); the run stops if it fails. Then, bf16, d128, 32 query heads:
+  decode   q length 1, batch 1..64, cache 1k..128k, GQA 8:1 (4 kv heads) and 1:1 (32),
+           contiguous and paged (page 256; page 16 at one size): achieved bandwidth = bytes of K
+           and V read / time, as % of the device-to-device copy bandwidth measured in the same run
+           (bytes read + written / time); the kernel with auto splits, with num_splits=1, and
+           PyTorch SDPA (cuDNN and FLASH backends, enable_gqa) on the same work in (b, h, s, d).
+  prefill  query length 128..2k after 4k cached keys, causal: the KV-cache kernel against the
+           dense forward kernel on the same q, k, v, in TFLOP/s over visible pairs.
+  sweep    (--sweep) candidate decode tiles at two shapes, to choose decode.HOPPER.
+Kernel times are the launchers (flashkit.ops.triton.decode.forward) on validated inputs: the
+public function adds host checks that read cache_seqlens/block_table (a device sync); its
+end-to-end time with an append and rotary is reported separately ("api").
+Times are triton.testing.do_bench medians. Results: DIR/decode_<date>.json with date, device,
+versions and config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import math
+import os
+import platform
+
+import torch
+import triton
+from triton.testing import do_bench
+
+import flashkit
+from flashkit.kvcache import flash_attn_with_kvcache
+from flashkit.ops.params import AttentionParams
+from flashkit.ops.triton import decode
+from flashkit.ops.triton.forward import attention_forward
+from flashkit.testing import assert_close_to_oracle, poison
+
+NHEADS, HEAD_DIM, DTYPE = 32, 128, torch.bfloat16
+MAX_KV_BYTES = 24 * 2**30  # skip cache sizes whose K + V exceed this
+
+
+def environment() -> dict:
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(),
+        "sms": torch.cuda.get_device_properties(0).multi_processor_count,
+        "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
+        "python": platform.python_version(), "flashkit": flashkit.__version__,
+    }
+
+
+def bench(fn) -> float:
+    """Median ms."""
+    return do_bench(fn, warmup=10, rep=40, return_mode="median")
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second."""
+    src = torch.empty(2**30, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    ms = bench(lambda: dst.copy_(src))
+    return 2 * 2**30 / (ms * 1e-3)
+
+
+def make_cache(batch, seqlen_k, nheads_k, page_size):
+    """(k_cache, v_cache, block_table or None): seqlen_k keys per sequence, pages shuffled."""
+    if page_size is None:
+        shape = (batch, seqlen_k, nheads_k, HEAD_DIM)
+        table = None
+    else:
+        pages = math.ceil(seqlen_k / page_size)
+        shape = (batch * pages, page_size, nheads_k, HEAD_DIM)
+        table = torch.randperm(batch * pages, device="cuda").reshape(batch, pages).int()
+    return (torch.randn(shape, dtype=DTYPE, device="cuda"),
+            torch.randn(shape, dtype=DTYPE, device="cuda"), table)
+
+
+def kernel_ms(q, k_cache, v_cache, table, seqlen_k, params, num_splits) -> float:
+    """The decode launcher on validated inputs, every sequence holding seqlen_k keys."""
+    batch = q.shape[0]
+    seqlens = torch.full((batch,), seqlen_k, dtype=torch.int32, device="cuda")
+    rows = torch.arange(batch, dtype=torch.int32, device="cuda")
+    return bench(lambda: decode.forward(q, k_cache, v_cache, seqlens, rows, rows * 0, table,
+                                        params, num_splits, max_seqlen_k=seqlen_k))
+
+
+# --- correctness gate ---------------------------------------------------------------------------
+
+def check() -> list[str]:
+    """Poisoned outputs against the float64 oracle; returns the cases checked."""
+    done = []
+    for page_size, causal, seqlen_q, nheads_k, num_splits in [
+            (None, True, 1, 4, 0), (256, True, 1, 4, 0), (256, False, 1, 32, 1),
+            (16, True, 4, 4, 7), (None, False, 3, 8, 3), (64, True, 37, 4, 0)]:
+        batch, capacity = 5, 1024
+        k_cache, v_cache, table = make_cache(batch, capacity, nheads_k, page_size)
+        seqlens = torch.randint(0, capacity + 1, (batch,), device="cuda", dtype=torch.int32)
+        seqlens[0] = capacity
+        q = torch.randn(batch, seqlen_q, NHEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+        params = AttentionParams(HEAD_DIM ** -0.5, None, 0 if causal else None)
+        out = poison(torch.empty_like(q))
+        lse = poison(torch.empty(batch, NHEADS, seqlen_q, device="cuda"))
+        rows, leftpad = torch.arange(batch, dtype=torch.int32, device="cuda"), seqlens * 0
+        decode.forward(q, k_cache, v_cache, seqlens, rows, leftpad, table, params, num_splits,
+                       out=out, lse=lse)
+        kw = dict(cache_seqlens=seqlens, block_table=table, causal=causal, num_splits=1,
+                  return_softmax_lse=True, backend="reference")
+        if table is None:
+            kw["cache_batch_idx"] = rows
+        o64, l64 = flash_attn_with_kvcache(q.double(), k_cache.double(), v_cache.double(), **kw)
+        o16, l16 = flash_attn_with_kvcache(q, k_cache, v_cache, **kw)
+        name = f"page={page_size} causal={causal} sq={seqlen_q} hk={nheads_k} splits={num_splits}"
+        assert_close_to_oracle(f"out [{name}]", out, o64, o16)
+        assert_close_to_oracle(f"lse [{name}]", lse, l64, l16)
+        done.append(name)
+    # The public path: append + rotary, triton against the torch backend on clones of a cache.
+    k_cache, v_cache, table = make_cache(4, 512, 4, 256)
+    q = torch.randn(4, 1, NHEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+    k_new, v_new = (torch.randn(4, 1, 4, HEAD_DIM, dtype=DTYPE, device="cuda") for _ in "kv")
+    angles = torch.rand(512, HEAD_DIM // 2, device="cuda") * 6.28
+    seqlens = torch.tensor([0, 100, 300, 511], dtype=torch.int32, device="cuda")
+    results = []
+    for backend in ("triton", "torch"):
+        kc, vc = k_cache.clone(), v_cache.clone()
+        out = flash_attn_with_kvcache(q, kc, vc, k_new, v_new, angles.cos().to(DTYPE),
+                                      angles.sin().to(DTYPE), seqlens, block_table=table,
+                                      causal=True, backend=backend)
+        results.append((out, kc, vc))
+    (o_t, kc_t, vc_t), (o_r, kc_r, vc_r) = results
+    assert torch.equal(kc_t, kc_r) and torch.equal(vc_t, vc_r), "append differs"
+    torch.testing.assert_close(o_t, o_r, atol=2e-2, rtol=2e-2)
+    done.append("api append+rotary paged256 triton == torch")
+    return done
+
+
+# --- decode -------------------------------------------------------------------------------------
+
+def sdpa_ms(q, k_cache, v_cache, backend_name):
+    """SDPA on (b, h, 1, d) q and (b, hk, L, d) copies of a contiguous cache, or None."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    qh, kh, vh = q.transpose(1, 2), k_cache.transpose(1, 2).contiguous(), \
+        v_cache.transpose(1, 2).contiguous()
+    try:
+        with sdpa_kernel([getattr(SDPBackend, backend_name)]):
+            sdpa(qh, kh, vh, enable_gqa=True)
+            return bench(lambda: sdpa(qh, kh, vh, enable_gqa=True))
+    except RuntimeError:
+        return None
+
+
+def decode_grid(quick: bool):
+    batches, lengths = ([1, 8, 64], [1024, 32768]) if quick else \
+        ([1, 4, 16, 64], [1024, 4096, 16384, 65536, 131072])
+    for nheads_k in (4, 32):
+        for batch in batches:
+            for seqlen_k in lengths:
+                kv_bytes = 2 * batch * seqlen_k * nheads_k * HEAD_DIM * 2
+                if kv_bytes > MAX_KV_BYTES:
+                    continue
+                for page_size in (None, 256):
+                    yield batch, seqlen_k, nheads_k, page_size, kv_bytes
+    yield 8, 32768, 4, 16, 2 * 8 * 32768 * 4 * HEAD_DIM * 2
+
+
+def run_decode(copy_bw: float, quick: bool) -> list[dict]:
+    rows = []
+    params = AttentionParams(HEAD_DIM ** -0.5)
+    for batch, seqlen_k, nheads_k, page_size, kv_bytes in decode_grid(quick):
+        rows.append(decode_row(batch, seqlen_k, nheads_k, page_size, kv_bytes, params, copy_bw))
+        print(json.dumps(rows[-1]), flush=True)
+        torch.cuda.empty_cache()
+    return rows
+
+
+def decode_row(batch, seqlen_k, nheads_k, page_size, kv_bytes, params, copy_bw) -> dict:
+    k_cache, v_cache, table = make_cache(batch, seqlen_k, nheads_k, page_size)
+    q = torch.randn(batch, 1, NHEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+    # q length 1: the group's rows pack into one tile, one program per kv head and split
+    splits = decode.auto_num_splits(batch * nheads_k, seqlen_k, torch.device("cuda"))
+    row = {"batch": batch, "seqlen_k": seqlen_k, "nheads": NHEADS, "nheads_k": nheads_k,
+           "page_size": page_size, "kv_bytes": kv_bytes, "auto_splits": splits}
+    for label, num_splits in (("auto", 0), ("splits1", 1)):
+        ms = kernel_ms(q, k_cache, v_cache, table, seqlen_k, params, num_splits)
+        row[f"{label}_ms"] = ms
+        row[f"{label}_pct_copy"] = 100 * kv_bytes / (ms * 1e-3) / copy_bw
+    if page_size is None:
+        for name in ("CUDNN_ATTENTION", "FLASH_ATTENTION"):
+            ms = sdpa_ms(q, k_cache, v_cache, name)
+            row[f"sdpa_{name.split('_')[0].lower()}_ms"] = ms
+            if ms is not None:
+                row[f"sdpa_{name.split('_')[0].lower()}_pct_copy"] = \
+                    100 * kv_bytes / (ms * 1e-3) / copy_bw
+    return row
+
+
+def run_api(quick: bool) -> dict:
+    """End-to-end public call: append one token with rotary into a paged cache, then attend."""
+    batch, seqlen_k, nheads_k = 8, 8192, 4
+    k_cache, v_cache, table = make_cache(batch, seqlen_k + 256, nheads_k, 256)
+    q = torch.randn(batch, 1, NHEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+    k_new, v_new = (torch.randn(batch, 1, nheads_k, HEAD_DIM, dtype=DTYPE, device="cuda")
+                    for _ in "kv")
+    angles = torch.rand(seqlen_k + 256, HEAD_DIM // 2, device="cuda")
+    cos, sin = angles.cos().to(DTYPE), angles.sin().to(DTYPE)
+    seqlens = torch.full((batch,), seqlen_k, dtype=torch.int32, device="cuda")
+    ms = bench(lambda: flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cos, sin,
+                                               seqlens, block_table=table, causal=True))
+    return {"batch": batch, "seqlen_k": seqlen_k, "nheads_k": nheads_k, "page_size": 256,
+            "append_rotary_api_ms": ms}
+
+
+# --- prefill ------------------------------------------------------------------------------------
+
+def run_prefill(quick: bool) -> list[dict]:
+    rows, cached = [], 4096
+    for seqlen_q in ([128, 2048] if quick else [128, 512, 1024, 2048]):
+        for nheads_k in (4, 32):
+            seqlen_k = cached + seqlen_q
+            t_kv, t_dense = prefill_ms(seqlen_q, seqlen_k, nheads_k)
+            visible = seqlen_q * cached + seqlen_q * (seqlen_q + 1) / 2
+            tflop = 4 * NHEADS * visible * HEAD_DIM / 1e12
+            row = {"seqlen_q": seqlen_q, "seqlen_k": seqlen_k, "nheads_k": nheads_k,
+                   "kvcache_ms": t_kv, "dense_ms": t_dense,
+                   "kvcache_tflops": tflop / (t_kv * 1e-3),
+                   "dense_tflops": tflop / (t_dense * 1e-3)}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def prefill_ms(seqlen_q, seqlen_k, nheads_k) -> tuple[float, float]:
+    """(KV-cache kernel ms, dense forward ms), causal, on the same q, k, v."""
+    k_cache, v_cache, _ = make_cache(1, seqlen_k, nheads_k, None)
+    q = torch.randn(1, seqlen_q, NHEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+    params = AttentionParams(HEAD_DIM ** -0.5, None, 0)
+    return (kernel_ms(q, k_cache, v_cache, None, seqlen_k, params, 0),
+            bench(lambda: attention_forward(q, k_cache, v_cache, params)))
+
+
+# --- tile sweep ---------------------------------------------------------------------------------
+
+def run_sweep(copy_bw: float) -> list[dict]:
+    rows, default = [], decode.HOPPER["decode"]
+    params = AttentionParams(HEAD_DIM ** -0.5)
+    for batch, seqlen_k, nheads_k in ((1, 32768, 4), (64, 8192, 32), (16, 16384, 4)):
+        k_cache, v_cache, _ = make_cache(batch, seqlen_k, nheads_k, None)
+        q = torch.randn(batch, 1, NHEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+        kv_bytes = 2 * k_cache.numel() * 2
+        for tile in itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4)):
+            decode.HOPPER["decode"] = (16, *tile)
+            try:
+                ms = kernel_ms(q, k_cache, v_cache, None, seqlen_k, params, 0)
+            except Exception as e:  # noqa: BLE001 - out of shared memory, say
+                print("sweep", tile, "failed", type(e).__name__)
+                continue
+            rows.append({"batch": batch, "seqlen_k": seqlen_k, "nheads_k": nheads_k,
+                         "block_n": tile[0], "warps": tile[1], "stages": tile[2], "ms": ms,
+                         "pct_copy": 100 * kv_bytes / (ms * 1e-3) / copy_bw})
+            print(json.dumps(rows[-1]), flush=True)
+    decode.HOPPER["decode"] = default
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--sweep", action="store_true")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    result = {"env": environment(),
+              "config": {"dtype": str(DTYPE), "nheads": NHEADS, "head_dim": HEAD_DIM,
+                         "quick": args.quick, "tiles": dict(decode.HOPPER),
+                         "min_keys_per_split": decode.MIN_KEYS_PER_SPLIT}}
+    result["checked"] = check()
+    print("correctness gate passed:", result["checked"], flush=True)
+    result["copy_bandwidth_bytes_per_s"] = copy_bw = copy_bandwidth()
+    print(f"copy bandwidth {copy_bw / 1e12:.2f} TB/s", flush=True)
+    if args.sweep:
+        result["sweep"] = run_sweep(copy_bw)
+    result["decode"] = run_decode(copy_bw, args.quick)
+    result["api"] = run_api(args.quick)
+    result["prefill"] = run_prefill(args.quick)
+    os.makedirs(args.out, exist_ok=True)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S")
+    path = os.path.join(args.out, f"decode_{stamp}.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()
