@@ -82,7 +82,8 @@ def ring_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_
     across the group with `layout` (flashkit.distributed.shard_varlen does it), so all ranks hold
     the same local lengths: sequence b has global length world * (its local length), and masks
     align per sequence on the global lengths. Returns out (total_q, nheads, d_v), or (out, lse
-    (nheads, total_q)) with return_lse.
+    (nheads, total_q)) with return_lse. Each sequence is its own dense block call at every ring
+    step (simple and exact; many short sequences mean many small kernel launches).
     """
     group = resolve_group(group)
     try:

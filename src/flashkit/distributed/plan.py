@@ -64,7 +64,7 @@ class _Rect(NamedTuple):
     hi: float
 
     def offsets(self) -> tuple[float, float]:
-        """The range of i' - j' over the rectangle (empty when lo > hi)."""
+        """The range [first, last] of i' - j' over the rectangle; (INF, -INF) when it is empty."""
         if self.r0 >= self.r1 or self.c0 >= self.c1:
             return INF, -INF
         return self.r0 - (self.c1 - 1), self.r1 - 1 - self.c0
