@@ -234,7 +234,8 @@ def plot(rows: list[Result], methods: list[str], dtype: str, device: str,
         ax.set_title(f"{direction}, {'causal' if causal else 'not causal'}, {dtype}, {device}",
                      fontsize=9)
         ax.grid(True, alpha=0.3)
-    axes[0][0].legend(fontsize=7)
+    if axes[0][0].get_legend_handles_labels()[0]:
+        axes[0][0].legend(fontsize=7)
     return plotting.save(fig, path)
 
 

@@ -57,12 +57,15 @@ def _add_demo(subparsers) -> None:
                     "(Markdown + PNG): every backend checked against the float64 oracle, then "
                     "naive vs tiled peak memory. On a two-core CPU it takes about two minutes.")
     _common(parser, "flashkit-report")
+    parser.add_argument("--smoke", action="store_true",
+                        help="the smallest sizes at which every step runs (for CI; the numbers "
+                             "mean little)")
     parser.set_defaults(func=_run_demo)
 
 
 def _run_demo(args) -> int:
     from flashkit.experiments import demo
-    demo.run(_device(args), args.out)
+    demo.run(_device(args), args.out, smoke=args.smoke)
     return 0
 
 

@@ -11,19 +11,64 @@ writes flashkit-report/README.md (open it in any Markdown viewer) with the PNGs 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from flashkit.experiments import bench, break_it, memory, oracle_check, results, train
 from flashkit.experiments.report import Report
 
 
-def run(device: str, out: Path) -> Path:
+@dataclass(frozen=True)
+class Sizes:
+    """How big each step of the demo runs."""
+    check_dtypes: list[str]
+    memory: memory.Problem
+    memory_seqlens: list[int]
+    memory_methods: list[str]
+    break_it_seqlen: int
+    train: train.TrainConfig
+    bench: bench.Grid
+    bench_methods: list[str]
+
+
+CPU = Sizes(
+    ["float32"], memory.Problem(1, 4, 64, "float32", False, "cpu"), [1024, 4096],
+    ["naive", "tiled"], 256,
+    train.TrainConfig(steps=30, batch=8, seqlen=64, n_layer=2, n_head=4, n_embd=64, lr=3e-3,
+                      device="cpu"),
+    bench.Grid(["float32"], [64], [256, 512], [True], ["fwd", "bwd"], 1024, 256),
+    list(bench.CPU_METHODS))
+
+GPU = Sizes(
+    ["float32", "bfloat16", "float16"], memory.Problem(1, 16, 128, "bfloat16", False, "cuda"),
+    [4096, 16384, 65536], ["naive", "tiled", "triton", "sdpa"], 512,
+    train.TrainConfig(steps=60, batch=16, seqlen=1024, n_layer=4, n_head=8, n_embd=512,
+                      lr=1e-3, device="cuda"),
+    bench.Grid(["bfloat16"], [128], [4096, 16384], [False, True], ["fwd", "bwd"], 16384, 2048),
+    ["flashkit", "sdpa-flash", "sdpa-cudnn"])
+
+# The smallest sizes at which every step still does its job: for tests and CI.
+SMOKE = replace(
+    CPU, memory_seqlens=[128, 256], break_it_seqlen=64,
+    train=replace(CPU.train, steps=3, batch=2, seqlen=16, n_layer=1, n_head=2, n_embd=16),
+    bench=bench.Grid(["float32"], [16], [64], [True], ["fwd"], 64, 32))
+
+
+def sizes_for(device: str, smoke: bool = False) -> Sizes:
+    """The preset for a device, with the device filled in."""
+    preset = SMOKE if smoke else (GPU if device.startswith("cuda") else CPU)
+    return replace(preset, memory=replace(preset.memory, device=device),
+                   train=replace(preset.train, device=device))
+
+
+def run(device: str, out: Path, smoke: bool = False) -> Path:
     """Run the demo's steps in order, printing as they go; returns the report's path."""
     out = results.output_dir(out)
+    sizes = sizes_for(device, smoke)
     report = Report("flashkit demo report", results.environment(device))
     start = time.perf_counter()
     for step in (_backends, _memory, _break_it, _train, _bench):
-        step(device, out, report)
+        step(sizes, out, report)
         report.write(out / "README.md")  # after every step, so an interrupted demo leaves a page
     path = out / "README.md"
     print(f"\ndemo finished in {time.perf_counter() - start:.0f}s; report: {path}")
@@ -34,10 +79,9 @@ def _step(title: str) -> None:
     print(f"\n=== {title} " + "=" * max(0, 90 - len(title)))
 
 
-def _backends(device: str, out: Path, report: Report) -> None:
+def _backends(sizes: Sizes, out: Path, report: Report) -> None:
     _step("1. every backend against the float64 oracle")
-    dtypes = ["float32", "bfloat16", "float16"] if device.startswith("cuda") else ["float32"]
-    checks = oracle_check.check_all(device, dtypes)
+    checks = oracle_check.check_all(sizes.memory.device, sizes.check_dtypes)
     rows = [c.row() for c in checks]
     print(results.text_table(oracle_check.HEADER, rows))
     report.add("Every backend agrees with the float64 oracle",
@@ -47,16 +91,12 @@ def _backends(device: str, out: Path, report: Report) -> None:
                + results.markdown_table(oracle_check.HEADER, rows))
 
 
-def _memory(device: str, out: Path, report: Report) -> None:
+def _memory(sizes: Sizes, out: Path, report: Report) -> None:
     _step("2. peak memory: naive (materialised) vs tiled attention")
-    if device.startswith("cuda"):
-        problem = memory.Problem(1, 16, 128, "bfloat16", False, device)
-        seqlens, methods = [4096, 16384, 65536], ["naive", "tiled", "triton", "sdpa"]
-    else:
-        problem = memory.Problem(1, 4, 64, "float32", False, device)
-        seqlens, methods = [1024, 4096], ["naive", "tiled"]
-    max_gib = None if device.startswith("cuda") else memory.default_max_gib()
-    summary = memory.run(problem, seqlens, methods, out, max_gib, max_seconds=30)
+    problem = sizes.memory
+    max_gib = None if problem.device.startswith("cuda") else memory.default_max_gib()
+    summary = memory.run(problem, sizes.memory_seqlens, sizes.memory_methods, out, max_gib,
+                         max_seconds=30)
     report.add("Memory: the score matrix is the wall",
                "Extra memory of one attention forward on top of its inputs, measured (not "
                "estimated): naive attention materialises seqlen x seqlen scores per head and "
@@ -64,9 +104,9 @@ def _memory(device: str, out: Path, report: Report) -> None:
                + summary["markdown"], summary["png"])
 
 
-def _break_it(device: str, out: Path, report: Report) -> None:
+def _break_it(sizes: Sizes, out: Path, report: Report) -> None:
     _step("3. BREAK IT: remove the running max, or the rescaling")
-    summary = break_it.run(out, logit_stds=(1.0, 4.0, 25.0), seqlen=256)
+    summary = break_it.run(out, logit_stds=(1.0, 4.0, 25.0), seqlen=sizes.break_it_seqlen)
     report.add("BREAK IT: both moves of the streaming softmax are load-bearing",
                "The seed's tiled loop with one move removed, on scores drawn with the standard "
                "deviation shown (std 1: a fresh model; std 4 and 25: sharp, trained heads). "
@@ -77,13 +117,9 @@ def _break_it(device: str, out: Path, report: Report) -> None:
                + summary["lesson"] + "\n```")
 
 
-def _train(device: str, out: Path, report: Report) -> None:
+def _train(sizes: Sizes, out: Path, report: Report) -> None:
     _step("4. a small GPT trained with naive and with flashkit attention, same seed")
-    gpu = device.startswith("cuda")
-    config = train.TrainConfig(
-        steps=60 if gpu else 30, batch=16 if gpu else 8, seqlen=1024 if gpu else 64,
-        n_layer=4 if gpu else 2, n_head=8 if gpu else 4, n_embd=512 if gpu else 64,
-        lr=1e-3 if gpu else 3e-3, device=device)
+    config = sizes.train
     summary = train.run([config], out)
     report.add("Training: the same loss curve, naive or flashkit",
                f"A {config.n_layer}-layer character-level GPT on Shakespeare, {config.steps} "
@@ -92,16 +128,9 @@ def _train(device: str, out: Path, report: Report) -> None:
                summary["png"])
 
 
-def _bench(device: str, out: Path, report: Report) -> None:
+def _bench(sizes: Sizes, out: Path, report: Report) -> None:
     _step("5. throughput against torch's own attention kernels")
-    if device.startswith("cuda"):
-        grid = bench.Grid(["bfloat16"], [128], [4096, 16384], [False, True], ["fwd", "bwd"],
-                          16384, 2048)
-        methods = ["flashkit", "sdpa-flash", "sdpa-cudnn"]
-    else:
-        grid = bench.Grid(["float32"], [64], [256, 512], [True], ["fwd", "bwd"], 1024, 256)
-        methods = list(bench.CPU_METHODS)
-    summary = bench.run(grid, methods, device, out)
+    summary = bench.run(sizes.bench, sizes.bench_methods, sizes.memory.device, out)
     report.add("Throughput",
                "TFLOP/s by DESIGN section 6's count (4 b h n^2 d forward, halved when causal; "
                "backward 2.5x), median of repeated calls. On the CPU flashkit runs its tiled "

@@ -249,7 +249,8 @@ def plot(points: list[Point], methods: list[str], problem: Problem, path: Path) 
                  f"{problem.headdim}, {problem.dtype}{', causal' if problem.causal else ''}, "
                  f"{problem.device}", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+    if ok:
+        ax.legend()
     return plotting.save(fig, path)
 
 

@@ -1,0 +1,54 @@
+"""The GPT's two attention plugs give the same model: same loss at step 0, close curves after."""
+
+import pytest
+import torch
+
+from flashkit.experiments import corpus, train
+from flashkit.models.gpt import GPT, GPTConfig
+
+
+@pytest.fixture(scope="module")
+def runs():
+    text = corpus.load_text()
+    tokenizer = corpus.CharTokenizer(text)
+    tokens = tokenizer.encode(text)
+    config = train.TrainConfig(steps=5, batch=4, seqlen=32, n_layer=2, n_head=2, n_embd=32,
+                               lr=3e-3, device="cpu")
+    return [train.train_once(a, config, tokens, tokenizer.vocab_size)
+            for a in ("naive", "flashkit")]
+
+
+def test_same_loss_at_step_zero(runs):
+    naive, flash = runs
+    assert naive.losses[0] == pytest.approx(flash.losses[0], abs=1e-6)
+
+
+def test_loss_curves_stay_close_and_fall(runs):
+    naive, flash = runs
+    assert max(abs(a - b) for a, b in zip(naive.losses, flash.losses, strict=True)) < 1e-4
+    assert naive.losses[-1] < naive.losses[0]
+
+
+def test_attention_layer_steps_compose():
+    model = GPT(GPTConfig(vocab_size=11, block_size=8, n_layer=1, n_head=2, n_embd=8))
+    x = model.embed(torch.randint(0, 11, (3, 5)))
+    attn = model.blocks[0].attn
+    q, k, v = attn.qkv(x)
+    assert q.shape == k.shape == v.shape == (3, 5, 2, 4)
+    assert torch.allclose(attn.project(model.attend(q, k, v)), attn(x, model.attend))
+
+
+def test_embed_places_tokens_after_a_cache_and_checks_block_size():
+    model = GPT(GPTConfig(vocab_size=11, block_size=8, n_layer=1, n_head=2, n_embd=8))
+    idx = torch.randint(0, 11, (1, 3))
+    full = model.embed(torch.cat([idx, idx], 1))
+    assert torch.allclose(model.embed(idx, start=3), full[:, 3:])
+    with pytest.raises(ValueError, match="block_size"):
+        model.embed(idx, start=6)
+
+
+def test_tokenizer_round_trips_the_text():
+    text = corpus.load_text()
+    tokenizer = corpus.CharTokenizer(text)
+    assert tokenizer.decode(tokenizer.encode(text[:500]).tolist()) == text[:500]
+    assert len(text) > 90_000 and not text.startswith("#")
