@@ -8,6 +8,11 @@ headdim keep the work per point comparable across the grid.
     GPU: flashkit's Triton kernels vs PyTorch SDPA with the FLASH_ATTENTION (FA2), CUDNN and
          EFFICIENT backends and FlexAttention (compiled); each reported as a ratio to cuDNN.
     CPU: flashkit's tiled PyTorch backend vs torch's CPU SDPA kernel, at a small grid.
+
+    flashkit bench                          # CPU: seqlen 256..1k, a minute
+    flashkit bench --device cuda            # GPU: bf16, d 64/128, seqlen 1k/4k/16k
+    flashkit bench --device cuda --full     # GPU: the whole grid of DESIGN section 6
+    flashkit bench --device cuda --methods flashkit,sdpa-cudnn --headdims 128 --directions fwd
 """
 
 from __future__ import annotations

@@ -15,6 +15,9 @@ The score scale decides break 1: unit-scale scores (std 1) survive even in fp16,
 sharper head (std 4) overflow fp16, and very sharp ones (std 25) overflow fp32 too. Break 2 is
 wrong at every scale. The function computes in the dtype of its inputs on purpose: the point is
 to see what fp16 and fp32 do.
+
+    flashkit break-it                       # three score scales, fp32 and fp16, 20 seconds
+    flashkit break-it --logit-stds 2,8 --seqlen 1024 --block 128
 """
 
 from __future__ import annotations

@@ -35,6 +35,17 @@ def ints_arg(text: str) -> list[int]:
     return values
 
 
+def choices_arg(allowed):
+    """An argparse type: a comma-separated subset of `allowed`."""
+    def parse(text: str) -> list[str]:
+        picked = text.split(",")
+        unknown = [p for p in picked if p not in allowed]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown {unknown}; choose from {list(allowed)}")
+        return picked
+    return parse
+
+
 def _device(args) -> str:
     if args.device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
@@ -78,7 +89,7 @@ def _add_memory(subparsers) -> None:
     parser.add_argument("--seqlens", type=ints_arg,
                         help="comma-separated lengths, k = 1024 (default: 512,1k,2k,4k on the "
                              "CPU; 1k,2k,...,256k on the GPU)")
-    parser.add_argument("--methods", type=lambda s: s.split(","), default=list(METHODS),
+    parser.add_argument("--methods", type=choices_arg(METHODS), default=list(METHODS),
                         help=f"comma-separated subset of {','.join(METHODS)} (default: all; "
                              "triton is skipped with a note without CUDA)")
     parser.add_argument("--batch", type=int, default=1)
@@ -120,12 +131,13 @@ def _add_bench(subparsers) -> None:
     parser.add_argument("--full", action="store_true",
                         help="GPU: DESIGN section 6's whole grid (bf16 and fp16, d 64/128/256, "
                              "seqlen 512..16k); default: bf16, d 64/128, seqlen 1k/4k/16k")
-    parser.add_argument("--methods", type=lambda s: s.split(","),
+    parser.add_argument("--methods", type=choices_arg(dict.fromkeys(bench.GPU_METHODS
+                                                                    + bench.CPU_METHODS)),
                         help=f"comma-separated subset (GPU: {','.join(bench.GPU_METHODS)}; "
                              f"CPU: {','.join(bench.CPU_METHODS)})")
     parser.add_argument("--seqlens", type=ints_arg, help="override the grid's lengths")
     parser.add_argument("--headdims", type=ints_arg, help="override the grid's head dims")
-    parser.add_argument("--directions", type=lambda s: s.split(","),
+    parser.add_argument("--directions", type=choices_arg(("fwd", "bwd")),
                         help="fwd, bwd or fwd,bwd (default: both)")
     parser.set_defaults(func=_run_bench)
 

@@ -13,6 +13,10 @@ The probe of the seed chapter, made honest on both kinds of machine. What is rep
 
 Naive attention holds seqlen x seqlen scores per head, so its curve climbs 4x per doubling until
 it dies; the tiled and Triton kernels hold one tile of scores at a time and grow linearly.
+
+    flashkit memory                         # CPU: 512..4k tokens, a minute or two
+    flashkit memory --device cuda           # GPU: 1k..256k tokens; naive runs out near 64k
+    flashkit memory --seqlens 1k,8k --methods naive,tiled --causal
 """
 
 from __future__ import annotations

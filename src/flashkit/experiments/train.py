@@ -4,6 +4,10 @@ Exact attention means exactly that: with the same initial weights and the same b
 loss curves must lie on top of each other (they differ only by floating-point rounding, which
 grows slowly as the runs drift apart), while flashkit's steps are faster and lighter at long
 sequence lengths because the (seqlen x seqlen) score matrix is never stored for backward.
+
+    flashkit train                          # CPU: 40 steps at 64 tokens, under a minute
+    flashkit train --device cuda            # GPU: 200 steps at 1k and at 4k tokens, bf16
+    flashkit train --steps 100 --seqlens 128 --layers 4
 """
 
 from __future__ import annotations
