@@ -215,13 +215,14 @@ SWEEP = {  # candidate (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel
     "dkdv": [(32, 128, 4, 3), (32, 128, 8, 3), (64, 128, 8, 3), (64, 128, 8, 2),
              (32, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2)],
     "dkdv_atomic": [(64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3),
-                    (128, 128, 8, 2), (32, 64, 4, 3), (128, 64, 8, 2)],
+                    (32, 128, 8, 3), (32, 64, 4, 3), (64, 64, 4, 2), (128, 128, 8, 1),
+                    (64, 128, 8, 1)],
     "dq": [(128, 32, 4, 3), (128, 32, 8, 3), (128, 64, 8, 3), (128, 64, 8, 2),
            (64, 32, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2)],
 }
 
 
-def run_sweep(out_path, env, head_dims=(64, 128), seqlen=4096):
+def run_sweep(out_path, env, head_dims=(64, 128), seqlen=4096, kernels=tuple(SWEEP)):
     from flashkit.ops.triton.configs import HOPPER
 
     results = []
@@ -241,7 +242,8 @@ def run_sweep(out_path, env, head_dims=(64, 128), seqlen=4096):
                     dout, q, k, v, out, lse, params, tiles=tiles,
                     atomic_dq=kernel == "dkdv_atomic"))
 
-            for kernel, candidates in SWEEP.items():
+            for kernel in kernels:
+                candidates = SWEEP[kernel]
                 for tile in candidates:
                     try:
                         ms = time_tile(kernel, tile)
@@ -255,7 +257,7 @@ def run_sweep(out_path, env, head_dims=(64, 128), seqlen=4096):
             json.dump({"env": env, "sweep": results}, open(out_path, "w"), indent=1)
     best = {}
     for head_dim in head_dims:
-        for kernel in SWEEP:
+        for kernel in kernels:
             totals = {}
             for r in results:
                 if r["kernel"] == kernel and r["head_dim"] == head_dim and r["ms"] is not None:
@@ -275,6 +277,7 @@ def main():
     ap.add_argument("--anchors", default="cudnn,flash,flex")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--sweep-head-dims", default="64,128")
+    ap.add_argument("--sweep-kernels", default=",".join(SWEEP))
     ap.add_argument("--memory", action="store_true")
     ap.add_argument("--tag", default="")
     ap.add_argument("--check", action="store_true",
@@ -294,7 +297,8 @@ def main():
     stamp = time.strftime("%Y%m%d_%H%M", time.gmtime()) + (f"_{args.tag}" if args.tag else "")
     if args.sweep:
         run_sweep(os.path.join(args.out, f"triton_sweep_{stamp}.json"), env,
-                  tuple(int(d) for d in args.sweep_head_dims.split(",")))
+                  tuple(int(d) for d in args.sweep_head_dims.split(",")),
+                  kernels=tuple(args.sweep_kernels.split(",")))
     if args.grid:
         anchors = [a for a in args.anchors.split(",") if a]
         run_grid(args.grid, anchors, os.path.join(args.out, f"triton_bench_{stamp}.json"), env)

@@ -29,6 +29,7 @@ from flashkit.ops.triton.common import (
     DOT_PRECISION,
     LOG2E,
     LOG2E_JIT,
+    accumulator_descriptor,
     interpreting,
     key_tile_ranges,
     load_tile,
@@ -75,16 +76,19 @@ def _load_lse2(lse_ptrs, offs_m, seqlen_q):
 
 
 @triton.jit
-def _bwd_dkdv_tiles(dk, dv, k_tile, v_tile, q_base, do_base, lse_base, delta_base, dqacc_base,
+def _bwd_dkdv_tiles(dk, dv, k_tile, v_tile, q_base, do_base, lse_base, delta_base, dqacc_src,
+                    dqacc_bh,
                     stride_qs, stride_qd, stride_dos, stride_dod, stride_ls, stride_deltas,
                     start, end, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, window_left,
                     window_right, qk_scale,
                     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
                     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-                    PRECISION: tl.constexpr):
+                    DQ_TMA: tl.constexpr, PRECISION: tl.constexpr):
     """Accumulate dK, dV of one key block over query tiles [start, end); with ATOMIC_DQ also
-    add this block's share of dQ / scale into the fp32 accumulator (b, h, seqlen_q, BLOCK_D)."""
+    add this block's share of dQ / scale into the fp32 accumulator (b * h, seqlen_q, BLOCK_D):
+    one bulk reduce-add of the tile through its TMA descriptor when DQ_TMA (rows past seqlen_q
+    clipped by the copy engine), else element atomics at dqacc_src, this (batch, head)'s rows."""
     for start_m in tl.range(start, end, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         q_ptrs = q_base + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd
@@ -116,12 +120,16 @@ def _bwd_dkdv_tiles(dk, dv, k_tile, v_tile, q_base, do_base, lse_base, delta_bas
         if ATOMIC_DQ:
             # [BLOCK_M, BLOCK_D] = [BLOCK_M, BLOCK_N] @ [BLOCK_N, BLOCK_D]
             dq_part = tl.dot(tl.trans(ds_t).to(k_tile.dtype), k_tile, input_precision=PRECISION)
-            dqacc_ptrs = dqacc_base + offs_m[:, None] * BLOCK_D + offs_d[None, :]
-            if MASKED:
-                tl.atomic_add(dqacc_ptrs, dq_part, mask=offs_m[:, None] < seqlen_q,
-                              sem="relaxed")
+            if DQ_TMA:
+                dqacc_src.atomic_add([dqacc_bh.to(tl.int32), start_m, 0],
+                                     dq_part.reshape(1, BLOCK_M, BLOCK_D))
             else:
-                tl.atomic_add(dqacc_ptrs, dq_part, sem="relaxed")
+                dqacc_ptrs = dqacc_src + offs_m[:, None] * BLOCK_D + offs_d[None, :]
+                if MASKED:
+                    tl.atomic_add(dqacc_ptrs, dq_part, mask=offs_m[:, None] < seqlen_q,
+                                  sem="relaxed")
+                else:
+                    tl.atomic_add(dqacc_ptrs, dq_part, sem="relaxed")
     return dk, dv
 
 
@@ -140,7 +148,8 @@ def _bwd_dkdv_kernel(Q, K, V, DO, Lse, Delta, DK, DV, DQAcc,
                      HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                      BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, EVEN_N: tl.constexpr,
-                     ATOMIC_DQ: tl.constexpr, PRECISION: tl.constexpr):
+                     ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr, PRECISION: tl.constexpr):
+    """DQAcc is the fp32 dQ accumulator (ATOMIC_DQ), a TMA descriptor over it when DQ_TMA."""
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     off_b = (pid_bh // nheads_k).to(tl.int64)
@@ -170,25 +179,29 @@ def _bwd_dkdv_kernel(Q, K, V, DO, Lse, Delta, DK, DV, DQAcc,
         do_base = DO + off_b * stride_dob + off_h * stride_doh
         lse_base = Lse + off_b * stride_lb + off_h * stride_lh
         delta_base = Delta + off_b * stride_deltab + off_h * stride_deltah
-        dqacc_base = DQAcc + ((off_b * nheads_k + off_hk) * group + g) * seqlen_q * BLOCK_D
+        dqacc_bh = (off_b * nheads_k + off_hk) * group + g  # = batch * nheads + query head
+        if DQ_TMA:
+            dqacc_src = DQAcc
+        else:
+            dqacc_src = DQAcc + dqacc_bh * seqlen_q * BLOCK_D
         dk, dv = _bwd_dkdv_tiles(dk, dv, k_tile, v_tile, q_base, do_base, lse_base, delta_base,
-                                 dqacc_base, stride_qs, stride_qd, stride_dos, stride_dod, stride_ls,
+                                 dqacc_src, dqacc_bh, stride_qs, stride_qd, stride_dos, stride_dod, stride_ls,
                                  stride_deltas, lo, mid_lo, offs_n, offs_d, offs_dv, seqlen_q,
                                  seqlen_k, window_left, window_right, qk_scale, HEAD_DIM,
                                  HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, True, HAS_LEFT,
-                                 HAS_RIGHT, ATOMIC_DQ, PRECISION)
+                                 HAS_RIGHT, ATOMIC_DQ, DQ_TMA, PRECISION)
         dk, dv = _bwd_dkdv_tiles(dk, dv, k_tile, v_tile, q_base, do_base, lse_base, delta_base,
-                                 dqacc_base, stride_qs, stride_qd, stride_dos, stride_dod, stride_ls,
+                                 dqacc_src, dqacc_bh, stride_qs, stride_qd, stride_dos, stride_dod, stride_ls,
                                  stride_deltas, mid_lo, mid_hi, offs_n, offs_d, offs_dv,
                                  seqlen_q, seqlen_k, window_left, window_right, qk_scale,
                                  HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, False,
-                                 HAS_LEFT, HAS_RIGHT, ATOMIC_DQ, PRECISION)
+                                 HAS_LEFT, HAS_RIGHT, ATOMIC_DQ, DQ_TMA, PRECISION)
         dk, dv = _bwd_dkdv_tiles(dk, dv, k_tile, v_tile, q_base, do_base, lse_base, delta_base,
-                                 dqacc_base, stride_qs, stride_qd, stride_dos, stride_dod, stride_ls,
+                                 dqacc_src, dqacc_bh, stride_qs, stride_qd, stride_dos, stride_dod, stride_ls,
                                  stride_deltas, mid_hi, hi, offs_n, offs_d, offs_dv, seqlen_q,
                                  seqlen_k, window_left, window_right, qk_scale, HEAD_DIM,
                                  HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, True, HAS_LEFT,
-                                 HAS_RIGHT, ATOMIC_DQ, PRECISION)
+                                 HAS_RIGHT, ATOMIC_DQ, DQ_TMA, PRECISION)
 
     dk_ptrs = (DK + off_b * stride_dkb + off_hk * stride_dkh
                + offs_n[:, None] * stride_dks + offs_d[None, :] * stride_dkd)
@@ -352,13 +365,16 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     kernel = "dkdv_atomic" if atomic_dq else "dkdv"
     block_m, block_n, num_warps, num_stages = tiles.get(kernel) or tile_config(
         kernel, d_max, q.element_size(), interpreting())
-    dq_acc = (torch.zeros((batch, nheads, seqlen_q, block_d), dtype=torch.float32,
+    dq_acc = (torch.zeros((batch * nheads, seqlen_q, block_d), dtype=torch.float32,
                           device=q.device) if atomic_dq else delta)
+    dq_acc_desc = accumulator_descriptor(dq_acc, block_m) if atomic_dq else None
     _bwd_dkdv_kernel[(triton.cdiv(seqlen_k, block_n), batch * nheads_k)](
-        q, k, v, dout, lse, delta, dk, dv, dq_acc, *common_strides, *dk.stride(), *dv.stride(),
+        q, k, v, dout, lse, delta, dk, dv, dq_acc if dq_acc_desc is None else dq_acc_desc,
+        *common_strides, *dk.stride(), *dv.stride(),
         nheads_k, group, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
         params.softmax_scale, **dims, BLOCK_M=block_m, BLOCK_N=block_n, **band,
-        EVEN_N=seqlen_k % block_n == 0, ATOMIC_DQ=atomic_dq, num_warps=num_warps,
+        EVEN_N=seqlen_k % block_n == 0, ATOMIC_DQ=atomic_dq, DQ_TMA=dq_acc_desc is not None,
+        num_warps=num_warps,
         num_stages=num_stages)
 
     if atomic_dq:

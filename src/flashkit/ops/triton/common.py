@@ -50,6 +50,17 @@ def kv_descriptor(x, block_n: int, block_d: int):
                             block_shape=[1, block_n, block_d])
 
 
+def accumulator_descriptor(acc, block_m: int):
+    """A TMA descriptor over the fp32 accumulator acc (b * h, seqlen, BLOCK_D) for bulk
+    reduce-adds of [1, block_m, BLOCK_D] tiles, or None in the interpreter / off CUDA."""
+    if interpreting() or not acc.is_cuda:
+        return None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(acc, shape=list(acc.shape), strides=list(acc.stride()),
+                            block_shape=[1, block_m, acc.shape[2]])
+
+
 def window_args(params) -> tuple[int, int, bool, bool]:
     """(window_left, window_right, HAS_LEFT, HAS_RIGHT) as the kernels take them."""
     left, right = params.window_left, params.window_right

@@ -29,7 +29,7 @@ HOPPER = {
         16: (32, 128, 4, 3),
         32: (32, 128, 4, 3),
         64: (32, 128, 4, 3),  # whole backward 4.048 + 2.284 ms (next: 32,64,4,3)
-        128: (32, 64, 4, 3),  # 3.492 + 2.047 ms (next: 64,128,8,3 / 64,128,8,2)
+        128: (64, 128, 8, 3),  # 3.55 + 2.023 ms (02:17 sweep; 32,64,4,3: 3.616 + 2.076)
         256: (32, 64, 8, 2),
     },
     "dkdv_atomic": {
@@ -43,13 +43,13 @@ HOPPER = {
         16: (128, 64, 8, 3),
         32: (128, 64, 8, 3),
         64: (128, 64, 8, 3),  # whole backward 3.718 + 2.145 ms
-        128: (128, 64, 8, 3),  # 3.698 + 2.148 ms
+        128: (128, 32, 8, 3),  # 3.491 + 2.12 ms (02:17 sweep; 128,64,8,3: 3.68 + 2.049)
         256: (64, 32, 8, 2),
     },
 }
 
 # Forward K/V loads through TMA descriptors where the layout allows (common.kv_descriptor).
-USE_TMA = True
+USE_TMA = False
 
 # Non-deterministic backward: dQ by fp32 atomics inside the dK/dV kernel instead of its own kernel.
 ATOMIC_DQ = False
