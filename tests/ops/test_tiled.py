@@ -93,6 +93,8 @@ FEATURES = {
     "sink": lambda b, h: dict(sink=sink(h)),
     "scale": lambda b, h: dict(softmax_scale=0.31),
     "sink_causal": lambda b, h: dict(sink=sink(h) + 2, causal=True),
+    "sink_dominant": lambda b, h: dict(sink=sink(h) + 12),
+    "large_scores": lambda b, h: dict(softmax_scale=4.0),
     "alibi_softcap_window": lambda b, h: dict(alibi_slopes=alibi_slopes(h, batch=b),
                                               softcap=5.0, window_size=(10, 6)),
     "everything": lambda b, h: dict(causal=True, window_size=(20, 0), softcap=8.0,
@@ -159,6 +161,11 @@ def test_attention_probs():
     inputs = dict(q=q, k=k, v=v, window_size=(9, 2), alibi_slopes=alibi_slopes(4), sink=sink(4))
     check_against_oracle(kernel, inputs, output_names=("out", "lse", "probs"),
                          oracle_fn=lambda **kw: oracle(**kw, return_probs=True))
+    # Longer than one 128 x 128 tile each way, with a band that skips tiles.
+    q, k, v = random_qkv(1, 300, 270, 2, 1, headdim=16)
+    inputs = dict(q=q, k=k, v=v, window_size=(70, 5), softcap=3.0)
+    check_against_oracle(kernel, inputs, output_names=("out", "lse", "probs"),
+                         oracle_fn=lambda **kw: oracle(**kw, return_probs=True))
 
 
 @pytest.mark.parametrize("dtype", DTYPES[:2], ids=DTYPE_IDS[:2])
@@ -184,15 +191,32 @@ def _run_tiled(q, k, v, params, dout, block_m, block_n):
 
 
 def _run_oracle(q, k, v, params, dout):
-    """(out, lse, dq, dk, dv, dsink) of the oracle, in the dtype of q, k, v; needs a sink."""
-    leaves = [t.detach().requires_grad_() for t in (q, k, v, params.sink)]
-    out, lse = attention_with_params(*leaves[:3], dataclasses.replace(params, sink=leaves[3]))
-    return (out, lse, *torch.autograd.grad(out, leaves, dout.to(out.dtype)))
+    """(out, lse, dq, dk, dv, dsink or None) of the oracle, in the dtype of its inputs."""
+    leaves = [t.detach().requires_grad_() for t in (q, k, v, params.sink) if t is not None]
+    out, lse = attention_with_params(*leaves[:3],
+                                     dataclasses.replace(params, sink=(leaves + [None])[3]))
+    grads = torch.autograd.grad(out, leaves, dout.to(out.dtype))
+    return (out, lse, *grads, *[None] * (4 - len(grads)))
 
 
 def _as64(params):
-    return dataclasses.replace(params, alibi_slopes=params.alibi_slopes.double(),
-                               sink=params.sink.double())
+    return dataclasses.replace(params, **{
+        name: getattr(params, name).double() for name in ("alibi_slopes", "sink")
+        if getattr(params, name) is not None})
+
+
+def check_tiled_direct(q, k, v, params, block_m, block_n):
+    """flashkit.ops.tiled.forward/backward with the given tiles against the oracle, by the rule."""
+    dout = torch.randn(*q.shape[:-1], v.shape[-1], dtype=q.dtype).double()
+    got = _run_tiled(q, k, v, params, dout.to(q.dtype), block_m, block_n)
+    expected = _run_oracle(q.double(), k.double(), v.double(), _as64(params), dout)
+    baseline = _run_oracle(q, k, v, params, dout)
+    for name, g, e, b in zip(["out", "lse", "dq", "dk", "dv", "dsink"], got, expected, baseline,
+                             strict=True):
+        if name == "dsink" and params.sink is None:
+            assert g is None
+            continue
+        assert_close_to_oracle(name, g, e, b)
 
 
 @pytest.mark.parametrize("dtype", DTYPES[:2], ids=DTYPE_IDS[:2])
@@ -203,13 +227,7 @@ def test_block_sizes(block_m, block_n, dtype):
     q, k, v = random_qkv(2, 150, 97, 4, 2, headdim=32, dtype=dtype)
     params = AttentionParams(softmax_scale=0.2, window_left=40, window_right=7, softcap=6.0,
                              alibi_slopes=alibi_slopes(4, batch=2), sink=sink(4))
-    dout = torch.randn(2, 150, 4, 32, dtype=torch.float64)
-    got = _run_tiled(q, k, v, params, dout.to(dtype), block_m, block_n)
-    expected = _run_oracle(q.double(), k.double(), v.double(), _as64(params), dout)
-    baseline = _run_oracle(q, k, v, params, dout)
-    for name, g, e, b in zip(["out", "lse", "dq", "dk", "dv", "dsink"], got, expected, baseline,
-                             strict=True):
-        assert_close_to_oracle(name, g, e, b)
+    check_tiled_direct(q, k, v, params, block_m, block_n)
 
 
 def test_block_sizes_agree():
@@ -293,3 +311,43 @@ def test_random_against_oracle(case):
     if kwargs["sink"] is not None:
         kwargs["sink"] = sink(nheads) * kwargs["sink"]
     check_against_oracle(api_attention, dict(q=q, k=k, v=v, **kwargs))
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), seqlen_q=st.integers(1, 90), seqlen_k=st.integers(1, 90),
+       window_left=st.one_of(st.none(), st.integers(0, 40)),
+       window_right=st.one_of(st.none(), st.integers(-20, 40)),
+       block_m=st.sampled_from([16, 32, 64]), block_n=st.sampled_from([16, 32, 64]),
+       features=st.sets(st.sampled_from(["softcap", "alibi", "sink"])),
+       dtype=st.sampled_from(DTYPES[:2]))
+def test_random_tilings(seed, seqlen_q, seqlen_k, window_left, window_right, block_m, block_n,
+                        features, dtype):
+    """Many tiles per row and column: bands that start, end and vanish inside tiles (a negative
+    window_right is the SDPA entry's top-left causal), against the oracle."""
+    torch.manual_seed(seed)
+    q, k, v = random_qkv(2, seqlen_q, seqlen_k, 4, 2, headdim=16, dtype=dtype)
+    params = AttentionParams(softmax_scale=0.3, window_left=window_left,
+                             window_right=window_right,
+                             softcap=4.0 if "softcap" in features else 0.0,
+                             alibi_slopes=alibi_slopes(4, 2) if "alibi" in features else None,
+                             sink=sink(4) if "sink" in features else None)
+    check_tiled_direct(q, k, v, params, block_m, block_n)
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1),
+       lengths=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40)), min_size=1,
+                        max_size=5),
+       causal=st.booleans(), features=st.sets(st.sampled_from(["alibi", "sink", "window"])))
+def test_random_varlen(seed, lengths, causal, features):
+    torch.manual_seed(seed)
+    lengths_q, lengths_k = (list(x) for x in zip(*lengths, strict=True))
+    inputs = random_varlen(lengths_q, lengths_k, nheads=4, nheads_k=2, headdim=16)
+    inputs["causal"] = causal
+    if "alibi" in features:
+        inputs["alibi_slopes"] = alibi_slopes(4, batch=len(lengths))
+    if "sink" in features:
+        inputs["sink"] = sink(4)
+    if "window" in features:
+        inputs["window_size"] = (6, 3)
+    check_against_oracle(api_attention, inputs)
