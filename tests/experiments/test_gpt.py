@@ -52,3 +52,14 @@ def test_tokenizer_round_trips_the_text():
     tokenizer = corpus.CharTokenizer(text)
     assert tokenizer.decode(tokenizer.encode(text[:500]).tolist()) == text[:500]
     assert len(text) > 90_000 and not text.startswith("#")
+
+
+def test_train_table_adds_peak_memory_when_measured():
+    comparison = {"seqlen": 16, "final_loss_naive": 2.0, "final_loss_flashkit": 2.0,
+                  "max_delta": 0.0, "tokens_per_s_naive": 10.0, "tokens_per_s_flashkit": 20.0,
+                  "speedup": 2.0, "peak_gib_naive": None, "peak_gib_flashkit": None}
+    header, _ = train.table([comparison])
+    assert header == train.HEADER
+    header, (row,) = train.table([{**comparison, "peak_gib_naive": 3.0,
+                                   "peak_gib_flashkit": 1.0}])
+    assert header[-2:] == train.MEMORY_HEADER and row[-2:] == ["3.0", "1.0"]

@@ -107,12 +107,21 @@ def compare(naive: Run, flash: Run, config: TrainConfig) -> dict:
 
 HEADER = ["seqlen", "final loss naive", "final loss flashkit", "max |delta loss|",
           "tokens/s naive", "tokens/s flashkit", "speed-up"]
+MEMORY_HEADER = ["peak GiB naive", "peak GiB flashkit"]
 
 
-def _row(c: dict) -> list:
-    return [c["seqlen"], f"{c['final_loss_naive']:.4f}", f"{c['final_loss_flashkit']:.4f}",
-            f"{c['max_delta']:.2e}", f"{c['tokens_per_s_naive']:,.0f}",
-            f"{c['tokens_per_s_flashkit']:,.0f}", f"{c['speedup']:.2f}x"]
+def table(comparisons: list[dict]) -> tuple[list[str], list[list]]:
+    """(header, rows); the peak-memory columns appear when it was measured (CUDA)."""
+    with_memory = comparisons[0]["peak_gib_naive"] is not None
+    rows = []
+    for c in comparisons:
+        row = [c["seqlen"], f"{c['final_loss_naive']:.4f}", f"{c['final_loss_flashkit']:.4f}",
+               f"{c['max_delta']:.2e}", f"{c['tokens_per_s_naive']:,.0f}",
+               f"{c['tokens_per_s_flashkit']:,.0f}", f"{c['speedup']:.2f}x"]
+        if with_memory:
+            row += [f"{c['peak_gib_naive']:.1f}", f"{c['peak_gib_flashkit']:.1f}"]
+        rows.append(row)
+    return HEADER + (MEMORY_HEADER if with_memory else []), rows
 
 
 def plot(runs: list[tuple[Run, Run]], comparisons: list[dict], path: Path) -> Path | None:
@@ -145,14 +154,14 @@ def run(configs: list[TrainConfig], out: Path) -> dict:
         flash = train_once("flashkit", config, tokens, tokenizer.vocab_size)
         pairs.append((naive, flash))
         comparisons.append(compare(naive, flash, config))
-    rows = [_row(c) for c in comparisons]
+    header, rows = table(comparisons)
     print(f"\n{configs[0].steps} steps, same seed and batches; model {configs[0].n_layer} "
           f"layers x {configs[0].n_head} heads x {configs[0].n_embd}, {configs[0].device}:")
-    print(results.text_table(HEADER, rows))
+    print(results.text_table(header, rows))
     data = {"environment": results.environment(configs[0].device),
             "configs": [asdict(c) for c in configs], "comparisons": comparisons,
             "runs": [asdict(r) for pair in pairs for r in pair]}
     files = [results.write_json(out / "train.json", data)]
     png = plot(pairs, comparisons, out / "train.png")
-    return {**data, "markdown": results.markdown_table(HEADER, rows), "png": png,
+    return {**data, "markdown": results.markdown_table(header, rows), "png": png,
             "files": files + ([png] if png else [])}
