@@ -181,10 +181,10 @@ def run_grid(grid, anchors, out_path, env):
                         except Exception as e:  # an anchor that lacks this case is recorded
                             row.setdefault("errors", {})[impl] = f"{type(e).__name__}: {e}"[:200]
                             continue
-                        row["ms"][impl] = dict(zip(("fwd", "bwd"), times))
+                        row["ms"][impl] = dict(zip(("fwd", "bwd"), times, strict=True))
                         row["tflops"][impl] = {
                             d: flops(batch, nheads, seqlen, head_dim, causal, d) / t * 1e-9
-                            for d, t in zip(("fwd", "bwd"), times)}
+                            for d, t in zip(("fwd", "bwd"), times, strict=True)}
                     if "cudnn" in row["tflops"]:
                         row["ratio_to_cudnn"] = {
                             impl: {d: row["tflops"][impl][d] / row["tflops"]["cudnn"][d]
@@ -233,7 +233,8 @@ def run_sweep(out_path, env, head_dims=(64, 128), seqlen=4096, kernels=tuple(SWE
             out, lse = fwd_mod.attention_forward(q, k, v, params)
             base = {"dkdv": HOPPER["dkdv"][head_dim], "dq": HOPPER["dq"][head_dim]}
 
-            def time_tile(kernel, tile):
+            def time_tile(kernel, tile, q=q, k=k, v=v, dout=dout, out=out, lse=lse,
+                          params=params, base=base):
                 if kernel.startswith("forward"):
                     return bench(lambda: fwd_mod.attention_forward(
                         q, k, v, params, tile=tile, use_tma=kernel == "forward"))

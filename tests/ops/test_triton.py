@@ -97,7 +97,7 @@ def check_against_oracle(q, k, v, dout, params, poisoned=True):
     oracle = reference_grads(q, k, v, dout, params, torch.float64)
     baseline = reference_grads(q, k, v, dout, params, q.dtype)
     for name, got, want, base in zip(("out", "lse", "dq", "dk", "dv"),
-                                     (out, lse, *grads[:3]), oracle, baseline):
+                                     (out, lse, *grads[:3]), oracle, baseline, strict=True):
         assert got.dtype == (torch.float32 if name == "lse" else q.dtype), name
         assert_close_to_oracle(name, got, want, base)
     return out, lse, grads
@@ -161,7 +161,7 @@ def test_gradients_are_bitwise_reproducible():
     out, lse = triton_backend.forward(q, k, v, params)
     first = triton_backend.backward(dout, q, k, v, out, lse, params)[:3]
     second = triton_backend.backward(dout, q, k, v, out, lse, params)[:3]
-    for a, b in zip(first, second):
+    for a, b in zip(first, second, strict=True):
         assert torch.equal(a, b)
 
 
@@ -198,7 +198,8 @@ def test_atomic_dq_path_matches_oracle(case):
         dout, q, k, v, out, lse, params, dq=poison(torch.empty_like(q)), atomic_dq=True)
     oracle = reference_grads(q, k, v, dout, params, torch.float64)[2:]
     baseline = reference_grads(q, k, v, dout, params, dtype)[2:]
-    for name, got, want, base in zip(("dq", "dk", "dv"), (dq, dk, dv), oracle, baseline):
+    for name, got, want, base in zip(("dq", "dk", "dv"), (dq, dk, dv), oracle, baseline,
+                                     strict=True):
         assert_close_to_oracle(name, got, want, base)
 
 
@@ -269,7 +270,8 @@ def test_gpu_atomic_dq_path(case):
         dk=poison(torch.empty_like(k)), dv=poison(torch.empty_like(v)), atomic_dq=True)
     oracle = reference_grads(q, k, v, dout, params, torch.float64)[2:]
     baseline = reference_grads(q, k, v, dout, params, dtype)[2:]
-    for name, got, want, base in zip(("dq", "dk", "dv"), (dq, dk, dv), oracle, baseline):
+    for name, got, want, base in zip(("dq", "dk", "dv"), (dq, dk, dv), oracle, baseline,
+                                     strict=True):
         assert_close_to_oracle(name, got, want, base)
 
 
@@ -293,5 +295,5 @@ def test_gpu_gqa_deterministic(nheads_k):
     out, lse, grads = check_against_oracle(q, k, v, dout, params)
     for _ in range(3):
         again = triton_backend.backward(dout, q, k, v, out, lse, params)
-        for a, b in zip(grads[:3], again[:3]):
+        for a, b in zip(grads[:3], again[:3], strict=True):
             assert torch.equal(a, b)

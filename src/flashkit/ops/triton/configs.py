@@ -72,7 +72,8 @@ INTERPRETER = {
 
 
 def padded_head_dim(d: int) -> int:
-    """The head dim the kernels compute with: the next power of two, at least 16 (tl.dot's minimum)."""
+    """The head dim the kernels compute with: the next power of two, at least 16 (tl.dot's
+    minimum)."""
     return max(16, 1 << (d - 1).bit_length())
 
 

@@ -23,6 +23,8 @@ are never touched.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -40,10 +42,12 @@ from flashkit.ops.triton.common import (
 from flashkit.ops.triton.configs import padded_head_dim
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) by whether the packed query rows fit one 16-row
-# tile (decoding) or not (prefill). HOPPER: see benchmarks/bench_decode.py's --sweep and
-# benchmarks/results/decode_*.json (bf16, d128, H200). INTERPRETER: tiny tiles so CPU tests at
-# ~50 keys cross tiles, pages and splits.
-HOPPER = {"decode": (16, 64, 4, 4), "prefill": (64, 64, 4, 3)}
+# tile (decoding) or not (prefill). HOPPER decode: the most even of the 27 tiles that
+# `benchmarks/bench_decode.py --sweep` timed (benchmarks/results/decode_20261121T022233.json,
+# bf16, d128, H200: 85-110% of copy bandwidth at b16/16k GQA 8:1 and b64/8k MHA; the old
+# (64, 4, 4) gave 74% on the first). Prefill: not swept. INTERPRETER: tiny tiles so CPU tests
+# at ~50 keys cross tiles, pages and splits.
+HOPPER = {"decode": (16, 64, 4, 3), "prefill": (64, 64, 4, 3)}
 INTERPRETER = {"decode": (16, 16, 1, 1), "prefill": (16, 16, 1, 1)}
 MIN_KEYS_PER_SPLIT = 256  # auto num_splits never makes a split shorter than this
 
@@ -227,13 +231,18 @@ def auto_num_splits(programs: int, max_seqlen_k: int, device: torch.device) -> i
     Decoding at batch x nheads_k below the SM count leaves most of the GPU idle without splits;
     at or above it, splitting only adds the merge.
     """
-    sms = torch.cuda.get_device_properties(device).multi_processor_count \
-        if device.type == "cuda" else 4
+    sms = _sm_count(device.index) if device.type == "cuda" else 4
     if programs >= sms:
         return 1
     by_occupancy = triton.cdiv(2 * sms, programs)
     by_length = max(1, max_seqlen_k // MIN_KEYS_PER_SPLIT)
     return max(1, min(by_occupancy, by_length, 128))
+
+
+@functools.lru_cache
+def _sm_count(index: int | None) -> int:
+    index = torch.cuda.current_device() if index is None else index
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, block_table,

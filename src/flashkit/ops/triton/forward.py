@@ -106,18 +106,21 @@ def _fwd_kernel(Q, K, V, Out, Lse,
                                              window_right, BLOCK_M, BLOCK_N, HAS_LEFT,
                                              HAS_RIGHT)
     acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q_tile, k_src, v_src, off_b, off_hk,
-                               stride_ks, stride_kd, stride_vs, stride_vd, lo, mid_lo, offs_m, offs_d, offs_dv,
-                               seqlen_q, seqlen_k, window_left, window_right, qk_scale,
+                               stride_ks, stride_kd, stride_vs, stride_vd, lo, mid_lo, offs_m,
+                               offs_d, offs_dv, seqlen_q, seqlen_k, window_left, window_right,
+                               qk_scale,
                                HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True,
                                HAS_LEFT, HAS_RIGHT, USE_TMA, PRECISION)
     acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q_tile, k_src, v_src, off_b, off_hk,
-                               stride_ks, stride_kd, stride_vs, stride_vd, mid_lo, mid_hi, offs_m, offs_d, offs_dv,
-                               seqlen_q, seqlen_k, window_left, window_right, qk_scale,
+                               stride_ks, stride_kd, stride_vs, stride_vd, mid_lo, mid_hi, offs_m,
+                               offs_d, offs_dv, seqlen_q, seqlen_k, window_left, window_right,
+                               qk_scale,
                                HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, False,
                                HAS_LEFT, HAS_RIGHT, USE_TMA, PRECISION)
     acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q_tile, k_src, v_src, off_b, off_hk,
-                               stride_ks, stride_kd, stride_vs, stride_vd, mid_hi, hi, offs_m, offs_d, offs_dv,
-                               seqlen_q, seqlen_k, window_left, window_right, qk_scale,
+                               stride_ks, stride_kd, stride_vs, stride_vd, mid_hi, hi, offs_m,
+                               offs_d, offs_dv, seqlen_q, seqlen_k, window_left, window_right,
+                               qk_scale,
                                HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True,
                                HAS_LEFT, HAS_RIGHT, USE_TMA, PRECISION)
 
@@ -168,5 +171,6 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         params.softmax_scale * LOG2E,
         HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
         BLOCK_M=block_m, BLOCK_N=block_n, HAS_LEFT=has_left, HAS_RIGHT=has_right,
-        EVEN_M=seqlen_q % block_m == 0, USE_TMA=use_tma, PRECISION=DOT_PRECISION, num_warps=num_warps, num_stages=num_stages)
+        EVEN_M=seqlen_q % block_m == 0, USE_TMA=use_tma, PRECISION=DOT_PRECISION,
+        num_warps=num_warps, num_stages=num_stages)
     return out, lse
