@@ -158,6 +158,8 @@ DENSE_ERRORS = {  # name -> (arguments, exception, the argument the message name
                           "alibi_slopes"),
     "alibi_dtype": (lambda: _dense(alibi_slopes=torch.rand(4, dtype=torch.float64)), TypeError,
                     "alibi_slopes"),
+    "alibi_device": (lambda: _dense(alibi_slopes=torch.rand(4, device="meta")), ValueError,
+                     "alibi_slopes"),
     "sink_shape": (lambda: _dense(sink=torch.randn(2)), ValueError, "sink"),
     "sink_dtype": (lambda: _dense(sink=torch.ones(4, dtype=torch.int64)), TypeError, "sink"),
     "sink_device": (lambda: _dense(sink=torch.randn(4, device="meta")), ValueError, "sink"),
@@ -196,6 +198,8 @@ VARLEN_ERRORS = {
     "v_tokens": (lambda: _varlen(v=torch.randn(6, 2, 16)), ValueError, "v"),
     "alibi_batch_shape": (lambda: _varlen(alibi_slopes=torch.rand(3, 4)), ValueError,
                           "alibi_slopes"),
+    "cu_device": (lambda: _varlen(cu_seqlens_q=cu_seqlens([3, 2]).to("meta")), ValueError,
+                  "cu_seqlens_q"),
 }
 
 

@@ -12,6 +12,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import flashkit
 from flashkit.api import draw_dropout_seed
@@ -99,6 +101,8 @@ def test_enable_gqa(nheads_k, dtype):
     query, key, value = random_bhsd(2, 4, nheads_k, 15, 26, dtype=dtype)
     check_sdpa(query, key, value, enable_gqa=True, is_causal=True, scale=0.3)
     check_sdpa(query, key, value, enable_gqa=True, attn_mask=torch.rand(15, 26) > 0.5)
+    per_head = (torch.randn(2, 4, 15, 26) * 3).to(dtype)  # query heads of a group differ
+    check_sdpa(query, key, value, enable_gqa=True, attn_mask=per_head)
 
 
 def test_three_dim_inputs():
@@ -193,3 +197,24 @@ def test_float_mask_requiring_grad_is_refused():
     mask = torch.zeros(4, 4, requires_grad=True)
     with pytest.raises(NotImplementedError, match="attn_mask"):
         flashkit.scaled_dot_product_attention(query, key, value, attn_mask=mask)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), seqlen_q=st.integers(1, 40), seqlen_k=st.integers(1, 40),
+       nheads_k=st.sampled_from([1, 2, 4]), mask=st.sampled_from([None, "causal", "bool",
+                                                                  "float"]),
+       mask_dims=st.lists(st.booleans(), min_size=4, max_size=4),
+       dtype=st.sampled_from(DTYPES[:2]))
+def test_random_against_torch(seed, seqlen_q, seqlen_k, nheads_k, mask, mask_dims, dtype):
+    """Random lengths, GQA and masks whose every dim is either full or broadcast."""
+    torch.manual_seed(seed)
+    query, key, value = random_bhsd(2, 4, nheads_k, seqlen_q, seqlen_k, dtype=dtype)
+    kwargs = dict(enable_gqa=nheads_k != 4)
+    if mask == "causal":
+        kwargs["is_causal"] = True
+    elif mask is not None:
+        shape = [n if full else 1 for n, full in zip((2, 4, seqlen_q, seqlen_k), mask_dims,
+                                                     strict=True)]
+        kwargs["attn_mask"] = (torch.rand(shape) > 0.25 if mask == "bool"
+                               else (torch.randn(shape) * 2).to(dtype))
+    check_sdpa(query, key, value, **kwargs)
