@@ -65,12 +65,14 @@ def ring_forward(q, k, v, problem: RingProblem):
     for step, calls in enumerate(problem.plans):
         arriving = problem.ring.shift(kv) if step + 1 < len(problem.plans) else None
         held_k, held_v = kv
-        for call in calls:
-            out_c, lse_c = kernels.forward(q[:, call.q], held_k[:, call.k], held_v[:, call.k],
-                                           problem.call_params(call))
-            merge_(out[:, call.q], lse[:, :, call.q], out_c, lse_c)
-        if arriving is not None:
-            kv = arriving.wait()
+        try:
+            for call in calls:
+                out_c, lse_c = kernels.forward(q[:, call.q], held_k[:, call.k],
+                                               held_v[:, call.k], problem.call_params(call))
+                merge_(out[:, call.q], lse[:, :, call.q], out_c, lse_c)
+        finally:  # also when a kernel raises (e.g. a feature the backend lacks, on every rank):
+            if arriving is not None:  # all ranks posted this transfer, so it completes
+                kv = arriving.wait()
     return out.to(q.dtype), lse
 
 
