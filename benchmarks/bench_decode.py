@@ -32,7 +32,7 @@ import platform
 
 import torch
 import triton
-from triton.testing import do_bench
+from triton.testing import do_bench, do_bench_cudagraph
 
 import flashkit
 from flashkit.kvcache import flash_attn_with_kvcache
@@ -56,8 +56,15 @@ def environment() -> dict:
 
 
 def bench(fn) -> float:
-    """Median ms."""
+    """Median ms of eager calls, L2 flushed between them: host launch overhead counts wherever
+    it exceeds the GPU time (small problems)."""
     return do_bench(fn, warmup=10, rep=40, return_mode="median")
+
+
+def bench_graph(fn) -> float:
+    """Median ms per call replayed from a CUDA graph: the GPU time alone, as a decoding loop
+    under graphs sees it. No L2 flush: a problem smaller than L2 (60 MB) reads from it."""
+    return do_bench_cudagraph(fn, rep=20, return_mode="median")
 
 
 def copy_bandwidth() -> float:
@@ -81,13 +88,17 @@ def make_cache(batch, seqlen_k, nheads_k, page_size):
             torch.randn(shape, dtype=DTYPE, device="cuda"), table)
 
 
-def kernel_ms(q, k_cache, v_cache, table, seqlen_k, params, num_splits) -> float:
+def kernel_fn(q, k_cache, v_cache, table, seqlen_k, params, num_splits):
     """The decode launcher on validated inputs, every sequence holding seqlen_k keys."""
     batch = q.shape[0]
     seqlens = torch.full((batch,), seqlen_k, dtype=torch.int32, device="cuda")
     rows = torch.arange(batch, dtype=torch.int32, device="cuda")
-    return bench(lambda: decode.forward(q, k_cache, v_cache, seqlens, rows, rows * 0, table,
-                                        params, num_splits, max_seqlen_k=seqlen_k))
+    return lambda: decode.forward(q, k_cache, v_cache, seqlens, rows, rows * 0, table, params,
+                                  num_splits, max_seqlen_k=seqlen_k)
+
+
+def kernel_ms(q, k_cache, v_cache, table, seqlen_k, params, num_splits) -> float:
+    return bench(kernel_fn(q, k_cache, v_cache, table, seqlen_k, params, num_splits))
 
 
 # --- correctness gate ---------------------------------------------------------------------------
@@ -141,19 +152,23 @@ def check() -> list[str]:
 
 # --- decode -------------------------------------------------------------------------------------
 
-def sdpa_ms(q, k_cache, v_cache, backend_name):
-    """SDPA on (b, h, 1, d) q and (b, hk, L, d) copies of a contiguous cache, or None."""
+def sdpa_times(q, k_cache, v_cache, backend_name):
+    """(eager ms, graph ms) of SDPA on (b, h, 1, d) q and (b, hk, L, d) copies of a contiguous
+    cache, or (None, None) where that backend refuses the inputs."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
     qh, kh, vh = q.transpose(1, 2), k_cache.transpose(1, 2).contiguous(), \
         v_cache.transpose(1, 2).contiguous()
-    try:
+
+    def fn():
         with sdpa_kernel([getattr(SDPBackend, backend_name)]):
-            sdpa(qh, kh, vh, enable_gqa=True)
-            return bench(lambda: sdpa(qh, kh, vh, enable_gqa=True))
+            return sdpa(qh, kh, vh, enable_gqa=True)
+    try:
+        fn()
     except RuntimeError:
-        return None
+        return None, None
+    return bench(fn), bench_graph(fn)
 
 
 def decode_grid(quick: bool):
@@ -186,18 +201,21 @@ def decode_row(batch, seqlen_k, nheads_k, page_size, kv_bytes, params, copy_bw) 
     # q length 1: the group's rows pack into one tile, one program per kv head and split
     splits = decode.auto_num_splits(batch * nheads_k, seqlen_k, torch.device("cuda"))
     row = {"batch": batch, "seqlen_k": seqlen_k, "nheads": NHEADS, "nheads_k": nheads_k,
-           "page_size": page_size, "kv_bytes": kv_bytes, "auto_splits": splits}
+           "page_size": page_size, "kv_bytes": kv_bytes, "auto_splits": splits,
+           "l2_resident": kv_bytes < 60e6}
+
+    def put(label, eager_ms, graph_ms):
+        for mode, ms in (("eager", eager_ms), ("graph", graph_ms)):
+            row[f"{label}_{mode}_ms"] = ms
+            if ms is not None:
+                row[f"{label}_{mode}_pct_copy"] = 100 * kv_bytes / (ms * 1e-3) / copy_bw
+
     for label, num_splits in (("auto", 0), ("splits1", 1)):
-        ms = kernel_ms(q, k_cache, v_cache, table, seqlen_k, params, num_splits)
-        row[f"{label}_ms"] = ms
-        row[f"{label}_pct_copy"] = 100 * kv_bytes / (ms * 1e-3) / copy_bw
+        fn = kernel_fn(q, k_cache, v_cache, table, seqlen_k, params, num_splits)
+        put(label, bench(fn), bench_graph(fn))
     if page_size is None:
         for name in ("CUDNN_ATTENTION", "FLASH_ATTENTION"):
-            ms = sdpa_ms(q, k_cache, v_cache, name)
-            row[f"sdpa_{name.split('_')[0].lower()}_ms"] = ms
-            if ms is not None:
-                row[f"sdpa_{name.split('_')[0].lower()}_pct_copy"] = \
-                    100 * kv_bytes / (ms * 1e-3) / copy_bw
+            put(f"sdpa_{name.split('_')[0].lower()}", *sdpa_times(q, k_cache, v_cache, name))
     return row
 
 
