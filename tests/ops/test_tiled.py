@@ -263,9 +263,14 @@ def test_dropout(layout, dtype):
 
     def kernel(**kw):
         torch.manual_seed(1234)  # the call draws the same seed again
-        return api_attention(**kw)
+        if layout == "varlen":
+            return api_attention(**kw)
+        return flashkit.flash_attn_func(**kw, return_attn_probs=True, backend="torch")
 
-    check_against_oracle(kernel, inputs, oracle_fn=lambda **kw: oracle(**kw, dropout_mask=mask))
+    outputs = ("out", "lse") if layout == "varlen" else ("out", "lse", "probs")
+    check_against_oracle(kernel, inputs, output_names=outputs,
+                         oracle_fn=lambda **kw: oracle(**kw, dropout_mask=mask,
+                                                       return_probs=layout == "dense"))
 
 
 def test_dropout_reproducible():
