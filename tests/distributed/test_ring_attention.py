@@ -70,8 +70,10 @@ def test_needs_initialized_process_group():
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_ring_triton_nccl(tmp_path):
-    names = ("contiguous-causal", "zigzag-causal-gqa4", "zigzag-causal-bf16", "contiguous-window",
-             "contiguous-causal-q-longer")
+    """The Triton backend (no softcap, no lse gradient, no float64 yet) over NCCL."""
+    names = ("contiguous-causal", "zigzag-causal-gqa4", "zigzag-causal-bf16",
+             "contiguous-window-odd-shards", "zigzag-causal-window", "contiguous-causal-q-longer",
+             "varlen-zigzag-window")
     results = _run_group(2, tmp_path, "nccl", names)
     failures = {n: results[n] for n in names if results[n]}
     assert not failures, failures
