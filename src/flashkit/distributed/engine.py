@@ -29,6 +29,7 @@ from flashkit.distributed.plan import Call
 from flashkit.distributed.ring import Ring
 from flashkit.ops.custom_op import backend_module
 from flashkit.ops.params import AttentionParams
+from flashkit.ops.tiled.forward import accumulation_dtype
 
 __all__ = ["RingProblem", "ring_forward", "ring_backward", "RingAttention"]
 
@@ -48,10 +49,6 @@ class RingProblem:
     def call_params(self, call: Call) -> AttentionParams:
         return dataclasses.replace(self.params, window_left=call.window_left,
                                    window_right=call.window_right)
-
-
-def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def ring_forward(q, k, v, problem: RingProblem):
