@@ -202,15 +202,21 @@ def _add_ratios(rows: list[Result], reference: str) -> None:
 HEADER = ["dtype", "d", "seqlen", "causal", "dir"]
 
 
-def table(rows: list[Result], methods: list[str]) -> tuple[list[str], list[list]]:
-    """One row per grid point, one TFLOP/s column per method ("x" when it could not run)."""
+def unit(device: str) -> tuple[str, float]:
+    """TFLOP/s on a GPU; GFLOP/s on the CPU, where TFLOP/s would read 0.00."""
+    return ("TFLOP/s", 1.0) if device.startswith("cuda") else ("GFLOP/s", 1e3)
+
+
+def table(rows: list[Result], methods: list[str], device: str) -> tuple[list[str], list[list]]:
+    """One row per grid point, one throughput column per method ("x" when it could not run)."""
+    name, scale = unit(device)
     cells = {}
     for r in rows:
         point = (r.dtype, r.headdim, r.seqlen, r.causal, r.direction)
-        cells.setdefault(point, {})[r.method] = f"{r.tflops:.3g}" if r.tflops else "x"
+        cells.setdefault(point, {})[r.method] = f"{r.tflops * scale:.3g}" if r.tflops else "x"
     body = [[*p[:3], "yes" if p[3] else "no", p[4], *(c.get(m, "") for m in methods)]
             for p, c in cells.items()]
-    return HEADER + [f"{m} TFLOP/s" for m in methods], body
+    return HEADER + [f"{m} {name}" for m in methods], body
 
 
 def plot(rows: list[Result], methods: list[str], dtype: str, device: str,
@@ -223,6 +229,7 @@ def plot(rows: list[Result], methods: list[str], dtype: str, device: str,
                     key=lambda p: (p[0] != "fwd", p[1]))
     fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 4), squeeze=False)
     styles = ["-", "--", ":"]
+    name, scale = unit(device)
     headdims = sorted({r.headdim for r in rows})
     for ax, (direction, causal) in zip(axes[0], panels, strict=True):
         for m_index, method in enumerate(methods):
@@ -230,12 +237,12 @@ def plot(rows: list[Result], methods: list[str], dtype: str, device: str,
                 mine = [r for r in rows if (r.method, r.dtype, r.headdim, r.direction, r.causal)
                         == (method, dtype, d, direction, causal) and r.tflops]
                 if mine:
-                    ax.plot([r.seqlen for r in mine], [r.tflops for r in mine],
+                    ax.plot([r.seqlen for r in mine], [r.tflops * scale for r in mine],
                             linestyle=styles[d_index % 3], marker="o", color=f"C{m_index}",
                             label=f"{method} d{d}")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("sequence length")
-        ax.set_ylabel("TFLOP/s")
+        ax.set_ylabel(name)
         ax.set_title(f"{direction}, {'causal' if causal else 'not causal'}, {dtype}, {device}",
                      fontsize=9)
         ax.grid(True, alpha=0.3)
@@ -248,8 +255,9 @@ def run(grid: Grid, methods: list[str], device: str, out: Path) -> dict:
     """Time the grid, print the table, write bench.json/.csv and one PNG per dtype."""
     out = results.output_dir(out)
     rows = run_grid(grid, methods, device)
-    header, body = table(rows, methods)
-    print(f"\nattention throughput on {device} (TFLOP/s, higher is better; x = could not run):")
+    header, body = table(rows, methods, device)
+    print(f"\nattention throughput on {device} ({unit(device)[0]}, higher is better; x = could "
+          "not run):")
     print(results.text_table(header, body))
     errors = sorted({f"{r.method}: {r.error}" for r in rows if r.error})
     for line in errors:

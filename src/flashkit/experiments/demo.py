@@ -132,7 +132,7 @@ def _bench(sizes: Sizes, out: Path, report: Report) -> None:
     _step("5. throughput against torch's own attention kernels")
     summary = bench.run(sizes.bench, sizes.bench_methods, sizes.memory.device, out)
     report.add("Throughput",
-               "TFLOP/s by DESIGN section 6's count (4 b h n^2 d forward, halved when causal; "
+               "FLOP/s by DESIGN section 6's count (4 b h n^2 d forward, halved when causal; "
                "backward 2.5x), median of repeated calls. On the CPU flashkit runs its tiled "
                "PyTorch loop, which is about memory, not speed; on the GPU its Triton kernels. "
                "`flashkit bench --device cuda --full` runs the whole grid with FlexAttention "

@@ -105,7 +105,7 @@ def compare(naive: Run, flash: Run, config: TrainConfig) -> dict:
             "peak_gib_naive": naive.peak_gib, "peak_gib_flashkit": flash.peak_gib}
 
 
-HEADER = ["seqlen", "final loss naive", "final loss flashkit", "max |delta loss|",
+HEADER = ["seqlen", "final loss naive", "final loss flashkit", "max loss difference",
           "tokens/s naive", "tokens/s flashkit", "speed-up"]
 MEMORY_HEADER = ["peak GiB naive", "peak GiB flashkit"]
 
