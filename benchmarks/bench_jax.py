@@ -1,0 +1,196 @@
+"""Speed of flashkit.jax against jax.nn.dot_product_attention (DESIGN section 6).
+
+    PYTHONPATH=src python3 benchmarks/bench_jax.py --out DIR [--seqlens 1024,4096,16384]
+        [--head-dims 64,128] [--causal 0,1] [--sweep] [--budget SECONDS]
+
+bf16, batch = 16k tokens / seqlen, nheads = 2048 / headdim, forward and backward, for
+    pallas   flashkit's Pallas kernels (Triton lowering)
+    xla      flashkit's seed-003 vmap-over-query-blocks port
+    fori     flashkit's seed-003 fori_loop port (seqlen <= --fori-max only: it is the slow one)
+and the anchors in the same run: jax.nn.dot_product_attention(implementation="cudnn") and
+(implementation="xla"). TFLOP/s count 4 b h sq sk d over visible pairs forward (exactly the
+causal triangle when causal) and 2.5x that backward; every number is also a ratio to cuDNN.
+--tokens (batch * seqlen) and --sweep-seqlen shrink a smoke test on a CPU.
+
+Timing: the median of 7 samples, each a loop of calls sized to about 20 ms, closed by
+block_until_ready, after a compile-and-warm-up call. Backward times the backward alone: the
+jitted VJP function applied to dO, with the forward's residuals computed once beforehand.
+--sweep first times the candidate tiles of flashkit.jax.pallas.TILES at seqlen 8k and runs the
+main grid with the fastest. --budget stops starting new configs after that many seconds; the
+JSON is rewritten after every config, so a run cut short still leaves its numbers.
+Results: DIR/jax_<date>.json with date, device, versions, tiles and config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import time
+
+import jax.numpy as jnp
+
+import jax
+from flashkit.jax import flash_attention, pallas
+
+WIDTH = 2048
+DTYPE = jnp.bfloat16
+# Candidate (block_q, block_k, num_warps, num_stages) for --sweep.
+SWEEP = {
+    "fwd": [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4)],
+    "bwd": [(64, 64, 4, 2), (64, 64, 8, 2), (128, 64, 8, 2), (64, 128, 8, 2), (32, 64, 4, 3)],
+}
+
+
+def environment() -> dict:
+    import jaxlib
+
+    dev = jax.devices()[0]
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": getattr(dev, "device_kind", str(dev)),
+        "backend": jax.default_backend(),
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def time_ms(fn, *args) -> float:
+    """Median ms of fn(*args) over 7 samples of ~20 ms each, after one warm-up (compile) call."""
+    jax.block_until_ready(fn(*args))
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    iters = max(1, min(200, int(0.02 / max(time.perf_counter() - start, 1e-6))))
+    samples = []
+    for _ in range(7):
+        start = time.perf_counter()
+        for _ in range(iters):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - start) * 1e3 / iters)
+    return statistics.median(samples)
+
+
+def flops(batch, nheads, seqlen, head_dim, causal) -> float:
+    pairs = seqlen * (seqlen + 1) / 2 if causal else seqlen * seqlen
+    return 4 * batch * nheads * pairs * head_dim
+
+
+def attention_fns(causal):
+    """name -> f(q, k, v) for every implementation and anchor, (b, s, h, d) layout."""
+    fns = {impl: (lambda q, k, v, impl=impl:
+                  flash_attention(q, k, v, causal=causal, implementation=impl))
+           for impl in ("pallas", "xla", "fori")}
+    for impl in ("cudnn", "xla"):
+        fns[f"jax.nn/{impl}"] = (lambda q, k, v, impl=impl: jax.nn.dot_product_attention(
+            q, k, v, is_causal=causal, implementation=impl))
+    return fns
+
+
+def measure(fn, q, k, v, dout):
+    """(fwd ms, bwd ms) of one attention function."""
+    fwd = jax.jit(fn)
+    t_fwd = time_ms(fwd, q, k, v)
+    _, vjp = jax.jit(lambda q, k, v: jax.vjp(fn, q, k, v))(q, k, v)
+    t_bwd = time_ms(jax.jit(lambda vjp, dout: vjp(dout)), vjp, dout)
+    return t_fwd, t_bwd
+
+
+def inputs(seqlen, head_dim, tokens):
+    batch, nheads = max(1, tokens // seqlen), WIDTH // head_dim
+    keys = jax.random.split(jax.random.key(0), 4)
+    return [jax.random.normal(key, (batch, seqlen, nheads, head_dim), DTYPE) for key in keys]
+
+
+def sweep(head_dims, tokens, seqlen):
+    """Time every candidate tile per head dim and pass; install and return the fastest."""
+    chosen, log = {"fwd": {}, "bwd": {}}, []
+    for d in head_dims:
+        q, k, v, dout = inputs(seqlen, d, tokens)
+        for which in ("fwd", "bwd"):
+            best = None
+            for tile in SWEEP[which]:
+                pallas.TILES[which][d] = tile
+                fn = lambda q, k, v: flash_attention(q, k, v, implementation="pallas")
+                try:
+                    t = measure(fn, q, k, v, dout)[0 if which == "fwd" else 1]
+                except Exception as err:  # a tile the compiler rejects (shared memory): skip it
+                    print(f"sweep d{d} {which} {tile}: failed ({type(err).__name__})")
+                    continue
+                log.append({"head_dim": d, "pass": which, "tile": tile, "ms": t})
+                print(f"sweep d{d} {which} {tile}: {t:.3f} ms", flush=True)
+                if best is None or t < best[1]:
+                    best = (tile, t)
+            chosen[which][d] = best[0]
+            pallas.TILES[which][d] = best[0]
+    return chosen, log
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    ap.add_argument("--seqlens", default="1024,2048,4096,8192,16384")
+    ap.add_argument("--head-dims", default="64,128")
+    ap.add_argument("--causal", default="0,1")
+    ap.add_argument("--tokens", type=int, default=16384, help="batch * seqlen")
+    ap.add_argument("--fori-max", type=int, default=4096)
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--sweep-seqlen", type=int, default=8192)
+    ap.add_argument("--budget", type=float, default=float("inf"))
+    args = ap.parse_args()
+    head_dims = [int(x) for x in args.head_dims.split(",")]
+    started = time.time()
+    record = {**environment(), "dtype": "bfloat16", "tokens": args.tokens, "width": WIDTH,
+              "timing": "median of 7 x ~20 ms loops, block_until_ready; bwd = VJP alone",
+              "results": []}
+    if args.sweep:
+        record["tiles"], record["sweep"] = sweep(head_dims, args.tokens, args.sweep_seqlen)
+    record["tiles_used"] = {w: {str(d): pallas.TILES[w][d] for d in head_dims}
+                            for w in ("fwd", "bwd")}
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"jax_{record['date'][:10]}.json")
+    print(json.dumps({k: v for k, v in record.items() if k != "results"}), flush=True)
+
+    for causal in (bool(int(c)) for c in args.causal.split(",")):
+        for d in head_dims:
+            for seqlen in (int(s) for s in args.seqlens.split(",")):
+                if time.time() - started > args.budget:
+                    print("budget spent: stopping", flush=True)
+                    break
+                q, k, v, dout = inputs(seqlen, d, args.tokens)
+                batch, nheads = q.shape[0], q.shape[2]
+                fl = flops(batch, nheads, seqlen, d, causal)
+                row = {"seqlen": seqlen, "head_dim": d, "causal": causal, "batch": batch,
+                       "nheads": nheads}
+                for name, fn in attention_fns(causal).items():
+                    if name == "fori" and seqlen > args.fori_max:
+                        continue
+                    try:
+                        t_fwd, t_bwd = measure(fn, q, k, v, dout)
+                    except Exception as err:  # an anchor this jax/GPU cannot run: say so
+                        row[name] = {"error": f"{type(err).__name__}: {str(err)[:200]}"}
+                        continue
+                    row[name] = {"fwd_ms": t_fwd, "bwd_ms": t_bwd,
+                                 "fwd_tflops": fl / t_fwd / 1e9,
+                                 "bwd_tflops": 2.5 * fl / t_bwd / 1e9}
+                ref = row.get("jax.nn/cudnn", {})
+                for r in row.values():
+                    if isinstance(r, dict) and "fwd_ms" in r and "fwd_ms" in ref:
+                        r["fwd_vs_cudnn"] = ref["fwd_ms"] / r["fwd_ms"]
+                        r["bwd_vs_cudnn"] = ref["bwd_ms"] / r["bwd_ms"]
+                if "fwd_ms" in row.get("fori", {}) and "fwd_ms" in row.get("xla", {}):
+                    row["vmap_speedup_over_fori"] = {
+                        w: row["fori"][f"{w}_ms"] / row["xla"][f"{w}_ms"] for w in ("fwd", "bwd")}
+                record["results"].append(row)
+                print(json.dumps(row), flush=True)
+                with open(path, "w") as f:
+                    json.dump(record, f, indent=1)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
