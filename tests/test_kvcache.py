@@ -421,6 +421,15 @@ def test_triton_features(feature):
 
 
 @interpreted
+def test_triton_refuses_float64_before_touching_the_cache():
+    case = Case(dtype=torch.float64)
+    k_before = case.k_cache.clone()
+    with pytest.raises(NotImplementedError, match="float64"):
+        case.call("triton")
+    assert torch.equal(case.k_cache, k_before)
+
+
+@interpreted
 def test_triton_writes_every_output_element():
     """Poisoned out/lse buffers: any row the kernels skip stays NaN and fails."""
     from flashkit.ops.triton import decode

@@ -99,6 +99,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     name = checks.backend(backend, device)
     if name == "triton":
         _require_available(name, device)
+        from flashkit.ops.triton import decode
+
+        decode.check_supported(q.dtype, params)
 
     positions = cache_seqlens - cache_leftpad  # (b,) position of the first new token
     if rotary_cos is not None or rotary_sin is not None:

@@ -239,6 +239,15 @@ def auto_num_splits(programs: int, max_seqlen_k: int, device: torch.device) -> i
     return max(1, min(by_occupancy, by_length, 128))
 
 
+def check_supported(dtype: torch.dtype, params: AttentionParams) -> None:
+    """NotImplementedError for what these kernels do not do (before the caller mutates the
+    cache)."""
+    if params.attn_bias is not None or params.dropout_p > 0:
+        raise NotImplementedError("triton decode: attn_bias and dropout are not supported")
+    if dtype == torch.float64:
+        raise NotImplementedError("triton decode: float64 is not supported; use backend='torch'")
+
+
 @functools.lru_cache
 def _sm_count(index: int | None) -> int:
     index = torch.cuda.current_device() if index is None else index
@@ -251,10 +260,7 @@ def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, bloc
     """(out, lse) as flashkit.ops.tiled.kvcache.forward; num_splits 0 = auto_num_splits.
     max_seqlen_k (the longest seqlens_k) saves a device sync when auto splitting; out and lse
     may be given preallocated."""
-    if params.attn_bias is not None or params.dropout_p > 0:
-        raise NotImplementedError("triton decode: attn_bias and dropout are not supported")
-    if q.dtype == torch.float64:
-        raise NotImplementedError("triton decode: float64 is not supported; use backend='torch'")
+    check_supported(q.dtype, params)
     batch, seqlen_q, nheads, head_dim = q.shape
     nheads_k, head_dim_v = v_cache.shape[2], v_cache.shape[3]
     group = nheads // nheads_k
