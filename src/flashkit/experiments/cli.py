@@ -192,6 +192,9 @@ def _add_train(subparsers) -> None:
     parser.add_argument("--embd", type=int, help="default: 64 on the CPU, 512 on the GPU")
     parser.add_argument("--lr", type=float, help="default: 3e-3 on the CPU, 1e-3 on the GPU")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--backend", choices=["torch", "triton"],
+                        help="flashkit's backend for the flashkit run (default: triton on CUDA, "
+                             "the tiled torch backend elsewhere)")
     parser.set_defaults(func=_run_train)
 
 
@@ -205,7 +208,8 @@ def train_configs(args, device: str) -> list[train.TrainConfig]:
         steps=pick(args.steps, 40, 200), batch=max(1, tokens // n), seqlen=n,
         n_layer=pick(args.layers, 2, 6), n_head=pick(args.heads, 4, 8),
         n_embd=pick(args.embd, 64, 512), lr=pick(args.lr, 3e-3, 1e-3), device=device,
-        seed=args.seed) for n in (args.seqlens or ([1024, 4096] if gpu else [64]))]
+        seed=args.seed, backend=args.backend)
+        for n in (args.seqlens or ([1024, 4096] if gpu else [64]))]
 
 
 def _run_train(args) -> int:

@@ -13,6 +13,7 @@ sequence lengths because the (seqlen x seqlen) score matrix is never stored for 
 from __future__ import annotations
 
 import contextlib
+import functools
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -22,7 +23,7 @@ import torch
 
 from flashkit.experiments import corpus, plotting, results
 from flashkit.experiments.progress import track
-from flashkit.models.gpt import GPT, GPTConfig
+from flashkit.models.gpt import ATTENTION, GPT, GPTConfig, flashkit_attention
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ class TrainConfig:
     lr: float
     device: str
     seed: int = 0
+    backend: str | None = None  # flashkit's backend; None: Triton on CUDA, tiled elsewhere
 
     @property
     def autocast(self):
@@ -62,12 +64,14 @@ class Run:
 
 def train_once(attention: str, config: TrainConfig, tokens: torch.Tensor,
                vocab_size: int) -> Run:
-    """Train from config.seed with one attention; batches come from a generator seeded the same
-    way, so two calls differ only in the attention implementation."""
+    """Train from config.seed with attention "naive" or "flashkit"; batches come from a generator
+    seeded the same way, so two calls differ only in the attention implementation."""
     torch.manual_seed(config.seed)
     model_config = GPTConfig(vocab_size, config.seqlen, config.n_layer, config.n_head,
                              config.n_embd)
-    model = GPT(model_config, attention).to(config.device)
+    attend = (ATTENTION[attention] if attention == "naive"
+              else functools.partial(flashkit_attention, backend=config.backend))
+    model = GPT(model_config, attend).to(config.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
     batches = torch.Generator().manual_seed(config.seed)
     cuda = config.device.startswith("cuda")

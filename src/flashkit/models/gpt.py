@@ -36,9 +36,9 @@ def naive_attention(q, k, v):
     return reference.attention(q, k, v, causal=True)[0]
 
 
-def flashkit_attention(q, k, v):
-    """Causal attention through flashkit's default backend for the device."""
-    return flashkit.flash_attn_func(q, k, v, causal=True)
+def flashkit_attention(q, k, v, backend: str | None = None):
+    """Causal attention through flashkit (backend None: the device's default)."""
+    return flashkit.flash_attn_func(q, k, v, causal=True, backend=backend)
 
 
 ATTENTION: dict[str, Attend] = {"naive": naive_attention, "flashkit": flashkit_attention}
