@@ -41,7 +41,7 @@ CPU = Sizes(
 
 GPU = Sizes(
     ["float32", "bfloat16", "float16"], memory.Problem(1, 16, 128, "bfloat16", False, "cuda"),
-    [4096, 16384, 65536], ["naive", "tiled", "triton", "sdpa"], 512,
+    [4096, 16384, 65536], ["naive", "triton", "sdpa"], 512,
     train.TrainConfig(steps=60, batch=16, seqlen=1024, n_layer=4, n_head=8, n_embd=512,
                       lr=1e-3, device="cuda"),
     bench.Grid(["bfloat16"], [128], [4096, 16384], [False, True], ["fwd", "bwd"], 16384, 2048),
