@@ -107,7 +107,13 @@ _FLEX = {}
 
 
 def anchor_flex_compiled(flex_attention):
+    """flex_attention compiled once per shape; the grid's shapes exceed dynamo's default
+    recompile limit of 8, past which it would silently run the unfused fallback."""
     if "fn" not in _FLEX:
+        for name, limit in (("cache_size_limit", 256), ("recompile_limit", 256),
+                            ("accumulated_recompile_limit", 4096)):
+            if hasattr(torch._dynamo.config, name):
+                setattr(torch._dynamo.config, name, limit)
         _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
     return _FLEX["fn"]
 
@@ -157,7 +163,7 @@ GRIDS = {
 }
 
 
-def run_grid(grid, anchors, out_path, env):
+def run_grid(grid, anchors, out_path, env, ours_variants=("ours", "ours_atomic")):
     rows = []
     g = GRIDS[grid]
     for dtype in g["dtypes"]:
@@ -169,7 +175,7 @@ def run_grid(grid, anchors, out_path, env):
                     row = {"dtype": str(dtype).replace("torch.", ""), "head_dim": head_dim,
                            "seqlen": seqlen, "batch": batch, "nheads": nheads,
                            "causal": causal, "ms": {}, "tflops": {}}
-                    impls = ["ours", "ours_det", "ours_atomic"] + anchors
+                    impls = list(ours_variants) + anchors
                     for impl in impls:
                         try:
                             if impl.startswith("ours"):
@@ -276,6 +282,8 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     ap.add_argument("--grid", choices=sorted(GRIDS), default=None)
     ap.add_argument("--anchors", default="cudnn,flash,flex")
+    ap.add_argument("--ours", default="ours,ours_atomic",
+                    help="ours (configs.py defaults), ours_det, ours_atomic (dQ path forced)")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--sweep-head-dims", default="64,128")
     ap.add_argument("--sweep-kernels", default=",".join(SWEEP))
@@ -302,7 +310,8 @@ def main():
                   kernels=tuple(args.sweep_kernels.split(",")))
     if args.grid:
         anchors = [a for a in args.anchors.split(",") if a]
-        run_grid(args.grid, anchors, os.path.join(args.out, f"triton_bench_{stamp}.json"), env)
+        run_grid(args.grid, anchors, os.path.join(args.out, f"triton_bench_{stamp}.json"), env,
+                 tuple(args.ours.split(",")))
     if args.memory:
         rows = [memory_row(s, 128, torch.bfloat16) for s in (4096, 16384)]
         for r in rows:
