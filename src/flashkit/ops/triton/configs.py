@@ -32,11 +32,11 @@ HOPPER = {
         128: (64, 128, 8, 3),  # 3.55 + 2.023 ms (02:17 sweep; 32,64,4,3: 3.616 + 2.076)
         256: (32, 64, 8, 2),
     },
-    "dkdv_atomic": {
-        16: (64, 128, 8, 3),
-        32: (64, 128, 8, 3),
-        64: (64, 128, 8, 3),
-        128: (64, 128, 8, 2),
+    "dkdv_atomic": {  # 02:26 sweep, whole backward full + causal at 4k
+        16: (64, 64, 4, 3),
+        32: (64, 64, 4, 3),
+        64: (64, 64, 4, 3),  # 4.123 + 2.473 ms (32,128,4,3: 4.199 + 2.428)
+        128: (64, 128, 8, 3),  # 3.655 + 2.083 ms
         256: (32, 64, 8, 2),
     },
     "dq": {
@@ -49,9 +49,13 @@ HOPPER = {
 }
 
 # Forward K/V loads through TMA descriptors where the layout allows (common.kv_descriptor).
+# Off: the 02:17 sweep measured no gain (d128 4k: 1.144 ms with TMA vs 1.119 with pointers,
+# d64: 1.373 vs 1.310), Triton 3.6 already pipelines the pointer loads with cp.async.
 USE_TMA = False
 
 # Non-deterministic backward: dQ by fp32 atomics inside the dK/dV kernel instead of its own kernel.
+# Off: slower on every case of the 02:26 grid (d128 16k full: 358 vs 392 TFLOP/s; d64 4k full:
+# 289 vs 353), element atomics and TMA bulk reduce-adds alike, so deterministic is the default.
 ATOMIC_DQ = False
 
 # fp32 inputs (a correctness path, IEEE dots): one small tile for every head dim, single-stage,
