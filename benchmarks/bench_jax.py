@@ -125,8 +125,9 @@ def sweep(head_dims, tokens, seqlen):
                 print(f"sweep d{d} {which} {tile}: {t:.3f} ms", flush=True)
                 if best is None or t < best[1]:
                     best = (tile, t)
-            chosen[which][d] = best[0]
-            pallas.TILES[which][d] = best[0]
+            if best is None:
+                raise RuntimeError(f"sweep: no candidate tile compiled for d{d} {which}")
+            chosen[which][d] = pallas.TILES[which][d] = best[0]
     return chosen, log
 
 

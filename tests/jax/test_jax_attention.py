@@ -44,6 +44,7 @@ AWKWARD = [
     (33, 50, 4, 2, 24, False, (-1, -1)),
     (50, 33, 8, 2, 64, False, (7, 3)),
     (40, 40, 4, 4, 80, False, (5, -1)),
+    (70, 90, 2, 2, 16, False, (20, 10)),  # band with unmasked blocks inside it, q != k
 ]
 
 

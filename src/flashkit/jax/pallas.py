@@ -5,8 +5,9 @@ Three kernels, each one program per (batch, kv head, block), the tile math from 
               writes out [BM, Dv] and lse [BM]
     dK/dV     a block of BN keys walks the query blocks that can see it: dV += P^T dO, dK += dS^T Q
     dQ        a block of BM query rows walks its key blocks again: dQ += dS K
-Only the blocks a causal/window band can reach are visited (`_block_range`); the mask is applied
-only when there is a band or padded keys.
+Only the blocks a causal/window band can reach are visited, and the mask is computed only on the
+blocks that straddle the band's edges or hold padded keys (`_key_blocks`, `_query_blocks`): the
+blocks in between run unmasked, as in FlashAttention-2.
 
 The host side pads rows and keys to whole blocks and head dims to powers of two >= 16 (what the
 Triton lowering needs), so kernels never read out of bounds; padded query rows get lse2 = +inf
@@ -71,35 +72,67 @@ def _round_up(n: int, block: int) -> int:
     return -(-n // block) * block
 
 
-def _block_range(first, last, block: int, n_blocks: int):
-    """Blocks [lo, hi) of size `block` covering element indices first..last (int32 scalars that
-    may lie outside 0..n_blocks*block-1; an empty range gives hi <= lo)."""
-    size = n_blocks * block
-    lo = lax.div(jnp.clip(first, 0, size), block)
-    hi = lax.div(jnp.clip(last + 1, 0, size) + block - 1, block)
-    return lo, hi
+def _div(x, block: int, size: int, ceil: bool):
+    """floor or ceil of x / block for an int32 scalar x clipped to 0..size first."""
+    x = jnp.clip(x, 0, size)
+    return lax.div(x + (block - 1 if ceil else 0), block)
 
 
-def _key_blocks(cfg: AttentionConfig, row0, bq: int, bk: int, nk: int):
-    """Key blocks [lo, hi) that query rows row0..row0+bq-1 can see."""
+def _plan(lo, a, b, hi):
+    """(lo, a, b, hi) with lo <= a <= b <= hi: visit [lo, hi), the mask needed outside [a, b)."""
+    a = jnp.clip(a, lo, jnp.maximum(lo, hi))
+    return lo, a, jnp.clip(b, a, jnp.maximum(a, hi)), hi
+
+
+def _key_blocks(cfg: AttentionConfig, row0, bq: int, bk: int, nk: int, mask_cols: bool):
+    """Key blocks for query rows row0..row0+bq-1: (lo, a, b, hi), see `_plan`.
+
+    Visible band of row r (position pos): pos + shift - left <= col <= pos + shift + right. A
+    key block needs no mask when every row of the block sees all of it, and holds no padding.
+    """
+    full = nk - 1 if mask_cols else nk  # the last key block holds the padding
     if not cfg.banded:
-        return 0, nk
-    if cfg.group == 1:
-        pos_lo, pos_hi = row0, row0 + bq - 1
-    else:  # the block may span query heads: any position
+        return 0, 0, full, nk
+    size, left, right = nk * bk, cfg.window_left, cfg.window_right
+    if cfg.group > 1:  # the row block may span query heads: any position, mask everywhere
         pos_lo, pos_hi = 0, cfg.seqlen_q - 1
-    first = pos_lo + cfg.shift - cfg.window_left if cfg.window_left is not None else 0
-    last = pos_hi + cfg.shift + cfg.window_right if cfg.window_right is not None else nk * bk
-    return _block_range(first, last, bk, nk)
+    else:
+        pos_lo, pos_hi = row0, row0 + bq - 1
+    lo = _div(pos_lo + cfg.shift - left, bk, size, False) if left is not None else 0
+    hi = _div(pos_hi + cfg.shift + right + 1, bk, size, True) if right is not None else nk
+    if cfg.group > 1:
+        return _plan(lo, lo, lo, hi)
+    a = _div(pos_hi + cfg.shift - left, bk, size, True) if left is not None else 0
+    b = _div(pos_lo + cfg.shift + right + 1, bk, size, False) if right is not None else nk
+    return _plan(lo, a, jnp.minimum(b, full), hi)
 
 
-def _query_blocks(cfg: AttentionConfig, col0, bk: int, bq: int, nq: int):
-    """Query blocks [lo, hi) whose rows can see keys col0..col0+bk-1."""
+def _query_blocks(cfg: AttentionConfig, col0, bk: int, bq: int, nq: int, padded_keys):
+    """Query blocks whose rows see keys col0..col0+bk-1: (lo, a, b, hi), see `_plan`.
+
+    padded_keys (bool scalar, or False when no key block is padded): this key block holds
+    padding, so every query block is masked.
+    """
+    if not cfg.banded and padded_keys is False:
+        return 0, 0, nq, nq
     if not cfg.banded or cfg.group > 1:
-        return 0, nq
-    first = col0 - cfg.shift - cfg.window_right if cfg.window_right is not None else 0
-    last = col0 + bk - 1 - cfg.shift + cfg.window_left if cfg.window_left is not None else nq * bq
-    return _block_range(first, last, bq, nq)
+        return _plan(0, 0, jnp.where(padded_keys | cfg.banded, 0, nq), nq)
+    size, left, right = nq * bq, cfg.window_left, cfg.window_right
+    col1 = col0 + bk - 1
+    lo = _div(col0 - cfg.shift - right, bq, size, False) if right is not None else 0
+    hi = _div(col1 - cfg.shift + left + 1, bq, size, True) if left is not None else nq
+    a = _div(col1 - cfg.shift - right, bq, size, True) if right is not None else 0
+    b = _div(col0 - cfg.shift + left + 1, bq, size, False) if left is not None else nq
+    return _plan(lo, a, jnp.where(padded_keys, a, b), hi)
+
+
+def _visit(plan, step, carry):
+    """carry = step(j, carry, masked) for j in [lo, hi): masked outside [a, b), not inside."""
+    lo, a, b, hi = plan
+    for first, last, masked in ((lo, a, True), (a, b, False), (b, hi, True)):
+        if not (isinstance(first, int) and isinstance(last, int) and first >= last):
+            carry = lax.fori_loop(first, last, functools.partial(step, masked=masked), carry)
+    return carry
 
 
 # ---------------------------------------------------------------------------------------------
@@ -112,14 +145,13 @@ def _forward_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, *, cfg, bq, bk, mask_
     q = q_ref[...]  # [BQ, D]
     rows = i * bq + jnp.arange(bq)
 
-    def step(j, state):
-        cols = j * bk + jnp.arange(bk)
-        k = k_ref[pl.ds(j * bk, bk), :]  # [BK, D]
-        s = scores(q, k, cfg, visible(rows, cols, cfg, mask_cols))  # [BQ, BK]
+    def step(j, state, masked):
+        keep = visible(rows, j * bk + jnp.arange(bk), cfg, mask_cols) if masked else None
+        s = scores(q, k_ref[pl.ds(j * bk, bk), :], cfg, keep)  # [BQ, BK] = [BQ, D] @ [D, BK]
         return softmax_step(state, s, v_ref[pl.ds(j * bk, bk), :])
 
-    lo, hi = _key_blocks(cfg, i * bq, bq, bk, nk)
-    state = lax.fori_loop(lo, hi, step, softmax_init(bq, out_ref.shape[1], jnp.float32))
+    plan = _key_blocks(cfg, i * bq, bq, bk, nk, mask_cols)
+    state = _visit(plan, step, softmax_init(bq, out_ref.shape[1], jnp.float32))
     out, lse = softmax_finish(state)
     out_ref[...] = out.astype(out_ref.dtype)
     lse_ref[...] = lse
@@ -132,19 +164,20 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, dk_ref, dv_re
     k, v = k_ref[...], v_ref[...]  # [BK, D], [BK, Dv]
     cols = j * bk + jnp.arange(bk)
 
-    def step(i, carry):
+    def step(i, carry, masked):
         dk, dv = carry
         rows = pl.ds(i * bq, bq)
         q, do = q_ref[rows, :], do_ref[rows, :]  # [BQ, D], [BQ, Dv]
-        p, ds = grad_tile(q, k, v, do, lse2_ref[rows], delta_ref[rows], cfg,
-                          visible(i * bq + jnp.arange(bq), cols, cfg, mask_cols))
+        keep = visible(i * bq + jnp.arange(bq), cols, cfg, mask_cols) if masked else None
+        p, ds = grad_tile(q, k, v, do, lse2_ref[rows], delta_ref[rows], cfg, keep)
         dv = dv + matmul(p.astype(do.dtype), do, trans_a=True)  # [BK, Dv] = [BK, BQ] @ [BQ, Dv]
         dk = dk + matmul(ds.astype(q.dtype), q, trans_a=True)  # [BK, D] = [BK, BQ] @ [BQ, D]
         return dk, dv
 
-    lo, hi = _query_blocks(cfg, j * bk, bk, bq, nq)
+    padded_keys = (j == pl.num_programs(2) - 1) if mask_cols else False
+    plan = _query_blocks(cfg, j * bk, bk, bq, nq, padded_keys)
     zeros = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
-    dk, dv = lax.fori_loop(lo, hi, step, zeros)
+    dk, dv = _visit(plan, step, zeros)
     dk_ref[...] = dk.astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
@@ -157,15 +190,15 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, dq_ref, *,
     lse2, delta = lse2_ref[...], delta_ref[...]  # [BQ]
     rows = i * bq + jnp.arange(bq)
 
-    def step(j, dq):
+    def step(j, dq, masked):
         cols = pl.ds(j * bk, bk)
         k = k_ref[cols, :]  # [BK, D]
-        _, ds = grad_tile(q, k, v_ref[cols, :], do, lse2, delta, cfg,
-                          visible(rows, j * bk + jnp.arange(bk), cfg, mask_cols))
+        keep = visible(rows, j * bk + jnp.arange(bk), cfg, mask_cols) if masked else None
+        _, ds = grad_tile(q, k, v_ref[cols, :], do, lse2, delta, cfg, keep)
         return dq + matmul(ds.astype(k.dtype), k)  # [BQ, D] = [BQ, BK] @ [BK, D]
 
-    lo, hi = _key_blocks(cfg, i * bq, bq, bk, nk)
-    dq = lax.fori_loop(lo, hi, step, jnp.zeros(q.shape, jnp.float32))
+    plan = _key_blocks(cfg, i * bq, bq, bk, nk, mask_cols)
+    dq = _visit(plan, step, jnp.zeros(q.shape, jnp.float32))
     dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
