@@ -14,6 +14,8 @@ import os
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from flashkit import reference
 from flashkit.kvcache import flash_attn_with_kvcache
@@ -69,7 +71,7 @@ class Case:
         self.cos = self.sin = None
         self.interleaved = rotary == "interleaved"
         if rotary:
-            angles = torch.rand(capacity, d // 4, dtype=torch.float64) * 2 * math.pi
+            angles = torch.rand(capacity + seqlen_q, d // 4, dtype=torch.float64) * 2 * math.pi
             self.cos, self.sin = angles.cos().to(dtype), angles.sin().to(dtype)
         self.page_size = page_size
         if page_size is None:  # rows in a shuffled order, plus one spare row
@@ -222,6 +224,29 @@ def test_features(feature):
     for mask in MASKS.values():
         Case(batch=batch, nheads=nheads, seqlen_q=2, seqlen_new=2, num_splits=3, **kw,
              **mask).check("torch")
+
+
+@settings(max_examples=30, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(batch=st.integers(1, 3), nheads_k=st.sampled_from([1, 2]), group=st.integers(1, 3),
+       d=st.sampled_from([8, 16, 24]), pages=st.integers(1, 4), page_size=st.sampled_from(
+           [None, 16, 32]), seqlen_q=st.integers(1, 4), seqlen_new=st.integers(0, 4),
+       num_splits=st.integers(1, 5), mask=st.sampled_from(list(MASKS)),
+       rotary=st.sampled_from([None, "interleaved", "neox"]))
+def test_random_configurations(batch, nheads_k, group, d, pages, page_size, seqlen_q,
+                               seqlen_new, num_splits, mask, rotary):
+    if rotary and not seqlen_new:
+        rotary = None  # the rotary embedding needs new keys (tested in test_errors)
+    Case(batch=batch, nheads=nheads_k * group, nheads_k=nheads_k, d=d, capacity=32 * pages,
+         page_size=page_size, seqlen_q=seqlen_q, seqlen_new=seqlen_new, num_splits=num_splits,
+         rotary=rotary, **MASKS[mask]).check("torch")
+
+
+def test_none_seqlens_means_a_full_cache():
+    case = Case(seqlens=[64, 64, 64], seqlen_new=0)
+    out = flash_attn_with_kvcache(case.q, case.k_cache, case.v_cache,
+                                  cache_batch_idx=case.batch_idx)
+    torch.testing.assert_close(out, case.call("reference")[0])
 
 
 def test_reference_backend_and_int_seqlens():
