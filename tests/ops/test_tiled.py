@@ -284,6 +284,16 @@ def test_dropout_reproducible():
                                                              backend="torch"))
 
 
+def test_delta_reads_the_unrounded_output():
+    """D = rowsum(dO * O) must see the float32 output, not O rounded to bf16: with a sink and one
+    visible key P is near 1, dP - D cancels, and a rounded O broke the rule on dq by 1.23x here
+    (up to 69x in fp16). The API asks backends for a float32 out when gradients are needed."""
+    torch.manual_seed(353976348)
+    q, k, v = random_qkv(2, 1, 5, 1, 1, headdim=40, dtype=torch.bfloat16)
+    check_against_oracle(api_attention, dict(q=q, k=k, v=v, causal=True, softmax_scale=1.0,
+                                             sink=sink(1)))
+
+
 # --- randomised differential test ----------------------------------------------------------
 
 @st.composite
@@ -304,7 +314,7 @@ def attention_cases(draw):
     return draw(st.integers(0, 2**31 - 1)), shape, draw(st.sampled_from(DTYPES)), kwargs
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40, deadline=None, derandomize=True)
 @given(attention_cases())
 def test_random_against_oracle(case):
     seed, (batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim), dtype, kwargs = case
@@ -318,7 +328,7 @@ def test_random_against_oracle(case):
     check_against_oracle(api_attention, dict(q=q, k=k, v=v, **kwargs))
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40, deadline=None, derandomize=True)
 @given(seed=st.integers(0, 2**31 - 1), seqlen_q=st.integers(1, 90), seqlen_k=st.integers(1, 90),
        window_left=st.one_of(st.none(), st.integers(0, 40)),
        window_right=st.one_of(st.none(), st.integers(-20, 40)),
@@ -339,7 +349,7 @@ def test_random_tilings(seed, seqlen_q, seqlen_k, window_left, window_right, blo
     check_tiled_direct(q, k, v, params, block_m, block_n)
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=15, deadline=None, derandomize=True)
 @given(seed=st.integers(0, 2**31 - 1),
        lengths=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40)), min_size=1,
                         max_size=5),
