@@ -5,6 +5,11 @@ import os
 
 import pytest
 import torch
+from hypothesis import settings
+
+# Differential tests draw random cases, but the same ones every run: CI must not flake.
+settings.register_profile("flashkit", derandomize=True, print_blob=True)
+settings.load_profile("flashkit")
 
 # Must be set before triton.jit decorates any kernel: without a GPU, kernels are interpreted.
 if not torch.cuda.is_available():

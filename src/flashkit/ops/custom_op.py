@@ -59,11 +59,11 @@ def attention_forward(
     window_right: int | None, softcap: float, alibi_slopes: Tensor | None, sink: Tensor | None,
     attn_bias: Tensor | None, dropout_p: float, dropout_seed: int, cu_seqlens_q: Tensor | None,
     cu_seqlens_k: Tensor | None, max_seqlen_q: int, max_seqlen_k: int, deterministic: bool,
-    backend: str,
+    fp32_out: bool, backend: str,
 ) -> tuple[Tensor, Tensor]:
     params = _params((softmax_scale, window_left, window_right, softcap, alibi_slopes, sink,
                       attn_bias, dropout_p, dropout_seed, cu_seqlens_q, cu_seqlens_k,
-                      max_seqlen_q, max_seqlen_k, deterministic))
+                      max_seqlen_q, max_seqlen_k, deterministic, fp32_out))
     return backend_module(backend).forward(q, k, v, params)
 
 
@@ -71,7 +71,8 @@ def attention_forward(
 def _(q, k, v, *args):
     params = _params(args[:-1])
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return (q.new_empty(*q.shape[:-1], v.shape[-1]),
+    out_dtype = lse_dtype if params.fp32_out else q.dtype
+    return (q.new_empty(*q.shape[:-1], v.shape[-1], dtype=out_dtype),
             q.new_empty(_lse_shape(q, params), dtype=lse_dtype))
 
 
@@ -82,11 +83,11 @@ def attention_backward(
     window_right: int | None, softcap: float, alibi_slopes: Tensor | None, sink: Tensor | None,
     attn_bias: Tensor | None, dropout_p: float, dropout_seed: int, cu_seqlens_q: Tensor | None,
     cu_seqlens_k: Tensor | None, max_seqlen_q: int, max_seqlen_k: int, deterministic: bool,
-    backend: str,
+    fp32_out: bool, backend: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     params = _params((softmax_scale, window_left, window_right, softcap, alibi_slopes, sink,
                       attn_bias, dropout_p, dropout_seed, cu_seqlens_q, cu_seqlens_k,
-                      max_seqlen_q, max_seqlen_k, deterministic))
+                      max_seqlen_q, max_seqlen_k, deterministic, fp32_out))
     dq, dk, dv, dsink = backend_module(backend).backward(dout, q, k, v, out, lse, params,
                                                          dlse=dlse)
     # A custom op returns tensors only: an empty one stands for "no sink".
@@ -113,8 +114,9 @@ def _backward(ctx, dout, dlse):
     q, k, v, out, lse, *tensor_params = ctx.saved_tensors
     params = dataclasses.replace(ctx.params, **dict(zip(_TENSOR_FIELDS, tensor_params,
                                                          strict=True)))
-    if dout is None:
-        dout = torch.zeros_like(out)
+    # dout arrives in out's dtype; with fp32_out it is an upcast of a q-dtype gradient, so
+    # casting back is exact, and the kernels take dO in the inputs' dtype.
+    dout = torch.zeros_like(out, dtype=q.dtype) if dout is None else dout.to(q.dtype)
     dq, dk, dv, dsink = attention_backward(dout, q, k, v, out, lse, dlse,
                                            *(getattr(params, f) for f in _FIELDS), ctx.backend)
     grads = dict.fromkeys(["q", "k", "v", *_FIELDS, "backend"])

@@ -154,7 +154,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     batch, seqlen_q, nheads, head_dim = q.shape
     _, seqlen_k, nheads_k, head_dim_v = v.shape
     if out is None:
-        out = torch.empty((batch, seqlen_q, nheads, head_dim_v), dtype=q.dtype, device=q.device)
+        out_dtype = torch.float32 if params.fp32_out else q.dtype
+        out = torch.empty((batch, seqlen_q, nheads, head_dim_v), dtype=out_dtype, device=q.device)
     if lse is None:
         lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
     block_m, block_n, num_warps, num_stages = tile or tile_config(
