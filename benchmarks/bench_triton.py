@@ -228,8 +228,18 @@ SWEEP = {  # candidate (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel
 }
 
 
+SWEEP_D256 = {  # head dim 256 needs smaller tiles: shared memory and registers
+    "forward": [(64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 3), (128, 64, 8, 2), (64, 64, 8, 2),
+                (128, 32, 8, 2)],
+    "dkdv": [(32, 64, 8, 2), (16, 64, 4, 2), (32, 64, 4, 2), (32, 32, 4, 3), (64, 64, 8, 2),
+             (16, 32, 4, 3), (32, 128, 8, 1)],
+    "dq": [(64, 32, 8, 2), (64, 32, 4, 2), (64, 64, 8, 2), (32, 64, 4, 2), (128, 32, 8, 2),
+           (64, 16, 4, 3)],
+}
+
+
 def run_sweep(out_path, env, head_dims=(64, 128), seqlen=4096, kernels=tuple(SWEEP)):
-    from flashkit.ops.triton.configs import HOPPER
+    from flashkit.ops.triton.configs import HOPPER, padded_head_dim
 
     results = []
     for head_dim in head_dims:
@@ -237,7 +247,8 @@ def run_sweep(out_path, env, head_dims=(64, 128), seqlen=4096, kernels=tuple(SWE
             q, k, v, dout = inputs(seqlen, head_dim, torch.bfloat16)
             params = AttentionParams(head_dim ** -0.5, None, 0 if causal else None)
             out, lse = fwd_mod.attention_forward(q, k, v, params)
-            base = {"dkdv": HOPPER["dkdv"][head_dim], "dq": HOPPER["dq"][head_dim]}
+            row = padded_head_dim(head_dim)
+            base = {"dkdv": HOPPER["dkdv"][row], "dq": HOPPER["dq"][row]}
 
             def time_tile(kernel, tile, q=q, k=k, v=v, dout=dout, out=out, lse=lse,
                           params=params, base=base):
@@ -250,7 +261,7 @@ def run_sweep(out_path, env, head_dims=(64, 128), seqlen=4096, kernels=tuple(SWE
                     atomic_dq=kernel == "dkdv_atomic"))
 
             for kernel in kernels:
-                candidates = SWEEP[kernel]
+                candidates = (SWEEP_D256 if head_dim == 256 else SWEEP)[kernel]
                 for tile in candidates:
                     try:
                         ms = time_tile(kernel, tile)
