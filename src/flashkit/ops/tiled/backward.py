@@ -56,12 +56,8 @@ def backward_dense(dout, q, k, v, out, lse, params: AttentionParams, alibi_slope
     lse_safe = torch.where(lse_g == -math.inf, torch.full_like(lse_g, math.inf), lse_g)
     delta = (dout.to(acc_dtype) * out.to(acc_dtype)).sum(-1)  # D = rowsum(dO * O): (b, sq, h)
     delta = delta.transpose(1, 2).unflatten(1, (nheads_k, -1))  # (b, hk, g, sq)
-    dlse_g = None if dlse is None else dlse.unflatten(1, (nheads_k, -1)).to(acc_dtype)
-    if dlse_g is not None:
-        delta = delta - dlse_g
-    # dsink sums D over every query row, where the rounding of the saved O (2^-9 in bf16),
-    # harmless per element, adds up: for it, accumulate D = rowsum(P * dP) = dO . O from the tiles.
-    rowsum_p_dp = None if params.sink is None else torch.zeros_like(delta)
+    if dlse is not None:
+        delta = delta - dlse.unflatten(1, (nheads_k, -1)).to(acc_dtype)
 
     dq_acc = torch.zeros(q_g.shape, dtype=acc_dtype, device=q.device)  # (b, hk, g, sq, d)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
@@ -86,8 +82,6 @@ def backward_dense(dout, q, k, v, out, lse, params: AttentionParams, alibi_slope
             dp = do_t @ v_t.transpose(-1, -2)  # [BM, BN] = [BM, dv] @ [dv, BN]
             if drop is not None:
                 dp = dp * drop
-            if rowsum_p_dp is not None:
-                rowsum_p_dp[..., i0:i1] += (p * dp).sum(-1)
             ds = p * (dp - delta[..., i0:i1, None])
             if tanh is not None:
                 ds = ds * (1 - tanh * tanh)  # d(cap * tanh(x / cap))/dx
@@ -101,6 +95,5 @@ def backward_dense(dout, q, k, v, out, lse, params: AttentionParams, alibi_slope
     if params.sink is not None:
         # d(lse_i)/d(sink) = P_sink,i and out_i scales by (1 - ...) alike: dsink = -sum P_sink D.
         p_sink = torch.exp(params.sink.to(acc_dtype).reshape(1, nheads_k, -1, 1) - lse_g)
-        d_rows = rowsum_p_dp if dlse_g is None else rowsum_p_dp - dlse_g
-        dsink = -(p_sink * d_rows).sum((0, 3)).reshape(nheads).to(params.sink.dtype)
+        dsink = -(p_sink * delta).sum((0, 3)).reshape(nheads).to(params.sink.dtype)
     return dq, dk, dv, dsink
