@@ -49,6 +49,7 @@ SHAPES = [
 LARGE_SHAPES = [  # few, and not in float16: CPU half matmuls are slow
     ((1, 1000, 1000, 2, 1, 64, True), torch.bfloat16),
     ((1, 1, 1000, 4, 2, 128, False), torch.float32),
+    ((1, 1023, 1024, 2, 2, 32, False), torch.float32),
 ]
 
 
