@@ -1,5 +1,5 @@
 """Shared test set-up: Triton kernels run in the interpreter when there is no GPU, GPU-only tests
-are skipped without CUDA, and every test starts from a fixed seed (inputs stay random, never zeros)."""
+are skipped without CUDA, and every test starts from a fixed seed (inputs random, never zeros)."""
 
 import os
 

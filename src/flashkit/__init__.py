@@ -14,6 +14,7 @@ from flashkit.api import (
     flash_attn_qkvpacked_func,
     flash_attn_varlen_func,
 )
+from flashkit.kvcache import flash_attn_with_kvcache
 from flashkit.sdpa import scaled_dot_product_attention
 
 __version__ = "0.1.0"
@@ -23,6 +24,7 @@ __all__ = [
     "flash_attn_qkvpacked_func",
     "flash_attn_kvpacked_func",
     "flash_attn_varlen_func",
+    "flash_attn_with_kvcache",
     "scaled_dot_product_attention",
     "reference",
 ]

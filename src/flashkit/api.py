@@ -33,18 +33,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     (out, lse (batch, nheads, seqlen_q), probs (batch, nheads, seqlen_q, seqlen_k)) when
     return_attn_probs (probs materialise the whole matrix: for testing at small sizes).
     """
-    checks.tensor("q", q, "(batch, seqlen_q, nheads, headdim)")
-    checks.tensor("k", k, "(batch, seqlen_k, nheads_k, headdim)")
-    checks.tensor("v", v, "(batch, seqlen_k, nheads_k, headdim_v)")
-    checks.same_dtype_and_device({"q": q, "k": k, "v": v})
-    for name, t in (("k", k), ("v", v)):
-        if t.shape[0] != q.shape[0]:
-            raise ValueError(f"{name}: batch {t.shape[0]} differs from q's {q.shape[0]}")
-    if v.shape[1] != k.shape[1]:
-        raise ValueError(f"v: seqlen {v.shape[1]} differs from k's {k.shape[1]}")
-    checks.heads(q.shape[2], k.shape[2], k, v, dim=2)
-    checks.head_dims(q, k, v)
-    params = _params(q, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+    checks.dense_qkv(q, k, v)
+    params = build_params(q, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                      deterministic, sink, batch=q.shape[0])
     return _run(q, k, v, params, backend, return_attn_probs)
 
@@ -85,28 +75,15 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     nheads_k, d), sequence b spanning rows cu_seqlens[b]:cu_seqlens[b + 1] (int32, batch + 1).
     Masks align per sequence. lse is (nheads, total_q); probs a list of per-sequence matrices.
     """
-    checks.tensor("q", q, "(total_q, nheads, headdim)")
-    checks.tensor("k", k, "(total_k, nheads_k, headdim)")
-    checks.tensor("v", v, "(total_k, nheads_k, headdim_v)")
-    checks.same_dtype_and_device({"q": q, "k": k, "v": v})
-    if v.shape[0] != k.shape[0]:
-        raise ValueError(f"v: {v.shape[0]} tokens differ from k's {k.shape[0]}")
-    checks.heads(q.shape[1], k.shape[1], k, v, dim=1)
-    checks.head_dims(q, k, v)
-    batch = checks.cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q,
-                              "max_seqlen_q", q.device)
-    if checks.cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k,
-                         "max_seqlen_k", q.device) != batch:
-        raise ValueError(f"cu_seqlens_k: describes {cu_seqlens_k.numel() - 1} sequences, "
-                         f"cu_seqlens_q {batch}")
-    params = _params(q, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+    batch = checks.varlen_qkv(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    params = build_params(q, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                      deterministic, sink, batch=batch, nheads=q.shape[1],
                      cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                      max_seqlen_q=int(max_seqlen_q), max_seqlen_k=int(max_seqlen_k))
     return _run(q, k, v, params, backend, return_attn_probs)
 
 
-def _params(q, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+def build_params(q, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
             deterministic, sink, batch, nheads=None, **varlen) -> AttentionParams:
     """Check the scalar and per-head arguments and gather them for the backends."""
     nheads = q.shape[2] if nheads is None else nheads
@@ -142,7 +119,7 @@ def _run(q, k, v, params: AttentionParams, backend, return_attn_probs):
                                                            return_probs=return_attn_probs)
         lse = lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
         return (out, lse, probs[0]) if return_attn_probs else out
-    _require_available(name, q.device)
+    require_available(name, q.device)
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, params.sink))
     if needs_grad and q.dtype in (torch.float16, torch.bfloat16):
@@ -155,7 +132,8 @@ def _run(q, k, v, params: AttentionParams, backend, return_attn_probs):
     return out, lse, probs
 
 
-def _require_available(name: str, device: torch.device) -> None:
+def require_available(name: str, device: torch.device) -> None:
+    """Raise a clear error if the named backend cannot run on `device` here."""
     if name != "triton":
         return
     if importlib.util.find_spec("triton") is None:

@@ -35,6 +35,41 @@ def same_dtype_and_device(named: dict) -> None:
             raise ValueError(f"{name}: device {t.device} differs from {first}'s {t0.device}")
 
 
+def dense_qkv(q, k, v) -> None:
+    """q (batch, seqlen_q, nheads, d), k/v (batch, seqlen_k, nheads_k, d[_v]) that fit together."""
+    tensor("q", q, "(batch, seqlen_q, nheads, headdim)")
+    tensor("k", k, "(batch, seqlen_k, nheads_k, headdim)")
+    tensor("v", v, "(batch, seqlen_k, nheads_k, headdim_v)")
+    same_dtype_and_device({"q": q, "k": k, "v": v})
+    for name, t in (("k", k), ("v", v)):
+        if t.shape[0] != q.shape[0]:
+            raise ValueError(f"{name}: batch {t.shape[0]} differs from q's {q.shape[0]}")
+    if v.shape[1] != k.shape[1]:
+        raise ValueError(f"v: seqlen {v.shape[1]} differs from k's {k.shape[1]}")
+    heads(q.shape[2], k.shape[2], k, v, dim=2)
+    head_dims(q, k, v)
+
+
+def varlen_qkv(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> int:
+    """Packed q (total_q, nheads, d), k/v (total_k, nheads_k, d[_v]) with valid cu_seqlens;
+    returns the number of sequences."""
+    tensor("q", q, "(total_q, nheads, headdim)")
+    tensor("k", k, "(total_k, nheads_k, headdim)")
+    tensor("v", v, "(total_k, nheads_k, headdim_v)")
+    same_dtype_and_device({"q": q, "k": k, "v": v})
+    if v.shape[0] != k.shape[0]:
+        raise ValueError(f"v: {v.shape[0]} tokens differ from k's {k.shape[0]}")
+    heads(q.shape[1], k.shape[1], k, v, dim=1)
+    head_dims(q, k, v)
+    batch = cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, "max_seqlen_q",
+                       q.device)
+    if cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, "max_seqlen_k",
+                  q.device) != batch:
+        raise ValueError(f"cu_seqlens_k: describes {cu_seqlens_k.numel() - 1} sequences, "
+                         f"cu_seqlens_q {batch}")
+    return batch
+
+
 def head_dims(q, k, v, dim: int = -1, names=("q", "k", "v")) -> None:
     """q and k share a head dim; both head dims are within 1..MAX_HEAD_DIM."""
     if k.shape[dim] != q.shape[dim]:

@@ -16,7 +16,7 @@ import numbers
 import torch
 
 from flashkit import checks, reference
-from flashkit.api import _params, _require_available
+from flashkit.api import build_params, require_available
 from flashkit.ops.params import AttentionParams
 from flashkit.ops.tiled import kvcache as tiled_kvcache
 
@@ -93,12 +93,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     cache_seqlens = _cache_seqlens(cache_seqlens, batch, capacity, device)
     _check_values(cache_seqlens, seqlen_new, capacity, cache_batch_idx, cache_leftpad,
                   block_table, k_cache)
-    params = _params(q, 0.0, softmax_scale, causal, window_size, softcap, alibi_slopes, False,
+    params = build_params(q, 0.0, softmax_scale, causal, window_size, softcap, alibi_slopes, False,
                      sink, batch=batch)
     num_splits = _num_splits(num_splits)
     name = checks.backend(backend, device)
     if name == "triton":
-        _require_available(name, device)
+        require_available(name, device)
         from flashkit.ops.triton import decode
 
         decode.check_supported(q.dtype, params)

@@ -50,16 +50,7 @@ def ring_flash_attn_func(q, k, v, group=None, causal=False, softmax_scale=None,
     """
     group = resolve_group(group)
     try:
-        for name, t in (("q", q), ("k", k), ("v", v)):
-            checks.tensor(name, t, _DENSE[name])
-        checks.same_dtype_and_device({"q": q, "k": k, "v": v})
-        for name, t in (("k", k), ("v", v)):
-            if t.shape[0] != q.shape[0]:
-                raise ValueError(f"{name}: batch {t.shape[0]} differs from q's {q.shape[0]}")
-        if v.shape[1] != k.shape[1]:
-            raise ValueError(f"v: seqlen {v.shape[1]} differs from k's {k.shape[1]}")
-        checks.heads(q.shape[2], k.shape[2], k, v, dim=2)
-        checks.head_dims(q, k, v)
+        checks.dense_qkv(q, k, v)
         call = _settings(q, causal, softmax_scale, window_size, softcap, layout, backend)
         error = None
     except (TypeError, ValueError) as e:
@@ -87,19 +78,8 @@ def ring_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_
     """
     group = resolve_group(group)
     try:
-        for name, t in (("q", q), ("k", k), ("v", v)):
-            checks.tensor(name, t, _VARLEN[name])
-        checks.same_dtype_and_device({"q": q, "k": k, "v": v})
-        if v.shape[0] != k.shape[0]:
-            raise ValueError(f"v: {v.shape[0]} tokens differ from k's {k.shape[0]}")
-        checks.heads(q.shape[1], k.shape[1], k, v, dim=1)
-        checks.head_dims(q, k, v)
-        batch = checks.cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q,
-                                  "max_seqlen_q", q.device)
-        if checks.cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k,
-                             "max_seqlen_k", q.device) != batch:
-            raise ValueError(f"cu_seqlens_k: describes {cu_seqlens_k.numel() - 1} sequences, "
-                             f"cu_seqlens_q {batch}")
+        batch = checks.varlen_qkv(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                  max_seqlen_k)
         call = _settings(q, causal, softmax_scale, window_size, softcap, layout, backend)
         call["batch"], error = batch, None
     except (TypeError, ValueError) as e:

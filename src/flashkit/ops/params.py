@@ -44,7 +44,7 @@ class AttentionParams:
     deterministic: bool = False
     # Write out in float32 even for half inputs. Backward's D = rowsum(dO * O) then sees the exact
     # output instead of a rounded one: with P near 1 (a sink, a short row) dP - D cancels, and a
-    # rounded O costs dq many ulps. The API sets it when gradients are needed and casts for the user.
+    # rounded O costs dq many ulps. The API sets it when gradients are needed, then casts out.
     fp32_out: bool = False
 
     @property
