@@ -64,13 +64,17 @@ def inputs(seqlen, head_dim, dtype):
     return q, k, v, dout
 
 
-def ours(q, k, v, dout, causal, atomic_dq=None):
-    """(fwd ms, bwd ms) with configs.py's defaults; atomic_dq picks the backward's dQ path."""
+def ours(q, k, v, dout, causal, atomic_dq=None, fused=None):
+    """(fwd ms, bwd ms) with configs.py's defaults; atomic_dq picks the backward's dQ path,
+    fused whether dK/dV and dQ share one launch."""
+    from flashkit.ops.triton.configs import FUSED_BWD
+
+    fused = FUSED_BWD if fused is None else fused
     params = AttentionParams(q.shape[-1] ** -0.5, None, 0 if causal else None)
     out, lse = fwd_mod.attention_forward(q, k, v, params)
     t_fwd = bench(lambda: fwd_mod.attention_forward(q, k, v, params))
     t_bwd = bench(lambda: bwd_mod.attention_backward(dout, q, k, v, out, lse, params,
-                                                     atomic_dq=atomic_dq))
+                                                     atomic_dq=atomic_dq, fused=fused))
     return t_fwd, t_bwd
 
 
@@ -179,9 +183,10 @@ def run_grid(grid, anchors, out_path, env, ours_variants=("ours", "ours_atomic")
                     for impl in impls:
                         try:
                             if impl.startswith("ours"):
-                                atomic = {"ours": None, "ours_det": False,
-                                          "ours_atomic": True}[impl]
-                                times = ours(q, k, v, dout, causal, atomic)
+                                atomic, fused = {"ours": (None, None), "ours_det": (False, None),
+                                                 "ours_atomic": (True, None),
+                                                 "ours_split": (None, False)}[impl]
+                                times = ours(q, k, v, dout, causal, atomic, fused)
                             else:
                                 times = anchor(impl, q, k, v, dout, causal)
                         except Exception as e:  # an anchor that lacks this case is recorded
@@ -294,7 +299,8 @@ def main():
     ap.add_argument("--grid", choices=sorted(GRIDS), default=None)
     ap.add_argument("--anchors", default="cudnn,flash,flex")
     ap.add_argument("--ours", default="ours,ours_atomic",
-                    help="ours (configs.py defaults), ours_det, ours_atomic (dQ path forced)")
+                    help="ours (configs.py defaults), ours_det, ours_atomic (dQ path forced), "
+                         "ours_split (dK/dV and dQ as two launches)")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--sweep-head-dims", default="64,128")
     ap.add_argument("--sweep-kernels", default=",".join(SWEEP))

@@ -38,7 +38,7 @@ from flashkit.ops.triton.common import (
     visible,
     window_args,
 )
-from flashkit.ops.triton.configs import ATOMIC_DQ, padded_head_dim, tile_config
+from flashkit.ops.triton.configs import ATOMIC_DQ, FUSED_BWD, padded_head_dim, tile_config
 
 
 @triton.jit
@@ -134,7 +134,7 @@ def _bwd_dkdv_tiles(dk, dv, k_tile, v_tile, q_base, do_base, lse_base, delta_bas
 
 
 @triton.jit
-def _bwd_dkdv_kernel(Q, K, V, DO, Lse, Delta, DK, DV, DQAcc,
+def _bwd_dkdv_program(pid_n, pid_bh, Q, K, V, DO, Lse, Delta, DK, DV, DQAcc,
                      stride_qb, stride_qs, stride_qh, stride_qd,
                      stride_kb, stride_ks, stride_kh, stride_kd,
                      stride_vb, stride_vs, stride_vh, stride_vd,
@@ -149,9 +149,8 @@ def _bwd_dkdv_kernel(Q, K, V, DO, Lse, Delta, DK, DV, DQAcc,
                      BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, EVEN_N: tl.constexpr,
                      ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr, PRECISION: tl.constexpr):
-    """DQAcc is the fp32 dQ accumulator (ATOMIC_DQ), a TMA descriptor over it when DQ_TMA."""
-    pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    """dK, dV of key block pid_n of (batch, kv head) pid_bh. DQAcc is the fp32 dQ accumulator
+    (ATOMIC_DQ), a TMA descriptor over it when DQ_TMA."""
     off_b = (pid_bh // nheads_k).to(tl.int64)
     off_hk = (pid_bh % nheads_k).to(tl.int64)
     start_n = pid_n * BLOCK_N
@@ -248,7 +247,7 @@ def _bwd_dq_tiles(dq, q_tile, do_tile, lse2, delta, k_base, v_base, stride_ks, s
 
 
 @triton.jit
-def _bwd_dq_kernel(Q, K, V, DO, Lse, Delta, DQ,
+def _bwd_dq_program(pid_m, pid_bh, Q, K, V, DO, Lse, Delta, DQ,
                    stride_qb, stride_qs, stride_qh, stride_qd,
                    stride_kb, stride_ks, stride_kh, stride_kd,
                    stride_vb, stride_vs, stride_vh, stride_vd,
@@ -262,8 +261,7 @@ def _bwd_dq_kernel(Q, K, V, DO, Lse, Delta, DQ,
                    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, EVEN_M: tl.constexpr,
                    PRECISION: tl.constexpr):
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest tiles first, as forward
-    pid_bh = tl.program_id(1)
+    """dQ of query block pid_m of (batch, head) pid_bh."""
     off_b = (pid_bh // nheads).to(tl.int64)
     off_h = (pid_bh % nheads).to(tl.int64)
     off_hk = off_h // group
@@ -311,6 +309,63 @@ def _bwd_dq_kernel(Q, K, V, DO, Lse, Delta, DQ,
 
 
 @triton.jit
+def _bwd_kernel(Q, K, V, DO, Lse, Delta, DQ, DK, DV, DQAcc,
+                stride_qb, stride_qs, stride_qh, stride_qd,
+                stride_kb, stride_ks, stride_kh, stride_kd,
+                stride_vb, stride_vs, stride_vh, stride_vd,
+                stride_dob, stride_dos, stride_doh, stride_dod,
+                stride_lb, stride_lh, stride_ls,
+                stride_deltab, stride_deltah, stride_deltas,
+                stride_dqb, stride_dqs, stride_dqh, stride_dqd,
+                stride_dkb, stride_dks, stride_dkh, stride_dkd,
+                stride_dvb, stride_dvs, stride_dvh, stride_dvd,
+                batch, nheads, nheads_k, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
+                softmax_scale, num_kv_blocks, num_q_blocks,
+                HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
+                BLOCK_DV: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
+                BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr, HAS_LEFT: tl.constexpr,
+                HAS_RIGHT: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+                DO_DKDV: tl.constexpr, DO_DQ: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+                DQ_TMA: tl.constexpr, PRECISION: tl.constexpr):
+    """One launch for the dK/dV programs (axis 0 < num_kv_blocks when DO_DKDV) and/or the dQ
+    programs (the rest when DO_DQ, heaviest query block first); axis 1 is batch * nheads, of which
+    the dK/dV programs use the first batch * nheads_k. Launching both kinds together lets the
+    scheduler fill the machine with either (FlexAttention's backward does the same)."""
+    pid = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    group = nheads // nheads_k
+    is_dkdv = pid < num_kv_blocks if DO_DKDV else False
+    if is_dkdv:
+        if pid_bh < batch * nheads_k:
+            _bwd_dkdv_program(pid, pid_bh, Q, K, V, DO, Lse, Delta, DK, DV, DQAcc,
+                              stride_qb, stride_qs, stride_qh, stride_qd,
+                              stride_kb, stride_ks, stride_kh, stride_kd,
+                              stride_vb, stride_vs, stride_vh, stride_vd,
+                              stride_dob, stride_dos, stride_doh, stride_dod,
+                              stride_lb, stride_lh, stride_ls,
+                              stride_deltab, stride_deltah, stride_deltas,
+                              stride_dkb, stride_dks, stride_dkh, stride_dkd,
+                              stride_dvb, stride_dvs, stride_dvh, stride_dvd,
+                              nheads_k, group, seqlen_q, seqlen_k, window_left, window_right,
+                              qk_scale, softmax_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
+                              BLOCK_M1, BLOCK_N1, HAS_LEFT, HAS_RIGHT, EVEN_N, ATOMIC_DQ,
+                              DQ_TMA, PRECISION)
+    elif DO_DQ:
+        pid_m = num_q_blocks - 1 - (pid - num_kv_blocks if DO_DKDV else pid)
+        _bwd_dq_program(pid_m, pid_bh, Q, K, V, DO, Lse, Delta, DQ,
+                        stride_qb, stride_qs, stride_qh, stride_qd,
+                        stride_kb, stride_ks, stride_kh, stride_kd,
+                        stride_vb, stride_vs, stride_vh, stride_vd,
+                        stride_dob, stride_dos, stride_doh, stride_dod,
+                        stride_lb, stride_lh, stride_ls,
+                        stride_deltab, stride_deltah, stride_deltas,
+                        stride_dqb, stride_dqs, stride_dqh, stride_dqd,
+                        nheads, group, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
+                        softmax_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M2,
+                        BLOCK_N2, HAS_LEFT, HAS_RIGHT, EVEN_M, PRECISION)
+
+
+@triton.jit
 def _bwd_dq_convert_kernel(DQAcc, DQ, stride_dqb, stride_dqs, stride_dqh, stride_dqd,
                            nheads, seqlen_q, softmax_scale,
                            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
@@ -333,18 +388,18 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                        out: torch.Tensor, lse: torch.Tensor, params: AttentionParams,
                        dq: torch.Tensor | None = None, dk: torch.Tensor | None = None,
                        dv: torch.Tensor | None = None, tiles: dict | None = None,
-                       atomic_dq: bool | None = None):
+                       atomic_dq: bool | None = None, fused: bool = FUSED_BWD):
     """Launch preprocess, dK/dV and dQ. Returns (dq, dk, dv); buffers may be preallocated.
 
     dQ comes from its own kernel (deterministic) or, when atomic_dq, from fp32 atomic adds in
     the dK/dV kernel plus a conversion (fewer matmuls, order of the adds not fixed). atomic_dq
-    None picks configs.ATOMIC_DQ unless params.deterministic. tiles = {"dkdv": (BLOCK_M,
+    None picks configs.ATOMIC_DQ unless params.deterministic. fused launches the dK/dV and dQ
+    programs together (configs.FUSED_BWD), else one after the other. tiles = {"dkdv": (BLOCK_M,
     BLOCK_N, num_warps, num_stages), "dq": ...} overrides configs.py (the tuning sweep).
     """
     tiles = tiles or {}
     batch, seqlen_q, nheads, head_dim = q.shape
     _, seqlen_k, nheads_k, head_dim_v = v.shape
-    group = nheads // nheads_k
     dq = torch.empty_like(q) if dq is None else dq
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
@@ -366,32 +421,38 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         HEAD_DIM_V=head_dim_v, BLOCK_DV=block_dv, BLOCK_M=preprocess_block_m)
 
     kernel = "dkdv_atomic" if atomic_dq else "dkdv"
-    block_m, block_n, num_warps, num_stages = tiles.get(kernel) or tile_config(
+    block_m1, block_n1, num_warps, num_stages = tiles.get(kernel) or tile_config(
         kernel, d_max, q.element_size(), interpreting())
+    block_m2, block_n2, dq_warps, dq_stages = tiles.get("dq") or tile_config(
+        "dq", d_max, q.element_size(), interpreting())
     dq_acc = (torch.zeros((batch * nheads, seqlen_q, block_d), dtype=torch.float32,
                           device=q.device) if atomic_dq else delta)
-    dq_acc_desc = accumulator_descriptor(dq_acc, block_m) if atomic_dq else None
-    _bwd_dkdv_kernel[(triton.cdiv(seqlen_k, block_n), batch * nheads_k)](
-        q, k, v, dout, lse, delta, dk, dv, dq_acc if dq_acc_desc is None else dq_acc_desc,
-        *common_strides, *dk.stride(), *dv.stride(),
-        nheads_k, group, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
-        params.softmax_scale, **dims, BLOCK_M=block_m, BLOCK_N=block_n, **band,
-        EVEN_N=seqlen_k % block_n == 0, ATOMIC_DQ=atomic_dq, DQ_TMA=dq_acc_desc is not None,
-        num_warps=num_warps,
-        num_stages=num_stages)
+    dq_acc_desc = accumulator_descriptor(dq_acc, block_m1) if atomic_dq else None
+    num_kv_blocks, num_q_blocks = triton.cdiv(seqlen_k, block_n1), triton.cdiv(seqlen_q, block_m2)
+    args = (q, k, v, dout, lse, delta, dq, dk, dv,
+            dq_acc if dq_acc_desc is None else dq_acc_desc,
+            *common_strides, *dq.stride(), *dk.stride(), *dv.stride(),
+            batch, nheads, nheads_k, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
+            params.softmax_scale, num_kv_blocks, num_q_blocks)
+    meta = dict(**dims, BLOCK_M1=block_m1, BLOCK_N1=block_n1, BLOCK_M2=block_m2,
+                BLOCK_N2=block_n2, **band, EVEN_M=seqlen_q % block_m2 == 0,
+                EVEN_N=seqlen_k % block_n1 == 0, ATOMIC_DQ=atomic_dq,
+                DQ_TMA=dq_acc_desc is not None)
+    if fused and not atomic_dq:  # one launch, the dK/dV kernel's warps and stages
+        _bwd_kernel[(num_kv_blocks + num_q_blocks, batch * nheads)](
+            *args, **meta, DO_DKDV=True, DO_DQ=True, num_warps=num_warps, num_stages=num_stages)
+    else:
+        _bwd_kernel[(num_kv_blocks, batch * nheads)](
+            *args, **meta, DO_DKDV=True, DO_DQ=False, num_warps=num_warps,
+            num_stages=num_stages)
+        if not atomic_dq:
+            _bwd_kernel[(num_q_blocks, batch * nheads)](
+                *args, **meta, DO_DKDV=False, DO_DQ=True, num_warps=dq_warps,
+                num_stages=dq_stages)
 
     if atomic_dq:
         convert_block_m = 64
         _bwd_dq_convert_kernel[(triton.cdiv(seqlen_q, convert_block_m), batch * nheads)](
             dq_acc, dq, *dq.stride(), nheads, seqlen_q, params.softmax_scale,
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=convert_block_m)
-        return dq, dk, dv
-
-    block_m, block_n, num_warps, num_stages = tiles.get("dq") or tile_config(
-        "dq", d_max, q.element_size(), interpreting())
-    _bwd_dq_kernel[(triton.cdiv(seqlen_q, block_m), batch * nheads)](
-        q, k, v, dout, lse, delta, dq, *common_strides, *dq.stride(),
-        nheads, group, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
-        params.softmax_scale, **dims, BLOCK_M=block_m, BLOCK_N=block_n, **band,
-        EVEN_M=seqlen_q % block_m == 0, num_warps=num_warps, num_stages=num_stages)
     return dq, dk, dv

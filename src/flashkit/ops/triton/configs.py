@@ -58,6 +58,10 @@ USE_TMA = False
 # 289 vs 353), element atomics and TMA bulk reduce-adds alike, so deterministic is the default.
 ATOMIC_DQ = False
 
+# Backward: launch the dK/dV and dQ programs together in one grid (each with its own tiles, the
+# dK/dV entry's warps and stages) instead of two kernels in a row.
+FUSED_BWD = True
+
 # fp32 inputs (a correctness path, IEEE dots): one small tile for every head dim, single-stage,
 # so head dim 256 fits in shared memory (dq: 64x256 Q and dO plus 32x256 K and V, 192 KiB).
 FP32 = {
