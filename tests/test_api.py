@@ -221,3 +221,16 @@ def test_triton_backend_on_cpu_needs_the_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match=r"^backend 'triton'.*TRITON_INTERPRET"):
         flashkit.flash_attn_func(**_dense(backend="triton"))
+
+
+@pytest.mark.parametrize("backend", ["torch", "reference"])
+def test_alibi_slopes_gradient_is_never_silently_dropped(backend):
+    q, k, v = random_qkv(1, 9, 9, 2, 2, headdim=16)
+    slopes = torch.rand(2, requires_grad=True)
+    if backend == "reference":
+        out = flashkit.flash_attn_func(q, k, v, alibi_slopes=slopes, backend=backend)
+        (grad,) = torch.autograd.grad(out.sum(), slopes)
+        assert torch.isfinite(grad).all() and grad.abs().sum() > 0
+    else:
+        with pytest.raises(NotImplementedError, match="^alibi_slopes"):
+            flashkit.flash_attn_func(q, k, v, alibi_slopes=slopes, backend=backend)

@@ -107,9 +107,11 @@ def draw_dropout_seed() -> int:
 def _run(q, k, v, params: AttentionParams, backend, return_attn_probs):
     """Dispatch to a backend; returns out or (out, lse, probs)."""
     name = checks.backend(backend, q.device)
-    if params.attn_bias is not None and params.attn_bias.requires_grad:
-        raise NotImplementedError("attn_mask: gradients with respect to a float mask are not "
-                                  "supported; pass a mask that does not require grad")
+    if name != "reference":  # the oracle differentiates everything by autograd; kernels do not
+        for arg, t in (("attn_mask", params.attn_bias), ("alibi_slopes", params.alibi_slopes)):
+            if t is not None and t.requires_grad:
+                raise NotImplementedError(f"{arg}: backend {name!r} computes no gradient for "
+                                          "it; pass a tensor that does not require grad")
     if name == "reference":
         if params.dropout_p > 0:
             raise NotImplementedError(
