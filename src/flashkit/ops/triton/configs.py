@@ -59,8 +59,10 @@ USE_TMA = False
 ATOMIC_DQ = False
 
 # Backward: launch the dK/dV and dQ programs together in one grid (each with its own tiles, the
-# dK/dV entry's warps and stages) instead of two kernels in a row.
-FUSED_BWD = True
+# dK/dV entry's warps and stages) instead of two kernels in a row. Off: the 02:46 grid measured
+# the single launch slower at head dim 128 (16k full 372 vs 386 TFLOP/s, 1k causal 187 vs 206)
+# and a wash at 64, so the two launches (same kernel, DO_DKDV / DO_DQ) are the default.
+FUSED_BWD = False
 
 # fp32 inputs (a correctness path, IEEE dots): one small tile for every head dim, single-stage,
 # so head dim 256 fits in shared memory (dq: 64x256 Q and dO plus 32x256 K and V, 192 KiB).
