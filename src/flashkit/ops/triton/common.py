@@ -61,6 +61,13 @@ def accumulator_descriptor(acc, block_m: int):
                             block_shape=[1, block_m, acc.shape[2]])
 
 
+def score_args(params) -> tuple[float, float, bool]:
+    """(qk_scale, softcap_scale, SOFTCAP) for `scores`, from the softmax scale and softcap."""
+    if params.softcap > 0:
+        return params.softcap * LOG2E, params.softmax_scale / params.softcap, True
+    return params.softmax_scale * LOG2E, 1.0, False
+
+
 def window_args(params) -> tuple[int, int, bool, bool]:
     """(window_left, window_right, HAS_LEFT, HAS_RIGHT) as the kernels take them."""
     left, right = params.window_left, params.window_right
@@ -157,6 +164,30 @@ def online_softmax_update(m_i, l_i, s, MASKED: tl.constexpr):
     alpha = tl.math.exp2(m_i - m_use)
     l_new = l_i * alpha + tl.sum(p, 1)
     return p, alpha, m_new, l_new
+
+
+@triton.jit
+def scores(qk, qk_scale, softcap_scale, SOFTCAP: tl.constexpr):
+    """Scores in log2 units from raw q . k, once for every kernel.
+
+    Plain: s = qk_scale * qk with qk_scale = scale * log2(e). SOFTCAP (softcap c > 0):
+    s = qk_scale * tanh(softcap_scale * qk) with softcap_scale = scale / c and qk_scale =
+    c * log2(e), i.e. log2(e) * c * tanh(scale * qk / c).
+    """
+    if SOFTCAP:
+        # tanh(x) = 1 - 2 / (exp(2x) + 1): exact at both tails (exp2 -> inf gives 1, -> 0 gives -1)
+        x = qk * softcap_scale
+        s = qk_scale * (1.0 - 2.0 / (tl.math.exp2(x * 2.8853900817779268) + 1.0))
+    else:
+        s = qk * qk_scale
+    return s
+
+
+@triton.jit
+def softcap_grad(s, qk_scale):
+    """d(softcapped score) / d(scale * qk) = 1 - tanh^2, from the log2 scores s of `scores`."""
+    t = s * (1.0 / qk_scale)
+    return 1.0 - t * t
 
 
 @triton.jit
