@@ -152,6 +152,29 @@ def test_softcap_matches_oracle(case):
     check_against_oracle(q, k, v, dout, params)
 
 
+ALIBI_CASES = [  # (batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype, window,
+    #                  per-batch slopes, softcap)
+    (1, 45, 38, 4, 2, 40, torch.float32, "causal", False, 0.0),
+    (2, 33, 50, 2, 1, 16, torch.float16, "full", True, 0.0),
+    (2, 50, 33, 4, 4, 32, torch.float32, "sliding", True, 3.0),
+]
+
+
+@pytest.mark.parametrize("case", ALIBI_CASES, ids=lambda c: "-".join(map(str, c)).replace(
+    "torch.", ""))
+def test_alibi_matches_oracle(case):
+    """s -= slope_h |i + shift - j|, slopes per head or per (batch, head), with and without
+    softcap (applied before the bias, as DESIGN section 1 orders them)."""
+    (batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype, window, per_batch,
+     softcap) = case
+    q, k, v, dout = make_inputs(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim,
+                                head_dim, dtype)
+    slopes = torch.rand((batch, nheads) if per_batch else (nheads,), device=DEVICE) * 0.5
+    params = AttentionParams(head_dim ** -0.5, *WINDOWS[window], softcap=softcap,
+                             alibi_slopes=slopes)
+    check_against_oracle(q, k, v, dout, params)
+
+
 def test_rows_without_keys_are_zero_with_lse_minus_inf():
     """Causal with seqlen_q > seqlen_k: the first seqlen_q - seqlen_k rows see no key."""
     q, k, v, dout = make_inputs(1, 40, 9, 2, 1, 16, 16, torch.float32)
@@ -197,7 +220,6 @@ def test_fused_and_split_backward_launches_agree_bitwise():
 
 
 @pytest.mark.parametrize("feature, change", [
-    ("alibi_slopes", dict(alibi_slopes=torch.ones(2))),
     ("sink", dict(sink=torch.zeros(2))),
     ("dropout", dict(dropout_p=0.1)),
     ("attn_bias", dict(attn_bias=torch.zeros(1, 2, 5, 5))),
@@ -340,6 +362,16 @@ def test_gpu_softcap(head_dim, window):
     q, k, v, dout = make_inputs(2, 517, 1031, 4, 2, head_dim, head_dim, torch.bfloat16, "cuda")
     params = AttentionParams(head_dim ** -0.5, *WINDOWS[window], softcap=15.0)
     check_against_oracle((4 * q.float()).to(torch.bfloat16), k, v, dout, params)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("window", ["full", "causal"])
+def test_gpu_alibi(head_dim, window):
+    q, k, v, dout = make_inputs(2, 517, 1031, 4, 2, head_dim, head_dim, torch.bfloat16, "cuda")
+    slopes = torch.rand(2, 4, device="cuda") * 0.1
+    params = AttentionParams(head_dim ** -0.5, *WINDOWS[window], alibi_slopes=slopes)
+    check_against_oracle(q, k, v, dout, params)
 
 
 @pytest.mark.gpu

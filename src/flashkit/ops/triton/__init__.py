@@ -5,7 +5,7 @@
 
 Layouts and the meaning of params: flashkit.ops.params. Supported: dense inputs, fp16 / bf16 /
 fp32, head dims 1..256 (q/k and v may differ), GQA/MQA, any softmax_scale, any window (full,
-causal, sliding, bottom-right aligned), softcap, deterministic gradients (by default: the
+causal, sliding, bottom-right aligned), softcap, ALiBi, deterministic gradients (by default: the
 measured-faster dQ path has no atomics). Anything
 else raises NotImplementedError before a kernel launches.
 """
@@ -23,7 +23,6 @@ __all__ = ["forward", "backward"]
 
 def _check_supported(params: AttentionParams) -> None:
     unsupported = {
-        "alibi_slopes": params.alibi_slopes is not None,
         "sink": params.sink is not None,
         "dropout": params.dropout_p > 0,
         "attn_bias": params.attn_bias is not None,

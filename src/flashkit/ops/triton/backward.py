@@ -29,8 +29,11 @@ from flashkit.ops.triton.common import (
     DOT_PRECISION,
     LOG2E_JIT,
     accumulator_descriptor,
+    alibi_args,
+    alibi_bias,
     interpreting,
     key_tile_ranges,
+    load_alibi_log2,
     load_tile,
     query_tile_ranges,
     score_args,
@@ -82,10 +85,11 @@ def _bwd_dkdv_tiles(dk, dv, k_tile, v_tile, q_base, do_base, lse_base, delta_bas
                     dqacc_bh,
                     stride_qs, stride_qd, stride_dos, stride_dod, stride_ls, stride_deltas,
                     start, end, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, window_left,
-                    window_right, qk_scale, softcap_scale,
+                    window_right, qk_scale, softcap_scale, alibi_log2,
                     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
                     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+                    ALIBI: tl.constexpr,
                     ATOMIC_DQ: tl.constexpr,
                     DQ_TMA: tl.constexpr, PRECISION: tl.constexpr):
     """Accumulate dK, dV of one key block over query tiles [start, end); with ATOMIC_DQ also
@@ -101,6 +105,11 @@ def _bwd_dkdv_tiles(dk, dv, k_tile, v_tile, q_base, do_base, lse_base, delta_bas
         # [BLOCK_N, BLOCK_M] = [BLOCK_N, BLOCK_D] @ [BLOCK_D, BLOCK_M]
         qk_t = tl.dot(k_tile, tl.trans(q_tile), input_precision=PRECISION)
         s_t = scores(qk_t, qk_scale, softcap_scale, SOFTCAP)
+        if SOFTCAP:
+            dcap_t = softcap_grad(s_t, qk_scale)
+        if ALIBI:
+            s_t = s_t - alibi_bias(offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k,
+                                   alibi_log2)
         p_t = tl.math.exp2(s_t - lse2[None, :])
         if MASKED:
             keep_t = visible(offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k, window_left,
@@ -120,7 +129,7 @@ def _bwd_dkdv_tiles(dk, dv, k_tile, v_tile, q_base, do_base, lse_base, delta_bas
             delta = tl.load(delta_base + offs_m * stride_deltas)
         ds_t = p_t * (dp_t - delta[None, :])
         if SOFTCAP:
-            ds_t = ds_t * softcap_grad(s_t, qk_scale)
+            ds_t = ds_t * dcap_t
         # [BLOCK_N, BLOCK_D] = [BLOCK_N, BLOCK_M] @ [BLOCK_M, BLOCK_D]
         dk = tl.dot(ds_t.to(q_tile.dtype), q_tile, dk, input_precision=PRECISION)
         if ATOMIC_DQ:
@@ -150,11 +159,12 @@ def _bwd_dkdv_program(pid_n, pid_bh, Q, K, V, DO, Lse, Delta, DK, DV, DQAcc,
                      stride_dkb, stride_dks, stride_dkh, stride_dkd,
                      stride_dvb, stride_dvs, stride_dvh, stride_dvd,
                      nheads_k, group, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
-                     softcap_scale,
+                     softcap_scale, Alibi, stride_ab, stride_ah,
                      softmax_scale,
                      HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                      BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+                     ALIBI: tl.constexpr,
                      EVEN_N: tl.constexpr,
                      ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr, PRECISION: tl.constexpr):
     """dK, dV of key block pid_n of (batch, kv head) pid_bh. DQAcc is the fp32 dQ accumulator
@@ -182,6 +192,7 @@ def _bwd_dkdv_program(pid_n, pid_bh, Q, K, V, DO, Lse, Delta, DK, DV, DQAcc,
                                                HAS_RIGHT)
     for g in range(group):  # the query heads that share this kv head, in a fixed order
         off_h = off_hk * group + g
+        alibi_log2 = load_alibi_log2(Alibi, off_b, off_h, stride_ab, stride_ah, ALIBI)
         q_base = Q + off_b * stride_qb + off_h * stride_qh
         do_base = DO + off_b * stride_dob + off_h * stride_doh
         lse_base = Lse + off_b * stride_lb + off_h * stride_lh
@@ -196,24 +207,26 @@ def _bwd_dkdv_program(pid_n, pid_bh, Q, K, V, DO, Lse, Delta, DK, DV, DQAcc,
                                  stride_dod, stride_ls, stride_deltas, lo, mid_lo, offs_n, offs_d,
                                  offs_dv, seqlen_q,
                                  seqlen_k, window_left, window_right, qk_scale, softcap_scale,
+                                 alibi_log2,
                                  HEAD_DIM,
                                  HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, True, HAS_LEFT,
-                                 HAS_RIGHT, SOFTCAP, ATOMIC_DQ, DQ_TMA, PRECISION)
+                                 HAS_RIGHT, SOFTCAP, ALIBI, ATOMIC_DQ, DQ_TMA, PRECISION)
         dk, dv = _bwd_dkdv_tiles(dk, dv, k_tile, v_tile, q_base, do_base, lse_base, delta_base,
                                  dqacc_src, dqacc_bh, stride_qs, stride_qd, stride_dos,
                                  stride_dod, stride_ls, stride_deltas, mid_lo, mid_hi, offs_n,
                                  offs_d, offs_dv, seqlen_q, seqlen_k, window_left,
-                                 window_right, qk_scale, softcap_scale,
+                                 window_right, qk_scale, softcap_scale, alibi_log2,
                                  HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, False,
-                                 HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, DQ_TMA, PRECISION)
+                                 HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, ATOMIC_DQ, DQ_TMA, PRECISION)
         dk, dv = _bwd_dkdv_tiles(dk, dv, k_tile, v_tile, q_base, do_base, lse_base, delta_base,
                                  dqacc_src, dqacc_bh, stride_qs, stride_qd, stride_dos,
                                  stride_dod, stride_ls, stride_deltas, mid_hi, hi, offs_n, offs_d,
                                  offs_dv, seqlen_q,
                                  seqlen_k, window_left, window_right, qk_scale, softcap_scale,
+                                 alibi_log2,
                                  HEAD_DIM,
                                  HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, True, HAS_LEFT,
-                                 HAS_RIGHT, SOFTCAP, ATOMIC_DQ, DQ_TMA, PRECISION)
+                                 HAS_RIGHT, SOFTCAP, ALIBI, ATOMIC_DQ, DQ_TMA, PRECISION)
 
     dk_ptrs = (DK + off_b * stride_dkb + off_hk * stride_dkh
                + offs_n[:, None] * stride_dks + offs_d[None, :] * stride_dkd)
@@ -228,10 +241,11 @@ def _bwd_dkdv_program(pid_n, pid_bh, Q, K, V, DO, Lse, Delta, DK, DV, DQAcc,
 @triton.jit
 def _bwd_dq_tiles(dq, q_tile, do_tile, lse2, delta, k_base, v_base, stride_ks, stride_kd,
                   stride_vs, stride_vd, start, end, offs_m, offs_d, offs_dv, seqlen_q,
-                  seqlen_k, window_left, window_right, qk_scale, softcap_scale,
+                  seqlen_k, window_left, window_right, qk_scale, softcap_scale, alibi_log2,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                   HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+                  ALIBI: tl.constexpr,
                   PRECISION: tl.constexpr):
     """Accumulate dQ of one query block over key tiles [start, end)."""
     for start_n in tl.range(start, end, BLOCK_N):
@@ -245,6 +259,10 @@ def _bwd_dq_tiles(dq, q_tile, do_tile, lse2, delta, k_base, v_base, stride_ks, s
         # [BLOCK_M, BLOCK_N] = [BLOCK_M, BLOCK_D] @ [BLOCK_D, BLOCK_N]
         qk = tl.dot(q_tile, tl.trans(k_tile), input_precision=PRECISION)
         s = scores(qk, qk_scale, softcap_scale, SOFTCAP)
+        if SOFTCAP:
+            dcap = softcap_grad(s, qk_scale)
+        if ALIBI:
+            s = s - alibi_bias(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, alibi_log2)
         p = tl.math.exp2(s - lse2[:, None])
         if MASKED:
             keep = visible(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, window_left,
@@ -254,7 +272,7 @@ def _bwd_dq_tiles(dq, q_tile, do_tile, lse2, delta, k_base, v_base, stride_ks, s
         dp = tl.dot(do_tile, tl.trans(v_tile), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
         if SOFTCAP:
-            ds = ds * softcap_grad(s, qk_scale)
+            ds = ds * dcap
         # [BLOCK_M, BLOCK_D] = [BLOCK_M, BLOCK_N] @ [BLOCK_N, BLOCK_D]
         dq = tl.dot(ds.to(k_tile.dtype), k_tile, dq, input_precision=PRECISION)
     return dq
@@ -270,11 +288,12 @@ def _bwd_dq_program(pid_m, pid_bh, Q, K, V, DO, Lse, Delta, DQ,
                    stride_deltab, stride_deltah, stride_deltas,
                    stride_dqb, stride_dqs, stride_dqh, stride_dqd,
                    nheads, group, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
-                   softcap_scale,
+                   softcap_scale, Alibi, stride_ab, stride_ah,
                    softmax_scale,
                    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+                   ALIBI: tl.constexpr,
                    EVEN_M: tl.constexpr,
                    PRECISION: tl.constexpr):
     """dQ of query block pid_m of (batch, head) pid_bh."""
@@ -301,25 +320,32 @@ def _bwd_dq_program(pid_m, pid_bh, Q, K, V, DO, Lse, Delta, DQ,
     k_base = K + off_b * stride_kb + off_hk * stride_kh
     v_base = V + off_b * stride_vb + off_hk * stride_vh
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    alibi_log2 = load_alibi_log2(Alibi, off_b, off_h, stride_ab, stride_ah, ALIBI)
 
     lo, mid_lo, mid_hi, hi = key_tile_ranges(start_m, seqlen_q, seqlen_k, window_left,
                                              window_right, BLOCK_M, BLOCK_N, HAS_LEFT,
                                              HAS_RIGHT)
     dq = _bwd_dq_tiles(dq, q_tile, do_tile, lse2, delta, k_base, v_base, stride_ks, stride_kd,
                        stride_vs, stride_vd, lo, mid_lo, offs_m, offs_d, offs_dv, seqlen_q,
-                       seqlen_k, window_left, window_right, qk_scale, softcap_scale, HEAD_DIM,
+                       seqlen_k, window_left, window_right, qk_scale, softcap_scale, alibi_log2,
+                       HEAD_DIM,
                        HEAD_DIM_V,
-                       BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, PRECISION)
+                       BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI,
+                       PRECISION)
     dq = _bwd_dq_tiles(dq, q_tile, do_tile, lse2, delta, k_base, v_base, stride_ks, stride_kd,
                        stride_vs, stride_vd, mid_lo, mid_hi, offs_m, offs_d, offs_dv, seqlen_q,
-                       seqlen_k, window_left, window_right, qk_scale, softcap_scale, HEAD_DIM,
+                       seqlen_k, window_left, window_right, qk_scale, softcap_scale, alibi_log2,
+                       HEAD_DIM,
                        HEAD_DIM_V,
-                       BLOCK_D, BLOCK_DV, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, PRECISION)
+                       BLOCK_D, BLOCK_DV, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI,
+                       PRECISION)
     dq = _bwd_dq_tiles(dq, q_tile, do_tile, lse2, delta, k_base, v_base, stride_ks, stride_kd,
                        stride_vs, stride_vd, mid_hi, hi, offs_m, offs_d, offs_dv, seqlen_q,
-                       seqlen_k, window_left, window_right, qk_scale, softcap_scale, HEAD_DIM,
+                       seqlen_k, window_left, window_right, qk_scale, softcap_scale, alibi_log2,
+                       HEAD_DIM,
                        HEAD_DIM_V,
-                       BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, PRECISION)
+                       BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI,
+                       PRECISION)
 
     dq_ptrs = (DQ + off_b * stride_dqb + off_h * stride_dqh
                + offs_m[:, None] * stride_dqs + offs_d[None, :] * stride_dqd)
@@ -339,12 +365,13 @@ def _bwd_kernel(Q, K, V, DO, Lse, Delta, DQ, DK, DV, DQAcc,
                 stride_dkb, stride_dks, stride_dkh, stride_dkd,
                 stride_dvb, stride_dvs, stride_dvh, stride_dvd,
                 batch, nheads, nheads_k, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
-                softcap_scale,
+                softcap_scale, Alibi, stride_ab, stride_ah,
                 softmax_scale, num_kv_blocks, num_q_blocks,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_DV: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
                 BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr, HAS_LEFT: tl.constexpr,
-                HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, EVEN_M: tl.constexpr,
+                HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+                EVEN_M: tl.constexpr,
                 EVEN_N: tl.constexpr,
                 DO_DKDV: tl.constexpr, DO_DQ: tl.constexpr, ATOMIC_DQ: tl.constexpr,
                 DQ_TMA: tl.constexpr, PRECISION: tl.constexpr):
@@ -368,9 +395,11 @@ def _bwd_kernel(Q, K, V, DO, Lse, Delta, DQ, DK, DV, DQAcc,
                               stride_dkb, stride_dks, stride_dkh, stride_dkd,
                               stride_dvb, stride_dvs, stride_dvh, stride_dvd,
                               nheads_k, group, seqlen_q, seqlen_k, window_left, window_right,
-                              qk_scale, softcap_scale, softmax_scale, HEAD_DIM, HEAD_DIM_V,
+                              qk_scale, softcap_scale, Alibi, stride_ab, stride_ah, softmax_scale,
+                              HEAD_DIM, HEAD_DIM_V,
                               BLOCK_D, BLOCK_DV,
-                              BLOCK_M1, BLOCK_N1, HAS_LEFT, HAS_RIGHT, SOFTCAP, EVEN_N, ATOMIC_DQ,
+                              BLOCK_M1, BLOCK_N1, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, EVEN_N,
+                              ATOMIC_DQ,
                               DQ_TMA, PRECISION)
     elif DO_DQ:
         pid_m = num_q_blocks - 1 - (pid - num_kv_blocks if DO_DKDV else pid)
@@ -383,9 +412,9 @@ def _bwd_kernel(Q, K, V, DO, Lse, Delta, DQ, DK, DV, DQAcc,
                         stride_deltab, stride_deltah, stride_deltas,
                         stride_dqb, stride_dqs, stride_dqh, stride_dqd,
                         nheads, group, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
-                        softcap_scale,
+                        softcap_scale, Alibi, stride_ab, stride_ah,
                         softmax_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M2,
-                        BLOCK_N2, HAS_LEFT, HAS_RIGHT, SOFTCAP, EVEN_M, PRECISION)
+                        BLOCK_N2, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, EVEN_M, PRECISION)
 
 
 @triton.jit
@@ -433,8 +462,9 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     if atomic_dq is None:
         atomic_dq = ATOMIC_DQ and not params.deterministic
     qk_scale, softcap_scale, softcap = score_args(params)
+    alibi, alibi_strides, has_alibi = alibi_args(params, lse)
     dims = dict(HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv)
-    band = dict(HAS_LEFT=has_left, HAS_RIGHT=has_right, SOFTCAP=softcap,
+    band = dict(HAS_LEFT=has_left, HAS_RIGHT=has_right, SOFTCAP=softcap, ALIBI=has_alibi,
                 PRECISION=DOT_PRECISION)
     common_strides = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lse.stride(),
                       *delta.stride())
@@ -457,7 +487,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
             dq_acc if dq_acc_desc is None else dq_acc_desc,
             *common_strides, *dq.stride(), *dk.stride(), *dv.stride(),
             batch, nheads, nheads_k, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
-            softcap_scale,
+            softcap_scale, alibi, *alibi_strides,
             params.softmax_scale, num_kv_blocks, num_q_blocks)
     meta = dict(**dims, BLOCK_M1=block_m1, BLOCK_N1=block_n1, BLOCK_M2=block_m2,
                 BLOCK_N2=block_n2, **band, EVEN_M=seqlen_q % block_m2 == 0,

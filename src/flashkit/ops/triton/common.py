@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 
+import torch
 import triton
 import triton.language as tl
 
@@ -66,6 +67,18 @@ def score_args(params) -> tuple[float, float, bool]:
     if params.softcap > 0:
         return params.softcap * LOG2E, params.softmax_scale / params.softcap, True
     return params.softmax_scale * LOG2E, 1.0, False
+
+
+def alibi_args(params, placeholder):
+    """(slopes, (stride_batch, stride_head), ALIBI): float32 slopes of shape (nheads,) (batch
+    stride 0) or (batch, nheads); without ALiBi, `placeholder` stands in and is never read."""
+    slopes = params.alibi_slopes
+    if slopes is None:
+        return placeholder, (0, 0), False
+    slopes = slopes.to(torch.float32)
+    if slopes.dim() == 1:
+        return slopes, (0, slopes.stride(0)), True
+    return slopes, tuple(slopes.stride()), True
 
 
 def window_args(params) -> tuple[int, int, bool, bool]:
@@ -181,6 +194,21 @@ def scores(qk, qk_scale, softcap_scale, SOFTCAP: tl.constexpr):
     else:
         s = qk * qk_scale
     return s
+
+
+@triton.jit
+def alibi_bias(i, j, seqlen_q, seqlen_k, alibi_log2):
+    """What ALiBi subtracts from the log2 scores: slope * log2(e) * |i + shift - j|."""
+    return alibi_log2 * tl.abs(i + (seqlen_k - seqlen_q) - j).to(tl.float32)
+
+
+@triton.jit
+def load_alibi_log2(Alibi, off_b, off_h, stride_ab, stride_ah, ALIBI: tl.constexpr):
+    """slope * log2(e) of (batch, head) when ALIBI, else 0 (unused)."""
+    alibi_log2 = 0.0
+    if ALIBI:
+        alibi_log2 = tl.load(Alibi + off_b * stride_ab + off_h * stride_ah) * LOG2E_JIT
+    return alibi_log2
 
 
 @triton.jit

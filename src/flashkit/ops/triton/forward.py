@@ -21,9 +21,12 @@ from flashkit.ops.params import AttentionParams
 from flashkit.ops.triton.common import (
     DOT_PRECISION,
     LN2_JIT,
+    alibi_args,
+    alibi_bias,
     interpreting,
     key_tile_ranges,
     kv_descriptor,
+    load_alibi_log2,
     load_kv_tile,
     load_tile,
     online_softmax_update,
@@ -39,10 +42,11 @@ from flashkit.ops.triton.configs import USE_TMA, padded_head_dim, tile_config
 @triton.jit
 def _fwd_tiles(acc, m_i, l_i, q_tile, k_src, v_src, off_b, off_hk, stride_ks, stride_kd,
                stride_vs, stride_vd, start, end, offs_m, offs_d, offs_dv, seqlen_q, seqlen_k,
-               window_left, window_right, qk_scale, softcap_scale,
+               window_left, window_right, qk_scale, softcap_scale, alibi_log2,
                HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+               ALIBI: tl.constexpr,
                USE_TMA: tl.constexpr,
                PRECISION: tl.constexpr):
     """Stream key tiles [start, end) into (acc, m_i, l_i); MASKED applies the band predicate."""
@@ -53,6 +57,8 @@ def _fwd_tiles(acc, m_i, l_i, q_tile, k_src, v_src, off_b, off_hk, stride_ks, st
         # [BLOCK_M, BLOCK_N] = [BLOCK_M, BLOCK_D] @ [BLOCK_D, BLOCK_N]
         qk = tl.dot(q_tile, tl.trans(k_tile), input_precision=PRECISION)
         s = scores(qk, qk_scale, softcap_scale, SOFTCAP)
+        if ALIBI:
+            s = s - alibi_bias(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, alibi_log2)
         if MASKED:
             keep = visible(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, window_left,
                            window_right, HAS_LEFT, HAS_RIGHT)
@@ -74,10 +80,11 @@ def _fwd_kernel(Q, K, V, Out, Lse,
                 stride_ob, stride_os, stride_oh, stride_od,
                 stride_lb, stride_lh, stride_ls,
                 nheads, group, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
-                softcap_scale,
+                softcap_scale, Alibi, stride_ab, stride_ah,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+                ALIBI: tl.constexpr,
                 EVEN_M: tl.constexpr,
                 USE_TMA: tl.constexpr, PRECISION: tl.constexpr):
     """K and V are tensor descriptors when USE_TMA (see common.kv_descriptor), else pointers."""
@@ -106,6 +113,7 @@ def _fwd_kernel(Q, K, V, Out, Lse,
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    alibi_log2 = load_alibi_log2(Alibi, off_b, off_h, stride_ab, stride_ah, ALIBI)
 
     lo, mid_lo, mid_hi, hi = key_tile_ranges(start_m, seqlen_q, seqlen_k, window_left,
                                              window_right, BLOCK_M, BLOCK_N, HAS_LEFT,
@@ -113,21 +121,21 @@ def _fwd_kernel(Q, K, V, Out, Lse,
     acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q_tile, k_src, v_src, off_b, off_hk,
                                stride_ks, stride_kd, stride_vs, stride_vd, lo, mid_lo, offs_m,
                                offs_d, offs_dv, seqlen_q, seqlen_k, window_left, window_right,
-                               qk_scale, softcap_scale,
+                               qk_scale, softcap_scale, alibi_log2,
                                HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True,
-                               HAS_LEFT, HAS_RIGHT, SOFTCAP, USE_TMA, PRECISION)
+                               HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, USE_TMA, PRECISION)
     acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q_tile, k_src, v_src, off_b, off_hk,
                                stride_ks, stride_kd, stride_vs, stride_vd, mid_lo, mid_hi, offs_m,
                                offs_d, offs_dv, seqlen_q, seqlen_k, window_left, window_right,
-                               qk_scale, softcap_scale,
+                               qk_scale, softcap_scale, alibi_log2,
                                HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, False,
-                               HAS_LEFT, HAS_RIGHT, SOFTCAP, USE_TMA, PRECISION)
+                               HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, USE_TMA, PRECISION)
     acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q_tile, k_src, v_src, off_b, off_hk,
                                stride_ks, stride_kd, stride_vs, stride_vd, mid_hi, hi, offs_m,
                                offs_d, offs_dv, seqlen_q, seqlen_k, window_left, window_right,
-                               qk_scale, softcap_scale,
+                               qk_scale, softcap_scale, alibi_log2,
                                HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True,
-                               HAS_LEFT, HAS_RIGHT, SOFTCAP, USE_TMA, PRECISION)
+                               HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, USE_TMA, PRECISION)
 
     # A row that saw no key has l = 0: out = 0 (acc is 0) and lse = -inf, never NaN.
     has_mass = l_i > 0.0
@@ -167,6 +175,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         "forward", max(head_dim, head_dim_v), q.element_size(), interpreting())
     window_left, window_right, has_left, has_right = window_args(params)
     qk_scale, softcap_scale, softcap = score_args(params)
+    alibi, alibi_strides, has_alibi = alibi_args(params, lse)
     block_d, block_dv = padded_head_dim(head_dim), padded_head_dim(head_dim_v)
     k_desc, v_desc = kv_descriptor(k, block_n, block_d), kv_descriptor(v, block_n, block_dv)
     use_tma = use_tma and k_desc is not None and v_desc is not None
@@ -175,10 +184,10 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         q, k_desc if use_tma else k, v_desc if use_tma else v, out, lse,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
         nheads, nheads // nheads_k, seqlen_q, seqlen_k, window_left, window_right,
-        qk_scale, softcap_scale,
+        qk_scale, softcap_scale, alibi, *alibi_strides,
         HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
         BLOCK_M=block_m, BLOCK_N=block_n, HAS_LEFT=has_left, HAS_RIGHT=has_right,
-        SOFTCAP=softcap,
+        SOFTCAP=softcap, ALIBI=has_alibi,
         EVEN_M=seqlen_q % block_m == 0, USE_TMA=use_tma, PRECISION=DOT_PRECISION,
         num_warps=num_warps, num_stages=num_stages)
     return out, lse
