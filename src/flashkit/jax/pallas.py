@@ -40,10 +40,11 @@ __all__ = ["forward", "backward", "TILES"]
 
 # (block_q, block_k, num_warps, num_stages) per pass, keyed by the padded head dim it serves up
 # to. Backward: one (block_q, block_k) for both the dK/dV and the dQ kernel.
-# Chosen on the H200 by benchmarks/bench_jax.py's tile sweep (see benchmarks/results/jax_*.json).
+# d64/d128: the fastest of benchmarks/bench_jax.py's --sweep on the H200 (bf16, seqlen 8k, jax
+# 0.11.2; the sweep is kept in benchmarks/results/jax_*.json). d256: unmeasured, sized to fit.
 TILES = {
-    "fwd": {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 8, 2)},
-    "bwd": {64: (64, 64, 4, 2), 128: (64, 64, 8, 2), 256: (32, 32, 8, 1)},
+    "fwd": {64: (128, 64, 8, 3), 128: (128, 128, 8, 3), 256: (64, 32, 8, 2)},
+    "bwd": {64: (64, 64, 4, 2), 128: (64, 64, 4, 2), 256: (32, 32, 8, 1)},
 }
 
 
@@ -76,6 +77,12 @@ def _div(x, block: int, size: int, ceil: bool):
     """floor or ceil of x / block for an int32 scalar x clipped to 0..size first."""
     x = jnp.clip(x, 0, size)
     return lax.div(x + (block - 1 if ceil else 0), block)
+
+
+def _select(pred, if_true, if_false):
+    """int32 `pred ? if_true : if_false` (jnp.where on a bool scalar lowers to a bad Triton op:
+    `arith.maxsi(i32, i1)` downstream, seen with jax 0.11.2)."""
+    return lax.select(pred, jnp.asarray(if_true, jnp.int32), jnp.asarray(if_false, jnp.int32))
 
 
 def _plan(lo, a, b, hi):
@@ -116,14 +123,14 @@ def _query_blocks(cfg: AttentionConfig, col0, bk: int, bq: int, nq: int, padded_
     if not cfg.banded and padded_keys is False:
         return 0, 0, nq, nq
     if not cfg.banded or cfg.group > 1:
-        return _plan(0, 0, jnp.where(padded_keys | cfg.banded, 0, nq), nq)
+        return _plan(0, 0, 0 if cfg.banded else _select(padded_keys, 0, nq), nq)
     size, left, right = nq * bq, cfg.window_left, cfg.window_right
     col1 = col0 + bk - 1
     lo = _div(col0 - cfg.shift - right, bq, size, False) if right is not None else 0
     hi = _div(col1 - cfg.shift + left + 1, bq, size, True) if left is not None else nq
     a = _div(col1 - cfg.shift - right, bq, size, True) if right is not None else 0
     b = _div(col0 - cfg.shift + left + 1, bq, size, False) if left is not None else nq
-    return _plan(lo, a, jnp.where(padded_keys, a, b), hi)
+    return _plan(lo, a, b if padded_keys is False else _select(padded_keys, a, b), hi)
 
 
 def _visit(plan, step, carry):
