@@ -114,11 +114,10 @@ def backward_rows(out, dout, lse, dlse):
 def grad_tile(q, k, v, dout, lse2, delta, cfg: AttentionConfig, keep):
     """Recompute one tile of P from the saved LSE; return (p, ds), both [BM, BN].
 
-    ds is the gradient with respect to the unscaled scores q . k (the softmax scale folded in):
-    dS = P * (dO V^T - delta) * scale.
+    ds = P * (dO V^T - delta) is the gradient with respect to the scaled scores; the softmax scale
+    (d score / d(q . k)) is applied once to the accumulated dQ and dK instead of to every tile.
     """
     s = scores(q, k, cfg, keep)
     p = jnp.exp2(s - lse2[:, None])
     dp = matmul(dout, v, trans_b=True)  # [BM, BN] = [BM, Dv] @ [Dv, BN]
-    ds = p * (dp - delta[:, None]) * cfg.scale
-    return p, ds
+    return p, p * (dp - delta[:, None])

@@ -5,6 +5,7 @@ Three kernels, each one program per (batch, kv head, block), the tile math from 
               writes out [BM, Dv] and lse [BM]
     dK/dV     a block of BN keys walks the query blocks that can see it: dV += P^T dO, dK += dS^T Q
     dQ        a block of BM query rows walks its key blocks again: dQ += dS K
+(dQ and dK are multiplied by the softmax scale once, at the end.)
 Only the blocks a causal/window band can reach are visited, and the mask is computed only on the
 blocks that straddle the band's edges or hold padded keys (`_key_blocks`, `_query_blocks`): the
 blocks in between run unmasked, as in FlashAttention-2.
@@ -185,7 +186,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, dk_ref, dv_re
     plan = _query_blocks(cfg, j * bk, bk, bq, nq, padded_keys)
     zeros = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
     dk, dv = _visit(plan, step, zeros)
-    dk_ref[...] = dk.astype(dk_ref.dtype)
+    dk_ref[...] = (dk * cfg.scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
@@ -206,7 +207,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, dq_ref, *,
 
     plan = _key_blocks(cfg, i * bq, bq, bk, nk, mask_cols)
     dq = _visit(plan, step, jnp.zeros(q.shape, jnp.float32))
-    dq_ref[...] = dq.astype(dq_ref.dtype)
+    dq_ref[...] = (dq * cfg.scale).astype(dq_ref.dtype)
 
 
 # ---------------------------------------------------------------------------------------------

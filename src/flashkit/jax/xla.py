@@ -96,6 +96,7 @@ def _backward_slice(q, k, v, dout, lse2, delta, cfg: AttentionConfig):
 
     Pass 1 (per key block, over all query blocks): dV += P^T dO, dK += dS^T Q.
     Pass 2 (per query block, over all key blocks): dQ += dS K.
+    dK and dQ take the softmax scale once, at the end (see `grad_tile`).
     Padded query rows get lse2 = +inf, so their P (and dS) is 0.
     """
     rows_total = q.shape[0]
@@ -122,7 +123,7 @@ def _backward_slice(q, k, v, dout, lse2, delta, cfg: AttentionConfig):
 
         zeros = (jnp.zeros(k_tile.shape, acc_dtype), jnp.zeros(v_tile.shape, acc_dtype))
         dk, dv = lax.fori_loop(0, qb.shape[0], step, zeros)
-        return dk.astype(k.dtype), dv.astype(v.dtype)
+        return (dk * cfg.scale).astype(k.dtype), dv.astype(v.dtype)
 
     def one_q_block(i, q_tile, do_tile, lse2_tile, delta_tile):
         rows = i * bm + jnp.arange(bm)
@@ -134,7 +135,7 @@ def _backward_slice(q, k, v, dout, lse2, delta, cfg: AttentionConfig):
             return dq + matmul(ds.astype(k.dtype), kb[j])  # [BM, D] = [BM, BN] @ [BN, D]
 
         dq = lax.fori_loop(0, kb.shape[0], step, jnp.zeros(q_tile.shape, acc_dtype))
-        return dq.astype(q.dtype)
+        return (dq * cfg.scale).astype(q.dtype)
 
     dk, dv = _map_blocks(one_k_block, (jnp.arange(kb.shape[0]), kb, vb), parallel)
     dq = _map_blocks(one_q_block, (jnp.arange(qb.shape[0]), qb, dob, lse2b, deltab), parallel)
