@@ -93,7 +93,7 @@ def check_against_oracle(q, k, v, dout, params, poisoned=True):
     else:
         out, lse = triton_backend.forward(q, k, v, params)
         grads = triton_backend.backward(dout, q, k, v, out, lse, params)
-    assert grads[3] is None
+    assert (grads[3] is None) == (params.sink is None)
     oracle = reference_grads(q, k, v, dout, params, torch.float64)
     baseline = reference_grads(q, k, v, dout, params, q.dtype)
     for name, got, want, base in zip(("out", "lse", "dq", "dk", "dv"),
@@ -175,6 +175,27 @@ def test_alibi_matches_oracle(case):
     check_against_oracle(q, k, v, dout, params)
 
 
+@pytest.mark.parametrize("case", [
+    (1, 45, 38, 4, 2, 40, torch.float32, "causal"),
+    (2, 40, 9, 2, 1, 16, torch.float16, "causal"),  # rows with no key: out 0, lse = sink
+    (1, 33, 50, 2, 2, 64, torch.float32, "sliding"),
+], ids=lambda c: "-".join(map(str, c)).replace("torch.", ""))
+def test_sink_matches_oracle(case):
+    """A learnable logit per head in every row's denominator: out, lse, dq/dk/dv and dsink."""
+    *shape, dtype, window = case
+    q, k, v, dout = make_inputs(*shape[:6], shape[5], dtype)
+    sink = torch.randn(shape[3], device=DEVICE, dtype=torch.float32) + 1.0
+    params = AttentionParams(shape[5] ** -0.5, *WINDOWS[window], sink=sink)
+    out, lse, grads = check_against_oracle(q, k, v, dout, params)
+    sinks = {}
+    for t in (torch.float64, dtype):
+        leaves = [x.detach().to(t).requires_grad_() for x in (q, k, v, sink)]
+        o, _ = attention_with_params(*leaves[:3], AttentionParams(
+            params.softmax_scale, params.window_left, params.window_right, sink=leaves[3]))
+        sinks[t] = torch.autograd.grad(o, leaves[3], dout.to(t))[0]
+    assert_close_to_oracle("dsink", grads[3], sinks[torch.float64], sinks[dtype])
+
+
 def test_rows_without_keys_are_zero_with_lse_minus_inf():
     """Causal with seqlen_q > seqlen_k: the first seqlen_q - seqlen_k rows see no key."""
     q, k, v, dout = make_inputs(1, 40, 9, 2, 1, 16, 16, torch.float32)
@@ -215,12 +236,11 @@ def test_fused_and_split_backward_launches_agree_bitwise():
     out, lse = triton_backend.forward(q, k, v, params)
     fused = backward_launcher.attention_backward(dout, q, k, v, out, lse, params, fused=True)
     split = backward_launcher.attention_backward(dout, q, k, v, out, lse, params, fused=False)
-    for a, b in zip(fused, split, strict=True):
+    for a, b in zip(fused[:3], split[:3], strict=True):
         assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("feature, change", [
-    ("sink", dict(sink=torch.zeros(2))),
     ("dropout", dict(dropout_p=0.1)),
     ("attn_bias", dict(attn_bias=torch.zeros(1, 2, 5, 5))),
     ("varlen", dict(cu_seqlens_q=torch.tensor([0, 5], dtype=torch.int32),
@@ -246,7 +266,7 @@ def test_atomic_dq_path_matches_oracle(case):
     q, k, v, dout = make_inputs(*shape, dtype)
     params = AttentionParams(shape[5] ** -0.5, *WINDOWS[window])
     out, lse = triton_backend.forward(q, k, v, params)
-    dq, dk, dv = backward_launcher.attention_backward(
+    dq, dk, dv, _ = backward_launcher.attention_backward(
         dout, q, k, v, out, lse, params, dq=poison(torch.empty_like(q)), atomic_dq=True)
     oracle = reference_grads(q, k, v, dout, params, torch.float64)[2:]
     baseline = reference_grads(q, k, v, dout, params, dtype)[2:]
@@ -317,7 +337,7 @@ def test_gpu_atomic_dq_path(case):
     q, k, v, dout = make_inputs(*shape, dtype, "cuda")
     params = AttentionParams(shape[5] ** -0.5, *WINDOWS[window])
     out, lse = triton_backend.forward(q, k, v, params)
-    dq, dk, dv = backward_launcher.attention_backward(
+    dq, dk, dv, _ = backward_launcher.attention_backward(
         dout, q, k, v, out, lse, params, dq=poison(torch.empty_like(q)),
         dk=poison(torch.empty_like(k)), dv=poison(torch.empty_like(v)), atomic_dq=True)
     oracle = reference_grads(q, k, v, dout, params, torch.float64)[2:]
@@ -339,7 +359,8 @@ def test_gpu_split_backward_matches_oracle(head_dim):
         dk=poison(torch.empty_like(k)), dv=poison(torch.empty_like(v)), fused=False)
     oracle = reference_grads(q, k, v, dout, params, torch.float64)[2:]
     baseline = reference_grads(q, k, v, dout, params, torch.bfloat16)[2:]
-    for name, got, want, base in zip(("dq", "dk", "dv"), split, oracle, baseline, strict=True):
+    for name, got, want, base in zip(("dq", "dk", "dv"), split[:3], oracle, baseline,
+                                     strict=True):
         assert_close_to_oracle(name, got, want, base)
 
 
@@ -372,6 +393,16 @@ def test_gpu_alibi(head_dim, window):
     slopes = torch.rand(2, 4, device="cuda") * 0.1
     params = AttentionParams(head_dim ** -0.5, *WINDOWS[window], alibi_slopes=slopes)
     check_against_oracle(q, k, v, dout, params)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", ["full", "causal"])
+def test_gpu_sink(window):
+    q, k, v, dout = make_inputs(2, 1031, 517, 4, 2, 128, 128, torch.bfloat16, "cuda")
+    sink = torch.randn(4, device="cuda", dtype=torch.float32)
+    params = AttentionParams(128 ** -0.5, *WINDOWS[window], sink=sink)
+    _, _, grads = check_against_oracle(q, k, v, dout, params)
+    assert grads[3].shape == (4,) and torch.isfinite(grads[3]).all()
 
 
 @pytest.mark.gpu

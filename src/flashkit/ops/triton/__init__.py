@@ -5,7 +5,8 @@
 
 Layouts and the meaning of params: flashkit.ops.params. Supported: dense inputs, fp16 / bf16 /
 fp32, head dims 1..256 (q/k and v may differ), GQA/MQA, any softmax_scale, any window (full,
-causal, sliding, bottom-right aligned), softcap, ALiBi, deterministic gradients (by default: the
+causal, sliding, bottom-right aligned), softcap, ALiBi, learnable
+sinks, deterministic gradients (by default: the
 measured-faster dQ path has no atomics). Anything
 else raises NotImplementedError before a kernel launches.
 """
@@ -23,7 +24,6 @@ __all__ = ["forward", "backward"]
 
 def _check_supported(params: AttentionParams) -> None:
     unsupported = {
-        "sink": params.sink is not None,
         "dropout": params.dropout_p > 0,
         "attn_bias": params.attn_bias is not None,
         "varlen": params.is_varlen,
@@ -44,7 +44,6 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
              out: torch.Tensor, lse: torch.Tensor, params: AttentionParams, *,
              dq: torch.Tensor | None = None, dk: torch.Tensor | None = None,
              dv: torch.Tensor | None = None):
-    """(dq, dk, dv, None): gradients in the inputs' dtypes; dsink is None (no sink support)."""
+    """(dq, dk, dv, dsink): gradients in the inputs' dtypes; dsink None without a sink."""
     _check_supported(params)
-    dq, dk, dv = attention_backward(dout, q, k, v, out, lse, params, dq=dq, dk=dk, dv=dv)
-    return dq, dk, dv, None
+    return attention_backward(dout, q, k, v, out, lse, params, dq=dq, dk=dk, dv=dv)

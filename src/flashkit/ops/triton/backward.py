@@ -441,7 +441,8 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                        dq: torch.Tensor | None = None, dk: torch.Tensor | None = None,
                        dv: torch.Tensor | None = None, tiles: dict | None = None,
                        atomic_dq: bool | None = None, fused: bool = FUSED_BWD):
-    """Launch preprocess, dK/dV and dQ. Returns (dq, dk, dv); buffers may be preallocated.
+    """Launch preprocess, dK/dV and dQ. Returns (dq, dk, dv, dsink), dsink None without a sink;
+    dq/dk/dv may be preallocated.
 
     dQ comes from its own kernel (deterministic) or, when atomic_dq, from fp32 atomic adds in
     the dK/dV kernel plus a conversion (fewer matmuls, order of the adds not fixed). atomic_dq
@@ -505,9 +506,16 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                 *args, **meta, DO_DKDV=False, DO_DQ=True, num_warps=dq_warps,
                 num_stages=dq_stages)
 
+    dsink = None
+    if params.sink is not None:
+        # d lse_i / d sink = exp(sink - lse_i) and dL/d lse_i = -delta_i, summed over rows:
+        # a fixed-order torch reduction, deterministic like the rest.
+        row_share = torch.exp(params.sink.to(torch.float32)[None, :, None] - lse) * delta
+        dsink = (-row_share.sum((0, 2))).to(params.sink.dtype)
+
     if atomic_dq:
         convert_block_m = 64
         _bwd_dq_convert_kernel[(triton.cdiv(seqlen_q, convert_block_m), batch * nheads)](
             dq_acc, dq, *dq.stride(), nheads, seqlen_q, params.softmax_scale,
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=convert_block_m)
-    return dq, dk, dv
+    return dq, dk, dv, dsink

@@ -21,6 +21,7 @@ from flashkit.ops.params import AttentionParams
 from flashkit.ops.triton.common import (
     DOT_PRECISION,
     LN2_JIT,
+    LOG2E_JIT,
     alibi_args,
     alibi_bias,
     interpreting,
@@ -80,14 +81,15 @@ def _fwd_kernel(Q, K, V, Out, Lse,
                 stride_ob, stride_os, stride_oh, stride_od,
                 stride_lb, stride_lh, stride_ls,
                 nheads, group, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
-                softcap_scale, Alibi, stride_ab, stride_ah,
+                softcap_scale, Alibi, stride_ab, stride_ah, Sink,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-                ALIBI: tl.constexpr,
-                EVEN_M: tl.constexpr,
+                ALIBI: tl.constexpr, SINK: tl.constexpr, EVEN_M: tl.constexpr,
                 USE_TMA: tl.constexpr, PRECISION: tl.constexpr):
-    """K and V are tensor descriptors when USE_TMA (see common.kv_descriptor), else pointers."""
+    """K and V are tensor descriptors when USE_TMA (see common.kv_descriptor), else pointers.
+    SINK: Sink holds one logit per query head that joins every row's denominator: the online
+    softmax starts from it (m = sink, l = 1) instead of from nothing (m = -inf, l = 0)."""
     # Heaviest query tiles first: under a causal band the last rows see the most keys.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -112,6 +114,9 @@ def _fwd_kernel(Q, K, V, Out, Lse,
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if SINK:
+        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(Sink + off_h) * LOG2E_JIT
+        l_i = l_i + 1.0
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     alibi_log2 = load_alibi_log2(Alibi, off_b, off_h, stride_ab, stride_ah, ALIBI)
 
@@ -137,7 +142,8 @@ def _fwd_kernel(Q, K, V, Out, Lse,
                                HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True,
                                HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, USE_TMA, PRECISION)
 
-    # A row that saw no key has l = 0: out = 0 (acc is 0) and lse = -inf, never NaN.
+    # A row that saw no key (and no sink) has l = 0: out = 0 (acc is 0) and lse = -inf, never
+    # NaN; with a sink it has l = 1 and lse = sink.
     has_mass = l_i > 0.0
     l_safe = tl.where(has_mass, l_i, 1.0)
     out_tile = acc / l_safe[:, None]
@@ -176,6 +182,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     window_left, window_right, has_left, has_right = window_args(params)
     qk_scale, softcap_scale, softcap = score_args(params)
     alibi, alibi_strides, has_alibi = alibi_args(params, lse)
+    sink = lse if params.sink is None else params.sink.to(torch.float32)
     block_d, block_dv = padded_head_dim(head_dim), padded_head_dim(head_dim_v)
     k_desc, v_desc = kv_descriptor(k, block_n, block_d), kv_descriptor(v, block_n, block_dv)
     use_tma = use_tma and k_desc is not None and v_desc is not None
@@ -184,10 +191,10 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         q, k_desc if use_tma else k, v_desc if use_tma else v, out, lse,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
         nheads, nheads // nheads_k, seqlen_q, seqlen_k, window_left, window_right,
-        qk_scale, softcap_scale, alibi, *alibi_strides,
+        qk_scale, softcap_scale, alibi, *alibi_strides, sink,
         HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
         BLOCK_M=block_m, BLOCK_N=block_n, HAS_LEFT=has_left, HAS_RIGHT=has_right,
-        SOFTCAP=softcap, ALIBI=has_alibi,
+        SOFTCAP=softcap, ALIBI=has_alibi, SINK=params.sink is not None,
         EVEN_M=seqlen_q % block_m == 0, USE_TMA=use_tma, PRECISION=DOT_PRECISION,
         num_warps=num_warps, num_stages=num_stages)
     return out, lse
