@@ -1,4 +1,4 @@
-"""Shared @triton.jit helpers: the mask predicate, the tile ranges, the online-softmax update.
+"""Shared @triton.jit helpers: mask predicate, tile ranges, scores, online-softmax update.
 
 Notation (every kernel file of this backend uses it):
     i, j          query row, key column (0-based, within one sequence)
@@ -6,7 +6,10 @@ Notation (every kernel file of this backend uses it):
     band          key j is visible from query i iff
                       i + shift - window_left <= j <= i + shift + window_right
                   HAS_LEFT / HAS_RIGHT say whether each side is bounded (causal: right = 0)
-    s             scores in log2 units: s = (scale * log2(e)) * q . k, so exp(x) = exp2(x log2 e)
+    s             scores in log2 units: s = (scale * log2(e)) * q . k, so exp(x) = exp2(x log2 e);
+                  SOFTCAP: log2(e) c tanh(scale q . k / c); ALIBI: minus log2(e) slope |i+shift-j|
+    features      compile-time flags (SOFTCAP, ALIBI, SINK; HAS_LEFT/HAS_RIGHT for the band):
+                  a kernel compiled without one is the same code as before the feature existed
     m, l          running row max and row sum of exp2(s - m) (online softmax)
     lse           natural-log log-sum-exp as stored; lse2 = lse * log2(e) inside kernels
     *_tile        a block of a tensor in registers; *_ptrs a block of pointers; offs_* index vectors

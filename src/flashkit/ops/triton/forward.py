@@ -9,6 +9,8 @@ Layouts (flash-attn): q (b, sq, h, d), k (b, sk, hk, d), v (b, sk, hk, dv), out 
 lse (b, h, sq) float32, natural log. Every stride is passed, so strided views cost no copy
 (Triton specialises a stride of 1 at compile time, which keeps the loads vectorised).
 Precision: bf16/fp16 dots accumulate in fp32; fp32 inputs use IEEE fp32 dots (no tf32).
+Features as compile-time flags: SOFTCAP and ALIBI change the scores (common.scores,
+common.alibi_bias), SINK starts the online softmax from the sink logit.
 """
 
 from __future__ import annotations
