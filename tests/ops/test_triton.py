@@ -208,6 +208,16 @@ def test_rows_without_keys_are_zero_with_lse_minus_inf():
     assert not any(torch.isnan(t).any() for t in (out, lse, dq, dk, dv))
 
 
+@pytest.mark.parametrize("seqlens", [(0, 5), (5, 0), (0, 0)], ids=str)
+def test_empty_sequences(seqlens):
+    """No queries: empty outputs; no keys: out 0, lse -inf, zero gradients."""
+    seqlen_q, seqlen_k = seqlens
+    q, k, v, dout = make_inputs(2, seqlen_q, seqlen_k, 2, 1, 16, 16, torch.float32)
+    params = AttentionParams(softmax_scale=0.25, window_right=0)
+    out, lse, (dq, dk, dv, _) = check_against_oracle(q, k, v, dout, params)
+    assert torch.all(out == 0) and torch.all(lse == -math.inf)
+
+
 def test_default_buffers_scale_and_strided_views():
     """Views of a packed qkv tensor and a stride-0 dout go in without copies; any scale."""
     batch, seqlen, nheads, head_dim = 2, 37, 2, 40

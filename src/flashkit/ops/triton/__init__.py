@@ -13,6 +13,8 @@ else raises NotImplementedError before a kernel launches.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from flashkit.ops.params import AttentionParams
@@ -33,11 +35,17 @@ def _check_supported(params: AttentionParams) -> None:
             raise NotImplementedError(f"triton backend: {feature} is not supported yet")
 
 
+def _on_device_of(t: torch.Tensor):
+    """Triton launches on the current CUDA device: make it t's (multi-GPU)."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: AttentionParams, *,
             out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
     """(out, lse): out like q with v's head dim, lse float32 (batch, nheads, seqlen_q)."""
     _check_supported(params)
-    return attention_forward(q, k, v, params, out=out, lse=lse)
+    with _on_device_of(q):
+        return attention_forward(q, k, v, params, out=out, lse=lse)
 
 
 def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -46,4 +54,5 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
              dv: torch.Tensor | None = None):
     """(dq, dk, dv, dsink): gradients in the inputs' dtypes; dsink None without a sink."""
     _check_supported(params)
-    return attention_backward(dout, q, k, v, out, lse, params, dq=dq, dk=dk, dv=dv)
+    with _on_device_of(q):
+        return attention_backward(dout, q, k, v, out, lse, params, dq=dq, dk=dk, dv=dv)
