@@ -18,10 +18,14 @@ import contextlib
 import torch
 
 from flashkit.ops.params import AttentionParams
+from flashkit.ops.tiled.probs import attention_probs as tiled_probs
+from flashkit.ops.triton import interpreter
 from flashkit.ops.triton.backward import attention_backward
 from flashkit.ops.triton.forward import attention_forward
 
-__all__ = ["forward", "backward"]
+__all__ = ["forward", "backward", "attention_probs"]
+
+interpreter.patch_for_numpy()
 
 
 def _check_supported(params: AttentionParams) -> None:
@@ -51,8 +55,17 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: Attention
 def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              out: torch.Tensor, lse: torch.Tensor, params: AttentionParams, *,
              dq: torch.Tensor | None = None, dk: torch.Tensor | None = None,
-             dv: torch.Tensor | None = None):
+             dv: torch.Tensor | None = None, dlse: torch.Tensor | None = None):
     """(dq, dk, dv, dsink): gradients in the inputs' dtypes; dsink None without a sink."""
     _check_supported(params)
     with _on_device_of(q):
-        return attention_backward(dout, q, k, v, out, lse, params, dq=dq, dk=dk, dv=dv)
+        return attention_backward(dout, q, k, v, out, lse, params, dq=dq, dk=dk, dv=dv,
+                                  dlse=dlse)
+
+
+def attention_probs(q, k, v, lse, params: AttentionParams):
+    """The attention weights for return_attn_probs (testing at small sizes). Without dropout,
+    which this backend does not support yet, they are exp(s - lse): the tiled backend's torch
+    code computes exactly that from this backend's lse, on any device."""
+    _check_supported(params)
+    return tiled_probs(q, k, v, lse, params)

@@ -440,9 +440,11 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                        out: torch.Tensor, lse: torch.Tensor, params: AttentionParams,
                        dq: torch.Tensor | None = None, dk: torch.Tensor | None = None,
                        dv: torch.Tensor | None = None, tiles: dict | None = None,
-                       atomic_dq: bool | None = None, fused: bool = FUSED_BWD):
+                       atomic_dq: bool | None = None, fused: bool = FUSED_BWD,
+                       dlse: torch.Tensor | None = None):
     """Launch preprocess, dK/dV and dQ. Returns (dq, dk, dv, dsink), dsink None without a sink;
-    dq/dk/dv may be preallocated.
+    dq/dk/dv may be preallocated. dlse, a gradient on the lse output, enters as D - dlse
+    (d lse_i / d s_ij = P_ij, the same shape of term as D).
 
     dQ comes from its own kernel (deterministic) or, when atomic_dq, from fp32 atomic adds in
     the dK/dV kernel plus a conversion (fewer matmuls, order of the adds not fixed). atomic_dq
@@ -474,6 +476,8 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     _bwd_preprocess_kernel[(triton.cdiv(seqlen_q, preprocess_block_m), batch * nheads)](
         out, dout, delta, *out.stride(), *dout.stride(), *delta.stride(), nheads, seqlen_q,
         HEAD_DIM_V=head_dim_v, BLOCK_DV=block_dv, BLOCK_M=preprocess_block_m)
+    if dlse is not None:
+        delta -= dlse
 
     kernel = "dkdv_atomic" if atomic_dq else "dkdv"
     block_m1, block_n1, num_warps, num_stages = tiles.get(kernel) or tile_config(
