@@ -38,6 +38,17 @@ def test_acceptance(lengths, dtype):
     check_against_oracle(api_attention, inputs)  # lse and its gradient too
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_acceptance_on_triton(dtype):
+    """The acceptance case through the custom op on the Triton kernels (interpreted without a
+    GPU): out, lse, probs and every gradient, the one flowing through lse included."""
+    nheads, nheads_k = 4, 2
+    q, k, v = random_qkv(1, 37, 45, nheads, nheads_k, headdim=32, dtype=dtype)
+    inputs = dict(q=q, k=k, v=v, causal=True, window_size=(16, 0),
+                  alibi_slopes=alibi_slopes(nheads), softcap=30.0, sink=sink(nheads))
+    check_against_oracle(lambda **kw: api_attention(backend="triton", **kw), inputs)
+
+
 def test_default_backend_on_cpu_is_torch():
     q, k, v = random_qkv(2, 20, 30, 4, 2, headdim=16)
     out = flashkit.flash_attn_func(q, k, v, causal=True)
