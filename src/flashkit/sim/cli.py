@@ -10,6 +10,7 @@ import argparse
 
 import numpy as np
 
+from flashkit.ops.triton import configs
 from flashkit.sim.hbm import format_io_sweep, format_sram_sweep, format_triton_configs
 from flashkit.sim.loop_orders import format_loop_orders
 from flashkit.sim.machine import run
@@ -201,8 +202,12 @@ def _hbm(args: argparse.Namespace) -> int:
     print(format_sram_sweep(args.ns[-1], args.d, [sram // 4, sram // 2, sram, sram * 2],
                             args.dtype_bytes))
     print()
-    print(format_triton_configs(args.seqlen, args.head_dim, args.tiles, args.causal,
+    # flashkit's own forward tile for this head dim (ops/triton/configs.py, chosen on the H200).
+    ours = configs.HOPPER["forward"][configs.padded_head_dim(args.head_dim)][:2]
+    tiles = args.tiles if ours in args.tiles else [ours, *args.tiles]
+    print(format_triton_configs(args.seqlen, args.head_dim, tiles, args.causal,
                                 args.dtype_bytes, args.batch, args.nheads))
+    print(f"flashkit's Triton forward uses {ours[0]}x{ours[1]} at head dim {args.head_dim}.")
     return 0
 
 
