@@ -26,10 +26,6 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # The Triton tests use CPU tensors, so they run in the interpreter; on a GPU machine the checks
 # of benchmarks/bench_decode.py (bf16, d128, poisoned outputs) cover the compiled kernels.
 interpreted = pytest.mark.skipif(not INTERPRET, reason="CPU tensors: needs TRITON_INTERPRET=1")
-if INTERPRET:
-    # Importing it applies tests/ops/test_triton.py's shim for Triton 3.6's interpreter under
-    # numpy >= 2.4 (loop bounds computed at run time); it belongs in tests/conftest.py.
-    import ops.test_triton  # noqa: F401
 
 
 def rotate_half_reference(x, cos, sin, positions, interleaved):

@@ -11,8 +11,6 @@ from flashkit.models.generate import PagedKVCache, generate
 from flashkit.models.gpt import GPT, GPTConfig
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-if INTERPRET:
-    import ops.test_triton  # noqa: F401  (its numpy >= 2.4 interpreter shim; see test_kvcache)
 
 
 def _model(dtype=torch.float64, **kw):

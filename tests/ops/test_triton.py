@@ -13,7 +13,6 @@ import importlib
 import math
 import os
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -27,28 +26,6 @@ from flashkit.testing import assert_close_to_oracle, poison
 backward_launcher = importlib.import_module("flashkit.ops.triton.backward")
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 DEVICE = "cpu" if INTERPRET else "cuda"
-
-
-def _interpreter_numpy_shim():
-    """Triton 3.6's interpreter turns loop bounds into ints with int(ndarray of shape (1,)),
-    an error since numpy 2.4 (kernels whose tl.range bounds are computed at run time fail with
-    "only 0-dimensional arrays can be converted to Python scalars"). Read the one element."""
-    import triton.runtime.interpreter as interpreter
-
-    patch = interpreter._patch_lang_tensor
-    if getattr(patch, "_flashkit_shim", False):
-        return
-
-    def patched(tensor, scope):
-        patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    patched._flashkit_shim = True
-    interpreter._patch_lang_tensor = patched
-
-
-if INTERPRET and tuple(int(x) for x in np.__version__.split(".")[:2]) >= (2, 4):
-    _interpreter_numpy_shim()
 
 
 WINDOWS = {  # name -> (window_left, window_right)
