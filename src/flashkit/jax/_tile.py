@@ -19,9 +19,9 @@ from __future__ import annotations
 import math
 
 import jax.numpy as jnp
+from jax import lax
 
 from flashkit.jax._checks import AttentionConfig
-from jax import lax
 
 LOG2E = math.log2(math.e)
 NEG_INF = float("-inf")

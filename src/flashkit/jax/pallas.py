@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-import jax
 from flashkit.jax._checks import AttentionConfig
 from flashkit.jax._tile import (
     grad_tile,
@@ -35,7 +36,6 @@ from flashkit.jax._tile import (
     softmax_step,
     visible,
 )
-from jax import lax
 
 __all__ = ["forward", "backward", "TILES"]
 

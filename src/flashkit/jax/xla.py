@@ -14,9 +14,10 @@ seqlen_q, and each (batch, kv head) slice is handled by a function vmapped over 
 
 from __future__ import annotations
 
-import jax.numpy as jnp
-
 import jax
+import jax.numpy as jnp
+from jax import lax
+
 from flashkit.jax._checks import AttentionConfig
 from flashkit.jax._tile import (
     grad_tile,
@@ -27,7 +28,6 @@ from flashkit.jax._tile import (
     softmax_step,
     visible,
 )
-from jax import lax
 
 DEFAULT_BLOCK = 128
 
