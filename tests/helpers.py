@@ -128,7 +128,8 @@ def check_against_oracle(fn, inputs: dict, *, grads=True, output_names=("out", "
 
     # Rounded to the inputs' dtype, so all three computations see the same cotangent values.
     dtype = inputs[grad_names[0]].dtype
-    cotangents = [torch.randn(o.shape, dtype=dtype).double() for o in runs["oracle"][1]]
+    cotangents = [torch.randn(o.shape, dtype=dtype).double().to(o.device)
+                  for o in runs["oracle"][1]]
     grads = {}
     for label, (args, outs) in runs.items():
         grads[label] = torch.autograd.grad(
