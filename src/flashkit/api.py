@@ -107,12 +107,7 @@ def draw_dropout_seed() -> int:
 def _run(q, k, v, params: AttentionParams, backend, return_attn_probs):
     """Dispatch to a backend; returns out or (out, lse, probs)."""
     name = checks.backend(backend, q.device)
-    if name != "reference":  # the oracle differentiates everything by autograd; kernels do not
-        for arg, t in (("attn_mask", params.attn_bias), ("alibi_slopes", params.alibi_slopes)):
-            if t is not None and t.requires_grad:
-                raise NotImplementedError(f"{arg}: backend {name!r} computes no gradient for "
-                                          "it; pass a tensor that does not require grad")
-    if name == "reference":
+    if name == "reference":  # the oracle: materialised, differentiated by autograd
         if params.dropout_p > 0:
             raise NotImplementedError(
                 "backend 'reference': dropout needs the keep-mask; call "
@@ -121,6 +116,10 @@ def _run(q, k, v, params: AttentionParams, backend, return_attn_probs):
                                                            return_probs=return_attn_probs)
         lse = lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
         return (out, lse, probs[0]) if return_attn_probs else out
+    for arg, t in (("attn_mask", params.attn_bias), ("alibi_slopes", params.alibi_slopes)):
+        if t is not None and t.requires_grad:
+            raise NotImplementedError(f"{arg}: backend {name!r} computes no gradient for it; "
+                                      "pass a tensor that does not require grad")
     require_available(name, q.device)
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, params.sink))
