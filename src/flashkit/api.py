@@ -15,7 +15,7 @@ import torch
 
 from flashkit import checks, reference
 from flashkit.ops import custom_op
-from flashkit.ops.params import AttentionParams
+from flashkit.ops.params import AttentionParams, accumulation_dtype
 
 __all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
            "flash_attn_varlen_func"]
@@ -114,7 +114,7 @@ def _run(q, k, v, params: AttentionParams, backend, return_attn_probs):
                 "flashkit.reference.attention(..., dropout_mask=...) directly")
         out, lse, *probs = reference.attention_with_params(q, k, v, params,
                                                            return_probs=return_attn_probs)
-        lse = lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
+        lse = lse.to(accumulation_dtype(q.dtype))
         return (out, lse, probs[0]) if return_attn_probs else out
     for arg, t in (("attn_mask", params.attn_bias), ("alibi_slopes", params.alibi_slopes)):
         if t is not None and t.requires_grad:

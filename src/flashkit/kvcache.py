@@ -17,7 +17,7 @@ import torch
 
 from flashkit import checks, reference
 from flashkit.api import build_params, require_available
-from flashkit.ops.params import AttentionParams
+from flashkit.ops.params import AttentionParams, accumulation_dtype
 from flashkit.ops.tiled import kvcache as tiled_kvcache
 
 __all__ = ["flash_attn_with_kvcache", "MIN_PAGE_SIZE"]
@@ -159,7 +159,7 @@ def _reference(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, b
             out_b, lse_b = reference.attention_with_params(q[b:b + 1], k_b, v_b, params_b)
         outs.append(out_b)
         lses.append(lse_b)
-    lse = torch.cat(lses).to(torch.float64 if q.dtype == torch.float64 else torch.float32)
+    lse = torch.cat(lses).to(accumulation_dtype(q.dtype))
     return torch.cat(outs), lse
 
 

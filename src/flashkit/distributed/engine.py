@@ -28,8 +28,7 @@ from flashkit.distributed.merge import merge_
 from flashkit.distributed.plan import Call
 from flashkit.distributed.ring import Ring
 from flashkit.ops.custom_op import backend_module
-from flashkit.ops.params import AttentionParams
-from flashkit.ops.tiled.forward import accumulation_dtype
+from flashkit.ops.params import AttentionParams, accumulation_dtype
 
 __all__ = ["RingProblem", "ring_forward", "ring_backward", "RingAttention"]
 

@@ -7,16 +7,17 @@ lse_A, lse_B, attention over A + B is
     lse = m + log(exp(lse_A - m) + exp(lse_B - m))
     o   = (exp(lse_A - m) o_A + exp(lse_B - m) o_B) / exp(lse - m)
 
-(the state merge of flashkit.algorithms.merge with l = 1 per normalised part). A row that has
-seen no key yet has lse = -inf and weight 0, so the merge needs no special first step, and a
-row with no visible key at all keeps out = 0 and lse = -inf, never NaN.
+(the state merge of flashkit.algorithms.merge with l = 1 per normalised part), computed by the
+tiled backend's merge_by_lse, the one the split-KV decode path uses too. A row that has seen no
+key yet has lse = -inf and weight 0, so the merge needs no special first step, and a row with no
+visible key at all keeps out = 0 and lse = -inf, never NaN.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
+
+from flashkit.ops.tiled.tile import merge_by_lse
 
 __all__ = ["merge_"]
 
@@ -28,14 +29,8 @@ def merge_(out_acc: torch.Tensor, lse_acc: torch.Tensor, out: torch.Tensor,
     out_acc (b, s, h, dv) and lse_acc (b, h, s) in the accumulation dtype (views are fine: the
     result is written through them); out, lse the same shapes, any floating dtype.
     """
-    lse = lse.to(lse_acc.dtype)
-    m = torch.maximum(lse_acc, lse)
-    m = torch.where(m == -math.inf, torch.zeros_like(m), m)  # exp(-inf - 0) = 0, not NaN
-    w_acc, w = torch.exp(lse_acc - m), torch.exp(lse - m)  # (b, h, s)
-    total = w_acc + w
-    has_mass = total > 0
-    total = torch.where(has_mass, total, torch.ones_like(total))
-    scale_acc = (w_acc / total).transpose(1, 2).unsqueeze(-1)  # (b, s, h, 1)
-    scale = (w / total).transpose(1, 2).unsqueeze(-1)
-    out_acc.copy_(scale_acc * out_acc + scale * out.to(out_acc.dtype))
-    lse_acc.copy_(torch.where(has_mass, m + torch.log(total), torch.full_like(m, -math.inf)))
+    merged_out, merged_lse = merge_by_lse(
+        torch.stack([out_acc, out.to(out_acc.dtype)]),  # (2, b, s, h, dv)
+        torch.stack([lse_acc, lse.to(lse_acc.dtype)]).transpose(-1, -2))  # (2, b, s, h)
+    out_acc.copy_(merged_out)
+    lse_acc.copy_(merged_lse.transpose(-1, -2))

@@ -13,7 +13,7 @@ import dataclasses
 import torch
 from torch import Tensor
 
-from flashkit.ops.params import AttentionParams
+from flashkit.ops.params import AttentionParams, accumulation_dtype
 
 __all__ = ["attention", "backend_module", "BACKENDS"]
 
@@ -46,6 +46,11 @@ def _params(args) -> AttentionParams:
     return AttentionParams(**dict(zip(_FIELDS, args, strict=True)))
 
 
+def _params_named(arguments: dict) -> AttentionParams:
+    """AttentionParams from an op's arguments by name (the signatures spell out the fields)."""
+    return AttentionParams(**{f: arguments[f] for f in _FIELDS})
+
+
 def _lse_shape(q: Tensor, params: AttentionParams):
     if params.is_varlen:
         return (q.shape[1], q.shape[0])  # (nheads, total_q)
@@ -61,16 +66,13 @@ def attention_forward(
     cu_seqlens_k: Tensor | None, max_seqlen_q: int, max_seqlen_k: int, deterministic: bool,
     fp32_out: bool, backend: str,
 ) -> tuple[Tensor, Tensor]:
-    params = _params((softmax_scale, window_left, window_right, softcap, alibi_slopes, sink,
-                      attn_bias, dropout_p, dropout_seed, cu_seqlens_q, cu_seqlens_k,
-                      max_seqlen_q, max_seqlen_k, deterministic, fp32_out))
-    return backend_module(backend).forward(q, k, v, params)
+    return backend_module(backend).forward(q, k, v, _params_named(locals()))
 
 
 @attention_forward.register_fake
 def _(q, k, v, *args):
     params = _params(args[:-1])
-    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    lse_dtype = accumulation_dtype(q.dtype)
     out_dtype = lse_dtype if params.fp32_out else q.dtype
     return (q.new_empty(*q.shape[:-1], v.shape[-1], dtype=out_dtype),
             q.new_empty(_lse_shape(q, params), dtype=lse_dtype))
@@ -85,11 +87,8 @@ def attention_backward(
     cu_seqlens_k: Tensor | None, max_seqlen_q: int, max_seqlen_k: int, deterministic: bool,
     fp32_out: bool, backend: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    params = _params((softmax_scale, window_left, window_right, softcap, alibi_slopes, sink,
-                      attn_bias, dropout_p, dropout_seed, cu_seqlens_q, cu_seqlens_k,
-                      max_seqlen_q, max_seqlen_k, deterministic, fp32_out))
-    dq, dk, dv, dsink = backend_module(backend).backward(dout, q, k, v, out, lse, params,
-                                                         dlse=dlse)
+    dq, dk, dv, dsink = backend_module(backend).backward(dout, q, k, v, out, lse,
+                                                         _params_named(locals()), dlse=dlse)
     # A custom op returns tensors only: an empty one stands for "no sink".
     return dq, dk, dv, q.new_empty(0) if dsink is None else dsink
 

@@ -26,6 +26,11 @@ from dataclasses import dataclass
 import torch
 
 
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The kernels' arithmetic and lse dtype: float64 for float64 inputs, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 @dataclass(frozen=True)
 class AttentionParams:
     softmax_scale: float

@@ -10,16 +10,11 @@ import math
 
 import torch
 
-from flashkit.ops.params import AttentionParams
+from flashkit.ops.params import AttentionParams, accumulation_dtype
 from flashkit.ops.tiled import dropout, layout, tile
 
 BLOCK_M = 128
 BLOCK_N = 128
-
-
-def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float32 for half types and float32, float64 for float64: also the dtype of lse."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def out_dtype(dtype: torch.dtype, params: AttentionParams) -> torch.dtype:

@@ -19,9 +19,8 @@ import math
 
 import torch
 
-from flashkit.ops.params import AttentionParams
+from flashkit.ops.params import AttentionParams, accumulation_dtype
 from flashkit.ops.tiled import layout, tile
-from flashkit.ops.tiled.forward import accumulation_dtype
 
 BLOCK_M = 128
 BLOCK_N = 128
@@ -84,18 +83,6 @@ def split_bounds(seqlen_k: int, num_splits: int, granule: int) -> list[tuple[int
             for s in range(num_splits)]
 
 
-def merge_splits(out_parts, lse_parts):
-    """Merge partial results over disjoint key ranges by their log-sum-exps.
-
-    out_parts (S, ..., dv) normalised per part, lse_parts (S, ...): lse = log sum_s exp(lse_s),
-    out = sum_s exp(lse_s - lse) out_s. Parts with lse -inf weigh 0; if all do, out 0, lse -inf.
-    """
-    lse = torch.logsumexp(lse_parts, dim=0)
-    lse_safe = torch.where(lse == -math.inf, torch.zeros_like(lse), lse)
-    weights = torch.exp(lse_parts - lse_safe)  # (S, ...), 0 for empty parts
-    return (weights[..., None] * out_parts).sum(0), lse
-
-
 def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, block_table,
             params: AttentionParams, num_splits: int, block_m: int = BLOCK_M,
             block_n: int = BLOCK_N):
@@ -117,7 +104,7 @@ def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, bloc
         parts = [_attend_range(q[b:b + 1], k_b, v_b, c0, c1, params, slopes, first=s == 0,
                                block_m=block_m, block_n=block_n)
                  for s, (c0, c1) in enumerate(split_bounds(seqlen_k, num_splits, SPLIT_GRANULE))]
-        out_b, lse_b = merge_splits(torch.stack([p[0] for p in parts]),
+        out_b, lse_b = tile.merge_by_lse(torch.stack([p[0] for p in parts]),
                                     torch.stack([p[1] for p in parts]))
         out[b] = out_b[0].to(out.dtype)
         lse[b] = lse_b[0].transpose(0, 1)

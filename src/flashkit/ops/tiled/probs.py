@@ -7,9 +7,9 @@ import math
 
 import torch
 
-from flashkit.ops.params import AttentionParams
+from flashkit.ops.params import AttentionParams, accumulation_dtype
 from flashkit.ops.tiled import dropout, layout, tile
-from flashkit.ops.tiled.forward import BLOCK_M, BLOCK_N, accumulation_dtype
+from flashkit.ops.tiled.forward import BLOCK_M, BLOCK_N
 
 
 def attention_probs(q, k, v, lse, params: AttentionParams):

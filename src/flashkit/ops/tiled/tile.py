@@ -94,6 +94,18 @@ def online_update(m, l, acc, s, v_t, dropout=None):
     return m_new, l, acc
 
 
+def merge_by_lse(out_parts, lse_parts):
+    """Merge partial results over disjoint key sets by their log-sum-exps (split-KV, ring steps).
+
+    out_parts (S, ..., dv) normalised per part, lse_parts (S, ...): lse = log sum_s exp(lse_s),
+    out = sum_s exp(lse_s - lse) out_s. Parts with lse -inf weigh 0; if all do, out 0, lse -inf.
+    """
+    lse = torch.logsumexp(lse_parts, dim=0)
+    lse_safe = torch.where(lse == -math.inf, torch.zeros_like(lse), lse)
+    weights = torch.exp(lse_parts - lse_safe)  # (S, ...), 0 for empty parts
+    return (weights[..., None] * out_parts).sum(0), lse
+
+
 def finalize(m, l, acc):
     """(out, lse) of the running state; a row with no mass (l = 0) gives out 0 and lse -inf."""
     has_mass = l > 0
