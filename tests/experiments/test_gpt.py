@@ -63,3 +63,31 @@ def test_train_table_adds_peak_memory_when_measured():
     header, (row,) = train.table([{**comparison, "peak_gib_naive": 3.0,
                                    "peak_gib_flashkit": 1.0}])
     assert header[-2:] == train.MEMORY_HEADER and row[-2:] == ["3.0", "1.0"]
+
+
+def test_naive_running_out_of_memory_is_a_result_not_a_crash(monkeypatch):
+    real = train.train_once
+
+    def naive_ooms(attention, config, tokens, vocab_size):
+        if attention == "naive":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 GiB")
+        return real(attention, config, tokens, vocab_size)
+    monkeypatch.setattr(train, "train_once", naive_ooms)
+    config = train.TrainConfig(steps=2, batch=1, seqlen=8, n_layer=1, n_head=1, n_embd=8,
+                               lr=1e-3, device="cpu")
+    tokens = torch.randint(0, 5, (100,))
+    naive, flash = (train.train_or_oom(a, config, tokens, 5) for a in ("naive", "flashkit"))
+    assert naive.oom.startswith("CUDA out of memory") and not naive.losses
+    assert len(flash.losses) == 2
+    comparison = train.compare(naive, flash, config)
+    assert comparison["speedup"] is None and comparison["final_loss_flashkit"] is not None
+    _, (row,) = train.table([comparison])
+    assert row[1] == "OOM" and row[3] == "-" and row[6] == "-" and row[2] != "OOM"
+
+
+def test_configs_take_the_device_defaults_and_overrides():
+    (cpu,) = train.configs("cpu")
+    assert (cpu.steps, cpu.seqlen) == (train.CPU_DEFAULTS.steps, 64)
+    one_k, four_k = train.configs("cuda", seed=3, steps=None, n_layer=2)
+    assert (one_k.seqlen, four_k.seqlen, four_k.batch) == (1024, 4096, 4)
+    assert one_k.steps == 200 and one_k.n_layer == 2 and one_k.seed == 3

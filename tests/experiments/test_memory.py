@@ -24,11 +24,22 @@ def test_cells_read_as_a_person_would():
     assert memory.Point("triton", 64, "skipped", note="needs CUDA").cell() == "skipped: needs CUDA"
 
 
-def test_probe_skips_a_method_after_a_slow_point(monkeypatch):
-    def slow(problem, method, seqlen):
-        return memory.Point(method, seqlen, "ok", 1, seconds=5.0)
-    monkeypatch.setattr(memory, "measure", slow)
+def test_probe_skips_a_method_once_its_next_point_is_predicted_too_slow(monkeypatch):
+    # Each point "takes" 0.3 s: 64 runs, 128 is predicted at 0.3 * (128/64)^2 = 1.2 s > 1 s.
+    def measured(problem, method, seqlen):
+        return memory.Point(method, seqlen, "ok", 1, seconds=0.3)
+    monkeypatch.setattr(memory, "measure", measured)
     problem = memory.Problem(1, 1, 16, "float32", False, "cpu")
-    points = memory.probe(problem, [64, 128], ["tiled"], None, max_seconds=1.0)
-    assert [p.status for p in points] == ["ok", "skipped"]
-    assert "took 5s" in points[1].note
+    points = memory.probe(problem, [64, 128, 256], ["tiled"], None, max_seconds=1.0)
+    assert [p.status for p in points] == ["ok", "skipped", "skipped"]
+    assert "took 0.3s" in points[1].note and "about 1s" in points[1].note
+    assert [p.status for p in memory.probe(problem, [64, 128], ["tiled"], None, 2.0)] == [
+        "ok", "ok"]
+
+
+def test_defaults_follow_the_device():
+    assert memory.default_problem("cpu") == memory.Problem(1, 4, 64, "float32", False, "cpu")
+    gpu = memory.default_problem("cuda", nheads=8)
+    assert (gpu.nheads, gpu.headdim, gpu.dtype) == (8, 128, "bfloat16")
+    assert max(memory.default_seqlens("cuda")) == 256 * 1024
+    assert memory.default_max_seconds("cuda") < memory.default_max_seconds("cpu")

@@ -192,8 +192,13 @@ def run_grid(grid: Grid, methods: list[str], device: str) -> list[Result]:
         r = Result(method, dtype, d, n, causal, direction, batch=max(1, grid.tokens // n),
                    nheads=max(1, grid.head_budget // d))
         out.append(measure(method, *calls[method], r, device))
-    _add_ratios(out, "sdpa-cudnn" if device.startswith("cuda") else "sdpa")
+    _add_ratios(out, reference_method(device))
     return out
+
+
+def reference_method(device: str) -> str:
+    """What every ratio is to: cuDNN on the GPU (DESIGN section 6), torch's SDPA on the CPU."""
+    return "sdpa-cudnn" if device.startswith("cuda") else "sdpa"
 
 
 def _add_ratios(rows: list[Result], reference: str) -> None:
@@ -213,15 +218,22 @@ def unit(device: str) -> tuple[str, float]:
 
 
 def table(rows: list[Result], methods: list[str], device: str) -> tuple[list[str], list[list]]:
-    """One row per grid point, one throughput column per method ("x" when it could not run)."""
+    """One row per grid point, one throughput column per method ("x" when it could not run),
+    and flashkit's ratio to the reference method when both were timed."""
     name, scale = unit(device)
+    reference = reference_method(device)
+    with_ratio = "flashkit" in methods and reference in methods
     cells = {}
     for r in rows:
         point = (r.dtype, r.headdim, r.seqlen, r.causal, r.direction)
         cells.setdefault(point, {})[r.method] = f"{r.tflops * scale:.3g}" if r.tflops else "x"
-    body = [[*p[:3], "yes" if p[3] else "no", p[4], *(c.get(m, "") for m in methods)]
+        if with_ratio and r.method == "flashkit":
+            cells[point]["ratio"] = f"{r.ratio:.2f}" if r.ratio else "-"
+    body = [[*p[:3], "yes" if p[3] else "no", p[4], *(c.get(m, "") for m in methods),
+             *([c.get("ratio", "-")] if with_ratio else [])]
             for p, c in cells.items()]
-    return HEADER + [f"{m} {name}" for m in methods], body
+    header = HEADER + [f"{m} {name}" for m in methods]
+    return header + ([f"flashkit / {reference}"] if with_ratio else []), body
 
 
 def plot(rows: list[Result], methods: list[str], dtype: str, device: str,

@@ -16,8 +16,10 @@ sharper head (std 4) overflow fp16, and very sharp ones (std 25) overflow fp32 t
 wrong at every scale. The function computes in the dtype of its inputs on purpose: the point is
 to see what fp16 and fp32 do.
 
-    flashkit break-it                       # three score scales, fp32 and fp16, 20 seconds
+    flashkit break-it                       # three score scales, fp32 and fp16, seconds
     flashkit break-it --logit-stds 2,8 --seqlen 1024 --block 128
+    flashkit break-it --device cuda         # the same on the GPU (its fp16 matmuls accumulate
+                                            # in fp32, the overflow happens in exp all the same)
 """
 
 from __future__ import annotations
@@ -148,16 +150,16 @@ def table(outcomes: list[Outcome]) -> tuple[list[str], list[list]]:
 
 
 def run_variants(inputs, logit_std: float, dtypes=("float32", "float16"),
-                 block=64) -> list[Outcome]:
-    """Every variant in every dtype on the same inputs."""
+                 block=64, device: str = "cpu") -> list[Outcome]:
+    """Every variant in every dtype on the same (float64, CPU) inputs, run on device."""
     q, k, v = inputs
     expected = naive_attention(q, k, v)
     outcomes = []
     for dtype in dtypes:
-        qt, kt, vt = (t.to(DTYPES[dtype]) for t in (q, k, v))
+        qt, kt, vt = (t.to(device, DTYPES[dtype]) for t in (q, k, v))
         for name, (subtract_max, rescale) in VARIANTS.items():
             trace: list[TileStats] = []
-            out = tiled_attention(qt, kt, vt, block, subtract_max, rescale, trace).double()
+            out = tiled_attention(qt, kt, vt, block, subtract_max, rescale, trace).cpu().double()
             bad = ~torch.isfinite(out)
             error = math.inf if bad.any() else (out - expected).abs().max().item()
             first = next((t.tile for t in trace if t.broken_rows), None)
@@ -185,18 +187,20 @@ def lesson(outcomes: list[Outcome]) -> str:
     return "\n\n".join(parts)
 
 
-def run(out, logit_stds=(1.0, 4.0, 25.0), seqlen=512, nheads=2, headdim=64, block=64) -> dict:
+def run(out, logit_stds=(1.0, 4.0, 25.0), seqlen=512, nheads=2, headdim=64, block=64,
+        device: str = "cpu") -> dict:
     """Every variant at every score scale; prints the lesson and writes break_it.json."""
     out = results.output_dir(out)
     outcomes = []
     for std in track(logit_stds, "break-it", lambda std: f"std(s)={std:g}"):
-        outcomes += run_variants(make_inputs(1, nheads, seqlen, headdim, std), std, block=block)
+        outcomes += run_variants(make_inputs(1, nheads, seqlen, headdim, std), std, block=block,
+                                 device=device)
     header, rows = table(outcomes)
-    print(f"\nseqlen {seqlen}, {nheads} heads x {headdim}, tiles of {block}; scores "
-          "s = q.k/sqrt(d) drawn with the std shown; errors against naive float64:\n")
+    print(f"\nseqlen {seqlen}, {nheads} heads x {headdim}, tiles of {block}, on {device}; "
+          "scores s = q.k/sqrt(d) drawn with the std shown; errors against naive float64:\n")
     print(results.text_table(header, rows))
     print("\n" + lesson(outcomes))
-    data = {"environment": results.environment("cpu"),
+    data = {"environment": results.environment(device),
             "config": {"logit_stds": list(logit_stds), "seqlen": seqlen, "nheads": nheads,
                        "headdim": headdim, "block": block},
             "outcomes": [asdict(o) for o in outcomes]}

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from flashkit.experiments import bench, break_it, memory, train
+from flashkit.experiments import bench, break_it, demo, memory, train
 from flashkit.experiments.attention_methods import DTYPES, METHODS
 
 
@@ -33,6 +33,11 @@ def ints_arg(text: str) -> list[int]:
         scale = 1024 if item.endswith("k") else 1
         values.append(int(item.rstrip("k")) * scale)
     return values
+
+
+def _lengths(values) -> str:
+    """[1024, 4096] -> '1k,4k' (the form ints_arg reads)."""
+    return ",".join(f"{n // 1024}k" if n % 1024 == 0 else str(n) for n in values)
 
 
 def choices_arg(allowed):
@@ -63,21 +68,22 @@ def _common(parser: argparse.ArgumentParser, out: str) -> None:
 
 def _add_demo(subparsers) -> None:
     parser = subparsers.add_parser(
-        "demo", help="run every experiment at quick sizes and write a report folder",
-        description="Run the experiments at quick sizes and gather them into one report "
-                    "(Markdown + PNG): every backend checked against the float64 oracle, then "
-                    "naive vs tiled peak memory. On a two-core CPU it takes about two minutes.")
+        "demo", help="run every experiment and write a report folder (start here)",
+        formatter_class=argparse.RawDescriptionHelpFormatter, description=demo.__doc__)
     _common(parser, "flashkit-report")
-    parser.add_argument("--smoke", action="store_true",
-                        help="the smallest sizes at which every step runs (for CI; the numbers "
-                             "mean little)")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--full", action="store_true",
+                      help="each step at its subcommand's default sizes instead of the quick "
+                           "ones (on the GPU: the numbers the README quotes)")
+    size.add_argument("--smoke", action="store_true",
+                      help="the smallest sizes at which every step runs (for CI; the numbers "
+                           "mean little)")
     parser.set_defaults(func=_run_demo)
 
 
 def _run_demo(args) -> int:
-    from flashkit.experiments import demo
-    demo.run(_device(args), args.out, smoke=args.smoke)
-    return 0
+    _, failed = demo.run(_device(args), args.out, smoke=args.smoke, full=args.full)
+    return 1 if failed else 0
 
 
 def _add_memory(subparsers) -> None:
@@ -92,7 +98,7 @@ def _add_memory(subparsers) -> None:
     parser.add_argument("--methods", type=choices_arg(METHODS), default=list(METHODS),
                         help=f"comma-separated subset of {','.join(METHODS)} (default: all; "
                              "triton is skipped with a note without CUDA)")
-    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--batch", type=int, default=1, help="default: 1")
     parser.add_argument("--nheads", type=int, help="default: 4 on the CPU, 16 on the GPU")
     parser.add_argument("--headdim", type=int, help="default: 64 on the CPU, 128 on the GPU")
     parser.add_argument("--dtype", choices=list(DTYPES),
@@ -102,27 +108,22 @@ def _add_memory(subparsers) -> None:
                         help="CPU only: skip naive points whose score matrices would need more "
                              "than this (default: half the available memory)")
     parser.add_argument("--max-seconds", type=float,
-                        help="skip a method's longer lengths once one point took longer than "
-                             "this (default: 60 on the CPU; 5 on the GPU, where the tiled Python "
-                             "loop would otherwise take minutes at 64k tokens and up)")
+                        help="skip a method's longer lengths once the next one is predicted "
+                             "(time grows with seqlen^2) to take longer than this (default: 60 "
+                             "on the CPU; 5 on the GPU, where the tiled Python loop would "
+                             "otherwise take minutes at 64k tokens and up)")
     parser.set_defaults(func=_run_memory)
 
 
 def _run_memory(args) -> int:
     device = _device(args)
-    gpu = device.startswith("cuda")
-    problem = memory.Problem(
-        batch=args.batch, nheads=args.nheads or (16 if gpu else 4),
-        headdim=args.headdim or (128 if gpu else 64),
-        dtype=args.dtype or ("bfloat16" if gpu else "float32"), causal=args.causal,
-        device=device)
-    seqlens = args.seqlens or ([1024 * 2**i for i in range(9)] if gpu
-                               else [512, 1024, 2048, 4096])
-    max_gib = None if gpu else (args.max_gib or memory.default_max_gib())
-    max_seconds = args.max_seconds or (5.0 if gpu else 60.0)
-    memory.run(problem, seqlens, args.methods, args.out, max_gib, max_seconds)
+    problem = memory.default_problem(device, args.batch, args.nheads, args.headdim, args.dtype,
+                                     args.causal)
+    max_gib = (None if device.startswith("cuda")
+               else args.max_gib or memory.default_max_gib())
+    memory.run(problem, args.seqlens or memory.default_seqlens(device), args.methods, args.out,
+               max_gib, args.max_seconds or memory.default_max_seconds(device))
     return 0
-
 
 
 def _add_bench(subparsers) -> None:
@@ -160,20 +161,23 @@ def _add_break_it(subparsers) -> None:
     parser = subparsers.add_parser(
         "break-it", help="remove the running max or the rescaling and watch attention break",
         formatter_class=argparse.RawDescriptionHelpFormatter, description=break_it.__doc__)
-    parser.add_argument("--out", type=Path, default=Path("flashkit-results"),
-                        help="folder for break_it.json (default: flashkit-results)")
+    _common(parser, "flashkit-results")
     parser.add_argument("--logit-stds", type=lambda s: [float(x) for x in s.split(",")],
                         default=[1.0, 4.0, 25.0],
-                        help="standard deviations of the scores to try (default: 1,4,25)")
-    parser.add_argument("--seqlen", type=int, default=512)
-    parser.add_argument("--nheads", type=int, default=2)
-    parser.add_argument("--headdim", type=int, default=64)
-    parser.add_argument("--block", type=int, default=64, help="tile size (default: 64)")
+                        help="standard deviations of the scores s = q.k/sqrt(d) to try: 1 is a "
+                             "fresh model, 4 and 25 sharp trained heads (default: 1,4,25)")
+    parser.add_argument("--seqlen", type=int, default=512,
+                        help="query and key length (default: 512)")
+    parser.add_argument("--nheads", type=int, default=2, help="default: 2")
+    parser.add_argument("--headdim", type=int, default=64, help="default: 64")
+    parser.add_argument("--block", type=int, default=64,
+                        help="tile edge: block query rows x block keys (default: 64)")
     parser.set_defaults(func=_run_break_it)
 
 
 def _run_break_it(args) -> int:
-    break_it.run(args.out, args.logit_stds, args.seqlen, args.nheads, args.headdim, args.block)
+    break_it.run(args.out, args.logit_stds, args.seqlen, args.nheads, args.headdim, args.block,
+                 _device(args))
     return 0
 
 
@@ -182,18 +186,23 @@ def _add_train(subparsers) -> None:
         "train", help="train a small GPT with naive and with flashkit attention, same seed",
         formatter_class=argparse.RawDescriptionHelpFormatter, description=train.__doc__)
     _common(parser, "flashkit-results")
-    parser.add_argument("--steps", type=int, help="default: 40 on the CPU, 200 on the GPU")
+    sizes = [("--steps", int, "steps", "training steps per run"),
+             ("--tokens", int, "tokens", "tokens per batch, batch = tokens / seqlen"),
+             ("--layers", int, "n_layer", "transformer blocks"),
+             ("--heads", int, "n_head", "attention heads"),
+             ("--embd", int, "n_embd", "model width (head dim = embd / heads)"),
+             ("--lr", float, "lr", "AdamW learning rate")]
+    for flag, kind, field, what in sizes:
+        cpu, gpu = getattr(train.CPU_DEFAULTS, field), getattr(train.GPU_DEFAULTS, field)
+        parser.add_argument(flag, type=kind, help=f"{what} (default: {cpu:g} on the CPU, "
+                                                   f"{gpu:g} on the GPU)")
     parser.add_argument("--seqlens", type=ints_arg,
-                        help="one training comparison per length (default: 64 on the CPU; "
-                             "1k,4k on the GPU)")
-    parser.add_argument("--tokens", type=int,
-                        help="tokens per batch, batch = tokens / seqlen (default: 512 on the "
-                             "CPU, 16k on the GPU)")
-    parser.add_argument("--layers", type=int, help="default: 2 on the CPU, 6 on the GPU")
-    parser.add_argument("--heads", type=int, help="default: 4 on the CPU, 8 on the GPU")
-    parser.add_argument("--embd", type=int, help="default: 64 on the CPU, 512 on the GPU")
-    parser.add_argument("--lr", type=float, help="default: 3e-3 on the CPU, 1e-3 on the GPU")
-    parser.add_argument("--seed", type=int, default=0)
+                        help="one training comparison per length, k = 1024 (default: "
+                             f"{_lengths(train.CPU_DEFAULTS.seqlens)} on the CPU; "
+                             f"{_lengths(train.GPU_DEFAULTS.seqlens)} on the GPU)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="initial weights and batch order, the same for both runs "
+                             "(default: 0)")
     parser.add_argument("--backend", choices=["torch", "triton"],
                         help="flashkit's backend for the flashkit run (default: triton on CUDA, "
                              "the tiled torch backend elsewhere)")
@@ -202,16 +211,9 @@ def _add_train(subparsers) -> None:
 
 def train_configs(args, device: str) -> list[train.TrainConfig]:
     """One TrainConfig per seqlen, with the device's defaults for what args leave unset."""
-    gpu = device.startswith("cuda")
-    pick = lambda value, cpu, gpu_value: value if value is not None else (gpu_value if gpu
-                                                                           else cpu)
-    tokens = pick(args.tokens, 512, 16384)
-    return [train.TrainConfig(
-        steps=pick(args.steps, 40, 200), batch=max(1, tokens // n), seqlen=n,
-        n_layer=pick(args.layers, 2, 6), n_head=pick(args.heads, 4, 8),
-        n_embd=pick(args.embd, 64, 512), lr=pick(args.lr, 3e-3, 1e-3), device=device,
-        seed=args.seed, backend=args.backend)
-        for n in (args.seqlens or ([1024, 4096] if gpu else [64]))]
+    return train.configs(device, args.seed, args.backend, steps=args.steps,
+                         seqlens=args.seqlens and tuple(args.seqlens), tokens=args.tokens,
+                         n_layer=args.layers, n_head=args.heads, n_embd=args.embd, lr=args.lr)
 
 
 def _run_train(args) -> int:

@@ -94,13 +94,15 @@ def is_out_of_memory(error: BaseException) -> bool:
 
 def probe(problem: Problem, seqlens: list[int], methods: list[str], max_gib: float | None,
           max_seconds: float) -> list[Point]:
-    """Measure every (method, seqlen). A method that took longer than max_seconds at one length
-    is skipped at the longer ones (the tiled Python loop is slow at GPU sizes)."""
+    """Measure every (method, seqlen). A method whose next length is predicted to take longer
+    than max_seconds is skipped from there on (the tiled Python loop is slow at GPU sizes):
+    attention's time grows with seqlen^2, so the prediction is the last time scaled by that."""
     points = []
-    too_slow = {}  # method -> the note explaining why its longer lengths are skipped
+    last_ok = {}  # method -> its last measured point, to predict the next one's time
     todo = [(m, n) for n in seqlens for m in methods]
     for method, seqlen in track(todo, "memory", lambda mn: f"{mn[0]} seqlen={mn[1]}"):
-        reason = unavailable(method, problem.device) or too_slow.get(method)
+        reason = unavailable(method, problem.device) or _too_slow(last_ok.get(method), seqlen,
+                                                                   max_seconds)
         need = problem.naive_bytes(seqlen)
         if reason is None and method == "naive" and max_gib is not None and need > max_gib * GIB:
             reason = f"would need {need / GIB:.1f} GiB (> --max-gib {max_gib:g})"
@@ -108,10 +110,21 @@ def probe(problem: Problem, seqlens: list[int], methods: list[str], max_gib: flo
             points.append(Point(method, seqlen, "skipped", note=reason))
             continue
         point = measure(problem, method, seqlen)
-        if point.seconds is not None and point.seconds > max_seconds:
-            too_slow[method] = f"seqlen {seqlen} took {point.seconds:.0f}s (> --max-seconds)"
+        if point.seconds is not None:
+            last_ok[method] = point
         points.append(point)
     return points
+
+
+def _too_slow(last: Point | None, seqlen: int, max_seconds: float) -> str | None:
+    """Why seqlen is skipped, when last's time scaled by (seqlen / last.seqlen)^2 is too long."""
+    if last is None:
+        return None
+    predicted = last.seconds * (seqlen / last.seqlen) ** 2
+    if predicted <= max_seconds:
+        return None
+    return (f"seqlen {last.seqlen} took {last.seconds:.1f}s, so this would take about "
+            f"{predicted:.0f}s (> --max-seconds {max_seconds:g})")
 
 
 def measure(problem: Problem, method: str, seqlen: int) -> Point:
@@ -256,6 +269,28 @@ def plot(points: list[Point], methods: list[str], problem: Problem, path: Path) 
     if ok:
         ax.legend()
     return plotting.save(fig, path)
+
+
+def default_problem(device: str, batch: int = 1, nheads: int | None = None,
+                    headdim: int | None = None, dtype: str | None = None,
+                    causal: bool = False) -> Problem:
+    """The probe's shape, with the device's defaults for what is None: 4 heads x 64 in float32
+    on the CPU; 16 heads x 128 in bfloat16 on the GPU (DESIGN section 6's memory wall)."""
+    gpu = device.startswith("cuda")
+    return Problem(batch, nheads or (16 if gpu else 4), headdim or (128 if gpu else 64),
+                   dtype or ("bfloat16" if gpu else "float32"), causal, device)
+
+
+def default_seqlens(device: str) -> list[int]:
+    """512..4k on the CPU; 1k, 2k, ..., 256k on the GPU (naive dies at 64k there)."""
+    if device.startswith("cuda"):
+        return [1024 * 2**i for i in range(9)]
+    return [512, 1024, 2048, 4096]
+
+
+def default_max_seconds(device: str) -> float:
+    """60 s on the CPU; 5 s on the GPU, where the tiled Python loop would take minutes at 64k."""
+    return 5.0 if device.startswith("cuda") else 60.0
 
 
 def default_max_gib() -> float:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -22,6 +23,7 @@ from pathlib import Path
 import torch
 
 from flashkit.experiments import corpus, plotting, results
+from flashkit.experiments.memory import is_out_of_memory
 from flashkit.experiments.progress import track
 from flashkit.models.gpt import ATTENTION, GPT, GPTConfig, flashkit_attention
 
@@ -47,6 +49,33 @@ class TrainConfig:
         return contextlib.nullcontext()
 
 
+@dataclass(frozen=True)
+class Defaults:
+    """What `flashkit train` runs when a size is not given, per kind of device."""
+    steps: int
+    seqlens: tuple[int, ...]
+    tokens: int  # per batch: batch = tokens // seqlen
+    n_layer: int
+    n_head: int
+    n_embd: int
+    lr: float
+
+
+CPU_DEFAULTS = Defaults(40, (64,), 512, 2, 4, 64, 3e-3)
+GPU_DEFAULTS = Defaults(200, (1024, 4096), 16384, 6, 8, 512, 1e-3)
+
+
+def configs(device: str, seed: int = 0, backend: str | None = None,
+            **sizes) -> list[TrainConfig]:
+    """One TrainConfig per seqlen; sizes (the Defaults fields) left out or None take the
+    device's defaults."""
+    chosen = GPU_DEFAULTS if device.startswith("cuda") else CPU_DEFAULTS
+    chosen = Defaults(**{**asdict(chosen), **{k: v for k, v in sizes.items() if v is not None}})
+    return [TrainConfig(chosen.steps, max(1, chosen.tokens // n), n, chosen.n_layer,
+                        chosen.n_head, chosen.n_embd, chosen.lr, device, seed, backend)
+            for n in chosen.seqlens]
+
+
 @dataclass
 class Run:
     attention: str
@@ -54,6 +83,7 @@ class Run:
     losses: list[float] = field(default_factory=list)
     step_seconds: list[float] = field(default_factory=list)
     peak_gib: float | None = None
+    oom: str = ""  # the out-of-memory error, when this run could not train at all
 
     @property
     def median_step(self) -> float:
@@ -97,16 +127,39 @@ def train_once(attention: str, config: TrainConfig, tokens: torch.Tensor,
     return run
 
 
+def train_or_oom(attention: str, config: TrainConfig, tokens: torch.Tensor,
+                 vocab_size: int) -> Run:
+    """train_once, except that running out of memory is a result (naive attention at long
+    sequences), reported as an empty Run with the error, not a crash."""
+    try:
+        return train_once(attention, config, tokens, vocab_size)
+    except Exception as error:  # noqa: BLE001 - only an OOM is caught; the rest re-raises
+        if not is_out_of_memory(error):
+            raise
+        note = str(error).splitlines()[0][:200]
+    # Outside the except block, so the traceback's references to the model are gone.
+    gc.collect()
+    if config.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return Run(attention, config.seqlen, oom=note)
+
+
 def compare(naive: Run, flash: Run, config: TrainConfig) -> dict:
-    """Max |loss difference| (at step 0 and overall), tokens/s, and flashkit's speed-up."""
+    """Max |loss difference| (at step 0 and overall), tokens/s, and flashkit's speed-up; the
+    values a run that ran out of memory cannot give are None."""
     tokens_per_step = config.batch * config.seqlen
-    deltas = [abs(a - b) for a, b in zip(naive.losses, flash.losses, strict=True)]
-    return {"seqlen": config.seqlen, "step0_delta": deltas[0], "max_delta": max(deltas),
-            "final_loss_naive": naive.losses[-1], "final_loss_flashkit": flash.losses[-1],
-            "tokens_per_s_naive": tokens_per_step / naive.median_step,
-            "tokens_per_s_flashkit": tokens_per_step / flash.median_step,
-            "speedup": naive.median_step / flash.median_step,
-            "peak_gib_naive": naive.peak_gib, "peak_gib_flashkit": flash.peak_gib}
+    both = not (naive.oom or flash.oom)
+    deltas = [abs(a - b) for a, b in zip(naive.losses, flash.losses, strict=True)] if both else []
+    side = lambda run, value: None if run.oom else value(run)
+    return {"seqlen": config.seqlen, "step0_delta": deltas[0] if both else None,
+            "max_delta": max(deltas) if both else None,
+            "final_loss_naive": side(naive, lambda r: r.losses[-1]),
+            "final_loss_flashkit": side(flash, lambda r: r.losses[-1]),
+            "tokens_per_s_naive": side(naive, lambda r: tokens_per_step / r.median_step),
+            "tokens_per_s_flashkit": side(flash, lambda r: tokens_per_step / r.median_step),
+            "speedup": naive.median_step / flash.median_step if both else None,
+            "peak_gib_naive": naive.peak_gib, "peak_gib_flashkit": flash.peak_gib,
+            "oom_naive": naive.oom, "oom_flashkit": flash.oom}
 
 
 HEADER = ["seqlen", "final loss naive", "final loss flashkit", "max loss difference",
@@ -115,17 +168,29 @@ MEMORY_HEADER = ["peak GiB naive", "peak GiB flashkit"]
 
 
 def table(comparisons: list[dict]) -> tuple[list[str], list[list]]:
-    """(header, rows); the peak-memory columns appear when it was measured (CUDA)."""
-    with_memory = comparisons[0]["peak_gib_naive"] is not None
+    """(header, rows); the peak-memory columns appear when it was measured (CUDA). A side that
+    ran out of memory reads OOM, and what needs both sides reads -."""
+    with_memory = any(c["peak_gib_naive"] is not None or c["peak_gib_flashkit"] is not None
+                      for c in comparisons)
     rows = []
     for c in comparisons:
-        row = [c["seqlen"], f"{c['final_loss_naive']:.4f}", f"{c['final_loss_flashkit']:.4f}",
-               f"{c['max_delta']:.2e}", f"{c['tokens_per_s_naive']:,.0f}",
-               f"{c['tokens_per_s_flashkit']:,.0f}", f"{c['speedup']:.2f}x"]
+        row = [c["seqlen"], _cell(c, "final_loss_naive", ".4f", "naive"),
+               _cell(c, "final_loss_flashkit", ".4f", "flashkit"), _cell(c, "max_delta", ".2e"),
+               _cell(c, "tokens_per_s_naive", ",.0f", "naive"),
+               _cell(c, "tokens_per_s_flashkit", ",.0f", "flashkit"),
+               _cell(c, "speedup", ".2f") + ("x" if c["speedup"] is not None else "")]
         if with_memory:
-            row += [f"{c['peak_gib_naive']:.1f}", f"{c['peak_gib_flashkit']:.1f}"]
+            row += [_cell(c, "peak_gib_naive", ".1f", "naive"),
+                    _cell(c, "peak_gib_flashkit", ".1f", "flashkit")]
         rows.append(row)
     return HEADER + (MEMORY_HEADER if with_memory else []), rows
+
+
+def _cell(comparison: dict, key: str, spec: str, side: str | None = None) -> str:
+    """The value formatted, else OOM when that side ran out of memory, else -."""
+    if comparison[key] is not None:
+        return format(comparison[key], spec)
+    return "OOM" if side and comparison.get(f"oom_{side}") else "-"
 
 
 def plot(runs: list[tuple[Run, Run]], comparisons: list[dict], path: Path) -> Path | None:
@@ -135,12 +200,19 @@ def plot(runs: list[tuple[Run, Run]], comparisons: list[dict], path: Path) -> Pa
         return None
     fig, axes = plt.subplots(1, len(runs), figsize=(6 * len(runs), 4), squeeze=False)
     for ax, (naive, flash), c in zip(axes[0], runs, comparisons, strict=True):
-        ax.plot(naive.losses, label="naive (materialised)", linewidth=3, alpha=0.5)
-        ax.plot(flash.losses, label="flashkit", linewidth=1.2, linestyle="--")
+        ax.plot(naive.losses, label="naive (materialised)" + (": OOM" if naive.oom else ""),
+                linewidth=3, alpha=0.5)
+        ax.plot(flash.losses, label="flashkit" + (": OOM" if flash.oom else ""), linewidth=1.2,
+                linestyle="--")
         ax.set_xlabel("step")
         ax.set_ylabel("training loss")
-        ax.set_title(f"seqlen {c['seqlen']}: max |delta loss| {c['max_delta']:.1e}, "
-                     f"flashkit {c['speedup']:.2f}x per step", fontsize=9)
+        title = f"seqlen {c['seqlen']}: "
+        if c["speedup"] is None:
+            title += "naive attention ran out of memory" if naive.oom else "out of memory"
+        else:
+            title += (f"max |delta loss| {c['max_delta']:.1e}, flashkit {c['speedup']:.2f}x "
+                      "per step")
+        ax.set_title(title, fontsize=9)
         ax.grid(True, alpha=0.3)
         ax.legend()
     return plotting.save(fig, path)
@@ -154,8 +226,8 @@ def run(configs: list[TrainConfig], out: Path) -> dict:
     tokens = tokenizer.encode(text)
     pairs, comparisons = [], []
     for config in configs:
-        naive = train_once("naive", config, tokens, tokenizer.vocab_size)
-        flash = train_once("flashkit", config, tokens, tokenizer.vocab_size)
+        naive = train_or_oom("naive", config, tokens, tokenizer.vocab_size)
+        flash = train_or_oom("flashkit", config, tokens, tokenizer.vocab_size)
         pairs.append((naive, flash))
         comparisons.append(compare(naive, flash, config))
     header, rows = table(comparisons)
