@@ -20,6 +20,11 @@ forward, 2.5x that backward; causal visible pairs N (N + 1) / 2 over the group, 
 Timing: wall clock of each of --iters iterations after --warmup, ranks released together by a
 barrier and the device synchronised around it; the slowest rank's median counts. Rank 0 writes
 benchmarks/results/ring_<W>gpu_<date>.json with the date, device, versions and config.
+
+--check-tokens T first checks the ring (bf16, causal, GQA 8:2, d 128, T tokens per rank, both
+layouts) and single-device flash_attn_func against the float64 oracle on the gathered tensors,
+with DESIGN section 5's rule (error <= 2 x the bf16 materialised computation's + 1e-5) for
+out, dq, dk, dv; the errors go into the JSON too.
 """
 
 from __future__ import annotations
@@ -40,10 +45,12 @@ import torch.multiprocessing as mp
 
 import flashkit
 import flashkit.distributed as fd
+from flashkit import reference
 from flashkit.distributed.engine import RingProblem, ring_backward, ring_forward
 from flashkit.distributed.plan import ring_plans
 from flashkit.distributed.ring import Pending
 from flashkit.ops.params import AttentionParams
+from flashkit.testing import max_error
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -109,6 +116,47 @@ def bench_one(tokens: int, args, rank: int, world: int, device: torch.device) ->
             "tflops_per_gpu": flops / (ring_ms / 1e3) / 1e12}
 
 
+def _attend(kind: str, q, k, v, dout, layout: str, rank: int, world: int, device):
+    """(out, dq, dk, dv) on the global tensors: the oracle, the materialised baseline, the
+    single-device kernel, or the ring on this rank's shards (gathered back)."""
+    if kind == "ring":
+        q, k, v, dout = (fd.shard(x, 1, rank, world, layout) for x in (q, k, v, dout))
+    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+    if kind in ("oracle", "baseline"):
+        out = reference.attention(q, k, v, causal=True)[0]
+    elif kind == "single":
+        out = flashkit.flash_attn_func(q, k, v, causal=True, backend=_backend(device))
+    else:
+        out = fd.ring_flash_attn_func(q, k, v, causal=True, layout=layout)
+    out.backward(dout)
+    results = (out, q.grad, k.grad, v.grad)
+    if kind == "ring":
+        results = tuple(fd.gather_unshard(x, 1, layout) for x in results)
+    return results
+
+
+def check(tokens: int, rank: int, world: int, device: torch.device) -> list:
+    """Errors against the float64 oracle, and the DESIGN section 5 verdict, per layout."""
+    gen = torch.Generator(device=device).manual_seed(4321)  # the same tensors on every rank
+    n, dtype = world * tokens, _dtype(device)
+    shapes = [(1, n, 8, 128), (1, n, 2, 128), (1, n, 2, 128), (1, n, 8, 128)]
+    full = [torch.randn(s, generator=gen, device=device, dtype=torch.float64) for s in shapes]
+    low = [x.to(dtype) for x in full]
+    oracle = _attend("oracle", *full, "contiguous", rank, world, device)
+    baseline = _attend("baseline", *low, "contiguous", rank, world, device)
+    single = _attend("single", *low, "contiguous", rank, world, device)
+    rows = []
+    for layout in ("zigzag", "contiguous"):
+        ring = _attend("ring", *low, layout, rank, world, device)
+        for name, r, s, b, o in zip(("out", "dq", "dk", "dv"), ring, single, baseline, oracle,
+                                    strict=True):
+            bound = 2 * max_error(b, o) + 1e-5
+            rows.append({"layout": layout, "tensor": name, "ring": max_error(r, o),
+                         "single": max_error(s, o), "bound": bound,
+                         "ok": max_error(r, o) <= bound and max_error(s, o) <= bound})
+    return rows
+
+
 def _dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
@@ -128,6 +176,10 @@ def main(rank: int, world: int, args) -> None:
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
     try:
+        checked = check(args.check_tokens, rank, world, device) if args.check_tokens else []
+        if rank == 0:
+            for row in checked:
+                print(json.dumps(row), flush=True)
         rows = []
         for tokens in args.tokens:
             row = bench_one(tokens, args, rank, world, device)
@@ -137,7 +189,7 @@ def main(rank: int, world: int, args) -> None:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         if rank == 0:
-            _write(rows, world, device, args)
+            _write(rows, checked, world, device, args)
     finally:
         dist.destroy_process_group()
 
@@ -153,7 +205,7 @@ def _versions() -> dict:
             "flashkit": flashkit.__version__}
 
 
-def _write(rows: list, world: int, device: torch.device, args) -> None:
+def _write(rows: list, checked: list, world: int, device: torch.device, args) -> None:
     now = datetime.datetime.now(datetime.timezone.utc)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
     record = {"benchmark": "ring attention weak scaling", "date": now.isoformat(),
@@ -162,7 +214,7 @@ def _write(rows: list, world: int, device: torch.device, args) -> None:
                          "batch": 1, "nheads": args.nheads, "headdim": args.headdim,
                          "backend": _backend(device), "dist_backend": dist.get_backend(),
                          "warmup": args.warmup, "iters": args.iters, "pass": "forward+backward"},
-              "results": rows}
+              "check": checked, "results": rows}
     kind = "cpu" if device.type == "cpu" else "gpu"
     path = Path(args.out_dir) / f"ring_{world}{kind}_{now:%Y%m%d-%H%M}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -178,6 +230,8 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--headdim", type=int, default=128)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--check-tokens", type=int, default=0, metavar="T",
+                   help="first check against the float64 oracle, T tokens per rank")
     p.add_argument("--cpu", type=int, default=0, metavar="W",
                    help="smoke test: W gloo processes on the CPU, torch backend, float32")
     p.add_argument("--out-dir", default=str(RESULTS))
