@@ -32,9 +32,21 @@ def test_probe_skips_a_method_once_its_next_point_is_predicted_too_slow(monkeypa
     problem = memory.Problem(1, 1, 16, "float32", False, "cpu")
     points = memory.probe(problem, [64, 128, 256], ["tiled"], None, max_seconds=1.0)
     assert [p.status for p in points] == ["ok", "skipped", "skipped"]
-    assert "took 0.3s" in points[1].note and "about 1s" in points[1].note
+    assert "~1s > --max-seconds 1" in points[1].note and "64 took 0.3s" in points[1].note
     assert [p.status for p in memory.probe(problem, [64, 128], ["tiled"], None, 2.0)] == [
         "ok", "ok"]
+
+
+def test_probe_stops_a_method_at_its_first_out_of_memory(monkeypatch):
+    def naive_fits_up_to_128(problem, method, seqlen):
+        if seqlen > 128:
+            return memory.Point(method, seqlen, "oom", note="CUDA out of memory")
+        return memory.Point(method, seqlen, "ok", 1, seconds=0.0)
+    monkeypatch.setattr(memory, "measure", naive_fits_up_to_128)
+    problem = memory.Problem(1, 1, 16, "float32", False, "cuda")
+    points = memory.probe(problem, [128, 256, 512], ["naive"], None, max_seconds=1.0)
+    assert [p.status for p in points] == ["ok", "oom", "skipped"]
+    assert points[2].cell() == "skipped: OOM already at 256"
 
 
 def test_defaults_follow_the_device():

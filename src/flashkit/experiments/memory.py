@@ -99,18 +99,23 @@ def probe(problem: Problem, seqlens: list[int], methods: list[str], max_gib: flo
     attention's time grows with seqlen^2, so the prediction is the last time scaled by that."""
     points = []
     last_ok = {}  # method -> its last measured point, to predict the next one's time
+    out_of_memory = {}  # method -> the first seqlen at which it ran out of memory
     todo = [(m, n) for n in seqlens for m in methods]
     for method, seqlen in track(todo, "memory", lambda mn: f"{mn[0]} seqlen={mn[1]}"):
-        reason = unavailable(method, problem.device) or _too_slow(last_ok.get(method), seqlen,
-                                                                   max_seconds)
+        reason = unavailable(method, problem.device)
+        if reason is None and method in out_of_memory:
+            reason = f"OOM already at {out_of_memory[method]}"
         need = problem.naive_bytes(seqlen)
         if reason is None and method == "naive" and max_gib is not None and need > max_gib * GIB:
             reason = f"would need {need / GIB:.1f} GiB (> --max-gib {max_gib:g})"
+        reason = reason or _too_slow(last_ok.get(method), seqlen, max_seconds)
         if reason:
             points.append(Point(method, seqlen, "skipped", note=reason))
             continue
         point = measure(problem, method, seqlen)
-        if point.seconds is not None:
+        if point.status == "oom":
+            out_of_memory[method] = seqlen
+        elif point.seconds is not None:
             last_ok[method] = point
         points.append(point)
     return points
@@ -123,8 +128,8 @@ def _too_slow(last: Point | None, seqlen: int, max_seconds: float) -> str | None
     predicted = last.seconds * (seqlen / last.seqlen) ** 2
     if predicted <= max_seconds:
         return None
-    return (f"seqlen {last.seqlen} took {last.seconds:.1f}s, so this would take about "
-            f"{predicted:.0f}s (> --max-seconds {max_seconds:g})")
+    return (f"~{predicted:.0f}s > --max-seconds {max_seconds:g} ({last.seqlen} took "
+            f"{last.seconds:.1f}s)")
 
 
 def measure(problem: Problem, method: str, seqlen: int) -> Point:
@@ -248,11 +253,12 @@ def plot(points: list[Point], methods: list[str], problem: Problem, path: Path) 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     ok = [p for p in points if p.status == "ok"]
     top = max((p.extra_bytes for p in ok), default=GIB) / GIB * 4
-    for method in methods:
+    for index, method in enumerate(methods):
         mine = [p for p in ok if p.method == method]
-        if mine:
+        if mine:  # markers and dashes differ so that lines lying on each other stay visible
             ax.plot([p.seqlen for p in mine], [max(p.extra_bytes, 1) / GIB for p in mine],
-                    marker="o", label=method)
+                    marker="os^D"[index % 4], markersize=8 - 1.5 * (index % 4),
+                    linestyle=("-", "-", "--", ":")[index % 4], label=method)
         ooms = [p.seqlen for p in points if p.method == method and p.status == "oom"]
         if ooms:
             ax.scatter(ooms, [top] * len(ooms), marker="x", color="red", s=80, zorder=5)
@@ -260,6 +266,7 @@ def plot(points: list[Point], methods: list[str], problem: Problem, path: Path) 
                         xytext=(0, 6), ha="center", color="red")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
+    ax.set_ylim(top=top * 8)  # room for the OOM labels above the crosses
     ax.set_xlabel("sequence length (tokens)")
     ax.set_ylabel("extra memory of one forward (GiB)")
     ax.set_title(f"attention forward, batch {problem.batch}, {problem.nheads} heads x "
@@ -267,7 +274,7 @@ def plot(points: list[Point], methods: list[str], problem: Problem, path: Path) 
                  f"{problem.device}", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     if ok:
-        ax.legend()
+        ax.legend(loc="upper left")  # the curves start low on the left; OOMs are on the right
     return plotting.save(fig, path)
 
 
