@@ -53,16 +53,27 @@ def poison(t: torch.Tensor) -> torch.Tensor:
 
 
 def dropout_keep_mask(seed: int, batch: int, nheads: int, seqlen_q: int, seqlen_k: int,
-                      dropout_p: float, backend: str = "torch") -> torch.Tensor:
+                      dropout_p: float, backend: str = "torch", device=None) -> torch.Tensor:
     """The keep-mask (batch, nheads, seqlen_q, seqlen_k) a backend used for a dropout call.
 
     The seed is the one the call drew from torch's default generator: after
     `torch.manual_seed(s)`, `flashkit.api.draw_dropout_seed()` returns it. For varlen, pass the
     number of sequences and the max lengths; sequence b uses mask[b, :, :len_q, :len_k].
     Pass the mask to `flashkit.reference.attention(..., dropout_mask=mask)`.
+
+    backend "torch" rebuilds the tiled backend's hash on the CPU; backend "triton" launches a
+    small kernel that calls the attention kernels' own Philox helper, on `device` (default: the
+    current CUDA device, or the CPU under TRITON_INTERPRET=1). The two backends' masks differ.
     """
+    if backend == "triton":
+        from flashkit.ops.triton.dropout import keep_mask as triton_keep_mask
+
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        return triton_keep_mask(seed, dropout_p, batch, nheads, seqlen_q, seqlen_k, device)
     if backend != "torch":
-        raise NotImplementedError(f"dropout_keep_mask: backend {backend!r} is not supported")
+        raise NotImplementedError(f"dropout_keep_mask: backend {backend!r} is not supported "
+                                  "(expected 'torch' or 'triton')")
     from flashkit.ops.tiled.dropout import keep_mask
 
     return keep_mask(seed, torch.arange(batch).view(-1, 1, 1, 1),

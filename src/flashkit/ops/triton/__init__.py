@@ -1,25 +1,26 @@
-"""The Triton backend: fused FlashAttention-2 kernels (dense, any band given by a window).
+"""The Triton backend: fused FlashAttention-2 kernels (dense or varlen, any band given by a window).
 
     forward(q, k, v, params)                  -> (out, lse)
     backward(dout, q, k, v, out, lse, params) -> (dq, dk, dv, dsink)
 
-Layouts and the meaning of params: flashkit.ops.params. Supported: dense inputs, fp16 / bf16 /
-fp32, head dims 1..256 (q/k and v may differ), GQA/MQA, any softmax_scale, any window (full,
-causal, sliding, bottom-right aligned), softcap, ALiBi, learnable
-sinks, deterministic gradients (by default: the
-measured-faster dQ path has no atomics). Anything
-else raises NotImplementedError before a kernel launches.
+Layouts and the meaning of params: flashkit.ops.params. Supported: dense and varlen (packed)
+inputs, fp16 / bf16 / fp32, head dims 1..256 (q/k and v may differ), GQA/MQA, any
+softmax_scale, any window (full, causal, sliding, bottom-right aligned), softcap, ALiBi,
+learnable sinks, dropout (Philox keep-mask regenerated in backward, see dropout.py),
+deterministic gradients (by default: the measured-faster dQ path has no atomics). An SDPA
+attn_mask (attn_bias) raises NotImplementedError before a kernel launches.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 
 from flashkit.ops.params import AttentionParams
 from flashkit.ops.tiled.probs import attention_probs as tiled_probs
-from flashkit.ops.triton import interpreter
+from flashkit.ops.triton import dropout, interpreter
 from flashkit.ops.triton.backward import attention_backward
 from flashkit.ops.triton.forward import attention_forward
 
@@ -30,9 +31,7 @@ interpreter.patch_for_numpy()
 
 def _check_supported(params: AttentionParams) -> None:
     unsupported = {
-        "dropout": params.dropout_p > 0,
         "attn_bias": params.attn_bias is not None,
-        "varlen": params.is_varlen,
     }
     for feature, used in unsupported.items():
         if used:
@@ -64,8 +63,20 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 
 
 def attention_probs(q, k, v, lse, params: AttentionParams):
-    """The attention weights for return_attn_probs (testing at small sizes). Without dropout,
-    which this backend does not support yet, they are exp(s - lse): the tiled backend's torch
-    code computes exactly that from this backend's lse, on any device."""
+    """The attention weights for return_attn_probs (testing at small sizes), as the tiled
+    backend returns them: exp(s - lse), which its torch code computes from this backend's lse on
+    any device, times keep / (1 - p) with this backend's own keep-mask under dropout. Dense:
+    (batch, nheads, seqlen_q, seqlen_k); varlen: a list of (nheads, seqlen_q, seqlen_k)."""
     _check_supported(params)
-    return tiled_probs(q, k, v, lse, params)
+    probs = tiled_probs(q, k, v, lse, dataclasses.replace(params, dropout_p=0.0))
+    if params.dropout_p == 0:
+        return probs
+    batch = len(probs) if params.is_varlen else q.shape[0]
+    seqlen_q, seqlen_k = (params.max_seqlen_q, params.max_seqlen_k) if params.is_varlen else (
+        q.shape[1], k.shape[1])
+    keep = dropout.keep_mask(params.dropout_seed, params.dropout_p, batch, lse.shape[-2],
+                             seqlen_q, seqlen_k, q.device)
+    scale = 1.0 / (1.0 - params.dropout_p)
+    if not params.is_varlen:
+        return probs * keep * scale
+    return [p * keep[b, :, :p.shape[1], :p.shape[2]] * scale for b, p in enumerate(probs)]

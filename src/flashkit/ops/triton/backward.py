@@ -11,6 +11,10 @@ The kernels:
                              the block, so dK/dV are reduced over the group in registers
     _bwd_dq_kernel           one program per BLOCK_M query rows, looping over key tiles
     _bwd_dq_convert_kernel   (atomic path) dQ = scale * the fp32 accumulator, in q's dtype
+Features as in forward.py: DROPOUT regenerates the forward's keep-mask tile by tile
+(dropout.dropout_keep) in both kernels: dV = (P o Z)^T dO and dP = Z o (dO V^T) with
+Z = keep / (1 - p), while dS = P o (dP - delta) keeps the pre-dropout P. VARLEN: each program
+reads its sequence's rows and lengths from cu_seqlens; blocks past its end run no tile.
 dQ two ways: the deterministic path (always under params.deterministic) sums every gradient
 element in one program in a fixed order, so gradients are bitwise reproducible; the atomic path
 (configs.ATOMIC_DQ) lets the dK/dV kernel also add dS K into an fp32 dQ accumulator with atomics,
@@ -31,6 +35,8 @@ from flashkit.ops.triton.common import (
     accumulator_descriptor,
     alibi_args,
     alibi_bias,
+    batch_strides,
+    head_ptr,
     interpreting,
     key_tile_ranges,
     load_alibi_log2,
@@ -38,12 +44,18 @@ from flashkit.ops.triton.common import (
     query_tile_ranges,
     score_args,
     scores,
+    sequence,
+    skip_past_end,
     softcap_grad,
     store_tile,
+    tile_ptrs,
+    varlen_args,
+    varlen_shape,
     visible,
     window_args,
 )
 from flashkit.ops.triton.configs import ATOMIC_DQ, FUSED_BWD, padded_head_dim, tile_config
+from flashkit.ops.triton.dropout import dropout_args, dropout_keep
 
 
 @triton.jit
@@ -60,15 +72,16 @@ def _bwd_preprocess_kernel(Out, DO, Delta,
     off_h = (pid_bh % nheads).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_dv = tl.arange(0, BLOCK_DV)
-    o_ptrs = (Out + off_b * stride_ob + off_h * stride_oh
-              + offs_m[:, None] * stride_os + offs_dv[None, :] * stride_od)
-    do_ptrs = (DO + off_b * stride_dob + off_h * stride_doh
-               + offs_m[:, None] * stride_dos + offs_dv[None, :] * stride_dod)
+    o_ptrs = tile_ptrs(head_ptr(Out, off_b, off_h, 0, stride_ob, stride_oh, stride_os), offs_m,
+                       offs_dv, stride_os, stride_od)
+    do_ptrs = tile_ptrs(head_ptr(DO, off_b, off_h, 0, stride_dob, stride_doh, stride_dos),
+                        offs_m, offs_dv, stride_dos, stride_dod)
     o_tile = load_tile(o_ptrs, offs_m, seqlen_q, offs_dv, HEAD_DIM_V, True, HEAD_DIM_V != BLOCK_DV)
     do_tile = load_tile(do_ptrs, offs_m, seqlen_q, offs_dv, HEAD_DIM_V, True,
                         HEAD_DIM_V != BLOCK_DV)
     delta = tl.sum(o_tile.to(tl.float32) * do_tile.to(tl.float32), 1)
-    delta_ptrs = Delta + off_b * stride_deltab + off_h * stride_deltah + offs_m * stride_deltas
+    delta_ptrs = (head_ptr(Delta, off_b, off_h, 0, stride_deltab, stride_deltah, stride_deltas)
+                  + offs_m * stride_deltas)
     tl.store(delta_ptrs, delta, mask=offs_m < seqlen_q)
 
 
@@ -85,11 +98,12 @@ def _bwd_dkdv_tiles(dk, dv, k_tile, v_tile, q_base, do_base, lse_base, delta_bas
                     dqacc_bh,
                     stride_qs, stride_qd, stride_dos, stride_dod, stride_ls, stride_deltas,
                     start, end, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, window_left,
-                    window_right, qk_scale, softcap_scale, alibi_log2,
+                    window_right, qk_scale, softcap_scale, alibi_log2, off_b, off_h, start_n,
+                    seed_lo, seed_hi, dropout_threshold, dropout_scale,
                     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
-                    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
-                    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-                    ALIBI: tl.constexpr,
+                    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
                     ATOMIC_DQ: tl.constexpr,
                     DQ_TMA: tl.constexpr, PRECISION: tl.constexpr):
     """Accumulate dK, dV of one key block over query tiles [start, end); with ATOMIC_DQ also
@@ -98,9 +112,8 @@ def _bwd_dkdv_tiles(dk, dv, k_tile, v_tile, q_base, do_base, lse_base, delta_bas
     clipped by the copy engine), else element atomics at dqacc_src, this (batch, head)'s rows."""
     for start_m in tl.range(start, end, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        q_ptrs = q_base + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd
-        q_tile = load_tile(q_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, MASKED,
-                           HEAD_DIM != BLOCK_D)
+        q_tile = load_tile(tile_ptrs(q_base, offs_m, offs_d, stride_qs, stride_qd), offs_m,
+                           seqlen_q, offs_d, HEAD_DIM, MASKED, HEAD_DIM != BLOCK_D)
         lse2 = _load_lse2(lse_base + offs_m * stride_ls, offs_m, seqlen_q)
         # [BLOCK_N, BLOCK_M] = [BLOCK_N, BLOCK_D] @ [BLOCK_D, BLOCK_M]
         qk_t = tl.dot(k_tile, tl.trans(q_tile), input_precision=PRECISION)
@@ -115,13 +128,19 @@ def _bwd_dkdv_tiles(dk, dv, k_tile, v_tile, q_base, do_base, lse_base, delta_bas
             keep_t = visible(offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k, window_left,
                              window_right, HAS_LEFT, HAS_RIGHT)
             p_t = tl.where(keep_t, p_t, 0.0)
-        do_ptrs = do_base + offs_m[:, None] * stride_dos + offs_dv[None, :] * stride_dod
-        do_tile = load_tile(do_ptrs, offs_m, seqlen_q, offs_dv, HEAD_DIM_V, MASKED,
-                            HEAD_DIM_V != BLOCK_DV)
+        do_tile = load_tile(tile_ptrs(do_base, offs_m, offs_dv, stride_dos, stride_dod), offs_m,
+                            seqlen_q, offs_dv, HEAD_DIM_V, MASKED, HEAD_DIM_V != BLOCK_DV)
+        pv_t = p_t
+        if DROPOUT:  # the forward's keep-mask of this [BLOCK_M, BLOCK_N] tile, transposed
+            kept_t = tl.trans(dropout_keep(seed_lo, seed_hi, off_b, off_h, offs_m, start_n,
+                                           dropout_threshold, BLOCK_N))
+            pv_t = tl.where(kept_t, p_t * dropout_scale, 0.0)
         # [BLOCK_N, BLOCK_DV] = [BLOCK_N, BLOCK_M] @ [BLOCK_M, BLOCK_DV]
-        dv = tl.dot(p_t.to(do_tile.dtype), do_tile, dv, input_precision=PRECISION)
+        dv = tl.dot(pv_t.to(do_tile.dtype), do_tile, dv, input_precision=PRECISION)
         # [BLOCK_N, BLOCK_M] = [BLOCK_N, BLOCK_DV] @ [BLOCK_DV, BLOCK_M]
         dp_t = tl.dot(v_tile, tl.trans(do_tile), input_precision=PRECISION)
+        if DROPOUT:
+            dp_t = tl.where(kept_t, dp_t * dropout_scale, 0.0)
         if MASKED:
             delta = tl.load(delta_base + offs_m * stride_deltas, mask=offs_m < seqlen_q,
                             other=0.0)
@@ -160,43 +179,47 @@ def _bwd_dkdv_program(pid_n, pid_bh, Q, K, V, DO, Lse, Delta, DK, DV, DQAcc,
                      stride_dvb, stride_dvs, stride_dvh, stride_dvd,
                      nheads_k, group, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
                      softcap_scale, Alibi, stride_ab, stride_ah,
-                     softmax_scale,
+                     softmax_scale, seed_lo, seed_hi, dropout_threshold, dropout_scale, Cu_q,
+                     Cu_k,
                      HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                      BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-                     ALIBI: tl.constexpr,
+                     ALIBI: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr,
                      EVEN_N: tl.constexpr,
                      ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr, PRECISION: tl.constexpr):
     """dK, dV of key block pid_n of (batch, kv head) pid_bh. DQAcc is the fp32 dQ accumulator
     (ATOMIC_DQ), a TMA descriptor over it when DQ_TMA."""
     off_b = (pid_bh // nheads_k).to(tl.int64)
     off_hk = (pid_bh % nheads_k).to(tl.int64)
+    q_start, k_start, seqlen_q, seqlen_k = sequence(off_b, seqlen_q, seqlen_k, Cu_q, Cu_k,
+                                                    VARLEN)
     start_n = pid_n * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
 
-    k_ptrs = (K + off_b * stride_kb + off_hk * stride_kh
-              + offs_n[:, None] * stride_ks + offs_d[None, :] * stride_kd)
-    v_ptrs = (V + off_b * stride_vb + off_hk * stride_vh
-              + offs_n[:, None] * stride_vs + offs_dv[None, :] * stride_vd)
-    k_tile = load_tile(k_ptrs, offs_n, seqlen_k, offs_d, HEAD_DIM, not EVEN_N,
-                       HEAD_DIM != BLOCK_D)
-    v_tile = load_tile(v_ptrs, offs_n, seqlen_k, offs_dv, HEAD_DIM_V, not EVEN_N,
-                       HEAD_DIM_V != BLOCK_DV)
+    k_base = head_ptr(K, off_b, off_hk, k_start, stride_kb, stride_kh, stride_ks)
+    v_base = head_ptr(V, off_b, off_hk, k_start, stride_vb, stride_vh, stride_vs)
+    k_tile = load_tile(tile_ptrs(k_base, offs_n, offs_d, stride_ks, stride_kd), offs_n, seqlen_k,
+                       offs_d, HEAD_DIM, not EVEN_N, HEAD_DIM != BLOCK_D)
+    v_tile = load_tile(tile_ptrs(v_base, offs_n, offs_dv, stride_vs, stride_vd), offs_n,
+                       seqlen_k, offs_dv, HEAD_DIM_V, not EVEN_N, HEAD_DIM_V != BLOCK_DV)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
 
     lo, mid_lo, mid_hi, hi = query_tile_ranges(start_n, seqlen_q, seqlen_k, window_left,
                                                window_right, BLOCK_M, BLOCK_N, HAS_LEFT,
                                                HAS_RIGHT)
+    if VARLEN:
+        lo, mid_lo, mid_hi, hi = skip_past_end(start_n, seqlen_k, lo, mid_lo, mid_hi, hi)
     for g in range(group):  # the query heads that share this kv head, in a fixed order
         off_h = off_hk * group + g
         alibi_log2 = load_alibi_log2(Alibi, off_b, off_h, stride_ab, stride_ah, ALIBI)
-        q_base = Q + off_b * stride_qb + off_h * stride_qh
-        do_base = DO + off_b * stride_dob + off_h * stride_doh
-        lse_base = Lse + off_b * stride_lb + off_h * stride_lh
-        delta_base = Delta + off_b * stride_deltab + off_h * stride_deltah
+        q_base = head_ptr(Q, off_b, off_h, q_start, stride_qb, stride_qh, stride_qs)
+        do_base = head_ptr(DO, off_b, off_h, q_start, stride_dob, stride_doh, stride_dos)
+        lse_base = head_ptr(Lse, off_b, off_h, q_start, stride_lb, stride_lh, stride_ls)
+        delta_base = head_ptr(Delta, off_b, off_h, q_start, stride_deltab, stride_deltah,
+                              stride_deltas)
         dqacc_bh = (off_b * nheads_k + off_hk) * group + g  # = batch * nheads + query head
         if DQ_TMA:
             dqacc_src = DQAcc
@@ -204,34 +227,36 @@ def _bwd_dkdv_program(pid_n, pid_bh, Q, K, V, DO, Lse, Delta, DK, DV, DQAcc,
             dqacc_src = DQAcc + dqacc_bh * seqlen_q * BLOCK_D
         dk, dv = _bwd_dkdv_tiles(dk, dv, k_tile, v_tile, q_base, do_base, lse_base, delta_base,
                                  dqacc_src, dqacc_bh, stride_qs, stride_qd, stride_dos,
-                                 stride_dod, stride_ls, stride_deltas, lo, mid_lo, offs_n, offs_d,
-                                 offs_dv, seqlen_q,
-                                 seqlen_k, window_left, window_right, qk_scale, softcap_scale,
-                                 alibi_log2,
-                                 HEAD_DIM,
-                                 HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, True, HAS_LEFT,
-                                 HAS_RIGHT, SOFTCAP, ALIBI, ATOMIC_DQ, DQ_TMA, PRECISION)
+                                 stride_dod, stride_ls, stride_deltas, lo, mid_lo, offs_n,
+                                 offs_d, offs_dv, seqlen_q, seqlen_k, window_left,
+                                 window_right, qk_scale, softcap_scale, alibi_log2, off_b,
+                                 off_h, start_n, seed_lo, seed_hi, dropout_threshold,
+                                 dropout_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
+                                 BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT,
+                                 ATOMIC_DQ, DQ_TMA, PRECISION)
         dk, dv = _bwd_dkdv_tiles(dk, dv, k_tile, v_tile, q_base, do_base, lse_base, delta_base,
                                  dqacc_src, dqacc_bh, stride_qs, stride_qd, stride_dos,
                                  stride_dod, stride_ls, stride_deltas, mid_lo, mid_hi, offs_n,
                                  offs_d, offs_dv, seqlen_q, seqlen_k, window_left,
-                                 window_right, qk_scale, softcap_scale, alibi_log2,
-                                 HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, False,
-                                 HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, ATOMIC_DQ, DQ_TMA, PRECISION)
+                                 window_right, qk_scale, softcap_scale, alibi_log2, off_b,
+                                 off_h, start_n, seed_lo, seed_hi, dropout_threshold,
+                                 dropout_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
+                                 BLOCK_N, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT,
+                                 ATOMIC_DQ, DQ_TMA, PRECISION)
         dk, dv = _bwd_dkdv_tiles(dk, dv, k_tile, v_tile, q_base, do_base, lse_base, delta_base,
                                  dqacc_src, dqacc_bh, stride_qs, stride_qd, stride_dos,
-                                 stride_dod, stride_ls, stride_deltas, mid_hi, hi, offs_n, offs_d,
-                                 offs_dv, seqlen_q,
-                                 seqlen_k, window_left, window_right, qk_scale, softcap_scale,
-                                 alibi_log2,
-                                 HEAD_DIM,
-                                 HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, True, HAS_LEFT,
-                                 HAS_RIGHT, SOFTCAP, ALIBI, ATOMIC_DQ, DQ_TMA, PRECISION)
+                                 stride_dod, stride_ls, stride_deltas, mid_hi, hi, offs_n,
+                                 offs_d, offs_dv, seqlen_q, seqlen_k, window_left,
+                                 window_right, qk_scale, softcap_scale, alibi_log2, off_b,
+                                 off_h, start_n, seed_lo, seed_hi, dropout_threshold,
+                                 dropout_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
+                                 BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT,
+                                 ATOMIC_DQ, DQ_TMA, PRECISION)
 
-    dk_ptrs = (DK + off_b * stride_dkb + off_hk * stride_dkh
-               + offs_n[:, None] * stride_dks + offs_d[None, :] * stride_dkd)
-    dv_ptrs = (DV + off_b * stride_dvb + off_hk * stride_dvh
-               + offs_n[:, None] * stride_dvs + offs_dv[None, :] * stride_dvd)
+    dk_ptrs = tile_ptrs(head_ptr(DK, off_b, off_hk, k_start, stride_dkb, stride_dkh, stride_dks),
+                        offs_n, offs_d, stride_dks, stride_dkd)
+    dv_ptrs = tile_ptrs(head_ptr(DV, off_b, off_hk, k_start, stride_dvb, stride_dvh, stride_dvs),
+                        offs_n, offs_dv, stride_dvs, stride_dvd)
     store_tile(dk_ptrs, (dk * softmax_scale).to(DK.dtype.element_ty), offs_n, seqlen_k, offs_d,
                HEAD_DIM, not EVEN_N, HEAD_DIM != BLOCK_D)
     store_tile(dv_ptrs, dv.to(DV.dtype.element_ty), offs_n, seqlen_k, offs_dv, HEAD_DIM_V,
@@ -242,20 +267,19 @@ def _bwd_dkdv_program(pid_n, pid_bh, Q, K, V, DO, Lse, Delta, DK, DV, DQAcc,
 def _bwd_dq_tiles(dq, q_tile, do_tile, lse2, delta, k_base, v_base, stride_ks, stride_kd,
                   stride_vs, stride_vd, start, end, offs_m, offs_d, offs_dv, seqlen_q,
                   seqlen_k, window_left, window_right, qk_scale, softcap_scale, alibi_log2,
+                  off_b, off_h, seed_lo, seed_hi, dropout_threshold, dropout_scale,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                   HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-                  ALIBI: tl.constexpr,
+                  ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
                   PRECISION: tl.constexpr):
     """Accumulate dQ of one query block over key tiles [start, end)."""
     for start_n in tl.range(start, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k_ptrs = k_base + offs_n[:, None] * stride_ks + offs_d[None, :] * stride_kd
-        k_tile = load_tile(k_ptrs, offs_n, seqlen_k, offs_d, HEAD_DIM, MASKED,
-                           HEAD_DIM != BLOCK_D)
-        v_ptrs = v_base + offs_n[:, None] * stride_vs + offs_dv[None, :] * stride_vd
-        v_tile = load_tile(v_ptrs, offs_n, seqlen_k, offs_dv, HEAD_DIM_V, MASKED,
-                           HEAD_DIM_V != BLOCK_DV)
+        k_tile = load_tile(tile_ptrs(k_base, offs_n, offs_d, stride_ks, stride_kd), offs_n,
+                           seqlen_k, offs_d, HEAD_DIM, MASKED, HEAD_DIM != BLOCK_D)
+        v_tile = load_tile(tile_ptrs(v_base, offs_n, offs_dv, stride_vs, stride_vd), offs_n,
+                           seqlen_k, offs_dv, HEAD_DIM_V, MASKED, HEAD_DIM_V != BLOCK_DV)
         # [BLOCK_M, BLOCK_N] = [BLOCK_M, BLOCK_D] @ [BLOCK_D, BLOCK_N]
         qk = tl.dot(q_tile, tl.trans(k_tile), input_precision=PRECISION)
         s = scores(qk, qk_scale, softcap_scale, SOFTCAP)
@@ -270,6 +294,10 @@ def _bwd_dq_tiles(dq, q_tile, do_tile, lse2, delta, k_base, v_base, stride_ks, s
             p = tl.where(keep, p, 0.0)
         # [BLOCK_M, BLOCK_N] = [BLOCK_M, BLOCK_DV] @ [BLOCK_DV, BLOCK_N]
         dp = tl.dot(do_tile, tl.trans(v_tile), input_precision=PRECISION)
+        if DROPOUT:  # the forward's keep-mask of this tile
+            kept = dropout_keep(seed_lo, seed_hi, off_b, off_h, offs_m, start_n,
+                                dropout_threshold, BLOCK_N)
+            dp = tl.where(kept, dp * dropout_scale, 0.0)
         ds = p * (dp - delta[:, None])
         if SOFTCAP:
             ds = ds * dcap
@@ -289,71 +317,74 @@ def _bwd_dq_program(pid_m, pid_bh, Q, K, V, DO, Lse, Delta, DQ,
                    stride_dqb, stride_dqs, stride_dqh, stride_dqd,
                    nheads, group, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
                    softcap_scale, Alibi, stride_ab, stride_ah,
-                   softmax_scale,
+                   softmax_scale, seed_lo, seed_hi, dropout_threshold, dropout_scale, Cu_q, Cu_k,
                    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-                   ALIBI: tl.constexpr,
+                   ALIBI: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr,
                    EVEN_M: tl.constexpr,
                    PRECISION: tl.constexpr):
     """dQ of query block pid_m of (batch, head) pid_bh."""
     off_b = (pid_bh // nheads).to(tl.int64)
     off_h = (pid_bh % nheads).to(tl.int64)
     off_hk = off_h // group
+    q_start, k_start, seqlen_q, seqlen_k = sequence(off_b, seqlen_q, seqlen_k, Cu_q, Cu_k,
+                                                    VARLEN)
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
 
-    q_ptrs = (Q + off_b * stride_qb + off_h * stride_qh
-              + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd)
-    do_ptrs = (DO + off_b * stride_dob + off_h * stride_doh
-               + offs_m[:, None] * stride_dos + offs_dv[None, :] * stride_dod)
+    q_ptrs = tile_ptrs(head_ptr(Q, off_b, off_h, q_start, stride_qb, stride_qh, stride_qs),
+                       offs_m, offs_d, stride_qs, stride_qd)
+    do_ptrs = tile_ptrs(head_ptr(DO, off_b, off_h, q_start, stride_dob, stride_doh, stride_dos),
+                        offs_m, offs_dv, stride_dos, stride_dod)
     q_tile = load_tile(q_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, not EVEN_M,
                        HEAD_DIM != BLOCK_D)
     do_tile = load_tile(do_ptrs, offs_m, seqlen_q, offs_dv, HEAD_DIM_V, not EVEN_M,
                         HEAD_DIM_V != BLOCK_DV)
-    lse2 = _load_lse2(Lse + off_b * stride_lb + off_h * stride_lh + offs_m * stride_ls, offs_m,
-                      seqlen_q)
-    delta = tl.load(Delta + off_b * stride_deltab + off_h * stride_deltah
-                    + offs_m * stride_deltas, mask=offs_m < seqlen_q, other=0.0)
-    k_base = K + off_b * stride_kb + off_hk * stride_kh
-    v_base = V + off_b * stride_vb + off_hk * stride_vh
+    lse2 = _load_lse2(head_ptr(Lse, off_b, off_h, q_start, stride_lb, stride_lh, stride_ls)
+                      + offs_m * stride_ls, offs_m, seqlen_q)
+    delta = tl.load(head_ptr(Delta, off_b, off_h, q_start, stride_deltab, stride_deltah,
+                             stride_deltas) + offs_m * stride_deltas,
+                    mask=offs_m < seqlen_q, other=0.0)
+    k_base = head_ptr(K, off_b, off_hk, k_start, stride_kb, stride_kh, stride_ks)
+    v_base = head_ptr(V, off_b, off_hk, k_start, stride_vb, stride_vh, stride_vs)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     alibi_log2 = load_alibi_log2(Alibi, off_b, off_h, stride_ab, stride_ah, ALIBI)
 
     lo, mid_lo, mid_hi, hi = key_tile_ranges(start_m, seqlen_q, seqlen_k, window_left,
                                              window_right, BLOCK_M, BLOCK_N, HAS_LEFT,
                                              HAS_RIGHT)
+    if VARLEN:
+        lo, mid_lo, mid_hi, hi = skip_past_end(start_m, seqlen_q, lo, mid_lo, mid_hi, hi)
     dq = _bwd_dq_tiles(dq, q_tile, do_tile, lse2, delta, k_base, v_base, stride_ks, stride_kd,
                        stride_vs, stride_vd, lo, mid_lo, offs_m, offs_d, offs_dv, seqlen_q,
                        seqlen_k, window_left, window_right, qk_scale, softcap_scale, alibi_log2,
-                       HEAD_DIM,
-                       HEAD_DIM_V,
-                       BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI,
-                       PRECISION)
+                       off_b, off_h, seed_lo, seed_hi, dropout_threshold, dropout_scale,
+                       HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_LEFT,
+                       HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, PRECISION)
     dq = _bwd_dq_tiles(dq, q_tile, do_tile, lse2, delta, k_base, v_base, stride_ks, stride_kd,
                        stride_vs, stride_vd, mid_lo, mid_hi, offs_m, offs_d, offs_dv, seqlen_q,
                        seqlen_k, window_left, window_right, qk_scale, softcap_scale, alibi_log2,
-                       HEAD_DIM,
-                       HEAD_DIM_V,
-                       BLOCK_D, BLOCK_DV, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI,
-                       PRECISION)
+                       off_b, off_h, seed_lo, seed_hi, dropout_threshold, dropout_scale,
+                       HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, False, HAS_LEFT,
+                       HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, PRECISION)
     dq = _bwd_dq_tiles(dq, q_tile, do_tile, lse2, delta, k_base, v_base, stride_ks, stride_kd,
                        stride_vs, stride_vd, mid_hi, hi, offs_m, offs_d, offs_dv, seqlen_q,
                        seqlen_k, window_left, window_right, qk_scale, softcap_scale, alibi_log2,
-                       HEAD_DIM,
-                       HEAD_DIM_V,
-                       BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI,
-                       PRECISION)
+                       off_b, off_h, seed_lo, seed_hi, dropout_threshold, dropout_scale,
+                       HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_LEFT,
+                       HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, PRECISION)
 
-    dq_ptrs = (DQ + off_b * stride_dqb + off_h * stride_dqh
-               + offs_m[:, None] * stride_dqs + offs_d[None, :] * stride_dqd)
+    dq_ptrs = tile_ptrs(head_ptr(DQ, off_b, off_h, q_start, stride_dqb, stride_dqh, stride_dqs),
+                        offs_m, offs_d, stride_dqs, stride_dqd)
     store_tile(dq_ptrs, (dq * softmax_scale).to(DQ.dtype.element_ty), offs_m, seqlen_q, offs_d,
                HEAD_DIM, not EVEN_M, HEAD_DIM != BLOCK_D)
 
 
-@triton.jit
+
+@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "dropout_threshold"])
 def _bwd_kernel(Q, K, V, DO, Lse, Delta, DQ, DK, DV, DQAcc,
                 stride_qb, stride_qs, stride_qh, stride_qd,
                 stride_kb, stride_ks, stride_kh, stride_kd,
@@ -366,12 +397,13 @@ def _bwd_kernel(Q, K, V, DO, Lse, Delta, DQ, DK, DV, DQAcc,
                 stride_dvb, stride_dvs, stride_dvh, stride_dvd,
                 batch, nheads, nheads_k, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
                 softcap_scale, Alibi, stride_ab, stride_ah,
-                softmax_scale, num_kv_blocks, num_q_blocks,
+                softmax_scale, seed_lo, seed_hi, dropout_threshold, dropout_scale, Cu_q, Cu_k,
+                num_kv_blocks, num_q_blocks,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_DV: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
                 BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr, HAS_LEFT: tl.constexpr,
                 HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-                EVEN_M: tl.constexpr,
+                DROPOUT: tl.constexpr, VARLEN: tl.constexpr, EVEN_M: tl.constexpr,
                 EVEN_N: tl.constexpr,
                 DO_DKDV: tl.constexpr, DO_DQ: tl.constexpr, ATOMIC_DQ: tl.constexpr,
                 DQ_TMA: tl.constexpr, PRECISION: tl.constexpr):
@@ -396,11 +428,10 @@ def _bwd_kernel(Q, K, V, DO, Lse, Delta, DQ, DK, DV, DQAcc,
                               stride_dvb, stride_dvs, stride_dvh, stride_dvd,
                               nheads_k, group, seqlen_q, seqlen_k, window_left, window_right,
                               qk_scale, softcap_scale, Alibi, stride_ab, stride_ah, softmax_scale,
-                              HEAD_DIM, HEAD_DIM_V,
-                              BLOCK_D, BLOCK_DV,
-                              BLOCK_M1, BLOCK_N1, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, EVEN_N,
-                              ATOMIC_DQ,
-                              DQ_TMA, PRECISION)
+                              seed_lo, seed_hi, dropout_threshold, dropout_scale, Cu_q, Cu_k,
+                              HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M1, BLOCK_N1,
+                              HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, VARLEN, EVEN_N,
+                              ATOMIC_DQ, DQ_TMA, PRECISION)
     elif DO_DQ:
         pid_m = num_q_blocks - 1 - (pid - num_kv_blocks if DO_DKDV else pid)
         _bwd_dq_program(pid_m, pid_bh, Q, K, V, DO, Lse, Delta, DQ,
@@ -413,8 +444,9 @@ def _bwd_kernel(Q, K, V, DO, Lse, Delta, DQ, DK, DV, DQAcc,
                         stride_dqb, stride_dqs, stride_dqh, stride_dqd,
                         nheads, group, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
                         softcap_scale, Alibi, stride_ab, stride_ah,
-                        softmax_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M2,
-                        BLOCK_N2, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, EVEN_M, PRECISION)
+                        softmax_scale, seed_lo, seed_hi, dropout_threshold, dropout_scale, Cu_q,
+                        Cu_k, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M2, BLOCK_N2,
+                        HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, VARLEN, EVEN_M, PRECISION)
 
 
 @triton.jit
@@ -430,8 +462,8 @@ def _bwd_dq_convert_kernel(DQAcc, DQ, stride_dqb, stride_dqs, stride_dqh, stride
     offs_d = tl.arange(0, BLOCK_D)
     acc_ptrs = DQAcc + pid_bh * seqlen_q * BLOCK_D + offs_m[:, None] * BLOCK_D + offs_d[None, :]
     dq = tl.load(acc_ptrs, mask=offs_m[:, None] < seqlen_q, other=0.0)
-    dq_ptrs = (DQ + off_b * stride_dqb + off_h * stride_dqh
-               + offs_m[:, None] * stride_dqs + offs_d[None, :] * stride_dqd)
+    dq_ptrs = tile_ptrs(head_ptr(DQ, off_b, off_h, 0, stride_dqb, stride_dqh, stride_dqs),
+                        offs_m, offs_d, stride_dqs, stride_dqd)
     store_tile(dq_ptrs, (dq * softmax_scale).to(DQ.dtype.element_ty), offs_m, seqlen_q, offs_d,
                HEAD_DIM, True, HEAD_DIM != BLOCK_D)
 
@@ -448,33 +480,42 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
 
     dQ comes from its own kernel (deterministic) or, when atomic_dq, from fp32 atomic adds in
     the dK/dV kernel plus a conversion (fewer matmuls, order of the adds not fixed). atomic_dq
-    None picks configs.ATOMIC_DQ unless params.deterministic. fused launches the dK/dV and dQ
-    programs together (configs.FUSED_BWD), else one after the other. tiles = {"dkdv": (BLOCK_M,
-    BLOCK_N, num_warps, num_stages), "dq": ...} overrides configs.py (the tuning sweep).
+    None picks configs.ATOMIC_DQ unless params.deterministic; varlen always takes the
+    deterministic path (the accumulator is laid out per dense batch entry). fused launches the
+    dK/dV and dQ programs together (configs.FUSED_BWD), else one after the other. tiles =
+    {"dkdv": (BLOCK_M, BLOCK_N, num_warps, num_stages), "dq": ...} overrides configs.py (the
+    tuning sweep).
     """
     tiles = tiles or {}
-    batch, seqlen_q, nheads, head_dim = q.shape
-    _, seqlen_k, nheads_k, head_dim_v = v.shape
+    batch, seqlen_q, seqlen_k, nheads, nheads_k = varlen_shape(q, v, params)
+    head_dim, head_dim_v = q.shape[-1], v.shape[-1]
     dq = torch.empty_like(q) if dq is None else dq
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
-    delta = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
+    delta = torch.empty(lse.shape, dtype=torch.float32, device=q.device)  # laid out like lse
     window_left, window_right, has_left, has_right = window_args(params)
     block_d, block_dv = padded_head_dim(head_dim), padded_head_dim(head_dim_v)
     d_max = max(head_dim, head_dim_v)
     if atomic_dq is None:
         atomic_dq = ATOMIC_DQ and not params.deterministic
+    atomic_dq = atomic_dq and not params.is_varlen
     qk_scale, softcap_scale, softcap = score_args(params)
     alibi, alibi_strides, has_alibi = alibi_args(params, lse)
+    seed_lo, seed_hi, dropout_threshold, dropout_scale, dropout = dropout_args(
+        params.dropout_p, params.dropout_seed)
+    cu_q, cu_k, varlen = varlen_args(params, lse)
     dims = dict(HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv)
     band = dict(HAS_LEFT=has_left, HAS_RIGHT=has_right, SOFTCAP=softcap, ALIBI=has_alibi,
-                PRECISION=DOT_PRECISION)
-    common_strides = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lse.stride(),
-                      *delta.stride())
+                DROPOUT=dropout, VARLEN=varlen, PRECISION=DOT_PRECISION)
+    common_strides = tuple(stride for t in (q, k, v, dout, lse, delta)
+                           for stride in batch_strides(t, params))
 
+    # delta row by row: varlen's packed rows are one long sequence here
     preprocess_block_m = 64
-    _bwd_preprocess_kernel[(triton.cdiv(seqlen_q, preprocess_block_m), batch * nheads)](
-        out, dout, delta, *out.stride(), *dout.stride(), *delta.stride(), nheads, seqlen_q,
+    rows_batch, rows = (1, q.shape[0]) if varlen else (batch, seqlen_q)
+    _bwd_preprocess_kernel[(triton.cdiv(rows, preprocess_block_m), rows_batch * nheads)](
+        out, dout, delta, *batch_strides(out, params), *batch_strides(dout, params),
+        *batch_strides(delta, params), nheads, rows,
         HEAD_DIM_V=head_dim_v, BLOCK_DV=block_dv, BLOCK_M=preprocess_block_m)
     if dlse is not None:
         delta -= dlse
@@ -490,13 +531,15 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     num_kv_blocks, num_q_blocks = triton.cdiv(seqlen_k, block_n1), triton.cdiv(seqlen_q, block_m2)
     args = (q, k, v, dout, lse, delta, dq, dk, dv,
             dq_acc if dq_acc_desc is None else dq_acc_desc,
-            *common_strides, *dq.stride(), *dk.stride(), *dv.stride(),
+            *common_strides, *batch_strides(dq, params), *batch_strides(dk, params),
+            *batch_strides(dv, params),
             batch, nheads, nheads_k, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
             softcap_scale, alibi, *alibi_strides,
-            params.softmax_scale, num_kv_blocks, num_q_blocks)
+            params.softmax_scale, seed_lo, seed_hi, dropout_threshold, dropout_scale, cu_q, cu_k,
+            num_kv_blocks, num_q_blocks)
     meta = dict(**dims, BLOCK_M1=block_m1, BLOCK_N1=block_n1, BLOCK_M2=block_m2,
-                BLOCK_N2=block_n2, **band, EVEN_M=seqlen_q % block_m2 == 0,
-                EVEN_N=seqlen_k % block_n1 == 0, ATOMIC_DQ=atomic_dq,
+                BLOCK_N2=block_n2, **band, EVEN_M=not varlen and seqlen_q % block_m2 == 0,
+                EVEN_N=not varlen and seqlen_k % block_n1 == 0, ATOMIC_DQ=atomic_dq,
                 DQ_TMA=dq_acc_desc is not None)
     if fused and not atomic_dq:  # one launch, the dK/dV kernel's warps and stages
         _bwd_kernel[(num_kv_blocks + num_q_blocks, batch * nheads)](
@@ -512,10 +555,11 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
 
     dsink = None
     if params.sink is not None:
-        # d lse_i / d sink = exp(sink - lse_i) and dL/d lse_i = -delta_i, summed over rows:
-        # a fixed-order torch reduction, deterministic like the rest.
-        row_share = torch.exp(params.sink.to(torch.float32)[None, :, None] - lse) * delta
-        dsink = (-row_share.sum((0, 2))).to(params.sink.dtype)
+        # d lse_i / d sink = exp(sink - lse_i) and dL/d lse_i = -delta_i, summed over rows
+        # (lse (batch, nheads, seqlen_q), varlen (nheads, total_q)): a fixed-order torch
+        # reduction, deterministic like the rest.
+        row_share = torch.exp(params.sink.to(torch.float32)[:, None] - lse) * delta
+        dsink = (-row_share.sum(-1).reshape(-1, nheads).sum(0)).to(params.sink.dtype)
 
     if atomic_dq:
         convert_block_m = 64

@@ -8,8 +8,12 @@ Notation (every kernel file of this backend uses it):
                   HAS_LEFT / HAS_RIGHT say whether each side is bounded (causal: right = 0)
     s             scores in log2 units: s = (scale * log2(e)) * q . k, so exp(x) = exp2(x log2 e);
                   SOFTCAP: log2(e) c tanh(scale q . k / c); ALIBI: minus log2(e) slope |i+shift-j|
-    features      compile-time flags (SOFTCAP, ALIBI, SINK; HAS_LEFT/HAS_RIGHT for the band):
-                  a kernel compiled without one is the same code as before the feature existed
+    features      compile-time flags (SOFTCAP, ALIBI, SINK, DROPOUT, VARLEN; HAS_LEFT/HAS_RIGHT
+                  for the band): a kernel compiled without one is the same code as before the
+                  feature existed
+    varlen        sequence b of packed tokens spans rows [cu_seqlens[b], cu_seqlens[b + 1]);
+                  kernels see it as batch entry b with batch stride 0, its first row (q_start,
+                  k_start) added to the base pointers and its own seqlen_q / seqlen_k
     m, l          running row max and row sum of exp2(s - m) (online softmax)
     lse           natural-log log-sum-exp as stored; lse2 = lse * log2(e) inside kernels
     *_tile        a block of a tensor in registers; *_ptrs a block of pointers; offs_* index vectors
@@ -84,11 +88,70 @@ def alibi_args(params, placeholder):
     return slopes, tuple(slopes.stride()), True
 
 
+def varlen_shape(q, v, params) -> tuple[int, int, int, int, int]:
+    """(batch, seqlen_q, seqlen_k, nheads, nheads_k): the grid's view of dense or packed inputs
+    (varlen: the number of sequences and the longest lengths)."""
+    if params.is_varlen:
+        return (params.cu_seqlens_q.numel() - 1, params.max_seqlen_q, params.max_seqlen_k,
+                q.shape[1], v.shape[1])
+    return q.shape[0], q.shape[1], v.shape[1], q.shape[2], v.shape[2]
+
+
+def batch_strides(x, params) -> tuple[int, ...]:
+    """x's strides with a leading batch stride: varlen tensors (total, ...) get batch stride 0,
+    since each sequence's first row is added to the base pointer instead."""
+    return (0, *x.stride()) if params.is_varlen else tuple(x.stride())
+
+
+def varlen_args(params, placeholder):
+    """(cu_seqlens_q, cu_seqlens_k, VARLEN); without varlen `placeholder` stands in, unread."""
+    if params.is_varlen:
+        return params.cu_seqlens_q, params.cu_seqlens_k, True
+    return placeholder, placeholder, False
+
+
 def window_args(params) -> tuple[int, int, bool, bool]:
     """(window_left, window_right, HAS_LEFT, HAS_RIGHT) as the kernels take them."""
     left, right = params.window_left, params.window_right
     return (0 if left is None else left, 0 if right is None else right,
             left is not None, right is not None)
+
+
+@triton.jit
+def sequence(off_b, seqlen_q, seqlen_k, Cu_q, Cu_k, VARLEN: tl.constexpr):
+    """(q_start, k_start, seqlen_q, seqlen_k) of batch entry off_b: with VARLEN the first rows
+    of sequence off_b in the packed tokens (int64) and its lengths, else (0, 0) and the dense
+    lengths as given."""
+    q_start = 0
+    k_start = 0
+    if VARLEN:
+        q_start = tl.load(Cu_q + off_b).to(tl.int64)
+        k_start = tl.load(Cu_k + off_b).to(tl.int64)
+        seqlen_q = (tl.load(Cu_q + off_b + 1) - q_start).to(tl.int32)
+        seqlen_k = (tl.load(Cu_k + off_b + 1) - k_start).to(tl.int32)
+    return q_start, k_start, seqlen_q, seqlen_k
+
+
+@triton.jit
+def head_ptr(X, off_b, off_h, start, stride_b, stride_h, stride_s):
+    """Pointer to row `start` of (batch off_b, head off_h) of X (start: a varlen sequence's
+    first row, else 0)."""
+    return X + off_b * stride_b + off_h * stride_h + start * stride_s
+
+
+@triton.jit
+def tile_ptrs(base, rows, cols, stride_r, stride_c):
+    """[R, C] pointers base + rows * stride_r + cols * stride_c."""
+    return base + rows[:, None] * stride_r + cols[None, :] * stride_c
+
+
+@triton.jit
+def skip_past_end(start, length, lo, mid_lo, mid_hi, hi):
+    """Empty tile ranges for a block that starts at or past its sequence's end (varlen grids
+    are sized for the longest sequence): such a program loads, computes and stores nothing."""
+    past = start >= length
+    return (tl.where(past, 0, lo), tl.where(past, 0, mid_lo), tl.where(past, 0, mid_hi),
+            tl.where(past, 0, hi))
 
 
 @triton.jit

@@ -10,7 +10,10 @@ lse (b, h, sq) float32, natural log. Every stride is passed, so strided views co
 (Triton specialises a stride of 1 at compile time, which keeps the loads vectorised).
 Precision: bf16/fp16 dots accumulate in fp32; fp32 inputs use IEEE fp32 dots (no tf32).
 Features as compile-time flags: SOFTCAP and ALIBI change the scores (common.scores,
-common.alibi_bias), SINK starts the online softmax from the sink logit.
+common.alibi_bias), SINK starts the online softmax from the sink logit, DROPOUT zeroes the
+dropped probabilities before the P @ V product (l and lse stay pre-dropout) and scales the output
+by 1 / (1 - p), VARLEN reads each sequence's rows and lengths from cu_seqlens (common.sequence).
+Varlen layouts: q (total_q, h, d), k/v (total_k, hk, d), out like q, lse (h, total_q).
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from flashkit.ops.triton.common import (
     LOG2E_JIT,
     alibi_args,
     alibi_bias,
+    batch_strides,
+    head_ptr,
     interpreting,
     key_tile_ranges,
     kv_descriptor,
@@ -35,24 +40,31 @@ from flashkit.ops.triton.common import (
     online_softmax_update,
     score_args,
     scores,
+    sequence,
     store_tile,
+    tile_ptrs,
+    varlen_args,
+    varlen_shape,
     visible,
     window_args,
 )
 from flashkit.ops.triton.configs import USE_TMA, padded_head_dim, tile_config
+from flashkit.ops.triton.dropout import dropout_args, dropout_keep
 
 
 @triton.jit
 def _fwd_tiles(acc, m_i, l_i, q_tile, k_src, v_src, off_b, off_hk, stride_ks, stride_kd,
                stride_vs, stride_vd, start, end, offs_m, offs_d, offs_dv, seqlen_q, seqlen_k,
-               window_left, window_right, qk_scale, softcap_scale, alibi_log2,
+               window_left, window_right, qk_scale, softcap_scale, alibi_log2, off_h, seed_lo,
+               seed_hi, dropout_threshold,
                HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-               ALIBI: tl.constexpr,
+               ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
                USE_TMA: tl.constexpr,
                PRECISION: tl.constexpr):
-    """Stream key tiles [start, end) into (acc, m_i, l_i); MASKED applies the band predicate."""
+    """Stream key tiles [start, end) into (acc, m_i, l_i); MASKED applies the band predicate.
+    DROPOUT: l sums every probability, acc only the kept ones (the 1 / (1 - p) comes last)."""
     for start_n in tl.range(start, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k_tile = load_kv_tile(k_src, off_b, off_hk, start_n, offs_n, seqlen_k, offs_d,
@@ -67,6 +79,9 @@ def _fwd_tiles(acc, m_i, l_i, q_tile, k_src, v_src, off_b, off_hk, stride_ks, st
                            window_right, HAS_LEFT, HAS_RIGHT)
             s = tl.where(keep, s, float("-inf"))
         p, alpha, m_i, l_i = online_softmax_update(m_i, l_i, s, MASKED)
+        if DROPOUT:
+            p = tl.where(dropout_keep(seed_lo, seed_hi, off_b, off_h, offs_m, start_n,
+                                      dropout_threshold, BLOCK_N), p, 0.0)
         v_tile = load_kv_tile(v_src, off_b, off_hk, start_n, offs_n, seqlen_k, offs_dv,
                               stride_vs, stride_vd, HEAD_DIM_V, BLOCK_N, BLOCK_DV, MASKED,
                               USE_TMA)
@@ -75,7 +90,7 @@ def _fwd_tiles(acc, m_i, l_i, q_tile, k_src, v_src, off_b, off_hk, stride_ks, st
     return acc, m_i, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "dropout_threshold"])
 def _fwd_kernel(Q, K, V, Out, Lse,
                 stride_qb, stride_qs, stride_qh, stride_qd,
                 stride_kb, stride_ks, stride_kh, stride_kd,
@@ -83,36 +98,44 @@ def _fwd_kernel(Q, K, V, Out, Lse,
                 stride_ob, stride_os, stride_oh, stride_od,
                 stride_lb, stride_lh, stride_ls,
                 nheads, group, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
-                softcap_scale, Alibi, stride_ab, stride_ah, Sink,
+                softcap_scale, Alibi, stride_ab, stride_ah, Sink, seed_lo, seed_hi,
+                dropout_threshold, dropout_scale, Cu_q, Cu_k,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-                ALIBI: tl.constexpr, SINK: tl.constexpr, EVEN_M: tl.constexpr,
+                ALIBI: tl.constexpr, SINK: tl.constexpr, DROPOUT: tl.constexpr,
+                VARLEN: tl.constexpr, EVEN_M: tl.constexpr,
                 USE_TMA: tl.constexpr, PRECISION: tl.constexpr):
     """K and V are tensor descriptors when USE_TMA (see common.kv_descriptor), else pointers.
     SINK: Sink holds one logit per query head that joins every row's denominator: the online
-    softmax starts from it (m = sink, l = 1) instead of from nothing (m = -inf, l = 0)."""
+    softmax starts from it (m = sink, l = 1) instead of from nothing (m = -inf, l = 0).
+    VARLEN: the grid covers the longest sequence; blocks past a shorter one's end return."""
     # Heaviest query tiles first: under a causal band the last rows see the most keys.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_bh = tl.program_id(1)
     off_b = (pid_bh // nheads).to(tl.int64)
     off_h = (pid_bh % nheads).to(tl.int64)
     off_hk = off_h // group  # GQA: query head h reads kv head h // group
+    q_start, k_start, seqlen_q, seqlen_k = sequence(off_b, seqlen_q, seqlen_k, Cu_q, Cu_k,
+                                                    VARLEN)
     start_m = pid_m * BLOCK_M
+    if VARLEN:
+        if start_m >= seqlen_q:
+            return
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
 
-    q_ptrs = (Q + off_b * stride_qb + off_h * stride_qh
-              + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd)
+    q_ptrs = tile_ptrs(head_ptr(Q, off_b, off_h, q_start, stride_qb, stride_qh, stride_qs),
+                       offs_m, offs_d, stride_qs, stride_qd)
     q_tile = load_tile(q_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, not EVEN_M,
                        HEAD_DIM != BLOCK_D)
     if USE_TMA:
         k_src = K
         v_src = V
     else:
-        k_src = K + off_b * stride_kb + off_hk * stride_kh
-        v_src = V + off_b * stride_vb + off_hk * stride_vh
+        k_src = head_ptr(K, off_b, off_hk, k_start, stride_kb, stride_kh, stride_ks)
+        v_src = head_ptr(V, off_b, off_hk, k_start, stride_vb, stride_vh, stride_vs)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -128,34 +151,40 @@ def _fwd_kernel(Q, K, V, Out, Lse,
     acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q_tile, k_src, v_src, off_b, off_hk,
                                stride_ks, stride_kd, stride_vs, stride_vd, lo, mid_lo, offs_m,
                                offs_d, offs_dv, seqlen_q, seqlen_k, window_left, window_right,
-                               qk_scale, softcap_scale, alibi_log2,
+                               qk_scale, softcap_scale, alibi_log2, off_h, seed_lo, seed_hi,
+                               dropout_threshold,
                                HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True,
-                               HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, USE_TMA, PRECISION)
+                               HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, USE_TMA, PRECISION)
     acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q_tile, k_src, v_src, off_b, off_hk,
                                stride_ks, stride_kd, stride_vs, stride_vd, mid_lo, mid_hi, offs_m,
                                offs_d, offs_dv, seqlen_q, seqlen_k, window_left, window_right,
-                               qk_scale, softcap_scale, alibi_log2,
+                               qk_scale, softcap_scale, alibi_log2, off_h, seed_lo, seed_hi,
+                               dropout_threshold,
                                HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, False,
-                               HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, USE_TMA, PRECISION)
+                               HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, USE_TMA, PRECISION)
     acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q_tile, k_src, v_src, off_b, off_hk,
                                stride_ks, stride_kd, stride_vs, stride_vd, mid_hi, hi, offs_m,
                                offs_d, offs_dv, seqlen_q, seqlen_k, window_left, window_right,
-                               qk_scale, softcap_scale, alibi_log2,
+                               qk_scale, softcap_scale, alibi_log2, off_h, seed_lo, seed_hi,
+                               dropout_threshold,
                                HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True,
-                               HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, USE_TMA, PRECISION)
+                               HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, USE_TMA, PRECISION)
 
     # A row that saw no key (and no sink) has l = 0: out = 0 (acc is 0) and lse = -inf, never
     # NaN; with a sink it has l = 1 and lse = sink.
     has_mass = l_i > 0.0
     l_safe = tl.where(has_mass, l_i, 1.0)
+    if DROPOUT:
+        acc = acc * dropout_scale
     out_tile = acc / l_safe[:, None]
     lse = tl.where(has_mass, (m_i + tl.math.log2(l_safe)) * LN2_JIT, float("-inf"))
 
-    o_ptrs = (Out + off_b * stride_ob + off_h * stride_oh
-              + offs_m[:, None] * stride_os + offs_dv[None, :] * stride_od)
+    o_ptrs = tile_ptrs(head_ptr(Out, off_b, off_h, q_start, stride_ob, stride_oh, stride_os),
+                       offs_m, offs_dv, stride_os, stride_od)
     store_tile(o_ptrs, out_tile.to(Out.dtype.element_ty), offs_m, seqlen_q, offs_dv, HEAD_DIM_V,
                not EVEN_M, HEAD_DIM_V != BLOCK_DV)
-    lse_ptrs = Lse + off_b * stride_lb + off_h * stride_lh + offs_m * stride_ls
+    lse_ptrs = (head_ptr(Lse, off_b, off_h, q_start, stride_lb, stride_lh, stride_ls)
+                + offs_m * stride_ls)
     if EVEN_M:
         tl.store(lse_ptrs, lse)
     else:
@@ -170,33 +199,42 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """Launch the forward kernel. Returns (out, lse); out/lse may be given preallocated.
 
     tile = (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides configs.py (the tuning sweep);
-    use_tma=False keeps K/V loads on pointers even where a TMA descriptor would do.
+    use_tma=False keeps K/V loads on pointers even where a TMA descriptor would do (varlen always
+    does: a descriptor would read across sequences).
     """
-    batch, seqlen_q, nheads, head_dim = q.shape
-    _, seqlen_k, nheads_k, head_dim_v = v.shape
+    batch, seqlen_q, seqlen_k, nheads, nheads_k = varlen_shape(q, v, params)
+    head_dim, head_dim_v = q.shape[-1], v.shape[-1]
     if out is None:
         out_dtype = torch.float32 if params.fp32_out else q.dtype
-        out = torch.empty((batch, seqlen_q, nheads, head_dim_v), dtype=out_dtype, device=q.device)
-    if lse is None:
-        lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
+        out = torch.empty((*q.shape[:-1], head_dim_v), dtype=out_dtype, device=q.device)
+    if lse is None:  # (batch, nheads, seqlen_q), varlen (nheads, total_q)
+        lse_shape = (nheads, q.shape[0]) if params.is_varlen else (batch, nheads, seqlen_q)
+        lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
     block_m, block_n, num_warps, num_stages = tile or tile_config(
         "forward", max(head_dim, head_dim_v), q.element_size(), interpreting())
     window_left, window_right, has_left, has_right = window_args(params)
     qk_scale, softcap_scale, softcap = score_args(params)
     alibi, alibi_strides, has_alibi = alibi_args(params, lse)
     sink = lse if params.sink is None else params.sink.to(torch.float32)
+    seed_lo, seed_hi, dropout_threshold, dropout_scale, dropout = dropout_args(
+        params.dropout_p, params.dropout_seed)
+    cu_q, cu_k, varlen = varlen_args(params, lse)
     block_d, block_dv = padded_head_dim(head_dim), padded_head_dim(head_dim_v)
-    k_desc, v_desc = kv_descriptor(k, block_n, block_d), kv_descriptor(v, block_n, block_dv)
+    use_tma = use_tma and not varlen
+    k_desc = kv_descriptor(k, block_n, block_d) if use_tma else None
+    v_desc = kv_descriptor(v, block_n, block_dv) if use_tma else None
     use_tma = use_tma and k_desc is not None and v_desc is not None
     grid = (triton.cdiv(seqlen_q, block_m), batch * nheads)
     _fwd_kernel[grid](
         q, k_desc if use_tma else k, v_desc if use_tma else v, out, lse,
-        *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
+        *batch_strides(q, params), *batch_strides(k, params), *batch_strides(v, params),
+        *batch_strides(out, params), *batch_strides(lse, params),
         nheads, nheads // nheads_k, seqlen_q, seqlen_k, window_left, window_right,
-        qk_scale, softcap_scale, alibi, *alibi_strides, sink,
+        qk_scale, softcap_scale, alibi, *alibi_strides, sink, seed_lo, seed_hi,
+        dropout_threshold, dropout_scale, cu_q, cu_k,
         HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
         BLOCK_M=block_m, BLOCK_N=block_n, HAS_LEFT=has_left, HAS_RIGHT=has_right,
-        SOFTCAP=softcap, ALIBI=has_alibi, SINK=params.sink is not None,
-        EVEN_M=seqlen_q % block_m == 0, USE_TMA=use_tma, PRECISION=DOT_PRECISION,
-        num_warps=num_warps, num_stages=num_stages)
+        SOFTCAP=softcap, ALIBI=has_alibi, SINK=params.sink is not None, DROPOUT=dropout,
+        VARLEN=varlen, EVEN_M=not varlen and seqlen_q % block_m == 0, USE_TMA=use_tma,
+        PRECISION=DOT_PRECISION, num_warps=num_warps, num_stages=num_stages)
     return out, lse

@@ -1,0 +1,274 @@
+"""What each kernel feature costs on the Triton backend (issue 4), with anchors in the same run.
+
+    PYTHONPATH=src python3 benchmarks/bench_features.py --out DIR [--compile-only] [--jobs N]
+
+Four parts, bf16, head dim 128, times from triton.testing.do_bench medians (bench_triton.bench):
+    costs    each feature against the plain kernel at seqlen 8k (batch 2, 16 heads), forward
+             and backward: window (a causal-sized band through the HAS_LEFT path) against causal;
+             ALiBi, softcap, sink, dropout 0.1 against full; dropout and every feature at once
+             against causal. cuDNN (SDPA) full and causal at the same shape as the anchor.
+    window   causal sliding window of 1024 keys over 16k (batch 1, 16 heads): TFLOP/s counted on
+             the visible pairs, against our causal kernel and cuDNN causal (TFLOP/s on causal
+             pairs, for scale) and FlexAttention compiled with the same sliding-window mask
+             (block mask built once, outside the timing).
+    varlen   equal lengths packed (2 x 8k, 8 x 2k, causal and full) against the dense call on
+             the same tokens.
+    ragged   16 causal sequences of 1..8k tokens: varlen tokens/s against the dense call on the
+             batch padded to the longest.
+Backward times the backward launcher alone on saved (out, lse), as bench_triton does.
+--compile-only runs every case once, in --jobs processes (Triton's and Inductor's disk caches
+then serve the timed run). Results: DIR/features_<date>.json with date, device, versions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import datetime
+import json
+import multiprocessing
+import os
+
+import torch
+from bench_triton import anchor_flex_compiled, bench, environment
+
+from flashkit.ops.params import AttentionParams
+from flashkit.ops.triton.backward import attention_backward
+from flashkit.ops.triton.forward import attention_forward
+
+HEAD_DIM, NHEADS, DTYPE = 128, 16, torch.bfloat16
+SCALE = HEAD_DIM ** -0.5
+WINDOW, WINDOW_SEQLEN = 1024, 16384
+
+
+def randn(*shape):
+    return torch.randn(*shape, dtype=DTYPE, device="cuda")
+
+
+def cu_seqlens(lengths):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32,
+                        device="cuda")
+
+
+def feature_params(name: str, batch: int) -> AttentionParams:
+    causal = dict(window_left=None, window_right=0)
+    return {
+        "full": AttentionParams(SCALE),
+        "causal": AttentionParams(SCALE, **causal),
+        "window": AttentionParams(SCALE, window_left=8191, window_right=0),
+        "alibi": AttentionParams(SCALE, alibi_slopes=torch.rand(NHEADS, device="cuda") * 0.1),
+        "softcap": AttentionParams(SCALE, softcap=30.0),
+        "sink": AttentionParams(SCALE, sink=torch.randn(NHEADS, device="cuda")),
+        "dropout": AttentionParams(SCALE, dropout_p=0.1, dropout_seed=2**61 + 7),
+        "dropout_causal": AttentionParams(SCALE, **causal, dropout_p=0.1, dropout_seed=2**61 + 7),
+        "all_causal": AttentionParams(SCALE, window_left=8191, window_right=0, softcap=30.0,
+                                      alibi_slopes=torch.rand(NHEADS, device="cuda") * 0.1,
+                                      sink=torch.randn(NHEADS, device="cuda"), dropout_p=0.1,
+                                      dropout_seed=2**61 + 7),
+    }[name]
+
+
+COST_BASE = {"full": None, "causal": None, "window": "causal", "alibi": "full",
+             "softcap": "full", "sink": "full", "dropout": "full", "dropout_causal": "causal",
+             "all_causal": "causal"}
+
+
+def time_ours(q, k, v, dout, params, timed=True):
+    """(fwd ms, bwd ms) of the launchers (one run each when not timed: compiling)."""
+    out, lse = attention_forward(q, k, v, params)
+    fwd = lambda: attention_forward(q, k, v, params)  # noqa: E731
+    bwd = lambda: attention_backward(dout, q, k, v, out, lse, params)  # noqa: E731
+    if not timed:
+        bwd()
+        torch.cuda.synchronize()
+        return None, None
+    return bench(fwd), bench(bwd)
+
+
+def time_sdpa(q, k, v, dout, causal, backend="cudnn", timed=True):
+    """(fwd ms, bwd ms) of SDPA on (b, h, s, d) copies."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    kind = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[backend]
+    qh, kh, vh, douth = (x.transpose(1, 2).contiguous() for x in (q, k, v, dout))
+
+    def run(*t):
+        with sdpa_kernel(kind):
+            return sdpa(*t, is_causal=causal)
+
+    leaves = [x.requires_grad_() for x in (qh, kh, vh)]
+    out = run(*leaves)
+    if not timed:
+        return None, None
+    return (bench(lambda: run(qh, kh, vh)),
+            bench(lambda: torch.autograd.grad(out, leaves, douth, retain_graph=True)))
+
+
+def time_flex_window(q, k, v, dout, timed=True):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    flex = anchor_flex_compiled(flex_attention)
+    seqlen = q.shape[1]
+    mask = create_block_mask(lambda b, h, i, j: (j <= i) & (i - j < WINDOW), None, None, seqlen,
+                             seqlen)
+    qh, kh, vh, douth = (x.transpose(1, 2).contiguous() for x in (q, k, v, dout))
+    leaves = [x.requires_grad_() for x in (qh, kh, vh)]
+    out = flex(*leaves, block_mask=mask)
+    torch.autograd.grad(out, leaves, douth, retain_graph=True)
+    if not timed:
+        return None, None
+    return (bench(lambda: flex(qh, kh, vh, block_mask=mask)),
+            bench(lambda: torch.autograd.grad(out, leaves, douth, retain_graph=True)))
+
+
+def flops(pairs, nheads=NHEADS, head_dim=HEAD_DIM):
+    """(fwd, bwd) FLOPs over `pairs` visible (query, key) pairs per head (DESIGN section 6)."""
+    f = 4 * pairs * nheads * head_dim
+    return f, 2.5 * f
+
+
+def tflops(fl, ms):
+    return None if ms is None else fl / ms / 1e9
+
+
+# ---- the cases, each a function of `timed` (so --compile-only can run them in processes) -----
+
+def case_cost(name, timed=True):
+    batch, seqlen = 2, 8192
+    torch.manual_seed(0)
+    q, k, v, dout = (randn(batch, seqlen, NHEADS, HEAD_DIM) for _ in range(4))
+    fwd, bwd = time_ours(q, k, v, dout, feature_params(name, batch), timed)
+    return dict(part="costs", case=name, fwd_ms=fwd, bwd_ms=bwd)
+
+
+def case_cost_anchor(causal, timed=True):
+    batch, seqlen = 2, 8192
+    q, k, v, dout = (randn(batch, seqlen, NHEADS, HEAD_DIM) for _ in range(4))
+    fwd, bwd = time_sdpa(q, k, v, dout, causal, timed=timed)
+    return dict(part="costs", case="cudnn_" + ("causal" if causal else "full"), fwd_ms=fwd,
+                bwd_ms=bwd)
+
+
+def case_window(impl, timed=True):
+    seqlen = WINDOW_SEQLEN
+    q, k, v, dout = (randn(1, seqlen, NHEADS, HEAD_DIM) for _ in range(4))
+    window_pairs = sum(min(i + 1, WINDOW) for i in range(seqlen))
+    causal_pairs = seqlen * (seqlen + 1) // 2
+    if impl == "ours_window":
+        params, pairs = AttentionParams(SCALE, window_left=WINDOW - 1, window_right=0), window_pairs
+        fwd, bwd = time_ours(q, k, v, dout, params, timed)
+    elif impl == "ours_causal":
+        params, pairs = AttentionParams(SCALE, window_right=0), causal_pairs
+        fwd, bwd = time_ours(q, k, v, dout, params, timed)
+    elif impl == "flex_window":
+        (fwd, bwd), pairs = time_flex_window(q, k, v, dout, timed), window_pairs
+    else:  # cudnn_causal / flash_causal
+        (fwd, bwd), pairs = time_sdpa(q, k, v, dout, True, impl.split("_")[0], timed), \
+            causal_pairs
+    f_fwd, f_bwd = flops(pairs)
+    return dict(part="window", case=impl, pairs=pairs, fwd_ms=fwd, bwd_ms=bwd,
+                fwd_tflops=tflops(f_fwd, fwd), bwd_tflops=tflops(f_bwd, bwd))
+
+
+def case_varlen(layout, lengths, causal, padded=False, timed=True):
+    """Dense (batch, max, h, d) or varlen packed tokens of `lengths`; dense with unequal
+    lengths means padding every sequence to the longest."""
+    longest, tokens = max(lengths), sum(lengths)
+    window = dict(window_right=0) if causal else {}
+    if layout == "dense":
+        q, k, v, dout = (randn(len(lengths), longest, NHEADS, HEAD_DIM) for _ in range(4))
+        params = AttentionParams(SCALE, **window)
+    else:
+        q, k, v, dout = (randn(tokens, NHEADS, HEAD_DIM) for _ in range(4))
+        cu = cu_seqlens(lengths)
+        params = AttentionParams(SCALE, **window, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                 max_seqlen_q=longest, max_seqlen_k=longest)
+    fwd, bwd = time_ours(q, k, v, dout, params, timed)
+    row = dict(layout=layout, lengths=list(lengths), causal=causal, tokens=tokens, fwd_ms=fwd,
+               bwd_ms=bwd)
+    if timed:
+        row.update(fwd_tokens_per_s=tokens / fwd * 1e3, bwd_tokens_per_s=tokens / bwd * 1e3)
+    return row
+
+
+RAGGED = [int(x) for x in torch.randint(1, 8193, (16,),
+                                        generator=torch.Generator().manual_seed(0))]
+EQUAL = {"2x8k": [8192] * 2, "8x2k": [2048] * 8}
+
+
+def cases():
+    """(label, function, args) of every measurement, in the order they are timed."""
+    out = [(f"cost {n}", case_cost, (n,)) for n in COST_BASE]
+    out += [(f"cost cudnn causal={c}", case_cost_anchor, (c,)) for c in (False, True)]
+    out += [(f"window {i}", case_window, (i,)) for i in
+            ("ours_window", "ours_causal", "flex_window", "cudnn_causal", "flash_causal")]
+    for label, lengths in EQUAL.items():
+        for causal in (False, True):
+            for layout in ("dense", "varlen"):
+                out.append((f"varlen {label} causal={causal} {layout}", case_varlen,
+                            (layout, lengths, causal)))
+    for layout in ("varlen", "dense"):
+        out.append((f"ragged {layout}", case_varlen, (layout, RAGGED, True)))
+    return out
+
+
+def _compile(i):
+    label, fn, args = cases()[i]
+    fn(*args, timed=False)
+    return label
+
+
+def summarize(rows):
+    """Ratios: each feature against its base, varlen against dense, window against anchors."""
+    by = {(r["part"], r["case"]): r for r in rows if "case" in r}
+    costs = {}
+    for name, base in COST_BASE.items():
+        if base and ("costs", name) in by:
+            r, b = by[("costs", name)], by[("costs", base)]
+            costs[name] = dict(vs=base, fwd=r["fwd_ms"] / b["fwd_ms"],
+                               bwd=r["bwd_ms"] / b["bwd_ms"])
+    for name in ("full", "causal"):
+        if ("costs", name) in by and ("costs", "cudnn_" + name) in by:
+            r, a = by[("costs", name)], by[("costs", "cudnn_" + name)]
+            costs[f"plain_{name}_vs_cudnn"] = dict(fwd=a["fwd_ms"] / r["fwd_ms"],
+                                                   bwd=a["bwd_ms"] / r["bwd_ms"])
+    varlen = {}
+    dense = {(tuple(r["lengths"]), r["causal"]): r for r in rows if r.get("layout") == "dense"}
+    for r in rows:
+        if r.get("layout") == "varlen":
+            d = dense.get((tuple(r["lengths"]), r["causal"]))
+            if d:
+                key = f"{len(r['lengths'])}seq causal={r['causal']}"
+                varlen[key] = dict(fwd=r["fwd_ms"] / d["fwd_ms"], bwd=r["bwd_ms"] / d["bwd_ms"])
+    return dict(cost_ratios=costs, varlen_over_dense_time=varlen)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    ap.add_argument("--compile-only", action="store_true")
+    ap.add_argument("--jobs", type=int, default=6)
+    args = ap.parse_args()
+    if args.compile_only:
+        ctx = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=ctx) as pool:
+            for label in pool.map(_compile, range(len(cases()))):
+                print("compiled", label, flush=True)
+        return
+    env = environment()
+    rows = []
+    stamp = datetime.datetime.now().strftime("%Y%m%d_%H%M")
+    path = os.path.join(args.out, f"features_{stamp}.json")
+    for label, fn, fn_args in cases():
+        row = fn(*fn_args)
+        rows.append(row)
+        print(label, {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
+                      if k.endswith(("ms", "tflops", "per_s"))}, flush=True)
+        json.dump({"env": env, "config": dict(head_dim=HEAD_DIM, nheads=NHEADS, dtype=str(DTYPE)),
+                   "rows": rows, "summary": summarize(rows)}, open(path, "w"), indent=1)
+    print(json.dumps(summarize(rows), indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,319 @@
+"""The Triton backend's dropout and varlen against the float64 oracle (DESIGN section 5).
+
+Through the public API (backend="triton"), so lse and its gradient are checked too. Dropout: the
+oracle takes the keep-mask `flashkit.testing.dropout_keep_mask(..., backend="triton")` rebuilds
+with the kernels' own Philox helper. Without CUDA the kernels run in the interpreter at small
+sizes in fp16/fp32 (its bf16 dot is wrong, see test_triton.py); the `gpu` tests run bf16 and
+real sizes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import flashkit
+from flashkit.api import draw_dropout_seed
+from flashkit.ops import triton as triton_backend
+from flashkit.testing import assert_close_to_oracle, dropout_keep_mask
+from helpers import alibi_slopes, api_attention, check_against_oracle, cu_seqlens, oracle
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+SEED = 1234  # torch seed each dropout call starts from, so the test knows the call's seed
+
+
+def randn(*shape, dtype=torch.float32):
+    return torch.randn(*shape, dtype=dtype, device=DEVICE)
+
+
+def qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype):
+    return (randn(batch, seqlen_q, nheads, head_dim, dtype=dtype),
+            randn(batch, seqlen_k, nheads_k, head_dim, dtype=dtype),
+            randn(batch, seqlen_k, nheads_k, head_dim, dtype=dtype))
+
+
+def varlen_qkv(lengths_q, lengths_k, nheads, nheads_k, head_dim, dtype):
+    return dict(q=randn(sum(lengths_q), nheads, head_dim, dtype=dtype),
+                k=randn(sum(lengths_k), nheads_k, head_dim, dtype=dtype),
+                v=randn(sum(lengths_k), nheads_k, head_dim, dtype=dtype),
+                cu_seqlens_q=cu_seqlens(lengths_q).to(DEVICE),
+                cu_seqlens_k=cu_seqlens(lengths_k).to(DEVICE),
+                max_seqlen_q=max(lengths_q), max_seqlen_k=max(lengths_k))
+
+
+FEATURES = {  # name -> kwargs(batch, nheads) for flash_attn_func / flash_attn_varlen_func
+    "plain": lambda b, h: {},
+    "causal": lambda b, h: dict(causal=True),
+    "window_alibi": lambda b, h: dict(window_size=(9, 4),
+                                      alibi_slopes=alibi_slopes(h, batch=b).to(DEVICE)),
+    "softcap_sink": lambda b, h: dict(softcap=3.0, sink=randn(h)),
+    "everything": lambda b, h: dict(causal=True, window_size=(20, 0), softcap=8.0,
+                                    alibi_slopes=alibi_slopes(h).to(DEVICE), sink=randn(h),
+                                    softmax_scale=0.2),
+}
+
+
+def triton_call(**inputs):
+    """(out, lse, probs) of the public API on the Triton backend, the dropout seed drawn after
+    torch.manual_seed(SEED)."""
+    torch.manual_seed(SEED)
+    fn = flashkit.flash_attn_varlen_func if "cu_seqlens_q" in inputs else flashkit.flash_attn_func
+    return fn(**inputs, return_attn_probs=True, backend="triton")
+
+
+def call_seed() -> int:
+    torch.manual_seed(SEED)
+    return draw_dropout_seed()
+
+
+# ---- dropout --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("feature", list(FEATURES))
+def test_dropout_matches_oracle(feature, dtype):
+    """out, lse, the dropped probabilities and every gradient equal the oracle's given the
+    kernels' keep-mask: forward and both backward kernels drew the same mask."""
+    if dtype == torch.float16 and feature not in ("causal", "everything"):
+        pytest.skip("fp16 covers two features; the rest run in fp32 (CI time)")
+    batch, nheads, seqlen_q, seqlen_k, p = 2, 2, 37, 45, 0.3
+    q, k, v = qkv(batch, seqlen_q, seqlen_k, nheads, 1, 16, dtype)
+    inputs = dict(q=q, k=k, v=v, dropout_p=p, **FEATURES[feature](batch, nheads))
+    mask = dropout_keep_mask(call_seed(), batch, nheads, seqlen_q, seqlen_k, p, backend="triton")
+    check_against_oracle(triton_call, inputs, output_names=("out", "lse", "probs"),
+                         oracle_fn=lambda **kw: oracle(**kw, dropout_mask=mask,
+                                                       return_probs=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_dropout_varlen_matches_oracle(dtype):
+    lengths_q, lengths_k, nheads, p = [7, 0, 1, 30, 5], [12, 4, 0, 30, 1], 2, 0.25
+    inputs = varlen_qkv(lengths_q, lengths_k, nheads, 1, 16, dtype)
+    inputs.update(dropout_p=p, **FEATURES["everything"](5, nheads))
+    mask = dropout_keep_mask(call_seed(), 5, nheads, 30, 30, p, backend="triton")
+    check_against_oracle(triton_call, inputs,
+                         oracle_fn=lambda **kw: oracle(**kw, dropout_mask=mask))
+    probs = triton_call(**inputs)[2]
+    as64 = {n: t.double() if torch.is_tensor(t) and t.is_floating_point() else t
+            for n, t in inputs.items()}
+    expected = oracle(**as64, dropout_mask=mask, return_probs=True)[2]
+    baseline = oracle(**inputs, dropout_mask=mask, return_probs=True)[2]
+    for b, (got, want, base) in enumerate(zip(probs, expected, baseline, strict=True)):
+        assert_close_to_oracle(f"probs[{b}]", got, want, base)
+
+
+def philox_draws(seed, batch, nheads, seqlen_q, seqlen_k):
+    """The documented draw of every (b, h, i, j) by an independent numpy Philox4x32-10:
+    key = seed, counter (j // 8, i, h, b), column 8g + c takes half c % 2 of word c // 2."""
+    mask32 = np.uint64(0xFFFFFFFF)
+    b, h, i, g = np.meshgrid(np.arange(batch), np.arange(nheads), np.arange(seqlen_q),
+                             np.arange(math.ceil(seqlen_k / 8)), indexing="ij")
+    c = [x.astype(np.uint64) for x in (g, i, h, b)]
+    k0, k1 = np.uint64(seed & 0xFFFFFFFF), np.uint64(seed >> 32)
+    for _ in range(10):
+        p0, p1 = np.uint64(0xD2511F53) * c[0], np.uint64(0xCD9E8D57) * c[2]
+        c = [(p1 >> np.uint64(32)) ^ c[1] ^ k0, p1 & mask32, (p0 >> np.uint64(32)) ^ c[3] ^ k1,
+             p0 & mask32]
+        k0, k1 = (k0 + np.uint64(0x9E3779B9)) & mask32, (k1 + np.uint64(0xBB67AE85)) & mask32
+    halves = [(w >> np.uint64(s)) & np.uint64(0xFFFF) for w in c for s in (0, 16)]
+    return np.stack(halves, -1).reshape(batch, nheads, seqlen_q, -1)[..., :seqlen_k]
+
+
+@pytest.mark.parametrize("seed", [0, 2**31 + 5, 2**61 + 12345], ids=str)
+def test_keep_mask_is_the_documented_philox(seed):
+    """Every element of the kernels' mask is the draw dropout.py documents, compared >= round(p
+    2**16); so the mask is a pure function of (seed, b, h, i, j), whatever the tiles."""
+    p = 0.3
+    mask = dropout_keep_mask(seed, 2, 3, 19, 70, p, backend="triton")
+    expected = philox_draws(seed, 2, 3, 19, 70) >= round(p * 2**16)
+    assert np.array_equal(mask.cpu().numpy(), expected)
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+def test_keep_rate_within_binomial_bounds(p):
+    """Keep rate 1 - p within 5 sigma over 2**17 draws, and heads draw independent streams: two
+    heads agree on p^2 + (1-p)^2 of the elements, also within 5 sigma."""
+    mask = dropout_keep_mask(2**40 + 17, 2, 2, 64, 512, p, backend="triton").cpu()
+    n = mask.numel()
+    assert abs(mask.float().mean().item() - (1 - p)) <= 5 * math.sqrt(p * (1 - p) / n)
+    agree = (mask[:, 0] == mask[:, 1]).float().mean().item()
+    expected = p * p + (1 - p) * (1 - p)
+    assert abs(agree - expected) <= 5 * math.sqrt(expected * (1 - expected) / (n // 2))
+
+
+def test_dropout_bitwise_reproducible_and_seeds_differ():
+    """The same seed gives bitwise the same output and gradients; another seed (differing only
+    above bit 32, too) another mask."""
+    q, k, v = qkv(1, 33, 33, 2, 1, 16, torch.float32)
+    dout = randn(1, 33, 2, 16)
+
+    def run(seed):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        torch.manual_seed(seed)
+        out = flashkit.flash_attn_func(*leaves, dropout_p=0.4, causal=True, backend="triton")
+        return (out, *torch.autograd.grad(out, leaves, dout))
+
+    first, second, other = run(7), run(7), run(8)
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a, b)
+    assert not torch.equal(first[0], other[0])
+    low = dropout_keep_mask(5, 1, 1, 16, 64, 0.5, backend="triton")
+    high = dropout_keep_mask(5 + 2**40, 1, 1, 16, 64, 0.5, backend="triton")
+    assert not torch.equal(low, high)
+
+
+# ---- varlen -----------------------------------------------------------------------------------
+
+# Lengths 0 and 1 inside one batch, seqlen_q != seqlen_k both ways per sequence.
+LENGTHS_Q, LENGTHS_K = [5, 0, 1, 40, 17, 1, 3], [9, 3, 0, 33, 17, 1, 20]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("feature", list(FEATURES))
+def test_varlen_matches_oracle(feature, dtype):
+    if dtype == torch.float16 and feature not in ("causal", "everything"):
+        pytest.skip("fp16 covers two features; the rest run in fp32 (CI time)")
+    inputs = varlen_qkv(LENGTHS_Q, LENGTHS_K, 4, 2, 16, dtype)
+    check_against_oracle(lambda **kw: api_attention(backend="triton", **kw),
+                         {**inputs, **FEATURES[feature](len(LENGTHS_Q), 4)})
+
+
+def test_varlen_equals_dense_per_sequence():
+    """Each packed sequence gives bitwise what a dense call on it alone gives: out, lse and the
+    gradients (MQA, causal, per-sequence ALiBi slopes, a sink)."""
+    inputs = varlen_qkv(LENGTHS_Q, LENGTHS_K, 2, 1, 16, torch.float32)
+    batch = len(LENGTHS_Q)
+    features = dict(causal=True, alibi_slopes=alibi_slopes(2, batch=batch).to(DEVICE))
+    sink = randn(2)
+    leaves = {n: inputs[n].clone().requires_grad_() for n in "qkv"}
+    out, lse, _ = flashkit.flash_attn_varlen_func(**{**inputs, **leaves}, **features, sink=sink,
+                                                  return_attn_probs=True, backend="triton")
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, list(leaves.values()), dout)
+    cu_q, cu_k = inputs["cu_seqlens_q"].tolist(), inputs["cu_seqlens_k"].tolist()
+    for b in range(batch):
+        sq, sk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        dense = [inputs[n][None, s].clone().requires_grad_() for n, s in zip("qkv", (sq, sk, sk))]
+        o, l, _ = flashkit.flash_attn_func(*dense, causal=True,
+                                           alibi_slopes=features["alibi_slopes"][b], sink=sink,
+                                           return_attn_probs=True, backend="triton")
+        dense_grads = torch.autograd.grad(o, dense, dout[None, sq])
+        assert torch.equal(out[sq], o[0]) and torch.equal(lse[:, sq], l[0])
+        for name, g, s, dg in zip("qkv", grads, (sq, sk, sk), dense_grads, strict=True):
+            assert torch.equal(g[s], dg[0]), f"d{name} of sequence {b}"
+
+
+def test_varlen_attention_probs():
+    inputs = varlen_qkv([4, 0, 19], [7, 5, 19], 2, 2, 16, torch.float32)
+    _, _, probs = flashkit.flash_attn_varlen_func(**inputs, causal=True, return_attn_probs=True,
+                                                  backend="triton")
+    as64 = {n: t.double() if torch.is_tensor(t) and t.is_floating_point() else t
+            for n, t in inputs.items()}
+    expected = oracle(**as64, causal=True, return_probs=True)[2]
+    baseline = oracle(**inputs, causal=True, return_probs=True)[2]
+    assert [tuple(p.shape) for p in probs] == [(2, 4, 7), (2, 0, 5), (2, 19, 19)]
+    for b, (got, want, base) in enumerate(zip(probs, expected, baseline, strict=True)):
+        assert_close_to_oracle(f"probs[{b}]", got, want, base)
+
+
+# ---- malformed input: a clear error before any launch ------------------------------------------
+
+def _varlen_args(**change):
+    args = dict(varlen_qkv([3, 5], [4, 5], 2, 1, 16, torch.float32))
+    args.update(change)
+    return args
+
+
+MALFORMED = {  # name -> (call, error type, message pattern)
+    "cu_seqlens_not_int32": (lambda: _varlen_args(
+        cu_seqlens_q=torch.tensor([0, 3, 8], device=DEVICE)), TypeError, "cu_seqlens_q.*int32"),
+    "cu_seqlens_decreasing": (lambda: _varlen_args(
+        cu_seqlens_k=torch.tensor([0, 6, 5, 9], dtype=torch.int32, device=DEVICE)),
+        ValueError, "cu_seqlens_k"),
+    "cu_seqlens_batch_mismatch": (lambda: _varlen_args(
+        cu_seqlens_k=torch.tensor([0, 9], dtype=torch.int32, device=DEVICE), max_seqlen_k=9),
+        ValueError, "cu_seqlens_k.*sequences"),
+    "cu_seqlens_wrong_total": (lambda: _varlen_args(
+        cu_seqlens_q=torch.tensor([0, 3, 7], dtype=torch.int32, device=DEVICE)),
+        ValueError, "cu_seqlens_q: last entry 7"),
+    "cu_seqlens_not_from_zero": (lambda: _varlen_args(
+        cu_seqlens_q=torch.tensor([1, 3, 8], dtype=torch.int32, device=DEVICE)),
+        ValueError, "cu_seqlens_q: expected 0 first"),
+    "max_seqlen_too_small": (lambda: _varlen_args(max_seqlen_q=4), ValueError, "max_seqlen_q"),
+    "alibi_wrong_shape": (lambda: _varlen_args(alibi_slopes=torch.rand(3, device=DEVICE)),
+                          ValueError, "alibi_slopes: expected shape"),
+    "window_below_minus_one": (lambda: _varlen_args(window_size=(-2, 0)), ValueError,
+                               "window_size"),
+    "dropout_one": (lambda: _varlen_args(dropout_p=1.0), ValueError, r"dropout_p.*\[0, 1\)"),
+    "dropout_negative": (lambda: _varlen_args(dropout_p=-0.1), ValueError, "dropout_p"),
+    "sink_wrong_shape": (lambda: _varlen_args(sink=torch.zeros(3, device=DEVICE)), ValueError,
+                         r"sink: expected shape \(2,\)"),
+    "sink_wrong_dtype": (lambda: _varlen_args(sink=torch.zeros(2, dtype=torch.int32,
+                                                               device=DEVICE)),
+                         TypeError, "sink: expected a floating dtype"),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_malformed_input_raises_before_launch(case, monkeypatch):
+    make, error, pattern = MALFORMED[case]
+
+    def launched(*args, **kwargs):
+        raise AssertionError("a kernel launched on malformed input")
+
+    monkeypatch.setattr(triton_backend, "attention_forward", launched)
+    with pytest.raises(error, match=pattern):
+        flashkit.flash_attn_varlen_func(**make(), backend="triton")
+
+
+# ---- GPU: real sizes, bf16 (skipped without CUDA) ----------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("feature", ["plain", "causal", "everything"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_gpu_dropout(feature, head_dim, dtype):
+    batch, nheads, seqlen_q, seqlen_k, p = 2, 4, 1000, 1023, 0.17
+    q, k, v = qkv(batch, seqlen_q, seqlen_k, nheads, 2, head_dim, dtype)
+    inputs = dict(q=q, k=k, v=v, dropout_p=p, **FEATURES[feature](batch, nheads))
+    mask = dropout_keep_mask(call_seed(), batch, nheads, seqlen_q, seqlen_k, p, backend="triton")
+    check_against_oracle(triton_call, inputs, output_names=("out", "lse", "probs"),
+                         oracle_fn=lambda **kw: oracle(**kw, dropout_mask=mask,
+                                                       return_probs=True))
+
+
+@pytest.mark.gpu
+def test_gpu_keep_rate_large():
+    """2**26 draws at real offsets (seqlen 8k): the rate within 5 sigma."""
+    p = 0.1
+    mask = dropout_keep_mask(2**60 + 3, 2, 4, 8192, 1024, p, backend="triton")
+    n = mask.numel()
+    assert abs(mask.float().mean().item() - (1 - p)) <= 5 * math.sqrt(p * (1 - p) / n)
+
+
+GPU_LENGTHS_Q = [1000, 0, 1, 517, 2048, 3, 300]
+GPU_LENGTHS_K = [1000, 7, 0, 1031, 2048, 3, 1]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("feature", list(FEATURES))
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gpu_varlen(feature, head_dim, dtype):
+    inputs = varlen_qkv(GPU_LENGTHS_Q, GPU_LENGTHS_K, 8, 2, head_dim, dtype)
+    check_against_oracle(lambda **kw: api_attention(backend="triton", **kw),
+                         {**inputs, **FEATURES[feature](len(GPU_LENGTHS_Q), 8)})
+
+
+@pytest.mark.gpu
+def test_gpu_varlen_dropout():
+    nheads, p = 8, 0.2
+    inputs = varlen_qkv(GPU_LENGTHS_Q, GPU_LENGTHS_K, nheads, 2, 128, torch.bfloat16)
+    inputs.update(dropout_p=p, **FEATURES["everything"](len(GPU_LENGTHS_Q), nheads))
+    mask = dropout_keep_mask(call_seed(), len(GPU_LENGTHS_Q), nheads, 2048, 2048, p,
+                             backend="triton")
+    check_against_oracle(lambda **kw: triton_call(**kw)[:2], inputs,
+                         oracle_fn=lambda **kw: oracle(**kw, dropout_mask=mask))
