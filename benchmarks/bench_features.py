@@ -253,15 +253,22 @@ def main():
     if args.compile_only:
         ctx = multiprocessing.get_context("spawn")
         with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=ctx) as pool:
-            for label in pool.map(_compile, range(len(cases()))):
-                print("compiled", label, flush=True)
+            futures = {pool.submit(_compile, i): label for i, (label, _, _) in enumerate(cases())}
+            for future in concurrent.futures.as_completed(futures):
+                error = future.exception()
+                print("compiled" if error is None else f"FAILED {error!r:.300}", futures[future],
+                      flush=True)
         return
     env = environment()
     rows = []
     stamp = datetime.datetime.now().strftime("%Y%m%d_%H%M")
     path = os.path.join(args.out, f"features_{stamp}.json")
     for label, fn, fn_args in cases():
-        row = fn(*fn_args)
+        try:
+            row = fn(*fn_args)
+        except Exception as error:  # one broken case must not cost the rest of the run
+            print(label, "FAILED", repr(error)[:300], flush=True)
+            continue
         rows.append(row)
         print(label, {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
                       if k.endswith(("ms", "tflops", "per_s"))}, flush=True)

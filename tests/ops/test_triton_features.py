@@ -196,7 +196,8 @@ def test_varlen_equals_dense_per_sequence():
     cu_q, cu_k = inputs["cu_seqlens_q"].tolist(), inputs["cu_seqlens_k"].tolist()
     for b in range(batch):
         sq, sk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
-        dense = [inputs[n][None, s].clone().requires_grad_() for n, s in zip("qkv", (sq, sk, sk))]
+        dense = [inputs[n][None, s].clone().requires_grad_()
+                 for n, s in zip("qkv", (sq, sk, sk), strict=True)]
         o, l, _ = flashkit.flash_attn_func(*dense, causal=True,
                                            alibi_slopes=features["alibi_slopes"][b], sink=sink,
                                            return_attn_probs=True, backend="triton")
