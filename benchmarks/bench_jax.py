@@ -4,12 +4,16 @@
         [--head-dims 64,128] [--causal 0,1] [--sweep] [--budget SECONDS]
 
 bf16, batch = 16k tokens / seqlen, nheads = 2048 / headdim, forward and backward, for
-    pallas   flashkit's Pallas kernels (Triton lowering)
-    xla      flashkit's seed-003 vmap-over-query-blocks port
-    fori     flashkit's seed-003 fori_loop port (seqlen <= --fori-max only: it is the slow one)
+    pallas         flashkit's default: on Hopper the Mosaic GPU forward, Triton-lowered backward
+    pallas_triton  the Triton-lowered forward (its backward is pallas's: not timed twice)
+    xla            flashkit's seed-003 vmap-over-query-blocks port (seqlen <= --port-max)
+    fori           flashkit's seed-003 fori_loop port (seqlen <= --fori-max: the slow one)
 and the anchors in the same run: jax.nn.dot_product_attention(implementation="cudnn") and
-(implementation="xla"). TFLOP/s count 4 b h sq sk d over visible pairs forward (exactly the
-causal triangle when causal) and 2.5x that backward; every number is also a ratio to cuDNN.
+(implementation="xla", seqlen <= --port-max). "layout_ms" is the time of the transposes that a
+forward in the folded (batch, nheads_k, rows, d) layout needs around it (q, k, v in, out back):
+the HBM passes the Pallas forwards no longer make. TFLOP/s count 4 b h sq sk d over visible
+pairs forward (exactly the causal triangle when causal) and 2.5x that backward; every number is
+also a ratio to cuDNN.
 --tokens (batch * seqlen) and --sweep-seqlen shrink a smoke test on a CPU.
 
 Timing: the median of 7 samples, each a loop of calls sized to about 20 ms, closed by
@@ -31,10 +35,10 @@ import platform
 import statistics
 import time
 
+import jax
 import jax.numpy as jnp
 
-import jax
-from flashkit.jax import flash_attention, pallas
+from flashkit.jax import _layout, flash_attention, pallas
 
 WIDTH = 2048
 DTYPE = jnp.bfloat16
@@ -84,20 +88,36 @@ def attention_fns(causal):
     """name -> f(q, k, v) for every implementation and anchor, (b, s, h, d) layout."""
     fns = {impl: (lambda q, k, v, impl=impl:
                   flash_attention(q, k, v, causal=causal, implementation=impl))
-           for impl in ("pallas", "xla", "fori")}
+           for impl in ("pallas", "pallas_triton", "xla", "fori")}
     for impl in ("cudnn", "xla"):
         fns[f"jax.nn/{impl}"] = (lambda q, k, v, impl=impl: jax.nn.dot_product_attention(
             q, k, v, is_causal=causal, implementation=impl))
     return fns
 
 
-def measure(fn, q, k, v, dout):
-    """(fwd ms, bwd ms) of one attention function."""
+def measure(fn, q, k, v, dout, backward=True):
+    """(fwd ms, bwd ms or None) of one attention function."""
     fwd = jax.jit(fn)
     t_fwd = time_ms(fwd, q, k, v)
+    if not backward:
+        return t_fwd, None
     _, vjp = jax.jit(lambda q, k, v: jax.vjp(fn, q, k, v))(q, k, v)
     t_bwd = time_ms(jax.jit(lambda vjp, dout: vjp(dout)), vjp, dout)
     return t_fwd, t_bwd
+
+
+def layout_ms(q, k, v) -> float:
+    """ms of the folded layout's transposes: q, k, v into it and out (q-shaped) back."""
+    def passes(q, k, v):
+        qf = _layout.fold_q(q, k.shape[2])
+        return (_layout.unfold_q(qf, q.shape[1]), _layout.swap_seq_heads(k),
+                _layout.swap_seq_heads(v))
+    return time_ms(jax.jit(passes), q, k, v)
+
+
+def skipped(name, seqlen, args) -> bool:
+    limit = {"fori": args.fori_max, "xla": args.port_max, "jax.nn/xla": args.port_max}
+    return seqlen > limit.get(name, seqlen)
 
 
 def inputs(seqlen, head_dim, tokens):
@@ -138,7 +158,8 @@ def main() -> None:
     ap.add_argument("--head-dims", default="64,128")
     ap.add_argument("--causal", default="0,1")
     ap.add_argument("--tokens", type=int, default=16384, help="batch * seqlen")
-    ap.add_argument("--fori-max", type=int, default=4096)
+    ap.add_argument("--fori-max", type=int, default=2048)
+    ap.add_argument("--port-max", type=int, default=4096)
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--sweep-seqlen", type=int, default=8192)
     ap.add_argument("--budget", type=float, default=float("inf"))
@@ -152,6 +173,13 @@ def main() -> None:
         record["tiles"], record["sweep"] = sweep(head_dims, args.tokens, args.sweep_seqlen)
     record["tiles_used"] = {w: {str(d): pallas.TILES[w][d] for d in head_dims}
                             for w in ("fwd", "bwd")}
+    try:
+        from flashkit.jax import mosaic
+
+        record["mosaic_tiles"] = {str(d): mosaic.TILES[d] for d in head_dims}
+        record["mosaic_forward"] = mosaic.is_hopper()
+    except ImportError as err:
+        record["mosaic_forward"] = f"unavailable: {err}"
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"jax_{record['date'][:10]}.json")
     print(json.dumps({k: v for k, v in record.items() if k != "results"}), flush=True)
@@ -166,23 +194,24 @@ def main() -> None:
                 batch, nheads = q.shape[0], q.shape[2]
                 fl = flops(batch, nheads, seqlen, d, causal)
                 row = {"seqlen": seqlen, "head_dim": d, "causal": causal, "batch": batch,
-                       "nheads": nheads}
+                       "nheads": nheads, "layout_ms": layout_ms(q, k, v)}
                 for name, fn in attention_fns(causal).items():
-                    if name == "fori" and seqlen > args.fori_max:
+                    if skipped(name, seqlen, args):
                         continue
                     try:
-                        t_fwd, t_bwd = measure(fn, q, k, v, dout)
+                        t_fwd, t_bwd = measure(fn, q, k, v, dout, name != "pallas_triton")
                     except Exception as err:  # an anchor this jax/GPU cannot run: say so
                         row[name] = {"error": f"{type(err).__name__}: {str(err)[:200]}"}
                         continue
-                    row[name] = {"fwd_ms": t_fwd, "bwd_ms": t_bwd,
-                                 "fwd_tflops": fl / t_fwd / 1e9,
-                                 "bwd_tflops": 2.5 * fl / t_bwd / 1e9}
+                    row[name] = {"fwd_ms": t_fwd, "fwd_tflops": fl / t_fwd / 1e9}
+                    if t_bwd is not None:
+                        row[name].update(bwd_ms=t_bwd, bwd_tflops=2.5 * fl / t_bwd / 1e9)
                 ref = row.get("jax.nn/cudnn", {})
                 for r in row.values():
                     if isinstance(r, dict) and "fwd_ms" in r and "fwd_ms" in ref:
                         r["fwd_vs_cudnn"] = ref["fwd_ms"] / r["fwd_ms"]
-                        r["bwd_vs_cudnn"] = ref["bwd_ms"] / r["bwd_ms"]
+                        if "bwd_ms" in r:
+                            r["bwd_vs_cudnn"] = ref["bwd_ms"] / r["bwd_ms"]
                 if "fwd_ms" in row.get("fori", {}) and "fwd_ms" in row.get("xla", {}):
                     row["vmap_speedup_over_fori"] = {
                         w: row["fori"][f"{w}_ms"] / row["xla"][f"{w}_ms"] for w in ("fwd", "bwd")}

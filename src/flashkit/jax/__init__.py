@@ -6,18 +6,22 @@
 
 Implementations (same math, DESIGN section 1: bottom-right aligned causal/window, GQA, rows that
 see no key give 0 and lse -inf):
-    "pallas"  a Pallas kernel (Triton lowering) for NVIDIA GPUs, forward and backward; on a CPU
-              it runs in Pallas's interpreter (slow: tests and teaching)
-    "xla"     seed 003's vmap-over-query-blocks port, tiled in plain JAX
-    "fori"    seed 003's first port, a fori_loop over query blocks (kept to show the difference)
+    "pallas"         Pallas kernels for NVIDIA GPUs, forward and backward: on a Hopper GPU the
+                     forward is the Mosaic GPU kernel (`mosaic.py`: TMA, wgmma, warp
+                     specialisation) where it covers the problem, else the Triton-lowered one
+                     (`pallas.py`); on a CPU the Triton-lowered kernels run in Pallas's
+                     interpreter (slow: tests and teaching)
+    "pallas_triton"  the Triton-lowered kernels only
+    "pallas_mosaic"  the Mosaic GPU forward (Hopper only; NotImplementedError where it does not
+                     cover the problem), the Triton-lowered backward
+    "xla"            seed 003's vmap-over-query-blocks port, tiled in plain JAX
+    "fori"           seed 003's first port, a fori_loop over query blocks (kept to show the
+                     difference)
 
-Gradients come from one `jax.custom_vjp` for all three: the forward saves (q, k, v, out, lse),
+Gradients come from one `jax.custom_vjp` for all of them: the forward saves (q, k, v, out, lse),
 and the backward recomputes P = exp(S - lse) tile by tile with delta = rowsum(dO * O)
-(FlashAttention-2).
-
-GQA is folded into rows: the `group = nheads // nheads_k` query heads that share a kv head are
-stacked into one (group * seqlen_q)-row problem against that kv head, so every kernel sees
-q (batch, nheads_k, rows, d) and dK/dV sum over the group for free.
+(FlashAttention-2). The Pallas forwards read the caller's (batch, seqlen, nheads, d) layout; the
+XLA ports and the backward kernels work in the folded GQA layout of `_layout`.
 
 This module needs jax; `import flashkit` never imports it.
 """
@@ -31,19 +35,48 @@ try:
 except ImportError as err:  # say what to install instead of a bare "No module named 'jax'"
     raise ImportError("flashkit.jax needs JAX: pip install 'flashkit[jax]' (or jax[cuda12] "
                       "for GPUs)") from err
-from flashkit.jax import pallas, xla
+from flashkit.jax import _layout, pallas, xla
 from flashkit.jax._checks import AttentionConfig, check_inputs
 from flashkit.jax._tile import backward_rows
 
 __all__ = ["flash_attention"]
 
-_IMPLEMENTATIONS = {"pallas": pallas, "xla": xla, "fori": xla}
+_FOLDED = {"pallas": pallas, "pallas_triton": pallas, "pallas_mosaic": pallas, "xla": xla,
+           "fori": xla}  # who runs the backward (and the forward, unless Mosaic does)
+
+
+def _mosaic_for(q, k, v, cfg: AttentionConfig):
+    """The Mosaic GPU module when it runs this forward, else None (see the module doc)."""
+    if cfg.implementation not in ("pallas", "pallas_mosaic"):
+        return None
+    try:  # Mosaic GPU needs absl-py, which a CPU-only jax install may lack
+        from flashkit.jax import mosaic
+    except ImportError as err:
+        if cfg.implementation == "pallas_mosaic":
+            raise NotImplementedError(f"implementation='pallas_mosaic': {err}") from err
+        return None
+    usable = (not cfg.interpret and mosaic.is_hopper()
+              and mosaic.supports(q.shape, k.shape, v.shape, q.dtype, cfg))
+    if cfg.implementation == "pallas_mosaic" and not usable:
+        raise NotImplementedError(
+            "implementation='pallas_mosaic' needs a Hopper GPU (no interpreter) and covers "
+            "bf16/fp16, d = dv in (64, 128), seqlen_q % 128 == 0, seqlen_k % block_k == 0, no "
+            "window, causal only with seqlen_q <= seqlen_k; use implementation='pallas'")
+    return mosaic if usable else None
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _attention(q, k, v, cfg: AttentionConfig):
-    """Folded layout: q [B, Hk, R, D], k [B, Hk, Sk, D], v [B, Hk, Sk, Dv] -> (out, lse)."""
-    return _IMPLEMENTATIONS[cfg.implementation].forward(q, k, v, cfg)
+    """Caller's layout: q [B, Sq, H, D], k [B, Sk, Hk, D], v [B, Sk, Hk, Dv]
+    -> (out [B, Sq, H, Dv], lse [B, H, Sq])."""
+    mosaic = _mosaic_for(q, k, v, cfg)
+    if mosaic is not None:
+        return mosaic.forward(q, k, v, cfg)
+    if _FOLDED[cfg.implementation] is pallas:
+        return pallas.forward(q, k, v, cfg)
+    out, lse = xla.forward(_layout.fold_q(q, k.shape[2]), _layout.swap_seq_heads(k),
+                           _layout.swap_seq_heads(v), cfg)
+    return _layout.unfold_q(out, q.shape[1]), lse.reshape(q.shape[0], q.shape[2], q.shape[1])
 
 
 def _attention_fwd(q, k, v, cfg):
@@ -54,8 +87,15 @@ def _attention_fwd(q, k, v, cfg):
 def _attention_bwd(cfg, residuals, cotangents):
     q, k, v, out, lse = residuals
     dout, dlse = cotangents
-    lse2, delta = backward_rows(out, dout, lse, dlse)
-    return _IMPLEMENTATIONS[cfg.implementation].backward(q, k, v, dout, lse2, delta, cfg)
+    hk = k.shape[2]
+    dout_f = _layout.fold_q(dout, hk)
+    lse2, delta = backward_rows(_layout.fold_q(out, hk), dout_f, _layout.fold_rows(lse, hk),
+                                _layout.fold_rows(dlse, hk))
+    dq, dk, dv = _FOLDED[cfg.implementation].backward(
+        _layout.fold_q(q, hk), _layout.swap_seq_heads(k), _layout.swap_seq_heads(v), dout_f,
+        lse2, delta, cfg)
+    return (_layout.unfold_q(dq, q.shape[1]), _layout.swap_seq_heads(dk),
+            _layout.swap_seq_heads(dv))
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -80,16 +120,5 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-
     cfg = check_inputs(q, k, v, causal=causal, softmax_scale=softmax_scale,
                        window_size=tuple(window_size), implementation=implementation,
                        block_q=block_q, block_k=block_k, interpret=interpret)
-    batch, seqlen_q, nheads, d = q.shape
-    nheads_k, group = k.shape[2], cfg.group
-
-    # Fold GQA: query head h = kv_head * group + g  ->  rows g * seqlen_q + i of kv_head.
-    qf = (q.reshape(batch, seqlen_q, nheads_k, group, d).transpose(0, 2, 3, 1, 4)
-          .reshape(batch, nheads_k, group * seqlen_q, d))
-    out, lse = _attention(qf, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), cfg)
-
-    dv = v.shape[3]
-    out = (out.reshape(batch, nheads_k, group, seqlen_q, dv).transpose(0, 3, 1, 2, 4)
-           .reshape(batch, seqlen_q, nheads, dv))
-    lse = lse.reshape(batch, nheads, seqlen_q)
+    out, lse = _attention(q, k, v, cfg)
     return (out, lse) if return_lse else out

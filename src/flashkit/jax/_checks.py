@@ -12,7 +12,7 @@ import math
 
 import jax.numpy as jnp
 
-IMPLEMENTATIONS = ("pallas", "xla", "fori")
+IMPLEMENTATIONS = ("pallas", "pallas_triton", "pallas_mosaic", "xla", "fori")
 FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
 PALLAS_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
 MAX_HEADDIM = 256
@@ -98,13 +98,14 @@ def check_inputs(q, k, v, *, causal, softmax_scale, window_size, implementation,
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation: expected one of {IMPLEMENTATIONS}, "
                          f"got {implementation!r}")
-    if implementation == "pallas" and not any(q.dtype == d for d in PALLAS_DTYPES):
-        raise TypeError(f"q: implementation='pallas' takes float16, bfloat16 or float32, "
-                        f"got {q.dtype}")
+    pallas = implementation.startswith("pallas")
+    if pallas and not any(q.dtype == d for d in PALLAS_DTYPES):
+        raise TypeError(f"q: implementation={implementation!r} takes float16, bfloat16 or "
+                        f"float32, got {q.dtype}")
     for name, b in (("block_q", block_q), ("block_k", block_k)):
         if b is not None and (not isinstance(b, int) or b < 1):
             raise ValueError(f"{name}: expected a positive int or None, got {b!r}")
-        if b is not None and implementation == "pallas" and (b < 16 or b & (b - 1)):
+        if b is not None and pallas and (b < 16 or b & (b - 1)):
             raise ValueError(f"{name}: the Pallas kernel needs a power of two >= 16, got {b}")
 
     return AttentionConfig(

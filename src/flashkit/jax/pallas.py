@@ -1,10 +1,12 @@
 """FlashAttention as Pallas kernels (Triton lowering, NVIDIA GPUs), forward and backward.
 
-Three kernels, each one program per (batch, kv head, block), the tile math from `_tile`:
-    forward   a block of BM query rows walks the key blocks its band can see (online softmax),
-              writes out [BM, Dv] and lse [BM]
+Three kernels, the tile math from `_tile`:
+    forward   (one program per batch, query head, block; the caller's layout) a block of BM
+              query rows walks the key blocks its band can see (online softmax), writes
+              out [BM, Dv] and lse [BM]
     dK/dV     a block of BN keys walks the query blocks that can see it: dV += P^T dO, dK += dS^T Q
     dQ        a block of BM query rows walks its key blocks again: dQ += dS K
+              (both backward kernels: one program per batch, kv head, block; folded GQA rows)
 (dQ and dK are multiplied by the softmax scale once, at the end.)
 Only the blocks a causal/window band can reach are visited, and the mask is computed only on the
 blocks that straddle the band's edges or hold padded keys (`_key_blocks`, `_query_blocks`): the
@@ -18,6 +20,7 @@ interpreter (`interpret=True`), which is how CI tests them.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -144,10 +147,11 @@ def _visit(plan, step, carry):
 
 
 # ---------------------------------------------------------------------------------------------
-# Kernels. Refs are blocks of the padded arrays with (batch, kv head) squeezed away.
+# Kernels. Refs are blocks of the padded arrays with (batch, head) squeezed away.
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, *, cfg, bq, bk, mask_cols):
+    """Rows are positions of one query head (cfg.group == 1 here), see `forward`."""
     i = pl.program_id(2)
     nk = k_ref.shape[0] // bk
     q = q_ref[...]  # [BQ, D]
@@ -227,13 +231,13 @@ def _spec(block_rows, width=None):
     return pl.BlockSpec(shape, index)
 
 
-def _padded(q, k, v, cfg, bq, bk):
-    """Pad rows/keys to whole blocks (of both passes) and head dims to powers of two."""
+def _padded(q, k, v, cfg, bq, bk, seq_axis: int):
+    """Pad rows/keys (on seq_axis) to whole blocks and head dims to powers of two."""
     d, dv = _pow2_at_least(q.shape[3]), _pow2_at_least(v.shape[3])
-    rows, keys = _round_up(q.shape[2], bq), _round_up(cfg.seqlen_k, bk)
-    q = _pad_to(_pad_to(q, 2, rows), 3, d)
-    k = _pad_to(_pad_to(k, 2, keys), 3, d)
-    v = _pad_to(_pad_to(v, 2, keys), 3, dv)
+    rows, keys = _round_up(q.shape[seq_axis], bq), _round_up(cfg.seqlen_k, bk)
+    q = _pad_to(_pad_to(q, seq_axis, rows), 3, d)
+    k = _pad_to(_pad_to(k, seq_axis, keys), 3, d)
+    v = _pad_to(_pad_to(v, seq_axis, keys), 3, dv)
     return q, k, v
 
 
@@ -245,26 +249,38 @@ def _check_backend(cfg: AttentionConfig):
 
 
 def forward(q, k, v, cfg: AttentionConfig):
-    """q [B, Hk, R, D], k [B, Hk, Sk, D], v [B, Hk, Sk, Dv]
-    -> (out [B, Hk, R, Dv], lse [B, Hk, R]).
+    """Caller's layout: q [B, Sq, H, D], k [B, Sk, Hk, D], v [B, Sk, Hk, Dv]
+    -> (out [B, Sq, H, Dv], lse [B, H, Sq]).
+
+    One program per (batch, query head, query block) reads its kv head's K/V (h // group) in
+    place: no transposes around the kernel, and a block's rows are one head's positions, so a
+    causal GQA forward skips the masked key blocks like any other.
     """
     _check_backend(cfg)
-    batch, heads, rows, _ = q.shape
-    bq, bk, params = _tiles(cfg, "fwd", rows, _pow2_at_least(q.shape[3]))
-    qp, kp, vp = _padded(q, k, v, cfg, bq, bk)
-    nq, keys, dv = qp.shape[2] // bq, kp.shape[2], vp.shape[3]
-    kernel = functools.partial(_forward_kernel, cfg=cfg, bq=bq, bk=bk,
-                               mask_cols=keys != cfg.seqlen_k)
+    batch, seqlen_q, heads, _ = q.shape
+    bq, bk, params = _tiles(cfg, "fwd", seqlen_q, _pow2_at_least(q.shape[3]))
+    qp, kp, vp = _padded(q, k, v, cfg, bq, bk, seq_axis=1)
+    rows, keys, d, dv = qp.shape[1], kp.shape[1], qp.shape[3], vp.shape[3]
+    kernel = functools.partial(_forward_kernel, cfg=dataclasses.replace(cfg, group=1), bq=bq,
+                               bk=bk, mask_cols=keys != cfg.seqlen_k)
+
+    def rows_spec(width):  # [BQ, width] of query head h, block i
+        return pl.BlockSpec((None, bq, None, width), lambda b, h, i: (b, i, h, 0))
+
+    def keys_spec(width):  # all keys of query head h's kv head
+        return pl.BlockSpec((None, keys, None, width),
+                            lambda b, h, i: (b, 0, lax.div(h, cfg.group), 0))
+
     out, lse = pl.pallas_call(
         kernel,
-        grid=(batch, heads, nq),
-        in_specs=[_spec(bq, qp.shape[3]), _spec((keys,), kp.shape[3]), _spec((keys,), dv)],
-        out_specs=[_spec(bq, dv), _spec(bq)],
-        out_shape=[jax.ShapeDtypeStruct((batch, heads, qp.shape[2], dv), q.dtype),
-                   jax.ShapeDtypeStruct((batch, heads, qp.shape[2]), jnp.float32)],
+        grid=(batch, heads, rows // bq),
+        in_specs=[rows_spec(d), keys_spec(d), keys_spec(dv)],
+        out_specs=[rows_spec(dv), pl.BlockSpec((None, None, bq), lambda b, h, i: (b, h, i))],
+        out_shape=[jax.ShapeDtypeStruct((batch, rows, heads, dv), q.dtype),
+                   jax.ShapeDtypeStruct((batch, heads, rows), jnp.float32)],
         compiler_params=params, interpret=cfg.interpret, name="flashkit_attention_fwd",
     )(qp, kp, vp)
-    return out[:, :, :rows, :v.shape[3]], lse[:, :, :rows]
+    return out[:, :seqlen_q, :, :v.shape[3]], lse[:, :, :seqlen_q]
 
 
 def backward(q, k, v, dout, lse2, delta, cfg: AttentionConfig):
@@ -272,7 +288,7 @@ def backward(q, k, v, dout, lse2, delta, cfg: AttentionConfig):
     _check_backend(cfg)
     batch, heads, rows, _ = q.shape
     bq, bk, params = _tiles(cfg, "bwd", rows, _pow2_at_least(q.shape[3]))
-    qp, kp, vp = _padded(q, k, v, cfg, bq, bk)
+    qp, kp, vp = _padded(q, k, v, cfg, bq, bk, seq_axis=2)
     nq, nk = qp.shape[2] // bq, kp.shape[2] // bk
     d, dv, rows_p, keys = qp.shape[3], vp.shape[3], qp.shape[2], kp.shape[2]
     dop = _pad_to(_pad_to(dout, 2, rows_p), 3, dv)
