@@ -184,41 +184,41 @@ def main() -> None:
     path = os.path.join(args.out, f"jax_{record['date'][:10]}.json")
     print(json.dumps({k: v for k, v in record.items() if k != "results"}), flush=True)
 
-    for causal in (bool(int(c)) for c in args.causal.split(",")):
-        for d in head_dims:
-            for seqlen in (int(s) for s in args.seqlens.split(",")):
-                if time.time() - started > args.budget:
-                    print("budget spent: stopping", flush=True)
-                    break
-                q, k, v, dout = inputs(seqlen, d, args.tokens)
-                batch, nheads = q.shape[0], q.shape[2]
-                fl = flops(batch, nheads, seqlen, d, causal)
-                row = {"seqlen": seqlen, "head_dim": d, "causal": causal, "batch": batch,
-                       "nheads": nheads, "layout_ms": layout_ms(q, k, v)}
-                for name, fn in attention_fns(causal).items():
-                    if skipped(name, seqlen, args):
-                        continue
-                    try:
-                        t_fwd, t_bwd = measure(fn, q, k, v, dout, name != "pallas_triton")
-                    except Exception as err:  # an anchor this jax/GPU cannot run: say so
-                        row[name] = {"error": f"{type(err).__name__}: {str(err)[:200]}"}
-                        continue
-                    row[name] = {"fwd_ms": t_fwd, "fwd_tflops": fl / t_fwd / 1e9}
-                    if t_bwd is not None:
-                        row[name].update(bwd_ms=t_bwd, bwd_tflops=2.5 * fl / t_bwd / 1e9)
-                ref = row.get("jax.nn/cudnn", {})
-                for r in row.values():
-                    if isinstance(r, dict) and "fwd_ms" in r and "fwd_ms" in ref:
-                        r["fwd_vs_cudnn"] = ref["fwd_ms"] / r["fwd_ms"]
-                        if "bwd_ms" in r:
-                            r["bwd_vs_cudnn"] = ref["bwd_ms"] / r["bwd_ms"]
-                if "fwd_ms" in row.get("fori", {}) and "fwd_ms" in row.get("xla", {}):
-                    row["vmap_speedup_over_fori"] = {
-                        w: row["fori"][f"{w}_ms"] / row["xla"][f"{w}_ms"] for w in ("fwd", "bwd")}
-                record["results"].append(row)
-                print(json.dumps(row), flush=True)
-                with open(path, "w") as f:
-                    json.dump(record, f, indent=1)
+    grid = [(seqlen, causal, d) for seqlen in (int(s) for s in args.seqlens.split(","))
+            for causal in (bool(int(c)) for c in args.causal.split(",")) for d in head_dims]
+    for seqlen, causal, d in grid:  # seqlen outermost: a budget cut drops whole seqlens
+        if time.time() - started > args.budget:
+            print("budget spent: stopping", flush=True)
+            break
+        q, k, v, dout = inputs(seqlen, d, args.tokens)
+        batch, nheads = q.shape[0], q.shape[2]
+        fl = flops(batch, nheads, seqlen, d, causal)
+        row = {"seqlen": seqlen, "head_dim": d, "causal": causal, "batch": batch,
+               "nheads": nheads, "layout_ms": layout_ms(q, k, v)}
+        for name, fn in attention_fns(causal).items():
+            if skipped(name, seqlen, args):
+                continue
+            try:
+                t_fwd, t_bwd = measure(fn, q, k, v, dout, name != "pallas_triton")
+            except Exception as err:  # an anchor this jax/GPU cannot run: say so
+                row[name] = {"error": f"{type(err).__name__}: {str(err)[:200]}"}
+                continue
+            row[name] = {"fwd_ms": t_fwd, "fwd_tflops": fl / t_fwd / 1e9}
+            if t_bwd is not None:
+                row[name].update(bwd_ms=t_bwd, bwd_tflops=2.5 * fl / t_bwd / 1e9)
+        ref = row.get("jax.nn/cudnn", {})
+        for r in row.values():
+            if isinstance(r, dict) and "fwd_ms" in r and "fwd_ms" in ref:
+                r["fwd_vs_cudnn"] = ref["fwd_ms"] / r["fwd_ms"]
+                if "bwd_ms" in r:
+                    r["bwd_vs_cudnn"] = ref["bwd_ms"] / r["bwd_ms"]
+        if "fwd_ms" in row.get("fori", {}) and "fwd_ms" in row.get("xla", {}):
+            row["vmap_speedup_over_fori"] = {
+                w: row["fori"][f"{w}_ms"] / row["xla"][f"{w}_ms"] for w in ("fwd", "bwd")}
+        record["results"].append(row)
+        print(json.dumps(row), flush=True)
+        with open(path, "w") as f:
+            json.dump(record, f, indent=1)
     print(f"wrote {path}")
 
 
