@@ -20,8 +20,9 @@ Timing: the median of 7 samples, each a loop of calls sized to about 20 ms, clos
 block_until_ready, after a compile-and-warm-up call. Backward times the backward alone: the
 jitted VJP function applied to dO, with the forward's residuals computed once beforehand.
 --sweep first times the candidate tiles of flashkit.jax.pallas.TILES at seqlen 8k and runs the
-main grid with the fastest. --budget stops starting new configs after that many seconds; the
-JSON is rewritten after every config, so a run cut short still leaves its numbers.
+main grid with the fastest; --sweep-mosaic does the same for flashkit.jax.mosaic.TILES (each
+candidate checked against cuDNN's output). --budget stops starting new configs after that many
+seconds; the JSON is rewritten after every config, so a run cut short still leaves its numbers.
 Results: DIR/jax_<date>.json with date, device, versions, tiles and config.
 """
 
@@ -42,6 +43,9 @@ from flashkit.jax import _layout, flash_attention, pallas
 
 WIDTH = 2048
 DTYPE = jnp.bfloat16
+# Candidate (BQ, BK, STAGES) of the Mosaic forward for --sweep-mosaic.
+MOSAIC_SWEEP = {64: [(64, 128, 2), (64, 256, 2), (64, 128, 3), (64, 64, 4)],
+                128: [(64, 128, 2), (64, 64, 3), (64, 64, 4), (64, 128, 3)]}
 # Candidate (block_q, block_k, num_warps, num_stages) for --sweep.
 SWEEP = {
     "fwd": [(128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 4, 4)],
@@ -151,6 +155,40 @@ def sweep(head_dims, tokens, seqlen):
     return chosen, log
 
 
+def sweep_mosaic(head_dims, tokens, seqlen):
+    """Time the Mosaic forward's candidate (BQ, BK, STAGES) per head dim, non-causal plus
+    causal, each checked against cuDNN's output; install and return the fastest."""
+    from flashkit.jax import mosaic
+
+    chosen, log = {}, []
+    for d in head_dims:
+        q, k, v, _ = inputs(seqlen, d, tokens)
+        best = None
+        for tile in MOSAIC_SWEEP[d]:
+            mosaic.TILES[d] = tile
+            total, err = 0.0, 0.0
+            try:
+                for causal in (False, True):
+                    fn = jax.jit(lambda q, k, v, c=causal: flash_attention(q, k, v, causal=c))
+                    total += time_ms(fn, q, k, v)
+                    ref = jax.nn.dot_product_attention(q, k, v, is_causal=causal,
+                                                       implementation="cudnn")
+                    diff = jnp.abs(fn(q, k, v).astype(jnp.float32) - ref.astype(jnp.float32))
+                    err = max(err, float(jnp.max(diff)))
+            except Exception as err_:  # a tile that does not fit (shared memory, registers)
+                print(f"mosaic sweep d{d} {tile}: failed ({type(err_).__name__})", flush=True)
+                continue
+            log.append({"head_dim": d, "tile": tile, "ms_full_plus_causal": total,
+                        "max_abs_diff_vs_cudnn": err})
+            print(f"mosaic sweep d{d} {tile}: {total:.3f} ms, diff {err:.4f}", flush=True)
+            if err < 0.05 and (best is None or total < best[1]):
+                best = (tile, total)
+        if best is None:
+            raise RuntimeError(f"mosaic sweep: no candidate tile worked for d{d}")
+        chosen[d] = mosaic.TILES[d] = best[0]
+    return chosen, log
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
@@ -161,6 +199,7 @@ def main() -> None:
     ap.add_argument("--fori-max", type=int, default=2048)
     ap.add_argument("--port-max", type=int, default=4096)
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--sweep-mosaic", action="store_true")
     ap.add_argument("--sweep-seqlen", type=int, default=8192)
     ap.add_argument("--budget", type=float, default=float("inf"))
     args = ap.parse_args()
@@ -171,12 +210,15 @@ def main() -> None:
               "results": []}
     if args.sweep:
         record["tiles"], record["sweep"] = sweep(head_dims, args.tokens, args.sweep_seqlen)
+    if args.sweep_mosaic:
+        record["mosaic_tiles"], record["mosaic_sweep"] = sweep_mosaic(
+            head_dims, args.tokens, args.sweep_seqlen)
     record["tiles_used"] = {w: {str(d): pallas.TILES[w][d] for d in head_dims}
                             for w in ("fwd", "bwd")}
     try:
         from flashkit.jax import mosaic
 
-        record["mosaic_tiles"] = {str(d): mosaic.TILES[d] for d in head_dims}
+        record.setdefault("mosaic_tiles", {str(d): mosaic.TILES[d] for d in head_dims})
         record["mosaic_forward"] = mosaic.is_hopper()
     except ImportError as err:
         record["mosaic_forward"] = f"unavailable: {err}"
