@@ -35,7 +35,7 @@ COVERED = [  # (sq, sk, h, hk, d, causal)
 NOT_COVERED = [  # (sq, sk, h, hk, d, causal, window, dtype): the Triton kernel runs these
     (256, 256, 2, 2, 80, False, (-1, -1), jnp.bfloat16),  # head dim
     (200, 256, 2, 2, 64, False, (-1, -1), jnp.bfloat16),  # partial query block
-    (256, 200, 2, 2, 64, False, (-1, -1), jnp.bfloat16),  # partial key block
+    (256, 200, 2, 2, 64, False, (-1, -1), jnp.bfloat16),  # partial key block (of 64)
     (256, 128, 2, 2, 64, True, (-1, -1), jnp.bfloat16),  # causal rows that see no key
     (256, 256, 2, 2, 64, False, (16, 0), jnp.bfloat16),  # window
     (256, 256, 2, 2, 64, False, (-1, -1), jnp.float32),
@@ -50,6 +50,12 @@ def test_supports_and_lowers_for_cuda(sq, sk, h, hk, d, causal):
     lowered = jax.jit(lambda q, k, v: mosaic.forward(q, k, v, cfg)).trace(q, k, k).lower(
         lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
+
+
+def test_block_k_divides_seqlen_k():
+    """d64's 256-key blocks halve until they divide seqlen_k (here 384 -> 128)."""
+    q, k = _arrays(128, 384, 2, 1, 64)
+    assert mosaic.cfg_tile(_cfg(q, k), 64)[1] == 128
 
 
 @pytest.mark.parametrize("sq,sk,h,hk,d,causal,window,dtype", NOT_COVERED)

@@ -60,7 +60,7 @@ def _mosaic_for(q, k, v, cfg: AttentionConfig):
     if cfg.implementation == "pallas_mosaic" and not usable:
         raise NotImplementedError(
             "implementation='pallas_mosaic' needs a Hopper GPU (no interpreter) and covers "
-            "bf16/fp16, d = dv in (64, 128), seqlen_q % 128 == 0, seqlen_k % block_k == 0, no "
+            "bf16/fp16, d = dv in (64, 128), seqlen_q % 128 == 0, seqlen_k % 64 == 0, no "
             "window, causal only with seqlen_q <= seqlen_k; use implementation='pallas'")
     return mosaic if usable else None
 

@@ -13,7 +13,7 @@ Notation as in `_tile`: scores in the log2 domain (`s * scale * log2(e)`), m/l/a
 max, sum and unnormalised output.
 
 It covers the common case and says so in `supports`: bf16/fp16, d = dv in {64, 128}, whole
-blocks (seqlen_q % (2 BQ) == 0, seqlen_k % BK == 0), no window, causal only with seqlen_q <=
+blocks (seqlen_q % 128 == 0, seqlen_k % 64 == 0), no window, causal only with seqlen_q <=
 seqlen_k (every row sees key 0, so no row is empty); flashkit.jax runs the Triton-lowered kernel
 (`pallas.py`) for everything else, and for the backward.
 """
@@ -35,7 +35,11 @@ __all__ = ["forward", "supports", "TILES"]
 
 # (BQ rows per consumer warpgroup, BK keys per block, STAGES in the K/V ring) per head dim.
 # BQ is wgmma's M (64 per warpgroup). Shared memory: Q/O 2*BQ*d + K and V 2*STAGES*BK*d elements.
-TILES = {64: (64, 128, 2), 128: (64, 128, 2)}
+# The fastest of bench_jax.py --sweep-mosaic on the H200 (bf16, 8k, causal + not, jax 0.11.2,
+# benchmarks/results/jax_2026-11-21_mosaic_sweep.json): d64 (64, 256, 2) 3.64 ms vs 3.87 for
+# (64, 128, 2); d128 (64, 128, 2) 2.74 ms vs 3.30 for (64, 64, 4); (64, 128, 3) does not fit.
+TILES = {64: (64, 256, 2), 128: (64, 128, 2)}
+MIN_BLOCK_K = 64
 _CONSUMERS = 2
 _DTYPES = (jnp.bfloat16, jnp.float16)
 
@@ -60,9 +64,14 @@ def supports(q_shape, k_shape, v_shape, dtype, cfg: AttentionConfig) -> bool:
 
 
 def cfg_tile(cfg: AttentionConfig, d: int):
-    """(BQ, BK, STAGES): the table's entry; block_k overrides BK (block_q stays wgmma's 64)."""
+    """(BQ, BK, STAGES): the table's entry with BK halved (down to 64) until it divides seqlen_k;
+    block_k overrides BK (block_q stays wgmma's 64)."""
     bq, bk, stages = TILES[d]
-    return bq, cfg.block_k or bk, stages
+    if cfg.block_k:
+        return bq, cfg.block_k, stages
+    while bk > MIN_BLOCK_K and cfg.seqlen_k % bk:
+        bk //= 2
+    return bq, bk, stages
 
 
 def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, smem, barriers, *, cfg, tile):
@@ -111,7 +120,7 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, smem, barriers, *, cfg, tile)
             slot = lax.rem(j, stages)
 
             def qk(s_ref):  # [BQ, BK] = [BQ, D] @ [D, BK]
-                plgpu.wgmma(s_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
                 take_turn()  # the other consumer's matmuls go next
                 return s_ref[...]
 
