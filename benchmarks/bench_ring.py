@@ -102,8 +102,8 @@ def bench_one(tokens: int, args, rank: int, world: int, device: torch.device) ->
 
     def local():
         with torch.no_grad():
-            out, lse = ring_forward(q, k, v, problem)
-            ring_backward(dout, q, k, v, out, lse, None, problem)
+            out, lse = ring_forward(q, k, v, None, problem)
+            ring_backward(dout, q, k, v, None, out, lse, None, problem)
 
     ring_ms = _median_ms(ring, device, args.warmup, args.iters)
     local_ms = _median_ms(local, device, args.warmup, args.iters)

@@ -43,6 +43,10 @@ class Case:
     headdim_v: int = 16
     varlen: tuple[int, ...] = ()  # local length of each packed sequence (q and k alike)
     lse_grad: bool = False  # return the lse and put a random gradient on it too
+    alibi: str = ""  # "heads": slopes (nheads,); "batch": (batch or sequences, nheads)
+    sink: bool = False  # a learnable sink (nheads,), its gradient checked too
+    backend: str | None = None  # None: the device's default (tiled on the CPU)
+    worlds: tuple[int, ...] = (1, 2, 4)  # the group sizes that run it
 
 
 VALID = [
@@ -70,6 +74,23 @@ VALID = [
     Case("varlen-zigzag-causal", layout="zigzag", causal=True, varlen=(6, 0, 2, 10),
          dtype=torch.float64),
     Case("varlen-zigzag-window", layout="zigzag", window=(2, 3), varlen=(4, 8)),
+    Case("contiguous-causal-alibi", causal=True, alibi="heads"),
+    Case("zigzag-causal-alibi-gqa4", layout="zigzag", causal=True, alibi="heads", nheads=8,
+         nheads_k=2, shard_q=10, shard_k=10, dtype=torch.float64),
+    Case("contiguous-alibi-batch-q-longer", alibi="batch", shard_q=10, shard_k=4),
+    Case("zigzag-alibi-window-softcap", layout="zigzag", window=(5, 3), softcap=2.0,
+         alibi="heads", shard_q=10, shard_k=10),
+    Case("zigzag-causal-sink", layout="zigzag", causal=True, sink=True, nheads_k=2),
+    Case("zigzag-causal-sink-bf16", layout="zigzag", causal=True, sink=True,
+         dtype=torch.bfloat16),
+    Case("contiguous-alibi-sink-lse-grad", alibi="heads", sink=True, lse_grad=True,
+         dtype=torch.float64),
+    Case("varlen-zigzag-causal-alibi-sink", layout="zigzag", causal=True, alibi="batch",
+         sink=True, varlen=(6, 0, 2, 10)),
+    # The Triton kernels, interpreted on the CPU (slow: one small case on 2 ranks): slopes of
+    # both signs (the block straddles the diagonal, keys longer than queries) and the sink.
+    Case("triton-alibi-sink-k-longer", alibi="batch", sink=True, backend="triton", nheads=2,
+         nheads_k=1, shard_q=4, shard_k=6, worlds=(2,)),
 ]
 
 
@@ -116,6 +137,15 @@ REJECT = [
            rank0={"lengths": (6, 4)}),
     Reject("varlen-zigzag-odd", ValueError, "cu_seqlens_q: local sequence lengths must be even",
            call={"layout": "zigzag", "lengths": (4, 3)}, varlen=True),
+    Reject("sink-differs", ValueError, "sink[1] differs across the ranks",
+           call={"sink": (0.5, 0.25)}, rank0={"sink": (0.5, 0.75)}),
+    Reject("alibi-differs", ValueError, "alibi_slopes[0] differs across the ranks",
+           call={"alibi_slopes": (0.5, 0.25)}, rank0={"alibi_slopes": (0.125, 0.25)},
+           varlen=True),
+    Reject("alibi-one-rank-only", ValueError, "alibi_slopes (dims; -1 = None) differs",
+           rank0={"alibi_slopes": (0.5, 0.25)}),
+    Reject("alibi-bad-shape", ValueError, "alibi_slopes: expected shape (2,) or (1, 2)",
+           call={"alibi_slopes": (0.5, 0.25, 0.125)}),
 ]
 
 
@@ -143,8 +173,21 @@ class _Shards:
         return local.movedim(0, dim)
 
 
+def _extras(case: Case, gen: torch.Generator) -> dict:
+    """The case's ALiBi slopes (float32, positive, from 0.1 to 1) and sink (float64, drawn)."""
+    extras = {}
+    if case.alibi:
+        rows = len(case.varlen) if case.varlen else case.batch
+        shape = (case.nheads,) if case.alibi == "heads" else (rows, case.nheads)
+        extras["alibi_slopes"] = (0.1 + 0.9 * torch.rand(shape, generator=gen)).float()
+    if case.sink:
+        extras["sink"] = torch.randn(case.nheads, generator=gen, dtype=torch.float64)
+    return extras
+
+
 def _inputs(case: Case, world: int):
-    """Global float64 q, k, v, dout, dlse from the case's seed (the same on every rank)."""
+    """Global float64 q, k, v, dout, dlse from the case's seed (the same on every rank), and
+    the slopes and sink."""
     gen = torch.Generator().manual_seed(_seed(case.name))
     if case.varlen:
         total = world * sum(case.varlen)
@@ -156,47 +199,67 @@ def _inputs(case: Case, world: int):
     shapes = [(*lead_q, case.nheads, case.headdim), (*lead_k, case.nheads_k, case.headdim),
               (*lead_k, case.nheads_k, case.headdim_v), (*lead_q, case.nheads, case.headdim_v),
               lse_shape]
-    return [torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes]
+    tensors = [torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes]
+    return tensors, _extras(case, gen)
 
 
-def _attention(case: Case, q, k, v, shards: _Shards, oracle: bool, device):
+def _attention(case: Case, q, k, v, extras: dict, shards: _Shards, oracle: bool, device):
     """(out, lse): the oracle on global tensors, or the ring on this rank's shards."""
-    common = {"causal": case.causal, "window_size": case.window, "softcap": case.softcap}
+    common = {"causal": case.causal, "window_size": case.window, "softcap": case.softcap,
+              **extras}
     if oracle:
         return reference.attention(q, k, v, cu_seqlens_q=shards.cu, cu_seqlens_k=shards.cu,
                                    **common)
     q, k, v = (x.to(device) for x in (q, k, v))
+    common = {name: x.to(device) if isinstance(x, torch.Tensor) else x
+              for name, x in common.items()}
     if not case.varlen:
-        return fd.ring_flash_attn_func(q, k, v, layout=case.layout, return_lse=True, **common)
+        return fd.ring_flash_attn_func(q, k, v, layout=case.layout, return_lse=True,
+                                       backend=case.backend, **common)
     cu = _cu_seqlens(case.varlen, device)  # local: every rank holds the same lengths
     return fd.ring_flash_attn_varlen_func(q, k, v, cu, cu, max(case.varlen), max(case.varlen),
-                                          layout=case.layout, return_lse=True, **common)
+                                          layout=case.layout, return_lse=True,
+                                          backend=case.backend, **common)
 
 
-def _results(case: Case, q, k, v, dout, dlse, shards: _Shards, oracle: bool, device) -> dict:
-    """Outputs and gradients of the oracle (global tensors) or of the ring (local shards)."""
+def _results(case: Case, q, k, v, dout, dlse, extras: dict, shards: _Shards, oracle: bool,
+             device) -> dict:
+    """Outputs and gradients of the oracle (global tensors) or of the ring (local shards); the
+    ring's dsink is summed over the group (each rank's is the part from its own queries)."""
     q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
-    out, lse = _attention(case, q, k, v, shards, oracle, device)
+    extras = dict(extras)
+    if "sink" in extras:
+        extras["sink"] = extras["sink"].detach().to(device).requires_grad_()
+    out, lse = _attention(case, q, k, v, extras, shards, oracle, device)
     loss = (out * dout.to(out)).sum()
     if case.lse_grad:
         loss = loss + (lse * dlse.to(lse)).sum()
     loss.backward()
-    return {"out": out, "lse": lse, "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    results = {"out": out, "lse": lse, "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    if "sink" in extras:
+        results["dsink"] = extras["sink"].grad
+        if not oracle:
+            dist.all_reduce(results["dsink"])
+    return results
 
 
 def check_case(case: Case, rank: int, world: int, device) -> None:
     """Raise AssertionError unless this rank's ring results match the oracle's shards."""
     shards = _Shards(case, rank, world)
     seq_dim, lse_dim = (0, 1) if case.varlen else (1, 2)
-    q, k, v, dout, dlse = _inputs(case, world)
-    oracle = _results(case, q, k, v, dout, dlse, shards, True, device)
+    (q, k, v, dout, dlse), extras = _inputs(case, world)
+    oracle = _results(case, q, k, v, dout, dlse, extras, shards, True, device)
     # The DESIGN section 5 baseline: the same materialised computation in the case's dtype.
     cast = [x.to(case.dtype) for x in (q, k, v, dout, dlse)]
-    baseline = _results(case, *cast, shards, True, device)
+    extras = {name: x.to(case.dtype) if name == "sink" else x for name, x in extras.items()}
+    baseline = _results(case, *cast, extras, shards, True, device)
     local = [shards(x, seq_dim) for x in cast[:4]] + [shards(cast[4], lse_dim)]
-    ring = _results(case, *local, shards, False, device)
+    ring = _results(case, *local, extras, shards, False, device)
     atol = 1e-12 if case.dtype == torch.float64 else 1e-5  # float64: exact up to rounding
     for name in ring:
+        if name == "dsink":  # the whole (nheads,) gradient, summed over the group
+            assert_close_to_oracle(name, ring[name], oracle[name], baseline[name], atol=atol)
+            continue
         dim = lse_dim if name == "lse" else seq_dim
         assert_close_to_oracle(name, ring[name], shards(oracle[name], dim),
                                shards(baseline[name], dim), atol=atol)
@@ -209,6 +272,9 @@ def check_reject(r: Reject, rank: int, world: int, device) -> None:
     shard, headdim_k, lengths = (kwargs.pop(key) for key in ("shard", "headdim_k", "lengths"))
     if kwargs.get("group") == SUBGROUP_WITHOUT_RANK0:
         kwargs["group"] = dist.new_group(list(range(1, world)))
+    for name in ("alibi_slopes", "sink"):  # given as tuples of floats
+        if name in kwargs:
+            kwargs[name] = torch.tensor(kwargs[name], dtype=torch.float32, device=device)
     lead = (sum(lengths),) if r.varlen else (1, shard)
     gen = torch.Generator().manual_seed(_seed(r.name))
     q, k, v = (torch.randn(*lead, 2, d, generator=gen).to(device) for d in (16, headdim_k, 16))
@@ -246,7 +312,8 @@ def run(rank: int, world: int, port: int, out_path: str, dist_backend: str = "gl
         todo = [(c.name, check_case, c) for c in VALID] + [(r.name, check_reject, r)
                                                              for r in REJECT]
         for name, check, case in todo:
-            if names is not None and name not in names:
+            if names is not None and name not in names or world not in getattr(case, "worlds",
+                                                                                  (world,)):
                 continue
             try:
                 check(case, rank, world, device)

@@ -48,8 +48,8 @@ def _report(results: dict, name: str) -> None:
         pytest.fail(results[name], pytrace=False)
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
-@pytest.mark.parametrize("case", VALID, ids=lambda c: c.name)
+@pytest.mark.parametrize("world, case", [(w, c) for c in VALID for w in c.worlds],
+                         ids=lambda x: x.name if hasattr(x, "name") else str(x))
 def test_ring_matches_oracle(cpu_results, world, case):
     _report(cpu_results(world), case.name)
 
@@ -70,10 +70,11 @@ def test_needs_initialized_process_group():
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_ring_triton_nccl(tmp_path):
-    """The Triton backend (no softcap, no lse gradient, no float64 yet) over NCCL."""
+    """The Triton backend over NCCL (the cases without float64 or an lse gradient)."""
     names = ("contiguous-causal", "zigzag-causal-gqa4", "zigzag-causal-bf16",
              "contiguous-window-odd-shards", "zigzag-causal-window", "contiguous-causal-q-longer",
-             "varlen-zigzag-window")
+             "varlen-zigzag-window", "contiguous-causal-alibi", "zigzag-alibi-window-softcap",
+             "zigzag-causal-sink", "zigzag-causal-sink-bf16", "triton-alibi-sink-k-longer")
     results = _run_group(2, tmp_path, "nccl", names)
     failures = {n: results[n] for n in names if results[n]}
     assert not failures, failures

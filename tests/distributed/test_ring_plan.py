@@ -14,7 +14,7 @@ import torch
 import flashkit.distributed as fd
 from flashkit.distributed.layout import segments
 from flashkit.distributed.plan import plan_block, ring_plans
-from flashkit.reference import visible
+from flashkit.reference import alibi_distance, visible
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
@@ -70,18 +70,32 @@ def _coverage(calls, sq, sk) -> torch.Tensor:
 WINDOWS = [(None, None), (None, 0), (3, 0), (0, 0), (2, 5), (None, 4), (9, None), (1, -1)]
 
 
+def _check_alibi_distances(calls, distance: torch.Tensor) -> None:
+    """Each call's own ALiBi distance, signed and offset as planned, is the global one."""
+    for c in calls:
+        sq, sk = c.q.stop - c.q.start, c.k.stop - c.k.start
+        own = visible(sq, sk, c.window_left, c.window_right)
+        rebuilt = c.alibi_sign * alibi_distance(sq, sk) + c.alibi_offset
+        assert torch.equal(rebuilt[own], distance[c.q, c.k][own]), c
+
+
+@pytest.mark.parametrize("alibi", [False, True], ids=["", "alibi"])
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 @pytest.mark.parametrize("window", WINDOWS, ids=str)
-def test_plan_covers_the_global_mask_exactly_once(layout, world, window):
+def test_plan_covers_the_global_mask_exactly_once(layout, world, window, alibi):
     for shard_q, shard_k in [(6, 6), (2, 8), (10, 4), (0, 4)]:
         mask = visible(world * shard_q, world * shard_k, *window)
+        distance = alibi_distance(world * shard_q, world * shard_k)
         for rank, src in itertools.product(range(world), repeat=2):
             q_segs = segments(layout, rank, world, shard_q)
             k_segs = segments(layout, src, world, shard_k)
-            calls = plan_block(q_segs, k_segs, world * (shard_k - shard_q), *window)
-            want = mask[_global_indices(q_segs)][:, _global_indices(k_segs)].int()
+            calls = plan_block(q_segs, k_segs, world * (shard_k - shard_q), *window, alibi)
+            rows, cols = _global_indices(q_segs), _global_indices(k_segs)
+            want = mask[rows][:, cols].int()
             assert torch.equal(_coverage(calls, shard_q, shard_k), want), (rank, src, calls)
+            if alibi:
+                _check_alibi_distances(calls, distance[rows][:, cols])
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -3,7 +3,8 @@
 Each rank of a process group holds a shard of the sequence; the key/value shards travel around
 the ring of ranks while every rank attends its queries to the shard it holds, merging the
 partial results by log-sum-exp. The result is exact: the same attention as flash_attn_func on
-the unsharded tensors, forward and backward, with causal / sliding-window masks, GQA and softcap.
+the unsharded tensors, forward and backward, with causal / sliding-window masks, GQA, softcap,
+ALiBi (on global distances) and a learnable sink (in each row's softmax once).
 
     import flashkit.distributed as fd
     q_local = fd.shard(q, dim=1, rank=rank, world=world, layout="zigzag")   # likewise k, v

@@ -29,6 +29,20 @@ across (\ = visible diagonal, # = visible, . = masked):
 
 Each rank does the same work at every step: that is the point of the zigzag layout. When no
 single band fits (sliding windows across zigzag chunks), the plan makes one call per rectangle.
+
+ALiBi subtracts slope * |x| from a score, x = i - j + shift being the GLOBAL offset from the
+diagonal, but a backend call measures |x''| from its own bottom-right diagonal: x'' = x - off
+inside one rectangle, off the value of x at the call's bottom-right corner. So with ALiBi each
+rectangle is cut along x = 0 and x'' = 0 into bands where both keep one sign (sx, s''); there
+|x| = sx (x'' + off) and the call, run with slopes times sx * s'', gives -slope sx x'' = the
+true bias + slope * sx * off: a per-head constant, which `alibi_offset` = sx * off carries to
+the engine (it adds -slope * alibi_offset to the call's lse, and takes it off the lse it hands
+the backward). In exact arithmetic that is the same attention; in floating point the kernel sees
+scores shifted by up to slope * (rectangle size) and rounds at that size. bf16/fp16 inputs'
+own rounding dominates and float64 stays exact, but float32 inputs with large shards and steep
+slopes miss DESIGN section 5's rule (measured on the CPU: 1024 tokens per rank, W = 4, slopes
+up to 1, causal: 1.4-2x the bound). A backend parameter adding an offset inside ALiBi's |.|
+would make each rectangle one call with exact distances.
 """
 
 from __future__ import annotations
@@ -45,16 +59,26 @@ INF = math.inf
 
 
 class Call(NamedTuple):
-    """One backend call: local query rows q, key rows k, and the window of that sub-block."""
+    """One backend call: local query rows q, key rows k, and the window of that sub-block.
+
+    sequence: which packed sequence (varlen) the call belongs to. alibi_sign, alibi_offset: run
+    ALiBi with slopes * alibi_sign, then add -slope * alibi_offset to the lse (see the top).
+    """
 
     q: slice
     k: slice
     window_left: int | None
     window_right: int | None
+    sequence: int = 0
+    alibi_sign: int = 1
+    alibi_offset: int = 0
 
 
 class _Rect(NamedTuple):
-    """Rows [r0, r1) x columns [c0, c1) of the local block, with its band on d = i' - j'."""
+    """Rows [r0, r1) x columns [c0, c1) of the local block, with its band on d = i' - j'.
+
+    x0: the global offset x = i - j + shift where d = 0 (x = d + x0 inside the rectangle).
+    """
 
     r0: int
     r1: int
@@ -62,6 +86,7 @@ class _Rect(NamedTuple):
     c1: int
     lo: float
     hi: float
+    x0: int = 0
 
     def offsets(self) -> tuple[float, float]:
         """The range [first, last] of i' - j' over the rectangle; (INF, -INF) when it is empty."""
@@ -107,11 +132,14 @@ def _call(box: _Rect, lo: float, hi: float) -> Call:
 
 
 def plan_block(q_segs: list[Segment], k_segs: list[Segment], shift: int,
-               window_left: int | None, window_right: int | None) -> list[Call]:
+               window_left: int | None, window_right: int | None,
+               alibi: bool = False) -> list[Call]:
     """The calls computing every visible (query, key) pair of the block exactly once.
 
     q_segs/k_segs: the segments of the local query shard and of the key shard held this step;
-    shift, window_left/right: the GLOBAL problem's (None = unbounded). Empty list: nothing seen.
+    shift, window_left/right: the GLOBAL problem's (None = unbounded). alibi: cut the calls so
+    that ALiBi's distances can be rebuilt from the calls' own (see the top). Empty list:
+    nothing seen.
     """
     g_lo = -INF if window_right is None else -shift - window_right
     g_hi = INF if window_left is None else -shift + window_left
@@ -121,10 +149,12 @@ def plan_block(q_segs: list[Segment], k_segs: list[Segment], shift: int,
             # Global offset i - j = local offset i' - j' + delta.
             delta = (qs.start - qs.local) - (ks.start - ks.local)
             rects.append(_Rect(qs.local, qs.local + qs.length, ks.local, ks.local + ks.length,
-                               g_lo - delta, g_hi - delta))
+                               g_lo - delta, g_hi - delta, delta + shift))
     seen = [r.trimmed() for r in rects if not _empty(r.visible())]
     if not seen:
         return []
+    if alibi:
+        return [call for r in seen for call in _alibi_calls(r)]
     box = _Rect(min(r.r0 for r in seen), max(r.r1 for r in seen),
                 min(r.c0 for r in seen), max(r.c1 for r in seen), -INF, INF)
     lo, hi = min(r.visible()[0] for r in seen), max(r.visible()[1] for r in seen)
@@ -133,24 +163,42 @@ def plan_block(q_segs: list[Segment], k_segs: list[Segment], shift: int,
     return [_call(r, *r.visible()) for r in seen]
 
 
+def _alibi_calls(rect: _Rect) -> list[Call]:
+    """rect's visible band cut where the global offset x or the call's own x'' changes sign.
+
+    Every piece keeps rect's box (so x'' = d + c1 - r1 and off = x - x'' stay fixed); its rows
+    or columns that see nothing cost the kernel only skipped tiles.
+    """
+    lo, hi = (int(v) for v in rect.visible())
+    x_zero, own_zero = -rect.x0, rect.r1 - rect.c1  # the d where x = 0 and where x'' = 0
+    cuts = sorted({c for c in (x_zero, own_zero) if lo < c <= hi})
+    off = rect.x0 - (rect.c1 - rect.r1)
+    calls = []
+    for a, b in zip([lo, *cuts], [c - 1 for c in cuts] + [hi], strict=True):
+        sx, sd = (1 if a >= x_zero else -1), (1 if a >= own_zero else -1)
+        calls.append(_call(rect, a, b)._replace(alibi_sign=sx * sd, alibi_offset=sx * off))
+    return calls
+
+
 def ring_plans(layout: str, rank: int, world: int, q_lens: list[int], k_lens: list[int],
-               window_left: int | None, window_right: int | None) -> tuple[tuple[Call, ...], ...]:
+               window_left: int | None, window_right: int | None,
+               alibi: bool = False) -> tuple[tuple[Call, ...], ...]:
     """plans[t]: the calls of ring step t, when rank holds the keys of rank (rank - t) % world.
 
     q_lens/k_lens: the local length of each sequence packed one after another in the shards (one
     entry for dense inputs); each sequence is sharded with `layout` across the world ranks, and
-    its global mask is bottom-right aligned on its own global lengths.
+    its global mask is bottom-right aligned on its own global lengths. alibi: see plan_block.
     """
     q_offsets = list(accumulate(q_lens, initial=0))  # where each packed sequence starts
     k_offsets = list(accumulate(k_lens, initial=0))
     plans = []
     for step in range(world):
         src, calls = (rank - step) % world, []
-        for lq, lk, oq, ok in zip(q_lens, k_lens, q_offsets[:-1], k_offsets[:-1],
-                                  strict=True):
-            calls += plan_block(segments(layout, rank, world, lq, oq),
-                                segments(layout, src, world, lk, ok),
-                                world * (lk - lq), window_left, window_right)
+        for seq, (lq, lk, oq, ok) in enumerate(zip(q_lens, k_lens, q_offsets[:-1],
+                                                   k_offsets[:-1], strict=True)):
+            block = plan_block(segments(layout, rank, world, lq, oq),
+                               segments(layout, src, world, lk, ok),
+                               world * (lk - lq), window_left, window_right, alibi)
+            calls += [call._replace(sequence=seq) for call in block]
         plans.append(tuple(calls))
     return tuple(plans)
-
