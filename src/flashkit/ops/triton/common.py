@@ -146,15 +146,6 @@ def tile_ptrs(base, rows, cols, stride_r, stride_c):
 
 
 @triton.jit
-def skip_past_end(start, length, lo, mid_lo, mid_hi, hi):
-    """Empty tile ranges for a block that starts at or past its sequence's end (varlen grids
-    are sized for the longest sequence): such a program loads, computes and stores nothing."""
-    past = start >= length
-    return (tl.where(past, 0, lo), tl.where(past, 0, mid_lo), tl.where(past, 0, mid_hi),
-            tl.where(past, 0, hi))
-
-
-@triton.jit
 def visible(i, j, seqlen_q, seqlen_k, window_left, window_right,
             HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
     """The mask predicate, once for every kernel: key j is in bounds and inside query i's band.

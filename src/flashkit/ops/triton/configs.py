@@ -25,6 +25,17 @@ HOPPER = {
         128: (128, 128, 8, 3),  # 1.113 + 0.647 ms (next: 64,64,4,3 at 1.114 + 0.657)
         256: (128, 64, 8, 2),  # 02:38 d256 sweep: 1.057 + 0.620 ms (64,64,4,2: 1.310 + 0.766)
     },
+    # The forward with dropout: its keep-mask tile changes layout through shared memory (16 KiB
+    # at 128 x 128), which the 3-stage d128 forward tile has no room for (245760 > 232448 bytes
+    # per block on the H200, seen 2026-11-21 03:45): one stage less there, the rest as forward.
+    # Not swept.
+    "forward_dropout": {
+        16: (128, 64, 4, 3),
+        32: (128, 64, 4, 3),
+        64: (128, 64, 4, 3),
+        128: (128, 128, 8, 2),
+        256: (128, 64, 8, 2),
+    },
     "dkdv": {
         16: (32, 128, 4, 3),
         32: (32, 128, 4, 3),
@@ -68,6 +79,7 @@ FUSED_BWD = False
 # so head dim 256 fits in shared memory (dq: 64x256 Q and dO plus 32x256 K and V, 192 KiB).
 FP32 = {
     "forward": (64, 32, 4, 1),
+    "forward_dropout": (64, 32, 4, 1),
     "dkdv": (32, 32, 4, 1),
     "dkdv_atomic": (32, 32, 4, 1),
     "dq": (64, 32, 4, 1),
@@ -75,6 +87,7 @@ FP32 = {
 
 INTERPRETER = {
     "forward": (32, 16, 1, 1),
+    "forward_dropout": (32, 16, 1, 1),
     "dkdv": (16, 32, 1, 1),
     "dkdv_atomic": (16, 32, 1, 1),
     "dq": (32, 16, 1, 1),

@@ -211,7 +211,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         lse_shape = (nheads, q.shape[0]) if params.is_varlen else (batch, nheads, seqlen_q)
         lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
     block_m, block_n, num_warps, num_stages = tile or tile_config(
-        "forward", max(head_dim, head_dim_v), q.element_size(), interpreting())
+        "forward_dropout" if params.dropout_p > 0 else "forward", max(head_dim, head_dim_v),
+        q.element_size(), interpreting())
     window_left, window_right, has_left, has_right = window_args(params)
     qk_scale, softcap_scale, softcap = score_args(params)
     alibi, alibi_strides, has_alibi = alibi_args(params, lse)
