@@ -1,10 +1,15 @@
 """Decode and prefill speed of the Triton KV-cache kernels (flashkit.ops.triton.decode).
 
-    PYTHONPATH=src python3 benchmarks/bench_decode.py --out DIR [--quick] [--sweep]
+    PYTHONPATH=src python3 benchmarks/bench_decode.py --out DIR [--quick] [--sweep] [--no-study]
 
 First a correctness gate on the GPU (poisoned outputs, bf16 against the float64 oracle by the
 DESIGN section 5 rule, contiguous and paged, splits 1 and auto, with an append and rotary through
 the public API); the run stops if it fails. Then, bf16, d128, 32 query heads:
+  studies  (unless --no-study; they set the settings the rest of the run uses, reported in the
+           JSON's "chosen"): split counts at small batches (what auto_num_splits picks for 1, 2
+           and 3 programs per SM, plus a curve at two shapes), the merge kernel alone, the merge
+           with and without programmatic dependent launch (PDL, also checked under graph
+           replay), and candidate prefill tiles against the dense forward kernel.
   decode   q length 1, batch 1..64, cache 1k..128k, GQA 8:1 (4 kv heads) and 1:1 (32),
            contiguous and paged (page 256; page 16 at one size): achieved bandwidth = bytes of K
            and V read / time, as % of the device-to-device copy bandwidth measured in the same run
@@ -12,12 +17,13 @@ the public API); the run stops if it fails. Then, bf16, d128, 32 query heads:
            PyTorch SDPA (cuDNN and FLASH backends, enable_gqa) on the same work in (b, h, s, d).
   prefill  query length 128..2k after 4k cached keys, causal: the KV-cache kernel against the
            dense forward kernel on the same q, k, v, in TFLOP/s over visible pairs.
-  sweep    (--sweep) candidate decode tiles at two shapes, to choose decode.HOPPER.
+  sweep    (--sweep) candidate decode tiles at three shapes, to choose decode.HOPPER.
 Kernel times are the launchers (flashkit.ops.triton.decode.forward) on validated inputs: the
 public function adds host checks that read cache_seqlens/block_table (a device sync); its
 end-to-end time with an append and rotary is reported separately ("api").
-Times are triton.testing.do_bench medians. Results: DIR/decode_<date>.json with date, device,
-versions and config.
+Times are triton.testing.do_bench medians ("graph": CUDA-graph replays, the GPU time alone;
+"eager": one launch per call, L2 flushed between calls). Results: DIR/decode_<date>.json with
+date, device, versions and config, rewritten after every stage.
 """
 
 from __future__ import annotations
@@ -93,7 +99,8 @@ def kernel_fn(q, k_cache, v_cache, table, seqlen_k, params, num_splits):
     batch = q.shape[0]
     seqlens = torch.full((batch,), seqlen_k, dtype=torch.int32, device="cuda")
     rows = torch.arange(batch, dtype=torch.int32, device="cuda")
-    return lambda: decode.forward(q, k_cache, v_cache, seqlens, rows, rows * 0, table, params,
+    leftpad = torch.zeros_like(rows)  # made here: an op in the lambda would be timed with it
+    return lambda: decode.forward(q, k_cache, v_cache, seqlens, rows, leftpad, table, params,
                                   num_splits, max_seqlen_k=seqlen_k)
 
 
@@ -152,9 +159,9 @@ def check() -> list[str]:
 
 # --- decode -------------------------------------------------------------------------------------
 
-def sdpa_times(q, k_cache, v_cache, backend_name):
-    """(eager ms, graph ms) of SDPA on (b, h, 1, d) q and (b, hk, L, d) copies of a contiguous
-    cache, or (None, None) where that backend refuses the inputs."""
+def sdpa_fn(q, k_cache, v_cache, backend_name):
+    """SDPA on (b, h, 1, d) q and (b, hk, L, d) copies of a contiguous cache, or None where that
+    backend refuses the inputs."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
@@ -167,8 +174,8 @@ def sdpa_times(q, k_cache, v_cache, backend_name):
     try:
         fn()
     except RuntimeError:
-        return None, None
-    return bench(fn), bench_graph(fn)
+        return None
+    return fn
 
 
 def decode_grid(quick: bool):
@@ -177,46 +184,186 @@ def decode_grid(quick: bool):
     for nheads_k in (4, 32):
         for batch in batches:
             for seqlen_k in lengths:
-                kv_bytes = 2 * batch * seqlen_k * nheads_k * HEAD_DIM * 2
-                if kv_bytes > MAX_KV_BYTES:
+                if kv_bytes_of(batch, seqlen_k, nheads_k) > MAX_KV_BYTES:
                     continue
                 for page_size in (None, 256):
-                    yield batch, seqlen_k, nheads_k, page_size, kv_bytes
-    yield 8, 32768, 4, 16, 2 * 8 * 32768 * 4 * HEAD_DIM * 2
+                    yield batch, seqlen_k, nheads_k, page_size
+    yield 8, 32768, 4, 16
+
+
+def kv_bytes_of(batch, seqlen_k, nheads_k) -> int:
+    return 2 * batch * seqlen_k * nheads_k * HEAD_DIM * 2
+
+
+def auto_splits(batch, seqlen_k, nheads_k, page_size) -> int:
+    """What num_splits=0 picks for q length 1 (one packed row block per kv head)."""
+    q = torch.empty(batch, 1, NHEADS, HEAD_DIM, device="cuda")
+    return decode.launch_shape(q, nheads_k, page_size is not None, 0, seqlen_k)[2]
 
 
 def run_decode(copy_bw: float, quick: bool) -> list[dict]:
     rows = []
     params = AttentionParams(HEAD_DIM ** -0.5)
-    for batch, seqlen_k, nheads_k, page_size, kv_bytes in decode_grid(quick):
-        rows.append(decode_row(batch, seqlen_k, nheads_k, page_size, kv_bytes, params, copy_bw))
+    for batch, seqlen_k, nheads_k, page_size in decode_grid(quick):
+        rows.append(decode_row(batch, seqlen_k, nheads_k, page_size, params, copy_bw))
         print(json.dumps(rows[-1]), flush=True)
         torch.cuda.empty_cache()
     return rows
 
 
-def decode_row(batch, seqlen_k, nheads_k, page_size, kv_bytes, params, copy_bw) -> dict:
+def decode_row(batch, seqlen_k, nheads_k, page_size, params, copy_bw) -> dict:
     k_cache, v_cache, table = make_cache(batch, seqlen_k, nheads_k, page_size)
     q = torch.randn(batch, 1, NHEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
-    # q length 1: the group's rows pack into one tile, one program per kv head and split
-    splits = decode.auto_num_splits(batch * nheads_k, seqlen_k, torch.device("cuda"))
+    kv_bytes = kv_bytes_of(batch, seqlen_k, nheads_k)
     row = {"batch": batch, "seqlen_k": seqlen_k, "nheads": NHEADS, "nheads_k": nheads_k,
-           "page_size": page_size, "kv_bytes": kv_bytes, "auto_splits": splits,
+           "page_size": page_size, "kv_bytes": kv_bytes,
+           "auto_splits": auto_splits(batch, seqlen_k, nheads_k, page_size),
            "l2_resident": kv_bytes < 60e6}
 
-    def put(label, eager_ms, graph_ms):
-        for mode, ms in (("eager", eager_ms), ("graph", graph_ms)):
+    def put(label, fn, eager):
+        for mode in ("graph", "eager") if eager else ("graph",):
+            ms = None if fn is None else (bench_graph if mode == "graph" else bench)(fn)
             row[f"{label}_{mode}_ms"] = ms
             if ms is not None:
                 row[f"{label}_{mode}_pct_copy"] = 100 * kv_bytes / (ms * 1e-3) / copy_bw
 
-    for label, num_splits in (("auto", 0), ("splits1", 1)):
-        fn = kernel_fn(q, k_cache, v_cache, table, seqlen_k, params, num_splits)
-        put(label, bench(fn), bench_graph(fn))
+    put("auto", kernel_fn(q, k_cache, v_cache, table, seqlen_k, params, 0), eager=True)
+    put("splits1", kernel_fn(q, k_cache, v_cache, table, seqlen_k, params, 1), eager=False)
     if page_size is None:
-        for name in ("CUDNN_ATTENTION", "FLASH_ATTENTION"):
-            put(f"sdpa_{name.split('_')[0].lower()}", *sdpa_times(q, k_cache, v_cache, name))
+        put("sdpa_cudnn", sdpa_fn(q, k_cache, v_cache, "CUDNN_ATTENTION"), eager=False)
+        put("sdpa_flash", sdpa_fn(q, k_cache, v_cache, "FLASH_ATTENTION"), eager=False)
     return row
+
+
+# --- studies: split counts, the merge, PDL, prefill tiles ---------------------------------------
+
+SPLIT_SHAPES = [  # (batch, seqlen_k, nheads_k, page_size): where splitting decides the speed
+    (1, 4096, 4, None), (1, 16384, 4, None), (1, 65536, 4, None), (1, 131072, 4, None),
+    (4, 16384, 4, None), (4, 65536, 4, None), (16, 16384, 4, None), (1, 16384, 32, None),
+    (1, 65536, 32, None), (4, 4096, 32, None), (1, 65536, 4, 256), (8, 32768, 4, 16)]
+SPLIT_CURVES = {(1, 4096, 4, None): [1, 4, 8, 16, 32, 64],
+                (1, 65536, 4, None): [16, 33, 44, 57, 66, 86, 99, 128],
+                (4, 16384, 4, None): [4, 8, 11, 14, 16, 22, 26, 32]}
+
+
+def set_decode_tile(**changes) -> None:
+    decode.HOPPER["decode"] = decode.HOPPER["decode"]._replace(**changes)
+
+
+def study_splits(copy_bw: float) -> dict:
+    """Graph-replay times at the split counts that 1, 2 and 3 programs per SM make auto pick (and
+    along SPLIT_CURVES), the merge kernel alone, and the merge without PDL. Chooses per_sm and
+    LAUNCH_PDL by the geometric mean over SPLIT_SHAPES."""
+    params = AttentionParams(HEAD_DIM ** -0.5)
+    default_per_sm, rows = decode.HOPPER["decode"].per_sm, []
+    log_ms = {per_sm: 0.0 for per_sm in (1, 2, 3)}
+    log_pdl = {True: 0.0, False: 0.0}
+    pdl_on = decode.LAUNCH_PDL  # else pdl_check turned it off
+    for shape in SPLIT_SHAPES:
+        batch, seqlen_k, nheads_k, page_size = shape
+        k_cache, v_cache, table = make_cache(batch, seqlen_k, nheads_k, page_size)
+        q = torch.randn(batch, 1, NHEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+        kv_bytes = kv_bytes_of(batch, seqlen_k, nheads_k)
+        choice = {}
+        for per_sm in log_ms:
+            set_decode_tile(per_sm=per_sm)
+            choice[per_sm] = auto_splits(batch, seqlen_k, nheads_k, page_size)
+        set_decode_tile(per_sm=default_per_sm)
+        times = {}
+        for splits in sorted(set(choice.values()) | set(SPLIT_CURVES.get(shape, []))):
+            times[splits] = bench_graph(kernel_fn(q, k_cache, v_cache, table, seqlen_k, params,
+                                                  splits))
+        for per_sm, splits in choice.items():
+            log_ms[per_sm] += math.log(times[splits])
+        splits = choice[default_per_sm]
+        row = {"batch": batch, "seqlen_k": seqlen_k, "nheads_k": nheads_k,
+               "page_size": page_size, "choice_by_per_sm": choice, "graph_ms": times,
+               "pct_copy": {s: 100 * kv_bytes / (ms * 1e-3) / copy_bw
+                            for s, ms in times.items()}}
+        if splits > 1:
+            row["merge_alone_ms"] = bench_graph(merge_fn(batch, splits))
+        if splits > 1 and pdl_on:
+            decode.LAUNCH_PDL = False
+            row["no_pdl_ms"] = bench_graph(kernel_fn(q, k_cache, v_cache, table, seqlen_k,
+                                                     params, splits))
+            decode.LAUNCH_PDL = True
+            log_pdl[True] += math.log(times[splits])
+            log_pdl[False] += math.log(row["no_pdl_ms"])
+        rows.append(row)
+        print("splits", json.dumps(row), flush=True)
+        del k_cache, v_cache
+        torch.cuda.empty_cache()
+    geomean_ms = {k: math.exp(v / len(SPLIT_SHAPES)) for k, v in log_ms.items()}
+    best = pick(geomean_ms, default_per_sm)
+    set_decode_tile(per_sm=best)
+    pdl_shapes = sum("no_pdl_ms" in row for row in rows)
+    geomean_pdl = {k: math.exp(v / max(1, pdl_shapes)) for k, v in log_pdl.items()}
+    decode.LAUNCH_PDL = pdl_on and pick(geomean_pdl, True)
+    return {"rows": rows, "geomean_ms_by_per_sm": geomean_ms, "chosen_per_sm": best,
+            "geomean_ms_by_pdl": geomean_pdl, "chosen_pdl": decode.LAUNCH_PDL}
+
+
+def pick(cost: dict, default):
+    """The key of least cost, unless the default's cost is within 2% of it (noise)."""
+    best = min(cost, key=cost.get)
+    return default if default in cost and cost[default] <= 1.02 * cost[best] else best
+
+
+def merge_fn(batch, splits):
+    """The merge kernel alone on random partials of a q-length-1 decode."""
+    out_part = torch.randn(splits, batch, 1, NHEADS, HEAD_DIM, device="cuda")
+    lse_part = torch.randn(splits, batch, NHEADS, 1, device="cuda")
+    out = torch.empty(batch, 1, NHEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+    lse = torch.empty(batch, NHEADS, 1, device="cuda")
+    return lambda: decode.merge(out_part, lse_part, out, lse)
+
+
+def pdl_check() -> dict:
+    """The PDL launch pair gives the eager result when replayed from a CUDA graph; PDL is
+    switched off for the rest of the run if it fails or differs."""
+    try:
+        equal = pdl_replay_equal(AttentionParams(HEAD_DIM ** -0.5))
+        error = None
+    except Exception as e:  # noqa: BLE001 - any launch or capture failure turns PDL off
+        equal, error = False, f"{type(e).__name__}: {e}"
+    decode.LAUNCH_PDL = decode.LAUNCH_PDL and equal
+    return {"graph_replay_equal": equal, "error": error, "launch_pdl": decode.LAUNCH_PDL}
+
+
+def pdl_replay_equal(params) -> bool:
+    k_cache, v_cache, table = make_cache(2, 8192, 4, 256)
+    q = torch.randn(2, 1, NHEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+    fn = kernel_fn(q, k_cache, v_cache, table, 8192, params, 24)
+    expected = fn()[0].clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, _ = fn()
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    return bool(torch.equal(out, expected))
+
+
+PREFILL_TILES = [(128, 128, 8, 3, 1), (128, 64, 8, 3, 1), (128, 64, 8, 4, 1), (64, 64, 4, 3, 2)]
+
+
+def study_prefill() -> dict:
+    """Candidate prefill tiles on four prefill shapes (eager, as the prefill table); chooses the
+    one with the least total time."""
+    default, rows, total = decode.HOPPER["prefill"], [], {}
+    for tile in PREFILL_TILES:
+        decode.HOPPER["prefill"] = decode.Tile(*tile)
+        for seqlen_q in (512, 2048):
+            for nheads_k in (4, 32):
+                t_kv, t_dense = prefill_ms(seqlen_q, 4096 + seqlen_q, nheads_k)
+                rows.append({"tile": tile, "seqlen_q": seqlen_q, "nheads_k": nheads_k,
+                             "kvcache_ms": t_kv, "dense_ms": t_dense})
+                total[tile] = total.get(tile, 0.0) + t_kv
+                print("prefill tile", json.dumps(rows[-1]), flush=True)
+    best = pick(total, tuple(default))
+    decode.HOPPER["prefill"] = decode.Tile(*best)
+    return {"rows": rows, "total_ms": {str(k): v for k, v in total.items()},
+            "chosen": best}
 
 
 def run_api(quick: bool) -> dict:
@@ -245,10 +392,12 @@ def run_prefill(quick: bool) -> list[dict]:
             t_kv, t_dense = prefill_ms(seqlen_q, seqlen_k, nheads_k)
             visible = seqlen_q * cached + seqlen_q * (seqlen_q + 1) / 2
             tflop = 4 * NHEADS * visible * HEAD_DIM / 1e12
+            q = torch.empty(1, seqlen_q, NHEADS, HEAD_DIM, device="cuda")
             row = {"seqlen_q": seqlen_q, "seqlen_k": seqlen_k, "nheads_k": nheads_k,
+                   "auto_splits": decode.launch_shape(q, nheads_k, False, 0, seqlen_k)[2],
                    "kvcache_ms": t_kv, "dense_ms": t_dense,
                    "kvcache_tflops": tflop / (t_kv * 1e-3),
-                   "dense_tflops": tflop / (t_dense * 1e-3)}
+                   "dense_tflops": tflop / (t_dense * 1e-3), "ratio": t_dense / t_kv}
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows
@@ -272,18 +421,18 @@ def run_sweep(copy_bw: float) -> list[dict]:
         k_cache, v_cache, _ = make_cache(batch, seqlen_k, nheads_k, None)
         q = torch.randn(batch, 1, NHEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
         kv_bytes = 2 * k_cache.numel() * 2
-        for tile in itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4)):
-            decode.HOPPER["decode"] = (16, *tile)
+        for block_n, warps, stages in itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4)):
+            set_decode_tile(block_n=block_n, num_warps=warps, num_stages=stages)
             try:
                 ms = kernel_ms(q, k_cache, v_cache, None, seqlen_k, params, 0)
             except Exception as e:  # noqa: BLE001 - out of shared memory, say
-                print("sweep", tile, "failed", type(e).__name__)
+                print("sweep", (block_n, warps, stages), "failed", type(e).__name__)
                 continue
             rows.append({"batch": batch, "seqlen_k": seqlen_k, "nheads_k": nheads_k,
-                         "block_n": tile[0], "warps": tile[1], "stages": tile[2], "ms": ms,
+                         "block_n": block_n, "warps": warps, "stages": stages, "ms": ms,
                          "pct_copy": 100 * kv_bytes / (ms * 1e-3) / copy_bw})
             print(json.dumps(rows[-1]), flush=True)
-    decode.HOPPER["decode"] = default
+        decode.HOPPER["decode"] = default
     return rows
 
 
@@ -292,27 +441,63 @@ def main():
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--no-study", action="store_true")
     args = parser.parse_args()
     torch.manual_seed(0)
-    result = {"env": environment(),
-              "config": {"dtype": str(DTYPE), "nheads": NHEADS, "head_dim": HEAD_DIM,
-                         "quick": args.quick, "tiles": dict(decode.HOPPER),
-                         "min_keys_per_split": decode.MIN_KEYS_PER_SPLIT}}
-    result["checked"] = check()
-    print("correctness gate passed:", result["checked"], flush=True)
-    result["copy_bandwidth_bytes_per_s"] = copy_bw = copy_bandwidth()
-    print(f"copy bandwidth {copy_bw / 1e12:.2f} TB/s", flush=True)
-    if args.sweep:
-        result["sweep"] = run_sweep(copy_bw)
-    result["decode"] = run_decode(copy_bw, args.quick)
-    result["api"] = run_api(args.quick)
-    result["prefill"] = run_prefill(args.quick)
     os.makedirs(args.out, exist_ok=True)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S")
     path = os.path.join(args.out, f"decode_{stamp}.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
+    result = {"env": environment(),
+              "config": {"dtype": str(DTYPE), "nheads": NHEADS, "head_dim": HEAD_DIM,
+                         "quick": args.quick, "tiles": tiles(),
+                         "min_keys_per_split": decode.MIN_KEYS_PER_SPLIT,
+                         "paged_extra_stages": decode.PAGED_EXTRA_STAGES,
+                         "launch_pdl": decode.LAUNCH_PDL}}
+
+    def save(key, value):
+        result[key] = value
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+
+    save("pdl_check", pdl_check())
+    print("pdl", result["pdl_check"], flush=True)
+    save("checked", check())
+    print("correctness gate passed:", result["checked"], flush=True)
+    save("copy_bandwidth_bytes_per_s", copy_bandwidth())
+    copy_bw = result["copy_bandwidth_bytes_per_s"]
+    print(f"copy bandwidth {copy_bw / 1e12:.2f} TB/s", flush=True)
+    if args.sweep:
+        save("sweep", run_sweep(copy_bw))
+    if not args.no_study:
+        save("split_study", study_splits(copy_bw))
+        save("prefill_study", study_prefill())
+    save("chosen", {"tiles": tiles(), "launch_pdl": decode.LAUNCH_PDL})
+    print("chosen", json.dumps(result["chosen"]), flush=True)
+    save("prefill", run_prefill(args.quick))
+    save("decode", run_decode(copy_bw, args.quick))
+    save("api", run_api(args.quick))
+    print_summary(result)
     print("wrote", path)
+
+
+def print_summary(result: dict) -> None:
+    """The tables of decode_NOTES.md, compactly: % of copy bandwidth (graph replays) and the
+    prefill ratio to the dense forward."""
+    pct = lambda row, key: f"{row[key]:.0f}" if row.get(key) is not None else "-"  # noqa: E731
+    print("batch seqlen_k hk page splits | auto splits1 cudnn fa2 | auto_eager")
+    for r in result["decode"]:
+        print(r["batch"], r["seqlen_k"], r["nheads_k"], r["page_size"] or "-", r["auto_splits"],
+              "|", *(pct(r, f"{k}_graph_pct_copy") for k in
+                     ("auto", "splits1", "sdpa_cudnn", "sdpa_flash")),
+              "|", pct(r, "auto_eager_pct_copy"), "L2" if r["l2_resident"] else "")
+    for r in result["prefill"]:
+        print("prefill", r["seqlen_q"], r["nheads_k"], "splits", r["auto_splits"],
+              f"{r['kvcache_tflops']:.0f} vs dense {r['dense_tflops']:.0f} TFLOP/s,"
+              f" ratio {r['ratio']:.2f}")
+
+
+def tiles() -> dict:
+    return {name: tile._asdict() for name, tile in decode.HOPPER.items()}
 
 
 if __name__ == "__main__":

@@ -23,8 +23,8 @@ from flashkit.ops.params import AttentionParams
 from flashkit.testing import assert_close_to_oracle, poison
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-# The Triton tests use CPU tensors, so they run in the interpreter; on a GPU machine the checks
-# of benchmarks/bench_decode.py (bf16, d128, poisoned outputs) cover the compiled kernels.
+# The Triton tests on CPU tensors run in the interpreter; the `gpu` ones run the compiled
+# kernels on CUDA copies of the same cases (bf16, d128, the Hopper tiles).
 interpreted = pytest.mark.skipif(not INTERPRET, reason="CPU tensors: needs TRITON_INTERPRET=1")
 
 
@@ -94,14 +94,21 @@ class Case:
         pages = self.block_table.long().clamp(0, cache.shape[0] - 1)  # padding: never read
         return cache[pages].flatten(1, 2)
 
-    def call(self, backend, **kw):
+    def call(self, backend, device="cpu", **kw):
+        """(out, lse) on the CPU from a call on `device` (on copies of the inputs there; the
+        caches' new contents are copied back)."""
+        on = lambda t: t.to(device) if isinstance(t, torch.Tensor) else t  # noqa: E731
         kw = {"causal": self.causal, "window_size": self.window, **self.extra, **kw}
-        return flash_attn_with_kvcache(
-            self.q, self.k_cache, self.v_cache, self.k_new, self.v_new, self.cos, self.sin,
-            cache_seqlens=self.seqlens, cache_batch_idx=self.batch_idx,
-            cache_leftpad=self.leftpad, block_table=self.block_table,
+        k_cache, v_cache = on(self.k_cache), on(self.v_cache)
+        out, lse = flash_attn_with_kvcache(
+            on(self.q), k_cache, v_cache, on(self.k_new), on(self.v_new), on(self.cos),
+            on(self.sin), cache_seqlens=on(self.seqlens), cache_batch_idx=on(self.batch_idx),
+            cache_leftpad=on(self.leftpad), block_table=on(self.block_table),
             rotary_interleaved=self.interleaved, return_softmax_lse=True, backend=backend,
-            **kw)
+            **{name: on(value) for name, value in kw.items()})
+        self.k_cache.copy_(k_cache)
+        self.v_cache.copy_(v_cache)
+        return out.cpu(), lse.cpu()
 
     def expected(self, dtype):
         """(out, lse, new keys) of the materialised computation in `dtype` on the logical cache,
@@ -149,11 +156,11 @@ class Case:
             lses.append(lse)
         return torch.cat(outs), torch.cat(lses), k_new
 
-    def check(self, backend, **kw):
+    def check(self, backend, device="cpu", **kw):
         k_before, v_before = self.k_cache.clone(), self.v_cache.clone()
         oracle_out, oracle_lse, k_rot64 = self.expected(torch.float64)
         base_out, base_lse, _ = self.expected(self.dtype)
-        out, lse = self.call(backend, **kw)
+        out, lse = self.call(backend, device, **kw)
         assert_close_to_oracle("out", out, oracle_out, base_out)
         assert_close_to_oracle("lse", lse, oracle_lse, base_lse)
         self.check_append(k_before, v_before, k_rot64)
@@ -257,6 +264,11 @@ def test_reference_backend_and_int_seqlens():
     torch.testing.assert_close(out, expected)
 
 
+def test_any_page_size_from_16():
+    Case(page_size=24, capacity=72, seqlen_q=2, seqlen_new=2, causal=True,
+         num_splits=2).check("torch")
+
+
 def test_unused_block_table_entries_are_never_read():
     case = Case(page_size=16, seqlens=[3, 20, 0], capacity=64)
     case.block_table[0, 1:] = -1  # pages past a sequence's length may be padding
@@ -308,7 +320,6 @@ def _call(q, kc, vc, k=None, v=None, **kw):
     ("seqlens_int64", "cache_seqlens"),
     ("paged_seqlens_beyond", "cache_seqlens"),
     ("page_size_8", "page_size"),
-    ("page_size_24", "page_size"),
     ("batch_idx_out_of_range", "cache_batch_idx"),
     ("batch_idx_paged", "cache_batch_idx"),
     ("leftpad_beyond_seqlens", "cache_leftpad"),
@@ -350,9 +361,6 @@ def test_errors(case, match):
         kw["cache_seqlens"] = 32  # 2 pages of 16: full, so the append overflows
     elif case == "page_size_8":
         q, kc, vc, k, v, table = _inputs(page_size=8)
-        args, kw["block_table"] = (q, kc, vc, k, v), table
-    elif case == "page_size_24":
-        q, kc, vc, k, v, table = _inputs(page_size=24)
         args, kw["block_table"] = (q, kc, vc, k, v), table
     elif case == "batch_idx_out_of_range":
         kw["cache_batch_idx"] = torch.tensor([0, 3], dtype=torch.int32)
@@ -426,7 +434,7 @@ def test_triton_matches_oracle(layout, mask, rotary, num_splits, nheads_k):
 
 @interpreted
 @pytest.mark.parametrize("feature", ["softcap", "alibi_batch", "sink", "leftpad", "prefill",
-                                     "fp16", "headdim_40", "auto_splits"])
+                                     "fp16", "headdim_40", "auto_splits", "page24"])
 def test_triton_features(feature):
     kw = {"softcap": {"softcap": 3.0, "num_splits": 3},
           "alibi_batch": {"alibi_slopes": torch.rand(3, 4), "num_splits": 2},
@@ -435,7 +443,8 @@ def test_triton_features(feature):
           "prefill": {"seqlen_q": 9, "seqlen_new": 9, "nheads_k": 1, "num_splits": 2},
           "fp16": {"dtype": torch.float16, "num_splits": 2, "page_size": 16},
           "headdim_40": {"d": 40, "rotary": "interleaved"},
-          "auto_splits": {"num_splits": 0, "page_size": 16}}[feature]
+          "auto_splits": {"num_splits": 0, "page_size": 16},
+          "page24": {"page_size": 24, "num_splits": 2}}[feature]
     kw = {"d": 16, "capacity": 48, "seqlen_q": 2, "seqlen_new": 2, **kw}
     for mask in ("causal", "window"):
         Case(**kw, **MASKS[mask]).check("triton")
@@ -463,3 +472,54 @@ def test_triton_writes_every_output_element():
         decode.forward(case.q, case.k_cache, case.v_cache, case.seqlens, zeros, zeros,
                        case.block_table, params, num_splits, out=out, lse=lse)
         assert not out.isnan().any() and not lse.isnan().any()
+
+
+# --- the compiled Triton kernels on a GPU -----------------------------------------------------
+
+GPU_LAYOUTS = {"contiguous": None, "paged16": 16, "paged256": 256}
+
+
+def _gpu_combos():
+    """Every layout x query length once (GQA 8:1: 8 packed rows take the decode tile, 32 a wider
+    decode tile, 296 the prefill tile), cycling masks, splits 0 (auto), 1, 3, 8 and rotary."""
+    for n, (layout, seqlen_q) in enumerate(itertools.product(GPU_LAYOUTS, [1, 4, 37])):
+        yield (layout, seqlen_q, list(MASKS)[n % 3], [0, 1, 3, 8][n % 4],
+               [None, "interleaved", "neox"][n // 3])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout, seqlen_q, mask, num_splits, rotary", list(_gpu_combos()))
+def test_triton_on_gpu(layout, seqlen_q, mask, num_splits, rotary):
+    """bf16, d128, 1000 cached keys: key tiles cross pages, splits and the masked/unmasked
+    boundaries; appends at ragged lengths."""
+    Case(batch=3, nheads=16, nheads_k=2, d=128, capacity=1024, seqlen_q=seqlen_q,
+         seqlen_new=seqlen_q, page_size=GPU_LAYOUTS[layout], rotary=rotary,
+         dtype=torch.bfloat16, num_splits=num_splits, **MASKS[mask]).check("triton", "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("feature", ["softcap", "alibi_batch", "sink", "leftpad"])
+def test_triton_features_on_gpu(feature):
+    kw = {"softcap": {"softcap": 3.0},
+          "alibi_batch": {"alibi_slopes": torch.rand(3, 16)},
+          "sink": {"sink": torch.randn(16)},
+          "leftpad": {"leftpad": True, "rotary": "neox"}}[feature]
+    for mask in ("causal", "window"):
+        Case(batch=3, nheads=16, nheads_k=2, d=128, capacity=512, seqlen_q=2, seqlen_new=2,
+             dtype=torch.bfloat16, num_splits=0, **kw, **MASKS[mask]).check("triton", "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [1, 5])
+def test_triton_writes_every_output_element_on_gpu(num_splits):
+    from flashkit.ops.triton import decode
+
+    case = Case(batch=3, nheads=16, nheads_k=2, page_size=16, capacity=256, d=128, seqlen_q=3,
+                seqlen_new=0, causal=True, dtype=torch.bfloat16)
+    zeros = torch.zeros(3, dtype=torch.int32, device="cuda")
+    out = poison(torch.empty(3, 3, 16, 128, dtype=torch.bfloat16, device="cuda"))
+    lse = poison(torch.empty(3, 16, 3, device="cuda"))
+    decode.forward(case.q.cuda(), case.k_cache.cuda(), case.v_cache.cuda(), case.seqlens.cuda(),
+                   zeros, zeros, case.block_table.cuda(), AttentionParams(0.1, None, 0),
+                   num_splits, out=out, lse=lse)
+    assert not out.isnan().any() and not lse.isnan().any()

@@ -22,7 +22,7 @@ from flashkit.ops.tiled import kvcache as tiled_kvcache
 
 __all__ = ["flash_attn_with_kvcache", "MIN_PAGE_SIZE"]
 
-MIN_PAGE_SIZE = 16  # paged caches: page_size must be a multiple (every key tile fits one page)
+MIN_PAGE_SIZE = 16  # paged caches: the smallest page_size (the kernels look pages up per key)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
@@ -36,7 +36,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     q (batch, seqlen_q, nheads, d). k_cache, v_cache: (batch_cache, seqlen_cache, nheads_k, d)
     contiguous, or paged (num_blocks, page_size, nheads_k, d) with block_table (batch,
     max_blocks_per_seq) int32: slot p of sequence b is page block_table[b, p // page_size],
-    position p % page_size; page_size a multiple of 16.
+    position p % page_size; any page_size >= 16.
     cache_seqlens: int or int32 (batch,), the filled length of each sequence (None = the whole
     capacity). cache_batch_idx int32 (batch,): the cache row of each sequence (contiguous only;
     default 0..batch-1). cache_leftpad int32 (batch,): the first valid slot (contiguous only).
@@ -186,9 +186,9 @@ def _check_paging(block_table, k_cache, batch, device, cache_batch_idx, cache_le
     if block_table.device != device:
         raise ValueError(f"block_table: device {block_table.device} differs from q's {device}")
     page_size = k_cache.shape[1]
-    if page_size % MIN_PAGE_SIZE != 0:
-        raise ValueError(f"k_cache: page_size (dim 1 of a paged cache) must be a positive "
-                         f"multiple of {MIN_PAGE_SIZE}, got {page_size}")
+    if page_size < MIN_PAGE_SIZE:
+        raise ValueError(f"k_cache: page_size (dim 1 of a paged cache) must be at least "
+                         f"{MIN_PAGE_SIZE}, got {page_size}")
     if cache_batch_idx is not None:
         raise ValueError("cache_batch_idx: not supported with a paged cache (block_table "
                          "already maps each sequence to its pages)")

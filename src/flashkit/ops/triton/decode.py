@@ -8,89 +8,159 @@ Notation as in common.py, plus:
                  bound: every K/V byte should be loaded once)
     seqlen_k     L_b, keys of sequence b (from SeqlensK); shift = L_b - seqlen_q
     slot         where key j lives: contiguous caches row CacheBatchIdx[b], slot Leftpad[b] + j;
-                 paged caches page BlockTable[b, j // PAGE_SIZE], slot j % PAGE_SIZE (BLOCK_N
-                 divides PAGE_SIZE, so one page per key tile)
+                 paged caches page BlockTable[b, j // PAGE_SIZE], slot j % PAGE_SIZE, looked up
+                 per key row, so a key tile may span pages (any page size, any BLOCK_N)
     split        program axis 0: keys [split * chunk, (split + 1) * chunk), chunk a multiple of
                  BLOCK_N; each split writes a partial (out, lse) that _merge_kernel combines:
                  lse = log sum_s exp(lse_s), out = sum_s exp(lse_s - lse) out_s
+    tiles        a program's key tiles in three loops as in forward.py: masked tiles left of
+                 the part every row sees whole (a left window), the unmasked middle, masked tiles
+                 at the right end (the causal diagonal, a right window, the last partial tile)
     sink         a logit without a value, in split 0's starting state (m = sink, l = 1)
 
 Layouts: q (b, sq, h, d); caches (rows | pages, slots, hk, d); out (b, sq, h, dv); lse (b, h, sq)
 float32. Partial results (num_splits > 1): out_part (S, b, sq, h, dv), lse_part (S, b, h, sq)
 float32. Only key slots below L_b are read, so block_table entries past a sequence's last page
-are never touched.
+are never touched. On Hopper the merge kernel is launched programmatically dependent (PDL): it
+is scheduled while the decode kernel runs and waits for its results (griddepcontrol.wait)
+instead of paying a launch after it.
 """
 
 from __future__ import annotations
 
 import functools
+import math
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from flashkit.ops.params import AttentionParams
 from flashkit.ops.triton.common import (
     DOT_PRECISION,
     LN2_JIT,
     LOG2E_JIT,
+    alibi_bias,
     interpreting,
+    load_tile,
     online_softmax_update,
+    score_args,
+    scores,
     visible,
     window_args,
 )
 from flashkit.ops.triton.configs import padded_head_dim
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) by whether the packed query rows fit one 16-row
-# tile (decoding) or not (prefill). HOPPER decode: the most even of the 27 tiles that
-# `benchmarks/bench_decode.py --sweep` timed (benchmarks/results/decode_20261121T022233.json,
-# bf16, d128, H200: 85-110% of copy bandwidth at b16/16k GQA 8:1 and b64/8k MHA; the old
-# (64, 4, 4) gave 74% on the first). Prefill: not swept. INTERPRETER: tiny tiles so CPU tests
-# at ~50 keys cross tiles, pages and splits.
-HOPPER = {"decode": (16, 64, 4, 3), "prefill": (64, 64, 4, 3)}
-INTERPRETER = {"decode": (16, 16, 1, 1), "prefill": (16, 16, 1, 1)}
+
+class Tile(NamedTuple):
+    """A launch shape. per_sm: programs per SM that auto splitting aims for (the SM count times
+    this is the number of programs that fill the GPU once)."""
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    per_sm: int
+
+
+# "decode": up to DECODE max BLOCK_M packed rows (q length 1-8 at GQA 8:1), BLOCK_M fitted to
+# the rows; memory bound. "prefill": more rows; compute bound, the dense forward's d128 tile
+# (configs.HOPPER). HOPPER decode: (64, 4, 3) chosen by the 27-tile sweep of
+# benchmarks/results/decode_20261121T022233.json (85-110% of copy bandwidth at b16/16k GQA 8:1
+# and b64/8k MHA); per_sm and the prefill tile by benchmarks/bench_decode.py's studies
+# (decode_NOTES.md). INTERPRETER: tiny tiles so CPU tests at ~50 keys cross tiles and splits,
+# and decode tiles of 32 keys span two 16-slot pages.
+HOPPER = {"decode": Tile(64, 64, 4, 3, 2), "prefill": Tile(128, 128, 8, 3, 1)}
+INTERPRETER = {"decode": Tile(16, 32, 1, 1, 2), "prefill": Tile(16, 16, 1, 1, 1)}
 MIN_KEYS_PER_SPLIT = 256  # auto num_splits never makes a split shorter than this
+# Paged caches: the block-table load that feeds the K/V addresses is one more level of Triton's
+# software pipeline. Triton 3.6 double-buffers K/V behind it only from num_stages + 2 (sm_90
+# TTGIR of the decode tile: one K/V buffer and no overlap at 3-4 stages, two buffers at 5), so
+# paged launches add these stages.
+PAGED_EXTRA_STAGES = 2
+LAUNCH_PDL = True  # merge kernel as a programmatic dependent launch where the GPU has it
 
 
 @triton.jit
-def _key_tile(acc, m_i, l_i, q_tile, start_n, hi, k_base, v_base, slot0, K, V, table_row,
-              stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, off_kh, off_vh,
-              offs_t, offs_d, offs_dv, slopes, seqlen_q, seqlen_k, shift, window_left,
-              window_right, qk_scale, softcap,
-              HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr,
-              PAGE_SIZE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-              HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, PRECISION: tl.constexpr):
-    """Fold key tile [start_n, start_n + BLOCK_N) (keys >= hi masked) into (acc, m_i, l_i)."""
-    offs_n = start_n + tl.arange(0, BLOCK_N)
+def _cache_rows(offs_n, hi, stride_kb, stride_ks, stride_vb, stride_vs, slot0, table_row,
+                PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr):
+    """Element offsets of keys offs_n's K and V rows from the program's k_base / v_base.
+
+    Contiguous: (slot0 + j) * stride_s. Paged: page(j) * stride_b + (j % PAGE_SIZE) * stride_s,
+    page(j) read from the block table per key row (entries of keys >= hi are never read)."""
     if PAGE_SIZE == 0:
         slots = slot0 + offs_n
-    else:  # BLOCK_N divides PAGE_SIZE: the whole tile sits in one page
-        page = tl.load(table_row + start_n // PAGE_SIZE, mask=start_n < hi, other=0)
-        k_base = K + page.to(tl.int64) * stride_kb + off_kh
-        v_base = V + page.to(tl.int64) * stride_vb + off_vh
-        slots = start_n % PAGE_SIZE + tl.arange(0, BLOCK_N)
-    key_ok = offs_n < hi
-    k_tile = tl.load(k_base + slots[:, None] * stride_ks + offs_d[None, :] * stride_kd,
-                     mask=key_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
-    # [BLOCK_M, BLOCK_N] = [BLOCK_M, BLOCK_D] @ [BLOCK_D, BLOCK_N]
-    s = tl.dot(q_tile, tl.trans(k_tile), input_precision=PRECISION)
-    if HAS_SOFTCAP:  # cap * tanh(scale * qk / cap), tanh(x) = 1 - 2 / (exp(2x) + 1)
-        x = s * (qk_scale / softcap)
-        s = softcap * LOG2E_JIT * (1.0 - 2.0 / (tl.math.exp2(2.0 * LOG2E_JIT * x) + 1.0))
+        k_rows = slots * stride_ks
+        v_rows = slots * stride_vs
     else:
-        s = s * (qk_scale * LOG2E_JIT)
-    if HAS_ALIBI:
-        dist = tl.abs(offs_t[:, None] + shift - offs_n[None, :]).to(tl.float32)
-        s = s - slopes[:, None] * dist
-    keep = visible(offs_t[:, None], offs_n[None, :], seqlen_q, seqlen_k, window_left,
-                   window_right, HAS_LEFT, HAS_RIGHT) & key_ok[None, :]
-    s = tl.where(keep, s, float("-inf"))
-    p, alpha, m_i, l_i = online_softmax_update(m_i, l_i, s, True)
-    v_tile = tl.load(v_base + slots[:, None] * stride_vs + offs_dv[None, :] * stride_vd,
-                     mask=key_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
-    # [BLOCK_M, BLOCK_DV] = [BLOCK_M, BLOCK_N] @ [BLOCK_N, BLOCK_DV]
-    acc = tl.dot(p.to(v_tile.dtype), v_tile, acc * alpha[:, None], input_precision=PRECISION)
+        if MASKED:
+            page = tl.load(table_row + offs_n // PAGE_SIZE, mask=offs_n < hi, other=0)
+        else:
+            page = tl.load(table_row + offs_n // PAGE_SIZE)
+        page = page.to(tl.int64)
+        slots = offs_n % PAGE_SIZE
+        k_rows = page * stride_kb + slots * stride_ks
+        v_rows = page * stride_vb + slots * stride_vs
+    return k_rows, v_rows
+
+
+@triton.jit
+def _key_tiles(acc, m_i, l_i, q_tile, start, end, hi, k_base, v_base, slot0, table_row,
+               stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
+               offs_t, offs_d, offs_dv, alibi_log2, seqlen_q, seqlen_k, window_left,
+               window_right, qk_scale, softcap_scale,
+               HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
+               BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+               MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+               SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, PRECISION: tl.constexpr):
+    """Fold key tiles [start, end) into (acc, m_i, l_i). MASKED: keys >= hi and keys outside a
+    row's band are masked; without it every key is in bounds and visible from every row."""
+    for start_n in tl.range(start, end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k_rows, v_rows = _cache_rows(offs_n, hi, stride_kb, stride_ks, stride_vb, stride_vs,
+                                     slot0, table_row, PAGE_SIZE, MASKED)
+        k_tile = load_tile(k_base + k_rows[:, None] + offs_d[None, :] * stride_kd, offs_n, hi,
+                           offs_d, HEAD_DIM, MASKED, HEAD_DIM != BLOCK_D)
+        # [BLOCK_M, BLOCK_N] = [BLOCK_M, BLOCK_D] @ [BLOCK_D, BLOCK_N]
+        s = scores(tl.dot(q_tile, tl.trans(k_tile), input_precision=PRECISION), qk_scale,
+                   softcap_scale, SOFTCAP)
+        if ALIBI:
+            s = s - alibi_bias(offs_t[:, None], offs_n[None, :], seqlen_q, seqlen_k,
+                               alibi_log2[:, None])
+        if MASKED:
+            keep = visible(offs_t[:, None], offs_n[None, :], seqlen_q, seqlen_k, window_left,
+                           window_right, HAS_LEFT, HAS_RIGHT) & (offs_n < hi)[None, :]
+            s = tl.where(keep, s, float("-inf"))
+        p, alpha, m_i, l_i = online_softmax_update(m_i, l_i, s, MASKED)
+        v_tile = load_tile(v_base + v_rows[:, None] + offs_dv[None, :] * stride_vd, offs_n, hi,
+                           offs_dv, HEAD_DIM_V, MASKED, HEAD_DIM_V != BLOCK_DV)
+        # [BLOCK_M, BLOCK_DV] = [BLOCK_M, BLOCK_N] @ [BLOCK_N, BLOCK_DV]
+        acc = tl.dot(p.to(v_tile.dtype), v_tile, acc * alpha[:, None], input_precision=PRECISION)
     return acc, m_i, l_i
+
+
+@triton.jit
+def _key_ranges(lo, hi, t_lo, t_hi, shift, seqlen_k, window_left, window_right,
+                BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """This program's key tiles as (lo, mid_lo, mid_hi, hi), lo <= mid_lo <= mid_hi <= hi.
+
+    [lo, hi) is the split's chunk (lo a multiple of BLOCK_N) narrowed to the band of the rows'
+    query positions [t_lo, t_hi]; tiles in [mid_lo, mid_hi) are in bounds and visible from every
+    row, the others need the mask. Negative values truncate to 0 under Triton's C-style
+    division; the clamps make that harmless."""
+    full_lo = lo
+    full_hi = seqlen_k
+    if HAS_LEFT:
+        lo = tl.maximum(lo, tl.maximum(t_lo + shift - window_left, 0) // BLOCK_N * BLOCK_N)
+        full_lo = tl.maximum(lo, t_hi + shift - window_left)
+    if HAS_RIGHT:
+        hi = tl.minimum(hi, t_hi + shift + window_right + 1)
+        full_hi = tl.minimum(full_hi, t_lo + shift + window_right + 1)
+    hi = tl.maximum(hi, lo)
+    mid_lo = tl.minimum(tl.cdiv(tl.maximum(full_lo, lo), BLOCK_N) * BLOCK_N, hi)
+    mid_hi = tl.maximum(tl.minimum(full_hi, hi) // BLOCK_N * BLOCK_N, mid_lo)
+    return lo, mid_lo, mid_hi, hi
 
 
 @triton.jit
@@ -102,15 +172,18 @@ def _decode_kernel(Q, K, V, Out, Lse, BlockTable, CacheBatchIdx, Leftpad, Seqlen
                    stride_lsplit, stride_lb, stride_lh, stride_ls,
                    stride_bt, stride_slopes_b,
                    nheads_k, group, seqlen_q, num_splits, window_left, window_right, qk_scale,
-                   softcap,
+                   softcap_scale,
                    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    PAGE_SIZE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                   HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SINK: tl.constexpr,
-                   PRECISION: tl.constexpr):
+                   SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, HAS_SINK: tl.constexpr,
+                   USE_PDL: tl.constexpr, PRECISION: tl.constexpr):
+    if USE_PDL:  # the merge kernel may be scheduled now; it waits for this grid's results
+        gdc_launch_dependents()
     pid_split = tl.program_id(0)
     pid_bhk = tl.program_id(1)
-    pid_m = tl.program_id(2)
+    # Heaviest row tiles first: under a causal band the last query rows see the most keys.
+    pid_m = tl.num_programs(2) - 1 - tl.program_id(2)
     off_b = pid_bhk // nheads_k
     off_hk = pid_bhk % nheads_k
     seqlen_k = tl.load(SeqlensK + off_b)
@@ -134,15 +207,13 @@ def _decode_kernel(Q, K, V, Out, Lse, BlockTable, CacheBatchIdx, Leftpad, Seqlen
     hi = tl.minimum(lo + blocks_per_split * BLOCK_N, seqlen_k)
     t_lo = pid_m * BLOCK_M // group
     t_hi = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // group, seqlen_q - 1)
-    if HAS_LEFT:
-        lo = tl.maximum(lo, tl.maximum(t_lo + shift - window_left, 0) // BLOCK_N * BLOCK_N)
-    if HAS_RIGHT:
-        hi = tl.minimum(hi, t_hi + shift + window_right + 1)
+    lo, mid_lo, mid_hi, hi = _key_ranges(lo, hi, t_lo, t_hi, shift, seqlen_k, window_left,
+                                         window_right, BLOCK_N, HAS_LEFT, HAS_RIGHT)
 
-    slopes = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if HAS_ALIBI:
-        slopes = tl.load(Slopes + off_b * stride_slopes_b + offs_h, mask=row_ok,
-                         other=0.0) * LOG2E_JIT
+    alibi_log2 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if ALIBI:
+        alibi_log2 = tl.load(Slopes + off_b * stride_slopes_b + offs_h, mask=row_ok,
+                             other=0.0) * LOG2E_JIT
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     if HAS_SINK:
@@ -151,7 +222,7 @@ def _decode_kernel(Q, K, V, Out, Lse, BlockTable, CacheBatchIdx, Leftpad, Seqlen
             l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
-    # Contiguous: the sequence's cache row and first slot; paged: the tile finds its page.
+    # Contiguous: the sequence's cache row and first slot; paged: each key row finds its page.
     k_base = K + off_hk * stride_kh
     v_base = V + off_hk * stride_vh
     slot0 = 0
@@ -161,14 +232,24 @@ def _decode_kernel(Q, K, V, Out, Lse, BlockTable, CacheBatchIdx, Leftpad, Seqlen
         v_base += row * stride_vb
         slot0 = tl.load(Leftpad + off_b)
     table_row = BlockTable + off_b * stride_bt
-    for start_n in tl.range(lo, hi, BLOCK_N):
-        acc, m_i, l_i = _key_tile(
-            acc, m_i, l_i, q_tile, start_n, hi, k_base, v_base, slot0, K, V, table_row,
-            stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
-            off_hk * stride_kh, off_hk * stride_vh, offs_t, offs_d, offs_dv, slopes,
-            seqlen_q, seqlen_k, shift, window_left, window_right, qk_scale, softcap,
-            HEAD_DIM, HEAD_DIM_V, BLOCK_N, PAGE_SIZE, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-            HAS_ALIBI, PRECISION)
+    acc, m_i, l_i = _key_tiles(
+        acc, m_i, l_i, q_tile, lo, mid_lo, hi, k_base, v_base, slot0, table_row,
+        stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, offs_t, offs_d,
+        offs_dv, alibi_log2, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
+        softcap_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, PAGE_SIZE, True,
+        HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, PRECISION)
+    acc, m_i, l_i = _key_tiles(
+        acc, m_i, l_i, q_tile, mid_lo, mid_hi, hi, k_base, v_base, slot0, table_row,
+        stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, offs_t, offs_d,
+        offs_dv, alibi_log2, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
+        softcap_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, PAGE_SIZE, False,
+        HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, PRECISION)
+    acc, m_i, l_i = _key_tiles(
+        acc, m_i, l_i, q_tile, mid_hi, hi, hi, k_base, v_base, slot0, table_row,
+        stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, offs_t, offs_d,
+        offs_dv, alibi_log2, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
+        softcap_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, PAGE_SIZE, True,
+        HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, PRECISION)
 
     # A row with no mass (no visible key in this split, no sink) gives out 0 and lse -inf.
     has_mass = l_i > 0.0
@@ -191,8 +272,11 @@ def _merge_kernel(OutPart, LsePart, Out, Lse,
                   stride_ob, stride_os, stride_oh, stride_od,
                   stride_lb, stride_lh, stride_ls,
                   nheads, seqlen_q, num_splits,
-                  HEAD_DIM_V: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr):
+                  HEAD_DIM_V: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
+                  USE_PDL: tl.constexpr):
     """One program per query row (b, t, h): fold the splits' (out, lse) by their lse."""
+    if USE_PDL:  # launched early: wait until the decode grid's partials are complete
+        gdc_wait()
     row = tl.program_id(0)
     off_h = row % nheads
     off_t = (row // nheads) % seqlen_q
@@ -216,27 +300,37 @@ def _merge_kernel(OutPart, LsePart, Out, Lse,
     tl.store(Lse + off_b * stride_lb + off_h * stride_lh + off_t * stride_ls, lse)
 
 
-def tile_config(packed_rows: int, page_size: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages); BLOCK_N divides a paged cache's page_size."""
+def tile_config(packed_rows: int, paged: bool) -> Tile:
+    """The launch shape for a program's packed query rows: decode (BLOCK_M the rows rounded up
+    to a power of two, 16 to the table's BLOCK_M) or prefill; PAGED_EXTRA_STAGES if paged."""
     table = INTERPRETER if interpreting() else HOPPER
-    block_m, block_n, warps, stages = table["decode" if packed_rows <= 16 else "prefill"]
-    if page_size:
-        block_n = min(block_n, page_size & -page_size)  # largest power of two dividing it
-    return block_m, block_n, warps, stages
+    tile = table["decode"]
+    if packed_rows > tile.block_m:
+        tile = table["prefill"]
+    else:
+        tile = tile._replace(block_m=max(16, triton.next_power_of_2(packed_rows)))
+    return tile._replace(num_stages=tile.num_stages + PAGED_EXTRA_STAGES) if paged else tile
 
 
-def auto_num_splits(programs: int, max_seqlen_k: int, device: torch.device) -> int:
-    """Enough splits to give every SM about two programs, none shorter than MIN_KEYS_PER_SPLIT.
+@functools.lru_cache(maxsize=4096)
+def auto_num_splits(programs: int, key_blocks: int, max_splits: int, slots: int) -> int:
+    """flash-attn's num_splits_heuristic: the fewest splits whose programs fill `slots` (SMs x
+    programs per SM) in whole waves to within 85% of the best choice; 1 once the programs
+    without splits fill 80% of them.
 
-    Decoding at batch x nheads_k below the SM count leaves most of the GPU idle without splits;
-    at or above it, splitting only adds the merge.
+    key_blocks: the longest sequence's key tiles; a split count is eligible only if it changes
+    the tiles per split (with 64 tiles, 11 and 12 splits both give 6 tiles per split).
     """
-    sms = _sm_count(device.index) if device.type == "cuda" else 4
-    if programs >= sms:
+    if programs >= 0.8 * slots:
         return 1
-    by_occupancy = triton.cdiv(2 * sms, programs)
-    by_length = max(1, max_seqlen_k // MIN_KEYS_PER_SPLIT)
-    return max(1, min(by_occupancy, by_length, 128))
+    efficiency = {}
+    for splits in range(1, max(1, min(max_splits, key_blocks, slots)) + 1):
+        if splits > 1 and -(-key_blocks // splits) == -(-key_blocks // (splits - 1)):
+            continue
+        waves = programs * splits / slots
+        efficiency[splits] = waves / math.ceil(waves)
+    best = max(efficiency.values())
+    return min(s for s, e in efficiency.items() if e >= 0.85 * best)
 
 
 def check_supported(dtype: torch.dtype, params: AttentionParams) -> None:
@@ -249,9 +343,47 @@ def check_supported(dtype: torch.dtype, params: AttentionParams) -> None:
 
 
 @functools.lru_cache
-def _sm_count(index: int | None) -> int:
-    index = torch.cuda.current_device() if index is None else index
-    return torch.cuda.get_device_properties(index).multi_processor_count
+def _device(index: int | None) -> tuple[int, bool]:
+    """(SM count, has programmatic dependent launch, i.e. compute capability >= 9)."""
+    props = torch.cuda.get_device_properties(
+        torch.cuda.current_device() if index is None else index)
+    return props.multi_processor_count, props.major >= 9
+
+
+def _launch_facts(device: torch.device) -> tuple[int, bool]:
+    """(SM count, whether to launch the merge with PDL) for a launch on `device`."""
+    if device.type != "cuda" or interpreting():
+        return 4, False
+    sms, has_pdl = _device(device.index)
+    return sms, has_pdl and LAUNCH_PDL
+
+
+def merge(out_part, lse_part, out, lse, use_pdl: bool = False) -> None:
+    """out, lse from the splits' partial results (layouts in the module docstring)."""
+    num_splits, batch, seqlen_q, nheads, head_dim_v = out_part.shape
+    _merge_kernel[(batch * seqlen_q * nheads,)](
+        out_part, lse_part, out, lse, *out_part.stride(), *lse_part.stride(),
+        *out.stride(), *lse.stride(), nheads, seqlen_q, num_splits,
+        HEAD_DIM_V=head_dim_v, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+        BLOCK_DV=padded_head_dim(head_dim_v), USE_PDL=use_pdl, num_warps=4,
+        launch_pdl=use_pdl)
+
+
+def launch_shape(q, nheads_k: int, paged: bool, num_splits: int,
+                 max_seqlen_k: int) -> tuple[Tile, int, int]:
+    """(tile, query row blocks, num_splits) of a launch; num_splits 0 = auto_num_splits over the
+    longest sequence's max_seqlen_k keys."""
+    batch, seqlen_q, nheads = q.shape[:3]
+    packed_rows = seqlen_q * (nheads // nheads_k)
+    tile = tile_config(packed_rows, paged)
+    m_blocks = triton.cdiv(packed_rows, tile.block_m)
+    if num_splits == 0:
+        sms, _ = _launch_facts(q.device)
+        num_splits = auto_num_splits(batch * nheads_k * m_blocks,
+                                     triton.cdiv(max_seqlen_k, tile.block_n),
+                                     min(128, max(1, max_seqlen_k // MIN_KEYS_PER_SPLIT)),
+                                     sms * tile.per_sm)
+    return tile, m_blocks, num_splits
 
 
 def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, block_table,
@@ -265,12 +397,11 @@ def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, bloc
     nheads_k, head_dim_v = v_cache.shape[2], v_cache.shape[3]
     group = nheads // nheads_k
     page_size = 0 if block_table is None else k_cache.shape[1]
-    block_m, block_n, num_warps, num_stages = tile_config(seqlen_q * group, page_size)
-    m_blocks = triton.cdiv(seqlen_q * group, block_m)
-    if num_splits == 0:
-        if max_seqlen_k is None:
-            max_seqlen_k = int(seqlens_k.max())
-        num_splits = auto_num_splits(batch * nheads_k * m_blocks, max_seqlen_k, q.device)
+    if num_splits == 0 and max_seqlen_k is None:
+        max_seqlen_k = int(seqlens_k.max())
+    tile, m_blocks, num_splits = launch_shape(q, nheads_k, block_table is not None, num_splits,
+                                              max_seqlen_k)
+    _, use_pdl = _launch_facts(q.device)
 
     if out is None:
         out = torch.empty(batch, seqlen_q, nheads, head_dim_v, dtype=q.dtype, device=q.device)
@@ -284,6 +415,7 @@ def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, bloc
 
     slopes = params.alibi_slopes
     window_left, window_right, has_left, has_right = window_args(params)
+    qk_scale, softcap_scale, softcap = score_args(params)
     dummy = seqlens_k  # stands in for absent pointer arguments; never read
     _decode_kernel[(num_splits, batch * nheads_k, m_blocks)](
         q, k_cache, v_cache, out_part, lse_part,
@@ -293,18 +425,14 @@ def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, bloc
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out_part.stride(),
         *lse_part.stride(), 0 if block_table is None else block_table.stride(0),
         slopes.stride(0) if slopes is not None and slopes.dim() == 2 else 0,
-        nheads_k, group, seqlen_q, num_splits, window_left, window_right,
-        params.softmax_scale, params.softcap,
+        nheads_k, group, seqlen_q, num_splits, window_left, window_right, qk_scale,
+        softcap_scale,
         HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=padded_head_dim(head_dim),
-        BLOCK_DV=padded_head_dim(head_dim_v), BLOCK_M=block_m, BLOCK_N=block_n,
-        PAGE_SIZE=page_size, HAS_LEFT=has_left, HAS_RIGHT=has_right,
-        HAS_SOFTCAP=params.softcap > 0, HAS_ALIBI=slopes is not None,
-        HAS_SINK=params.sink is not None, PRECISION=DOT_PRECISION,
-        num_warps=num_warps, num_stages=num_stages)
+        BLOCK_DV=padded_head_dim(head_dim_v), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
+        PAGE_SIZE=page_size, HAS_LEFT=has_left, HAS_RIGHT=has_right, SOFTCAP=softcap,
+        ALIBI=slopes is not None, HAS_SINK=params.sink is not None,
+        USE_PDL=use_pdl and num_splits > 1, PRECISION=DOT_PRECISION,
+        num_warps=tile.num_warps, num_stages=tile.num_stages)
     if num_splits > 1:
-        _merge_kernel[(batch * seqlen_q * nheads,)](
-            out_part, lse_part, out, lse, *out_part.stride(), *lse_part.stride(),
-            *out.stride(), *lse.stride(), nheads, seqlen_q, num_splits,
-            HEAD_DIM_V=head_dim_v, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
-            BLOCK_DV=padded_head_dim(head_dim_v), num_warps=4)
+        merge(out_part, lse_part, out, lse, use_pdl)
     return out, lse
