@@ -69,7 +69,10 @@ def bench(fn) -> float:
 
 def bench_graph(fn) -> float:
     """Median ms per call replayed from a CUDA graph: the GPU time alone, as a decoding loop
-    under graphs sees it. No L2 flush: a problem smaller than L2 (60 MB) reads from it."""
+    under graphs sees it. No L2 flush: a problem smaller than L2 (60 MB) reads from it.
+    do_bench_cudagraph runs fn on a side stream: the inputs, made on the default stream, must be
+    complete first (a 2026-11-21 run read unwritten cache_seqlens and faulted)."""
+    torch.cuda.synchronize()
     return do_bench_cudagraph(fn, rep=20, return_mode="median")
 
 
