@@ -64,6 +64,11 @@ HOPPER = {
 # d64: 1.373 vs 1.310), Triton 3.6 already pipelines the pointer loads with cp.async.
 USE_TMA = False
 
+# Forward of the plain case (no features, self attention, head dim 64/128, fp16/bf16) through
+# the Gluon kernel of forward_hopper.py on sm_90: async wgmma lets the softmax of one tile
+# overlap the P V matmul of the previous one. Measured: see benchmarks/NOTES_triton.md.
+GLUON_FORWARD = True
+
 # Non-deterministic backward: dQ by fp32 atomics inside the dK/dV kernel instead of its own kernel.
 # Off: slower on every case of the 02:26 grid (d128 16k full: 358 vs 392 TFLOP/s; d64 4k full:
 # 289 vs 353), element atomics and TMA bulk reduce-adds alike, so deterministic is the default.

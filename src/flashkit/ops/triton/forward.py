@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from flashkit.ops.params import AttentionParams
+from flashkit.ops.triton import forward_hopper
 from flashkit.ops.triton.common import (
     DOT_PRECISION,
     LN2_JIT,
@@ -202,6 +203,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     use_tma=False keeps K/V loads on pointers even where a TMA descriptor would do (varlen always
     does: a descriptor would read across sequences).
     """
+    if forward_hopper.eligible(q, k, v, params, out, lse, tile):  # the plain case on sm_90
+        return forward_hopper.attention_forward(q, k, v, params, out=out, lse=lse)
     batch, seqlen_q, seqlen_k, nheads, nheads_k = varlen_shape(q, v, params)
     head_dim, head_dim_v = q.shape[-1], v.shape[-1]
     if out is None:
