@@ -55,24 +55,28 @@ from flashkit.ops.triton.configs import padded_head_dim
 
 
 class Tile(NamedTuple):
-    """A launch shape. per_sm: programs per SM that auto splitting aims for (the SM count times
-    this is the number of programs that fill the GPU once)."""
+    """A launch shape. per_sm: programs per SM that auto splitting fills the GPU with; resident:
+    programs per SM that fit at once (shared memory and registers of the sm_90 build of the
+    q-length-1, d128 tile), for whole waves once the programs exceed one round of them."""
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
     per_sm: int
+    resident: int
 
 
 # "decode": up to DECODE max BLOCK_M packed rows (q length 1-8 at GQA 8:1), BLOCK_M fitted to
 # the rows; memory bound. "prefill": more rows; compute bound, the dense forward's d128 tile
 # (configs.HOPPER). HOPPER decode: (64, 4, 3) chosen by the 27-tile sweep of
 # benchmarks/results/decode_20261121T022233.json (85-110% of copy bandwidth at b16/16k GQA 8:1
-# and b64/8k MHA); per_sm and the prefill tile by benchmarks/bench_decode.py's studies
-# (decode_NOTES.md). INTERPRETER: tiny tiles so CPU tests at ~50 keys cross tiles and splits,
-# and decode tiles of 32 keys span two 16-slot pages.
-HOPPER = {"decode": Tile(64, 64, 4, 3, 2), "prefill": Tile(128, 128, 8, 3, 1)}
-INTERPRETER = {"decode": Tile(16, 32, 1, 1, 2), "prefill": Tile(16, 16, 1, 1, 1)}
+# and b64/8k MHA); per_sm and the prefill tile by the studies of decode_20261121T041637.json
+# (per_sm 1/2/3: geomean 60.5/57.1/59.0 us over 12 small-batch shapes; the prefill tile within
+# 2% of (64, 64, 4, 3)); resident: 70-72 KB of shared memory (3 per SM), the prefill tile 224 KB.
+# INTERPRETER: tiny tiles so CPU tests at ~50 keys cross tiles and splits, and decode tiles of
+# 32 keys span two 16-slot pages.
+HOPPER = {"decode": Tile(64, 64, 4, 3, 2, 3), "prefill": Tile(128, 128, 8, 3, 1, 1)}
+INTERPRETER = {"decode": Tile(16, 32, 1, 1, 2, 3), "prefill": Tile(16, 16, 1, 1, 1, 1)}
 MIN_KEYS_PER_SPLIT = 256  # auto num_splits never makes a split shorter than this
 # Paged caches: the block-table load that feeds the K/V addresses is one more level of Triton's
 # software pipeline. Triton 3.6 double-buffers K/V behind it only from num_stages + 2 (sm_90
@@ -83,6 +87,10 @@ LAUNCH_PDL = True  # merge kernel as a programmatic dependent launch where the G
 # Output columns per merge program. The first H200 study (b1, 16k-128k keys, 29-64 splits) timed
 # the merge alone at 3.7-3.9 us with whole 128-column rows per program, 2.0 us at 16 splits.
 MERGE_BLOCK_DV = 32
+# auto_num_splits takes the fewest splits within this fraction of the best wave efficiency
+# (flash-attn: 0.85). Memory-bound decoding wants the slots full: at b1 64k GQA 8:1 the H200
+# study timed 57 splits (0.86 of the 264 slots) at 81% of copy bandwidth, 66 (all) at 83%.
+FILL_EFFICIENCY = 0.95
 
 
 @triton.jit
@@ -319,24 +327,34 @@ def tile_config(packed_rows: int, paged: bool) -> Tile:
 
 
 @functools.lru_cache(maxsize=4096)
-def auto_num_splits(programs: int, key_blocks: int, max_splits: int, slots: int) -> int:
-    """flash-attn's num_splits_heuristic: the fewest splits whose programs fill `slots` (SMs x
-    programs per SM) in whole waves to within 85% of the best choice; 1 once the programs
-    without splits fill 80% of them.
+def auto_num_splits(programs: int, key_blocks: int, max_splits: int, slots: int,
+                    resident: int) -> int:
+    """Key-length splits for `programs` programs without splitting.
+
+    Few programs (under 80% of `slots`, SMs x per_sm): flash-attn's num_splits_heuristic, the
+    fewest splits whose programs fill `slots` in whole waves to within FILL_EFFICIENCY of the
+    best choice. Between one and two rounds of `resident` (SMs x programs per SM at once): a
+    partial second round runs at a fraction of the bandwidth (b16 MHA decode: 512 programs on
+    396 places gave 88-92% of copy bandwidth), so up to 4 splits that make the rounds whole.
+    Else 1.
 
     key_blocks: the longest sequence's key tiles; a split count is eligible only if it changes
     the tiles per split (with 64 tiles, 11 and 12 splits both give 6 tiles per split).
     """
-    if programs >= 0.8 * slots:
+    if programs < 0.8 * slots:
+        limit, target = min(max_splits, key_blocks, slots), slots
+    elif resident < programs < 2 * resident:
+        limit, target = min(max_splits, key_blocks, 4), resident
+    else:
         return 1
     efficiency = {}
-    for splits in range(1, max(1, min(max_splits, key_blocks, slots)) + 1):
+    for splits in range(1, max(1, limit) + 1):
         if splits > 1 and -(-key_blocks // splits) == -(-key_blocks // (splits - 1)):
             continue
-        waves = programs * splits / slots
+        waves = programs * splits / target
         efficiency[splits] = waves / math.ceil(waves)
     best = max(efficiency.values())
-    return min(s for s, e in efficiency.items() if e >= 0.85 * best)
+    return min(s for s, e in efficiency.items() if e >= FILL_EFFICIENCY * best)
 
 
 def check_supported(dtype: torch.dtype, params: AttentionParams) -> None:
@@ -388,7 +406,7 @@ def launch_shape(q, nheads_k: int, paged: bool, num_splits: int,
         num_splits = auto_num_splits(batch * nheads_k * m_blocks,
                                      triton.cdiv(max_seqlen_k, tile.block_n),
                                      min(128, max(1, max_seqlen_k // MIN_KEYS_PER_SPLIT)),
-                                     sms * tile.per_sm)
+                                     sms * tile.per_sm, sms * tile.resident)
     return tile, m_blocks, num_splits
 
 
