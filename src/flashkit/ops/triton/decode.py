@@ -84,8 +84,8 @@ MIN_KEYS_PER_SPLIT = 256  # auto num_splits never makes a split shorter than thi
 # paged launches add these stages.
 PAGED_EXTRA_STAGES = 2
 LAUNCH_PDL = True  # merge kernel as a programmatic dependent launch where the GPU has it
-# Output columns per merge program. The first H200 study (b1, 16k-128k keys, 29-64 splits) timed
-# the merge alone at 3.7-3.9 us with whole 128-column rows per program, 2.0 us at 16 splits.
+# Output columns per merge program: the merge is latency bound. H200, b1, 16k-128k keys, 29-64
+# splits, the merge alone: 3.7-3.9 us with whole 128-column rows per program, 2.6 us with 32.
 MERGE_BLOCK_DV = 32
 # auto_num_splits takes the fewest splits within this fraction of the best wave efficiency
 # (flash-attn: 0.85). Memory-bound decoding wants the slots full: at b1 64k GQA 8:1 the H200
