@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from flashkit.sim.loop_orders import check_qkv
 from flashkit.sim.table import format_table
 
 __all__ = [
@@ -93,15 +94,6 @@ def flash_block_sizes(d: int, sram: int) -> tuple[int, int]:
     return min(block_c, d), block_c
 
 
-def _check(q, k, v) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    q, k, v = (np.asarray(t, dtype=np.float64) for t in (q, k, v))
-    if q.ndim != 2 or k.ndim != 2 or v.ndim != 2 or q.shape[1] != k.shape[1] \
-            or k.shape[0] != v.shape[0] or 0 in q.shape + k.shape + v.shape:
-        raise ValueError(f"need q (nq, d), k (nk, d), v (nk, dv), non-empty; got q {q.shape}, "
-                         f"k {k.shape}, v {v.shape}")
-    return q, k, v
-
-
 def _blocks(n: int, size: int) -> list[slice]:
     return [slice(start, min(start + size, n)) for start in range(0, n, size)]
 
@@ -111,7 +103,7 @@ def standard_attention(q, k, v) -> tuple[np.ndarray, IOCount]:
 
     (The scale is left to the caller, as in the paper's statement of the algorithm.)
     """
-    q, k, v = _check(q, k, v)
+    q, k, v = check_qkv(q, k, v)
     io = IOCount()
     io.read("Q", q.size)
     io.read("K", k.size)
@@ -148,7 +140,7 @@ def flash_attention_v1(q, k, v, sram: int | None = None, block_r: int | None = N
     loop) every Q_i, O_i, l_i, m_i block is read, updated and written back. Block sizes are
     Algorithm 1's choice for an SRAM of ``sram`` elements unless given.
     """
-    q, k, v = _check(q, k, v)
+    q, k, v = check_qkv(q, k, v)
     block_r, block_c = _algorithm1_blocks(q.shape[1], sram, block_r, block_c)
     (nq, _), (nk, dv) = q.shape, v.shape
     io = IOCount()
@@ -188,7 +180,7 @@ def flash_attention_v2(q, k, v, block_m: int, block_n: int,
     """The Triton FlashAttention-2 forward's schedule, executed: one query block at a time, its
     state in fast memory, streaming the K, V blocks it can see. Scale 1/sqrt(d); a row that sees
     no key gives out 0 and lse -inf. Returns (out, lse, traffic)."""
-    q, k, v = _check(q, k, v)
+    q, k, v = check_qkv(q, k, v)
     _positive(block_m=block_m, block_n=block_n)
     (nq, d), (nk, dv) = q.shape, v.shape
     io = IOCount()

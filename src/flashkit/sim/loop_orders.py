@@ -69,7 +69,8 @@ class _RowState:
         return self.num / self.den
 
 
-def _check(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, ...]:
+def check_qkv(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, ...]:
+    """q (nq, d), k (nk, d), v (nk, dv) as float64 arrays, or a ValueError naming the shapes."""
     q, k, v = (np.asarray(t, dtype=np.float64) for t in (q, k, v))
     if q.ndim != 2 or k.ndim != 2 or v.ndim != 2 or q.shape[1] != k.shape[1] \
             or k.shape[0] != v.shape[0] or 0 in q.shape + k.shape + v.shape:
@@ -85,7 +86,7 @@ def inner_product_attention(q, k, v, query_block: int = 1) -> tuple[np.ndarray, 
     Traffic: Q loads nq, O loads nq (initialising the state), O stores nq,
     KV loads nk * ceil(nq / query_block).
     """
-    q, k, v = _check(q, k, v)
+    q, k, v = check_qkv(q, k, v)
     if query_block < 1:
         raise ValueError(f"query_block must be >= 1, got {query_block}")
     traffic = HBMTraffic()
@@ -113,7 +114,7 @@ def outer_product_attention(q, k, v, resident: int = 0) -> tuple[np.ndarray, HBM
     stored after it (the first load initialises it, as the seed counts). Traffic: KV loads nk;
     Q loads = O loads = O stores = resident + (nq - resident) * nk.
     """
-    q, k, v = _check(q, k, v)
+    q, k, v = check_qkv(q, k, v)
     if not 0 <= resident <= q.shape[0]:
         raise ValueError(f"resident must be in [0, {q.shape[0]}] (the number of queries), "
                          f"got {resident}")
