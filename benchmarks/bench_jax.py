@@ -20,8 +20,9 @@ Timing: the median of 7 samples, each a loop of calls sized to about 20 ms, clos
 block_until_ready, after a compile-and-warm-up call. Backward times the backward alone: the
 jitted VJP function applied to dO, with the forward's residuals computed once beforehand.
 --sweep first times the candidate tiles of flashkit.jax.pallas.TILES at seqlen 8k and runs the
-main grid with the fastest; --sweep-mosaic does the same for flashkit.jax.mosaic.TILES (each
-candidate checked against cuDNN's output). --budget stops starting new configs after that many
+main grid with the fastest. --mosaic-cells instead times, per cell, the Mosaic forward with every
+tile of flashkit.jax.mosaic.CANDIDATES (each checked against cuDNN's output) beside cuDNN and XLA:
+the data behind flashkit.jax.mosaic.TILES. --budget stops starting new configs after that many
 seconds; the JSON is rewritten after every config, so a run cut short still leaves its numbers.
 Results: DIR/jax_<date>.json with date, device, versions, tiles and config.
 """
@@ -29,6 +30,7 @@ Results: DIR/jax_<date>.json with date, device, versions, tiles and config.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -43,9 +45,6 @@ from flashkit.jax import _layout, flash_attention, pallas
 
 WIDTH = 2048
 DTYPE = jnp.bfloat16
-# Candidate (BQ, BK, STAGES) of the Mosaic forward for --sweep-mosaic.
-MOSAIC_SWEEP = {64: [(64, 128, 2), (64, 256, 2), (64, 128, 3), (64, 64, 4)],
-                128: [(64, 128, 2), (64, 64, 3), (64, 64, 4), (64, 128, 3)]}
 # Candidate (block_q, block_k, num_warps, num_stages) for --sweep.
 SWEEP = {
     "fwd": [(128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 4, 4)],
@@ -155,38 +154,61 @@ def sweep(head_dims, tokens, seqlen):
     return chosen, log
 
 
-def sweep_mosaic(head_dims, tokens, seqlen):
-    """Time the Mosaic forward's candidate (BQ, BK, STAGES) per head dim, non-causal plus
-    causal, each checked against cuDNN's output; install and return the fastest."""
+def mosaic_cells(args, record, path):
+    """Per cell of the grid, the Mosaic forward with every candidate tile of
+    flashkit.jax.mosaic.CANDIDATES (each checked against cuDNN's output) against cuDNN and (seqlen
+    <= --port-max) XLA, timed in the same process; the fastest tile goes into the row."""
     from flashkit.jax import mosaic
 
-    chosen, log = {}, []
-    for d in head_dims:
-        q, k, v, _ = inputs(seqlen, d, tokens)
-        best = None
-        for tile in MOSAIC_SWEEP[d]:
-            mosaic.TILES[d] = tile
-            total, err = 0.0, 0.0
+    record["mosaic_cells"] = []
+    for seqlen, causal, d in grid(args):
+        if time.time() - args.started > args.budget:
+            print("budget spent: stopping", flush=True)
+            break
+        q, k, v, _ = inputs(seqlen, d, args.tokens)
+        fl = flops(q.shape[0], q.shape[2], seqlen, d, causal)
+        row = {"seqlen": seqlen, "head_dim": d, "causal": causal, "candidates": []}
+        ref = None  # cuDNN's output, else XLA's (a CPU smoke test)
+        for name in ("jax.nn/cudnn", "jax.nn/xla"):
+            fn = jax.jit(attention_fns(causal)[name])
             try:
-                for causal in (False, True):
-                    fn = jax.jit(lambda q, k, v, c=causal: flash_attention(q, k, v, causal=c))
-                    total += time_ms(fn, q, k, v)
-                    ref = jax.nn.dot_product_attention(q, k, v, is_causal=causal,
-                                                       implementation="cudnn")
-                    diff = jnp.abs(fn(q, k, v).astype(jnp.float32) - ref.astype(jnp.float32))
-                    err = max(err, float(jnp.max(diff)))
-            except Exception as err_:  # a tile that does not fit (shared memory, registers)
-                print(f"mosaic sweep d{d} {tile}: failed ({type(err_).__name__})", flush=True)
+                row[name] = {"fwd_ms": time_ms(fn, q, k, v)} if not skipped(name, seqlen,
+                                                                               args) else {}
+                ref = fn(q, k, v).astype(jnp.float32) if ref is None else ref
+            except Exception as err:  # an anchor this jax/GPU cannot run: say so
+                row[name] = {"error": f"{type(err).__name__}: {str(err)[:200]}"}
+        for tile in mosaic.CANDIDATES[d]:
+            if tile.persistent and args.no_persistent:
                 continue
-            log.append({"head_dim": d, "tile": tile, "ms_full_plus_causal": total,
-                        "max_abs_diff_vs_cudnn": err})
-            print(f"mosaic sweep d{d} {tile}: {total:.3f} ms, diff {err:.4f}", flush=True)
-            if err < 0.05 and (best is None or total < best[1]):
-                best = (tile, total)
-        if best is None:
-            raise RuntimeError(f"mosaic sweep: no candidate tile worked for d{d}")
-        chosen[d] = mosaic.TILES[d] = best[0]
-    return chosen, log
+            mosaic.TILES[d, causal] = ((None, tile),)
+            fn = jax.jit(lambda q, k, v, c=causal: flash_attention(
+                q, k, v, causal=c, implementation="pallas_mosaic"))
+            entry = {"tile": dataclasses.asdict(tile)}
+            try:
+                entry["fwd_ms"] = time_ms(fn, q, k, v)
+                entry["max_abs_diff_vs_cudnn"] = float(jnp.max(jnp.abs(
+                    fn(q, k, v).astype(jnp.float32) - ref)))
+            except Exception as err:  # a tile that does not fit (shared memory, registers)
+                entry["error"] = f"{type(err).__name__}: {str(err)[:200]}"
+            row["candidates"].append(entry)
+        ok = [c for c in row["candidates"] if c.get("max_abs_diff_vs_cudnn", 1.0) < 0.05]
+        if ok:
+            best = min(ok, key=lambda c: c["fwd_ms"])
+            row["best"] = {**best, "fwd_tflops": fl / best["fwd_ms"] / 1e9,
+                           **{f"fwd_vs_{n[7:]}": row[n]["fwd_ms"] / best["fwd_ms"]
+                              for n in ("jax.nn/cudnn", "jax.nn/xla")
+                              if "fwd_ms" in row.get(n, {})}}
+        record["mosaic_cells"].append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "candidates"}), flush=True)
+        with open(path, "w") as f:
+            json.dump(record, f, indent=1)
+
+
+def grid(args):
+    """(seqlen, causal, head dim) cells, seqlen outermost: a budget cut drops whole seqlens."""
+    return [(seqlen, causal, d) for seqlen in (int(s) for s in args.seqlens.split(","))
+            for causal in (bool(int(c)) for c in args.causal.split(","))
+            for d in (int(x) for x in args.head_dims.split(","))]
 
 
 def main() -> None:
@@ -199,37 +221,40 @@ def main() -> None:
     ap.add_argument("--fori-max", type=int, default=2048)
     ap.add_argument("--port-max", type=int, default=4096)
     ap.add_argument("--sweep", action="store_true")
-    ap.add_argument("--sweep-mosaic", action="store_true")
+    ap.add_argument("--mosaic-cells", action="store_true")
+    ap.add_argument("--no-persistent", action="store_true",
+                    help="--mosaic-cells: leave out the persistent tiles")
     ap.add_argument("--sweep-seqlen", type=int, default=8192)
     ap.add_argument("--budget", type=float, default=float("inf"))
     args = ap.parse_args()
     head_dims = [int(x) for x in args.head_dims.split(",")]
-    started = time.time()
+    args.started = time.time()
     record = {**environment(), "dtype": "bfloat16", "tokens": args.tokens, "width": WIDTH,
               "timing": "median of 7 x ~20 ms loops, block_until_ready; bwd = VJP alone",
               "results": []}
     if args.sweep:
         record["tiles"], record["sweep"] = sweep(head_dims, args.tokens, args.sweep_seqlen)
-    if args.sweep_mosaic:
-        record["mosaic_tiles"], record["mosaic_sweep"] = sweep_mosaic(
-            head_dims, args.tokens, args.sweep_seqlen)
     record["tiles_used"] = {w: {str(d): pallas.TILES[w][d] for d in head_dims}
                             for w in ("fwd", "bwd")}
     try:
         from flashkit.jax import mosaic
 
-        record.setdefault("mosaic_tiles", {str(d): mosaic.TILES[d] for d in head_dims})
+        record["mosaic_tiles"] = {f"d{d} {'causal' if c else 'full'}": [
+            (bound, dataclasses.asdict(t)) for bound, t in entries]
+            for (d, c), entries in mosaic.TILES.items()}
         record["mosaic_forward"] = mosaic.is_hopper()
     except ImportError as err:
         record["mosaic_forward"] = f"unavailable: {err}"
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"jax_{record['date'][:10]}.json")
     print(json.dumps({k: v for k, v in record.items() if k != "results"}), flush=True)
+    if args.mosaic_cells:
+        mosaic_cells(args, record, path)
+        print(f"wrote {path}")
+        return
 
-    grid = [(seqlen, causal, d) for seqlen in (int(s) for s in args.seqlens.split(","))
-            for causal in (bool(int(c)) for c in args.causal.split(",")) for d in head_dims]
-    for seqlen, causal, d in grid:  # seqlen outermost: a budget cut drops whole seqlens
-        if time.time() - started > args.budget:
+    for seqlen, causal, d in grid(args):
+        if time.time() - args.started > args.budget:
             print("budget spent: stopping", flush=True)
             break
         q, k, v, dout = inputs(seqlen, d, args.tokens)

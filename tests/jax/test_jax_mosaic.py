@@ -55,7 +55,37 @@ def test_supports_and_lowers_for_cuda(sq, sk, h, hk, d, causal):
 def test_block_k_divides_seqlen_k():
     """d64's 256-key blocks halve until they divide seqlen_k (here 384 -> 128)."""
     q, k = _arrays(128, 384, 2, 1, 64)
-    assert mosaic.cfg_tile(_cfg(q, k), 64)[1] == 128
+    assert mosaic.cfg_tile(_cfg(q, k), 64).block_k == 128
+
+
+CANDIDATES = [(d, tile) for d, tiles in mosaic.CANDIDATES.items() for tile in tiles]
+
+
+def _use_tile(monkeypatch, d, tile, ctas=None):
+    """Make every (d, causal) problem run `tile`; a persistent launch gets `ctas` CTAs."""
+    for causal in (False, True):
+        monkeypatch.setitem(mosaic.TILES, (d, causal), ((None, tile),))
+    if ctas is not None:
+        monkeypatch.setattr(mosaic, "sm_count", lambda: ctas)
+
+
+def test_tables_hold_candidates():
+    """What TILES ships is among the candidates the GPU tests check."""
+    for (d, _), entries in mosaic.TILES.items():
+        for _, tile in entries:
+            assert tile in mosaic.CANDIDATES[d]
+
+
+@pytest.mark.parametrize("d,tile", CANDIDATES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_candidate_lowers_for_cuda(monkeypatch, d, tile, causal):
+    _use_tile(monkeypatch, d, tile, ctas=5)
+    q, k = _arrays(512, 1024, 4, 2, d)
+    cfg = _cfg(q, k, causal=causal)
+    assert mosaic.cfg_tile(cfg, d) == tile
+    lowered = jax.jit(lambda q, k, v: mosaic.forward(q, k, v, cfg)).trace(q, k, k).lower(
+        lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
 
 
 @pytest.mark.parametrize("sq,sk,h,hk,d,causal,window,dtype", NOT_COVERED)
@@ -78,6 +108,21 @@ GPU_CASES = [  # (batch, sq, sk, h, hk, d, causal)
     (1, 512, 256, 2, 2, 128, False),
     (1, 1024, 1024, 2, 1, 128, True),
 ]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,tile", CANDIDATES)
+@pytest.mark.parametrize("sq,sk,causal", [(512, 512, False), (512, 512, True),
+                                          (256, 1024, True)])
+def test_candidate_against_oracle(check, monkeypatch, d, tile, sq, sk, causal):
+    """Every candidate tile, forward only (the backward is the Triton kernel's): 5 persistent
+    CTAs walk 3 to 7 tiles each, so the K/V ring, the Q prefetch and the O store run on across
+    tiles of different lengths."""
+    if not mosaic.is_hopper():
+        pytest.skip("needs a Hopper GPU")
+    _use_tile(monkeypatch, d, tile, ctas=5)
+    check("pallas_mosaic", batch=2, seqlen_q=sq, seqlen_k=sk, nheads=4, nheads_k=2, d=d,
+          causal=causal, dtype="bfloat16", with_grads=False)
 
 
 @pytest.mark.gpu
