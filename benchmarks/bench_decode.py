@@ -1,6 +1,7 @@
 """Decode and prefill speed of the Triton KV-cache kernels (flashkit.ops.triton.decode).
 
     PYTHONPATH=src python3 benchmarks/bench_decode.py --out DIR [--quick] [--sweep] [--no-study]
+        [--paging-study] [--no-prefill] [--no-fa2] [--before OLD_KVCACHE_PY]
 
 First a correctness gate on the GPU (poisoned outputs, bf16 against the float64 oracle by the
 DESIGN section 5 rule, contiguous and paged, splits 1 and auto, with an append and rotary through
@@ -18,9 +19,13 @@ the public API); the run stops if it fails. Then, bf16, d128, 32 query heads:
   prefill  query length 128..2k after 4k cached keys, causal: the KV-cache kernel against the
            dense forward kernel on the same q, k, v, in TFLOP/s over visible pairs.
   sweep    (--sweep) candidate decode tiles at three shapes, to choose decode.HOPPER.
-Kernel times are the launchers (flashkit.ops.triton.decode.forward) on validated inputs: the
-public function adds host checks that read cache_seqlens/block_table (a device sync); its
-end-to-end time with an append and rotary is reported separately ("api").
+  paging   (--paging-study) page-256 decode with the block-table entry read per key row or per
+           key tile, and the paged extra stages; sets decode.PAGE_TILE_LOOKUP and the stages.
+  api      the public function per call: host time (CPU wall clock of back-to-back calls, no
+           sync inside) and eager time, with an append (and rotary) into a paged or contiguous
+           cache; with --before, the same for the kvcache.py at that path (the previous version,
+           loaded as a module), in the same run.
+Kernel times are the launchers (flashkit.ops.triton.decode.forward) on validated inputs.
 Times are triton.testing.do_bench medians ("graph": CUDA-graph replays, the GPU time alone;
 "eager": one launch per call, L2 flushed between calls). Results: DIR/decode_<date>.json with
 date, device, versions and config, rewritten after every stage.
@@ -30,11 +35,14 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
+import importlib.util
 import itertools
 import json
 import math
 import os
 import platform
+import time
 
 import torch
 import triton
@@ -154,7 +162,10 @@ def check() -> list[str]:
                                       causal=True, backend=backend)
         results.append((out, kc, vc))
     (o_t, kc_t, vc_t), (o_r, kc_r, vc_r) = results
-    assert torch.equal(kc_t, kc_r) and torch.equal(vc_t, vc_r), "append differs"
+    # v is copied bit for bit; k is rotated in float32 by both, the Triton kernel possibly with
+    # fused multiply-adds: within one bf16 rounding.
+    assert torch.equal(vc_t, vc_r), "append of v differs"
+    torch.testing.assert_close(kc_t, kc_r)
     torch.testing.assert_close(o_t, o_r, atol=2e-2, rtol=2e-2)
     done.append("api append+rotary paged256 triton == torch")
     return done
@@ -201,20 +212,20 @@ def kv_bytes_of(batch, seqlen_k, nheads_k) -> int:
 def auto_splits(batch, seqlen_k, nheads_k, page_size) -> int:
     """What num_splits=0 picks for q length 1 (one packed row block per kv head)."""
     q = torch.empty(batch, 1, NHEADS, HEAD_DIM, device="cuda")
-    return decode.launch_shape(q, nheads_k, page_size is not None, 0, seqlen_k)[2]
+    return decode.launch_shape(q, nheads_k, page_size or 0, 0, seqlen_k)[3]
 
 
-def run_decode(copy_bw: float, quick: bool) -> list[dict]:
+def run_decode(copy_bw: float, quick: bool, fa2: bool) -> list[dict]:
     rows = []
     params = AttentionParams(HEAD_DIM ** -0.5)
     for batch, seqlen_k, nheads_k, page_size in decode_grid(quick):
-        rows.append(decode_row(batch, seqlen_k, nheads_k, page_size, params, copy_bw))
+        rows.append(decode_row(batch, seqlen_k, nheads_k, page_size, params, copy_bw, fa2))
         print(json.dumps(rows[-1]), flush=True)
         torch.cuda.empty_cache()
     return rows
 
 
-def decode_row(batch, seqlen_k, nheads_k, page_size, params, copy_bw) -> dict:
+def decode_row(batch, seqlen_k, nheads_k, page_size, params, copy_bw, fa2=True) -> dict:
     k_cache, v_cache, table = make_cache(batch, seqlen_k, nheads_k, page_size)
     q = torch.randn(batch, 1, NHEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
     kv_bytes = kv_bytes_of(batch, seqlen_k, nheads_k)
@@ -234,7 +245,8 @@ def decode_row(batch, seqlen_k, nheads_k, page_size, params, copy_bw) -> dict:
     put("splits1", kernel_fn(q, k_cache, v_cache, table, seqlen_k, params, 1), eager=False)
     if page_size is None:
         put("sdpa_cudnn", sdpa_fn(q, k_cache, v_cache, "CUDNN_ATTENTION"), eager=False)
-        put("sdpa_flash", sdpa_fn(q, k_cache, v_cache, "FLASH_ATTENTION"), eager=False)
+        if fa2:
+            put("sdpa_flash", sdpa_fn(q, k_cache, v_cache, "FLASH_ATTENTION"), eager=False)
     return row
 
 
@@ -369,20 +381,90 @@ def study_prefill() -> dict:
             "chosen": best}
 
 
-def run_api(quick: bool) -> dict:
-    """End-to-end public call: append one token with rotary into a paged cache, then attend."""
-    batch, seqlen_k, nheads_k = 8, 8192, 4
-    k_cache, v_cache, table = make_cache(batch, seqlen_k + 256, nheads_k, 256)
-    q = torch.randn(batch, 1, NHEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
-    k_new, v_new = (torch.randn(batch, 1, nheads_k, HEAD_DIM, dtype=DTYPE, device="cuda")
-                    for _ in "kv")
-    angles = torch.rand(seqlen_k + 256, HEAD_DIM // 2, device="cuda")
-    cos, sin = angles.cos().to(DTYPE), angles.sin().to(DTYPE)
-    seqlens = torch.full((batch,), seqlen_k, dtype=torch.int32, device="cuda")
-    ms = bench(lambda: flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cos, sin,
-                                               seqlens, block_table=table, causal=True))
-    return {"batch": batch, "seqlen_k": seqlen_k, "nheads_k": nheads_k, "page_size": 256,
-            "append_rotary_api_ms": ms}
+API_CASES = [  # (batch, cached keys, kv heads, page size or None, rotary)
+    (8, 8192, 4, 256, True), (1, 4096, 4, None, False), (64, 4096, 32, 16, True)]
+
+
+def run_api(before_path: str | None) -> list[dict]:
+    """The public call appending one token (with rotary or not) and attending: host time per
+    call and eager time, this version (default device-side checks, and sync_checks=True) and the
+    one at before_path."""
+    versions = {"now": flash_attn_with_kvcache,
+                "now_sync_checks": functools.partial(flash_attn_with_kvcache, sync_checks=True)}
+    if before_path:
+        spec = importlib.util.spec_from_file_location("kvcache_before", before_path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        versions["before"] = module.flash_attn_with_kvcache
+    rows = []
+    for batch, seqlen_k, nheads_k, page_size, rotary in API_CASES:
+        k_cache, v_cache, table = make_cache(batch, seqlen_k + 256, nheads_k, page_size)
+        q = torch.randn(batch, 1, NHEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+        k_new, v_new = (torch.randn(batch, 1, nheads_k, HEAD_DIM, dtype=DTYPE, device="cuda")
+                        for _ in "kv")
+        angles = torch.rand(seqlen_k + 256, HEAD_DIM // 2, device="cuda")
+        cos, sin = (angles.cos().to(DTYPE), angles.sin().to(DTYPE)) if rotary else (None, None)
+        seqlens = torch.full((batch,), seqlen_k, dtype=torch.int32, device="cuda")
+        row = {"batch": batch, "seqlen_k": seqlen_k, "nheads_k": nheads_k,
+               "page_size": page_size, "rotary": rotary}
+        for name, fn in versions.items():
+            call = functools.partial(fn, q, k_cache, v_cache, k_new, v_new, cos, sin, seqlens,
+                                     block_table=table, causal=True)
+            row[f"{name}_host_ms"] = host_ms(call)
+            row[f"{name}_eager_ms"] = bench(call)
+        kernel = kernel_fn(q, k_cache, v_cache, table, seqlen_k, AttentionParams(
+            HEAD_DIM ** -0.5, None, 0), 0)
+        row["decode_kernels_graph_ms"] = bench_graph(kernel)
+        rows.append(row)
+        print("api", json.dumps(row), flush=True)
+    return rows
+
+
+def host_ms(call, calls: int = 200) -> float:
+    """CPU wall-clock ms per call of `calls` back-to-back calls (no sync inside the loop, the
+    GPU drained before): what a decoding loop's host thread pays per call. The appends of
+    the timed calls land on the same slots each time (cache_seqlens is fixed)."""
+    for _ in range(10):
+        call()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        call()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return 1e3 * elapsed / calls
+
+
+# --- paging study -------------------------------------------------------------------------------
+
+PAGING_SHAPES = [(1, 4096, 4), (4, 4096, 4), (16, 1024, 4), (1, 65536, 4), (4, 16384, 4),
+                 (16, 1024, 32), (64, 1024, 32), (1, 16384, 32)]
+PAGING_VARIANTS = [(False, 2), (True, 2), (True, 0), (True, 1)]  # (per tile, extra stages)
+
+
+def study_paging(copy_bw: float) -> dict:
+    """Page-256 decode (graph replays, auto splits) per variant of the block-table lookup; the
+    variant of least geometric-mean time is kept for the rest of the run (the default unless
+    another is more than 2% faster)."""
+    params, rows = AttentionParams(HEAD_DIM ** -0.5), []
+    log_ms = dict.fromkeys(PAGING_VARIANTS, 0.0)
+    for batch, seqlen_k, nheads_k in PAGING_SHAPES:
+        k_cache, v_cache, table = make_cache(batch, seqlen_k, nheads_k, 256)
+        q = torch.randn(batch, 1, NHEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+        row = {"batch": batch, "seqlen_k": seqlen_k, "nheads_k": nheads_k, "pct_copy": {}}
+        for per_tile, extra in PAGING_VARIANTS:
+            decode.PAGE_TILE_LOOKUP, decode.PAGE_TILE_EXTRA_STAGES = per_tile, extra
+            ms = bench_graph(kernel_fn(q, k_cache, v_cache, table, seqlen_k, params, 0))
+            log_ms[(per_tile, extra)] += math.log(ms)
+            row["pct_copy"][f"per_tile={per_tile},extra={extra}"] = \
+                100 * kv_bytes_of(batch, seqlen_k, nheads_k) / (ms * 1e-3) / copy_bw
+        rows.append(row)
+        print("paging", json.dumps(row), flush=True)
+    geomean = {k: math.exp(v / len(PAGING_SHAPES)) for k, v in log_ms.items()}
+    decode.PAGE_TILE_LOOKUP, decode.PAGE_TILE_EXTRA_STAGES = pick(geomean, (False, 2))
+    return {"rows": rows, "geomean_ms": {str(k): v for k, v in geomean.items()},
+            "chosen": {"page_tile_lookup": decode.PAGE_TILE_LOOKUP,
+                       "page_tile_extra_stages": decode.PAGE_TILE_EXTRA_STAGES}}
 
 
 # --- prefill ------------------------------------------------------------------------------------
@@ -397,7 +479,7 @@ def run_prefill(quick: bool) -> list[dict]:
             tflop = 4 * NHEADS * visible * HEAD_DIM / 1e12
             q = torch.empty(1, seqlen_q, NHEADS, HEAD_DIM, device="cuda")
             row = {"seqlen_q": seqlen_q, "seqlen_k": seqlen_k, "nheads_k": nheads_k,
-                   "auto_splits": decode.launch_shape(q, nheads_k, False, 0, seqlen_k)[2],
+                   "auto_splits": decode.launch_shape(q, nheads_k, 0, 0, seqlen_k)[3],
                    "kvcache_ms": t_kv, "dense_ms": t_dense,
                    "kvcache_tflops": tflop / (t_kv * 1e-3),
                    "dense_tflops": tflop / (t_dense * 1e-3), "ratio": t_dense / t_kv}
@@ -445,6 +527,10 @@ def main():
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--no-study", action="store_true")
+    parser.add_argument("--paging-study", action="store_true")
+    parser.add_argument("--no-prefill", action="store_true")
+    parser.add_argument("--no-fa2", action="store_true", help="skip SDPA's FLASH backend")
+    parser.add_argument("--before", help="a previous kvcache.py to time in the api stage")
     args = parser.parse_args()
     torch.manual_seed(0)
     os.makedirs(args.out, exist_ok=True)
@@ -471,14 +557,19 @@ def main():
     print(f"copy bandwidth {copy_bw / 1e12:.2f} TB/s", flush=True)
     if args.sweep:
         save("sweep", run_sweep(copy_bw))
+    save("api", run_api(args.before))
     if not args.no_study:
         save("split_study", study_splits(copy_bw))
         save("prefill_study", study_prefill())
-    save("chosen", {"tiles": tiles(), "launch_pdl": decode.LAUNCH_PDL})
+    if args.paging_study:
+        save("paging_study", study_paging(copy_bw))
+    save("chosen", {"tiles": tiles(), "launch_pdl": decode.LAUNCH_PDL,
+                    "page_tile_lookup": decode.PAGE_TILE_LOOKUP,
+                    "page_tile_extra_stages": decode.PAGE_TILE_EXTRA_STAGES})
     print("chosen", json.dumps(result["chosen"]), flush=True)
-    save("prefill", run_prefill(args.quick))
-    save("decode", run_decode(copy_bw, args.quick))
-    save("api", run_api(args.quick))
+    if not args.no_prefill:
+        save("prefill", run_prefill(args.quick))
+    save("decode", run_decode(copy_bw, args.quick, not args.no_fa2))
     print_summary(result)
     print("wrote", path)
 
@@ -493,7 +584,7 @@ def print_summary(result: dict) -> None:
               "|", *(pct(r, f"{k}_graph_pct_copy") for k in
                      ("auto", "splits1", "sdpa_cudnn", "sdpa_flash")),
               "|", pct(r, "auto_eager_pct_copy"), "L2" if r["l2_resident"] else "")
-    for r in result["prefill"]:
+    for r in result.get("prefill", []):
         print("prefill", r["seqlen_q"], r["nheads_k"], "splits", r["auto_splits"],
               f"{r['kvcache_tflops']:.0f} vs dense {r['dense_tflops']:.0f} TFLOP/s,"
               f" ratio {r['ratio']:.2f}")

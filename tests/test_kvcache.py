@@ -451,6 +451,19 @@ def test_triton_features(feature):
 
 
 @interpreted
+@pytest.mark.parametrize("per_tile", [True, False])
+def test_triton_page_lookup_per_tile_and_per_row(per_tile, monkeypatch):
+    """Pages a multiple of the 32-key tile: the block-table entry read once per key tile
+    (decode.PAGE_TILE_LOOKUP) or per key row."""
+    from flashkit.ops.triton import decode
+
+    monkeypatch.setattr(decode, "PAGE_TILE_LOOKUP", per_tile)
+    for mask in ("causal", "window"):
+        Case(page_size=64, capacity=128, d=16, seqlen_q=2, seqlen_new=2, num_splits=3,
+             **MASKS[mask]).check("triton")
+
+
+@interpreted
 def test_triton_refuses_float64_before_touching_the_cache():
     case = Case(dtype=torch.float64)
     k_before = case.k_cache.clone()
@@ -473,6 +486,67 @@ def test_triton_writes_every_output_element():
                        case.block_table, params, num_splits, out=out, lse=lse)
         assert not out.isnan().any() and not lse.isnan().any()
 
+
+# The checks of the Triton append kernel (CUDA calls check index values there, without a sync,
+# and assert its flag on the device; see flashkit.kvcache). Same cases as test_errors'.
+APPEND_CHECKS = {
+    "valid": {},
+    "unused_table_entries_padding": {"table": {(0, 1): -1}},
+    "seqlens_beyond_after_append": {"seqlens": [3, 32]},
+    "seqlens_negative": {"seqlens": [-1, 2]},
+    "leftpad_beyond_seqlens": {"leftpad": [4, 0]},
+    "batch_idx_out_of_range": {"batch_idx": [0, 3]},
+    "block_table_out_of_range": {"table": {(1, 0): 4}},
+    "block_table_negative_read_only": {"seqlens": [20, 5], "table": {(0, 0): -1}},
+    "rotary_too_short": {"seqlen_ro": 5},
+}
+
+
+@interpreted
+@pytest.mark.parametrize("case", list(APPEND_CHECKS))
+def test_append_kernel_flags_bad_indices_and_writes_nothing_out_of_bounds(case):
+    from flashkit.ops.triton import append
+
+    bad = APPEND_CHECKS[case]
+    paged = "table" in bad or case == "valid"
+    q, kc, vc, k, v, table = _inputs(page_size=16 if paged else None)
+    table = table if paged else None
+    for (b, p), page in bad.get("table", {}).items():
+        table[b, p] = page
+    as_i32 = lambda key, default: torch.tensor(bad.get(key, default), dtype=torch.int32)  # noqa: E731
+    angles = torch.rand(bad.get("seqlen_ro", 64), 4)
+    kc_before, vc_before = kc.clone(), vc.clone()
+    seqlens, rows, leftpad = (as_i32(key, default) for key, default in
+                              (("seqlens", [3, 5]), ("batch_idx", [2, 0]), ("leftpad", [0, 0])))
+    _, seqlens_k, ok = append.append(
+        q, kc, vc, k, v, angles.cos(), angles.sin(), seqlens, None if paged else rows,
+        None if paged else leftpad, table, 1, False)
+    assert int(ok) == (case in ("valid", "unused_table_entries_padding")), case
+    if int(ok):
+        assert seqlens_k.tolist() == [4, 6]
+        return
+    # A sequence whose scalars or written page are bad writes nothing; the others only their
+    # new slot (a bad entry among the pages it only reads does not stop that in-bounds write).
+    allowed = set()
+    for b, n in enumerate(seqlens.tolist()):
+        row = int(table[b, n // 16]) if paged and 0 <= n < 32 else int(rows[b])
+        if 0 <= n < 32 and 0 <= int(leftpad[b]) <= n and 0 <= row < kc.shape[0]:
+            allowed.add((row, n % 16 if paged else n))
+    changed = (kc != kc_before).flatten(2).any(-1) | (vc != vc_before).flatten(2).any(-1)
+    for row, slot in changed.nonzero().tolist():
+        assert (row, slot) in allowed, f"{case}: wrote cache row {row} slot {slot}"
+
+
+@interpreted
+def test_cpu_calls_check_on_the_host_even_with_the_triton_backend():
+    """CPU tensors: the clear ValueError comes before any launch (the interpreter path)."""
+    q, kc, vc, k, v, table = _inputs(page_size=16)
+    table[1, 0] = 4
+    kc_before = kc.clone()
+    with pytest.raises(ValueError, match="block_table"):
+        _call(q, kc, vc, k, v, cache_seqlens=torch.tensor([3, 5], dtype=torch.int32),
+              block_table=table, backend="triton")
+    assert torch.equal(kc, kc_before)
 
 # --- the compiled Triton kernels on a GPU -----------------------------------------------------
 
@@ -523,3 +597,28 @@ def test_triton_writes_every_output_element_on_gpu(num_splits):
                    zeros, zeros, case.block_table.cuda(), AttentionParams(0.1, None, 0),
                    num_splits, out=out, lse=lse)
     assert not out.isnan().any() and not lse.isnan().any()
+
+
+@pytest.mark.gpu
+def test_gpu_index_checks_sync_and_on_device():
+    """sync_checks=True: the host check's ValueError. By default: the device assertion stops the
+    process's CUDA work (run in a child process: it ends the CUDA context)."""
+    import subprocess
+    import sys
+
+    q, kc, vc, k, v, table = (t.cuda() for t in _inputs(page_size=16))
+    table[1, 0] = 4
+    lens = torch.tensor([3, 5], dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="block_table"):
+        _call(q, kc, vc, k, v, cache_seqlens=lens, block_table=table, sync_checks=True)
+    script = ("import torch, flashkit\n"
+              "q = torch.randn(2, 1, 4, 16, device='cuda')\n"
+              "kc = torch.randn(4, 16, 2, 16, device='cuda')\n"
+              "table = torch.tensor([[0, 1], [4, 3]], dtype=torch.int32, device='cuda')\n"
+              "lens = torch.tensor([3, 5], dtype=torch.int32, device='cuda')\n"
+              "flashkit.flash_attn_with_kvcache(q, kc, kc.clone(), cache_seqlens=lens,\n"
+              "                                 block_table=table)\n"
+              "torch.cuda.synchronize()\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.returncode != 0 and "assert" in done.stderr.lower(), done.stderr[-2000:]

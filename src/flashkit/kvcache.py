@@ -1,10 +1,20 @@
 """flash_attn_with_kvcache: attention for incremental decoding over a (paged) KV cache.
 
 Semantics follow flash-attn 2's function of the same name; see its docstring below. Steps:
-check every argument (reading cache_seqlens, cache_batch_idx and the used block_table entries
-costs one device sync: a bad index would otherwise read or write out of bounds), rotate q and
-the new k, append the new k and v to the cache in place, then run the backend's attention over
-each sequence's cached keys, split along the key length into num_splits chunks merged by lse.
+check every argument, rotate q and the new k, append the new k and v to the cache in place, then
+run the backend's attention over each sequence's cached keys, split along the key length into
+num_splits chunks merged by lse.
+
+Index values (cache_seqlens, cache_batch_idx, cache_leftpad, the used block_table entries, the
+rotary table's length) decide where the kernels read and write, so they are always checked:
+- on the host, raising a ValueError that names the argument, when the tensors are on the CPU,
+  for the torch and reference backends, and with sync_checks=True (one device sync);
+- otherwise (CUDA tensors, the Triton backend) on the device, without a sync: the Triton append
+  kernel (flashkit.ops.triton.append) checks every index before it writes and flags a bad one,
+  and torch._assert_async on that flag stops the stream before the attention kernels read. A
+  bad index then raises a device-side assertion error (at the next synchronising call, and it
+  ends the CUDA context), never an out-of-bounds read or write. Pass sync_checks=True to learn
+  which argument was wrong.
 """
 
 from __future__ import annotations
@@ -30,7 +40,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             cache_leftpad=None, block_table=None, softmax_scale=None,
                             causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0,
-                            return_softmax_lse=False, *, sink=None, backend=None):
+                            return_softmax_lse=False, *, sink=None, backend=None,
+                            sync_checks=False):
     """Attention of q over a KV cache, optionally appending new keys/values first (in place).
 
     q (batch, seqlen_q, nheads, d). k_cache, v_cache: (batch_cache, seqlen_cache, nheads_k, d)
@@ -52,6 +63,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     positions. softcap, alibi_slopes, sink and GQA/MQA are as in flash_attn_func.
     num_splits: key-length chunks per sequence, merged by their log-sum-exp (0 = choose from
     batch, heads and length; the torch backend then uses 1).
+    sync_checks: read the index tensors on the host and raise a ValueError naming a bad one
+    (one device sync per call); by default CUDA calls on the Triton backend check them on the
+    device instead (see the module docstring).
     Forward only, as in flash-attn: inputs that require grad are refused.
     Returns out (batch, seqlen_q, nheads, d_v), and lse (batch, nheads, seqlen_q) float32 with
     return_softmax_lse.
@@ -86,30 +100,44 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 
     capacity = _check_paging(block_table, k_cache, batch, device, cache_batch_idx,
                              cache_leftpad)
-    cache_batch_idx = _index_vector("cache_batch_idx", cache_batch_idx, batch, device,
-                                    torch.arange(batch, dtype=torch.int32, device=device))
-    cache_leftpad = _index_vector("cache_leftpad", cache_leftpad, batch, device,
-                                  torch.zeros(batch, dtype=torch.int32, device=device))
+    cache_batch_idx = _index_vector("cache_batch_idx", cache_batch_idx, batch, device)
+    cache_leftpad = _index_vector("cache_leftpad", cache_leftpad, batch, device)
     cache_seqlens = _cache_seqlens(cache_seqlens, batch, capacity, device)
-    _check_values(cache_seqlens, seqlen_new, capacity, cache_batch_idx, cache_leftpad,
-                  block_table, k_cache)
     params = build_params(q, 0.0, softmax_scale, causal, window_size, softcap, alibi_slopes, False,
                      sink, batch=batch)
     num_splits = _num_splits(num_splits)
     name = checks.backend(backend, device)
+    rotary = rotary_cos is not None or rotary_sin is not None
+    # flash-attn: with a causal or local mask the query rows are consecutive positions, without
+    # one they all sit at the first new position.
+    q_rows = q.shape[1] if params.window_left is not None or params.window_right is not None \
+        else 1
+    if rotary:
+        _check_rotary(rotary_cos, rotary_sin, q, k)
+    max_seqlen_k = capacity  # a bound for the split heuristic, as flash-attn's
+    if device.type == "cpu" or sync_checks or name != "triton":
+        max_seqlen_k = _check_values(cache_seqlens, seqlen_new, capacity, cache_batch_idx,
+                                     cache_leftpad, block_table, k_cache,
+                                     rotary_cos.shape[0] if rotary else None, q_rows)
     if name == "triton":
         require_available(name, device)
-        from flashkit.ops.triton import decode
+        from flashkit.ops.triton import append, decode
 
         decode.check_supported(q.dtype, params)
+        q, seqlens_k, ok = append.append(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
+                                         cache_seqlens, cache_batch_idx, cache_leftpad,
+                                         block_table, q_rows, rotary_interleaved)
+        torch._assert_async(ok, _DEVICE_CHECK_FAILED)
+        out, lse = decode.forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx,
+                                  cache_leftpad, block_table, params, num_splits, max_seqlen_k)
+        return (out, lse) if return_softmax_lse else out
 
+    if cache_batch_idx is None:
+        cache_batch_idx = torch.arange(batch, dtype=torch.int32, device=device)
+    if cache_leftpad is None:
+        cache_leftpad = torch.zeros(batch, dtype=torch.int32, device=device)
     positions = cache_seqlens - cache_leftpad  # (b,) position of the first new token
-    if rotary_cos is not None or rotary_sin is not None:
-        # flash-attn: with a causal or local mask the query rows are consecutive positions,
-        # without one they all sit at the first new position.
-        q_rows = q.shape[1] if params.window_left is not None \
-            or params.window_right is not None else 1
-        _check_rotary(rotary_cos, rotary_sin, q, k, positions, seqlen_new, q_rows)
+    if rotary:
         first = positions.long()[:, None]
         q_pos = first + torch.arange(q.shape[1], device=device).clamp(max=q_rows - 1)
         k_pos = first + torch.arange(seqlen_new, device=device)
@@ -124,16 +152,18 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     return (out, lse) if return_softmax_lse else out
 
 
+# CUDA keeps at most 254 characters of an assertion message.
+_DEVICE_CHECK_FAILED = (
+    "flash_attn_with_kvcache: cache_seqlens, cache_leftpad, cache_batch_idx, block_table or "
+    "rotary_cos length out of range (device check; nothing written out of bounds); "
+    "sync_checks=True says which")
+
+
 def _run(name, q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, block_table,
          params: AttentionParams, num_splits: int):
     if name == "torch":
         return tiled_kvcache.forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx,
                                      cache_leftpad, block_table, params, num_splits or 1)
-    if name == "triton":
-        from flashkit.ops.triton import decode
-
-        return decode.forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad,
-                              block_table, params, num_splits)
     return _reference(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad,
                       block_table, params)
 
@@ -197,10 +227,10 @@ def _check_paging(block_table, k_cache, batch, device, cache_batch_idx, cache_le
     return block_table.shape[1] * page_size
 
 
-def _index_vector(name, t, batch, device, default):
-    """An int32 (batch,) tensor on q's device, or the default when None."""
+def _index_vector(name, t, batch, device):
+    """An int32 (batch,) tensor on q's device, or None."""
     if t is None:
-        return default
+        return None
     if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or tuple(t.shape) != (batch,):
         got = (f"{t.dtype} of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor)
                else type(t).__name__)
@@ -216,16 +246,20 @@ def _cache_seqlens(cache_seqlens, batch, capacity, device):
         cache_seqlens = capacity
     if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
         return torch.full((batch,), int(cache_seqlens), dtype=torch.int32, device=device)
-    return _index_vector("cache_seqlens", cache_seqlens, batch, device, None)
+    return _index_vector("cache_seqlens", cache_seqlens, batch, device)
 
 
 def _check_values(cache_seqlens, seqlen_new, capacity, cache_batch_idx, cache_leftpad,
-                  block_table, k_cache) -> None:
-    """Index values in range (one device sync): nothing reads or writes outside the cache.
-    Only the block_table entries of pages a sequence uses are read, so the rest may be padding."""
+                  block_table, k_cache, seqlen_ro, q_rows) -> int:
+    """Index values in range, read on the host (a device sync for CUDA tensors): nothing reads
+    or writes outside the cache. Only the block_table entries of pages a sequence uses are read,
+    so the rest may be padding. seqlen_ro: the rotary table's length, None without rotary.
+    Returns the longest sequence's key count (the split heuristic's max_seqlen_k)."""
     num_blocks = batch_cache = k_cache.shape[0]
     page_size = k_cache.shape[1]
     seqlens = cache_seqlens.tolist()
+    rows = list(range(len(seqlens))) if cache_batch_idx is None else cache_batch_idx.tolist()
+    leftpad = [0] * len(seqlens) if cache_leftpad is None else cache_leftpad.tolist()
     if min(seqlens) < 0:
         raise ValueError(f"cache_seqlens: entries must be >= 0, got {seqlens}")
     if max(seqlens) + seqlen_new > capacity:
@@ -233,27 +267,30 @@ def _check_values(cache_seqlens, seqlen_new, capacity, cache_batch_idx, cache_le
         raise ValueError(f"cache_seqlens: sequence {worst} holds {seqlens[worst]} tokens and "
                          f"appends {seqlen_new}, beyond the cache's capacity of {capacity} "
                          "slots per sequence")
-    rows = cache_batch_idx.tolist()
     if block_table is None and rows and not all(0 <= r < batch_cache for r in rows):
         raise ValueError(f"cache_batch_idx: entries must be in [0, {batch_cache}) (k_cache's "
                          f"batch_cache), got {rows}")
-    leftpad = cache_leftpad.tolist()
     bad = [b for b, (p, n) in enumerate(zip(leftpad, seqlens, strict=True)) if not 0 <= p <= n]
     if bad:
         raise ValueError(f"cache_leftpad: entries must be in [0, cache_seqlens]; sequence "
                          f"{bad[0]} has {leftpad[bad[0]]} > {seqlens[bad[0]]}")
-    if block_table is None:
-        return
-    table = block_table.tolist()
-    for b, n in enumerate(seqlens):
-        used = table[b][:-(-(n + seqlen_new) // page_size)]
-        if not all(0 <= page < num_blocks for page in used):
-            raise ValueError(f"block_table: sequence {b} uses pages {used}; every entry must be "
-                             f"in [0, {num_blocks}) (k_cache's num_blocks)")
+    positions = [n - p for n, p in zip(seqlens, leftpad, strict=True)]
+    if seqlen_ro is not None and max(positions) + max(seqlen_new, q_rows) > seqlen_ro:
+        raise ValueError(f"rotary_cos: {seqlen_ro} positions (seqlen_ro), but positions up to "
+                         f"{max(positions) + max(seqlen_new, q_rows) - 1} are rotated")
+    if block_table is not None:
+        table = block_table.tolist()
+        for b, n in enumerate(seqlens):
+            used = table[b][:-(-(n + seqlen_new) // page_size)]
+            if not all(0 <= page < num_blocks for page in used):
+                raise ValueError(f"block_table: sequence {b} uses pages {used}; every entry "
+                                 f"must be in [0, {num_blocks}) (k_cache's num_blocks)")
+    return max(positions) + seqlen_new
 
 
-def _check_rotary(cos, sin, q, k, positions, seqlen_new: int, q_rows: int) -> None:
-    """cos/sin (seqlen_ro, rotary_dim / 2) cover every rotated position; k, v are given."""
+def _check_rotary(cos, sin, q, k) -> None:
+    """cos/sin (seqlen_ro, rotary_dim / 2) on q's device, k, v given (their length: in
+    _check_values or on the device)."""
     if cos is None or sin is None:
         raise ValueError("rotary_cos, rotary_sin: pass both or neither")
     if k is None:
@@ -270,10 +307,6 @@ def _check_rotary(cos, sin, q, k, positions, seqlen_new: int, q_rows: int) -> No
     if not 1 <= 2 * cos.shape[1] <= q.shape[-1]:
         raise ValueError(f"rotary_cos: rotary_dim = 2 * {cos.shape[1]} must be in 2..headdim "
                          f"({q.shape[-1]})")
-    needed = int(positions.max()) + max(seqlen_new, q_rows)
-    if cos.shape[0] < needed:
-        raise ValueError(f"rotary_cos: {cos.shape[0]} positions (seqlen_ro), but positions up "
-                         f"to {needed - 1} are rotated")
 
 
 def _num_splits(num_splits) -> int:

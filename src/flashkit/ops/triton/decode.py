@@ -7,7 +7,8 @@ Notation as in common.py, plus:
                  kv head are read once for its whole query group (GQA/MQA decoding is memory
                  bound: every K/V byte should be loaded once)
     seqlen_k     L_b, keys of sequence b (from SeqlensK); shift = L_b - seqlen_q
-    slot         where key j lives: contiguous caches row CacheBatchIdx[b], slot Leftpad[b] + j;
+    slot         where key j lives: contiguous caches row CacheBatchIdx[b] (b without it), slot
+                 Leftpad[b] + j (j without it);
                  paged caches page BlockTable[b, j // PAGE_SIZE], slot j % PAGE_SIZE, looked up
                  per key row, so a key tile may span pages (any page size, any BLOCK_N)
     split        program axis 0: keys [split * chunk, (split + 1) * chunk), chunk a multiple of
@@ -83,6 +84,13 @@ MIN_KEYS_PER_SPLIT = 256  # auto num_splits never makes a split shorter than thi
 # TTGIR of the decode tile: one K/V buffer and no overlap at 3-4 stages, two buffers at 5), so
 # paged launches add these stages.
 PAGED_EXTRA_STAGES = 2
+# Paged caches whose page size BLOCK_N divides: one block-table load per key tile instead of one
+# per key row, with PAGE_TILE_EXTRA_STAGES. H200 page-256 study (decode_20261121T050536.json,
+# auto splits, % of copy bandwidth, per row +2 stages -> per tile +2): b1/4k 15 -> 21, b4/4k
+# 44 -> 57, b1/64k 73 -> 80, b16/1k MHA 68 -> 86, b64/1k MHA 92 -> 105; per tile with 0 or 1
+# extra stages lost 5-15 points at 16k-64k keys.
+PAGE_TILE_LOOKUP = True
+PAGE_TILE_EXTRA_STAGES = 2
 LAUNCH_PDL = True  # merge kernel as a programmatic dependent launch where the GPU has it
 # Output columns per merge program: the merge is latency bound. H200, b1, 16k-128k keys, 29-64
 # splits, the merge alone: 3.7-3.9 us with whole 128-column rows per program, 2.6 us with 32.
@@ -94,18 +102,23 @@ FILL_EFFICIENCY = 0.95
 
 
 @triton.jit
-def _cache_rows(offs_n, hi, stride_kb, stride_ks, stride_vb, stride_vs, slot0, table_row,
-                PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr):
+def _cache_rows(start_n, offs_n, hi, stride_kb, stride_ks, stride_vb, stride_vs, slot0,
+                table_row, PAGE_SIZE: tl.constexpr, PAGE_PER_TILE: tl.constexpr,
+                MASKED: tl.constexpr):
     """Element offsets of keys offs_n's K and V rows from the program's k_base / v_base.
 
     Contiguous: (slot0 + j) * stride_s. Paged: page(j) * stride_b + (j % PAGE_SIZE) * stride_s,
-    page(j) read from the block table per key row (entries of keys >= hi are never read)."""
+    page(j) read from the block table per key row (entries of keys >= hi are never read), or
+    once per tile with PAGE_PER_TILE (the tile lies in one page: BLOCK_N divides PAGE_SIZE and
+    tiles start at multiples of BLOCK_N; start_n < hi, so the entry is a used one)."""
     if PAGE_SIZE == 0:
         slots = slot0 + offs_n
         k_rows = slots * stride_ks
         v_rows = slots * stride_vs
     else:
-        if MASKED:
+        if PAGE_PER_TILE:
+            page = tl.load(table_row + start_n // PAGE_SIZE)
+        elif MASKED:
             page = tl.load(table_row + offs_n // PAGE_SIZE, mask=offs_n < hi, other=0)
         else:
             page = tl.load(table_row + offs_n // PAGE_SIZE)
@@ -123,14 +136,16 @@ def _key_tiles(acc, m_i, l_i, q_tile, start, end, hi, k_base, v_base, slot0, tab
                window_right, qk_scale, softcap_scale,
                HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-               MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+               PAGE_PER_TILE: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr,
+               HAS_RIGHT: tl.constexpr,
                SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, PRECISION: tl.constexpr):
     """Fold key tiles [start, end) into (acc, m_i, l_i). MASKED: keys >= hi and keys outside a
     row's band are masked; without it every key is in bounds and visible from every row."""
     for start_n in tl.range(start, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k_rows, v_rows = _cache_rows(offs_n, hi, stride_kb, stride_ks, stride_vb, stride_vs,
-                                     slot0, table_row, PAGE_SIZE, MASKED)
+        k_rows, v_rows = _cache_rows(start_n, offs_n, hi, stride_kb, stride_ks, stride_vb,
+                                     stride_vs, slot0, table_row, PAGE_SIZE, PAGE_PER_TILE,
+                                     MASKED)
         k_tile = load_tile(k_base + k_rows[:, None] + offs_d[None, :] * stride_kd, offs_n, hi,
                            offs_d, HEAD_DIM, MASKED, HEAD_DIM != BLOCK_D)
         # [BLOCK_M, BLOCK_N] = [BLOCK_M, BLOCK_D] @ [BLOCK_D, BLOCK_N]
@@ -186,7 +201,9 @@ def _decode_kernel(Q, K, V, Out, Lse, BlockTable, CacheBatchIdx, Leftpad, Seqlen
                    softcap_scale,
                    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   PAGE_SIZE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                   PAGE_SIZE: tl.constexpr, PAGE_PER_TILE: tl.constexpr,
+                   HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
+                   HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, HAS_SINK: tl.constexpr,
                    USE_PDL: tl.constexpr, PRECISION: tl.constexpr):
     if USE_PDL:  # the merge kernel may be scheduled now; it waits for this grid's results
@@ -238,28 +255,34 @@ def _decode_kernel(Q, K, V, Out, Lse, BlockTable, CacheBatchIdx, Leftpad, Seqlen
     v_base = V + off_hk * stride_vh
     slot0 = 0
     if PAGE_SIZE == 0:
-        row = tl.load(CacheBatchIdx + off_b).to(tl.int64)
+        row = off_b64
+        if HAS_BATCH_IDX:
+            row = tl.load(CacheBatchIdx + off_b).to(tl.int64)
         k_base += row * stride_kb
         v_base += row * stride_vb
-        slot0 = tl.load(Leftpad + off_b)
+        if HAS_LEFTPAD:
+            slot0 = tl.load(Leftpad + off_b)
     table_row = BlockTable + off_b * stride_bt
     acc, m_i, l_i = _key_tiles(
         acc, m_i, l_i, q_tile, lo, mid_lo, hi, k_base, v_base, slot0, table_row,
         stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, offs_t, offs_d,
         offs_dv, alibi_log2, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
-        softcap_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, PAGE_SIZE, True,
+        softcap_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, PAGE_SIZE,
+        PAGE_PER_TILE, True,
         HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, PRECISION)
     acc, m_i, l_i = _key_tiles(
         acc, m_i, l_i, q_tile, mid_lo, mid_hi, hi, k_base, v_base, slot0, table_row,
         stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, offs_t, offs_d,
         offs_dv, alibi_log2, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
-        softcap_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, PAGE_SIZE, False,
+        softcap_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, PAGE_SIZE,
+        PAGE_PER_TILE, False,
         HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, PRECISION)
     acc, m_i, l_i = _key_tiles(
         acc, m_i, l_i, q_tile, mid_hi, hi, hi, k_base, v_base, slot0, table_row,
         stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, offs_t, offs_d,
         offs_dv, alibi_log2, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
-        softcap_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, PAGE_SIZE, True,
+        softcap_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, PAGE_SIZE,
+        PAGE_PER_TILE, True,
         HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, PRECISION)
 
     # A row with no mass (no visible key in this split, no sink) gives out 0 and lse -inf.
@@ -314,16 +337,22 @@ def _merge_kernel(OutPart, LsePart, Out, Lse,
              mask=pid_dv == 0)
 
 
-def tile_config(packed_rows: int, paged: bool) -> Tile:
-    """The launch shape for a program's packed query rows: decode (BLOCK_M the rows rounded up
-    to a power of two, 16 to the table's BLOCK_M) or prefill; PAGED_EXTRA_STAGES if paged."""
+def tile_config(packed_rows: int, page_size: int) -> tuple[Tile, bool]:
+    """(launch shape, page per tile) for a program's packed query rows: decode (BLOCK_M the rows
+    rounded up to a power of two, 16 to the table's BLOCK_M) or prefill; paged caches
+    (page_size > 0) add PAGED_EXTRA_STAGES, or PAGE_TILE_EXTRA_STAGES where the page is looked
+    up once per key tile."""
     table = INTERPRETER if interpreting() else HOPPER
     tile = table["decode"]
     if packed_rows > tile.block_m:
         tile = table["prefill"]
     else:
         tile = tile._replace(block_m=max(16, triton.next_power_of_2(packed_rows)))
-    return tile._replace(num_stages=tile.num_stages + PAGED_EXTRA_STAGES) if paged else tile
+    if page_size == 0:
+        return tile, False
+    per_tile = PAGE_TILE_LOOKUP and page_size % tile.block_n == 0
+    extra = PAGE_TILE_EXTRA_STAGES if per_tile else PAGED_EXTRA_STAGES
+    return tile._replace(num_stages=tile.num_stages + extra), per_tile
 
 
 @functools.lru_cache(maxsize=4096)
@@ -393,13 +422,13 @@ def merge(out_part, lse_part, out, lse, use_pdl: bool = False) -> None:
         BLOCK_DV=block_dv, USE_PDL=use_pdl, num_warps=4, launch_pdl=use_pdl)
 
 
-def launch_shape(q, nheads_k: int, paged: bool, num_splits: int,
-                 max_seqlen_k: int) -> tuple[Tile, int, int]:
-    """(tile, query row blocks, num_splits) of a launch; num_splits 0 = auto_num_splits over the
-    longest sequence's max_seqlen_k keys."""
+def launch_shape(q, nheads_k: int, page_size: int, num_splits: int,
+                 max_seqlen_k: int) -> tuple[Tile, bool, int, int]:
+    """(tile, page per tile, query row blocks, num_splits) of a launch (page_size 0:
+    contiguous); num_splits 0 = auto_num_splits over the longest sequence's max_seqlen_k keys."""
     batch, seqlen_q, nheads = q.shape[:3]
     packed_rows = seqlen_q * (nheads // nheads_k)
-    tile = tile_config(packed_rows, paged)
+    tile, per_tile = tile_config(packed_rows, page_size)
     m_blocks = triton.cdiv(packed_rows, tile.block_m)
     if num_splits == 0:
         sms, _ = _launch_facts(q.device)
@@ -407,15 +436,16 @@ def launch_shape(q, nheads_k: int, paged: bool, num_splits: int,
                                      triton.cdiv(max_seqlen_k, tile.block_n),
                                      min(128, max(1, max_seqlen_k // MIN_KEYS_PER_SPLIT)),
                                      sms * tile.per_sm, sms * tile.resident)
-    return tile, m_blocks, num_splits
+    return tile, per_tile, m_blocks, num_splits
 
 
 def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, block_table,
             params: AttentionParams, num_splits: int, max_seqlen_k: int | None = None, *,
             out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
     """(out, lse) as flashkit.ops.tiled.kvcache.forward; num_splits 0 = auto_num_splits.
-    max_seqlen_k (the longest seqlens_k) saves a device sync when auto splitting; out and lse
-    may be given preallocated."""
+    max_seqlen_k (the longest seqlens_k, or a bound such as the cache capacity, as flash-attn
+    uses) saves a device sync when auto splitting; cache_batch_idx / cache_leftpad None mean
+    rows 0..b-1 and no padding; out and lse may be given preallocated."""
     check_supported(q.dtype, params)
     batch, seqlen_q, nheads, head_dim = q.shape
     nheads_k, head_dim_v = v_cache.shape[2], v_cache.shape[3]
@@ -423,8 +453,8 @@ def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, bloc
     page_size = 0 if block_table is None else k_cache.shape[1]
     if num_splits == 0 and max_seqlen_k is None:
         max_seqlen_k = int(seqlens_k.max())
-    tile, m_blocks, num_splits = launch_shape(q, nheads_k, block_table is not None, num_splits,
-                                              max_seqlen_k)
+    tile, per_tile, m_blocks, num_splits = launch_shape(q, nheads_k, page_size, num_splits,
+                                                        max_seqlen_k)
     _, use_pdl = _launch_facts(q.device)
 
     if out is None:
@@ -443,8 +473,10 @@ def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, bloc
     dummy = seqlens_k  # stands in for absent pointer arguments; never read
     _decode_kernel[(num_splits, batch * nheads_k, m_blocks)](
         q, k_cache, v_cache, out_part, lse_part,
-        dummy if block_table is None else block_table, cache_batch_idx, cache_leftpad,
-        seqlens_k, dummy if slopes is None else slopes,
+        dummy if block_table is None else block_table,
+        dummy if cache_batch_idx is None else cache_batch_idx,
+        dummy if cache_leftpad is None else cache_leftpad, seqlens_k,
+        dummy if slopes is None else slopes,
         dummy if params.sink is None else params.sink,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out_part.stride(),
         *lse_part.stride(), 0 if block_table is None else block_table.stride(0),
@@ -453,7 +485,9 @@ def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, bloc
         softcap_scale,
         HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=padded_head_dim(head_dim),
         BLOCK_DV=padded_head_dim(head_dim_v), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
-        PAGE_SIZE=page_size, HAS_LEFT=has_left, HAS_RIGHT=has_right, SOFTCAP=softcap,
+        PAGE_SIZE=page_size, PAGE_PER_TILE=per_tile,
+        HAS_BATCH_IDX=cache_batch_idx is not None, HAS_LEFTPAD=cache_leftpad is not None,
+        HAS_LEFT=has_left, HAS_RIGHT=has_right, SOFTCAP=softcap,
         ALIBI=slopes is not None, HAS_SINK=params.sink is not None,
         USE_PDL=use_pdl and num_splits > 1, PRECISION=DOT_PRECISION,
         num_warps=tile.num_warps, num_stages=tile.num_stages)
