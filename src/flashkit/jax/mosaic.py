@@ -57,12 +57,18 @@ class Tile:
 
 
 # (head dim, causal) -> ((largest seqlen_k, tile), ...): the first entry whose bound is >= seqlen_k
-# (None: no bound). Chosen by bench_jax.py --mosaic-cells on the H200 (bf16, jax 0.11.2).
+# (None: no bound). The fastest candidate per cell of bench_jax.py --mosaic-cells on the H200 (bf16,
+# 16k tokens, jax 0.11.2; benchmarks/results/jax_2026-11-21_mosaic_cells.json), as ratio to cuDNN:
+# d64 full: persistent 256 1.00-1.03 (non-persistent 0.88-1.02); d64 causal: persistent 128 at
+# 1k (1.07 vs 0.97 for 256), persistent 256 at 2k-8k (1.03-1.06), non-persistent 256 at 16k
+# (1.05 vs 0.99: the hardware's dynamic order balances the causal triangle); d128 full: persistent
+# 128 at 1k-8k (0.95-1.02 vs 0.92-0.95), non-persistent at 16k (0.96 vs 0.90); d128 causal:
+# non-persistent 128 (1.03-1.13 vs 0.80-1.01 persistent).
 TILES = {
     (64, False): ((None, Tile(256)),),
-    (64, True): ((2048, Tile(128)), (None, Tile(256))),
-    (128, False): ((None, Tile(128)),),
-    (128, True): ((None, Tile(128)),),
+    (64, True): ((1024, Tile(128)), (8192, Tile(256)), (None, Tile(256, persistent=False))),
+    (128, False): ((8192, Tile(128)), (None, Tile(128, persistent=False))),
+    (128, True): ((None, Tile(128, persistent=False)),),
 }
 # The tiles bench_jax.py --mosaic-cells chooses among per cell (each of them, so every tile TILES
 # can hold, is checked against the oracle by tests/jax/test_jax_mosaic.py on the GPU).
@@ -100,11 +106,15 @@ def supports(q_shape, k_shape, v_shape, dtype, cfg: AttentionConfig) -> bool:
     return cfg.window_right is None or (cfg.window_right == 0 and cfg.shift >= 0)
 
 
+def table_tile(d: int, causal: bool, seqlen_k: int) -> Tile:
+    """TILES' entry for the cell."""
+    return next(t for bound, t in TILES[d, causal] if bound is None or seqlen_k <= bound)
+
+
 def cfg_tile(cfg: AttentionConfig, d: int) -> Tile:
     """The table's tile for this problem with BLOCK_K halved (down to 64) until it divides
     seqlen_k and STAGES at most the number of key blocks; block_k overrides BLOCK_K."""
-    causal = cfg.window_right == 0
-    tile = next(t for bound, t in TILES[d, causal] if bound is None or cfg.seqlen_k <= bound)
+    tile = table_tile(d, cfg.window_right == 0, cfg.seqlen_k)
     bk = cfg.block_k or tile.block_k
     while not cfg.block_k and bk > MIN_BLOCK_K and cfg.seqlen_k % bk:
         bk //= 2
