@@ -51,7 +51,7 @@ from triton.testing import do_bench, do_bench_cudagraph
 import flashkit
 from flashkit.kvcache import flash_attn_with_kvcache
 from flashkit.ops.params import AttentionParams
-from flashkit.ops.triton import decode
+from flashkit.ops.triton import append, decode
 from flashkit.ops.triton.forward import attention_forward
 from flashkit.testing import assert_close_to_oracle, poison
 
@@ -415,9 +415,41 @@ def run_api(before_path: str | None) -> list[dict]:
         kernel = kernel_fn(q, k_cache, v_cache, table, seqlen_k, AttentionParams(
             HEAD_DIM ** -0.5, None, 0), 0)
         row["decode_kernels_graph_ms"] = bench_graph(kernel)
+        row["decode_launcher_host_ms"] = host_ms(kernel)  # decode.forward alone
+        row["append_launcher_host_ms"] = host_ms(functools.partial(
+            append.append, q, k_cache, v_cache, k_new, v_new, cos, sin, seqlens, None, None,
+            table, 1, True))
         rows.append(row)
         print("api", json.dumps(row), flush=True)
     return rows
+
+
+def profile_api() -> str:
+    """cProfile of 200 public calls (API_CASES[0]): where the host time goes."""
+    import cProfile
+    import io
+    import pstats
+
+    batch, seqlen_k, nheads_k, page_size, _ = API_CASES[0]
+    k_cache, v_cache, table = make_cache(batch, seqlen_k + 256, nheads_k, page_size)
+    q = torch.randn(batch, 1, NHEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+    k_new, v_new = (torch.randn(batch, 1, nheads_k, HEAD_DIM, dtype=DTYPE, device="cuda")
+                    for _ in "kv")
+    angles = torch.rand(seqlen_k + 256, HEAD_DIM // 2, device="cuda")
+    seqlens = torch.full((batch,), seqlen_k, dtype=torch.int32, device="cuda")
+    call = functools.partial(flash_attn_with_kvcache, q, k_cache, v_cache, k_new, v_new,
+                             angles.cos().to(DTYPE), angles.sin().to(DTYPE), seqlens,
+                             block_table=table, causal=True)
+    host_ms(call)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(200):
+        call()
+    profiler.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+    return text.getvalue()
 
 
 def host_ms(call, calls: int = 200) -> float:
@@ -531,6 +563,8 @@ def main():
     parser.add_argument("--no-prefill", action="store_true")
     parser.add_argument("--no-fa2", action="store_true", help="skip SDPA's FLASH backend")
     parser.add_argument("--before", help="a previous kvcache.py to time in the api stage")
+    parser.add_argument("--api-only", action="store_true", help="gate, api, --profile-api only")
+    parser.add_argument("--profile-api", action="store_true")
     args = parser.parse_args()
     torch.manual_seed(0)
     os.makedirs(args.out, exist_ok=True)
@@ -558,6 +592,11 @@ def main():
     if args.sweep:
         save("sweep", run_sweep(copy_bw))
     save("api", run_api(args.before))
+    if args.profile_api:
+        save("api_profile", profile_api())
+        print(result["api_profile"], flush=True)
+    if args.api_only:
+        return
     if not args.no_study:
         save("split_study", study_splits(copy_bw))
         save("prefill_study", study_prefill())
