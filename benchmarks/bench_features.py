@@ -1,12 +1,16 @@
 """What each kernel feature costs on the Triton backend (issue 4), with anchors in the same run.
 
     PYTHONPATH=src python3 benchmarks/bench_features.py --out DIR [--compile-only] [--jobs N]
+                                                         [--parts costs,window,varlen,ragged]
 
 Four parts, bf16, head dim 128, times from triton.testing.do_bench medians (bench_triton.bench):
     costs    each feature against the plain kernel at seqlen 8k (batch 2, 16 heads), forward
              and backward: window (a causal-sized band through the HAS_LEFT path) against causal;
              ALiBi, softcap, sink, dropout 0.1 against full; dropout and every feature at once
-             against causal. cuDNN (SDPA) full and causal at the same shape as the anchor.
+             against causal. cuDNN (SDPA) full and causal at the same shape as the anchor. On
+             sm_90 the plain case (and the features the Gluon kernels take) runs Gluon kernels;
+             the *_triton cases force the Triton kernels (a tile override), so the Triton
+             feature costs are also given against the plain Triton kernel.
     window   causal sliding window of 1024 keys over 16k (batch 1, 16 heads): TFLOP/s counted on
              the visible pairs, against our causal kernel and cuDNN causal (TFLOP/s on causal
              pairs, for scale) and FlexAttention compiled with the same sliding-window mask
@@ -34,6 +38,7 @@ from bench_triton import anchor_flex_compiled, bench, environment
 
 from flashkit.ops.params import AttentionParams
 from flashkit.ops.triton.backward import attention_backward
+from flashkit.ops.triton.configs import tile_config
 from flashkit.ops.triton.forward import attention_forward
 
 HEAD_DIM, NHEADS, DTYPE = 128, 16, torch.bfloat16
@@ -70,14 +75,23 @@ def feature_params(name: str, batch: int) -> AttentionParams:
 
 COST_BASE = {"full": None, "causal": None, "window": "causal", "alibi": "full",
              "softcap": "full", "sink": "full", "dropout": "full", "dropout_causal": "causal",
-             "all_causal": "causal"}
+             "all_causal": "causal", "full_triton": None, "softcap_triton": "full_triton",
+             "dropout_triton": "full_triton"}
 
 
-def time_ours(q, k, v, dout, params, timed=True):
-    """(fwd ms, bwd ms) of the launchers (one run each when not timed: compiling)."""
-    out, lse = attention_forward(q, k, v, params)
-    fwd = lambda: attention_forward(q, k, v, params)  # noqa: E731
-    bwd = lambda: attention_backward(dout, q, k, v, out, lse, params)  # noqa: E731
+def triton_tiles():
+    """(forward tile, backward tiles) of configs.py: passing them keeps the Triton kernels."""
+    return (tile_config("forward", HEAD_DIM, 2, False),
+            {name: tile_config(name, HEAD_DIM, 2, False) for name in ("dkdv", "dq")})
+
+
+def time_ours(q, k, v, dout, params, timed=True, triton_only=False):
+    """(fwd ms, bwd ms) of the launchers (one run each when not timed: compiling);
+    triton_only forces the Triton kernels where a Gluon kernel would run."""
+    tile, tiles = triton_tiles() if triton_only else (None, None)
+    out, lse = attention_forward(q, k, v, params, tile=tile)
+    fwd = lambda: attention_forward(q, k, v, params, tile=tile)  # noqa: E731
+    bwd = lambda: attention_backward(dout, q, k, v, out, lse, params, tiles=tiles)  # noqa: E731
     if not timed:
         bwd()
         torch.cuda.synchronize()
@@ -138,7 +152,9 @@ def case_cost(name, timed=True):
     batch, seqlen = 2, 8192
     torch.manual_seed(0)
     q, k, v, dout = (randn(batch, seqlen, NHEADS, HEAD_DIM) for _ in range(4))
-    fwd, bwd = time_ours(q, k, v, dout, feature_params(name, batch), timed)
+    feature = name.removesuffix("_triton")
+    fwd, bwd = time_ours(q, k, v, dout, feature_params(feature, batch), timed,
+                         triton_only=feature != name)
     return dict(part="costs", case=name, fwd_ms=fwd, bwd_ms=bwd)
 
 
@@ -197,8 +213,8 @@ RAGGED = [int(x) for x in torch.randint(1, 8193, (16,),
 EQUAL = {"2x8k": [8192] * 2, "8x2k": [2048] * 8}
 
 
-def cases():
-    """(label, function, args) of every measurement, in the order they are timed."""
+def cases(parts=("costs", "window", "varlen", "ragged")):
+    """(label, function, args) of every measurement of `parts`, in the order they are timed."""
     out = [(f"cost {n}", case_cost, (n,)) for n in COST_BASE]
     out += [(f"cost cudnn causal={c}", case_cost_anchor, (c,)) for c in (False, True)]
     out += [(f"window {i}", case_window, (i,)) for i in
@@ -210,11 +226,11 @@ def cases():
                             (layout, lengths, causal)))
     for layout in ("varlen", "dense"):
         out.append((f"ragged {layout}", case_varlen, (layout, RAGGED, True)))
-    return out
+    return [case for case in out if case[0].split()[0].replace("cost", "costs") in parts]
 
 
-def _compile(i):
-    label, fn, args = cases()[i]
+def _compile(i, parts):
+    label, fn, args = cases(parts)[i]
     fn(*args, timed=False)
     return label
 
@@ -224,10 +240,14 @@ def summarize(rows):
     by = {(r["part"], r["case"]): r for r in rows if "case" in r}
     costs = {}
     for name, base in COST_BASE.items():
-        if base and ("costs", name) in by:
+        if base and ("costs", name) in by and ("costs", base) in by:
             r, b = by[("costs", name)], by[("costs", base)]
             costs[name] = dict(vs=base, fwd=r["fwd_ms"] / b["fwd_ms"],
                                bwd=r["bwd_ms"] / b["bwd_ms"])
+            anchor = by.get(("costs", "cudnn_" + ("causal" if "causal" in base else "full")))
+            if anchor:  # time against cuDNN's plain kernel of the same mask (no such feature)
+                costs[name].update(fwd_over_cudnn=r["fwd_ms"] / anchor["fwd_ms"],
+                                   bwd_over_cudnn=r["bwd_ms"] / anchor["bwd_ms"])
     for name in ("full", "causal"):
         if ("costs", name) in by and ("costs", "cudnn_" + name) in by:
             r, a = by[("costs", name)], by[("costs", "cudnn_" + name)]
@@ -249,11 +269,14 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--jobs", type=int, default=6)
+    ap.add_argument("--parts", default="costs,window,varlen,ragged")
     args = ap.parse_args()
+    parts = tuple(args.parts.split(","))
     if args.compile_only:
         ctx = multiprocessing.get_context("spawn")
         with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=ctx) as pool:
-            futures = {pool.submit(_compile, i): label for i, (label, _, _) in enumerate(cases())}
+            futures = {pool.submit(_compile, i, parts): label
+                       for i, (label, _, _) in enumerate(cases(parts))}
             for future in concurrent.futures.as_completed(futures):
                 error = future.exception()
                 print("compiled" if error is None else f"FAILED {error!r:.300}", futures[future],
@@ -263,7 +286,7 @@ def main():
     rows = []
     stamp = datetime.datetime.now().strftime("%Y%m%d_%H%M")
     path = os.path.join(args.out, f"features_{stamp}.json")
-    for label, fn, fn_args in cases():
+    for label, fn, fn_args in cases(parts):
         try:
             row = fn(*fn_args)
         except Exception as error:  # one broken case must not cost the rest of the run

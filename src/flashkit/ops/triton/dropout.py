@@ -5,11 +5,17 @@ kernels and `keep_mask` below (the testing helper's kernel) all draw it through 
 helper `dropout_keep` and agree bit for bit, whatever their tiles.
 
 Philox4x32-10 (tl.philox): key = the call's 64-bit seed (params.dropout_seed < 2**62), counter =
-(j // 8, i, head, batch), four 32-bit words, so no index is ever folded into one overflowing
-offset (batch * heads * seqlen_q * seqlen_k passes 2**32 at real sizes). One call yields four
-32-bit words = eight 16-bit draws, for the eight columns 8g..8g+7 of row i: column 8g + c takes
-the low (c even) or high (c odd) half of word c // 2. Element (i, j) is kept iff its draw >=
-threshold = round(p * 2**16): a keep probability of 1 - p to within 2**-17.
+(g, i, head, batch), four 32-bit words, so no index is ever folded into one overflowing offset
+(batch * heads * seqlen_q * seqlen_k passes 2**32 at real sizes). One call yields 16 bytes, one
+8-bit draw each (flash-attn's width), for 16 columns of row i: the columns are cut into chunks
+of 128, and column j takes call g = 8 * (j // 128) + j % 8 and byte c = (j % 128) // 8 of it,
+i.e. bits 8 (c % 4) .. 8 (c % 4) + 7 of word c // 4. Why this order: in the accumulator layout
+of a tensor-core score tile a thread holds, per row, the column pairs 2t, 2t + 1 of every 8, so
+the thread that owns an element also owns all 16 of its call's draws (tiles of >= 128 columns):
+the draws land where the scores are, with no shuffle through shared memory and no call
+computed twice. Element (i, j) is kept iff its draw >= threshold = round(p * 256): dropout_p is
+quantized to a multiple of 1/256 (as flash-attn's uint8 compare) while the kept values are
+still scaled by 1 / (1 - p); p < 1/512 keeps everything.
 The tiled backend uses its own hash (ops/tiled/dropout.py): the two backends drop different
 elements for the same seed.
 """
@@ -22,7 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-DRAW_BITS = 16  # bits of one uniform draw: eight draws per Philox call
+DRAW_BITS = 8  # bits of one uniform draw: sixteen draws per Philox call
+CHUNK = 128  # columns whose draws come from one row's eight Philox calls
 
 
 def dropout_args(dropout_p: float, seed: int) -> tuple[int, int, int, float, bool]:
@@ -40,28 +47,69 @@ def dropout_args(dropout_p: float, seed: int) -> tuple[int, int, int, float, boo
 
 
 @triton.jit
-def _interleave(a, b):
-    """[R, C] and [R, C] -> [R, 2C] with a in the even columns and b in the odd ones."""
-    return tl.reshape(tl.join(a, b), [a.shape[0], 2 * a.shape[1]])
+def _philox_words(seed_lo, seed_hi, off_b, off_h, offs_m, start_n, BLOCK_N: tl.constexpr):
+    """The four words [BLOCK_M, CHUNKS, 8] of the calls (chunk, g) of rows offs_m that the tile
+    of columns start_n + [0, BLOCK_N) needs: CHUNKS = ceil(BLOCK_N / 128)."""
+    CHUNKS: tl.constexpr = (BLOCK_N + 127) // 128
+    seed = (seed_hi.to(tl.uint64) << 32) | seed_lo.to(tl.uint32, bitcast=True).to(tl.uint64)
+    zero = tl.zeros([offs_m.shape[0], CHUNKS, 8], dtype=tl.uint32)
+    chunk = start_n // 128 + tl.arange(0, CHUNKS)
+    call = chunk[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]
+    return tl.philox(seed, zero + call.to(tl.uint32), zero + offs_m[:, None, None].to(tl.uint32),
+                     zero + off_h.to(tl.uint32), zero + off_b.to(tl.uint32))
+
+
+@triton.jit
+def _tile_bytes(start_n, BLOCK_N: tl.constexpr):
+    """[min(16, BLOCK_N / 8)]: the bytes of each call that the tile of columns start_n +
+    [0, BLOCK_N) uses (all 16, or the middle of the calls for a tile narrower than a chunk)."""
+    if BLOCK_N >= 128:
+        byte = tl.arange(0, 16)
+    else:
+        byte = (start_n % 128) // 8 + tl.arange(0, BLOCK_N // 8)
+    return byte
 
 
 @triton.jit
 def dropout_keep(seed_lo, seed_hi, off_b, off_h, offs_m, start_n, threshold,
                  BLOCK_N: tl.constexpr):
     """[BLOCK_M, BLOCK_N] bool: keep (i, j) for rows offs_m and columns start_n + [0, BLOCK_N)
-    of (batch off_b, head off_h); start_n is a multiple of 8."""
-    seed = (seed_hi.to(tl.uint64) << 32) | seed_lo.to(tl.uint32, bitcast=True).to(tl.uint64)
-    # one Philox call per 8 columns (every BLOCK_N is a multiple of 8)
-    zero = tl.zeros([offs_m.shape[0], BLOCK_N // 8], dtype=tl.uint32)
-    groups = start_n // 8 + tl.arange(0, BLOCK_N // 8)
-    c0 = zero + groups[None, :].to(tl.uint32)
-    c1 = zero + offs_m[:, None].to(tl.uint32)
-    r0, r1, r2, r3 = tl.philox(seed, c0, c1, zero + off_h.to(tl.uint32),
-                               zero + off_b.to(tl.uint32))
-    # Draws 0..7 into columns 0..7 of each group: three rounds of pairwise interleaving.
-    words = _interleave(_interleave(r0, r2), _interleave(r1, r3))  # [R, 4C]: r0 r1 r2 r3 per group
-    draws = _interleave((words & 0xFFFF).to(tl.int32), (words >> 16).to(tl.int32))
-    return draws >= threshold
+    of (batch off_b, head off_h); start_n is a multiple of BLOCK_N, itself a multiple of 8.
+
+    Built as [BLOCK_M, CHUNKS, BYTES, 8] (column = start_n + 128 chunk + 8 byte + g) so one
+    Philox call per (row, chunk, g) broadcasts over its bytes; the reshape to [BLOCK_M, BLOCK_N]
+    keeps the order, and in a score tile's layout every thread computes just its own calls.
+    """
+    byte = _tile_bytes(start_n, BLOCK_N)
+    r0, r1, r2, r3 = _philox_words(seed_lo, seed_hi, off_b, off_h, offs_m, start_n, BLOCK_N)
+    byte = byte[None, None, :, None]  # [1, 1, BYTES, 1] against words [BLOCK_M, CHUNKS, 1, 8]
+    word = tl.where(byte < 8, tl.where(byte < 4, r0[:, :, None, :], r1[:, :, None, :]),
+                    tl.where(byte < 12, r2[:, :, None, :], r3[:, :, None, :]))
+    draws = ((word >> ((byte % 4) * 8).to(tl.uint32)) & 0xFF).to(tl.int32)
+    return tl.reshape(draws >= threshold, [offs_m.shape[0], BLOCK_N])
+
+
+@triton.jit
+def dropout_keep_t(seed_lo, seed_hi, off_b, off_h, offs_m, start_n, threshold,
+                   BLOCK_N: tl.constexpr):
+    """dropout_keep transposed, [BLOCK_N, BLOCK_M], for a tile whose rows are keys.
+
+    There a thread holds two keys of a call, not sixteen, so drawing in place would repeat each
+    call 8 times. Instead each call packs its 16 decisions into one int32 where the calls are
+    (one per element of [BLOCK_M, CHUNKS, 8]); a sum over a unit axis keeps the compiler from
+    moving the draws into the transposed layout, so only the packed words change layout.
+    """
+    byte = _tile_bytes(start_n, BLOCK_N)
+    words = _philox_words(seed_lo, seed_hi, off_b, off_h, offs_m, start_n, BLOCK_N)
+    bits = (words[0] & 0xFF).to(tl.int32) >= threshold  # byte 0, then bytes 1..15 above it
+    bits = bits.to(tl.int32)
+    for c in tl.static_range(1, 16):
+        draw = ((words[c // 4] >> (8 * (c % 4))) & 0xFF).to(tl.int32)
+        bits = bits | ((draw >= threshold).to(tl.int32) << c)
+    bits = tl.sum(bits[:, :, :, None], axis=3)  # the layout firewall
+    bits_t = tl.permute(bits, (1, 2, 0))  # [CHUNKS, 8, BLOCK_M]
+    keep = (bits_t[:, None, :, :] >> byte[None, :, None, None]) & 1  # [CHUNKS, BYTES, 8, M]
+    return tl.reshape(keep != 0, [BLOCK_N, offs_m.shape[0]])
 
 
 @triton.jit(do_not_specialize=["seed_lo", "seed_hi", "threshold"])
@@ -88,7 +136,7 @@ def keep_mask(seed: int, dropout_p: float, batch: int, nheads: int, seqlen_q: in
     the kernels' own helper."""
     seed_lo, seed_hi, threshold, _, _ = dropout_args(dropout_p, seed)
     mask = torch.empty((batch, nheads, seqlen_q, seqlen_k), dtype=torch.int8, device=device)
-    block_m, block_n = 16, 64
+    block_m, block_n = 16, 128
     grid = (triton.cdiv(seqlen_q, block_m), triton.cdiv(seqlen_k, block_n), batch * nheads)
     if mask.numel():
         with torch.cuda.device(mask.device) if mask.is_cuda else contextlib.nullcontext():

@@ -213,11 +213,12 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if lse is None:  # (batch, nheads, seqlen_q), varlen (nheads, total_q)
         lse_shape = (nheads, q.shape[0]) if params.is_varlen else (batch, nheads, seqlen_q)
         lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    # dropout takes the plain tiles: its keep-mask is drawn in the scores' own layout, so it
+    # needs no shared memory (sm90 probe: 229376 bytes at d128, as without dropout)
     block_m, block_n, num_warps, num_stages = tile or tile_config(
-        "forward_dropout" if params.dropout_p > 0 else "forward", max(head_dim, head_dim_v),
-        q.element_size(), interpreting())
+        "forward", max(head_dim, head_dim_v), q.element_size(), interpreting())
     window_left, window_right, has_left, has_right = window_args(params)
-    qk_scale, softcap_scale, softcap = score_args(params)
+    qk_scale, softcap_scale, softcap = score_args(params, q.dtype)
     alibi, alibi_strides, has_alibi = alibi_args(params, lse)
     sink = lse if params.sink is None else params.sink.to(torch.float32)
     seed_lo, seed_hi, dropout_threshold, dropout_scale, dropout = dropout_args(
