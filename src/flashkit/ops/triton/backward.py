@@ -22,6 +22,9 @@ element in one program in a fixed order, so gradients are bitwise reproducible; 
 (configs.ATOMIC_DQ) lets the dK/dV kernel also add dS K into an fp32 dQ accumulator with atomics,
 saving the dQ kernel's two recomputed matmuls (5 instead of 7) at the price of a run-to-run order.
 Transposed tiles carry a _t suffix: s_t is [BLOCK_N, BLOCK_M] = s^T.
+On sm_90 the plain case's dK/dV (and, on its atomic path, dQ's accumulation) runs the Gluon
+kernel of backward_hopper.py instead (configs.GLUON_BACKWARD); the preprocess, the dQ kernel and
+the dQ conversion here serve both.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import triton
 import triton.language as tl
 
 from flashkit.ops.params import AttentionParams
+from flashkit.ops.triton import backward_hopper
 from flashkit.ops.triton.common import (
     DOT_PRECISION,
     LOG2E_JIT,
@@ -55,7 +59,13 @@ from flashkit.ops.triton.common import (
     visible,
     window_args,
 )
-from flashkit.ops.triton.configs import ATOMIC_DQ, FUSED_BWD, padded_head_dim, tile_config
+from flashkit.ops.triton.configs import (
+    ATOMIC_DQ,
+    FUSED_BWD,
+    GLUON_BACKWARD_ATOMIC_DQ,
+    padded_head_dim,
+    tile_config,
+)
 from flashkit.ops.triton.dropout import dropout_args, dropout_keep
 
 
@@ -487,11 +497,12 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
 
     dQ comes from its own kernel (deterministic) or, when atomic_dq, from fp32 atomic adds in
     the dK/dV kernel plus a conversion (fewer matmuls, order of the adds not fixed). atomic_dq
-    None picks configs.ATOMIC_DQ unless params.deterministic; varlen always takes the
-    deterministic path (the accumulator is laid out per dense batch entry). fused launches the
-    dK/dV and dQ programs together (configs.FUSED_BWD), else one after the other. tiles =
-    {"dkdv": (BLOCK_M, BLOCK_N, num_warps, num_stages), "dq": ...} overrides configs.py (the
-    tuning sweep).
+    None picks configs.ATOMIC_DQ (configs.GLUON_BACKWARD_ATOMIC_DQ where the Gluon kernel runs)
+    unless params.deterministic; varlen always takes the deterministic path (the accumulator is
+    laid out per dense batch entry). fused launches the dK/dV and dQ programs together
+    (configs.FUSED_BWD), else one after the other. tiles = {"dkdv": (BLOCK_M, BLOCK_N,
+    num_warps, num_stages), "dq": ...} overrides configs.py and keeps the Triton kernels (the
+    tuning sweep); tiles = {"hopper": ...} overrides backward_hopper.HOPPER_BACKWARD.
     """
     tiles = tiles or {}
     batch, seqlen_q, seqlen_k, nheads, nheads_k = varlen_shape(q, v, params)
@@ -499,12 +510,13 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     dq = torch.empty_like(q) if dq is None else dq
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
+    hopper = backward_hopper.eligible(q, k, v, dout, lse, params, dk, dv, tiles)
     delta = torch.empty(lse.shape, dtype=torch.float32, device=q.device)  # laid out like lse
     window_left, window_right, has_left, has_right = window_args(params)
     block_d, block_dv = padded_head_dim(head_dim), padded_head_dim(head_dim_v)
     d_max = max(head_dim, head_dim_v)
     if atomic_dq is None:
-        atomic_dq = ATOMIC_DQ and not params.deterministic
+        atomic_dq = (GLUON_BACKWARD_ATOMIC_DQ if hopper else ATOMIC_DQ) and not params.deterministic
     atomic_dq = atomic_dq and not params.is_varlen
     qk_scale, softcap_scale, softcap = score_args(params)
     alibi, alibi_strides, has_alibi = alibi_args(params, lse)
@@ -534,7 +546,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         "dq", d_max, q.element_size(), interpreting())
     dq_acc = (torch.zeros((batch * nheads, seqlen_q, block_d), dtype=torch.float32,
                           device=q.device) if atomic_dq else delta)
-    dq_acc_desc = accumulator_descriptor(dq_acc, block_m1) if atomic_dq else None
+    dq_acc_desc = accumulator_descriptor(dq_acc, block_m1) if atomic_dq and not hopper else None
     num_kv_blocks, num_q_blocks = triton.cdiv(seqlen_k, block_n1), triton.cdiv(seqlen_q, block_m2)
     args = (q, k, v, dout, lse, delta, dq, dk, dv,
             dq_acc if dq_acc_desc is None else dq_acc_desc,
@@ -548,17 +560,20 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                 BLOCK_N2=block_n2, **band, EVEN_M=not varlen and seqlen_q % block_m2 == 0,
                 EVEN_N=not varlen and seqlen_k % block_n1 == 0, ATOMIC_DQ=atomic_dq,
                 DQ_TMA=dq_acc_desc is not None)
-    if fused and not atomic_dq:  # one launch, the dK/dV kernel's warps and stages
+    if hopper:
+        backward_hopper.attention_backward_dkdv(dout, q, k, v, lse, delta, params, dk, dv,
+                                                dq_acc if atomic_dq else None,
+                                                block=tiles.get("hopper"))
+    elif fused and not atomic_dq:  # one launch, the dK/dV kernel's warps and stages
         _bwd_kernel[(num_kv_blocks + num_q_blocks, batch * nheads)](
             *args, **meta, DO_DKDV=True, DO_DQ=True, num_warps=num_warps, num_stages=num_stages)
     else:
         _bwd_kernel[(num_kv_blocks, batch * nheads)](
             *args, **meta, DO_DKDV=True, DO_DQ=False, num_warps=num_warps,
             num_stages=num_stages)
-        if not atomic_dq:
-            _bwd_kernel[(num_q_blocks, batch * nheads)](
-                *args, **meta, DO_DKDV=False, DO_DQ=True, num_warps=dq_warps,
-                num_stages=dq_stages)
+    if not atomic_dq and (hopper or not fused):
+        _bwd_kernel[(num_q_blocks, batch * nheads)](
+            *args, **meta, DO_DKDV=False, DO_DQ=True, num_warps=dq_warps, num_stages=dq_stages)
 
     dsink = None
     if params.sink is not None:

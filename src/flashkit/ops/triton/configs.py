@@ -69,6 +69,15 @@ USE_TMA = False
 # overlap the P V matmul of the previous one. Measured: see benchmarks/NOTES_triton.md.
 GLUON_FORWARD = True
 
+# Backward of the plain case (as GLUON_FORWARD) through the Gluon dK/dV kernel of
+# backward_hopper.py on sm_90: K/V resident in shared memory, Q/dO streamed by TMA, async wgmma.
+# GLUON_BACKWARD_ATOMIC_DQ: that kernel also adds dS K into an fp32 dQ accumulator with element
+# atomics (FA3's way: 5 matmuls instead of 7; never under params.deterministic). Off: slower
+# than the separate dQ kernel everywhere (05:15 run, bf16 16k, TFLOP/s atomic / separate: d128
+# full 324 / 434, d64 full 318 / 402; at 4k with 8 warps (64, 128) 400 / 411 at best).
+GLUON_BACKWARD = True
+GLUON_BACKWARD_ATOMIC_DQ = False
+
 # Non-deterministic backward: dQ by fp32 atomics inside the dK/dV kernel instead of its own kernel.
 # Off: slower on every case of the 02:26 grid (d128 16k full: 358 vs 392 TFLOP/s; d64 4k full:
 # 289 vs 353), element atomics and TMA bulk reduce-adds alike, so deterministic is the default.

@@ -1,0 +1,197 @@
+"""Backward speed of the Gluon dK/dV kernel (ops/triton/backward_hopper.py) against the Triton
+kernels and the anchors, in one process (DESIGN section 6): a correctness check of every
+candidate block against an fp32 reference (the Triton kernels' error as the yardstick), a block
+sweep at 4k, then the grid.
+
+    PYTHONPATH=src python3 benchmarks/bench_backward.py --out DIR [--seqlens 1024,4096,16384]
+                                                        [--skip-sweep] [--budget SECONDS]
+
+Variants: gluon (the default path: atomic dQ), gluon_det (deterministic=True: the dQ kernel),
+triton (Gluon off: backward.py's kernels), and the anchors of bench_triton.anchor (cudnn, flash =
+FA2, flex = FlexAttention compiled). Times are the backward alone on saved (out, lse), bf16,
+16k tokens, nheads * headdim = 2048. Writes DIR/backward_<date>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import importlib
+import json
+import os
+import sys
+import time
+from functools import partial
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_triton import anchor, bench, environment, flops, inputs  # noqa: E402
+
+from flashkit.ops.params import AttentionParams  # noqa: E402
+from flashkit.ops.triton.configs import HOPPER  # noqa: E402
+
+fwd_mod = importlib.import_module("flashkit.ops.triton.forward")
+bwd_mod = importlib.import_module("flashkit.ops.triton.backward")
+hop_mod = importlib.import_module("flashkit.ops.triton.backward_hopper")
+
+CANDIDATES = {64: [(64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 8, 2)],
+              128: [(64, 64, 4, 2), (64, 128, 8, 2)]}
+
+
+def saved_forward(q, k, v, params):
+    """(out, lse) from the Triton forward kernel (tile given: independent of the Gluon one)."""
+    return fwd_mod.attention_forward(q, k, v, params, tile=HOPPER["forward"][q.shape[-1]])
+
+
+def backward(variant, dout, q, k, v, out, lse, params, block=None):
+    """Gradients of one variant; block overrides HOPPER_BACKWARD."""
+    if variant == "triton":
+        hop_mod.GLUON_BACKWARD = False
+        try:
+            return bwd_mod.attention_backward(dout, q, k, v, out, lse, params)
+        finally:
+            hop_mod.GLUON_BACKWARD = True
+    params = dataclasses.replace(params, deterministic=variant == "gluon_det")
+    return bwd_mod.attention_backward(dout, q, k, v, out, lse, params,
+                                      tiles={"hopper": block} if block else None)
+
+
+def reference_grads(q, k, v, dout, causal):
+    """fp32 autograd of materialised attention, GQA by repeating kv heads."""
+    group = q.shape[2] // k.shape[2]
+    leaves = [x.float().requires_grad_() for x in (q, k, v)]
+    qf, kf, vf = (x.transpose(1, 2) for x in leaves)
+    kf, vf = kf.repeat_interleave(group, 1), vf.repeat_interleave(group, 1)
+    s = qf @ kf.transpose(-1, -2) * q.shape[-1] ** -0.5
+    if causal:
+        n = s.shape[-1]
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), -torch.inf)
+    out = (torch.softmax(s, -1) @ vf).transpose(1, 2)
+    return torch.autograd.grad(out, leaves, dout.float())
+
+
+def _errors(ref, grads) -> list[float]:
+    return [(g.float() - r).abs().max().item() for g, r in zip(grads, ref, strict=True)]
+
+
+def check(log) -> dict:
+    """Every candidate block, both dQ paths, against the fp32 reference: its error may be at
+    most twice the Triton kernels' + 1e-5. Returns {(head_dim, block): ok}."""
+    verdict = {}
+    for head_dim, blocks in CANDIDATES.items():
+        for causal in (False, True):
+            q, k, v, dout = (torch.randn(2, 768, h, head_dim, device="cuda",
+                                         dtype=torch.bfloat16) for h in (8, 2, 2, 8))
+            params = AttentionParams(head_dim ** -0.5, None, 0 if causal else None)
+            out, lse = saved_forward(q, k, v, params)
+            ref = reference_grads(q, k, v, dout, causal)
+            base = _errors(ref, backward("triton", dout, q, k, v, out, lse, params)[:3])
+            for block in blocks:
+                for variant in ("gluon", "gluon_det"):
+                    try:
+                        got = _errors(ref, backward(variant, dout, q, k, v, out, lse, params,
+                                                    block)[:3])
+                    except Exception as e:  # out of shared memory etc.
+                        log(f"check d{head_dim} {block} {variant}: {type(e).__name__} "
+                            f"{str(e)[:150]}")
+                        verdict[(head_dim, block)] = False
+                        continue
+                    ok = all(g <= 2 * b + 1e-5 for g, b in zip(got, base, strict=True))
+                    verdict[(head_dim, block)] = verdict.get((head_dim, block), True) and ok
+                    log(f"check d{head_dim} {'causal' if causal else 'full'} {block} {variant}:"
+                        f" dq/dk/dv err {' '.join(f'{g:.2e}' for g in got)} (triton "
+                        f"{' '.join(f'{b:.2e}' for b in base)}) {'OK' if ok else 'FAIL'}")
+    return verdict
+
+
+def sweep(log, verdict, rows, seqlen=4096):
+    for head_dim, blocks in CANDIDATES.items():
+        for causal in (False, True):
+            q, k, v, dout = inputs(seqlen, head_dim, torch.bfloat16)
+            params = AttentionParams(head_dim ** -0.5, None, 0 if causal else None)
+            out, lse = saved_forward(q, k, v, params)
+            f = flops(q.shape[0], q.shape[2], seqlen, head_dim, causal, "bwd")
+            for block in blocks:
+                if not verdict.get((head_dim, block)):
+                    continue
+                for variant in ("gluon", "gluon_det"):
+                    ms = bench(partial(backward, variant, dout, q, k, v, out, lse, params, block))
+                    rows.append(dict(head_dim=head_dim, causal=causal, seqlen=seqlen,
+                                     block=block, variant=variant, ms=ms,
+                                     tflops=f / ms * 1e-9))
+                    log(f"sweep d{head_dim} {'causal' if causal else 'full'} {block} {variant}: "
+                        f"{ms:.3f} ms {f / ms * 1e-9:.0f} TFLOP/s")
+
+
+def grid(log, seqlens, rows, deadline):
+    variants = ["gluon", "gluon_det", "triton", "cudnn", "flash", "flex"]
+    for seqlen in seqlens:
+        for head_dim in (64, 128):
+            for causal in (False, True):
+                if time.time() > deadline:
+                    log(f"budget spent: grid stops before s{seqlen} d{head_dim}")
+                    return
+                q, k, v, dout = inputs(seqlen, head_dim, torch.bfloat16)
+                batch, nheads = q.shape[0], q.shape[2]
+                params = AttentionParams(head_dim ** -0.5, None, 0 if causal else None)
+                out, lse = saved_forward(q, k, v, params)
+                f = flops(batch, nheads, seqlen, head_dim, causal, "bwd")
+                row = dict(seqlen=seqlen, head_dim=head_dim, causal=causal, batch=batch,
+                           nheads=nheads, dtype="bfloat16", ms={}, tflops={})
+                for variant in variants:
+                    try:
+                        if variant in ("cudnn", "flash", "flex"):
+                            ms = anchor(variant, q, k, v, dout, causal)[1]
+                        else:
+                            ms = bench(partial(backward, variant, dout, q, k, v, out, lse,
+                                               params))
+                    except Exception as e:  # an anchor that lacks this case is recorded
+                        row.setdefault("errors", {})[variant] = f"{type(e).__name__}: {e}"[:200]
+                        continue
+                    row["ms"][variant] = ms
+                    row["tflops"][variant] = f / ms * 1e-9
+                if "cudnn" in row["ms"]:
+                    row["vs_cudnn"] = {n: row["ms"]["cudnn"] / t for n, t in row["ms"].items()}
+                for name in ("flash", "flex", "triton"):
+                    if name in row["ms"] and "gluon" in row["ms"]:
+                        row[f"gluon_vs_{name}"] = row["ms"][name] / row["ms"]["gluon"]
+                rows.append(row)
+                log(f"grid s{seqlen} d{head_dim} {'causal' if causal else 'full'}: "
+                    + " ".join(f"{n} {t:.0f}" for n, t in row["tflops"].items())
+                    + " | vs cudnn " + " ".join(f"{n} {r:.2f}" for n, r in
+                                                row.get("vs_cudnn", {}).items()))
+                del q, k, v, dout, out, lse
+                torch.cuda.empty_cache()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--seqlens", default="1024,4096,16384")
+    ap.add_argument("--skip-sweep", action="store_true")
+    ap.add_argument("--budget", type=float, default=200.0, help="seconds before the grid stops")
+    args = ap.parse_args()
+    start = time.time()
+    os.makedirs(args.out, exist_ok=True)
+
+    def log(msg):
+        print(f"[{time.time() - start:6.1f}s] {msg}", flush=True)
+
+    result = dict(env=environment(), hopper_backward=hop_mod.HOPPER_BACKWARD, sweep=[], grid=[])
+    verdict = check(log)
+    result["check"] = [dict(head_dim=d, block=b, ok=ok) for (d, b), ok in verdict.items()]
+    if not args.skip_sweep:
+        sweep(log, verdict, result["sweep"])
+    grid(log, [int(s) for s in args.seqlens.split(",")], result["grid"],
+         start + args.budget)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d_%H%M")
+    path = os.path.join(args.out, f"backward_{stamp}.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    log(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
