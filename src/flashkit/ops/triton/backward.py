@@ -66,7 +66,7 @@ from flashkit.ops.triton.configs import (
     padded_head_dim,
     tile_config,
 )
-from flashkit.ops.triton.dropout import dropout_args, dropout_keep
+from flashkit.ops.triton.dropout import dropout_args, dropout_keep, dropout_keep_t
 
 
 @triton.jit
@@ -134,7 +134,7 @@ def _bwd_dkdv_tiles(dk, dv, k_tile, v_tile, q_base, do_base, lse_base, delta_bas
         qk_t = tl.dot(k_tile, tl.trans(q_tile), input_precision=PRECISION)
         s_t = scores(qk_t, qk_scale, softcap_scale, SOFTCAP)
         if SOFTCAP:
-            dcap_t = softcap_grad(s_t, qk_scale)
+            dcap_t = softcap_grad(s_t, qk_scale, SOFTCAP)
         if ALIBI:
             s_t = s_t - alibi_bias(offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k,
                                    alibi_log2)
@@ -147,8 +147,8 @@ def _bwd_dkdv_tiles(dk, dv, k_tile, v_tile, q_base, do_base, lse_base, delta_bas
                             seqlen_q, offs_dv, HEAD_DIM_V, MASKED, HEAD_DIM_V != BLOCK_DV)
         pv_t = p_t
         if DROPOUT:  # the forward's keep-mask of this [BLOCK_M, BLOCK_N] tile, transposed
-            kept_t = tl.trans(dropout_keep(seed_lo, seed_hi, off_b, off_h, offs_m, start_n,
-                                           dropout_threshold, BLOCK_N))
+            kept_t = dropout_keep_t(seed_lo, seed_hi, off_b, off_h, offs_m, start_n,
+                                    dropout_threshold, BLOCK_N)
             pv_t = tl.where(kept_t, p_t * dropout_scale, 0.0)
         # [BLOCK_N, BLOCK_DV] = [BLOCK_N, BLOCK_M] @ [BLOCK_M, BLOCK_DV]
         dv = tl.dot(pv_t.to(do_tile.dtype), do_tile, dv, input_precision=PRECISION)
@@ -300,7 +300,7 @@ def _bwd_dq_tiles(dq, q_tile, do_tile, lse2, delta, k_base, v_base, stride_ks, s
         qk = tl.dot(q_tile, tl.trans(k_tile), input_precision=PRECISION)
         s = scores(qk, qk_scale, softcap_scale, SOFTCAP)
         if SOFTCAP:
-            dcap = softcap_grad(s, qk_scale)
+            dcap = softcap_grad(s, qk_scale, SOFTCAP)
         if ALIBI:
             s = s - alibi_bias(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, alibi_log2)
         p = tl.math.exp2(s - lse2[:, None])
@@ -518,7 +518,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     if atomic_dq is None:
         atomic_dq = (GLUON_BACKWARD_ATOMIC_DQ if hopper else ATOMIC_DQ) and not params.deterministic
     atomic_dq = atomic_dq and not params.is_varlen
-    qk_scale, softcap_scale, softcap = score_args(params)
+    qk_scale, softcap_scale, softcap = score_args(params, q.dtype)
     alibi, alibi_strides, has_alibi = alibi_args(params, lse)
     seed_lo, seed_hi, dropout_threshold, dropout_scale, dropout = dropout_args(
         params.dropout_p, params.dropout_seed)
