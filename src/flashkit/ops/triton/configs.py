@@ -25,17 +25,6 @@ HOPPER = {
         128: (128, 128, 8, 3),  # 1.113 + 0.647 ms (next: 64,64,4,3 at 1.114 + 0.657)
         256: (128, 64, 8, 2),  # 02:38 d256 sweep: 1.057 + 0.620 ms (64,64,4,2: 1.310 + 0.766)
     },
-    # The forward with dropout: its keep-mask tile changes layout through shared memory (16 KiB
-    # at 128 x 128), which the 3-stage d128 forward tile has no room for (245760 > 232448 bytes
-    # per block on the H200, seen 2026-11-21 03:45): one stage less there, the rest as forward.
-    # Not swept.
-    "forward_dropout": {
-        16: (128, 64, 4, 3),
-        32: (128, 64, 4, 3),
-        64: (128, 64, 4, 3),
-        128: (128, 128, 8, 2),
-        256: (128, 64, 8, 2),
-    },
     "dkdv": {
         16: (32, 128, 4, 3),
         32: (32, 128, 4, 3),
@@ -64,10 +53,24 @@ HOPPER = {
 # d64: 1.373 vs 1.310), Triton 3.6 already pipelines the pointer loads with cp.async.
 USE_TMA = False
 
-# Forward of the plain case (no features, self attention, head dim 64/128, fp16/bf16) through
-# the Gluon kernel of forward_hopper.py on sm_90: async wgmma lets the softmax of one tile
-# overlap the P V matmul of the previous one. Measured: see benchmarks/NOTES_triton.md.
+# Forward on sm_90 through the Gluon kernel of forward_hopper.py (fp16/bf16, head dim 64/128,
+# every feature but dropout and varlen): async wgmma lets the softmax of one tile overlap the
+# P V matmul of the previous one. Measured: see benchmarks/NOTES_triton.md.
 GLUON_FORWARD = True
+
+# Its tiles per head dim: (BLOCK_N, NUM_STAGES, CONSUMERS, SPECIALIZED, PINGPONG). Every
+# consumer is one warpgroup owning 64 query rows. SPECIALIZED: a producer warp issues the TMA
+# loads and CONSUMERS warpgroups share each K/V tile (FA3's layout, one program per SM at two
+# consumers); else one warpgroup issues its own loads and two or three programs share an SM
+# (session 2's kernel). PINGPONG (two consumers): they take turns issuing their wgmmas.
+# Sweep 2026-11-21 05:10 (speed_20261121_0510.json, 4k, bf16, TFLOP/s full / causal): d128
+# two consumers + producer, BLOCK_N 128, ping-pong 599 / 518 (no ping-pong 597 / 513; session 2's
+# one-warpgroup (64, 3, 1) 512 / 461); d64 the one-warpgroup kernel stays best: (128, 2, 1)
+# 442 / 390, (128, 3, 1) 449 / 389, two consumers 436 / 378.
+GLUON_FORWARD_TILES = {
+    64: (128, 2, 1, False, False),
+    128: (128, 2, 2, True, True),
+}
 
 # Backward of the plain case (as GLUON_FORWARD) through the Gluon dK/dV kernel of
 # backward_hopper.py on sm_90: K/V resident in shared memory, Q/dO streamed by TMA, async wgmma.
@@ -93,7 +96,6 @@ FUSED_BWD = False
 # so head dim 256 fits in shared memory (dq: 64x256 Q and dO plus 32x256 K and V, 192 KiB).
 FP32 = {
     "forward": (64, 32, 4, 1),
-    "forward_dropout": (64, 32, 4, 1),
     "dkdv": (32, 32, 4, 1),
     "dkdv_atomic": (32, 32, 4, 1),
     "dq": (64, 32, 4, 1),
@@ -101,7 +103,6 @@ FP32 = {
 
 INTERPRETER = {
     "forward": (32, 16, 1, 1),
-    "forward_dropout": (32, 16, 1, 1),
     "dkdv": (16, 32, 1, 1),
     "dkdv_atomic": (16, 32, 1, 1),
     "dq": (32, 16, 1, 1),
