@@ -1,21 +1,21 @@
-"""Backward speed of the Gluon dK/dV kernel (ops/triton/backward_hopper.py) against the Triton
-kernels and the anchors, in one process (DESIGN section 6): a correctness check of every
-candidate block against an fp32 reference (the Triton kernels' error as the yardstick), a block
-sweep at 4k, then the grid.
+"""Backward speed of the Gluon kernels (ops/triton/backward_hopper.py) against the Triton kernels
+and the anchors, in one process (DESIGN section 6): a correctness check of every candidate tile
+against an fp32 reference (the Triton kernels' error as the yardstick), a tile sweep at 4k, then
+the grid.
 
     PYTHONPATH=src python3 benchmarks/bench_backward.py --out DIR [--seqlens 1024,4096,16384]
                                                         [--skip-sweep] [--budget SECONDS]
 
-Variants: gluon (the default path: atomic dQ), gluon_det (deterministic=True: the dQ kernel),
-triton (Gluon off: backward.py's kernels), and the anchors of bench_triton.anchor (cudnn, flash =
-FA2, flex = FlexAttention compiled). Times are the backward alone on saved (out, lse), bf16,
-16k tokens, nheads * headdim = 2048. Writes DIR/backward_<date>.json.
+Variants: gluon (the default path: Gluon dK/dV and dQ kernels), gluon_atomic (dQ by atomics in
+the dK/dV kernel), triton (Gluon off: backward.py's kernels), and the anchors of
+bench_triton.anchor (cudnn, flash = FA2, flex = FlexAttention compiled). Times are the
+backward alone on saved (out, lse), bf16, 16k tokens, nheads * headdim = 2048. Writes
+DIR/backward_<date>.json.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import importlib
 import json
@@ -36,8 +36,11 @@ fwd_mod = importlib.import_module("flashkit.ops.triton.forward")
 bwd_mod = importlib.import_module("flashkit.ops.triton.backward")
 hop_mod = importlib.import_module("flashkit.ops.triton.backward_hopper")
 
-CANDIDATES = {64: [(64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 8, 2)],
-              128: [(64, 64, 4, 2), (64, 128, 8, 2)]}
+# tile overrides per head dim: {"hopper": dK/dV tile} or {"hopper_dq": dQ tile}
+CANDIDATES = {64: [{"hopper_dq": (64, 128, 4, 2)}, {"hopper_dq": (64, 64, 4, 3)},
+                   {"hopper_dq": (64, 64, 4, 2)}],
+              128: [{"hopper_dq": (64, 64, 4, 2)}, {"hopper_dq": (64, 64, 4, 3)},
+                    {"hopper_dq": (64, 128, 4, 2)}]}
 
 
 def saved_forward(q, k, v, params):
@@ -45,17 +48,16 @@ def saved_forward(q, k, v, params):
     return fwd_mod.attention_forward(q, k, v, params, tile=HOPPER["forward"][q.shape[-1]])
 
 
-def backward(variant, dout, q, k, v, out, lse, params, block=None):
-    """Gradients of one variant; block overrides HOPPER_BACKWARD."""
+def backward(variant, dout, q, k, v, out, lse, params, tiles=None):
+    """Gradients of one variant; tiles override backward_hopper's tables."""
     if variant == "triton":
         hop_mod.GLUON_BACKWARD = False
         try:
             return bwd_mod.attention_backward(dout, q, k, v, out, lse, params)
         finally:
             hop_mod.GLUON_BACKWARD = True
-    params = dataclasses.replace(params, deterministic=variant == "gluon_det")
-    return bwd_mod.attention_backward(dout, q, k, v, out, lse, params,
-                                      tiles={"hopper": block} if block else None)
+    return bwd_mod.attention_backward(dout, q, k, v, out, lse, params, tiles=tiles,
+                                      atomic_dq=variant == "gluon_atomic")
 
 
 def reference_grads(q, k, v, dout, causal):
@@ -89,17 +91,18 @@ def check(log) -> dict:
             ref = reference_grads(q, k, v, dout, causal)
             base = _errors(ref, backward("triton", dout, q, k, v, out, lse, params)[:3])
             for block in blocks:
-                for variant in ("gluon", "gluon_det"):
+                for variant in ("gluon", "gluon_atomic"):
                     try:
                         got = _errors(ref, backward(variant, dout, q, k, v, out, lse, params,
                                                     block)[:3])
                     except Exception as e:  # out of shared memory etc.
                         log(f"check d{head_dim} {block} {variant}: {type(e).__name__} "
                             f"{str(e)[:150]}")
-                        verdict[(head_dim, block)] = False
+                        verdict[(head_dim, str(block))] = False
                         continue
                     ok = all(g <= 2 * b + 1e-5 for g, b in zip(got, base, strict=True))
-                    verdict[(head_dim, block)] = verdict.get((head_dim, block), True) and ok
+                    key = (head_dim, str(block))
+                    verdict[key] = verdict.get(key, True) and ok
                     log(f"check d{head_dim} {'causal' if causal else 'full'} {block} {variant}:"
                         f" dq/dk/dv err {' '.join(f'{g:.2e}' for g in got)} (triton "
                         f"{' '.join(f'{b:.2e}' for b in base)}) {'OK' if ok else 'FAIL'}")
@@ -114,9 +117,9 @@ def sweep(log, verdict, rows, seqlen=4096):
             out, lse = saved_forward(q, k, v, params)
             f = flops(q.shape[0], q.shape[2], seqlen, head_dim, causal, "bwd")
             for block in blocks:
-                if not verdict.get((head_dim, block)):
+                if not verdict.get((head_dim, str(block))):
                     continue
-                for variant in ("gluon", "gluon_det"):
+                for variant in ("gluon", ):
                     ms = bench(partial(backward, variant, dout, q, k, v, out, lse, params, block))
                     rows.append(dict(head_dim=head_dim, causal=causal, seqlen=seqlen,
                                      block=block, variant=variant, ms=ms,
@@ -126,7 +129,7 @@ def sweep(log, verdict, rows, seqlen=4096):
 
 
 def grid(log, seqlens, rows, deadline):
-    variants = ["gluon", "gluon_det", "triton", "cudnn", "flash", "flex"]
+    variants = ["gluon", "triton", "cudnn", "flash", "flex"]
     for seqlen in seqlens:
         for head_dim in (64, 128):
             for causal in (False, True):
@@ -169,7 +172,7 @@ def grid(log, seqlens, rows, deadline):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--seqlens", default="1024,4096,16384")
+    ap.add_argument("--seqlens", default="1024,2048,4096,8192,16384")
     ap.add_argument("--skip-sweep", action="store_true")
     ap.add_argument("--budget", type=float, default=200.0, help="seconds before the grid stops")
     args = ap.parse_args()
@@ -179,7 +182,8 @@ def main():
     def log(msg):
         print(f"[{time.time() - start:6.1f}s] {msg}", flush=True)
 
-    result = dict(env=environment(), hopper_backward=hop_mod.HOPPER_BACKWARD, sweep=[], grid=[])
+    result = dict(env=environment(), hopper_backward=hop_mod.HOPPER_BACKWARD,
+                  hopper_backward_dq=hop_mod.HOPPER_BACKWARD_DQ, sweep=[], grid=[])
     verdict = check(log)
     result["check"] = [dict(head_dim=d, block=b, ok=ok) for (d, b), ok in verdict.items()]
     if not args.skip_sweep:

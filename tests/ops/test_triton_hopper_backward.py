@@ -15,6 +15,7 @@ from flashkit.ops import triton as triton_backend
 from flashkit.ops.params import AttentionParams
 
 hopper = importlib.import_module("flashkit.ops.triton.backward_hopper")
+backward = importlib.import_module("flashkit.ops.triton.backward")
 
 
 def _on_hopper() -> bool:
@@ -23,8 +24,8 @@ def _on_hopper() -> bool:
 
 def _eligible(q, k, v, params, tiles=None):
     lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32, device=q.device)
-    return hopper.eligible(q, k, v, torch.empty_like(q), lse, params, torch.empty_like(k),
-                           torch.empty_like(v), tiles)
+    return hopper.eligible(q, k, v, torch.empty_like(q), lse, params, torch.empty_like(q),
+                           torch.empty_like(k), torch.empty_like(v), tiles)
 
 
 def test_not_taken_off_hopper_or_with_features():
@@ -54,9 +55,13 @@ CASES = [  # (dtype, head_dim, seqlen, nheads, nheads_k, causal)
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _on_hopper(), reason="needs an sm_90 GPU")
-@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic_dq", "deterministic"])
+@pytest.mark.parametrize("path", ["default", "atomic_dq", "deterministic"])
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_gpu_gluon_backward_matches_oracle(case, deterministic):
+def test_gpu_gluon_backward_matches_oracle(case, path, monkeypatch):
+    """default: the Gluon dK/dV and dQ kernels; atomic_dq: dQ by atomics in the dK/dV kernel
+    (configs.GLUON_BACKWARD_ATOMIC_DQ on); deterministic=True never takes the atomics."""
+    monkeypatch.setattr(backward, "GLUON_BACKWARD_ATOMIC_DQ", path != "default")
+    deterministic = path == "deterministic"
     dtype, head_dim, seqlen, nheads, nheads_k, causal = case
     q, k, v, dout = make_inputs(2, seqlen, seqlen, nheads, nheads_k, head_dim, head_dim, dtype,
                                 "cuda")
@@ -79,6 +84,7 @@ def test_gpu_gluon_backward_deterministic_is_bitwise_reproducible(head_dim):
         for name, a, b in zip(("dq", "dk", "dv"), first, again, strict=True):
             assert torch.equal(a, b), name
     # the atomic path changes dQ's summation order only: dK and dV are the same bits
-    atomic = triton_backend.backward(dout, q, k, v, out, lse,
-                                     dataclasses.replace(params, deterministic=False))[:3]
+    atomic = backward.attention_backward(dout, q, k, v, out, lse,
+                                         dataclasses.replace(params, deterministic=False),
+                                         atomic_dq=True)[:3]
     assert torch.equal(atomic[1], first[1]) and torch.equal(atomic[2], first[2])

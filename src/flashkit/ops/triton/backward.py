@@ -22,9 +22,9 @@ element in one program in a fixed order, so gradients are bitwise reproducible; 
 (configs.ATOMIC_DQ) lets the dK/dV kernel also add dS K into an fp32 dQ accumulator with atomics,
 saving the dQ kernel's two recomputed matmuls (5 instead of 7) at the price of a run-to-run order.
 Transposed tiles carry a _t suffix: s_t is [BLOCK_N, BLOCK_M] = s^T.
-On sm_90 the plain case's dK/dV (and, on its atomic path, dQ's accumulation) runs the Gluon
-kernel of backward_hopper.py instead (configs.GLUON_BACKWARD); the preprocess, the dQ kernel and
-the dQ conversion here serve both.
+On sm_90 the plain case's dK/dV and dQ run the Gluon kernels of backward_hopper.py instead
+(configs.GLUON_BACKWARD); the preprocess (and on the atomic path the dQ conversion) here serve
+both.
 """
 
 from __future__ import annotations
@@ -502,7 +502,8 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     laid out per dense batch entry). fused launches the dK/dV and dQ programs together
     (configs.FUSED_BWD), else one after the other. tiles = {"dkdv": (BLOCK_M, BLOCK_N,
     num_warps, num_stages), "dq": ...} overrides configs.py and keeps the Triton kernels (the
-    tuning sweep); tiles = {"hopper": ...} overrides backward_hopper.HOPPER_BACKWARD.
+    tuning sweep); tiles = {"hopper": ..., "hopper_dq": ...} override backward_hopper's
+    HOPPER_BACKWARD and HOPPER_BACKWARD_DQ.
     """
     tiles = tiles or {}
     batch, seqlen_q, seqlen_k, nheads, nheads_k = varlen_shape(q, v, params)
@@ -510,7 +511,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     dq = torch.empty_like(q) if dq is None else dq
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
-    hopper = backward_hopper.eligible(q, k, v, dout, lse, params, dk, dv, tiles)
+    hopper = backward_hopper.eligible(q, k, v, dout, lse, params, dq, dk, dv, tiles)
     delta = torch.empty(lse.shape, dtype=torch.float32, device=q.device)  # laid out like lse
     window_left, window_right, has_left, has_right = window_args(params)
     block_d, block_dv = padded_head_dim(head_dim), padded_head_dim(head_dim_v)
@@ -571,7 +572,10 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         _bwd_kernel[(num_kv_blocks, batch * nheads)](
             *args, **meta, DO_DKDV=True, DO_DQ=False, num_warps=num_warps,
             num_stages=num_stages)
-    if not atomic_dq and (hopper or not fused):
+    if hopper and not atomic_dq:
+        backward_hopper.attention_backward_dq(dout, q, k, v, lse, delta, params, dq,
+                                              block=tiles.get("hopper_dq"))
+    elif not atomic_dq and not fused:
         _bwd_kernel[(num_q_blocks, batch * nheads)](
             *args, **meta, DO_DKDV=False, DO_DQ=True, num_warps=dq_warps, num_stages=dq_stages)
 

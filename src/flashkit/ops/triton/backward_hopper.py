@@ -1,5 +1,5 @@
-"""Hopper-only backward in Gluon (triton.experimental.gluon), FA3-style, for the plain case: the
-dK/dV kernel (and, on the atomic path, dQ's share); backward.py launches the rest.
+"""Hopper-only backward in Gluon (triton.experimental.gluon), FA3-style, for the plain case: a
+dK/dV kernel and a dQ kernel; backward.py launches them after its preprocess (delta).
 
 Notation as in backward.py: P = exp2(s - lse2) recomputed from the saved lse, dP = dO V^T,
 dS = P * (dP - delta), dV = P^T dO, dK = scale dS^T Q, dQ = scale dS K. Transposed tiles carry
@@ -12,13 +12,16 @@ by the program's own warps, refilled once every wgmma that read the buffer has c
 query tile, all matmuls are wgmma with B (and for dQ also A) in shared memory:
     S^T  = K Q^T       [BLOCK_N, BLOCK_M]  issued together with dP^T, so the exp2 of P^T
     dP^T = V dO^T      [BLOCK_N, BLOCK_M]  runs while the tensor cores still work on dP^T
-    dV  += P^T dO      [BLOCK_N, D]        P^T from registers, issued before dS is formed
-    dK  += dS^T Q      [BLOCK_N, D]        dS^T from registers
-    dQ_t = dS K        [BLOCK_M, D]        (ATOMIC_DQ) dS^T through shared memory, read as its
+    dV  += P^T dO      [BLOCK_N, D]        P^T and dS^T from registers, both issued once dS
+    dK  += dS^T Q      [BLOCK_N, D]        is formed (P, dP, delta die first: register room)
+    dQ_p = dS K        [BLOCK_M, D]        (ATOMIC_DQ) dS^T through shared memory, read as its
                                            transposed view; added to an fp32 accumulator with
                                            relaxed atomics (backward.py scales and converts it)
-Without ATOMIC_DQ (params.deterministic, or configs.GLUON_BACKWARD_ATOMIC_DQ off) the kernel does
-the first four only and backward.py's dQ kernel sums dQ in a fixed order (bitwise reproducible).
+Without ATOMIC_DQ (params.deterministic, or configs.GLUON_BACKWARD_ATOMIC_DQ off, the default)
+the kernel does the first four only and the dQ kernel here sums dQ in a fixed order (bitwise
+reproducible): one program per BLOCK_M query rows, Q and dO resident, K/V tiles through a TMA
+ring, S = Q K^T and dP = dO V^T issued together (P's exp2 under dP), dQ += dS K with dS from
+registers, lse and delta per row in registers (two values per thread in this layout).
 
 Eligible (see `eligible`): CUDA sm_90, fp16/bf16, head dim 64 or 128 (q, k, v alike), self
 attention (seqlen_q == seqlen_k, a multiple of both tiles), full or causal, GQA, no softcap /
@@ -277,9 +280,155 @@ if gluon is not None:
         gl.store(dv_ptrs, dv.to(DV.dtype.element_ty))
 
 
-# (BLOCK_M, BLOCK_N, num_warps, NUM_STAGES) per head dim. One warpgroup per program: dK and dV
-# stay in registers ([BLOCK_N, D] fp32 each), which caps BLOCK_N * D at 64 * 128.
+    @gluon.jit
+    def _issue_k_v_load(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, tile, n_tiles, kv_row,
+                        kv_col, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+        """TMA K and V tile `tile` into ring buffer tile % NUM_STAGES (skipped past n_tiles)."""
+        stage = tile % NUM_STAGES
+        valid = tile < n_tiles
+        row = kv_row + tile * BLOCK_N
+        mbarrier.expect(k_bars.index(stage), k_desc.block_type.nbytes, pred=valid)
+        tma.async_copy_global_to_shared(k_desc, [row, kv_col], k_bars.index(stage),
+                                        k_smem.index(stage), pred=valid)
+        mbarrier.expect(v_bars.index(stage), v_desc.block_type.nbytes, pred=valid)
+        tma.async_copy_global_to_shared(v_desc, [row, kv_col], v_bars.index(stage),
+                                        v_smem.index(stage), pred=valid)
+
+    @gluon.jit
+    def _key_tile_dq_step(dq, tile, q_smem, do_smem, k_smem, v_smem, k_bars, v_bars, k_desc,
+                          v_desc, lse2, delta, n_tiles, kv_row, kv_col, start_m, qk_scale,
+                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                          NUM_STAGES: gl.constexpr, MASK: gl.constexpr,
+                          s_layout: gl.constexpr, op_layout: gl.constexpr):
+        """Add key tile `tile` to dQ (unscaled); MASK applies key <= query."""
+        stage = tile % NUM_STAGES
+        phase = (tile // NUM_STAGES) & 1
+        k_buf = k_smem.index(stage)
+        v_buf = v_smem.index(stage)
+        zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+        mbarrier.wait(k_bars.index(stage), phase)
+        # [BLOCK_M, BLOCK_N] = [BLOCK_M, D] @ [D, BLOCK_N]
+        s_tok = warpgroup_mma(q_smem, k_buf.permute((1, 0)), zero_s, use_acc=False,
+                              is_async=True)
+        mbarrier.wait(v_bars.index(stage), phase)
+        # [BLOCK_M, BLOCK_N] = [BLOCK_M, D] @ [D, BLOCK_N]
+        dp_tok = warpgroup_mma(do_smem, v_buf.permute((1, 0)), zero_s, use_acc=False,
+                               is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
+        p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 1))
+        if MASK:
+            rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+            cols = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            p = gl.where(gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1), p, 0.0)
+        dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, ))
+        ds = (p * (dp - gl.expand_dims(delta, 1))).to(q_smem.dtype)
+        # [BLOCK_M, D] += [BLOCK_M, BLOCK_N] @ [BLOCK_N, D]
+        dq_tok = warpgroup_mma(gl.convert_layout(ds, op_layout), k_buf, dq, is_async=True)
+        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq_tok, ))
+        gl.thread_barrier()  # every warp's reads of this buffer are done: refill it
+        _issue_k_v_load(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, tile + NUM_STAGES,
+                        n_tiles, kv_row, kv_col, BLOCK_N, NUM_STAGES)
+        return dq
+
+    @gluon.jit
+    def _bwd_dq_hopper_kernel(q_desc, k_desc, v_desc, do_desc, Lse, Delta, DQ,
+                              stride_lb, stride_lh, stride_deltab, stride_deltah,
+                              stride_dqb, stride_dqs, stride_dqh,
+                              nheads, group, seqlen, qk_scale, softmax_scale,
+                              HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                              BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                              CAUSAL: gl.constexpr, num_warps: gl.constexpr):
+        """dQ of BLOCK_M query rows of one (batch, head), heaviest causal rows first: Q and dO
+        stay in shared memory, K/V tiles stream through a TMA ring (as the forward), each dQ
+        element summed in one program in a fixed order (deterministic)."""
+        pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
+        pid_bh = gl.program_id(1)
+        off_b = pid_bh // nheads
+        off_h = pid_bh % nheads
+        start_m = pid_m * BLOCK_M
+        q_row = off_b * seqlen + start_m
+        kv_row = off_b * seqlen
+        kv_col = (off_h // group) * HEAD_DIM
+        dtype: gl.constexpr = q_desc.dtype
+
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16])
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM, 16])
+        op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq_layout,
+                                                      k_width=2)
+        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], do_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        v_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.init(k_bars.index(i), count=1)
+            mbarrier.init(v_bars.index(i), count=1)
+
+        if CAUSAL:
+            n_tiles = gl.cdiv(start_m + BLOCK_M, BLOCK_N)
+            n_unmasked = start_m // BLOCK_N  # key tiles left of the diagonal block
+        else:
+            n_tiles = seqlen // BLOCK_N
+            n_unmasked = n_tiles
+
+        mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [q_row, off_h * HEAD_DIM], q_bar, q_smem)
+        tma.async_copy_global_to_shared(do_desc, [q_row, off_h * HEAD_DIM], q_bar, do_smem)
+        for i in gl.static_range(NUM_STAGES):
+            _issue_k_v_load(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, i, n_tiles, kv_row,
+                            kv_col, BLOCK_N, NUM_STAGES)
+        rows = start_m + gl.arange(0, BLOCK_M, layout=row_layout)
+        lse2 = gl.load(Lse + off_b.to(gl.int64) * stride_lb + off_h * stride_lh + rows) * LOG2E_G
+        delta = gl.load(Delta + off_b.to(gl.int64) * stride_deltab + off_h * stride_deltah
+                        + rows)
+        dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout)
+        mbarrier.wait(q_bar, 0)
+
+        for tile in range(0, n_unmasked):
+            dq = _key_tile_dq_step(dq, tile, q_smem, do_smem, k_smem, v_smem, k_bars, v_bars,
+                                   k_desc, v_desc, lse2, delta, n_tiles, kv_row, kv_col, start_m,
+                                   qk_scale, BLOCK_M, BLOCK_N, NUM_STAGES, False, s_layout,
+                                   op_layout)
+        for tile in range(n_unmasked, n_tiles):
+            dq = _key_tile_dq_step(dq, tile, q_smem, do_smem, k_smem, v_smem, k_bars, v_bars,
+                                   k_desc, v_desc, lse2, delta, n_tiles, kv_row, kv_col, start_m,
+                                   qk_scale, BLOCK_M, BLOCK_N, NUM_STAGES, True, s_layout,
+                                   op_layout)
+
+        mbarrier.invalidate(q_bar)
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.invalidate(k_bars.index(i))
+            mbarrier.invalidate(v_bars.index(i))
+
+        rows_o = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
+        cols_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dq_layout))
+        dq_ptrs = (DQ + off_b.to(gl.int64) * stride_dqb + off_h * stride_dqh
+                   + gl.expand_dims(rows_o, 1).to(gl.int64) * stride_dqs
+                   + gl.expand_dims(cols_o, 0))
+        gl.store(dq_ptrs, (dq * softmax_scale).to(DQ.dtype.element_ty))
+
+
+# (BLOCK_M, BLOCK_N, num_warps, NUM_STAGES) per head dim, one warpgroup per program (several
+# programs per SM). dK/dV: dK and dV stay in registers ([BLOCK_N, D] fp32 each), which caps
+# BLOCK_N * D at 64 * 128; 05:15 sweep at 4k (bf16, TFLOP/s of the whole backward with the
+# Triton dQ kernel, full / causal): d64 (64, 64, 4, 2) 390 / 367 vs (64, 64, 4, 3) 385 / 346,
+# 8 warps (64, 128) 348 / 328; d128 (64, 64, 4, 2) 418 / 381 vs 8 warps (64, 128) 411 / 362.
 HOPPER_BACKWARD = {
+    64: (64, 64, 4, 2),
+    128: (64, 64, 4, 2),
+}
+# dQ: Q, dO and the dQ accumulator per program, K/V streamed (the forward's shape). 05:23 sweep
+# at 4k (whole backward, TFLOP/s full / causal): d64 (64, 64, 4, 2) 408 / 357, (64, 128, 4, 2)
+# 382 / 365, (64, 64, 4, 3) 387 / 346; d128 (64, 64, 4, 2) 441 / 391, (64, 128, 4, 2)
+# 404 / 371, (64, 64, 4, 3) 404 / 356.
+HOPPER_BACKWARD_DQ = {
     64: (64, 64, 4, 2),
     128: (64, 64, 4, 2),
 }
@@ -290,9 +439,10 @@ def _flash_layout_2d(x: torch.Tensor) -> bool:
     return x.is_contiguous() and x.data_ptr() % 16 == 0
 
 
-def eligible(q, k, v, dout, lse, params: AttentionParams, dk, dv, tiles) -> bool:
-    """Whether the Gluon kernel computes dK/dV of this call (else backward.py's kernels do)."""
-    if not GLUON_BACKWARD or gluon is None or interpreting() or set(tiles or {}) - {"hopper"}:
+def eligible(q, k, v, dout, lse, params: AttentionParams, dq, dk, dv, tiles) -> bool:
+    """Whether the Gluon kernels compute this call's gradients (else backward.py's do)."""
+    if (not GLUON_BACKWARD or gluon is None or interpreting()
+            or set(tiles or {}) - {"hopper", "hopper_dq"}):
         return False
     plain = (params.softcap == 0 and params.alibi_slopes is None and params.sink is None
              and params.attn_bias is None and params.dropout_p == 0 and not params.is_varlen
@@ -302,13 +452,25 @@ def eligible(q, k, v, dout, lse, params: AttentionParams, dk, dv, tiles) -> bool
         return False
     _, seqlen_q, _, head_dim = q.shape  # dense: varlen was excluded above
     _, seqlen_k, _, head_dim_v = v.shape
-    block = HOPPER_BACKWARD.get(head_dim)
-    return (block is not None and head_dim == head_dim_v == k.shape[-1]
+    if head_dim not in HOPPER_BACKWARD:
+        return False
+    tile = max(*HOPPER_BACKWARD[head_dim][:2], *HOPPER_BACKWARD_DQ[head_dim][:2])
+    return (head_dim == head_dim_v == k.shape[-1]
             and q.dtype in (torch.float16, torch.bfloat16)
             and q.dtype == k.dtype == v.dtype == dout.dtype
-            and seqlen_q == seqlen_k and seqlen_q % max(block[0], block[1]) == 0
+            and seqlen_q == seqlen_k and seqlen_q % tile == 0
             and all(_flash_layout_2d(x) for x in (q, k, v, dout, lse))
-            and dk.stride(-1) == 1 and dv.stride(-1) == 1)
+            and all(x.stride(-1) == 1 for x in (dq, dk, dv)))
+
+
+def _descriptor(x, rows):
+    """TMA descriptor of [rows, d] tiles over x (batch, seqlen, heads, d) as a 2-D view."""
+    batch, seqlen, heads, head_dim = x.shape
+    gl_dtype = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
+    layout = gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl_dtype)
+    return TensorDescriptor(x.view(batch * seqlen, heads * head_dim),
+                            [batch * seqlen, heads * head_dim], [heads * head_dim, 1],
+                            [rows, head_dim], layout)
 
 
 def attention_backward_dkdv(dout, q, k, v, lse, delta, params: AttentionParams, dk, dv,
@@ -321,12 +483,6 @@ def attention_backward_dkdv(dout, q, k, v, lse, delta, params: AttentionParams, 
     block_m, block_n, num_warps, num_stages = block or HOPPER_BACKWARD[head_dim]
     gl_dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
 
-    def descriptor(x, rows, heads):
-        layout = gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl_dtype)
-        return TensorDescriptor(x.view(batch * seqlen, heads * head_dim),
-                                [batch * seqlen, heads * head_dim], [heads * head_dim, 1],
-                                [rows, head_dim], layout)
-
     def rows_descriptor(x):  # lse / delta (batch, nheads, seqlen) as flat rows
         layout = gl.NVMMASharedLayout.get_default_for([block_m], gl.float32)
         return TensorDescriptor(x.view(-1), [x.numel()], [1], [block_m], layout)
@@ -334,9 +490,9 @@ def attention_backward_dkdv(dout, q, k, v, lse, delta, params: AttentionParams, 
     atomic_dq = dq_acc is not None
     grid = (seqlen // block_n, batch * nheads_k)
     _bwd_dkdv_hopper_kernel[grid](
-        descriptor(q, block_m, nheads), descriptor(k, block_n, nheads_k),
-        descriptor(v, block_n, nheads_k), descriptor(dout, block_m, nheads),
-        rows_descriptor(lse), rows_descriptor(delta), dk, dv, dq_acc if atomic_dq else delta,
+        _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n),
+        _descriptor(dout, block_m), rows_descriptor(lse), rows_descriptor(delta), dk, dv,
+        dq_acc if atomic_dq else delta,
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         nheads, nheads_k, seqlen, params.softmax_scale * LOG2E, params.softmax_scale,
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=num_stages,
@@ -344,3 +500,18 @@ def attention_backward_dkdv(dout, q, k, v, lse, delta, params: AttentionParams, 
         DQ_CHUNK=min(head_dim, 64), DQ_WARPS_M=min(num_warps, block_m // 16),
         DS_LAYOUT=gl.NVMMASharedLayout.get_default_for([block_n, block_m], gl_dtype),
         num_warps=num_warps)
+
+
+def attention_backward_dq(dout, q, k, v, lse, delta, params: AttentionParams, dq, block=None):
+    """dQ of the eligible case into dq (deterministic); block overrides HOPPER_BACKWARD_DQ."""
+    batch, seqlen, nheads, head_dim = q.shape
+    block_m, block_n, num_warps, num_stages = block or HOPPER_BACKWARD_DQ[head_dim]
+    grid = (seqlen // block_m, batch * nheads)
+    _bwd_dq_hopper_kernel[grid](
+        _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n),
+        _descriptor(dout, block_m), lse, delta, dq,
+        lse.stride(0), lse.stride(1), delta.stride(0), delta.stride(1),
+        dq.stride(0), dq.stride(1), dq.stride(2),
+        nheads, nheads // k.shape[2], seqlen, params.softmax_scale * LOG2E,
+        params.softmax_scale, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
+        NUM_STAGES=num_stages, CAUSAL=params.window_right == 0, num_warps=num_warps)
