@@ -58,19 +58,39 @@ USE_TMA = False
 # P V matmul of the previous one. Measured: see benchmarks/NOTES_triton.md.
 GLUON_FORWARD = True
 
-# Its tiles per head dim: (BLOCK_N, NUM_STAGES, CONSUMERS, SPECIALIZED, PINGPONG). Every
-# consumer is one warpgroup owning 64 query rows. SPECIALIZED: a producer warp issues the TMA
-# loads and CONSUMERS warpgroups share each K/V tile (FA3's layout, one program per SM at two
+# Its tiles: (BLOCK_N, NUM_STAGES, CONSUMERS, SPECIALIZED, PINGPONG). Every consumer is one
+# warpgroup owning 64 query rows. SPECIALIZED: a producer warp issues the TMA loads and
+# CONSUMERS warpgroups share each K/V tile (FA3's layout, one program per SM at two or three
 # consumers); else one warpgroup issues its own loads and two or three programs share an SM
-# (session 2's kernel). PINGPONG (two consumers): they take turns issuing their wgmmas.
+# (session 2's kernel). PINGPONG (two or more consumers): they take turns issuing their wgmmas.
 # Sweep 2026-11-21 05:10 (speed_20261121_0510.json, 4k, bf16, TFLOP/s full / causal): d128
 # two consumers + producer, BLOCK_N 128, ping-pong 599 / 518 (no ping-pong 597 / 513; session 2's
 # one-warpgroup (64, 3, 1) 512 / 461); d64 the one-warpgroup kernel stays best: (128, 2, 1)
-# 442 / 390, (128, 3, 1) 449 / 389, two consumers 436 / 378.
-GLUON_FORWARD_TILES = {
-    64: (128, 2, 1, False, False),
-    128: (128, 2, 2, True, True),
-}
+# 442 / 390, (128, 3, 1) 449 / 389, two consumers 436 / 378. Per cell (05:31,
+# speed_20261121_0531.json, 1k..16k): d128 1k causal one warpgroup 340 vs two consumers 313;
+# d64 three consumers + producer from 4k full / 8k causal (4k/8k/16k full 439/483/504 vs one
+# warpgroup 429/438/450; causal 376/441/481 vs 373/409/428; 05:36: full 460/499/515 vs
+# 436/453/454, causal 356/428/473 vs 380/408/423), one warpgroup up to 2k (1k 389/278 vs
+# 329/197); BLOCK_N 256 (one warpgroup, 250 registers) 133-256 everywhere.
+# Rows (head_dim, banded, longest seqlen_q or None, tile), the first match wins; banded: a right
+# bound (causal or a window).
+GLUON_FORWARD_TILES = (
+    (64, False, 2048, (128, 2, 1, False, False)),
+    (64, True, 4096, (128, 2, 1, False, False)),
+    (64, None, None, (128, 2, 3, True, True)),
+    (128, True, 1024, (64, 3, 1, False, False)),
+    (128, None, None, (128, 2, 2, True, True)),
+)
+
+
+def gluon_forward_tile(head_dim: int, seqlen_q: int, banded: bool) -> tuple:
+    """The Gluon forward's tile for a head dim (64 or 128), query length and band."""
+    for row_dim, row_banded, longest, tile in GLUON_FORWARD_TILES:
+        if (row_dim == head_dim and row_banded in (None, banded)
+                and (longest is None or seqlen_q <= longest)):
+            return tile
+    raise KeyError(f"no Gluon forward tile for head dim {head_dim}")
+
 
 # Backward of the plain case (as GLUON_FORWARD) through the Gluon dK/dV kernel of
 # backward_hopper.py on sm_90: K/V resident in shared memory, Q/dO streamed by TMA, async wgmma.

@@ -1,5 +1,5 @@
 """Hopper-only forward in Gluon (triton.experimental.gluon): explicit TMA, mbarriers and async
-wgmma; forward.py dispatches here when `eligible` says so and keeps dropout and varlen.
+wgmma; forward.py dispatches here when `eligible` says so and keeps varlen.
 
 Notation as in common.py (whose mask predicate, tile ranges, scores and ALiBi helpers this file
 calls: Gluon kernels can call those @triton.jit helpers). One consumer = one warpgroup owning
@@ -12,13 +12,15 @@ rescaled by tile t's alpha and P_t goes into the next step. After step t, O hold
 sum_{i < t} P_i V_i in the scale of m_t, the running row max (log2 units) after tile t.
 
 K/V tiles come through TMA into a NUM_STAGES-deep ring of shared-memory buffers with a "ready"
-mbarrier per buffer and tensor. Two ways to run it (SPECIALIZED, configs.GLUON_FORWARD_TILES):
+mbarrier per buffer and tensor. Two ways to run it (SPECIALIZED, configs.gluon_forward_tile per
+head dim, band and length):
   - not specialized: one consumer per program issues its own loads; a buffer is refilled after
     the consumer's wgmma that read it completed (wgmma wait, then a warpgroup barrier); two or
     three programs share an SM and drift apart, so one's softmax hides under another's matmuls.
   - specialized (gl.warp_specialize, FA3's layout): a producer warp issues every TMA load and
-    CONSUMERS warpgroups share each K/V tile (half the L2 -> shared-memory traffic per FLOP at
-    two consumers); consumers release a buffer through "empty" mbarriers, so they drift freely.
+    CONSUMERS (1-3) warpgroups share each K/V tile (half the L2 -> shared-memory traffic per
+    FLOP at two consumers); consumers release a buffer through "empty" mbarriers, so they drift
+    freely.
 
 Masking: every tile of the program's key range outside a consumer's fully visible middle
 (common.key_tile_ranges) applies common.visible, which also drops keys >= seqlen_k. TMA reads
@@ -26,8 +28,11 @@ Masking: every tile of the program's key range outside a consumer's fully visibl
 rows (or zeros past the tensor): their scores are masked to -inf, so they weigh exactly 0, and
 query rows past seqlen_q are never stored.
 
+Dropout draws dropout.py's keep-mask bit for bit (`_dropout_keep`), so the Triton backward
+regenerates what this forward dropped.
+
 Eligible (see `eligible`): CUDA sm_90, fp16/bf16, head dim 64 or 128 (q, k, v alike), dense,
-any seqlen_q / seqlen_k, any window (causal included), softcap, ALiBi, sink, GQA; not dropout,
+any seqlen_q / seqlen_k, any window (causal included), softcap, ALiBi, sink, GQA, dropout; not
 varlen or an SDPA bias; q/k/v contiguous in the flash-attn layout (so (batch * seqlen, heads * d)
 is a plain 2-D view for TMA). Same outputs as forward.py: out in out's dtype, lse (batch, heads,
 seqlen_q) float32 natural log, a row with no visible key (and no sink) gives out 0, lse -inf.
@@ -51,7 +56,8 @@ from flashkit.ops.triton.common import (
     visible,
     window_args,
 )
-from flashkit.ops.triton.configs import GLUON_FORWARD, GLUON_FORWARD_TILES
+from flashkit.ops.triton.configs import GLUON_FORWARD, gluon_forward_tile
+from flashkit.ops.triton.dropout import dropout_args
 
 try:
     from triton.experimental import gluon
@@ -63,6 +69,7 @@ try:
         warpgroup_mma_wait,
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.language.random import philox
 except ImportError:  # a Triton without Gluon: the Triton kernel does everything
     gluon = None
 
@@ -92,19 +99,82 @@ if gluon is not None:
         tma.async_copy_global_to_shared(v_desc, [row, kv_col], v_bars.index(stage),
                                         v_smem.index(stage), pred=valid)
 
+    @gluon.constexpr_function
+    def _dropout_layout(block_n):
+        """The wgmma accumulator layout of a [64, block_n] score tile (4 warps, 16 rows each;
+        per 8 columns a thread holds columns 2 (lane % 4) + 0/1 of rows lane / 4 and + 8) with
+        column j split as (chunk, byte, g) = (j // 128, j % 128 // 8, j % 8), the order of
+        dropout.py's draws: [64, CHUNKS, BYTES, 8]. Reshaped back it is the score layout, so
+        each thread draws exactly the Philox calls (row, chunk, g) of its own scores."""
+        col_bits = (block_n // 8).bit_length() - 1  # register bases of columns 8, 16, ...
+        tile = lambda row, col: [row, col // 128, col % 128 // 8, col % 8]  # noqa: E731
+        return gl.DistributedLinearLayout(
+            reg_bases=[tile(0, 1), tile(8, 0)] + [tile(0, 8 << b) for b in range(col_bits)],
+            lane_bases=[tile(0, 2), tile(0, 4), tile(1, 0), tile(2, 0), tile(4, 0)],
+            warp_bases=[tile(16, 0), tile(32, 0)], block_bases=[],
+            shape=[64, max(block_n // 128, 1), min(block_n // 8, 16), 8])
+
     @gluon.jit
-    def _softmax_step(qk, m_i, l_i, rows, cols, geo, alibi_log2, MASK: gl.constexpr,
+    def _dropout_keep(drop, row0, col0, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+        """[BM, BLOCK_N] bool in s_layout: dropout.dropout_keep's mask for rows row0 + [0, BM)
+        and columns col0 + [0, BLOCK_N) (col0 a multiple of BLOCK_N), bit for bit: Philox
+        (seed; call, row, head, batch) with call 8 (j // 128) + j % 8, byte j % 128 // 8, kept
+        iff the byte >= threshold. Drawn in _dropout_layout, one Philox call per (row, chunk,
+        g) of the thread's own scores (dropout.py's helper makes its tensors without layouts,
+        which Gluon needs)."""
+        seed_lo, seed_hi, threshold, off_b, off_h = drop
+        L4: gl.constexpr = _dropout_layout(BLOCK_N)
+        L3: gl.constexpr = gl.SliceLayout(2, L4)  # the calls [BM, CHUNKS, 8]
+        CHUNKS: gl.constexpr = (BLOCK_N + 127) // 128
+        BYTES: gl.constexpr = BLOCK_N // 8 if BLOCK_N < 128 else 16
+        rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
+        chunk = col0 // 128 + gl.arange(0, CHUNKS, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
+        g = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+        zero = gl.zeros([BM, CHUNKS, 8], gl.uint32, L3)
+        call = gl.expand_dims(gl.expand_dims(chunk, 0), 2) * 8 + gl.expand_dims(
+            gl.expand_dims(g, 0), 1)
+        seed = (seed_hi.to(gl.uint64) << 32) | seed_lo.to(gl.uint32, bitcast=True).to(gl.uint64)
+        r0, r1, r2, r3 = philox(seed, zero + call.to(gl.uint32),
+                                zero + gl.expand_dims(gl.expand_dims(rows, 1), 2).to(gl.uint32),
+                                zero + off_h.to(gl.uint32), zero + off_b.to(gl.uint32))
+        byte = gl.arange(0, BYTES, layout=gl.SliceLayout(1, gl.SliceLayout(0, gl.SliceLayout(0,
+                                                                                          L4))))
+        if BLOCK_N < 128:  # a narrow tile uses the middle bytes of its calls
+            byte = byte + (col0 % 128) // 8
+        byte = gl.expand_dims(gl.expand_dims(gl.expand_dims(byte, 1), 0), 0)  # [1, 1, BYTES, 1]
+        word = gl.where(byte < 8,
+                        gl.where(byte < 4, gl.expand_dims(r0, 2), gl.expand_dims(r1, 2)),
+                        gl.where(byte < 12, gl.expand_dims(r2, 2), gl.expand_dims(r3, 2)))
+        draws = ((word >> ((byte % 4) * 8).to(gl.uint32)) & 0xFF).to(gl.int32)
+        return gl.convert_layout(gl.reshape(draws >= threshold, [BM, BLOCK_N]), s_layout)
+
+    @gluon.jit
+    def _softmax_step(qk, m_i, l_i, rows, cols, col0, geo, alibi, MASK: gl.constexpr,
                       HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-                      ALIBI: gl.constexpr):
+                      ALIBI: gl.constexpr, ALIBI_SIDE: gl.constexpr):
         """Online softmax of raw scores qk [BLOCK_M, BLOCK_N] for query rows `rows` [BLOCK_M, 1]
-        and key columns `cols` [1, BLOCK_N]. Plain scores take the row max on qk and scale it
-        after (qk_scale > 0), so s - m is one FMA per element; softcap/ALiBi build s first. MASK
-        applies the band predicate; a row that has seen only -inf then subtracts 0, not -inf."""
+        and key columns `cols` = col0 + [0, BLOCK_N) as [1, BLOCK_N]. Plain scores take the row
+        max on qk and scale it after (qk_scale > 0), so s - m is one FMA per element. MASK
+        applies the band predicate; a row that has seen only -inf then subtracts 0, not -inf.
+
+        ALiBi (alibi = (slope * log2 e, slope * log2 e * [0, BLOCK_N) as [1, BLOCK_N])): with
+        ALIBI_SIDE 0 the bias is slope |i + shift - j| per element. On a tile that lies wholly
+        on one side of every row's diagonal (ALIBI_SIDE +1: j <= i + shift, -1: j >= i + shift)
+        it is side * slope ((i + shift - col0) - (j - col0)): a row term, which joins the row
+        max after the reduction and the exp2's subtrahend, and a column term that is the same
+        for every tile (alibi[1]), so the tile costs one add per element more than plain."""
         seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale = geo
+        alibi_log2, alibi_cols = alibi
+        row_bias = gl.zeros_like(m_i)  # subtracted from each row after the max (side tiles)
         if SOFTCAP or ALIBI:
             s = scores(qk, qk_scale, softcap_scale, SOFTCAP)
             if ALIBI:
-                s = s - alibi_bias(rows, cols, seqlen_q, seqlen_k, alibi_log2)
+                if ALIBI_SIDE == 0:
+                    s = s - alibi_bias(rows, cols, seqlen_q, seqlen_k, alibi_log2)
+                else:
+                    s = s + ALIBI_SIDE * alibi_cols
+                    row_bias = gl.sum(rows + (seqlen_k - seqlen_q - col0), 1).to(gl.float32) * (
+                        ALIBI_SIDE * alibi_log2)
             scale = 1.0
         else:
             s = qk
@@ -113,11 +183,11 @@ if gluon is not None:
             keep = visible(rows, cols, seqlen_q, seqlen_k, window_left, window_right, HAS_LEFT,
                            HAS_RIGHT)
             s = gl.where(keep, s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 1) * scale)
+        m_new = gl.maximum(m_i, gl.max(s, 1) * scale - row_bias)
         m_use = m_new
         if MASK:
             m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p = gl.exp2(s * scale - gl.expand_dims(m_use, 1))
+        p = gl.exp2(s * scale - gl.expand_dims(m_use + row_bias, 1))
         alpha = gl.exp2(m_i - m_use)
         l_new = l_i * alpha + gl.sum(p, 1)
         return p, alpha, m_new, l_new
@@ -131,16 +201,18 @@ if gluon is not None:
 
     @gluon.jit
     def _take_turn(turns, step, CONSUMER: gl.constexpr, PINGPONG: gl.constexpr):
-        """Ping-pong (FA3 3.1): the consumers issue their wgmmas in turns, so one's softmax runs
-        while the other's matmuls do. Consumer 0 goes first: a fresh mbarrier passes a wait on
-        phase 1. Every consumer takes n_tiles + 1 turns (prologue, steps, epilogue)."""
+        """Ping-pong (FA3 3.1): the consumers issue their wgmmas in turns (0, 1, .., 0, ...), so
+        one's softmax runs while another's matmuls do. Consumer 0 goes first: a fresh mbarrier
+        passes a wait on phase 1. Every consumer takes n_tiles + 1 turns (prologue, steps,
+        epilogue)."""
         if PINGPONG:
-            mbarrier.wait(turns.index(CONSUMER), (step & 1) ^ (1 - CONSUMER))
+            mbarrier.wait(turns.index(CONSUMER), (step & 1) ^ (1 if CONSUMER == 0 else 0))
 
     @gluon.jit
-    def _pass_turn(turns, CONSUMER: gl.constexpr, PINGPONG: gl.constexpr):
+    def _pass_turn(turns, CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr,
+                   PINGPONG: gl.constexpr):
         if PINGPONG:
-            mbarrier.arrive(turns.index(1 - CONSUMER), count=1)
+            mbarrier.arrive(turns.index((CONSUMER + 1) % CONSUMERS), count=1)
 
     @gluon.jit
     def _release_v(descs, smem, bars, tile, n_tiles, key0, kv_col, BLOCK_N: gl.constexpr,
@@ -159,16 +231,20 @@ if gluon is not None:
                            n_tiles, key0, kv_col, BLOCK_N, NUM_STAGES)
 
     @gluon.jit
-    def _pipelined_step(descs, smem, bars, q_tile, acc, p_op, m_i, l_i, rows, tile, n_tiles,
-                        key0, key_start, kv_col, geo, alibi_log2, BLOCK_N: gl.constexpr,
-                        NUM_STAGES: gl.constexpr, SPECIALIZED: gl.constexpr,
-                        CONSUMER: gl.constexpr, PINGPONG: gl.constexpr, MASK: gl.constexpr,
+    def _pipelined_step(ctx, state, tile, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                        SPECIALIZED: gl.constexpr, CONSUMER: gl.constexpr,
+                        CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, MASK: gl.constexpr,
                         HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                        SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, s_layout: gl.constexpr,
+                        SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, ALIBI_SIDE: gl.constexpr,
+                        DROPOUT: gl.constexpr, s_layout: gl.constexpr,
                         o_layout: gl.constexpr, p_layout: gl.constexpr):
         """S_tile and P_{tile-1} V_{tile-1} in flight together, softmax of S_tile under the
-        second; returns (acc rescaled to m_tile, P_tile as the next A operand, m, l).
-        key_start: the first key column of tile 0 (within the sequence)."""
+        second; state (acc, P, m, l) -> (acc rescaled to m_tile, P_tile as the next A operand,
+        m, l). ctx: see _consumer. DROPOUT zeroes dropped P after l summed it (lse and l stay
+        pre-dropout)."""
+        (descs, smem, bars, q_tile, row0, rows, n_tiles, key0, key_start, kv_col, geo, alibi,
+         drop) = ctx
+        acc, p_op, m_i, l_i = state
         q_smem, k_smem, v_smem = smem
         q_bars, k_ready, v_ready, k_empty, v_empty, turns = bars
         stage = tile % NUM_STAGES
@@ -182,14 +258,16 @@ if gluon is not None:
                               use_acc=False, is_async=True)
         # [BLOCK_M, D] += [BLOCK_M, BLOCK_N] @ [BLOCK_N, D]
         o_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
-        _pass_turn(turns, CONSUMER, PINGPONG)
+        _pass_turn(turns, CONSUMER, CONSUMERS, PINGPONG)
         qk = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
         _release_k(k_empty, stage, SPECIALIZED)
-        cols = key_start + tile * BLOCK_N + gl.arange(0, BLOCK_N,
-                                                      layout=gl.SliceLayout(0, s_layout))
-        p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, rows, gl.expand_dims(cols, 0), geo,
-                                           alibi_log2, MASK, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-                                           ALIBI)
+        col0 = key_start + tile * BLOCK_N
+        cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, rows, gl.expand_dims(cols, 0), col0,
+                                           geo, alibi, MASK, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+                                           ALIBI, ALIBI_SIDE)
+        if DROPOUT:
+            p = gl.where(_dropout_keep(drop, row0, col0, BLOCK_N, s_layout), p, 0.0)
         p_next = gl.convert_layout(p.to(q_tile.dtype), p_layout)
         # The softmax results pass through the wait so that the compiler cannot sink the softmax
         # below it (which would serialise it after the P V matmul again).
@@ -201,17 +279,34 @@ if gluon is not None:
         return acc, p_next, m_i, l_i
 
     @gluon.jit
+    def _steps(ctx, state, start, end, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+               SPECIALIZED: gl.constexpr, CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr,
+               PINGPONG: gl.constexpr, MASK: gl.constexpr, HAS_LEFT: gl.constexpr,
+               HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
+               ALIBI_SIDE: gl.constexpr, DROPOUT: gl.constexpr, s_layout: gl.constexpr,
+               o_layout: gl.constexpr, p_layout: gl.constexpr):
+        """_pipelined_step over tiles [start, end), one variant of masking and ALiBi side."""
+        for tile in range(start, end):
+            state = _pipelined_step(ctx, state, tile, BLOCK_N, NUM_STAGES, SPECIALIZED,
+                                    CONSUMER, CONSUMERS, PINGPONG, MASK, HAS_LEFT, HAS_RIGHT,
+                                    SOFTCAP, ALIBI, ALIBI_SIDE, DROPOUT, s_layout, o_layout,
+                                    p_layout)
+        return state
+
+    @gluon.jit
     def _consumer(descs, smem, bars, scalars, CONSUMER: gl.constexpr, HEAD_DIM: gl.constexpr,
                   BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
                   SPECIALIZED: gl.constexpr, PINGPONG: gl.constexpr, HAS_LEFT: gl.constexpr,
                   HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
-                  SINK: gl.constexpr):
+                  SINK: gl.constexpr, DROPOUT: gl.constexpr):
         """One warpgroup: query rows start_m + CONSUMER * BLOCK_M ... over the program's key
         tiles [lo, lo + n_tiles * BLOCK_N), then out and lse of its rows."""
         (Out, Lse, Alibi, Sink, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
          stride_ab, stride_ah, off_b, off_h, start_m, lo, n_tiles, key0, kv_col, seqlen_q,
-         seqlen_k, window_left, window_right, qk_scale, softcap_scale) = scalars
+         seqlen_k, window_left, window_right, qk_scale, softcap_scale, seed_lo, seed_hi,
+         dropout_threshold, dropout_scale) = scalars
         geo = (seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale)
+        drop = (seed_lo, seed_hi, dropout_threshold, off_b, off_h)
         q_smem, k_smem, v_smem = smem
         q_bars, k_ready, v_ready, k_empty, v_empty, turns = bars
         dtype: gl.constexpr = q_smem.dtype
@@ -229,6 +324,10 @@ if gluon is not None:
         rows_1d = row0 + gl.arange(0, BM, layout=row_layout)
         rows = gl.expand_dims(rows_1d, 1)
         alibi_log2 = load_alibi_log2(Alibi, off_b, off_h, stride_ab, stride_ah, ALIBI)
+        alibi_cols = gl.expand_dims(
+            gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)).to(gl.float32), 0
+        ) * alibi_log2
+        alibi = (alibi_log2, alibi_cols)
         m_i = gl.full([BM], float("-inf"), gl.float32, row_layout)
         l_i = gl.zeros([BM], gl.float32, row_layout)
         if SINK:  # the sink logit joins every row's denominator: start from (m, l) = (sink, 1)
@@ -239,9 +338,11 @@ if gluon is not None:
         # Tiles [t_lo, t_hi) are fully visible from this warpgroup's rows (no mask).
         _, mid_lo, mid_hi, _ = key_tile_ranges(row0, seqlen_q, seqlen_k, window_left,
                                                window_right, BM, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-        t_lo = gl.minimum(gl.cdiv(gl.maximum(mid_lo - lo, 0), BLOCK_N), n_tiles)
-        t_hi = gl.minimum(gl.maximum((mid_hi - lo) // BLOCK_N, t_lo), n_tiles)
+        t_lo = gl.maximum(gl.minimum(gl.cdiv(gl.maximum(mid_lo - lo, 0), BLOCK_N), n_tiles), 1)
+        t_hi = gl.maximum(gl.minimum(gl.maximum((mid_hi - lo) // BLOCK_N, t_lo), n_tiles), 1)
         q_tile = q_smem.index(CONSUMER)
+        ctx = (descs, smem, bars, q_tile, row0, rows, n_tiles, key0, lo, kv_col, geo, alibi,
+               drop)
         if n_tiles > 0:
             # Tile 0 on its own: its scores, nothing to add to O yet (masked: exact anywhere).
             mbarrier.wait(q_bars.index(CONSUMER), 0)
@@ -250,45 +351,59 @@ if gluon is not None:
             s_tok = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)),
                                   gl.zeros([BM, BLOCK_N], gl.float32, s_layout), use_acc=False,
                                   is_async=True)
-            _pass_turn(turns, CONSUMER, PINGPONG)
+            _pass_turn(turns, CONSUMER, CONSUMERS, PINGPONG)
             qk = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
             _release_k(k_empty, 0, SPECIALIZED)
             cols = lo + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-            p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, rows, gl.expand_dims(cols, 0),
-                                               geo, alibi_log2, True, HAS_LEFT, HAS_RIGHT,
-                                               SOFTCAP, ALIBI)
-            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, rows, gl.expand_dims(cols, 0), lo,
+                                               geo, alibi, True, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+                                               ALIBI, 0)
+            if DROPOUT:
+                p = gl.where(_dropout_keep(drop, row0, lo, BLOCK_N, s_layout), p, 0.0)
+            state = (acc, gl.convert_layout(p.to(dtype), p_layout), m_i, l_i)
 
             if HAS_LEFT:  # masked tiles left of the visible middle
-                for tile in range(1, gl.maximum(t_lo, 1)):
-                    acc, p_op, m_i, l_i = _pipelined_step(
-                        descs, smem, bars, q_tile, acc, p_op, m_i, l_i, rows, tile, n_tiles,
-                        key0, lo, kv_col, geo, alibi_log2, BLOCK_N, NUM_STAGES, SPECIALIZED,
-                        CONSUMER, PINGPONG, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, s_layout,
-                        o_layout, p_layout)
-            for tile in range(gl.maximum(t_lo, 1), gl.maximum(t_hi, 1)):
-                acc, p_op, m_i, l_i = _pipelined_step(
-                    descs, smem, bars, q_tile, acc, p_op, m_i, l_i, rows, tile, n_tiles, key0,
-                    lo, kv_col, geo, alibi_log2, BLOCK_N, NUM_STAGES, SPECIALIZED, CONSUMER,
-                    PINGPONG, False,
-                    HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, s_layout, o_layout, p_layout)
-            for tile in range(gl.maximum(t_hi, 1), n_tiles):  # diagonal, right bound, last tile
-                acc, p_op, m_i, l_i = _pipelined_step(
-                    descs, smem, bars, q_tile, acc, p_op, m_i, l_i, rows, tile, n_tiles, key0,
-                    lo, kv_col, geo, alibi_log2, BLOCK_N, NUM_STAGES, SPECIALIZED, CONSUMER,
-                    PINGPONG, True,
-                    HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, s_layout, o_layout, p_layout)
+                state = _steps(ctx, state, 1, t_lo, BLOCK_N, NUM_STAGES, SPECIALIZED, CONSUMER,
+                               CONSUMERS, PINGPONG, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, 0,
+                               DROPOUT, s_layout, o_layout, p_layout)
+            if ALIBI:  # the middle by the side of the diagonal it lies on (see _softmax_step)
+                shift = seqlen_k - seqlen_q
+                left_end = gl.minimum(gl.maximum(gl.maximum(row0 + shift - lo + 1, 0) // BLOCK_N,
+                                                 t_lo), t_hi)
+                right_start = gl.minimum(gl.maximum(
+                    gl.cdiv(gl.maximum(row0 + BM - 1 + shift - lo, 0), BLOCK_N), left_end), t_hi)
+                state = _steps(ctx, state, t_lo, left_end, BLOCK_N, NUM_STAGES, SPECIALIZED,
+                               CONSUMER, CONSUMERS, PINGPONG, False, HAS_LEFT, HAS_RIGHT,
+                               SOFTCAP, ALIBI, 1, DROPOUT, s_layout, o_layout, p_layout)
+                state = _steps(ctx, state, left_end, right_start, BLOCK_N, NUM_STAGES,
+                               SPECIALIZED, CONSUMER, CONSUMERS, PINGPONG, False, HAS_LEFT,
+                               HAS_RIGHT, SOFTCAP, ALIBI, 0, DROPOUT, s_layout, o_layout,
+                               p_layout)
+                state = _steps(ctx, state, right_start, t_hi, BLOCK_N, NUM_STAGES, SPECIALIZED,
+                               CONSUMER, CONSUMERS, PINGPONG, False, HAS_LEFT, HAS_RIGHT,
+                               SOFTCAP, ALIBI, -1, DROPOUT, s_layout, o_layout, p_layout)
+            else:
+                state = _steps(ctx, state, t_lo, t_hi, BLOCK_N, NUM_STAGES, SPECIALIZED,
+                               CONSUMER, CONSUMERS, PINGPONG, False, HAS_LEFT, HAS_RIGHT,
+                               SOFTCAP, ALIBI, 0, DROPOUT, s_layout, o_layout, p_layout)
+            # diagonal, right bound, last tile
+            state = _steps(ctx, state, t_hi, n_tiles, BLOCK_N, NUM_STAGES, SPECIALIZED,
+                           CONSUMER, CONSUMERS, PINGPONG, True, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+                           ALIBI, 0, DROPOUT, s_layout, o_layout, p_layout)
+            acc, p_op, m_i, l_i = state
 
             last = (n_tiles - 1) % NUM_STAGES
             mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // NUM_STAGES) & 1)
             _take_turn(turns, n_tiles, CONSUMER, PINGPONG)
             o_tok = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
-            _pass_turn(turns, CONSUMER, PINGPONG)
+            _pass_turn(turns, CONSUMER, CONSUMERS, PINGPONG)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, ))
 
         # A row with no visible key (and no sink) has l = 0: out 0 (acc is 0), lse -inf.
         has_mass = l_i > 0.0
         l_safe = gl.where(has_mass, l_i, 1.0)
+        if DROPOUT:
+            l_safe = l_safe / dropout_scale  # kept P were not scaled by 1 / (1 - p) yet
         out = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout)), 1)
         rows_o = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, o_layout))
         cols_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
@@ -297,7 +412,8 @@ if gluon is not None:
                   + gl.expand_dims(cols_o, 0))
         gl.store(o_ptrs, out.to(Out.dtype.element_ty),
                  mask=gl.expand_dims(rows_o, 1) < seqlen_q)
-        lse = gl.where(has_mass, (m_i + gl.log2(l_safe)) * LN2, float("-inf"))
+        lse = gl.where(has_mass, (m_i + gl.log2(gl.where(has_mass, l_i, 1.0))) * LN2,
+                       float("-inf"))
         gl.store(Lse + off_b.to(gl.int64) * stride_lb + off_h * stride_lh + rows_1d, lse,
                  mask=rows_1d < seqlen_q)
 
@@ -330,18 +446,19 @@ if gluon is not None:
             tma.async_copy_global_to_shared(v_desc, [row, kv_col], v_ready.index(stage),
                                             v_smem.index(stage))
 
-    @gluon.jit
+    @gluon.jit(do_not_specialize=["seed_lo", "seed_hi", "dropout_threshold"])
     def _fwd_hopper_kernel(q_desc, k_desc, v_desc, Out, Lse, Alibi, Sink,
                            stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ab,
                            stride_ah, nheads, group, seqlen_q, seqlen_k, window_left,
-                           window_right, qk_scale, softcap_scale,
+                           window_right, qk_scale, softcap_scale, seed_lo, seed_hi,
+                           dropout_threshold, dropout_scale,
                            HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                            NUM_STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
                            SPECIALIZED: gl.constexpr, PINGPONG: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr,
                            HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                            SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINK: gl.constexpr,
-                           num_warps: gl.constexpr):
+                           DROPOUT: gl.constexpr, num_warps: gl.constexpr):
         """One program per CONSUMERS * 64 query rows of one (batch, head), heaviest causal rows
         first. q_desc/k_desc/v_desc: TMA descriptors over (batch * seqlen, heads * HEAD_DIM)."""
         BLOCK_Q: gl.constexpr = CONSUMERS * BM
@@ -380,28 +497,43 @@ if gluon is not None:
         bars = (q_bars, k_ready, v_ready, k_empty, v_empty, turns)
         scalars = (Out, Lse, Alibi, Sink, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
                    stride_ab, stride_ah, off_b, off_h, start_m, lo, n_tiles, key0, kv_col,
-                   seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale)
+                   seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale,
+                   seed_lo, seed_hi, dropout_threshold, dropout_scale)
         descs = (q_desc, k_desc, v_desc)
-        if SPECIALIZED:
+        if SPECIALIZED:  # consumer 0 is the default partition, the others workers of 4 warps
             if CONSUMERS == 1:
                 gl.warp_specialize(
-                    [(_consumer, (descs, smem, bars, scalars, 0, HEAD_DIM, BLOCK_N, NUM_STAGES,
-                                  CONSUMERS, SPECIALIZED, PINGPONG, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-                                  ALIBI, SINK)),
-                     (_producer, (descs, smem, bars, scalars, q_row, off_h * HEAD_DIM, CONSUMERS,
-                                  BLOCK_N, NUM_STAGES))],
+                    [(_consumer, (descs, smem, bars, scalars, 0, HEAD_DIM, BLOCK_N,
+                                  NUM_STAGES, CONSUMERS, True, PINGPONG, HAS_LEFT,
+                                  HAS_RIGHT, SOFTCAP, ALIBI, SINK, DROPOUT)),
+                     (_producer, (descs, smem, bars, scalars, q_row, off_h * HEAD_DIM,
+                                  CONSUMERS, BLOCK_N, NUM_STAGES))],
                     [1], [PRODUCER_REGS_GL])
-            else:  # the second consumer is a worker partition of its own warpgroup
+            elif CONSUMERS == 2:
                 gl.warp_specialize(
-                    [(_consumer, (descs, smem, bars, scalars, 0, HEAD_DIM, BLOCK_N, NUM_STAGES,
-                                  CONSUMERS, SPECIALIZED, PINGPONG, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-                                  ALIBI, SINK)),
-                     (_producer, (descs, smem, bars, scalars, q_row, off_h * HEAD_DIM, CONSUMERS,
-                                  BLOCK_N, NUM_STAGES)),
-                     (_consumer, (descs, smem, bars, scalars, 1, HEAD_DIM, BLOCK_N, NUM_STAGES,
-                                  CONSUMERS, SPECIALIZED, PINGPONG, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-                                  ALIBI, SINK))],
+                    [(_consumer, (descs, smem, bars, scalars, 0, HEAD_DIM, BLOCK_N,
+                                  NUM_STAGES, CONSUMERS, True, PINGPONG, HAS_LEFT,
+                                  HAS_RIGHT, SOFTCAP, ALIBI, SINK, DROPOUT)),
+                     (_producer, (descs, smem, bars, scalars, q_row, off_h * HEAD_DIM,
+                                  CONSUMERS, BLOCK_N, NUM_STAGES)),
+                     (_consumer, (descs, smem, bars, scalars, 1, HEAD_DIM, BLOCK_N,
+                                  NUM_STAGES, CONSUMERS, True, PINGPONG, HAS_LEFT,
+                                  HAS_RIGHT, SOFTCAP, ALIBI, SINK, DROPOUT))],
                     [1, 4], [PRODUCER_REGS_GL, CONSUMER_REGS])
+            else:
+                gl.warp_specialize(
+                    [(_consumer, (descs, smem, bars, scalars, 0, HEAD_DIM, BLOCK_N,
+                                  NUM_STAGES, CONSUMERS, True, PINGPONG, HAS_LEFT,
+                                  HAS_RIGHT, SOFTCAP, ALIBI, SINK, DROPOUT)),
+                     (_producer, (descs, smem, bars, scalars, q_row, off_h * HEAD_DIM,
+                                  CONSUMERS, BLOCK_N, NUM_STAGES)),
+                     (_consumer, (descs, smem, bars, scalars, 1, HEAD_DIM, BLOCK_N,
+                                  NUM_STAGES, CONSUMERS, True, PINGPONG, HAS_LEFT,
+                                  HAS_RIGHT, SOFTCAP, ALIBI, SINK, DROPOUT)),
+                     (_consumer, (descs, smem, bars, scalars, 2, HEAD_DIM, BLOCK_N,
+                                  NUM_STAGES, CONSUMERS, True, PINGPONG, HAS_LEFT,
+                                  HAS_RIGHT, SOFTCAP, ALIBI, SINK, DROPOUT))],
+                    [1, 4, 4], [PRODUCER_REGS_GL, CONSUMER_REGS, CONSUMER_REGS])
         else:
             mbarrier.expect(q_bars.index(0), q_desc.block_type.nbytes, pred=n_tiles > 0)
             tma.async_copy_global_to_shared(q_desc, [q_row, off_h * HEAD_DIM], q_bars.index(0),
@@ -410,7 +542,7 @@ if gluon is not None:
                 _issue_kv_load(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, i, n_tiles,
                                key0, kv_col, BLOCK_N, NUM_STAGES)
             _consumer(descs, smem, bars, scalars, 0, HEAD_DIM, BLOCK_N, NUM_STAGES, CONSUMERS,
-                      SPECIALIZED, PINGPONG, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, SINK)
+                      SPECIALIZED, PINGPONG, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, SINK, DROPOUT)
 
         for c in gl.static_range(CONSUMERS):
             mbarrier.invalidate(q_bars.index(c))
@@ -431,12 +563,12 @@ def eligible(q, k, v, params: AttentionParams, out, lse, tile) -> bool:
     """Whether the Gluon kernel computes this call (else forward.py's kernel does)."""
     if not GLUON_FORWARD or gluon is None or interpreting() or tile is not None:
         return False
-    supported = (params.attn_bias is None and params.dropout_p == 0 and not params.is_varlen
+    supported = (params.attn_bias is None and not params.is_varlen
                  and params.softmax_scale > 0)
     if not (supported and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9):
         return False
     head_dim = q.shape[-1]  # dense: varlen was excluded above
-    return (head_dim in GLUON_FORWARD_TILES and head_dim == v.shape[-1] == k.shape[-1]
+    return (head_dim in (64, 128) and head_dim == v.shape[-1] == k.shape[-1]
             and q.dtype in (torch.float16, torch.bfloat16) and q.dtype == k.dtype == v.dtype
             and min(q.shape[1], k.shape[1]) > 0
             and all(_flash_layout_2d(x) for x in (q, k, v))
@@ -444,9 +576,9 @@ def eligible(q, k, v, params: AttentionParams, out, lse, tile) -> bool:
 
 
 def launch_config(tile) -> dict:
-    """num_warps, maxnreg and the consumer worker's registers of a tile (BLOCK_N, NUM_STAGES,
+    """num_warps, maxnreg and the consumer workers' registers of a tile (BLOCK_N, NUM_STAGES,
     CONSUMERS, SPECIALIZED, PINGPONG). Specialized programs have CONSUMERS + 1 warpgroups (the
-    producer warp pads to one); one consumer aims at two programs per SM, two at one."""
+    producer warp pads to one); one consumer aims at two programs per SM, more at one."""
     _, _, consumers, specialized, _ = tile
     if not specialized:
         return dict(num_warps=4, CONSUMER_REGS=0)
@@ -457,7 +589,7 @@ def launch_config(tile) -> dict:
 
 
 def attention_forward(q, k, v, params: AttentionParams, out=None, lse=None, tile=None):
-    """(out, lse) of an eligible call; tile overrides configs.GLUON_FORWARD_TILES (the sweep)."""
+    """(out, lse) of an eligible call; tile overrides configs.gluon_forward_tile (the bench)."""
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     if out is None:
@@ -465,7 +597,7 @@ def attention_forward(q, k, v, params: AttentionParams, out=None, lse=None, tile
         out = torch.empty((batch, seqlen_q, nheads, head_dim), dtype=out_dtype, device=q.device)
     if lse is None:
         lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
-    tile = tile or GLUON_FORWARD_TILES[head_dim]
+    tile = tile or gluon_forward_tile(head_dim, seqlen_q, params.window_right is not None)
     block_n, num_stages, consumers, specialized, pingpong = tile
     gl_dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
 
@@ -480,14 +612,16 @@ def attention_forward(q, k, v, params: AttentionParams, out=None, lse=None, tile
     qk_scale, softcap_scale, softcap = score_args(params, q.dtype)
     alibi, alibi_strides, has_alibi = alibi_args(params, lse)
     sink = lse if params.sink is None else params.sink.to(torch.float32)
+    seed_lo, seed_hi, threshold, dropout_scale, dropout = dropout_args(params.dropout_p,
+                                                                       params.dropout_seed)
     grid = (triton.cdiv(seqlen_q, BLOCK_M * consumers), batch * nheads)
     _fwd_hopper_kernel[grid](
         descriptor(q, BLOCK_M), descriptor(k, block_n), descriptor(v, block_n), out, lse, alibi,
         sink, out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
         *alibi_strides, nheads, nheads // nheads_k, seqlen_q, seqlen_k, window_left,
-        window_right, qk_scale, softcap_scale,
+        window_right, qk_scale, softcap_scale, seed_lo, seed_hi, threshold, dropout_scale,
         HEAD_DIM=head_dim, BLOCK_N=block_n, NUM_STAGES=num_stages, CONSUMERS=consumers,
-        SPECIALIZED=specialized, PINGPONG=pingpong and consumers == 2, HAS_LEFT=has_left,
+        SPECIALIZED=specialized, PINGPONG=pingpong and consumers >= 2, HAS_LEFT=has_left,
         HAS_RIGHT=has_right, SOFTCAP=softcap, ALIBI=has_alibi, SINK=params.sink is not None,
-        **launch_config(tile))
+        DROPOUT=dropout, **launch_config(tile))
     return out, lse
