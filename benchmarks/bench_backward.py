@@ -6,11 +6,11 @@ the grid.
     PYTHONPATH=src python3 benchmarks/bench_backward.py --out DIR [--seqlens 1024,4096,16384]
                                                         [--skip-sweep] [--budget SECONDS]
 
-Variants: gluon (the default path: Gluon dK/dV and dQ kernels), gluon_atomic (dQ by atomics in
-the dK/dV kernel), triton (Gluon off: backward.py's kernels), and the anchors of
-bench_triton.anchor (cudnn, flash = FA2, flex = FlexAttention compiled). Times are the
-backward alone on saved (out, lse), bf16, 16k tokens, nheads * headdim = 2048. Writes
-DIR/backward_<date>.json.
+Variants: gluon (the default path: Gluon dK/dV and dQ kernels), gluon_best (each kernel's
+fastest tile of this run's sweep), gluon_atomic (dQ by atomics in the dK/dV kernel), triton
+(Gluon off: backward.py's kernels), and the anchors of bench_triton.anchor (cudnn, flash = FA2,
+flex = FlexAttention compiled). Times are the backward alone on saved (out, lse), bf16, 16k
+tokens, nheads * headdim = 2048. Writes DIR/backward_<date>.json.
 """
 
 from __future__ import annotations
@@ -37,10 +37,10 @@ bwd_mod = importlib.import_module("flashkit.ops.triton.backward")
 hop_mod = importlib.import_module("flashkit.ops.triton.backward_hopper")
 
 # tile overrides per head dim: {"hopper": dK/dV tile} or {"hopper_dq": dQ tile}
-CANDIDATES = {64: [{"hopper_dq": (64, 128, 4, 2)}, {"hopper_dq": (64, 64, 4, 3)},
-                   {"hopper_dq": (64, 64, 4, 2)}],
-              128: [{"hopper_dq": (64, 64, 4, 2)}, {"hopper_dq": (64, 64, 4, 3)},
-                    {"hopper_dq": (64, 128, 4, 2)}]}
+CANDIDATES = {64: [{"hopper": (64, 64, 4, 2)}, {"hopper": (128, 64, 4, 2)},
+                   {"hopper_dq": (64, 64, 4, 2)}, {"hopper_dq": (128, 64, 8, 2)},
+                   {"hopper_dq": (128, 128, 8, 2)}],
+              128: [{"hopper_dq": (64, 64, 4, 2)}, {"hopper_dq": (128, 64, 8, 2)}]}
 
 
 def saved_forward(q, k, v, params):
@@ -78,7 +78,7 @@ def _errors(ref, grads) -> list[float]:
     return [(g.float() - r).abs().max().item() for g, r in zip(grads, ref, strict=True)]
 
 
-def check(log) -> dict:
+def check(log, variants) -> dict:
     """Every candidate block, both dQ paths, against the fp32 reference: its error may be at
     most twice the Triton kernels' + 1e-5. Returns {(head_dim, block): ok}."""
     verdict = {}
@@ -91,7 +91,7 @@ def check(log) -> dict:
             ref = reference_grads(q, k, v, dout, causal)
             base = _errors(ref, backward("triton", dout, q, k, v, out, lse, params)[:3])
             for block in blocks:
-                for variant in ("gluon", "gluon_atomic"):
+                for variant in variants:
                     try:
                         got = _errors(ref, backward(variant, dout, q, k, v, out, lse, params,
                                                     block)[:3])
@@ -128,8 +128,24 @@ def sweep(log, verdict, rows, seqlen=4096):
                         f"{ms:.3f} ms {f / ms * 1e-9:.0f} TFLOP/s")
 
 
-def grid(log, seqlens, rows, deadline):
-    variants = ["gluon", "triton", "cudnn", "flash", "flex"]
+def best_tiles(sweep_rows) -> dict:
+    """{head_dim: tiles}: per kernel, the candidate with the least full + causal time."""
+    total = {}
+    for r in sweep_rows:
+        key = (r["head_dim"], str(r["block"]))
+        total[key] = (total.get(key, (0.0, r["block"]))[0] + r["ms"], r["block"])
+    best = {}
+    for (head_dim, _), (ms, tiles) in total.items():
+        (kernel, tile), = tiles.items()
+        if ms < best.get((head_dim, kernel), (float("inf"), None))[0]:
+            best[(head_dim, kernel)] = (ms, tile)
+    out = {}
+    for (head_dim, kernel), (_, tile) in best.items():
+        out.setdefault(head_dim, {})[kernel] = tile
+    return out
+
+
+def grid(log, seqlens, rows, deadline, variants, best):
     for seqlen in seqlens:
         for head_dim in (64, 128):
             for causal in (False, True):
@@ -148,8 +164,9 @@ def grid(log, seqlens, rows, deadline):
                         if variant in ("cudnn", "flash", "flex"):
                             ms = anchor(variant, q, k, v, dout, causal)[1]
                         else:
+                            tiles = best.get(head_dim) if variant == "gluon_best" else None
                             ms = bench(partial(backward, variant, dout, q, k, v, out, lse,
-                                               params))
+                                               params, tiles))
                     except Exception as e:  # an anchor that lacks this case is recorded
                         row.setdefault("errors", {})[variant] = f"{type(e).__name__}: {e}"[:200]
                         continue
@@ -174,6 +191,8 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--seqlens", default="1024,2048,4096,8192,16384")
     ap.add_argument("--skip-sweep", action="store_true")
+    ap.add_argument("--variants", default="gluon,triton,cudnn,flash,flex")
+    ap.add_argument("--check-variants", default="gluon,gluon_atomic")
     ap.add_argument("--budget", type=float, default=200.0, help="seconds before the grid stops")
     args = ap.parse_args()
     start = time.time()
@@ -184,12 +203,15 @@ def main():
 
     result = dict(env=environment(), hopper_backward=hop_mod.HOPPER_BACKWARD,
                   hopper_backward_dq=hop_mod.HOPPER_BACKWARD_DQ, sweep=[], grid=[])
-    verdict = check(log)
+    verdict = check(log, args.check_variants.split(","))
     result["check"] = [dict(head_dim=d, block=b, ok=ok) for (d, b), ok in verdict.items()]
     if not args.skip_sweep:
         sweep(log, verdict, result["sweep"])
+    best = best_tiles(result["sweep"])
+    result["best_tiles"] = {str(d): t for d, t in best.items()}
+    log(f"best tiles {best}")
     grid(log, [int(s) for s in args.seqlens.split(",")], result["grid"],
-         start + args.budget)
+         start + args.budget, args.variants.split(","), best)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d_%H%M")
     path = os.path.join(args.out, f"backward_{stamp}.json")
     with open(path, "w") as f:

@@ -420,14 +420,17 @@ if gluon is not None:
 # BLOCK_N * D at 64 * 128; 05:15 sweep at 4k (bf16, TFLOP/s of the whole backward with the
 # Triton dQ kernel, full / causal): d64 (64, 64, 4, 2) 390 / 367 vs (64, 64, 4, 3) 385 / 346,
 # 8 warps (64, 128) 348 / 328; d128 (64, 64, 4, 2) 418 / 381 vs 8 warps (64, 128) 411 / 362.
+# 05:38 sweep (with the Gluon dQ kernel): d64 BLOCK_M 128 (S^T tiles [64, 128]: wider wgmma, half
+# the K/V operand reads per flop) 397 / 365 vs (64, 64, 4, 2) 395 / 350.
 HOPPER_BACKWARD = {
-    64: (64, 64, 4, 2),
+    64: (128, 64, 4, 2),
     128: (64, 64, 4, 2),
 }
 # dQ: Q, dO and the dQ accumulator per program, K/V streamed (the forward's shape). 05:23 sweep
 # at 4k (whole backward, TFLOP/s full / causal): d64 (64, 64, 4, 2) 408 / 357, (64, 128, 4, 2)
 # 382 / 365, (64, 64, 4, 3) 387 / 346; d128 (64, 64, 4, 2) 441 / 391, (64, 128, 4, 2)
-# 404 / 371, (64, 64, 4, 3) 404 / 356.
+# 404 / 371, (64, 64, 4, 3) 404 / 356; 05:38: two warpgroups sharing K/V (128, 64, 8, 2) d64
+# 387 / 344, d128 427 / 373, (128, 128, 8, 2) d64 372 / 324.
 HOPPER_BACKWARD_DQ = {
     64: (64, 64, 4, 2),
     128: (64, 64, 4, 2),
