@@ -51,6 +51,8 @@ try:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 except ImportError:  # a Triton without Gluon: the Triton kernels do everything
     gluon = None
+if gluon is not None:  # the forward's K/V ring fill serves the dQ kernel as it is
+    from flashkit.ops.triton.forward_hopper import _issue_kv_load
 
 
 if gluon is not None:
@@ -281,20 +283,6 @@ if gluon is not None:
 
 
     @gluon.jit
-    def _issue_k_v_load(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, tile, n_tiles, kv_row,
-                        kv_col, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
-        """TMA K and V tile `tile` into ring buffer tile % NUM_STAGES (skipped past n_tiles)."""
-        stage = tile % NUM_STAGES
-        valid = tile < n_tiles
-        row = kv_row + tile * BLOCK_N
-        mbarrier.expect(k_bars.index(stage), k_desc.block_type.nbytes, pred=valid)
-        tma.async_copy_global_to_shared(k_desc, [row, kv_col], k_bars.index(stage),
-                                        k_smem.index(stage), pred=valid)
-        mbarrier.expect(v_bars.index(stage), v_desc.block_type.nbytes, pred=valid)
-        tma.async_copy_global_to_shared(v_desc, [row, kv_col], v_bars.index(stage),
-                                        v_smem.index(stage), pred=valid)
-
-    @gluon.jit
     def _key_tile_dq_step(dq, tile, q_smem, do_smem, k_smem, v_smem, k_bars, v_bars, k_desc,
                           v_desc, lse2, delta, n_tiles, kv_row, kv_col, start_m, qk_scale,
                           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -326,7 +314,7 @@ if gluon is not None:
         dq_tok = warpgroup_mma(gl.convert_layout(ds, op_layout), k_buf, dq, is_async=True)
         dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq_tok, ))
         gl.thread_barrier()  # every warp's reads of this buffer are done: refill it
-        _issue_k_v_load(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, tile + NUM_STAGES,
+        _issue_kv_load(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, tile + NUM_STAGES,
                         n_tiles, kv_row, kv_col, BLOCK_N, NUM_STAGES)
         return dq
 
@@ -382,7 +370,7 @@ if gluon is not None:
         tma.async_copy_global_to_shared(q_desc, [q_row, off_h * HEAD_DIM], q_bar, q_smem)
         tma.async_copy_global_to_shared(do_desc, [q_row, off_h * HEAD_DIM], q_bar, do_smem)
         for i in gl.static_range(NUM_STAGES):
-            _issue_k_v_load(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, i, n_tiles, kv_row,
+            _issue_kv_load(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, i, n_tiles, kv_row,
                             kv_col, BLOCK_N, NUM_STAGES)
         rows = start_m + gl.arange(0, BLOCK_M, layout=row_layout)
         lse2 = gl.load(Lse + off_b.to(gl.int64) * stride_lb + off_h * stride_lh + rows) * LOG2E_G
