@@ -4,7 +4,8 @@
         [--head-dims 64,128] [--causal 0,1] [--sweep] [--budget SECONDS]
 
 bf16, batch = 16k tokens / seqlen, nheads = 2048 / headdim, forward and backward, for
-    pallas         flashkit's default: on Hopper the Mosaic GPU forward, Triton-lowered backward
+    pallas         flashkit's default: on Hopper the Mosaic GPU forward and backward where they
+                   cover the problem, else the Triton-lowered kernels
     pallas_triton  the Triton-lowered forward (its backward is pallas's: not timed twice)
     xla            flashkit's seed-003 vmap-over-query-blocks port (seqlen <= --port-max)
     fori           flashkit's seed-003 fori_loop port (seqlen <= --fori-max: the slow one)
@@ -22,8 +23,12 @@ jitted VJP function applied to dO, with the forward's residuals computed once be
 --sweep first times the candidate tiles of flashkit.jax.pallas.TILES at seqlen 8k and runs the
 main grid with the fastest. --mosaic-cells instead times, per cell, the Mosaic forward with every
 tile of flashkit.jax.mosaic.CANDIDATES (each checked against cuDNN's output) beside cuDNN and XLA:
-the data behind flashkit.jax.mosaic.TILES. --budget stops starting new configs after that many
-seconds; the JSON is rewritten after every config, so a run cut short still leaves its numbers.
+the data behind flashkit.jax.mosaic.TILES. --mosaic-bwd times, per cell and dtype (--dtypes),
+the backward alone of every tile of flashkit.jax.mosaic_backward.CANDIDATES (Mosaic forward and
+backward; dq/dk/dv checked against cuDNN's) beside cuDNN's, XLA's and the Triton-lowered
+backward (implementation="pallas_triton"): the data behind mosaic_backward.TILES. --budget
+stops starting new configs after that many seconds; the JSON is rewritten after every config,
+so a run cut short still leaves its numbers.
 Results: DIR/jax_<date>.json with date, device, versions, tiles and config.
 """
 
@@ -123,10 +128,10 @@ def skipped(name, seqlen, args) -> bool:
     return seqlen > limit.get(name, seqlen)
 
 
-def inputs(seqlen, head_dim, tokens):
+def inputs(seqlen, head_dim, tokens, dtype=DTYPE):
     batch, nheads = max(1, tokens // seqlen), WIDTH // head_dim
     keys = jax.random.split(jax.random.key(0), 4)
-    return [jax.random.normal(key, (batch, seqlen, nheads, head_dim), DTYPE) for key in keys]
+    return [jax.random.normal(key, (batch, seqlen, nheads, head_dim), dtype) for key in keys]
 
 
 def sweep(head_dims, tokens, seqlen):
@@ -207,6 +212,70 @@ def mosaic_cells(args, record, path):
             json.dump(record, f, indent=1)
 
 
+def backward_ms(fn, q, k, v, dout):
+    """(ms of the backward alone, (dq, dk, dv) in float32) of one attention function."""
+    _, vjp = jax.jit(lambda q, k, v: jax.vjp(fn, q, k, v))(q, k, v)
+    bwd = jax.jit(lambda vjp, dout: vjp(dout))
+    grads = [g.astype(jnp.float32) for g in bwd(vjp, dout)]
+    return time_ms(bwd, vjp, dout), grads
+
+
+def mosaic_bwd(args, record, path):
+    """Per cell and dtype, the backward of every tile of flashkit.jax.mosaic_backward.CANDIDATES
+    against cuDNN's, XLA's (seqlen <= --port-max) and the Triton-lowered one, timed in the same
+    process; each tile's gradients are checked against cuDNN's (max |diff| over dq, dk, dv)."""
+    from flashkit.jax import mosaic_backward
+
+    record["mosaic_bwd_tiles"] = {f"d{d} {'causal' if c else 'full'}": dataclasses.asdict(t)
+                                  for (d, c), t in mosaic_backward.TILES.items()}
+    record["mosaic_bwd_cells"] = []
+    for dtype in args.dtypes.split(","):
+        for seqlen, causal, d in grid(args):
+            if time.time() - args.started > args.budget:
+                print("budget spent: stopping", flush=True)
+                break
+            q, k, v, dout = inputs(seqlen, d, args.tokens, getattr(jnp, dtype))
+            fl = 2.5 * flops(q.shape[0], q.shape[2], seqlen, d, causal)
+            row = {"seqlen": seqlen, "head_dim": d, "causal": causal, "dtype": dtype,
+                   "candidates": []}
+            ref = None  # cuDNN's gradients
+            fns = attention_fns(causal)
+            for name in ("jax.nn/cudnn", "jax.nn/xla", "pallas_triton"):
+                if skipped(name, seqlen, args) or (name == "pallas_triton"
+                                                   and not args.triton_bwd):
+                    continue
+                try:
+                    row[name] = {"bwd_ms": None}
+                    row[name]["bwd_ms"], grads = backward_ms(fns[name], q, k, v, dout)
+                    ref = grads if ref is None else ref
+                except Exception as err:  # an anchor this jax/GPU cannot run: say so
+                    row[name] = {"error": f"{type(err).__name__}: {str(err)[:200]}"}
+            shipped = mosaic_backward.TILES[d, causal]
+            for tile in mosaic_backward.CANDIDATES[d]:
+                mosaic_backward.TILES[d, causal] = tile
+                entry = {"tile": dataclasses.asdict(tile)}
+                try:
+                    entry["bwd_ms"], grads = backward_ms(fns["pallas"], q, k, v, dout)
+                    if ref is not None:
+                        entry["max_abs_diff_vs_cudnn"] = max(
+                            float(jnp.max(jnp.abs(a - b))) for a, b in zip(grads, ref, strict=True))
+                except Exception as err:  # a tile that does not fit (shared memory, registers)
+                    entry["error"] = f"{type(err).__name__}: {str(err)[:300]}"
+                row["candidates"].append(entry)
+            mosaic_backward.TILES[d, causal] = shipped
+            ok = [c for c in row["candidates"] if c.get("max_abs_diff_vs_cudnn", 1.0) < 0.05]
+            if ok:
+                best = min(ok, key=lambda c: c["bwd_ms"])
+                row["best"] = {**best, "bwd_tflops": fl / best["bwd_ms"] / 1e9,
+                               **{f"bwd_vs_{n.split('/')[-1]}": row[n]["bwd_ms"] / best["bwd_ms"]
+                                  for n in ("jax.nn/cudnn", "jax.nn/xla", "pallas_triton")
+                                  if row.get(n, {}).get("bwd_ms")}}
+            record["mosaic_bwd_cells"].append(row)
+            print(json.dumps(row), flush=True)
+            with open(path, "w") as f:
+                json.dump(record, f, indent=1)
+
+
 def grid(args):
     """(seqlen, causal, head dim) cells, seqlen outermost: a budget cut drops whole seqlens."""
     return [(seqlen, causal, d) for seqlen in (int(s) for s in args.seqlens.split(","))
@@ -229,6 +298,10 @@ def main() -> None:
                     help="--mosaic-cells: leave out the persistent tiles")
     ap.add_argument("--shipped", action="store_true",
                     help="--mosaic-cells: only the tile flashkit.jax.mosaic.TILES picks")
+    ap.add_argument("--mosaic-bwd", action="store_true")
+    ap.add_argument("--dtypes", default="bfloat16", help="--mosaic-bwd: bfloat16,float16")
+    ap.add_argument("--triton-bwd", action="store_true",
+                    help="--mosaic-bwd: also time the Triton-lowered backward")
     ap.add_argument("--sweep-seqlen", type=int, default=8192)
     ap.add_argument("--budget", type=float, default=float("inf"))
     args = ap.parse_args()
@@ -253,6 +326,11 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"jax_{record['date'][:10]}.json")
     print(json.dumps({k: v for k, v in record.items() if k != "results"}), flush=True)
+    if args.mosaic_bwd:
+        path = path.replace(".json", "_mosaic_bwd.json")
+        mosaic_bwd(args, record, path)
+        print(f"wrote {path}")
+        return
     if args.mosaic_cells:
         mosaic_cells(args, record, path)
         print(f"wrote {path}")

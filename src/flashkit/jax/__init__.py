@@ -7,21 +7,23 @@
 Implementations (same math, DESIGN section 1: bottom-right aligned causal/window, GQA, rows that
 see no key give 0 and lse -inf):
     "pallas"         Pallas kernels for NVIDIA GPUs, forward and backward: on a Hopper GPU the
-                     forward is the Mosaic GPU kernel (`mosaic.py`: TMA, wgmma, warp
-                     specialisation) where it covers the problem, else the Triton-lowered one
-                     (`pallas.py`); on a CPU the Triton-lowered kernels run in Pallas's
-                     interpreter (slow: tests and teaching)
+                     Mosaic GPU kernels (`mosaic.py` forward, `mosaic_backward.py` dK/dV and dQ:
+                     TMA, wgmma, warp specialisation) where they cover the problem, else the
+                     Triton-lowered ones (`pallas.py`); on a CPU the Triton-lowered kernels run
+                     in Pallas's interpreter (slow: tests and teaching)
     "pallas_triton"  the Triton-lowered kernels only
     "pallas_mosaic"  the Mosaic GPU forward (Hopper only; NotImplementedError where it does not
-                     cover the problem), the Triton-lowered backward
+                     cover the problem), the Mosaic GPU backward where it covers the problem
+                     (its domain is narrower: seqlen_k % 128 == 0), else the Triton-lowered one
     "xla"            seed 003's vmap-over-query-blocks port, tiled in plain JAX
     "fori"           seed 003's first port, a fori_loop over query blocks (kept to show the
                      difference)
 
 Gradients come from one `jax.custom_vjp` for all of them: the forward saves (q, k, v, out, lse),
 and the backward recomputes P = exp(S - lse) tile by tile with delta = rowsum(dO * O)
-(FlashAttention-2). The Pallas forwards read the caller's (batch, seqlen, nheads, d) layout; the
-XLA ports and the backward kernels work in the folded GQA layout of `_layout`.
+(FlashAttention-2). The Pallas forwards and the Mosaic backward read the caller's (batch, seqlen,
+nheads, d) layout; the XLA ports and the Triton-lowered backward work in the folded GQA layout of
+`_layout`.
 
 This module needs jax; `import flashkit` never imports it.
 """
@@ -79,6 +81,19 @@ def _attention(q, k, v, cfg: AttentionConfig):
     return _layout.unfold_q(out, q.shape[1]), lse.reshape(q.shape[0], q.shape[2], q.shape[1])
 
 
+def _mosaic_backward_for(q, k, v, cfg: AttentionConfig):
+    """The Mosaic GPU backward module when it runs this backward, else None."""
+    if cfg.implementation not in ("pallas", "pallas_mosaic") or cfg.interpret:
+        return None
+    try:  # as in _mosaic_for: a CPU-only jax install may lack what Mosaic GPU needs
+        from flashkit.jax import mosaic, mosaic_backward
+    except ImportError:
+        return None
+    usable = mosaic.is_hopper() and mosaic_backward.supports(q.shape, k.shape, v.shape,
+                                                             q.dtype, cfg)
+    return mosaic_backward if usable else None
+
+
 def _attention_fwd(q, k, v, cfg):
     out, lse = _attention(q, k, v, cfg)
     return (out, lse), (q, k, v, out, lse)
@@ -87,6 +102,9 @@ def _attention_fwd(q, k, v, cfg):
 def _attention_bwd(cfg, residuals, cotangents):
     q, k, v, out, lse = residuals
     dout, dlse = cotangents
+    mosaic_backward = _mosaic_backward_for(q, k, v, cfg)
+    if mosaic_backward is not None:
+        return mosaic_backward.backward(q, k, v, out, dout, lse, dlse, cfg)
     hk = k.shape[2]
     dout_f = _layout.fold_q(dout, hk)
     lse2, delta = backward_rows(_layout.fold_q(out, hk), dout_f, _layout.fold_rows(lse, hk),
