@@ -6,7 +6,7 @@
 bf16, batch = 16k tokens / seqlen, nheads = 2048 / headdim, forward and backward, for
     pallas         flashkit's default: on Hopper the Mosaic GPU forward and backward where they
                    cover the problem, else the Triton-lowered kernels
-    pallas_triton  the Triton-lowered forward (its backward is pallas's: not timed twice)
+    pallas_triton  the Triton-lowered forward and backward
     xla            flashkit's seed-003 vmap-over-query-blocks port (seqlen <= --port-max)
     fori           flashkit's seed-003 fori_loop port (seqlen <= --fori-max: the slow one)
 and the anchors in the same run: jax.nn.dot_product_attention(implementation="cudnn") and
@@ -103,12 +103,10 @@ def attention_fns(causal):
     return fns
 
 
-def measure(fn, q, k, v, dout, backward=True):
-    """(fwd ms, bwd ms or None) of one attention function."""
+def measure(fn, q, k, v, dout):
+    """(fwd ms, bwd ms) of one attention function."""
     fwd = jax.jit(fn)
     t_fwd = time_ms(fwd, q, k, v)
-    if not backward:
-        return t_fwd, None
     _, vjp = jax.jit(lambda q, k, v: jax.vjp(fn, q, k, v))(q, k, v)
     t_bwd = time_ms(jax.jit(lambda vjp, dout: vjp(dout)), vjp, dout)
     return t_fwd, t_bwd
@@ -349,13 +347,12 @@ def main() -> None:
             if skipped(name, seqlen, args):
                 continue
             try:
-                t_fwd, t_bwd = measure(fn, q, k, v, dout, name != "pallas_triton")
+                t_fwd, t_bwd = measure(fn, q, k, v, dout)
             except Exception as err:  # an anchor this jax/GPU cannot run: say so
                 row[name] = {"error": f"{type(err).__name__}: {str(err)[:200]}"}
                 continue
-            row[name] = {"fwd_ms": t_fwd, "fwd_tflops": fl / t_fwd / 1e9}
-            if t_bwd is not None:
-                row[name].update(bwd_ms=t_bwd, bwd_tflops=2.5 * fl / t_bwd / 1e9)
+            row[name] = {"fwd_ms": t_fwd, "fwd_tflops": fl / t_fwd / 1e9, "bwd_ms": t_bwd,
+                         "bwd_tflops": 2.5 * fl / t_bwd / 1e9}
         ref = row.get("jax.nn/cudnn", {})
         for r in row.values():
             if isinstance(r, dict) and "fwd_ms" in r and "fwd_ms" in ref:
