@@ -19,7 +19,7 @@ from flashkit.jax import flash_attention  # noqa: E402
 from flashkit.reference import attention  # noqa: E402
 from flashkit.testing import assert_close_to_oracle  # noqa: E402
 
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _torch_run(arrays, dtype, causal, scale, window):
