@@ -48,15 +48,12 @@ __all__ = ["forward", "supports", "Tile", "TILES", "CANDIDATES"]
 class Tile:
     """BLOCK_K keys per block, STAGES slots in the K/V ring, one CTA per SM or per tile.
     BLOCK_Q (rows per consumer warpgroup) is wgmma's M, 64. Shared memory: Q and O 2 * 2 * BQ * d,
-    K and V 2 * STAGES * BK * d elements (d128 (128, 3) does not fit). PAIRED: a consumer issues
-    block j-1's P V and block j's S together and hands the tensor cores on at once (see
-    `paired_blocks`); else it waits for each P V before it issues the next S."""
+    K and V 2 * STAGES * BK * d elements (d128 (128, 3) does not fit)."""
 
     block_k: int
     stages: int = 2
     persistent: bool = True
     block_q: int = 64
-    paired: bool = False
 
 
 # (head dim, causal) -> ((largest seqlen_k, tile), ...): the first entry whose bound is >= seqlen_k
@@ -76,10 +73,8 @@ TILES = {
 # The tiles bench_jax.py --mosaic-cells chooses among per cell (each of them, so every tile TILES
 # can hold, is checked against the oracle by tests/jax/test_jax_mosaic.py on the GPU).
 CANDIDATES = {
-    64: (Tile(256), Tile(128), Tile(256, persistent=False), Tile(256, paired=True),
-         Tile(256, persistent=False, paired=True)),
-    128: (Tile(128), Tile(128, persistent=False), Tile(128, paired=True),
-          Tile(128, persistent=False, paired=True)),
+    64: (Tile(256), Tile(128), Tile(256, persistent=False)),
+    128: (Tile(128), Tile(128, persistent=False)),
 }
 MIN_BLOCK_K = 64
 _CONSUMERS = 2
@@ -177,47 +172,48 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, smem, barriers, *, cfg, tile,
             batch, head, row0, _ = rows_of(i)
             plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(row0, bq), head], q_wg, q_ready.at[wg])
 
-        def qk(slot):
-            """Issue S = Q K^T ([BQ, BK] = [BQ, D] @ [D, BK]) of the block in `slot`, hand the
-            tensor cores to the other consumer, return S."""
-
-            def body(s_ref):
-                plgpu.wgmma(s_ref, q_wg, k_smem.at[slot].transpose((1, 0)))
-                take_turn()
-                return s_ref[...]
-
-            s = pl.run_scoped(body, plgpu.ACC((bq, bk), jnp.float32))
-            plgpu.barrier_arrive(k_free.at[slot])
-            return s
-
-        def softmax(s, m, l, row0, j, masked):
-            """Block j's online-softmax update: (m, l, P in the input dtype, alpha). Callers
-            put it behind an optimization barrier, so that it finishes before what follows (a
-            barrier arrive or a wgmma wait)."""
-            if masked:  # key col visible from row iff col <= row + shift
-                rows, cols = (plgpu.broadcasted_iota(jnp.int32, (bq, bk), dim,
-                                                     layout=plgpu.Layout.WGMMA)
-                              for dim in (0, 1))
-                s = jnp.where(rows + (row0 + cfg.shift) >= cols + j * bk, s, -jnp.inf)
-            # Block 0 holds a visible key for every row, so m is finite from then on: no NaN.
-            m_new = jnp.maximum(m, s.max(axis=1) * c)
-            alpha = jnp.exp2(m - m_new)
-            p = jnp.exp2(s * c - lax.broadcast_in_dim(m_new, s.shape, [0]))
-            l = l * alpha + p.sum(axis=1)
-            return m_new, l, p.astype(q_ref.dtype), alpha
-
-        def scaled(acc, alpha):
-            return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-
-        def serial_blocks(base, row0, blocks, unmasked, state):
-            """Per block: S, softmax, then O += P V waited for before the next S."""
+        def tile_body(i, base):
+            """Tile i, whose first key block is the CTA's base-th."""
+            batch, head, row0, cta_blocks = rows_of(i)
+            blocks = key_blocks(row0 + bq)
+            # Key blocks below every row's diagonal need no mask.
+            unmasked = jnp.minimum(lax.div(row0 + cfg.shift + 1, bk), blocks) if causal else blocks
+            m = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), row_layout)
+            l = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row_layout)
+            acc = plgpu.layout_cast(jnp.zeros((bq, q_ref.shape[3]), jnp.float32),
+                                    plgpu.Layout.WGMMA)
+            plgpu.barrier_wait(q_ready.at[wg])
+            plgpu.barrier_wait(k_ready.at[slot_of(base)])  # blocks >= 1 always (module doc)
+            pl.when(wg == 1)(take_turn)  # consumer 0 goes first
 
             def step(j, state, masked):
+                """S, softmax, then O += P V, waited for before the next S. Issuing the next S
+                before this P V (FlashAttention-3's intra-warpgroup overlap) made ptxas serialise
+                every wgmma (P's register operand is written inside S's open wgmma stage);
+                issuing P V and the next S together measured no faster (results NOTES, runs 7-8)."""
                 m, l, acc = state
                 slot = slot_of(base + j)
-                s = qk(slot)
-                m, l, p, alpha = softmax(s, m, l, row0, j, masked)
-                acc, l, m, p = lax.optimization_barrier((scaled(acc, alpha), l, m, p))
+
+                def qk(s_ref):  # [BQ, BK] = [BQ, D] @ [D, BK]
+                    plgpu.wgmma(s_ref, q_wg, k_smem.at[slot].transpose((1, 0)))
+                    take_turn()  # the other consumer's matmuls go next
+                    return s_ref[...]
+
+                s = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
+                plgpu.barrier_arrive(k_free.at[slot])
+                if masked:  # key col visible from row iff col <= row + shift
+                    rows, cols = (plgpu.broadcasted_iota(jnp.int32, (bq, bk), dim,
+                                                         layout=plgpu.Layout.WGMMA)
+                                  for dim in (0, 1))
+                    s = jnp.where(rows + (row0 + cfg.shift) >= cols + j * bk, s, -jnp.inf)
+                # Block 0 holds a visible key for every row, so m is finite from then on: no NaN.
+                m_new = jnp.maximum(m, s.max(axis=1) * c)
+                alpha = jnp.exp2(m - m_new)
+                p = jnp.exp2(s * c - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                l = l * alpha + p.sum(axis=1)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                p = p.astype(q_ref.dtype)
+                acc, l, m_new, p = lax.optimization_barrier((acc, l, m_new, p))
                 plgpu.barrier_arrive(turn)  # softmax done
                 plgpu.barrier_wait(v_ready.at[slot])
                 plgpu.barrier_wait(turn)  # the tensor cores are ours again
@@ -231,81 +227,7 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, smem, barriers, *, cfg, tile,
 
                 acc = pl.run_state(pv)(plgpu.ACC.init(acc))  # wgmma accumulates in place
                 plgpu.barrier_arrive(v_free.at[slot])
-                return m, l, acc
-
-            state = lax.fori_loop(0, unmasked, functools.partial(step, masked=False), state)
-            if causal:
-                state = lax.fori_loop(unmasked, blocks, functools.partial(step, masked=True),
-                                      state)
-            return state
-
-        def paired_blocks(base, row0, blocks, unmasked, state):
-            """Block j-1's O += P V and block j's S = Q K^T issued as one wgmma group (P V
-            first: its P operand sits in registers, and ptxas serialises every wgmma when
-            registers feeding one are written while another is in flight), the turn passed
-            once both are issued, both waited for together; the serial schedule instead
-            waits for P V before it issues the next S. Block 0 is masked when causal (a no-op
-            where all is visible)."""
-            m, l, acc = state
-            zeros = plgpu.layout_cast(jnp.zeros((bq, bk), jnp.float32), plgpu.Layout.WGMMA)
-
-            def step(j, carry, masked):
-                m, l, acc, p = carry
-                slot, prev = slot_of(base + j), slot_of(base + j - 1)
-                plgpu.barrier_arrive(turn)  # softmax done
-                plgpu.barrier_wait(k_ready.at[slot])
-                plgpu.barrier_wait(v_ready.at[prev])
-                plgpu.barrier_wait(turn)  # the tensor cores are ours again
-
-                def mma(refs):
-                    acc_ref, s_ref = refs
-                    plgpu.wgmma(acc_ref, p, v_smem.at[prev])  # [BQ, D] += [BQ, BK] @ [BK, D]
-                    plgpu.wgmma(s_ref, q_wg, k_smem.at[slot].transpose((1, 0)))  # [BQ, BK]
-                    take_turn()
-
-                acc, s = pl.run_state(mma)((plgpu.ACC.init(acc), plgpu.ACC.init(zeros)))
-                plgpu.barrier_arrive(k_free.at[slot])
-                plgpu.barrier_arrive(v_free.at[prev])
-                m, l, p, alpha = softmax(s, m, l, row0, j, masked)
-                acc, l, m, p = lax.optimization_barrier((scaled(acc, alpha), l, m, p))
-                return m, l, acc, p
-
-            m, l, p, _ = softmax(qk(slot_of(base)), m, l, row0, 0, causal)
-            l, m, p = lax.optimization_barrier((l, m, p))
-            carry = lax.fori_loop(1, unmasked, functools.partial(step, masked=False),
-                                  (m, l, acc, p))
-            if causal:
-                carry = lax.fori_loop(jnp.maximum(unmasked, 1), blocks,
-                                      functools.partial(step, masked=True), carry)
-            m, l, acc, p = carry
-            last = slot_of(base + blocks - 1)
-            plgpu.barrier_arrive(turn)
-            plgpu.barrier_wait(v_ready.at[last])
-            plgpu.barrier_wait(turn)
-
-            def pv(acc_ref):  # [BQ, D] += [BQ, BK] @ [BK, D]
-                plgpu.wgmma(acc_ref, p, v_smem.at[last])
-                take_turn()
-
-            acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-            plgpu.barrier_arrive(v_free.at[last])
-            return m, l, acc
-
-        def tile_body(i, base):
-            """Tile i, whose first key block is the CTA's base-th."""
-            batch, head, row0, cta_blocks = rows_of(i)
-            blocks = key_blocks(row0 + bq)  # >= 1 (module doc)
-            # Key blocks below every row's diagonal need no mask.
-            unmasked = jnp.minimum(lax.div(row0 + cfg.shift + 1, bk), blocks) if causal else blocks
-            m = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), row_layout)
-            l = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row_layout)
-            acc = plgpu.layout_cast(jnp.zeros((bq, q_ref.shape[3]), jnp.float32),
-                                    plgpu.Layout.WGMMA)
-            plgpu.barrier_wait(q_ready.at[wg])
-            plgpu.barrier_wait(k_ready.at[slot_of(base)])
-            pl.when(wg == 1)(take_turn)  # consumer 0 goes first
-            schedule = paired_blocks if tile.paired else serial_blocks
-            m, l, acc = schedule(base, row0, blocks, unmasked, (m, l, acc))
+                return m_new, l, acc
 
             def drain(j, carry):
                 """Blocks only the other consumer sees (causal): wait for them (barrier phases
@@ -319,10 +241,15 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, smem, barriers, *, cfg, tile,
                 take_turn()
                 return carry
 
+            state = (m, l, acc)
+            state = lax.fori_loop(0, unmasked, functools.partial(step, masked=False), state)
             if causal:
+                state = lax.fori_loop(unmasked, blocks, functools.partial(step, masked=True),
+                                      state)
                 lax.fori_loop(blocks, cta_blocks, drain, None)
             pl.when(wg == 0)(take_turn)
             pl.when(i + 1 < my_tiles)(functools.partial(load_q, i + 1))  # Q's slot is free
+            m, l, acc = state
 
             acc = acc * lax.broadcast_in_dim(1.0 / l, acc.shape, [0])
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's O left o_wg
