@@ -1,6 +1,7 @@
-"""The Gluon backward of the plain case (flashkit.ops.triton.backward_hopper): which calls take it,
-and its gradients against the float64 oracle (DESIGN section 5) through the public backend, on
-both dQ paths (atomics by default, the dQ kernel under deterministic=True, bitwise reproducible)."""
+"""The Gluon backward (flashkit.ops.triton.backward_hopper): which calls take it, and its gradients
+against the float64 oracle (DESIGN section 5) through the public backend, on both dQ paths (the
+dQ kernel by default and under deterministic=True, bitwise reproducible; atomics when configured),
+plain and with its features (windows, seqlen_q != seqlen_k, sink, ALiBi, softcap)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from tests.ops.test_triton import DEVICE, check_against_oracle, make_inputs
 
 from flashkit.ops import triton as triton_backend
 from flashkit.ops.params import AttentionParams
+from flashkit.reference import attention_with_params
+from flashkit.testing import assert_close_to_oracle
 
 hopper = importlib.import_module("flashkit.ops.triton.backward_hopper")
 backward = importlib.import_module("flashkit.ops.triton.backward")
@@ -28,19 +31,22 @@ def _eligible(q, k, v, params, tiles=None):
                            torch.empty_like(k), torch.empty_like(v), tiles)
 
 
-def test_not_taken_off_hopper_or_with_features():
+def test_taken_on_hopper_with_features_but_dropout():
     q, k, v, _ = make_inputs(1, 128, 128, 4, 2, 64, 64, torch.float16)
     plain = AttentionParams(0.125, None, 0)
-    assert _eligible(q, k, v, plain) == (DEVICE == "cuda" and _on_hopper())
+    on_hopper = DEVICE == "cuda" and _on_hopper()
+    assert _eligible(q, k, v, plain) == on_hopper
     assert not _eligible(q, k, v, plain, tiles={"dkdv": (32, 32, 4, 1)})  # Triton tile sweep
-    for params in (AttentionParams(0.125, 7, 0), AttentionParams(0.125, None, 0, softcap=5.0),
-                   AttentionParams(0.125, None, 0, dropout_p=0.1),
-                   AttentionParams(0.125, None, 0, sink=torch.zeros(4))):
-        assert not _eligible(q, k, v, params)
+    for params in (AttentionParams(0.125, 7, 0), AttentionParams(0.125, 5, 3),
+                   AttentionParams(0.125, None, 0, softcap=5.0),
+                   AttentionParams(0.125, None, None, alibi_slopes=torch.rand(4, device=DEVICE)),
+                   AttentionParams(0.125, None, 0, sink=torch.zeros(4, device=DEVICE))):
+        assert _eligible(q, k, v, params) == on_hopper
+    assert not _eligible(q, k, v, AttentionParams(0.125, None, 0, dropout_p=0.1))
     q_odd, k_odd, v_odd, _ = make_inputs(1, 100, 100, 2, 2, 64, 64, torch.float16)
     assert not _eligible(q_odd, k_odd, v_odd, plain)
     q_short, k_long, v_long, _ = make_inputs(1, 128, 256, 2, 2, 64, 64, torch.float16)
-    assert not _eligible(q_short, k_long, v_long, plain)
+    assert _eligible(q_short, k_long, v_long, plain) == on_hopper
     q80, k80, v80, _ = make_inputs(1, 128, 128, 2, 2, 80, 80, torch.float16)
     assert not _eligible(q80, k80, v80, plain)
 
@@ -88,3 +94,66 @@ def test_gpu_gluon_backward_deterministic_is_bitwise_reproducible(head_dim):
                                          dataclasses.replace(params, deterministic=False),
                                          atomic_dq=True)[:3]
     assert torch.equal(atomic[1], first[1]) and torch.equal(atomic[2], first[2])
+
+
+FEATURE_CASES = [  # (dtype, head_dim, seqlen_q, seqlen_k, nheads, nheads_k, params keywords)
+    (torch.bfloat16, 128, 384, 384, 4, 2, dict(window_left=100, window_right=30)),
+    (torch.float16, 64, 256, 640, 2, 2, dict(window_right=0)),  # causal, bottom-right
+    (torch.bfloat16, 64, 640, 256, 4, 1, dict(window_right=0)),  # rows without keys
+    (torch.float16, 128, 512, 256, 2, 2, dict(window_left=70, window_right=-40)),
+    (torch.float16, 64, 384, 384, 2, 2, dict(window_left=64)),
+    (torch.bfloat16, 128, 256, 512, 4, 4, dict()),
+    (torch.bfloat16, 128, 384, 384, 4, 2, dict(window_right=0, alibi=True)),
+    (torch.float16, 64, 256, 384, 4, 4, dict(alibi=True)),
+    (torch.bfloat16, 64, 384, 384, 4, 2, dict(window_right=0, softcap=2.0)),
+    (torch.float16, 128, 256, 256, 2, 2, dict(softcap=5.0)),
+    (torch.bfloat16, 128, 640, 256, 4, 2, dict(window_right=0, sink=True)),
+    (torch.float16, 64, 384, 384, 2, 1, dict(window_left=50, window_right=0, sink=True,
+                                             alibi=True, softcap=3.0)),
+]
+
+
+def _feature_params(nheads, head_dim, deterministic, window_left=None, window_right=None,
+                    alibi=False, softcap=0.0, sink=False):
+    return AttentionParams(
+        head_dim ** -0.5, window_left, window_right, softcap=softcap,
+        alibi_slopes=torch.rand(2, nheads, device="cuda") * 0.3 if alibi else None,
+        sink=torch.randn(nheads, device="cuda") + 1.0 if sink else None,
+        deterministic=deterministic)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _on_hopper(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("path", ["default", "atomic_dq"])
+@pytest.mark.parametrize("case", FEATURE_CASES, ids=str)
+def test_gpu_gluon_backward_features_match_oracle(case, path, monkeypatch):
+    """Each feature flag of both Gluon kernels (and dsink, which backward.py reduces from lse
+    and delta) against the oracle, into NaN-poisoned buffers."""
+    monkeypatch.setattr(backward, "GLUON_BACKWARD_ATOMIC_DQ", path != "default")
+    dtype, head_dim, seqlen_q, seqlen_k, nheads, nheads_k, features = case
+    q, k, v, dout = make_inputs(2, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, head_dim,
+                                dtype, "cuda")
+    params = _feature_params(nheads, head_dim, False, **features)
+    assert _eligible(q, k, v, params)
+    _, _, grads = check_against_oracle(q, k, v, dout, params)
+    if params.sink is not None:
+        dsinks = []
+        for t in (torch.float64, dtype):
+            leaves = [x.detach().to(t).requires_grad_() for x in (q, k, v, params.sink)]
+            out, _ = attention_with_params(*leaves[:3], dataclasses.replace(params,
+                                                                            sink=leaves[3]))
+            dsinks.append(torch.autograd.grad(out, leaves[3], dout.to(t))[0])
+        assert_close_to_oracle("dsink", grads[3], *dsinks)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _on_hopper(), reason="needs an sm_90 GPU")
+def test_gpu_gluon_backward_features_deterministic_is_bitwise_reproducible():
+    q, k, v, dout = make_inputs(2, 512, 768, 4, 2, 128, 128, torch.bfloat16, "cuda")
+    params = _feature_params(4, 128, True, window_left=200, window_right=0, alibi=True,
+                             softcap=4.0, sink=True)
+    out, lse = triton_backend.forward(q, k, v, params)
+    first = triton_backend.backward(dout, q, k, v, out, lse, params)
+    again = triton_backend.backward(dout, q, k, v, out, lse, params)
+    for name, a, b in zip(("dq", "dk", "dv", "dsink"), first, again, strict=True):
+        assert torch.equal(a, b), name

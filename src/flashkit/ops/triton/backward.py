@@ -22,9 +22,9 @@ element in one program in a fixed order, so gradients are bitwise reproducible; 
 (configs.ATOMIC_DQ) lets the dK/dV kernel also add dS K into an fp32 dQ accumulator with atomics,
 saving the dQ kernel's two recomputed matmuls (5 instead of 7) at the price of a run-to-run order.
 Transposed tiles carry a _t suffix: s_t is [BLOCK_N, BLOCK_M] = s^T.
-On sm_90 the plain case's dK/dV and dQ run the Gluon kernels of backward_hopper.py instead
-(configs.GLUON_BACKWARD); the preprocess (and on the atomic path the dQ conversion) here serve
-both.
+On sm_90 dK/dV and dQ run the Gluon kernels of backward_hopper.py instead (configs.GLUON_BACKWARD;
+every feature but dropout and varlen, see backward_hopper.eligible); the preprocess, dsink (and on
+the atomic path the dQ conversion) here serve both.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Hopper-only backward in Gluon (triton.experimental.gluon), FA3-style, for the plain case: a
-dK/dV kernel and a dQ kernel; backward.py launches them after its preprocess (delta).
+"""Hopper-only backward in Gluon (triton.experimental.gluon), FA3-style: a dK/dV kernel and a dQ
+kernel; backward.py launches them after its preprocess (delta) and reduces dsink itself.
 
 Notation as in backward.py: P = exp2(s - lse2) recomputed from the saved lse, dP = dO V^T,
 dS = P * (dP - delta), dV = P^T dO, dK = scale dS^T Q, dQ = scale dS K. Transposed tiles carry
@@ -23,11 +23,17 @@ reproducible): one program per BLOCK_M query rows, Q and dO resident, K/V tiles 
 ring, S = Q K^T and dP = dO V^T issued together (P's exp2 under dP), dQ += dS K with dS from
 registers, lse and delta per row in registers (two values per thread in this layout).
 
-Eligible (see `eligible`): CUDA sm_90, fp16/bf16, head dim 64 or 128 (q, k, v alike), self
-attention (seqlen_q == seqlen_k, a multiple of both tiles), full or causal, GQA, no softcap /
-ALiBi / sink / bias / dropout / varlen, q/k/v/dout contiguous in the flash-attn layout (so
-(batch * seqlen, heads * d) is a plain 2-D view for TMA). Every row then sees at least its own
-key, so lse is finite and no row needs the -inf guard of the Triton kernels.
+Features as compile-time flags through common.py's helpers, as backward.py's kernels use them:
+HAS_LEFT / HAS_RIGHT (any window, causal included, bottom-right aligned for seqlen_q != seqlen_k)
+pick the tile ranges (common.query_tile_ranges / key_tile_ranges) and mask the edge tiles with
+common.visible; SOFTCAP scores through common.scores and multiplies dS by common.softcap_grad;
+ALIBI subtracts common.alibi_bias. A sink needs nothing here: it lives in lse (and dsink comes
+from lse and delta). A row with no visible key (lse -inf) only meets masked tiles, where its P
+(inf before the mask) becomes 0.
+
+Eligible (see `eligible`): what the Gluon forward takes (forward_hopper.gluon_supported: sm_90,
+fp16/bf16, head dim 64 or 128, dense, q/k/v in the flash layout so (batch * seqlen, heads * d) is
+a plain 2-D view for TMA) but dropout, with seqlen_q and seqlen_k multiples of every tile.
 """
 
 from __future__ import annotations
@@ -35,8 +41,21 @@ from __future__ import annotations
 import torch
 
 from flashkit.ops.params import AttentionParams
-from flashkit.ops.triton.common import LOG2E, interpreting
+from flashkit.ops.triton.common import (
+    LOG2E,
+    alibi_args,
+    alibi_bias,
+    key_tile_ranges,
+    load_alibi_log2,
+    query_tile_ranges,
+    score_args,
+    scores,
+    softcap_grad,
+    visible,
+    window_args,
+)
 from flashkit.ops.triton.configs import GLUON_BACKWARD
+from flashkit.ops.triton.forward_hopper import flash_descriptor, flash_layout_2d, gluon_supported
 
 try:
     from triton.experimental import gluon
@@ -61,17 +80,17 @@ if gluon is not None:
     @gluon.jit
     def _issue_q_do_load(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem,
                          delta_smem, q_bars, do_bars, job, n_jobs, jobs_per_head, m_first, q_row,
-                         q_col, lse_row, seqlen, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
+                         q_col, lse_row, seqlen_q, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
                          NUM_STAGES: gl.constexpr):
         """TMA the Q and dO tiles of job `job` (with their lse and delta rows) into ring buffer
         job % NUM_STAGES, skipped past n_jobs. Job j is query tile m_first + j % jobs_per_head of
-        group head j // jobs_per_head."""
+        group head j // jobs_per_head (jobs_per_head >= 1: a block no query sees has n_jobs 0)."""
         stage = job % NUM_STAGES
         valid = job < n_jobs
         g = job // jobs_per_head
         start_m = (m_first + job % jobs_per_head) * BLOCK_M
         col = q_col + g * HEAD_DIM
-        row_1d = lse_row + g * seqlen + start_m
+        row_1d = lse_row + g * seqlen_q + start_m
         q_bar = q_bars.index(stage)
         mbarrier.expect(q_bar, q_desc.block_type.nbytes + lse_desc.block_type.nbytes, pred=valid)
         tma.async_copy_global_to_shared(q_desc, [q_row + start_m, col], q_bar,
@@ -90,14 +109,18 @@ if gluon is not None:
     def _query_tile_step(dk, dv, job, m, dq_base, k_smem, v_smem, q_smem, do_smem, lse_smem,
                          delta_smem, ds_smem, q_bars, do_bars, q_desc, do_desc, lse_desc,
                          delta_desc, n_jobs, jobs_per_head, m_first, q_row, q_col, lse_row,
-                         seqlen, start_n, qk_scale,
+                         start_n, geo, alibi_log2,
                          HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                         NUM_STAGES: gl.constexpr, MASK: gl.constexpr, ATOMIC_DQ: gl.constexpr,
-                         DQ_CHUNK: gl.constexpr, st_layout: gl.constexpr,
-                         kv_layout: gl.constexpr, dq_layout: gl.constexpr,
-                         op_layout: gl.constexpr):
+                         NUM_STAGES: gl.constexpr, MASK: gl.constexpr, HAS_LEFT: gl.constexpr,
+                         HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
+                         ATOMIC_DQ: gl.constexpr, DQ_CHUNK: gl.constexpr,
+                         st_layout: gl.constexpr, kv_layout: gl.constexpr,
+                         dq_layout: gl.constexpr, op_layout: gl.constexpr):
         """Add query tile m (ring job `job`) to dK, dV (and dQ's accumulator); MASK applies the
-        causal predicate key <= query. Returns (dk, dv)."""
+        band predicate (common.visible). geo = (seqlen_q, seqlen_k, window_left, window_right,
+        qk_scale, softcap_scale); alibi_log2 is this query head's slope * log2(e) (ALIBI).
+        Returns (dk, dv)."""
+        seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale = geo
         stage = job % NUM_STAGES
         phase = (job // NUM_STAGES) & 1
         start_m = m * BLOCK_M
@@ -119,15 +142,28 @@ if gluon is not None:
         # lse and delta are read from shared memory at their use: as per-column vectors of the
         # wgmma layout they would hold 2 * BLOCK_M / 4 registers across the matmuls.
         lse2 = lse_smem.index(stage).load(col_layout) * LOG2E_G
-        p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse2, 0))
+        s_t = scores(s_t, qk_scale, softcap_scale, SOFTCAP)
+        if SOFTCAP:
+            dcap_t = softcap_grad(s_t, qk_scale, SOFTCAP)
+        # query i along the columns, key j along the rows: [1, BLOCK_M] and [BLOCK_N, 1]
+        i_t = gl.expand_dims(start_m + gl.arange(0, BLOCK_M, layout=col_layout), 0)
+        j_t = gl.expand_dims(start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout)),
+                             1)
+        if ALIBI:
+            s_t = s_t - alibi_bias(i_t, j_t, seqlen_q, seqlen_k, alibi_log2)
+        # A row with no visible key has lse -inf: its P is inf before the mask, 0 after (such a
+        # row only meets masked tiles).
+        p_t = gl.exp2(s_t - gl.expand_dims(lse2, 0))
         if MASK:
-            rows_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))
-            cols_m = start_m + gl.arange(0, BLOCK_M, layout=col_layout)
-            keep = gl.expand_dims(rows_n, 1) <= gl.expand_dims(cols_m, 0)
+            keep = visible(i_t, j_t, seqlen_q, seqlen_k, window_left, window_right, HAS_LEFT,
+                           HAS_RIGHT)
             p_t = gl.where(keep, p_t, 0.0)
         dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, ))
         delta = delta_smem.index(stage).load(col_layout)
-        ds_t = (p_t * (dp_t - gl.expand_dims(delta, 0))).to(dtype)
+        ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
+        if SOFTCAP:
+            ds_t = ds_t * dcap_t
+        ds_t = ds_t.to(dtype)
         # dV and dK only after dS: their register operands then replace P, dP and delta instead
         # of living beside them (d128: dK + dV alone take 128 of the 255 registers).
         # [BLOCK_N, D] += [BLOCK_N, BLOCK_M] @ [BLOCK_M, D]
@@ -158,32 +194,38 @@ if gluon is not None:
         gl.thread_barrier()
         _issue_q_do_load(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem,
                          delta_smem, q_bars, do_bars, job + NUM_STAGES, n_jobs, jobs_per_head,
-                         m_first, q_row, q_col, lse_row, seqlen, BLOCK_M, HEAD_DIM, NUM_STAGES)
+                         m_first, q_row, q_col, lse_row, seqlen_q, BLOCK_M, HEAD_DIM, NUM_STAGES)
         return dk, dv
 
     @gluon.jit
     def _bwd_dkdv_hopper_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DK, DV,
                                 DQAcc, stride_dkb, stride_dks, stride_dkh,
                                 stride_dvb, stride_dvs, stride_dvh,
-                                nheads, nheads_k, seqlen, qk_scale, softmax_scale,
+                                Alibi, stride_ab, stride_ah, nheads, nheads_k, seqlen_q,
+                                seqlen_k, window_left, window_right, qk_scale, softcap_scale,
+                                softmax_scale,
                                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                                 BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                                CAUSAL: gl.constexpr, ATOMIC_DQ: gl.constexpr,
+                                HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                                SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
+                                ATOMIC_DQ: gl.constexpr,
                                 DQ_CHUNK: gl.constexpr, DQ_WARPS_M: gl.constexpr,
                                 DS_LAYOUT: gl.constexpr, num_warps: gl.constexpr):
         """dK, dV of key block program_id(0) of (batch, kv head) program_id(1), heaviest causal
         blocks first. q/k/v/do descriptors over (batch * seqlen, heads * HEAD_DIM), lse/delta
         descriptors over their flat (batch * nheads * seqlen) rows; DQAcc (ATOMIC_DQ) is the
-        fp32 accumulator (batch * nheads, seqlen, HEAD_DIM) of dQ / scale."""
+        fp32 accumulator (batch * nheads, seqlen_q, HEAD_DIM) of dQ / scale."""
         pid_n = gl.program_id(0)
         pid_bh = gl.program_id(1)
         off_b = pid_bh // nheads_k
         off_hk = pid_bh % nheads_k
         group = nheads // nheads_k
         start_n = pid_n * BLOCK_N
-        q_row = off_b * seqlen
+        q_row = off_b * seqlen_q
+        kv_row = off_b * seqlen_k + start_n
         q_col = off_hk * group * HEAD_DIM
-        lse_row = (off_b * nheads + off_hk * group) * seqlen
+        lse_row = (off_b * nheads + off_hk * group) * seqlen_q
+        geo = (seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale)
         dtype: gl.constexpr = q_desc.dtype
 
         # wgmma accumulators: warps stacked along the key rows (dQ: along its query rows, and
@@ -220,51 +262,64 @@ if gluon is not None:
             mbarrier.init(q_bars.index(i), count=1)
             mbarrier.init(do_bars.index(i), count=1)
 
-        # Query tiles that see this key block: causal, from the one holding query row start_n;
-        # the first ones (up to the tile whose first row sees the block's last key) are masked.
-        n_q = seqlen // BLOCK_M
-        if CAUSAL:
-            m_first = start_n // BLOCK_M
-            m_unmasked = gl.minimum(gl.cdiv(start_n + BLOCK_N - 1, BLOCK_M), n_q)
-        else:
-            m_first = 0
-            m_unmasked = 0
-        jobs_per_head = n_q - m_first
-        n_jobs = group * jobs_per_head
+        # Query tiles [m_first, m_end) see this key block (common.query_tile_ranges); those in
+        # [m_mid_lo, m_mid_hi) see all of it, those before (HAS_RIGHT) and after (HAS_LEFT) are
+        # masked. Every bound is a multiple of BLOCK_M or the last (hi).
+        lo, mid_lo, mid_hi, hi = query_tile_ranges(start_n, seqlen_q, seqlen_k, window_left,
+                                                   window_right, BLOCK_M, BLOCK_N, HAS_LEFT,
+                                                   HAS_RIGHT)
+        m_first = lo // BLOCK_M
+        m_mid_lo = gl.cdiv(mid_lo, BLOCK_M)
+        m_mid_hi = gl.cdiv(mid_hi, BLOCK_M)
+        m_end = gl.cdiv(hi, BLOCK_M)
+        n_jobs = group * (m_end - m_first)
+        jobs_per_head = gl.maximum(m_end - m_first, 1)
 
         mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [q_row + start_n, off_hk * HEAD_DIM], kv_bar,
-                                        k_smem)
-        tma.async_copy_global_to_shared(v_desc, [q_row + start_n, off_hk * HEAD_DIM], kv_bar,
-                                        v_smem)
+        tma.async_copy_global_to_shared(k_desc, [kv_row, off_hk * HEAD_DIM], kv_bar, k_smem)
+        tma.async_copy_global_to_shared(v_desc, [kv_row, off_hk * HEAD_DIM], kv_bar, v_smem)
         for i in gl.static_range(NUM_STAGES):
             _issue_q_do_load(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem,
                              delta_smem, q_bars, do_bars, i, n_jobs, jobs_per_head, m_first,
-                             q_row, q_col, lse_row, seqlen, BLOCK_M, HEAD_DIM, NUM_STAGES)
+                             q_row, q_col, lse_row, seqlen_q, BLOCK_M, HEAD_DIM, NUM_STAGES)
         mbarrier.wait(kv_bar, 0)
 
         dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
         dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
         job = 0
         for g in range(group):  # the query heads that share this kv head, in a fixed order
-            dq_base = DQAcc + (off_b * nheads + off_hk * group + g).to(gl.int64) * (
-                seqlen * HEAD_DIM)
-            for m in range(m_first, m_unmasked):
+            off_h = off_hk * group + g
+            dq_base = DQAcc + (off_b * nheads + off_h).to(gl.int64) * (seqlen_q * HEAD_DIM)
+            alibi_log2 = load_alibi_log2(Alibi, off_b, off_h, stride_ab, stride_ah, ALIBI)
+            if HAS_RIGHT:  # masked: tiles whose rows see only part of the block (right side)
+                for m in range(m_first, m_mid_lo):
+                    dk, dv = _query_tile_step(
+                        dk, dv, job, m, dq_base, k_smem, v_smem, q_smem, do_smem, lse_smem,
+                        delta_smem, ds_smem, q_bars, do_bars, q_desc, do_desc, lse_desc,
+                        delta_desc, n_jobs, jobs_per_head, m_first, q_row, q_col, lse_row,
+                        start_n, geo, alibi_log2, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, True,
+                        HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, ATOMIC_DQ, DQ_CHUNK, st_layout,
+                        kv_layout, dq_layout, op_layout)
+                    job += 1
+            for m in range(m_mid_lo, m_mid_hi):
                 dk, dv = _query_tile_step(
                     dk, dv, job, m, dq_base, k_smem, v_smem, q_smem, do_smem, lse_smem,
                     delta_smem, ds_smem, q_bars, do_bars, q_desc, do_desc, lse_desc, delta_desc,
-                    n_jobs, jobs_per_head, m_first, q_row, q_col, lse_row, seqlen, start_n,
-                    qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, True, ATOMIC_DQ, DQ_CHUNK,
-                    st_layout, kv_layout, dq_layout, op_layout)
+                    n_jobs, jobs_per_head, m_first, q_row, q_col, lse_row, start_n, geo,
+                    alibi_log2, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, False, HAS_LEFT,
+                    HAS_RIGHT, SOFTCAP, ALIBI, ATOMIC_DQ, DQ_CHUNK, st_layout, kv_layout,
+                    dq_layout, op_layout)
                 job += 1
-            for m in range(m_unmasked, n_q):
-                dk, dv = _query_tile_step(
-                    dk, dv, job, m, dq_base, k_smem, v_smem, q_smem, do_smem, lse_smem,
-                    delta_smem, ds_smem, q_bars, do_bars, q_desc, do_desc, lse_desc, delta_desc,
-                    n_jobs, jobs_per_head, m_first, q_row, q_col, lse_row, seqlen, start_n,
-                    qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, False, ATOMIC_DQ,
-                    DQ_CHUNK, st_layout, kv_layout, dq_layout, op_layout)
-                job += 1
+            if HAS_LEFT:  # masked: the window's left edge passes through these tiles
+                for m in range(m_mid_hi, m_end):
+                    dk, dv = _query_tile_step(
+                        dk, dv, job, m, dq_base, k_smem, v_smem, q_smem, do_smem, lse_smem,
+                        delta_smem, ds_smem, q_bars, do_bars, q_desc, do_desc, lse_desc,
+                        delta_desc, n_jobs, jobs_per_head, m_first, q_row, q_col, lse_row,
+                        start_n, geo, alibi_log2, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, True,
+                        HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, ATOMIC_DQ, DQ_CHUNK, st_layout,
+                        kv_layout, dq_layout, op_layout)
+                    job += 1
 
         mbarrier.invalidate(kv_bar)
         for i in gl.static_range(NUM_STAGES):
@@ -284,11 +339,15 @@ if gluon is not None:
 
     @gluon.jit
     def _key_tile_dq_step(dq, tile, q_smem, do_smem, k_smem, v_smem, k_bars, v_bars, k_desc,
-                          v_desc, lse2, delta, n_tiles, kv_row, kv_col, start_m, qk_scale,
-                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                          NUM_STAGES: gl.constexpr, MASK: gl.constexpr,
+                          v_desc, lse2, delta, n_tiles, key0, kv_col, start_m, key_lo, geo,
+                          alibi_log2, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                          NUM_STAGES: gl.constexpr, MASK: gl.constexpr, HAS_LEFT: gl.constexpr,
+                          HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
                           s_layout: gl.constexpr, op_layout: gl.constexpr):
-        """Add key tile `tile` to dQ (unscaled); MASK applies key <= query."""
+        """Add key tile `tile` (keys key_lo + tile * BLOCK_N ..., at row key0 + tile * BLOCK_N
+        of the 2-D view) to dQ (unscaled); MASK applies the band predicate. geo and alibi_log2
+        as in _query_tile_step."""
+        seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale = geo
         stage = tile % NUM_STAGES
         phase = (tile // NUM_STAGES) & 1
         k_buf = k_smem.index(stage)
@@ -303,29 +362,42 @@ if gluon is not None:
         dp_tok = warpgroup_mma(do_smem, v_buf.permute((1, 0)), zero_s, use_acc=False,
                                is_async=True)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
-        p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 1))
+        s = scores(s, qk_scale, softcap_scale, SOFTCAP)
+        if SOFTCAP:
+            dcap = softcap_grad(s, qk_scale, SOFTCAP)
+        i = gl.expand_dims(start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout)), 1)
+        j = gl.expand_dims(key_lo + tile * BLOCK_N
+                           + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)), 0)
+        if ALIBI:
+            s = s - alibi_bias(i, j, seqlen_q, seqlen_k, alibi_log2)
+        p = gl.exp2(s - gl.expand_dims(lse2, 1))  # lse -inf (no visible key): masked below
         if MASK:
-            rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-            cols = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-            p = gl.where(gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1), p, 0.0)
+            p = gl.where(visible(i, j, seqlen_q, seqlen_k, window_left, window_right, HAS_LEFT,
+                                 HAS_RIGHT), p, 0.0)
         dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, ))
-        ds = (p * (dp - gl.expand_dims(delta, 1))).to(q_smem.dtype)
+        ds = p * (dp - gl.expand_dims(delta, 1))
+        if SOFTCAP:
+            ds = ds * dcap
+        ds = ds.to(q_smem.dtype)
         # [BLOCK_M, D] += [BLOCK_M, BLOCK_N] @ [BLOCK_N, D]
         dq_tok = warpgroup_mma(gl.convert_layout(ds, op_layout), k_buf, dq, is_async=True)
         dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq_tok, ))
         gl.thread_barrier()  # every warp's reads of this buffer are done: refill it
         _issue_kv_load(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, tile + NUM_STAGES,
-                        n_tiles, kv_row, kv_col, BLOCK_N, NUM_STAGES)
+                        n_tiles, key0, kv_col, BLOCK_N, NUM_STAGES)
         return dq
 
     @gluon.jit
-    def _bwd_dq_hopper_kernel(q_desc, k_desc, v_desc, do_desc, Lse, Delta, DQ,
+    def _bwd_dq_hopper_kernel(q_desc, k_desc, v_desc, do_desc, Lse, Delta, DQ, Alibi,
                               stride_lb, stride_lh, stride_deltab, stride_deltah,
-                              stride_dqb, stride_dqs, stride_dqh,
-                              nheads, group, seqlen, qk_scale, softmax_scale,
+                              stride_dqb, stride_dqs, stride_dqh, stride_ab, stride_ah,
+                              nheads, group, seqlen_q, seqlen_k, window_left, window_right,
+                              qk_scale, softcap_scale, softmax_scale,
                               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                               BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                              CAUSAL: gl.constexpr, num_warps: gl.constexpr):
+                              HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                              SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
+                              num_warps: gl.constexpr):
         """dQ of BLOCK_M query rows of one (batch, head), heaviest causal rows first: Q and dO
         stay in shared memory, K/V tiles stream through a TMA ring (as the forward), each dQ
         element summed in one program in a fixed order (deterministic)."""
@@ -334,9 +406,9 @@ if gluon is not None:
         off_b = pid_bh // nheads
         off_h = pid_bh % nheads
         start_m = pid_m * BLOCK_M
-        q_row = off_b * seqlen + start_m
-        kv_row = off_b * seqlen
+        q_row = off_b * seqlen_q + start_m
         kv_col = (off_h // group) * HEAD_DIM
+        geo = (seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale)
         dtype: gl.constexpr = q_desc.dtype
 
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -359,18 +431,22 @@ if gluon is not None:
             mbarrier.init(k_bars.index(i), count=1)
             mbarrier.init(v_bars.index(i), count=1)
 
-        if CAUSAL:
-            n_tiles = gl.cdiv(start_m + BLOCK_M, BLOCK_N)
-            n_unmasked = start_m // BLOCK_N  # key tiles left of the diagonal block
-        else:
-            n_tiles = seqlen // BLOCK_N
-            n_unmasked = n_tiles
+        # Key tiles [lo, hi) seen by these rows (common.key_tile_ranges), counted from lo: those
+        # in [t_mid_lo, t_mid_hi) fully visible, those before (HAS_LEFT) and after (HAS_RIGHT)
+        # masked.
+        lo, mid_lo, mid_hi, hi = key_tile_ranges(start_m, seqlen_q, seqlen_k, window_left,
+                                                 window_right, BLOCK_M, BLOCK_N, HAS_LEFT,
+                                                 HAS_RIGHT)
+        n_tiles = gl.cdiv(hi - lo, BLOCK_N)
+        t_mid_lo = gl.cdiv(mid_lo - lo, BLOCK_N)
+        t_mid_hi = gl.cdiv(mid_hi - lo, BLOCK_N)
+        key0 = off_b * seqlen_k + lo
 
         mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [q_row, off_h * HEAD_DIM], q_bar, q_smem)
         tma.async_copy_global_to_shared(do_desc, [q_row, off_h * HEAD_DIM], q_bar, do_smem)
         for i in gl.static_range(NUM_STAGES):
-            _issue_kv_load(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, i, n_tiles, kv_row,
+            _issue_kv_load(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, i, n_tiles, key0,
                             kv_col, BLOCK_N, NUM_STAGES)
         rows = start_m + gl.arange(0, BLOCK_M, layout=row_layout)
         lse2 = gl.load(Lse + off_b.to(gl.int64) * stride_lb + off_h * stride_lh + rows) * LOG2E_G
@@ -379,16 +455,26 @@ if gluon is not None:
         dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout)
         mbarrier.wait(q_bar, 0)
 
-        for tile in range(0, n_unmasked):
+        alibi_log2 = load_alibi_log2(Alibi, off_b, off_h, stride_ab, stride_ah, ALIBI)
+        if HAS_LEFT:  # masked: the window's left edge
+            for tile in range(0, t_mid_lo):
+                dq = _key_tile_dq_step(dq, tile, q_smem, do_smem, k_smem, v_smem, k_bars, v_bars,
+                                       k_desc, v_desc, lse2, delta, n_tiles, key0, kv_col,
+                                       start_m, lo, geo, alibi_log2, BLOCK_M, BLOCK_N,
+                                       NUM_STAGES, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI,
+                                       s_layout, op_layout)
+        for tile in range(t_mid_lo, t_mid_hi):
             dq = _key_tile_dq_step(dq, tile, q_smem, do_smem, k_smem, v_smem, k_bars, v_bars,
-                                   k_desc, v_desc, lse2, delta, n_tiles, kv_row, kv_col, start_m,
-                                   qk_scale, BLOCK_M, BLOCK_N, NUM_STAGES, False, s_layout,
-                                   op_layout)
-        for tile in range(n_unmasked, n_tiles):
-            dq = _key_tile_dq_step(dq, tile, q_smem, do_smem, k_smem, v_smem, k_bars, v_bars,
-                                   k_desc, v_desc, lse2, delta, n_tiles, kv_row, kv_col, start_m,
-                                   qk_scale, BLOCK_M, BLOCK_N, NUM_STAGES, True, s_layout,
-                                   op_layout)
+                                   k_desc, v_desc, lse2, delta, n_tiles, key0, kv_col, start_m,
+                                   lo, geo, alibi_log2, BLOCK_M, BLOCK_N, NUM_STAGES, False,
+                                   HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, s_layout, op_layout)
+        if HAS_RIGHT:  # masked: the diagonal (causal) or the window's right edge
+            for tile in range(t_mid_hi, n_tiles):
+                dq = _key_tile_dq_step(dq, tile, q_smem, do_smem, k_smem, v_smem, k_bars, v_bars,
+                                       k_desc, v_desc, lse2, delta, n_tiles, key0, kv_col,
+                                       start_m, lo, geo, alibi_log2, BLOCK_M, BLOCK_N,
+                                       NUM_STAGES, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI,
+                                       s_layout, op_layout)
 
         mbarrier.invalidate(q_bar)
         for i in gl.static_range(NUM_STAGES):
@@ -425,84 +511,71 @@ HOPPER_BACKWARD_DQ = {
 }
 
 
-def _flash_layout_2d(x: torch.Tensor) -> bool:
-    """x (batch, seqlen, heads, d) is contiguous, so (batch * seqlen, heads * d) is a view."""
-    return x.is_contiguous() and x.data_ptr() % 16 == 0
-
-
 def eligible(q, k, v, dout, lse, params: AttentionParams, dq, dk, dv, tiles) -> bool:
-    """Whether the Gluon kernels compute this call's gradients (else backward.py's do)."""
-    if (not GLUON_BACKWARD or gluon is None or interpreting()
-            or set(tiles or {}) - {"hopper", "hopper_dq"}):
+    """Whether the Gluon kernels compute this call's gradients (else backward.py's do): what
+    the Gluon forward takes (forward_hopper.gluon_supported) except dropout, both sequence
+    lengths multiples of every tile."""
+    if (not GLUON_BACKWARD or params.dropout_p > 0
+            or set(tiles or {}) - {"hopper", "hopper_dq"} or not gluon_supported(q, k, v, params)):
         return False
-    plain = (params.softcap == 0 and params.alibi_slopes is None and params.sink is None
-             and params.attn_bias is None and params.dropout_p == 0 and not params.is_varlen
-             and params.softmax_scale > 0 and params.window_left is None
-             and params.window_right in (None, 0))
-    if not (plain and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9):
-        return False
-    _, seqlen_q, _, head_dim = q.shape  # dense: varlen was excluded above
-    _, seqlen_k, _, head_dim_v = v.shape
-    if head_dim not in HOPPER_BACKWARD:
-        return False
-    tile = max(*HOPPER_BACKWARD[head_dim][:2], *HOPPER_BACKWARD_DQ[head_dim][:2])
-    return (head_dim == head_dim_v == k.shape[-1]
-            and q.dtype in (torch.float16, torch.bfloat16)
-            and q.dtype == k.dtype == v.dtype == dout.dtype
-            and seqlen_q == seqlen_k and seqlen_q % tile == 0
-            and all(_flash_layout_2d(x) for x in (q, k, v, dout, lse))
+    tile = max(*HOPPER_BACKWARD[q.shape[-1]][:2], *HOPPER_BACKWARD_DQ[q.shape[-1]][:2])
+    return (q.shape[1] % tile == 0 and k.shape[1] % tile == 0 and dout.dtype == q.dtype
+            and flash_layout_2d(dout) and flash_layout_2d(lse)
             and all(x.stride(-1) == 1 for x in (dq, dk, dv)))
 
 
-def _descriptor(x, rows):
-    """TMA descriptor of [rows, d] tiles over x (batch, seqlen, heads, d) as a 2-D view."""
-    batch, seqlen, heads, head_dim = x.shape
-    gl_dtype = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
-    layout = gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl_dtype)
-    return TensorDescriptor(x.view(batch * seqlen, heads * head_dim),
-                            [batch * seqlen, heads * head_dim], [heads * head_dim, 1],
-                            [rows, head_dim], layout)
+def _launch_args(q, params: AttentionParams, lse) -> tuple:
+    """The feature arguments both kernels take, after their tensors' strides: (Alibi,
+    stride_ab, stride_ah), then (..., seqlen_q, seqlen_k, window_left, window_right, qk_scale,
+    softcap_scale, softmax_scale), and the constexpr flags."""
+    window_left, window_right, has_left, has_right = window_args(params)
+    qk_scale, softcap_scale, softcap = score_args(params, q.dtype)
+    alibi, alibi_strides, has_alibi = alibi_args(params, lse)
+    lengths = (window_left, window_right, qk_scale, softcap_scale, params.softmax_scale)
+    flags = dict(HAS_LEFT=has_left, HAS_RIGHT=has_right, SOFTCAP=softcap, ALIBI=has_alibi)
+    return (alibi, *alibi_strides), lengths, flags
 
 
 def attention_backward_dkdv(dout, q, k, v, lse, delta, params: AttentionParams, dk, dv,
                             dq_acc=None, block=None):
-    """dK, dV of the eligible case into dk, dv; with dq_acc (fp32 (batch * nheads, seqlen, d),
+    """dK, dV of the eligible case into dk, dv; with dq_acc (fp32 (batch * nheads, seqlen_q, d),
     zeroed) also dQ / scale added into it. delta (like lse) comes from backward.py's preprocess;
     block overrides HOPPER_BACKWARD (the sweep)."""
-    batch, seqlen, nheads, head_dim = q.shape
-    nheads_k = k.shape[2]
+    batch, seqlen_q, nheads, head_dim = q.shape
+    seqlen_k, nheads_k = k.shape[1], k.shape[2]
     block_m, block_n, num_warps, num_stages = block or HOPPER_BACKWARD[head_dim]
     gl_dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
 
-    def rows_descriptor(x):  # lse / delta (batch, nheads, seqlen) as flat rows
+    def rows_descriptor(x):  # lse / delta (batch, nheads, seqlen_q) as flat rows
         layout = gl.NVMMASharedLayout.get_default_for([block_m], gl.float32)
         return TensorDescriptor(x.view(-1), [x.numel()], [1], [block_m], layout)
 
+    alibi, geo, flags = _launch_args(q, params, lse)
     atomic_dq = dq_acc is not None
-    grid = (seqlen // block_n, batch * nheads_k)
+    grid = (seqlen_k // block_n, batch * nheads_k)
     _bwd_dkdv_hopper_kernel[grid](
-        _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n),
-        _descriptor(dout, block_m), rows_descriptor(lse), rows_descriptor(delta), dk, dv,
+        flash_descriptor(q, block_m), flash_descriptor(k, block_n), flash_descriptor(v, block_n),
+        flash_descriptor(dout, block_m), rows_descriptor(lse), rows_descriptor(delta), dk, dv,
         dq_acc if atomic_dq else delta,
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-        nheads, nheads_k, seqlen, params.softmax_scale * LOG2E, params.softmax_scale,
-        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=num_stages,
-        CAUSAL=params.window_right == 0, ATOMIC_DQ=atomic_dq,
-        DQ_CHUNK=min(head_dim, 64), DQ_WARPS_M=min(num_warps, block_m // 16),
+        *alibi, nheads, nheads_k, seqlen_q, seqlen_k, *geo,
+        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=num_stages, **flags,
+        ATOMIC_DQ=atomic_dq, DQ_CHUNK=min(head_dim, 64), DQ_WARPS_M=min(num_warps, block_m // 16),
         DS_LAYOUT=gl.NVMMASharedLayout.get_default_for([block_n, block_m], gl_dtype),
         num_warps=num_warps)
 
 
 def attention_backward_dq(dout, q, k, v, lse, delta, params: AttentionParams, dq, block=None):
     """dQ of the eligible case into dq (deterministic); block overrides HOPPER_BACKWARD_DQ."""
-    batch, seqlen, nheads, head_dim = q.shape
+    batch, seqlen_q, nheads, head_dim = q.shape
     block_m, block_n, num_warps, num_stages = block or HOPPER_BACKWARD_DQ[head_dim]
-    grid = (seqlen // block_m, batch * nheads)
+    (alibi, *alibi_strides), geo, flags = _launch_args(q, params, lse)
+    grid = (seqlen_q // block_m, batch * nheads)
     _bwd_dq_hopper_kernel[grid](
-        _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n),
-        _descriptor(dout, block_m), lse, delta, dq,
+        flash_descriptor(q, block_m), flash_descriptor(k, block_n), flash_descriptor(v, block_n),
+        flash_descriptor(dout, block_m), lse, delta, dq, alibi,
         lse.stride(0), lse.stride(1), delta.stride(0), delta.stride(1),
-        dq.stride(0), dq.stride(1), dq.stride(2),
-        nheads, nheads // k.shape[2], seqlen, params.softmax_scale * LOG2E,
-        params.softmax_scale, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
-        NUM_STAGES=num_stages, CAUSAL=params.window_right == 0, num_warps=num_warps)
+        dq.stride(0), dq.stride(1), dq.stride(2), *alibi_strides,
+        nheads, nheads // k.shape[2], seqlen_q, k.shape[1], *geo,
+        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=num_stages, **flags,
+        num_warps=num_warps)

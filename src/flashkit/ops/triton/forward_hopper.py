@@ -554,14 +554,26 @@ if gluon is not None:
             mbarrier.invalidate(v_empty.index(i))
 
 
-def _flash_layout_2d(x: torch.Tensor) -> bool:
+def flash_layout_2d(x: torch.Tensor) -> bool:
     """x (batch, seqlen, heads, d) is contiguous, so (batch * seqlen, heads * d) is a view."""
     return x.is_contiguous() and x.data_ptr() % 16 == 0
 
 
-def eligible(q, k, v, params: AttentionParams, out, lse, tile) -> bool:
-    """Whether the Gluon kernel computes this call (else forward.py's kernel does)."""
-    if not GLUON_FORWARD or gluon is None or interpreting() or tile is not None:
+def flash_descriptor(x, rows):
+    """TMA descriptor of [rows, d] tiles over x (batch, seqlen, heads, d) as a 2-D view."""
+    batch, seqlen, heads, head_dim = x.shape
+    gl_dtype = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
+    layout = gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl_dtype)
+    return TensorDescriptor(x.view(batch * seqlen, heads * head_dim),
+                            [batch * seqlen, heads * head_dim], [heads * head_dim, 1],
+                            [rows, head_dim], layout)
+
+
+def gluon_supported(q, k, v, params: AttentionParams) -> bool:
+    """What both Gluon kernels (this forward, backward_hopper's backward) need: Gluon on an
+    sm_90 GPU, dense non-empty fp16/bf16 q/k/v of head dim 64 or 128 in the flash layout, no
+    bias, a positive scale. Each kernel's `eligible` adds its own conditions."""
+    if gluon is None or interpreting():
         return False
     supported = (params.attn_bias is None and not params.is_varlen
                  and params.softmax_scale > 0)
@@ -571,7 +583,12 @@ def eligible(q, k, v, params: AttentionParams, out, lse, tile) -> bool:
     return (head_dim in (64, 128) and head_dim == v.shape[-1] == k.shape[-1]
             and q.dtype in (torch.float16, torch.bfloat16) and q.dtype == k.dtype == v.dtype
             and min(q.shape[1], k.shape[1]) > 0
-            and all(_flash_layout_2d(x) for x in (q, k, v))
+            and all(flash_layout_2d(x) for x in (q, k, v)))
+
+
+def eligible(q, k, v, params: AttentionParams, out, lse, tile) -> bool:
+    """Whether the Gluon kernel computes this call (else forward.py's kernel does)."""
+    return (GLUON_FORWARD and tile is None and gluon_supported(q, k, v, params)
             and (out is None or out.stride(-1) == 1) and (lse is None or lse.stride(-1) == 1))
 
 
@@ -599,14 +616,6 @@ def attention_forward(q, k, v, params: AttentionParams, out=None, lse=None, tile
         lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
     tile = tile or gluon_forward_tile(head_dim, seqlen_q, params.window_right is not None)
     block_n, num_stages, consumers, specialized, pingpong = tile
-    gl_dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-
-    def descriptor(x, rows):
-        seqlen, heads = x.shape[1], x.shape[2]
-        layout = gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl_dtype)
-        return TensorDescriptor(x.view(batch * seqlen, heads * head_dim),
-                                [batch * seqlen, heads * head_dim], [heads * head_dim, 1],
-                                [rows, head_dim], layout)
 
     window_left, window_right, has_left, has_right = window_args(params)
     qk_scale, softcap_scale, softcap = score_args(params, q.dtype)
@@ -616,7 +625,8 @@ def attention_forward(q, k, v, params: AttentionParams, out=None, lse=None, tile
                                                                        params.dropout_seed)
     grid = (triton.cdiv(seqlen_q, BLOCK_M * consumers), batch * nheads)
     _fwd_hopper_kernel[grid](
-        descriptor(q, BLOCK_M), descriptor(k, block_n), descriptor(v, block_n), out, lse, alibi,
+        flash_descriptor(q, BLOCK_M), flash_descriptor(k, block_n), flash_descriptor(v, block_n),
+        out, lse, alibi,
         sink, out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
         *alibi_strides, nheads, nheads // nheads_k, seqlen_q, seqlen_k, window_left,
         window_right, qk_scale, softcap_scale, seed_lo, seed_hi, threshold, dropout_scale,
