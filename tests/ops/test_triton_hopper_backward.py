@@ -1,7 +1,8 @@
 """The Gluon backward (flashkit.ops.triton.backward_hopper): which calls take it, and its gradients
 against the float64 oracle (DESIGN section 5) through the public backend, on both dQ paths (the
 dQ kernel by default and under deterministic=True, bitwise reproducible; atomics when configured),
-plain and with its features (windows, seqlen_q != seqlen_k, sink, ALiBi, softcap)."""
+plain and with its features (windows, seqlen_q != seqlen_k, sink, ALiBi, softcap, dropout: the
+oracle drops what the Triton kernels' keep-mask helper drops)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from tests.ops.test_triton import DEVICE, check_against_oracle, make_inputs
 from flashkit.ops import triton as triton_backend
 from flashkit.ops.params import AttentionParams
 from flashkit.reference import attention_with_params
-from flashkit.testing import assert_close_to_oracle
+from flashkit.testing import assert_close_to_oracle, dropout_keep_mask, poison
 
 hopper = importlib.import_module("flashkit.ops.triton.backward_hopper")
 backward = importlib.import_module("flashkit.ops.triton.backward")
@@ -31,7 +32,7 @@ def _eligible(q, k, v, params, tiles=None):
                            torch.empty_like(k), torch.empty_like(v), tiles)
 
 
-def test_taken_on_hopper_with_features_but_dropout():
+def test_taken_on_hopper_with_features():
     q, k, v, _ = make_inputs(1, 128, 128, 4, 2, 64, 64, torch.float16)
     plain = AttentionParams(0.125, None, 0)
     on_hopper = DEVICE == "cuda" and _on_hopper()
@@ -40,9 +41,9 @@ def test_taken_on_hopper_with_features_but_dropout():
     for params in (AttentionParams(0.125, 7, 0), AttentionParams(0.125, 5, 3),
                    AttentionParams(0.125, None, 0, softcap=5.0),
                    AttentionParams(0.125, None, None, alibi_slopes=torch.rand(4, device=DEVICE)),
-                   AttentionParams(0.125, None, 0, sink=torch.zeros(4, device=DEVICE))):
+                   AttentionParams(0.125, None, 0, sink=torch.zeros(4, device=DEVICE)),
+                   AttentionParams(0.125, None, 0, dropout_p=0.1)):
         assert _eligible(q, k, v, params) == on_hopper
-    assert not _eligible(q, k, v, AttentionParams(0.125, None, 0, dropout_p=0.1))
     q_odd, k_odd, v_odd, _ = make_inputs(1, 100, 100, 2, 2, 64, 64, torch.float16)
     assert not _eligible(q_odd, k_odd, v_odd, plain)
     q_short, k_long, v_long, _ = make_inputs(1, 128, 256, 2, 2, 64, 64, torch.float16)
@@ -157,3 +158,69 @@ def test_gpu_gluon_backward_features_deterministic_is_bitwise_reproducible():
     again = triton_backend.backward(dout, q, k, v, out, lse, params)
     for name, a, b in zip(("dq", "dk", "dv", "dsink"), first, again, strict=True):
         assert torch.equal(a, b), name
+
+
+DROPOUT_CASES = [  # (dtype, head_dim, seqlen_q, seqlen_k, nheads, nheads_k, window_right, seed)
+    (torch.bfloat16, 128, 384, 384, 4, 2, 0, 2**40 + 7),
+    (torch.float16, 128, 256, 512, 2, 2, None, 12345),
+    (torch.float16, 64, 384, 256, 4, 1, 0, 2**61 + 3),  # rows without keys
+    (torch.bfloat16, 64, 256, 384, 2, 2, None, 99),
+]
+
+
+def _check_dropout(q, k, v, dout, params):
+    """Gluon forward + backward into NaN-poisoned buffers against the oracle fed the Triton
+    kernels' keep-mask (section 5's rule for out, lse and each gradient); returns the grads."""
+    batch, seqlen_q, nheads, _ = q.shape
+    out = poison(torch.empty_like(q))
+    lse = poison(torch.empty(batch, nheads, seqlen_q, dtype=torch.float32, device=q.device))
+    out, lse = triton_backend.forward(q, k, v, params, out=out, lse=lse)
+    grads = triton_backend.backward(dout, q, k, v, out, lse, params,
+                                    dq=poison(torch.empty_like(q)),
+                                    dk=poison(torch.empty_like(k)),
+                                    dv=poison(torch.empty_like(v)))[:3]
+    mask = dropout_keep_mask(params.dropout_seed, batch, nheads, seqlen_q, k.shape[1],
+                             params.dropout_p, backend="triton", device=q.device)
+    results = []
+    for t in (torch.float64, q.dtype):
+        leaves = [x.detach().to(t).requires_grad_() for x in (q, k, v)]
+        ref_out, ref_lse = attention_with_params(*leaves, params, mask)
+        results.append((ref_out, ref_lse, *torch.autograd.grad(ref_out, leaves, dout.to(t))))
+    for name, got, want, base in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads),
+                                     *results, strict=True):
+        assert_close_to_oracle(name, got, want, base)
+    return grads
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _on_hopper(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("path", ["default", "atomic_dq"])
+@pytest.mark.parametrize("case", DROPOUT_CASES, ids=str)
+def test_gpu_gluon_backward_dropout_matches_oracle(case, path, monkeypatch):
+    """Both Gluon kernels regenerate the forward's keep-mask (the dK/dV kernel transposed)."""
+    monkeypatch.setattr(backward, "GLUON_BACKWARD_ATOMIC_DQ", path != "default")
+    dtype, head_dim, seqlen_q, seqlen_k, nheads, nheads_k, window_right, seed = case
+    q, k, v, dout = make_inputs(2, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, head_dim,
+                                dtype, "cuda")
+    params = AttentionParams(head_dim ** -0.5, None, window_right, dropout_p=0.17,
+                             dropout_seed=seed)
+    assert _eligible(q, k, v, params)
+    _check_dropout(q, k, v, dout, params)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _on_hopper(), reason="needs an sm_90 GPU")
+def test_gpu_gluon_backward_dropout_with_features_deterministic():
+    """Dropout beside a window, ALiBi, softcap and sink; deterministic=True gives the same bits
+    every run."""
+    q, k, v, dout = make_inputs(2, 384, 512, 4, 2, 128, 128, torch.bfloat16, "cuda")
+    params = dataclasses.replace(
+        _feature_params(4, 128, True, window_left=150, window_right=0, alibi=True, softcap=4.0,
+                        sink=True), dropout_p=0.1, dropout_seed=2**33 + 5)
+    assert _eligible(q, k, v, params)
+    out, lse = triton_backend.forward(q, k, v, params)
+    first = triton_backend.backward(dout, q, k, v, out, lse, params)
+    again = triton_backend.backward(dout, q, k, v, out, lse, params)
+    for name, a, b in zip(("dq", "dk", "dv", "dsink"), first, again, strict=True):
+        assert torch.equal(a, b), name
+    _check_dropout(q, k, v, dout, params)

@@ -55,6 +55,7 @@ from flashkit.ops.triton.common import (
     window_args,
 )
 from flashkit.ops.triton.configs import GLUON_BACKWARD
+from flashkit.ops.triton.dropout import dropout_args, packed_keep, philox_calls
 from flashkit.ops.triton.forward_hopper import flash_descriptor, flash_layout_2d, gluon_supported
 
 try:
@@ -70,12 +71,69 @@ try:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 except ImportError:  # a Triton without Gluon: the Triton kernels do everything
     gluon = None
-if gluon is not None:  # the forward's K/V ring fill serves the dQ kernel as it is
-    from flashkit.ops.triton.forward_hopper import _issue_kv_load
+if gluon is not None:  # the forward's K/V ring fill and keep-mask serve the dQ kernel as they are
+    from flashkit.ops.triton.forward_hopper import _dropout_keep, _issue_kv_load
 
 
 if gluon is not None:
     LOG2E_G = gl.constexpr(LOG2E)
+
+    @gluon.constexpr_function
+    def _dropout_layout_t(block_n, block_m, num_warps):
+        """The wgmma accumulator layout of an S^T tile [block_n, block_m] (num_warps warps of
+        16 key rows; per 8 query columns a thread holds columns 2 (lane % 4) + 0/1 of key rows
+        lane / 4 and + 8) with key j split as (chunk, byte, g) = (j // 128, j % 128 // 8, j % 8),
+        dropout.py's order: [CHUNKS, BYTES, 8, block_m]. Reshaped back it is the S^T layout."""
+        col_bits = (block_m // 8).bit_length() - 1  # register bases of query columns 8, 16, ...
+        tile = lambda key, query: [key // 128, key % 128 // 8, key % 8, query]  # noqa: E731
+        return gl.DistributedLinearLayout(
+            reg_bases=[tile(0, 1), tile(8, 0)] + [tile(0, 8 << b) for b in range(col_bits)],
+            lane_bases=[tile(0, 2), tile(0, 4), tile(1, 0), tile(2, 0), tile(4, 0)],
+            warp_bases=[tile(16 << w, 0) for w in range(num_warps.bit_length() - 1)],
+            block_bases=[], shape=[max(block_n // 128, 1), min(block_n // 8, 16), 8, block_m])
+
+    @gluon.jit
+    def _dropout_bits_t(drop, start_m, start_n, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                        num_warps: gl.constexpr):
+        """[CHUNKS, 8, BLOCK_M] int32 in SliceLayout(1, _dropout_layout_t): the forward's
+        keep-mask of query rows start_m + [0, BLOCK_M) and keys start_n + [0, BLOCK_N) (start_n
+        a multiple of BLOCK_N), one int32 of sixteen decisions per Philox call (dropout.
+        packed_keep); _unpack_keep_t turns it into the S^T tile. In S^T a thread holds one g of
+        sixteen queries, so drawing in place would repeat every call once per warp: instead
+        each call is drawn once, in a blocked layout, and only the packed words move (through
+        shared memory) to the transposed layout."""
+        seed_lo, seed_hi, threshold, off_b, off_h = drop
+        CHUNKS: gl.constexpr = (BLOCK_N + 127) // 128
+        calls_layout: gl.constexpr = gl.BlockedLayout([1, 1, 1], [1, 8, 4], [1, 1, num_warps],
+                                                      [2, 1, 0])
+        chunk = start_n // 128 + gl.arange(
+            0, CHUNKS, layout=gl.SliceLayout(1, gl.SliceLayout(2, calls_layout)))
+        g = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, calls_layout)))
+        rows = start_m + gl.arange(0, BLOCK_M,
+                                   layout=gl.SliceLayout(0, gl.SliceLayout(1, calls_layout)))
+        zero = gl.zeros([CHUNKS, 8, BLOCK_M], gl.uint32, calls_layout)
+        calls = zero + gl.expand_dims(gl.expand_dims(chunk, 1) * 8 + gl.expand_dims(g, 0),
+                                      2).to(gl.uint32)
+        row_ids = zero + gl.expand_dims(gl.expand_dims(rows, 0), 1).to(gl.uint32)
+        words = philox_calls(seed_lo, seed_hi, off_b, off_h, row_ids, calls)
+        T4: gl.constexpr = _dropout_layout_t(BLOCK_N, BLOCK_M, num_warps)
+        return gl.convert_layout(packed_keep(words, threshold), gl.SliceLayout(1, T4))
+
+    @gluon.jit
+    def _unpack_keep_t(bits, start_n, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                       st_layout: gl.constexpr, num_warps: gl.constexpr):
+        """[BLOCK_N, BLOCK_M] bool in st_layout: key j = start_n + r of query column c is kept
+        iff bit (j % 128) // 8 of bits[j // 128 - start_n // 128, j % 8, c] is set."""
+        gl.static_assert(BLOCK_N == 16 * num_warps, "_dropout_layout_t: 16 key rows per warp")
+        T4: gl.constexpr = _dropout_layout_t(BLOCK_N, BLOCK_M, num_warps)
+        BYTES: gl.constexpr = BLOCK_N // 8 if BLOCK_N < 128 else 16
+        byte = gl.arange(0, BYTES, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(
+            3, T4))))
+        if BLOCK_N < 128:  # a narrow tile uses the middle bytes of its calls
+            byte = byte + (start_n % 128) // 8
+        byte = gl.expand_dims(gl.expand_dims(gl.expand_dims(byte, 0), 2), 3)  # [1, BYTES, 1, 1]
+        keep = (gl.expand_dims(bits, 1) >> byte) & 1  # [CHUNKS, BYTES, 8, BLOCK_M]
+        return gl.convert_layout(gl.reshape(keep != 0, [BLOCK_N, BLOCK_M]), st_layout)
 
     @gluon.jit
     def _issue_q_do_load(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem,
@@ -109,18 +167,20 @@ if gluon is not None:
     def _query_tile_step(dk, dv, job, m, dq_base, k_smem, v_smem, q_smem, do_smem, lse_smem,
                          delta_smem, ds_smem, q_bars, do_bars, q_desc, do_desc, lse_desc,
                          delta_desc, n_jobs, jobs_per_head, m_first, q_row, q_col, lse_row,
-                         start_n, geo, alibi_log2,
+                         start_n, geo, alibi_log2, drop,
                          HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                          NUM_STAGES: gl.constexpr, MASK: gl.constexpr, HAS_LEFT: gl.constexpr,
                          HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
-                         ATOMIC_DQ: gl.constexpr, DQ_CHUNK: gl.constexpr,
+                         DROPOUT: gl.constexpr, ATOMIC_DQ: gl.constexpr, DQ_CHUNK: gl.constexpr,
                          st_layout: gl.constexpr, kv_layout: gl.constexpr,
                          dq_layout: gl.constexpr, op_layout: gl.constexpr):
         """Add query tile m (ring job `job`) to dK, dV (and dQ's accumulator); MASK applies the
         band predicate (common.visible). geo = (seqlen_q, seqlen_k, window_left, window_right,
-        qk_scale, softcap_scale); alibi_log2 is this query head's slope * log2(e) (ALIBI).
-        Returns (dk, dv)."""
-        seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale = geo
+        qk_scale, softcap_scale, dropout_scale); alibi_log2 is this query head's slope * log2(e)
+        (ALIBI); drop = (seed_lo, seed_hi, threshold, batch, query head) of the keep-mask
+        (DROPOUT: dV = (P o Z)^T dO, dP = Z o (dO V^T) with Z = keep / (1 - p), dS = P o (dP -
+        delta) with the pre-dropout P). Returns (dk, dv)."""
+        seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale, dropout_scale = geo
         stage = job % NUM_STAGES
         phase = (job // NUM_STAGES) & 1
         start_m = m * BLOCK_M
@@ -138,6 +198,8 @@ if gluon is not None:
         # [BLOCK_N, BLOCK_M] = [BLOCK_N, D] @ [D, BLOCK_M]
         dp_tok = warpgroup_mma(v_smem, do_buf.permute((1, 0)), zero_st, use_acc=False,
                                is_async=True)
+        if DROPOUT:  # drawn while the tensor cores work on S^T and dP^T
+            bits_t = _dropout_bits_t(drop, start_m, start_n, BLOCK_M, BLOCK_N, gl.num_warps())
         s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
         # lse and delta are read from shared memory at their use: as per-column vectors of the
         # wgmma layout they would hold 2 * BLOCK_M / 4 registers across the matmuls.
@@ -160,10 +222,15 @@ if gluon is not None:
             p_t = gl.where(keep, p_t, 0.0)
         dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, ))
         delta = delta_smem.index(stage).load(col_layout)
+        if DROPOUT:
+            kept_t = _unpack_keep_t(bits_t, start_n, BLOCK_M, BLOCK_N, st_layout, gl.num_warps())
+            dp_t = gl.where(kept_t, dp_t * dropout_scale, 0.0)
         ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
         if SOFTCAP:
             ds_t = ds_t * dcap_t
         ds_t = ds_t.to(dtype)
+        if DROPOUT:  # dV takes the dropped, rescaled P
+            p_t = gl.where(kept_t, p_t * dropout_scale, 0.0)
         # dV and dK only after dS: their register operands then replace P, dP and delta instead
         # of living beside them (d128: dK + dV alone take 128 of the 255 registers).
         # [BLOCK_N, D] += [BLOCK_N, BLOCK_M] @ [BLOCK_M, D]
@@ -197,18 +264,19 @@ if gluon is not None:
                          m_first, q_row, q_col, lse_row, seqlen_q, BLOCK_M, HEAD_DIM, NUM_STAGES)
         return dk, dv
 
-    @gluon.jit
+    @gluon.jit(do_not_specialize=["seed_lo", "seed_hi", "dropout_threshold"])
     def _bwd_dkdv_hopper_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DK, DV,
                                 DQAcc, stride_dkb, stride_dks, stride_dkh,
                                 stride_dvb, stride_dvs, stride_dvh,
                                 Alibi, stride_ab, stride_ah, nheads, nheads_k, seqlen_q,
                                 seqlen_k, window_left, window_right, qk_scale, softcap_scale,
-                                softmax_scale,
+                                softmax_scale, seed_lo, seed_hi, dropout_threshold,
+                                dropout_scale,
                                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                                 BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                                 HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                                 SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
-                                ATOMIC_DQ: gl.constexpr,
+                                DROPOUT: gl.constexpr, ATOMIC_DQ: gl.constexpr,
                                 DQ_CHUNK: gl.constexpr, DQ_WARPS_M: gl.constexpr,
                                 DS_LAYOUT: gl.constexpr, num_warps: gl.constexpr):
         """dK, dV of key block program_id(0) of (batch, kv head) program_id(1), heaviest causal
@@ -225,7 +293,8 @@ if gluon is not None:
         kv_row = off_b * seqlen_k + start_n
         q_col = off_hk * group * HEAD_DIM
         lse_row = (off_b * nheads + off_hk * group) * seqlen_q
-        geo = (seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale)
+        geo = (seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale,
+               dropout_scale)
         dtype: gl.constexpr = q_desc.dtype
 
         # wgmma accumulators: warps stacked along the key rows (dQ: along its query rows, and
@@ -291,24 +360,25 @@ if gluon is not None:
             off_h = off_hk * group + g
             dq_base = DQAcc + (off_b * nheads + off_h).to(gl.int64) * (seqlen_q * HEAD_DIM)
             alibi_log2 = load_alibi_log2(Alibi, off_b, off_h, stride_ab, stride_ah, ALIBI)
+            drop = (seed_lo, seed_hi, dropout_threshold, off_b, off_h)
             if HAS_RIGHT:  # masked: tiles whose rows see only part of the block (right side)
                 for m in range(m_first, m_mid_lo):
                     dk, dv = _query_tile_step(
                         dk, dv, job, m, dq_base, k_smem, v_smem, q_smem, do_smem, lse_smem,
                         delta_smem, ds_smem, q_bars, do_bars, q_desc, do_desc, lse_desc,
                         delta_desc, n_jobs, jobs_per_head, m_first, q_row, q_col, lse_row,
-                        start_n, geo, alibi_log2, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, True,
-                        HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, ATOMIC_DQ, DQ_CHUNK, st_layout,
-                        kv_layout, dq_layout, op_layout)
+                        start_n, geo, alibi_log2, drop, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
+                        True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, ATOMIC_DQ, DQ_CHUNK,
+                        st_layout, kv_layout, dq_layout, op_layout)
                     job += 1
             for m in range(m_mid_lo, m_mid_hi):
                 dk, dv = _query_tile_step(
                     dk, dv, job, m, dq_base, k_smem, v_smem, q_smem, do_smem, lse_smem,
                     delta_smem, ds_smem, q_bars, do_bars, q_desc, do_desc, lse_desc, delta_desc,
                     n_jobs, jobs_per_head, m_first, q_row, q_col, lse_row, start_n, geo,
-                    alibi_log2, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, False, HAS_LEFT,
-                    HAS_RIGHT, SOFTCAP, ALIBI, ATOMIC_DQ, DQ_CHUNK, st_layout, kv_layout,
-                    dq_layout, op_layout)
+                    alibi_log2, drop, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, False, HAS_LEFT,
+                    HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, ATOMIC_DQ, DQ_CHUNK, st_layout,
+                    kv_layout, dq_layout, op_layout)
                 job += 1
             if HAS_LEFT:  # masked: the window's left edge passes through these tiles
                 for m in range(m_mid_hi, m_end):
@@ -316,9 +386,9 @@ if gluon is not None:
                         dk, dv, job, m, dq_base, k_smem, v_smem, q_smem, do_smem, lse_smem,
                         delta_smem, ds_smem, q_bars, do_bars, q_desc, do_desc, lse_desc,
                         delta_desc, n_jobs, jobs_per_head, m_first, q_row, q_col, lse_row,
-                        start_n, geo, alibi_log2, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, True,
-                        HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, ATOMIC_DQ, DQ_CHUNK, st_layout,
-                        kv_layout, dq_layout, op_layout)
+                        start_n, geo, alibi_log2, drop, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
+                        True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, ATOMIC_DQ, DQ_CHUNK,
+                        st_layout, kv_layout, dq_layout, op_layout)
                     job += 1
 
         mbarrier.invalidate(kv_bar)
@@ -340,14 +410,16 @@ if gluon is not None:
     @gluon.jit
     def _key_tile_dq_step(dq, tile, q_smem, do_smem, k_smem, v_smem, k_bars, v_bars, k_desc,
                           v_desc, lse2, delta, n_tiles, key0, kv_col, start_m, key_lo, geo,
-                          alibi_log2, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                          alibi_log2, drop, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                           NUM_STAGES: gl.constexpr, MASK: gl.constexpr, HAS_LEFT: gl.constexpr,
                           HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
-                          s_layout: gl.constexpr, op_layout: gl.constexpr):
+                          DROPOUT: gl.constexpr, s_layout: gl.constexpr,
+                          op_layout: gl.constexpr):
         """Add key tile `tile` (keys key_lo + tile * BLOCK_N ..., at row key0 + tile * BLOCK_N
-        of the 2-D view) to dQ (unscaled); MASK applies the band predicate. geo and alibi_log2
-        as in _query_tile_step."""
-        seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale = geo
+        of the 2-D view) to dQ (unscaled); MASK applies the band predicate. geo, alibi_log2 and
+        drop as in _query_tile_step; the keep-mask is the forward's own (_dropout_keep, drawn in
+        this same score layout)."""
+        seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale, dropout_scale = geo
         stage = tile % NUM_STAGES
         phase = (tile // NUM_STAGES) & 1
         k_buf = k_smem.index(stage)
@@ -366,15 +438,19 @@ if gluon is not None:
         if SOFTCAP:
             dcap = softcap_grad(s, qk_scale, SOFTCAP)
         i = gl.expand_dims(start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout)), 1)
-        j = gl.expand_dims(key_lo + tile * BLOCK_N
-                           + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)), 0)
+        start_n = key_lo + tile * BLOCK_N
+        j = gl.expand_dims(start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)), 0)
         if ALIBI:
             s = s - alibi_bias(i, j, seqlen_q, seqlen_k, alibi_log2)
         p = gl.exp2(s - gl.expand_dims(lse2, 1))  # lse -inf (no visible key): masked below
         if MASK:
             p = gl.where(visible(i, j, seqlen_q, seqlen_k, window_left, window_right, HAS_LEFT,
                                  HAS_RIGHT), p, 0.0)
+        if DROPOUT:  # drawn while the tensor cores still work on dP
+            kept = _dropout_keep(drop, start_m, start_n, BLOCK_N, s_layout)
         dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, ))
+        if DROPOUT:
+            dp = gl.where(kept, dp * dropout_scale, 0.0)
         ds = p * (dp - gl.expand_dims(delta, 1))
         if SOFTCAP:
             ds = ds * dcap
@@ -387,17 +463,18 @@ if gluon is not None:
                         n_tiles, key0, kv_col, BLOCK_N, NUM_STAGES)
         return dq
 
-    @gluon.jit
+    @gluon.jit(do_not_specialize=["seed_lo", "seed_hi", "dropout_threshold"])
     def _bwd_dq_hopper_kernel(q_desc, k_desc, v_desc, do_desc, Lse, Delta, DQ, Alibi,
                               stride_lb, stride_lh, stride_deltab, stride_deltah,
                               stride_dqb, stride_dqs, stride_dqh, stride_ab, stride_ah,
                               nheads, group, seqlen_q, seqlen_k, window_left, window_right,
-                              qk_scale, softcap_scale, softmax_scale,
+                              qk_scale, softcap_scale, softmax_scale, seed_lo, seed_hi,
+                              dropout_threshold, dropout_scale,
                               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                               BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                               SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
-                              num_warps: gl.constexpr):
+                              DROPOUT: gl.constexpr, num_warps: gl.constexpr):
         """dQ of BLOCK_M query rows of one (batch, head), heaviest causal rows first: Q and dO
         stay in shared memory, K/V tiles stream through a TMA ring (as the forward), each dQ
         element summed in one program in a fixed order (deterministic)."""
@@ -408,8 +485,12 @@ if gluon is not None:
         start_m = pid_m * BLOCK_M
         q_row = off_b * seqlen_q + start_m
         kv_col = (off_h // group) * HEAD_DIM
-        geo = (seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale)
+        geo = (seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale,
+               dropout_scale)
+        drop = (seed_lo, seed_hi, dropout_threshold, off_b, off_h)
         dtype: gl.constexpr = q_desc.dtype
+        gl.static_assert(not DROPOUT or (BLOCK_M == 64 and num_warps == 4),
+                         "_dropout_keep draws for the forward's 64-row, one-warpgroup tile")
 
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16])
@@ -460,21 +541,22 @@ if gluon is not None:
             for tile in range(0, t_mid_lo):
                 dq = _key_tile_dq_step(dq, tile, q_smem, do_smem, k_smem, v_smem, k_bars, v_bars,
                                        k_desc, v_desc, lse2, delta, n_tiles, key0, kv_col,
-                                       start_m, lo, geo, alibi_log2, BLOCK_M, BLOCK_N,
+                                       start_m, lo, geo, alibi_log2, drop, BLOCK_M, BLOCK_N,
                                        NUM_STAGES, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI,
-                                       s_layout, op_layout)
+                                       DROPOUT, s_layout, op_layout)
         for tile in range(t_mid_lo, t_mid_hi):
             dq = _key_tile_dq_step(dq, tile, q_smem, do_smem, k_smem, v_smem, k_bars, v_bars,
                                    k_desc, v_desc, lse2, delta, n_tiles, key0, kv_col, start_m,
-                                   lo, geo, alibi_log2, BLOCK_M, BLOCK_N, NUM_STAGES, False,
-                                   HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, s_layout, op_layout)
+                                   lo, geo, alibi_log2, drop, BLOCK_M, BLOCK_N, NUM_STAGES, False,
+                                   HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, s_layout,
+                                   op_layout)
         if HAS_RIGHT:  # masked: the diagonal (causal) or the window's right edge
             for tile in range(t_mid_hi, n_tiles):
                 dq = _key_tile_dq_step(dq, tile, q_smem, do_smem, k_smem, v_smem, k_bars, v_bars,
                                        k_desc, v_desc, lse2, delta, n_tiles, key0, kv_col,
-                                       start_m, lo, geo, alibi_log2, BLOCK_M, BLOCK_N,
+                                       start_m, lo, geo, alibi_log2, drop, BLOCK_M, BLOCK_N,
                                        NUM_STAGES, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI,
-                                       s_layout, op_layout)
+                                       DROPOUT, s_layout, op_layout)
 
         mbarrier.invalidate(q_bar)
         for i in gl.static_range(NUM_STAGES):
@@ -513,10 +595,10 @@ HOPPER_BACKWARD_DQ = {
 
 def eligible(q, k, v, dout, lse, params: AttentionParams, dq, dk, dv, tiles) -> bool:
     """Whether the Gluon kernels compute this call's gradients (else backward.py's do): what
-    the Gluon forward takes (forward_hopper.gluon_supported) except dropout, both sequence
-    lengths multiples of every tile."""
-    if (not GLUON_BACKWARD or params.dropout_p > 0
-            or set(tiles or {}) - {"hopper", "hopper_dq"} or not gluon_supported(q, k, v, params)):
+    the Gluon forward takes (forward_hopper.gluon_supported), both sequence lengths multiples
+    of every tile."""
+    if (not GLUON_BACKWARD or set(tiles or {}) - {"hopper", "hopper_dq"}
+            or not gluon_supported(q, k, v, params)):
         return False
     tile = max(*HOPPER_BACKWARD[q.shape[-1]][:2], *HOPPER_BACKWARD_DQ[q.shape[-1]][:2])
     return (q.shape[1] % tile == 0 and k.shape[1] % tile == 0 and dout.dtype == q.dtype
@@ -527,12 +609,16 @@ def eligible(q, k, v, dout, lse, params: AttentionParams, dq, dk, dv, tiles) -> 
 def _launch_args(q, params: AttentionParams, lse) -> tuple:
     """The feature arguments both kernels take, after their tensors' strides: (Alibi,
     stride_ab, stride_ah), then (..., seqlen_q, seqlen_k, window_left, window_right, qk_scale,
-    softcap_scale, softmax_scale), and the constexpr flags."""
+    softcap_scale, softmax_scale, seed_lo, seed_hi, dropout_threshold, dropout_scale), and the
+    constexpr flags."""
     window_left, window_right, has_left, has_right = window_args(params)
     qk_scale, softcap_scale, softcap = score_args(params, q.dtype)
     alibi, alibi_strides, has_alibi = alibi_args(params, lse)
-    lengths = (window_left, window_right, qk_scale, softcap_scale, params.softmax_scale)
-    flags = dict(HAS_LEFT=has_left, HAS_RIGHT=has_right, SOFTCAP=softcap, ALIBI=has_alibi)
+    *seed_threshold_scale, dropout = dropout_args(params.dropout_p, params.dropout_seed)
+    lengths = (window_left, window_right, qk_scale, softcap_scale, params.softmax_scale,
+               *seed_threshold_scale)
+    flags = dict(HAS_LEFT=has_left, HAS_RIGHT=has_right, SOFTCAP=softcap, ALIBI=has_alibi,
+                 DROPOUT=dropout)
     return (alibi, *alibi_strides), lengths, flags
 
 

@@ -2,7 +2,9 @@
 
 The mask is a pure function of (seed, batch, head, i, j), so the forward kernel, both backward
 kernels and `keep_mask` below (the testing helper's kernel) all draw it through the one jit
-helper `dropout_keep` and agree bit for bit, whatever their tiles.
+helper `dropout_keep` and agree bit for bit, whatever their tiles. Its core (philox_calls,
+byte_keep, packed_keep) takes index tensors the caller built, so the Gluon kernels
+(forward_hopper, backward_hopper) draw through the same functions in their own layouts.
 
 Philox4x32-10 (tl.philox): key = the call's 64-bit seed (params.dropout_seed < 2**62), counter =
 (g, i, head, batch), four 32-bit words, so no index is ever folded into one overflowing offset
@@ -47,16 +49,45 @@ def dropout_args(dropout_p: float, seed: int) -> tuple[int, int, int, float, boo
 
 
 @triton.jit
+def philox_calls(seed_lo, seed_hi, off_b, off_h, rows, calls):
+    """The four uint32 words of Philox calls (seed; call, row, head, batch): rows and calls are
+    uint32 index tensors of the calls' full shape, built by the caller (Triton without a layout,
+    Gluon in its own), so every kernel generation draws through this one function."""
+    seed = (seed_hi.to(tl.uint64) << 32) | seed_lo.to(tl.uint32, bitcast=True).to(tl.uint64)
+    zero = calls * 0
+    return tl.philox(seed, calls, rows, zero + off_h.to(tl.uint32), zero + off_b.to(tl.uint32))
+
+
+@triton.jit
+def byte_keep(words, byte, threshold):
+    """Keep decisions: byte `byte` (0..15) of each call's words >= threshold, for words (the
+    four of philox_calls) and byte already expanded to broadcast against each other."""
+    r0, r1, r2, r3 = words
+    word = tl.where(byte < 8, tl.where(byte < 4, r0, r1), tl.where(byte < 12, r2, r3))
+    return ((word >> ((byte % 4) * 8).to(tl.uint32)) & 0xFF).to(tl.int32) >= threshold
+
+
+@triton.jit
+def packed_keep(words, threshold):
+    """int32 per call: bit c is the keep decision of the call's byte c (sixteen per call), for a
+    tile whose elements sit far from their calls (see dropout_keep_t)."""
+    bits = ((words[0] & 0xFF).to(tl.int32) >= threshold).to(tl.int32)
+    for c in tl.static_range(1, 16):
+        draw = ((words[c // 4] >> (8 * (c % 4))) & 0xFF).to(tl.int32)
+        bits = bits | ((draw >= threshold).to(tl.int32) << c)
+    return bits
+
+
+@triton.jit
 def _philox_words(seed_lo, seed_hi, off_b, off_h, offs_m, start_n, BLOCK_N: tl.constexpr):
     """The four words [BLOCK_M, CHUNKS, 8] of the calls (chunk, g) of rows offs_m that the tile
     of columns start_n + [0, BLOCK_N) needs: CHUNKS = ceil(BLOCK_N / 128)."""
     CHUNKS: tl.constexpr = (BLOCK_N + 127) // 128
-    seed = (seed_hi.to(tl.uint64) << 32) | seed_lo.to(tl.uint32, bitcast=True).to(tl.uint64)
     zero = tl.zeros([offs_m.shape[0], CHUNKS, 8], dtype=tl.uint32)
     chunk = start_n // 128 + tl.arange(0, CHUNKS)
     call = chunk[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]
-    return tl.philox(seed, zero + call.to(tl.uint32), zero + offs_m[:, None, None].to(tl.uint32),
-                     zero + off_h.to(tl.uint32), zero + off_b.to(tl.uint32))
+    return philox_calls(seed_lo, seed_hi, off_b, off_h,
+                        zero + offs_m[:, None, None].to(tl.uint32), zero + call.to(tl.uint32))
 
 
 @triton.jit
@@ -82,11 +113,9 @@ def dropout_keep(seed_lo, seed_hi, off_b, off_h, offs_m, start_n, threshold,
     """
     byte = _tile_bytes(start_n, BLOCK_N)
     r0, r1, r2, r3 = _philox_words(seed_lo, seed_hi, off_b, off_h, offs_m, start_n, BLOCK_N)
-    byte = byte[None, None, :, None]  # [1, 1, BYTES, 1] against words [BLOCK_M, CHUNKS, 1, 8]
-    word = tl.where(byte < 8, tl.where(byte < 4, r0[:, :, None, :], r1[:, :, None, :]),
-                    tl.where(byte < 12, r2[:, :, None, :], r3[:, :, None, :]))
-    draws = ((word >> ((byte % 4) * 8).to(tl.uint32)) & 0xFF).to(tl.int32)
-    return tl.reshape(draws >= threshold, [offs_m.shape[0], BLOCK_N])
+    words = (r0[:, :, None, :], r1[:, :, None, :], r2[:, :, None, :], r3[:, :, None, :])
+    keep = byte_keep(words, byte[None, None, :, None], threshold)  # [BLOCK_M, CHUNKS, BYTES, 8]
+    return tl.reshape(keep, [offs_m.shape[0], BLOCK_N])
 
 
 @triton.jit
@@ -101,11 +130,7 @@ def dropout_keep_t(seed_lo, seed_hi, off_b, off_h, offs_m, start_n, threshold,
     """
     byte = _tile_bytes(start_n, BLOCK_N)
     words = _philox_words(seed_lo, seed_hi, off_b, off_h, offs_m, start_n, BLOCK_N)
-    bits = (words[0] & 0xFF).to(tl.int32) >= threshold  # byte 0, then bytes 1..15 above it
-    bits = bits.to(tl.int32)
-    for c in tl.static_range(1, 16):
-        draw = ((words[c // 4] >> (8 * (c % 4))) & 0xFF).to(tl.int32)
-        bits = bits | ((draw >= threshold).to(tl.int32) << c)
+    bits = packed_keep(words, threshold)
     bits = tl.sum(bits[:, :, :, None], axis=3)  # the layout firewall
     bits_t = tl.permute(bits, (1, 2, 0))  # [CHUNKS, 8, BLOCK_M]
     keep = (bits_t[:, None, :, :] >> byte[None, :, None, None]) & 1  # [CHUNKS, BYTES, 8, M]

@@ -57,7 +57,7 @@ from flashkit.ops.triton.common import (
     window_args,
 )
 from flashkit.ops.triton.configs import GLUON_FORWARD, gluon_forward_tile
-from flashkit.ops.triton.dropout import dropout_args
+from flashkit.ops.triton.dropout import byte_keep, dropout_args, philox_calls
 
 try:
     from triton.experimental import gluon
@@ -69,7 +69,6 @@ try:
         warpgroup_mma_wait,
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    from triton.language.random import philox
 except ImportError:  # a Triton without Gluon: the Triton kernel does everything
     gluon = None
 
@@ -120,8 +119,8 @@ if gluon is not None:
         and columns col0 + [0, BLOCK_N) (col0 a multiple of BLOCK_N), bit for bit: Philox
         (seed; call, row, head, batch) with call 8 (j // 128) + j % 8, byte j % 128 // 8, kept
         iff the byte >= threshold. Drawn in _dropout_layout, one Philox call per (row, chunk,
-        g) of the thread's own scores (dropout.py's helper makes its tensors without layouts,
-        which Gluon needs)."""
+        g) of the thread's own scores, through dropout.py's philox_calls and byte_keep (the
+        Triton kernels' own core) on index tensors built here in Gluon layouts."""
         seed_lo, seed_hi, threshold, off_b, off_h = drop
         L4: gl.constexpr = _dropout_layout(BLOCK_N)
         L3: gl.constexpr = gl.SliceLayout(2, L4)  # the calls [BM, CHUNKS, 8]
@@ -133,20 +132,18 @@ if gluon is not None:
         zero = gl.zeros([BM, CHUNKS, 8], gl.uint32, L3)
         call = gl.expand_dims(gl.expand_dims(chunk, 0), 2) * 8 + gl.expand_dims(
             gl.expand_dims(g, 0), 1)
-        seed = (seed_hi.to(gl.uint64) << 32) | seed_lo.to(gl.uint32, bitcast=True).to(gl.uint64)
-        r0, r1, r2, r3 = philox(seed, zero + call.to(gl.uint32),
-                                zero + gl.expand_dims(gl.expand_dims(rows, 1), 2).to(gl.uint32),
-                                zero + off_h.to(gl.uint32), zero + off_b.to(gl.uint32))
+        row_ids = zero + gl.expand_dims(gl.expand_dims(rows, 1), 2).to(gl.uint32)
+        r0, r1, r2, r3 = philox_calls(seed_lo, seed_hi, off_b, off_h, row_ids,
+                                      zero + call.to(gl.uint32))
         byte = gl.arange(0, BYTES, layout=gl.SliceLayout(1, gl.SliceLayout(0, gl.SliceLayout(0,
                                                                                           L4))))
         if BLOCK_N < 128:  # a narrow tile uses the middle bytes of its calls
             byte = byte + (col0 % 128) // 8
         byte = gl.expand_dims(gl.expand_dims(gl.expand_dims(byte, 1), 0), 0)  # [1, 1, BYTES, 1]
-        word = gl.where(byte < 8,
-                        gl.where(byte < 4, gl.expand_dims(r0, 2), gl.expand_dims(r1, 2)),
-                        gl.where(byte < 12, gl.expand_dims(r2, 2), gl.expand_dims(r3, 2)))
-        draws = ((word >> ((byte % 4) * 8).to(gl.uint32)) & 0xFF).to(gl.int32)
-        return gl.convert_layout(gl.reshape(draws >= threshold, [BM, BLOCK_N]), s_layout)
+        words = (gl.expand_dims(r0, 2), gl.expand_dims(r1, 2), gl.expand_dims(r2, 2),
+                 gl.expand_dims(r3, 2))
+        keep = byte_keep(words, byte, threshold)  # [BM, CHUNKS, BYTES, 8]
+        return gl.convert_layout(gl.reshape(keep, [BM, BLOCK_N]), s_layout)
 
     @gluon.jit
     def _softmax_step(qk, m_i, l_i, rows, cols, col0, geo, alibi, MASK: gl.constexpr,
