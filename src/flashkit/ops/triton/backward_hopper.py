@@ -27,13 +27,16 @@ Features as compile-time flags through common.py's helpers, as backward.py's ker
 HAS_LEFT / HAS_RIGHT (any window, causal included, bottom-right aligned for seqlen_q != seqlen_k)
 pick the tile ranges (common.query_tile_ranges / key_tile_ranges) and mask the edge tiles with
 common.visible; SOFTCAP scores through common.scores and multiplies dS by common.softcap_grad;
-ALIBI subtracts common.alibi_bias. A sink needs nothing here: it lives in lse (and dsink comes
-from lse and delta). A row with no visible key (lse -inf) only meets masked tiles, where its P
-(inf before the mask) becomes 0.
+ALIBI subtracts common.alibi_bias; DROPOUT regenerates the forward's keep-mask (dropout.py's
+Philox core: the dQ kernel through forward_hopper._dropout_keep in its score layout, the dK/dV
+kernel drawing each call once and moving packed keep bits into the S^T layout) with dV =
+(P o Z)^T dO, dP = Z o (dO V^T), Z = keep / (1 - p), as backward.py. A sink needs nothing
+here: it lives in lse (and dsink comes from lse and delta). A row with no visible key (lse -inf)
+only meets masked tiles, where its P (inf before the mask) becomes 0.
 
 Eligible (see `eligible`): what the Gluon forward takes (forward_hopper.gluon_supported: sm_90,
 fp16/bf16, head dim 64 or 128, dense, q/k/v in the flash layout so (batch * seqlen, heads * d) is
-a plain 2-D view for TMA) but dropout, with seqlen_q and seqlen_k multiples of every tile.
+a plain 2-D view for TMA), with seqlen_q and seqlen_k multiples of every tile.
 """
 
 from __future__ import annotations

@@ -28,8 +28,8 @@ Masking: every tile of the program's key range outside a consumer's fully visibl
 rows (or zeros past the tensor): their scores are masked to -inf, so they weigh exactly 0, and
 query rows past seqlen_q are never stored.
 
-Dropout draws dropout.py's keep-mask bit for bit (`_dropout_keep`), so the Triton backward
-regenerates what this forward dropped.
+Dropout draws dropout.py's keep-mask bit for bit (`_dropout_keep`, through dropout.py's own
+Philox core), so either backward regenerates what this forward dropped.
 
 Eligible (see `eligible`): CUDA sm_90, fp16/bf16, head dim 64 or 128 (q, k, v alike), dense,
 any seqlen_q / seqlen_k, any window (causal included), softcap, ALiBi, sink, GQA, dropout; not
