@@ -23,7 +23,7 @@ element in one program in a fixed order, so gradients are bitwise reproducible; 
 saving the dQ kernel's two recomputed matmuls (5 instead of 7) at the price of a run-to-run order.
 Transposed tiles carry a _t suffix: s_t is [BLOCK_N, BLOCK_M] = s^T.
 On sm_90 dK/dV and dQ run the Gluon kernels of backward_hopper.py instead (configs.GLUON_BACKWARD;
-every feature but dropout and varlen, see backward_hopper.eligible); the preprocess, dsink (and on
+every feature but varlen, see backward_hopper.eligible); the preprocess, dsink (and on
 the atomic path the dQ conversion) here serve both.
 """
 
