@@ -263,27 +263,14 @@ def _decode_kernel(Q, K, V, Out, Lse, BlockTable, CacheBatchIdx, Leftpad, Seqlen
         if HAS_LEFTPAD:
             slot0 = tl.load(Leftpad + off_b)
     table_row = BlockTable + off_b * stride_bt
-    acc, m_i, l_i = _key_tiles(
-        acc, m_i, l_i, q_tile, lo, mid_lo, hi, k_base, v_base, slot0, table_row,
-        stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, offs_t, offs_d,
-        offs_dv, alibi_log2, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
-        softcap_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, PAGE_SIZE,
-        PAGE_PER_TILE, True,
-        HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, PRECISION)
-    acc, m_i, l_i = _key_tiles(
-        acc, m_i, l_i, q_tile, mid_lo, mid_hi, hi, k_base, v_base, slot0, table_row,
-        stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, offs_t, offs_d,
-        offs_dv, alibi_log2, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
-        softcap_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, PAGE_SIZE,
-        PAGE_PER_TILE, False,
-        HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, PRECISION)
-    acc, m_i, l_i = _key_tiles(
-        acc, m_i, l_i, q_tile, mid_hi, hi, hi, k_base, v_base, slot0, table_row,
-        stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, offs_t, offs_d,
-        offs_dv, alibi_log2, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
-        softcap_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, PAGE_SIZE,
-        PAGE_PER_TILE, True,
-        HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, PRECISION)
+    bounds = (lo, mid_lo, mid_hi, hi)
+    for segment in tl.static_range(3):  # masked edge, unmasked middle, masked edge
+        acc, m_i, l_i = _key_tiles(
+            acc, m_i, l_i, q_tile, bounds[segment], bounds[segment + 1], hi, k_base, v_base,
+            slot0, table_row, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
+            offs_t, offs_d, offs_dv, alibi_log2, seqlen_q, seqlen_k, window_left, window_right,
+            qk_scale, softcap_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, PAGE_SIZE,
+            PAGE_PER_TILE, segment != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, PRECISION)
 
     # A row with no mass (no visible key in this split, no sink) gives out 0 and lse -inf.
     has_mass = l_i > 0.0
