@@ -552,18 +552,19 @@ if gluon is not None:
 
 
 def flash_layout_2d(x: torch.Tensor) -> bool:
-    """x (batch, seqlen, heads, d) is contiguous, so (batch * seqlen, heads * d) is a view."""
+    """x (batch, seqlen, heads, d) or varlen (total, heads, d) is contiguous, so
+    (batch * seqlen or total, heads * d) is a view."""
     return x.is_contiguous() and x.data_ptr() % 16 == 0
 
 
 def flash_descriptor(x, rows):
-    """TMA descriptor of [rows, d] tiles over x (batch, seqlen, heads, d) as a 2-D view."""
-    batch, seqlen, heads, head_dim = x.shape
+    """TMA descriptor of [rows, d] tiles over x (batch, seqlen, heads, d) or varlen (total,
+    heads, d) as the 2-D view (tokens, heads * d)."""
+    heads, head_dim = x.shape[-2:]
+    x2d = x.view(-1, heads * head_dim)
     gl_dtype = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
     layout = gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl_dtype)
-    return TensorDescriptor(x.view(batch * seqlen, heads * head_dim),
-                            [batch * seqlen, heads * head_dim], [heads * head_dim, 1],
-                            [rows, head_dim], layout)
+    return TensorDescriptor(x2d, list(x2d.shape), [heads * head_dim, 1], [rows, head_dim], layout)
 
 
 def gluon_supported(q, k, v, params: AttentionParams) -> bool:
