@@ -7,7 +7,9 @@ the grid.
                                                         [--skip-sweep] [--budget SECONDS]
 
 Variants: gluon (the default path: Gluon dK/dV and dQ kernels), gluon_best (each kernel's
-fastest tile of this run's sweep), gluon_atomic (dQ by atomics in the dK/dV kernel), triton
+fastest tile of this run's sweep), gluon_atomic (dQ by bulk TMA reduce-adds from the dK/dV kernel
+into an fp32 accumulator, then a conversion), gluon_atomic_best (its fastest dK/dV tile of
+this run's --atomic-sweep over ATOMIC_CANDIDATES), triton
 (Gluon off: backward.py's kernels), and the anchors of bench_triton.anchor (cudnn, flash = FA2,
 flex = FlexAttention compiled). Times are the backward alone on saved (out, lse), bf16, 16k
 tokens, nheads * headdim = 2048. Writes DIR/backward_<date>.json.
@@ -41,6 +43,11 @@ CANDIDATES = {64: [{"hopper": (64, 64, 4, 2)}, {"hopper": (128, 64, 4, 2)},
                    {"hopper_dq": (64, 64, 4, 2)}, {"hopper_dq": (128, 64, 8, 2)},
                    {"hopper_dq": (128, 128, 8, 2)}],
               128: [{"hopper_dq": (64, 64, 4, 2)}, {"hopper_dq": (128, 64, 8, 2)}]}
+# dK/dV tiles of the reduce-add dQ path (its only kernel besides preprocess and conversion)
+ATOMIC_CANDIDATES = {64: [{"hopper": (128, 64, 4, 2)}, {"hopper": (64, 64, 4, 2)},
+                          {"hopper": (64, 128, 8, 2)}],
+                     128: [{"hopper": (64, 64, 4, 2)}, {"hopper": (64, 128, 8, 2)},
+                           {"hopper": (64, 64, 4, 3)}]}
 
 
 def saved_forward(q, k, v, params):
@@ -57,7 +64,7 @@ def backward(variant, dout, q, k, v, out, lse, params, tiles=None):
         finally:
             hop_mod.GLUON_BACKWARD = True
     return bwd_mod.attention_backward(dout, q, k, v, out, lse, params, tiles=tiles,
-                                      atomic_dq=variant == "gluon_atomic")
+                                      atomic_dq=variant.startswith("gluon_atomic"))
 
 
 def reference_grads(q, k, v, dout, causal):
@@ -78,11 +85,11 @@ def _errors(ref, grads) -> list[float]:
     return [(g.float() - r).abs().max().item() for g, r in zip(grads, ref, strict=True)]
 
 
-def check(log, variants) -> dict:
+def check(log, variants, candidates=CANDIDATES) -> dict:
     """Every candidate block, both dQ paths, against the fp32 reference: its error may be at
     most twice the Triton kernels' + 1e-5. Returns {(head_dim, block): ok}."""
     verdict = {}
-    for head_dim, blocks in CANDIDATES.items():
+    for head_dim, blocks in candidates.items():
         for causal in (False, True):
             q, k, v, dout = (torch.randn(2, 768, h, head_dim, device="cuda",
                                          dtype=torch.bfloat16) for h in (8, 2, 2, 8))
@@ -109,8 +116,8 @@ def check(log, variants) -> dict:
     return verdict
 
 
-def sweep(log, verdict, rows, seqlen=4096):
-    for head_dim, blocks in CANDIDATES.items():
+def sweep(log, verdict, rows, seqlen=4096, candidates=CANDIDATES, variant="gluon"):
+    for head_dim, blocks in candidates.items():
         for causal in (False, True):
             q, k, v, dout = inputs(seqlen, head_dim, torch.bfloat16)
             params = AttentionParams(head_dim ** -0.5, None, 0 if causal else None)
@@ -119,13 +126,12 @@ def sweep(log, verdict, rows, seqlen=4096):
             for block in blocks:
                 if not verdict.get((head_dim, str(block))):
                     continue
-                for variant in ("gluon", ):
-                    ms = bench(partial(backward, variant, dout, q, k, v, out, lse, params, block))
-                    rows.append(dict(head_dim=head_dim, causal=causal, seqlen=seqlen,
-                                     block=block, variant=variant, ms=ms,
-                                     tflops=f / ms * 1e-9))
-                    log(f"sweep d{head_dim} {'causal' if causal else 'full'} {block} {variant}: "
-                        f"{ms:.3f} ms {f / ms * 1e-9:.0f} TFLOP/s")
+                ms = bench(partial(backward, variant, dout, q, k, v, out, lse, params, block))
+                rows.append(dict(head_dim=head_dim, causal=causal, seqlen=seqlen,
+                                 block=block, variant=variant, ms=ms,
+                                 tflops=f / ms * 1e-9))
+                log(f"sweep d{head_dim} {'causal' if causal else 'full'} {block} {variant}: "
+                    f"{ms:.3f} ms {f / ms * 1e-9:.0f} TFLOP/s")
 
 
 def best_tiles(sweep_rows) -> dict:
@@ -164,7 +170,7 @@ def grid(log, seqlens, rows, deadline, variants, best):
                         if variant in ("cudnn", "flash", "flex"):
                             ms = anchor(variant, q, k, v, dout, causal)[1]
                         else:
-                            tiles = best.get(head_dim) if variant == "gluon_best" else None
+                            tiles = best.get(variant, {}).get(head_dim)
                             ms = bench(partial(backward, variant, dout, q, k, v, out, lse,
                                                params, tiles))
                     except Exception as e:  # an anchor that lacks this case is recorded
@@ -177,6 +183,9 @@ def grid(log, seqlens, rows, deadline, variants, best):
                 for name in ("flash", "flex", "triton"):
                     if name in row["ms"] and "gluon" in row["ms"]:
                         row[f"gluon_vs_{name}"] = row["ms"][name] / row["ms"]["gluon"]
+                for name in ("gluon_atomic", "gluon_atomic_best"):
+                    if name in row["ms"] and "gluon" in row["ms"]:
+                        row[f"{name}_vs_gluon"] = row["ms"]["gluon"] / row["ms"][name]
                 rows.append(row)
                 log(f"grid s{seqlen} d{head_dim} {'causal' if causal else 'full'}: "
                     + " ".join(f"{n} {t:.0f}" for n, t in row["tflops"].items())
@@ -193,6 +202,8 @@ def main():
     ap.add_argument("--skip-sweep", action="store_true")
     ap.add_argument("--variants", default="gluon,triton,cudnn,flash,flex")
     ap.add_argument("--check-variants", default="gluon,gluon_atomic")
+    ap.add_argument("--atomic-sweep", action="store_true",
+                    help="check and sweep ATOMIC_CANDIDATES on the reduce-add dQ path")
     ap.add_argument("--budget", type=float, default=200.0, help="seconds before the grid stops")
     args = ap.parse_args()
     start = time.time()
@@ -203,12 +214,21 @@ def main():
 
     result = dict(env=environment(), hopper_backward=hop_mod.HOPPER_BACKWARD,
                   hopper_backward_dq=hop_mod.HOPPER_BACKWARD_DQ, sweep=[], grid=[])
-    verdict = check(log, args.check_variants.split(","))
+    verdict = check(log, args.check_variants.split(",")) if args.check_variants else {}
     result["check"] = [dict(head_dim=d, block=b, ok=ok) for (d, b), ok in verdict.items()]
     if not args.skip_sweep:
         sweep(log, verdict, result["sweep"])
-    best = best_tiles(result["sweep"])
-    result["best_tiles"] = {str(d): t for d, t in best.items()}
+    best = {"gluon_best": best_tiles(result["sweep"])}
+    if args.atomic_sweep:
+        atomic_verdict = check(log, ["gluon_atomic"], ATOMIC_CANDIDATES)
+        result["check"] += [dict(head_dim=d, block=b, ok=ok, variant="gluon_atomic")
+                            for (d, b), ok in atomic_verdict.items()]
+        atomic_rows = []
+        sweep(log, atomic_verdict, atomic_rows, candidates=ATOMIC_CANDIDATES,
+              variant="gluon_atomic")
+        result["sweep"] += atomic_rows
+        best["gluon_atomic_best"] = best_tiles(atomic_rows)
+    result["best_tiles"] = {v: {str(d): t for d, t in b.items()} for v, b in best.items()}
     log(f"best tiles {best}")
     grid(log, [int(s) for s in args.seqlens.split(",")], result["grid"],
          start + args.budget, args.variants.split(","), best)

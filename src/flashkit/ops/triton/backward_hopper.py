@@ -62,8 +62,10 @@ from flashkit.ops.triton.dropout import dropout_args, packed_keep, philox_calls
 from flashkit.ops.triton.forward_hopper import flash_descriptor, flash_layout_2d, gluon_supported
 
 try:
+    from triton._C.libtriton import ir as triton_ir
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language._core import builtin as gluon_builtin
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
         mbarrier,
@@ -80,6 +82,36 @@ if gluon is not None:  # the forward's K/V ring fill and keep-mask serve the dQ 
 
 if gluon is not None:
     LOG2E_G = gl.constexpr(LOG2E)
+
+    @gluon_builtin
+    def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+        """Add the shared-memory tile src into the global tile of tensor_desc at coord
+        (cp.reduce.async.bulk.tensor .add, element-wise atomic in L2, fp32 here). Asynchronous
+        like tma.async_copy_shared_to_global: one bulk group of the issuing thread, so
+        tma.store_wait(n) (cp.async.bulk.wait_group.read) is what frees src, and src must be
+        written and fenced (fence_async_shared) before. Triton 3.6's Gluon has the builder op
+        but no public wrapper; this one mirrors tma.async_copy_shared_to_global."""
+        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+        _semantic.builder.create_async_tma_reduce(triton_ir.DESCRIPTOR_REDUCE_KIND.ADD,
+                                                  tensor_desc.handle, coord, src.handle)
+
+    @gluon.jit
+    def _reduce_dq_half(dq_acc, dq_row, col, ds_smem, k_smem, staging, dq_layout: gl.constexpr):
+        """dQ's partial over head-dim columns [col, col + D / 2): [BLOCK_M, D / 2] = dS
+        [BLOCK_M, BLOCK_N] @ K[:, col:col + D / 2] (dS read as the transposed view of ds_smem =
+        dS^T), through the fp32 staging tile into dq_acc's rows [dq_row, dq_row + BLOCK_M) by a
+        bulk reduce-add. staging (a consumed Q or dO ring buffer) is free: see
+        _query_tile_step."""
+        BLOCK_M: gl.constexpr = staging.shape[0]
+        HALF: gl.constexpr = staging.shape[1]
+        dq_tok = warpgroup_mma(ds_smem.permute((1, 0)), k_smem.slice(col, HALF, dim=1),
+                               gl.zeros([BLOCK_M, HALF], gl.float32, dq_layout), use_acc=False,
+                               is_async=True)
+        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq_tok, ))
+        staging.store(dq)
+        fence_async_shared()  # generic-proxy writes before the async proxy reads them
+        gl.thread_barrier()  # every warp's part is written before one thread issues the add
+        _tma_reduce_add(dq_acc, [dq_row, col], staging)
 
     @gluon.constexpr_function
     def _dropout_layout_t(block_n, block_m, num_warps):
@@ -201,6 +233,16 @@ if gluon is not None:
         # [BLOCK_N, BLOCK_M] = [BLOCK_N, D] @ [D, BLOCK_M]
         dp_tok = warpgroup_mma(v_smem, do_buf.permute((1, 0)), zero_st, use_acc=False,
                                is_async=True)
+        if ATOMIC_DQ:
+            # The previous job's Q and dO buffers staged its dQ halves: refill them (with job
+            # - 1 + NUM_STAGES) once the reduce-adds have read them, under S^T and dP^T here.
+            tma.store_wait(0)
+            gl.thread_barrier()
+            if job > 0:
+                _issue_q_do_load(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem,
+                                 lse_smem, delta_smem, q_bars, do_bars, job - 1 + NUM_STAGES,
+                                 n_jobs, jobs_per_head, m_first, q_row, q_col, lse_row, seqlen_q,
+                                 BLOCK_M, HEAD_DIM, NUM_STAGES)
         if DROPOUT:  # drawn while the tensor cores work on S^T and dP^T
             bits_t = _dropout_bits_t(drop, start_m, start_n, BLOCK_M, BLOCK_N, gl.num_warps())
         s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
@@ -245,31 +287,33 @@ if gluon is not None:
             ds_smem.store(ds_t)
             fence_async_shared()
             gl.thread_barrier()
-            rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
-            cols = gl.arange(0, DQ_CHUNK, layout=gl.SliceLayout(0, dq_layout))
-            offs = gl.expand_dims(rows * HEAD_DIM, 1) + gl.expand_dims(cols, 0)
             dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok))
-            # dQ in DQ_CHUNK-column slices, so that its accumulator fits beside dK and dV:
-            # [BLOCK_M, DQ_CHUNK] = [BLOCK_M, BLOCK_N] @ [BLOCK_N, DQ_CHUNK]
-            for c in gl.static_range(HEAD_DIM // DQ_CHUNK):
-                dq_tok = warpgroup_mma(ds_smem.permute((1, 0)),
-                                       k_smem.slice(c * DQ_CHUNK, DQ_CHUNK, dim=1),
-                                       gl.zeros([BLOCK_M, DQ_CHUNK], gl.float32, dq_layout),
-                                       use_acc=False, is_async=True)
-                dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq_tok, ))
-                gl.atomic_add(dq_base + c * DQ_CHUNK + offs, dq, sem="relaxed")
+            gl.thread_barrier()  # every warp's dK / dV wgmma has read q_buf and do_buf
+            # dQ in two DQ_CHUNK = D / 2 column halves (an accumulator that fits beside dK and
+            # dV), each staged in fp32 in one of the consumed buffers (a [BLOCK_M, D / 2] fp32
+            # tile is a [BLOCK_M, D] bf16 one) and added into dq_acc asynchronously: no extra
+            # shared memory, two programs per SM as without it.
+            dq_acc, dq_row = dq_base
+            stage_layout: gl.constexpr = dq_acc.layout
+            _reduce_dq_half(dq_acc, dq_row + start_m, 0, ds_smem, k_smem,
+                            q_buf._reinterpret(gl.float32, [BLOCK_M, DQ_CHUNK], stage_layout),
+                            dq_layout)
+            _reduce_dq_half(dq_acc, dq_row + start_m, DQ_CHUNK, ds_smem, k_smem,
+                            do_buf._reinterpret(gl.float32, [BLOCK_M, DQ_CHUNK], stage_layout),
+                            dq_layout)
         else:
             dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok))
-        # Every warp's reads of this buffer (and of ds_smem) are done: refill it.
-        gl.thread_barrier()
-        _issue_q_do_load(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem,
-                         delta_smem, q_bars, do_bars, job + NUM_STAGES, n_jobs, jobs_per_head,
-                         m_first, q_row, q_col, lse_row, seqlen_q, BLOCK_M, HEAD_DIM, NUM_STAGES)
+            # Every warp's reads of this buffer are done: refill it.
+            gl.thread_barrier()
+            _issue_q_do_load(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem,
+                             delta_smem, q_bars, do_bars, job + NUM_STAGES, n_jobs,
+                             jobs_per_head, m_first, q_row, q_col, lse_row, seqlen_q, BLOCK_M,
+                             HEAD_DIM, NUM_STAGES)
         return dk, dv
 
     @gluon.jit(do_not_specialize=["seed_lo", "seed_hi", "dropout_threshold"])
     def _bwd_dkdv_hopper_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DK, DV,
-                                DQAcc, stride_dkb, stride_dks, stride_dkh,
+                                dq_acc_desc, stride_dkb, stride_dks, stride_dkh,
                                 stride_dvb, stride_dvs, stride_dvh,
                                 Alibi, stride_ab, stride_ah, nheads, nheads_k, seqlen_q,
                                 seqlen_k, window_left, window_right, qk_scale, softcap_scale,
@@ -284,8 +328,9 @@ if gluon is not None:
                                 DS_LAYOUT: gl.constexpr, num_warps: gl.constexpr):
         """dK, dV of key block program_id(0) of (batch, kv head) program_id(1), heaviest causal
         blocks first. q/k/v/do descriptors over (batch * seqlen, heads * HEAD_DIM), lse/delta
-        descriptors over their flat (batch * nheads * seqlen) rows; DQAcc (ATOMIC_DQ) is the
-        fp32 accumulator (batch * nheads, seqlen_q, HEAD_DIM) of dQ / scale."""
+        descriptors over their flat (batch * nheads * seqlen) rows; dq_acc_desc (ATOMIC_DQ)
+        covers the fp32 accumulator of dQ / scale as (batch * nheads * seqlen_q, HEAD_DIM) rows
+        in [BLOCK_M, DQ_CHUNK = HEAD_DIM / 2] tiles."""
         pid_n = gl.program_id(0)
         pid_bh = gl.program_id(1)
         off_b = pid_bh // nheads_k
@@ -299,6 +344,8 @@ if gluon is not None:
         geo = (seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale,
                dropout_scale)
         dtype: gl.constexpr = q_desc.dtype
+        gl.static_assert(not ATOMIC_DQ or (NUM_STAGES >= 2 and 2 * DQ_CHUNK == HEAD_DIM),
+                         "dQ halves are staged in the previous job's buffers")
 
         # wgmma accumulators: warps stacked along the key rows (dQ: along its query rows, and
         # across its columns when BLOCK_M has fewer 16-row slices than there are warps).
@@ -361,7 +408,7 @@ if gluon is not None:
         job = 0
         for g in range(group):  # the query heads that share this kv head, in a fixed order
             off_h = off_hk * group + g
-            dq_base = DQAcc + (off_b * nheads + off_h).to(gl.int64) * (seqlen_q * HEAD_DIM)
+            dq_base = (dq_acc_desc, (off_b * nheads + off_h) * seqlen_q)  # its first row
             alibi_log2 = load_alibi_log2(Alibi, off_b, off_h, stride_ab, stride_ah, ALIBI)
             drop = (seed_lo, seed_hi, dropout_threshold, off_b, off_h)
             if HAS_RIGHT:  # masked: tiles whose rows see only part of the block (right side)
@@ -394,6 +441,8 @@ if gluon is not None:
                         st_layout, kv_layout, dq_layout, op_layout)
                     job += 1
 
+        if ATOMIC_DQ:  # the last reduce-adds read shared memory until here
+            tma.store_wait(0)
         mbarrier.invalidate(kv_bar)
         for i in gl.static_range(NUM_STAGES):
             mbarrier.invalidate(q_bars.index(i))
@@ -641,15 +690,22 @@ def attention_backward_dkdv(dout, q, k, v, lse, delta, params: AttentionParams, 
 
     alibi, geo, flags = _launch_args(q, params, lse)
     atomic_dq = dq_acc is not None
+    if atomic_dq:  # (batch * nheads, seqlen_q, d) as rows, added to in [block_m, d / 2] halves
+        rows = dq_acc.view(-1, head_dim)
+        half = [block_m, head_dim // 2]
+        dq_acc_desc = TensorDescriptor(rows, list(rows.shape), [head_dim, 1], half,
+                                       gl.NVMMASharedLayout.get_default_for(half, gl.float32))
+    else:
+        dq_acc_desc = rows_descriptor(delta)  # unused
     grid = (seqlen_k // block_n, batch * nheads_k)
     _bwd_dkdv_hopper_kernel[grid](
         flash_descriptor(q, block_m), flash_descriptor(k, block_n), flash_descriptor(v, block_n),
         flash_descriptor(dout, block_m), rows_descriptor(lse), rows_descriptor(delta), dk, dv,
-        dq_acc if atomic_dq else delta,
+        dq_acc_desc,
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         *alibi, nheads, nheads_k, seqlen_q, seqlen_k, *geo,
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=num_stages, **flags,
-        ATOMIC_DQ=atomic_dq, DQ_CHUNK=min(head_dim, 64), DQ_WARPS_M=min(num_warps, block_m // 16),
+        ATOMIC_DQ=atomic_dq, DQ_CHUNK=head_dim // 2, DQ_WARPS_M=min(num_warps, block_m // 16),
         DS_LAYOUT=gl.NVMMASharedLayout.get_default_for([block_n, block_m], gl_dtype),
         num_warps=num_warps)
 
