@@ -47,7 +47,7 @@ CANDIDATES = {64: [{"hopper": (64, 64, 4, 2)}, {"hopper": (128, 64, 4, 2)},
 ATOMIC_CANDIDATES = {64: [{"hopper": (128, 64, 4, 2)}, {"hopper": (64, 64, 4, 2)},
                           {"hopper": (64, 128, 8, 2)}],
                      128: [{"hopper": (64, 64, 4, 2)}, {"hopper": (64, 128, 8, 2)},
-                           {"hopper": (64, 64, 4, 3)}]}
+                           {"hopper": (64, 128, 8, 3)}]}
 
 
 def saved_forward(q, k, v, params):

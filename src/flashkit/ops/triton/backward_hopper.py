@@ -15,8 +15,11 @@ query tile, all matmuls are wgmma with B (and for dQ also A) in shared memory:
     dV  += P^T dO      [BLOCK_N, D]        P^T and dS^T from registers, both issued once dS
     dK  += dS^T Q      [BLOCK_N, D]        is formed (P, dP, delta die first: register room)
     dQ_p = dS K        [BLOCK_M, D]        (ATOMIC_DQ) dS^T through shared memory, read as its
-                                           transposed view; added to an fp32 accumulator with
-                                           relaxed atomics (backward.py scales and converts it)
+                                           transposed view, in two D/2 halves; each staged in
+                                           fp32 in the Q / dO buffer dK / dV just consumed and
+                                           added to an fp32 accumulator by a bulk TMA
+                                           reduce-add (backward.py scales and converts it); the
+                                           next step refills those buffers after store_wait
 Without ATOMIC_DQ (params.deterministic, or configs.GLUON_BACKWARD_ATOMIC_DQ off, the default)
 the kernel does the first four only and the dQ kernel here sums dQ in a fixed order (bitwise
 reproducible): one program per BLOCK_M query rows, Q and dO resident, K/V tiles through a TMA
@@ -96,18 +99,10 @@ if gluon is not None:
                                                   tensor_desc.handle, coord, src.handle)
 
     @gluon.jit
-    def _reduce_dq_half(dq_acc, dq_row, col, ds_smem, k_smem, staging, dq_layout: gl.constexpr):
-        """dQ's partial over head-dim columns [col, col + D / 2): [BLOCK_M, D / 2] = dS
-        [BLOCK_M, BLOCK_N] @ K[:, col:col + D / 2] (dS read as the transposed view of ds_smem =
-        dS^T), through the fp32 staging tile into dq_acc's rows [dq_row, dq_row + BLOCK_M) by a
-        bulk reduce-add. staging (a consumed Q or dO ring buffer) is free: see
-        _query_tile_step."""
-        BLOCK_M: gl.constexpr = staging.shape[0]
-        HALF: gl.constexpr = staging.shape[1]
-        dq_tok = warpgroup_mma(ds_smem.permute((1, 0)), k_smem.slice(col, HALF, dim=1),
-                               gl.zeros([BLOCK_M, HALF], gl.float32, dq_layout), use_acc=False,
-                               is_async=True)
-        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq_tok, ))
+    def _stage_and_add(dq, dq_acc, dq_row, col, staging):
+        """Write the fp32 dQ partial dq [BLOCK_M, D / 2] (columns [col, col + D / 2)) to the
+        staging tile and add it into dq_acc's rows [dq_row, dq_row + BLOCK_M) by a bulk
+        reduce-add. staging (a consumed Q or dO ring buffer) is free: see _query_tile_step."""
         staging.store(dq)
         fence_async_shared()  # generic-proxy writes before the async proxy reads them
         gl.thread_barrier()  # every warp's part is written before one thread issues the add
@@ -287,20 +282,28 @@ if gluon is not None:
             ds_smem.store(ds_t)
             fence_async_shared()
             gl.thread_barrier()
-            dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok))
+            # dQ = dS K in two DQ_CHUNK = D / 2 column halves (accumulators that fit beside dK
+            # and dV), each staged in fp32 in one of the buffers dK / dV consumed (a [BLOCK_M,
+            # D / 2] fp32 tile is a [BLOCK_M, D] bf16 one) and added into dq_acc
+            # asynchronously: no extra shared memory, two programs per SM as without it.
+            # [BLOCK_M, D / 2] = [BLOCK_M, BLOCK_N] @ [BLOCK_N, D / 2], dS the view of dS^T;
+            # the first half queues behind dV and dK, the second runs under the first's staging.
+            ds = ds_smem.permute((1, 0))
+            zero_dq = gl.zeros([BLOCK_M, DQ_CHUNK], gl.float32, dq_layout)
+            dq_tok = warpgroup_mma(ds, k_smem.slice(0, DQ_CHUNK, dim=1), zero_dq,
+                                   use_acc=False, is_async=True)
+            dv, dk = warpgroup_mma_wait(num_outstanding=1, deps=(dv_tok, dk_tok))
             gl.thread_barrier()  # every warp's dK / dV wgmma has read q_buf and do_buf
-            # dQ in two DQ_CHUNK = D / 2 column halves (an accumulator that fits beside dK and
-            # dV), each staged in fp32 in one of the consumed buffers (a [BLOCK_M, D / 2] fp32
-            # tile is a [BLOCK_M, D] bf16 one) and added into dq_acc asynchronously: no extra
-            # shared memory, two programs per SM as without it.
+            dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq_tok, ))
+            dq_tok = warpgroup_mma(ds, k_smem.slice(DQ_CHUNK, DQ_CHUNK, dim=1), zero_dq,
+                                   use_acc=False, is_async=True)
             dq_acc, dq_row = dq_base
             stage_layout: gl.constexpr = dq_acc.layout
-            _reduce_dq_half(dq_acc, dq_row + start_m, 0, ds_smem, k_smem,
-                            q_buf._reinterpret(gl.float32, [BLOCK_M, DQ_CHUNK], stage_layout),
-                            dq_layout)
-            _reduce_dq_half(dq_acc, dq_row + start_m, DQ_CHUNK, ds_smem, k_smem,
-                            do_buf._reinterpret(gl.float32, [BLOCK_M, DQ_CHUNK], stage_layout),
-                            dq_layout)
+            _stage_and_add(dq, dq_acc, dq_row + start_m, 0,
+                           q_buf._reinterpret(gl.float32, [BLOCK_M, DQ_CHUNK], stage_layout))
+            dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq_tok, ))
+            _stage_and_add(dq, dq_acc, dq_row + start_m, DQ_CHUNK,
+                           do_buf._reinterpret(gl.float32, [BLOCK_M, DQ_CHUNK], stage_layout))
         else:
             dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok))
             # Every warp's reads of this buffer are done: refill it.

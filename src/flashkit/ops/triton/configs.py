@@ -94,10 +94,21 @@ def gluon_forward_tile(head_dim: int, seqlen_q: int, banded: bool) -> tuple:
 
 # Backward of the plain case (as GLUON_FORWARD) through the Gluon dK/dV kernel of
 # backward_hopper.py on sm_90: K/V resident in shared memory, Q/dO streamed by TMA, async wgmma.
-# GLUON_BACKWARD_ATOMIC_DQ: that kernel also adds dS K into an fp32 dQ accumulator with element
-# atomics (FA3's way: 5 matmuls instead of 7; never under params.deterministic). Off: slower
-# than the separate dQ kernel everywhere (05:15 run, bf16 16k, TFLOP/s atomic / separate: d128
-# full 324 / 434, d64 full 318 / 402; at 4k with 8 warps (64, 128) 400 / 411 at best).
+# GLUON_BACKWARD_ATOMIC_DQ: that kernel also computes dQ_p = dS K (5 matmuls per tile pair instead
+# of 7; never under params.deterministic), stages it in fp32 in the Q/dO ring buffers its dK/dV
+# wgmmas just consumed and adds it into an fp32 accumulator by bulk TMA reduce-add (FA3's way;
+# backward.py then scales and converts). Off: slower than the separate dQ kernel in every cell
+# (backward_20261121_0651_tma_reduce_dq.json, bf16, 16k tokens, TFLOP/s reduce-add / separate /
+# cuDNN: d128 16k full 429 / 452 / 550, causal 421 / 449 / 528; d64 16k full 414 / 427 / 456;
+# 0.87-0.97x over 1k/4k/16k, worst at 1k causal). Element atomics from registers (05:15) were worse:
+# d128 16k full 324 / 434. Why (reasoned, not profiled): one warpgroup per program runs S^T/dP^T,
+# dV/dK and both dQ halves as one dependent chain, with 32 KB of fp32 staging stores and barriers
+# per tile in it (the separate kernels do 7 matmuls in the time of 5 at ~630 TFLOP/s of tensor work;
+# the fused one reaches ~430), and BLOCK_N 64 makes every query tile's dQ pass through the L2 reduce
+# seqlen_k / 64 times (32 GB at d128 16k full, about 2.5 TB/s). BLOCK_N 128 with two warpgroups (64,
+# 128, 8, 2/3) halves that but, one program per SM without a producer warp, loses more (d128 4k full
+# 400-407). Next: FA3's warp-specialized layout (producer warp, two consumer warpgroups, a dQ-writer
+# warp issuing the reduce-adds).
 GLUON_BACKWARD = True
 GLUON_BACKWARD_ATOMIC_DQ = False
 
