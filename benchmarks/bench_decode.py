@@ -437,7 +437,7 @@ def launch_study() -> dict:
     lse_part = torch.randn(splits, batch, NHEADS, 1, device="cuda")
     out = torch.empty(batch, 1, NHEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
     lse = torch.empty(batch, NHEADS, 1, device="cuda")
-    grid = (batch * NHEADS, HEAD_DIM // decode.MERGE_BLOCK_DV)
+    grid = (batch * NHEADS, HEAD_DIM // decode.MERGE_BLOCK_DV, 1)  # the runner takes 3-D
     args = (out_part, lse_part, out, lse, *out_part.stride(), *lse_part.stride(),
             *out.stride(), *lse.stride(), NHEADS, 1, splits)
     consts = dict(HEAD_DIM_V=HEAD_DIM, BLOCK_S=splits, BLOCK_DV=decode.MERGE_BLOCK_DV,

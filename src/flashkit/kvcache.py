@@ -100,6 +100,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 
     capacity = _check_paging(block_table, k_cache, batch, device, cache_batch_idx,
                              cache_leftpad)
+    host_seqlen = cache_seqlens if isinstance(cache_seqlens, numbers.Integral) else None
     cache_batch_idx = _index_vector("cache_batch_idx", cache_batch_idx, batch, device)
     cache_leftpad = _index_vector("cache_leftpad", cache_leftpad, batch, device)
     cache_seqlens = _cache_seqlens(cache_seqlens, batch, capacity, device)
@@ -128,8 +129,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                          cache_seqlens, cache_batch_idx, cache_leftpad,
                                          block_table, q_rows, rotary_interleaved)
         torch._assert_async(ok, _DEVICE_CHECK_FAILED)
-        out, lse = decode.forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx,
-                                  cache_leftpad, block_table, params, num_splits, max_seqlen_k)
+        dense = _dense_prefill(q, k_cache, v_cache, host_seqlen, seqlen_new, cache_batch_idx,
+                               cache_leftpad, block_table, params)
+        if dense is not None:
+            out, lse = dense
+        else:
+            out, lse = decode.forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx,
+                                      cache_leftpad, block_table, params, num_splits,
+                                      max_seqlen_k)
         return (out, lse) if return_softmax_lse else out
 
     if cache_batch_idx is None:
@@ -157,6 +164,33 @@ _DEVICE_CHECK_FAILED = (
     "flash_attn_with_kvcache: cache_seqlens, cache_leftpad, cache_batch_idx, block_table or "
     "rotary_cos length out of range (device check; nothing written out of bounds); "
     "sync_checks=True says which")
+
+
+# Prefill through the dense forward: from this many query rows the Gluon forward (sm_90) beats
+# the decode kernel's prefill tile (H200, bf16 d128 GQA 8:1, decode_20261121T063947.json: the
+# decode kernel ran 0.73-0.84x the dense forward's speed at 512 and 2048 queries after 1k-16k
+# cached keys, 1.06-1.96x at 128).
+DENSE_PREFILL_MIN_QUERIES = 512
+
+
+def _dense_prefill(q, k_cache, v_cache, host_seqlen, seqlen_new, cache_batch_idx,
+                   cache_leftpad, block_table, params: AttentionParams):
+    """(out, lse) from the dense Gluon forward when every sequence's keys are one dense block
+    it takes: a contiguous cache without cache_batch_idx / cache_leftpad, an int cache_seqlens
+    (the key count known on the host; it was checked against the capacity on the device), at
+    least DENSE_PREFILL_MIN_QUERIES query rows, and keys k_cache[:batch, :n + seqlen_new] in
+    the flash layout (batch 1, or a cache filled to capacity). Else None: the decode kernels."""
+    if (host_seqlen is None or block_table is not None or cache_batch_idx is not None
+            or cache_leftpad is not None or q.shape[1] < DENSE_PREFILL_MIN_QUERIES
+            or not 0 <= host_seqlen <= k_cache.shape[1] - seqlen_new):
+        return None
+    from flashkit.ops.triton import forward_hopper
+
+    seqlen_k = host_seqlen + seqlen_new
+    k, v = k_cache[:q.shape[0], :seqlen_k], v_cache[:q.shape[0], :seqlen_k]
+    if not forward_hopper.eligible(q, k, v, params, None, None, None):
+        return None
+    return forward_hopper.attention_forward(q, k, v, params)
 
 
 def _run(name, q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, block_table,
