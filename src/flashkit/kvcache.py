@@ -15,6 +15,12 @@ rotary table's length) decide where the kernels read and write, so they are alwa
   bad index then raises a device-side assertion error (at the next synchronising call, and it
   ends the CUDA context), never an out-of-bounds read or write. Pass sync_checks=True to learn
   which argument was wrong.
+
+On CUDA with the Triton backend a call does not synchronise and allocates only through the
+caching allocator, and auto num_splits depends on shapes alone (the cache capacity), so a decoding
+step can be captured in torch.cuda.graph and replayed with new values copied into the captured
+q, k, v and cache_seqlens tensors (an int cache_seqlens is frozen into the graph); tests/
+test_kvcache.py checks replays against eager calls and the oracle.
 """
 
 from __future__ import annotations
