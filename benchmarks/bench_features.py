@@ -1,10 +1,9 @@
 """What each kernel feature costs on the Triton backend (issue 4), with anchors in the same run.
 
     PYTHONPATH=src python3 benchmarks/bench_features.py --out DIR [--compile-only] [--jobs N]
-                                                         [--parts costs,window,varlen,ragged]
-                                                         [--forward-only]
+        [--parts costs,window,varlen,varlen_ab,ragged] [--forward-only]
 
-Four parts, bf16, head dim 128, times from triton.testing.do_bench medians (bench_triton.bench):
+Five parts, bf16, head dim 128, times from triton.testing.do_bench medians (bench_triton.bench):
     costs    each feature against the plain kernel at seqlen 8k (batch 2, 16 heads), forward
              and backward: window (a causal-sized band through the HAS_LEFT path) against causal;
              ALiBi, softcap, sink, dropout 0.1 against full; dropout and every feature at once
@@ -19,6 +18,9 @@ Four parts, bf16, head dim 128, times from triton.testing.do_bench medians (benc
     varlen   equal lengths packed (2 x 8k, 8 x 2k, causal and full) against the dense call on
              the same tokens; also the Triton varlen kernels (varlen_triton: what varlen ran
              before the Gluon forward took it) and cuDNN (SDPA) dense on the same shape.
+    varlen_ab  the equal-length cases' forwards again, dense and varlen timed in alternation
+             (AB_ROUNDS rounds, medians): the clock drifts by more than 5% between cases run
+             minutes apart, which a ratio of two cases timed in turn would show as a gap.
     ragged   16 causal sequences of 1..8k tokens: varlen tokens/s against the dense call on the
              batch padded to the longest (and the Triton varlen kernels, cuDNN padded).
 Backward times the backward launcher alone on saved (out, lse), as bench_triton does.
@@ -225,13 +227,43 @@ def case_varlen(layout, lengths, causal, padded=False, timed=True):
     return row
 
 
+AB_ROUNDS = 5
+
+
+def case_varlen_ab(lengths, causal, timed=True):
+    """Forward ms of dense and varlen on the same tokens, timed in alternation."""
+    longest, tokens = max(lengths), sum(lengths)
+    window = dict(window_right=0) if causal else {}
+    cu = cu_seqlens(lengths)
+    calls = {"dense": ((randn(len(lengths), longest, NHEADS, HEAD_DIM) for _ in range(3)),
+                       AttentionParams(SCALE, **window)),
+             "varlen": ((randn(tokens, NHEADS, HEAD_DIM) for _ in range(3)),
+                        AttentionParams(SCALE, **window, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                        max_seqlen_q=longest, max_seqlen_k=longest))}
+    fns = {name: (lambda qkv=tuple(qkv), p=p: attention_forward(*qkv, p))
+           for name, (qkv, p) in calls.items()}
+    times = {name: [] for name in fns}
+    for _ in range(AB_ROUNDS if timed else 1):
+        for name, fn in fns.items():
+            if timed:
+                times[name].append(bench(fn))
+            else:
+                fn()
+    if not timed:
+        return {}
+    med = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+    return dict(part="varlen_ab", lengths=list(lengths), causal=causal, tokens=tokens,
+                dense_fwd_ms=med["dense"], varlen_fwd_ms=med["varlen"],
+                varlen_over_dense=med["varlen"] / med["dense"], rounds=times)
+
+
 RAGGED = [int(x) for x in torch.randint(1, 8193, (16,),
                                         generator=torch.Generator().manual_seed(0))]
 EQUAL = {"2x8k": [8192] * 2, "8x2k": [2048] * 8}
 VARLEN_LAYOUTS = ("dense", "varlen", "varlen_triton", "cudnn")
 
 
-def cases(parts=("costs", "window", "varlen", "ragged")):
+def cases(parts=("costs", "window", "varlen", "varlen_ab", "ragged")):
     """(label, function, args) of every measurement of `parts`, in the order they are timed."""
     out = [(f"cost {n}", case_cost, (n,)) for n in COST_BASE]
     out += [(f"cost cudnn causal={c}", case_cost_anchor, (c,)) for c in (False, True)]
@@ -242,6 +274,9 @@ def cases(parts=("costs", "window", "varlen", "ragged")):
             for layout in VARLEN_LAYOUTS:
                 out.append((f"varlen {label} causal={causal} {layout}", case_varlen,
                             (layout, lengths, causal)))
+    for label, lengths in EQUAL.items():
+        for causal in (False, True):
+            out.append((f"varlen_ab {label} causal={causal}", case_varlen_ab, (lengths, causal)))
     for layout in VARLEN_LAYOUTS:
         out.append((f"ragged {layout}", case_varlen, (layout, RAGGED, True)))
     return [case for case in out if case[0].split()[0].replace("cost", "costs") in parts]
@@ -283,7 +318,10 @@ def summarize(rows):
                 key = f"{layout} {len(r['lengths'])}seq causal={r['causal']}"
                 varlen[key] = dict(fwd=r["fwd_ms"] / d["fwd_ms"],
                                    bwd=r["bwd_ms"] and r["bwd_ms"] / d["bwd_ms"])
-    return dict(cost_ratios=costs, time_over_dense_ours=varlen)
+    alternating = {f"{len(r['lengths'])}seq causal={r['causal']}": r["varlen_over_dense"]
+                   for r in rows if r.get("part") == "varlen_ab"}
+    return dict(cost_ratios=costs, time_over_dense_ours=varlen,
+                varlen_over_dense_fwd_alternating=alternating)
 
 
 def main():
@@ -291,7 +329,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--jobs", type=int, default=6)
-    ap.add_argument("--parts", default="costs,window,varlen,ragged")
+    ap.add_argument("--parts", default="costs,window,varlen,varlen_ab,ragged")
     ap.add_argument("--forward-only", action="store_true")
     args = ap.parse_args()
     global FORWARD_ONLY
@@ -319,7 +357,7 @@ def main():
             continue
         rows.append(row)
         print(label, {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
-                      if k.endswith(("ms", "tflops", "per_s"))}, flush=True)
+                      if k.endswith(("ms", "tflops", "per_s", "over_dense"))}, flush=True)
         json.dump({"env": env, "config": dict(head_dim=HEAD_DIM, nheads=NHEADS, dtype=str(DTYPE)),
                    "rows": rows, "summary": summarize(rows)}, open(path, "w"), indent=1)
     print(json.dumps(summarize(rows), indent=1))
