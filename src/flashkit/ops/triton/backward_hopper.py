@@ -52,8 +52,6 @@ view for TMA), dense with seqlen_q and seqlen_k multiples of every tile, or varl
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import triton
 import triton.language as tl
@@ -710,15 +708,10 @@ def eligible(q, k, v, dout, lse, params: AttentionParams, dq, dk, dv, tiles) -> 
     """Whether the Gluon kernels compute this call's gradients (else backward.py's do): what
     the Gluon forward takes (forward_hopper.gluon_supported), dense with both sequence lengths
     multiples of every tile, or varlen with any lengths (at least one token each side)."""
-    if not GLUON_BACKWARD or set(tiles or {}) - {"hopper", "hopper_dq"}:
+    if (not GLUON_BACKWARD or set(tiles or {}) - {"hopper", "hopper_dq"}
+            or not gluon_supported(q, k, v, params, varlen=True)):
         return False
-    if params.is_varlen:  # gluon_supported's conditions, less its exclusion of varlen
-        dense_params = dataclasses.replace(params, cu_seqlens_q=None, cu_seqlens_k=None)
-        if not (q.shape[0] > 0 and k.shape[0] > 0 and gluon_supported(q, k, v, dense_params)):
-            return False
-    else:
-        if not gluon_supported(q, k, v, params):
-            return False
+    if not params.is_varlen:
         tile = max(*HOPPER_BACKWARD[q.shape[-1]][:2], *HOPPER_BACKWARD_DQ[q.shape[-1]][:2])
         if q.shape[1] % tile or k.shape[1] % tile:
             return False
