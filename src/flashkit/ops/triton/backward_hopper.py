@@ -97,22 +97,19 @@ if gluon is not None:  # the forward's K/V ring fill and keep-mask serve the dQ 
 
 
 @triton.jit
-def _scores_and_softcap_grad(qk, qk_scale, softcap_scale, SOFTCAP: tl.constexpr,
-                             HALF_GRAD: tl.constexpr):
-    """(s, dcap): common.scores' log2 scores and, with SOFTCAP, common.softcap_grad's 1 - tanh^2
+def _scores_and_softcap_grad(qk, qk_scale, softcap_scale, SOFTCAP: tl.constexpr):
+    """(s, dcap): common.scores' log2 scores and, with SOFTCAP, 1 - tanh^2 (common.softcap_grad)
     taken from the tanh itself (scores at qk_scale 1) rather than from s / qk_scale, with
-    s = qk_scale * tanh left to fuse into exp2's subtraction: two multiplies fewer per element
-    (the kernels issue more instructions than the tensor cores wait for). HALF_GRAD keeps dcap in
-    fp16 as softcap_grad does for SOFTCAP_FAST (registers), else fp32 (no conversions: the dQ
-    kernel has registers to spare). dcap is 1.0 (unused) without SOFTCAP."""
+    s = qk_scale * tanh left to fuse into exp2's subtraction, and dcap kept in fp32: the Gluon
+    kernels issue more instructions than the tensor cores wait for, and here (unlike in
+    backward.py's kernels) an fp16 dcap saves no spills (sm_90 SASS, d128 dK/dV: 7 spill loads
+    either way, 1408 -> 1360 instructions per tile; dQ 1080 -> 952 in all). dcap is 1.0
+    (unused) without SOFTCAP."""
     dcap = 1.0
     if SOFTCAP:
         t = scores(qk, 1.0, softcap_scale, SOFTCAP)
         s = t * qk_scale
-        if HALF_GRAD:
-            dcap = softcap_grad(t, 1.0, SOFTCAP)
-        else:
-            dcap = softcap_grad(t, 1.0)  # SOFTCAP_EXACT: no fp16 conversion
+        dcap = softcap_grad(t, 1.0)  # SOFTCAP_EXACT's fp32 (no fp16 round trip)
     else:
         s = scores(qk, qk_scale, softcap_scale, SOFTCAP)
     return s, dcap
@@ -293,7 +290,7 @@ if gluon is not None:
         # lse and delta are read from shared memory at their use: as per-column vectors of the
         # wgmma layout they would hold 2 * BLOCK_M / 4 registers across the matmuls.
         lse2 = lse_smem.index(stage).load(col_layout) * LOG2E_G
-        s_t, dcap_t = _scores_and_softcap_grad(s_t, qk_scale, softcap_scale, SOFTCAP, True)
+        s_t, dcap_t = _scores_and_softcap_grad(s_t, qk_scale, softcap_scale, SOFTCAP)
         # query i along the columns, key j along the rows: [1, BLOCK_M] and [BLOCK_N, 1]
         i_t = gl.expand_dims(start_m + gl.arange(0, BLOCK_M, layout=col_layout), 0)
         j_t = gl.expand_dims(start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout)),
@@ -544,7 +541,7 @@ if gluon is not None:
         dp_tok = warpgroup_mma(do_smem, v_buf.permute((1, 0)), zero_s, use_acc=False,
                                is_async=True)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
-        s, dcap = _scores_and_softcap_grad(s, qk_scale, softcap_scale, SOFTCAP, False)
+        s, dcap = _scores_and_softcap_grad(s, qk_scale, softcap_scale, SOFTCAP)
         i = gl.expand_dims(start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout)), 1)
         start_n = key_lo + tile * BLOCK_N
         j = gl.expand_dims(start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)), 0)
