@@ -5,6 +5,7 @@ the grid.
 
     PYTHONPATH=src python3 benchmarks/bench_backward.py --out DIR [--seqlens 1024,4096,16384]
                                                         [--skip-sweep] [--budget SECONDS]
+                                                        [--parts check,sweep,grid,varlen]
 
 Variants: gluon (the default path: Gluon dK/dV and dQ kernels), gluon_best (each kernel's
 fastest tile of this run's sweep), gluon_atomic (dQ by bulk TMA reduce-adds from the dK/dV kernel
@@ -13,6 +14,13 @@ this run's --atomic-sweep over ATOMIC_CANDIDATES), triton
 (Gluon off: backward.py's kernels), and the anchors of bench_triton.anchor (cudnn, flash = FA2,
 flex = FlexAttention compiled). Times are the backward alone on saved (out, lse), bf16, 16k
 tokens, nheads * headdim = 2048. Writes DIR/backward_<date>.json.
+
+varlen (issue 4): packed sequences, bf16, nheads * headdim = 2048, the backward alone on the Triton
+forward's saved (out, lse): equal lengths (2 x 8k, 8 x 2k) against the dense call on the same
+tokens, and 16 ragged lengths of 1..8k (bench_features' RAGGED draw) as tokens/s against the dense
+call on the batch padded to the longest; each beside the Triton varlen kernels (what varlen ran
+before) and cuDNN (SDPA) on the dense / padded shape. First a check: the Gluon varlen gradients
+against the Triton kernels' (max |difference|, synchronised, so a faulting kernel is named).
 """
 
 from __future__ import annotations
@@ -195,6 +203,76 @@ def grid(log, seqlens, rows, deadline, variants, best):
                 torch.cuda.empty_cache()
 
 
+RAGGED = [int(x) for x in torch.randint(1, 8193, (16,),
+                                        generator=torch.Generator().manual_seed(0))]
+VARLEN_SETS = {"2x8k": [8192] * 2, "8x2k": [2048] * 8, "ragged16": RAGGED}
+
+
+def _packed(lengths, head_dim, causal):
+    """Packed bf16 q, k, v, dout (tokens, nheads, d) of `lengths` and their varlen params."""
+    nheads, tokens = 2048 // head_dim, sum(lengths)
+    q, k, v, dout = (torch.randn(tokens, nheads, head_dim, device="cuda", dtype=torch.bfloat16)
+                     for _ in range(4))
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32,
+                      device="cuda")
+    params = AttentionParams(head_dim ** -0.5, None, 0 if causal else None, cu_seqlens_q=cu,
+                             cu_seqlens_k=cu, max_seqlen_q=max(lengths),
+                             max_seqlen_k=max(lengths))
+    return q, k, v, dout, params
+
+
+def varlen(log, rows, head_dims):
+    """Gluon varlen backward against dense / padded and the Triton varlen kernels, cuDNN as
+    the anchor (see the module docstring)."""
+    for head_dim in head_dims:
+        for label, lengths in VARLEN_SETS.items():
+            for causal in (False, True):
+                q, k, v, dout, params = _packed(lengths, head_dim, causal)
+                out, lse = saved_forward(q, k, v, params)
+                tokens, longest = sum(lengths), max(lengths)
+                row = dict(set=label, lengths=lengths, head_dim=head_dim, causal=causal,
+                           tokens=tokens, ms={})
+                try:
+                    gluon = backward("gluon", dout, q, k, v, out, lse, params)
+                    torch.cuda.synchronize()
+                    triton_ = backward("triton", dout, q, k, v, out, lse, params)
+                    row["max_diff_vs_triton"] = [(a.float() - b.float()).abs().max().item()
+                                                 for a, b in zip(gluon[:3], triton_[:3],
+                                                                 strict=True)]
+                    row["ms"]["varlen_gluon"] = bench(partial(backward, "gluon", dout, q, k, v,
+                                                              out, lse, params))
+                    row["ms"]["varlen_triton"] = bench(partial(backward, "triton", dout, q, k,
+                                                               v, out, lse, params))
+                except Exception as e:
+                    log(f"varlen {label} d{head_dim} causal={causal}: {type(e).__name__} "
+                        f"{str(e)[:300]}")
+                    raise
+                dense = [torch.zeros(len(lengths), longest, *x.shape[1:], dtype=x.dtype,
+                                     device="cuda") for x in (q, k, v, dout)]
+                starts = params.cu_seqlens_q.tolist()[:-1]
+                for b, (start, n) in enumerate(zip(starts, lengths, strict=True)):
+                    for d, x in zip(dense, (q, k, v, dout), strict=True):
+                        d[b, :n] = x[start:start + n]
+                dense_params = AttentionParams(head_dim ** -0.5, None, 0 if causal else None)
+                out_d, lse_d = saved_forward(*dense[:3], dense_params)
+                row["ms"]["dense_gluon"] = bench(partial(backward, "gluon", dense[3], *dense[:3],
+                                                         out_d, lse_d, dense_params))
+                row["ms"]["cudnn_dense"] = anchor("cudnn", *dense[:3], dense[3], causal)[1]
+                row["bwd_tokens_per_s"] = {n: tokens / ms * 1e3 for n, ms in row["ms"].items()}
+                row["varlen_gluon_over_dense"] = row["ms"]["varlen_gluon"] / row["ms"][
+                    "dense_gluon"]
+                row["cudnn_over_varlen_gluon"] = row["ms"]["cudnn_dense"] / row["ms"][
+                    "varlen_gluon"]
+                rows.append(row)
+                log(f"varlen {label} d{head_dim} {'causal' if causal else 'full'}: "
+                    + " ".join(f"{n} {ms:.3f}ms" for n, ms in row["ms"].items())
+                    + f" | varlen/dense {row['varlen_gluon_over_dense']:.3f}"
+                    + " | diff vs triton "
+                    + " ".join(f"{x:.1e}" for x in row["max_diff_vs_triton"]))
+                del q, k, v, dout, out, lse, dense, out_d, lse_d
+                torch.cuda.empty_cache()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -205,7 +283,10 @@ def main():
     ap.add_argument("--atomic-sweep", action="store_true",
                     help="check and sweep ATOMIC_CANDIDATES on the reduce-add dQ path")
     ap.add_argument("--budget", type=float, default=200.0, help="seconds before the grid stops")
+    ap.add_argument("--parts", default="check,sweep,grid")
+    ap.add_argument("--varlen-head-dims", default="128")
     args = ap.parse_args()
+    parts = args.parts.split(",")
     start = time.time()
     os.makedirs(args.out, exist_ok=True)
 
@@ -213,10 +294,11 @@ def main():
         print(f"[{time.time() - start:6.1f}s] {msg}", flush=True)
 
     result = dict(env=environment(), hopper_backward=hop_mod.HOPPER_BACKWARD,
-                  hopper_backward_dq=hop_mod.HOPPER_BACKWARD_DQ, sweep=[], grid=[])
-    verdict = check(log, args.check_variants.split(",")) if args.check_variants else {}
+                  hopper_backward_dq=hop_mod.HOPPER_BACKWARD_DQ, sweep=[], grid=[], varlen=[])
+    verdict = (check(log, args.check_variants.split(","))
+               if "check" in parts and args.check_variants else {})
     result["check"] = [dict(head_dim=d, block=b, ok=ok) for (d, b), ok in verdict.items()]
-    if not args.skip_sweep:
+    if "sweep" in parts and not args.skip_sweep:
         sweep(log, verdict, result["sweep"])
     best = {"gluon_best": best_tiles(result["sweep"])}
     if args.atomic_sweep:
@@ -229,9 +311,12 @@ def main():
         result["sweep"] += atomic_rows
         best["gluon_atomic_best"] = best_tiles(atomic_rows)
     result["best_tiles"] = {v: {str(d): t for d, t in b.items()} for v, b in best.items()}
-    log(f"best tiles {best}")
-    grid(log, [int(s) for s in args.seqlens.split(",")], result["grid"],
-         start + args.budget, args.variants.split(","), best)
+    if "grid" in parts:
+        log(f"best tiles {best}")
+        grid(log, [int(s) for s in args.seqlens.split(",")], result["grid"],
+             start + args.budget, args.variants.split(","), best)
+    if "varlen" in parts:
+        varlen(log, result["varlen"], [int(d) for d in args.varlen_head_dims.split(",")])
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d_%H%M")
     path = os.path.join(args.out, f"backward_{stamp}.json")
     with open(path, "w") as f:

@@ -1,12 +1,12 @@
 """Decode and prefill speed of the Triton KV-cache kernels (flashkit.ops.triton.decode).
 
-    PYTHONPATH=src python3 benchmarks/bench_decode.py --out DIR [--quick] [--sweep] [--no-study]
-        [--paging-study] [--no-prefill] [--no-fa2] [--before OLD_KVCACHE_PY]
+    PYTHONPATH=src python3 benchmarks/bench_decode.py --out DIR [--quick] [--no-fa2]
+        [--stages api,profile,study,paging,prefill,graph,decode,sweep] [--before OLD_KVCACHE_PY]
 
 First a correctness gate on the GPU (poisoned outputs, bf16 against the float64 oracle by the
 DESIGN section 5 rule, contiguous and paged, splits 1 and auto, with an append and rotary through
 the public API); the run stops if it fails. Then, bf16, d128, 32 query heads:
-  studies  (unless --no-study; they set the settings the rest of the run uses, reported in the
+  studies  (stage study; they set the settings the rest of the run uses, reported in the
            JSON's "chosen"): split counts at small batches (what auto_num_splits picks for 1, 2
            and 3 programs per SM, plus a curve at two shapes), the merge kernel alone, the merge
            with and without programmatic dependent launch (PDL, also checked under graph
@@ -16,15 +16,18 @@ the public API); the run stops if it fails. Then, bf16, d128, 32 query heads:
            and V read / time, as % of the device-to-device copy bandwidth measured in the same run
            (bytes read + written / time); the kernel with auto splits, with num_splits=1, and
            PyTorch SDPA (cuDNN and FLASH backends, enable_gqa) on the same work in (b, h, s, d).
-  prefill  query length 128..2k after 4k cached keys, causal: the KV-cache kernel against the
-           dense forward kernel on the same q, k, v, in TFLOP/s over visible pairs.
-  sweep    (--sweep) candidate decode tiles at three shapes, to choose decode.HOPPER.
-  paging   (--paging-study) page-256 decode with the block-table entry read per key row or per
+  prefill  query length 128..2k after 1k..16k cached keys, causal and full: the KV-cache kernel
+           (contiguous and page 256) against the dense forward kernel (Gluon on sm_90) on the
+           same q, k, v and cuDNN SDPA (full only), in TFLOP/s over visible pairs.
+  graph    the public call as a decoding step (append + rotary + attention) captured in a CUDA
+           graph and replayed back to back, against eager calls and cuDNN SDPA (b1/b4, 1k..16k).
+  sweep    (stage sweep) candidate decode tiles at three shapes, to choose decode.HOPPER.
+  paging   (stage paging) page-256 decode with the block-table entry read per key row or per
            key tile, and the paged extra stages; sets decode.PAGE_TILE_LOOKUP and the stages.
   api      the public function per call: host time (CPU wall clock of back-to-back calls, no
-           sync inside) and eager time, with an append (and rotary) into a paged or contiguous
-           cache; with --before, the same for the kvcache.py at that path (the previous version,
-           loaded as a module), in the same run.
+           sync inside) and eager time (stage profile: cProfile of the call), with an append
+           (and rotary) into a paged or contiguous cache; with --before, the same for the
+           kvcache.py at that path (the previous version, loaded as a module), in the same run.
 Kernel times are the launchers (flashkit.ops.triton.decode.forward) on validated inputs.
 Times are triton.testing.do_bench medians ("graph": CUDA-graph replays, the GPU time alone;
 "eager": one launch per call, L2 flushed between calls). Results: DIR/decode_<date>.json with
@@ -370,7 +373,8 @@ def study_prefill() -> dict:
         decode.HOPPER["prefill"] = decode.Tile(*tile)
         for seqlen_q in (512, 2048):
             for nheads_k in (4, 32):
-                t_kv, t_dense = prefill_ms(seqlen_q, 4096 + seqlen_q, nheads_k)
+                times = prefill_ms(seqlen_q, 4096 + seqlen_q, nheads_k)
+                t_kv, t_dense = times["kvcache_ms"], times["dense_ms"]
                 rows.append({"tile": tile, "seqlen_q": seqlen_q, "nheads_k": nheads_k,
                              "kvcache_ms": t_kv, "dense_ms": t_dense})
                 total[tile] = total.get(tile, 0.0) + t_kv
@@ -422,6 +426,32 @@ def run_api(before_path: str | None) -> list[dict]:
         rows.append(row)
         print("api", json.dumps(row), flush=True)
     return rows
+
+
+def launch_study() -> dict:
+    """Host ms per launch of the merge kernel (23 arguments) through Triton's JIT entry (the
+    binder specialises every argument and looks the kernel up) and through the compiled kernel
+    it returned (no binder), on the same arguments: what a launch cache would save."""
+    splits, batch = 8, 4
+    out_part = torch.randn(splits, batch, 1, NHEADS, HEAD_DIM, device="cuda")
+    lse_part = torch.randn(splits, batch, NHEADS, 1, device="cuda")
+    out = torch.empty(batch, 1, NHEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+    lse = torch.empty(batch, NHEADS, 1, device="cuda")
+    grid = (batch * NHEADS, HEAD_DIM // decode.MERGE_BLOCK_DV, 1)  # the runner takes 3-D
+    args = (out_part, lse_part, out, lse, *out_part.stride(), *lse_part.stride(),
+            *out.stride(), *lse.stride(), NHEADS, 1, splits)
+    consts = dict(HEAD_DIM_V=HEAD_DIM, BLOCK_S=splits, BLOCK_DV=decode.MERGE_BLOCK_DV,
+                  USE_PDL=False)
+    compiled = decode._merge_kernel[grid](*args, **consts, num_warps=4)
+    runner = compiled[grid]
+    return {"jit_launch_host_ms": host_ms(
+                lambda: decode._merge_kernel[grid](*args, **consts, num_warps=4), 1000),
+            "compiled_launch_host_ms": host_ms(
+                lambda: runner(*args, *consts.values()), 1000),
+            "torch_empty_host_ms": host_ms(
+                lambda: torch.empty(batch, dtype=torch.int32, device="cuda"), 1000),
+            "assert_async_host_ms": host_ms(
+                lambda: torch._assert_async(torch.ones(1, device="cuda")), 1000)}
 
 
 def profile_api() -> str:
@@ -501,32 +531,148 @@ def study_paging(copy_bw: float) -> dict:
 
 # --- prefill ------------------------------------------------------------------------------------
 
+PREFILL_QUERIES, PREFILL_CACHED = [128, 512, 2048], [1024, 4096, 16384]
+
+
 def run_prefill(quick: bool) -> list[dict]:
-    rows, cached = [], 4096
-    for seqlen_q in ([128, 2048] if quick else [128, 512, 1024, 2048]):
-        for nheads_k in (4, 32):
-            seqlen_k = cached + seqlen_q
-            t_kv, t_dense = prefill_ms(seqlen_q, seqlen_k, nheads_k)
-            visible = seqlen_q * cached + seqlen_q * (seqlen_q + 1) / 2
-            tflop = 4 * NHEADS * visible * HEAD_DIM / 1e12
-            q = torch.empty(1, seqlen_q, NHEADS, HEAD_DIM, device="cuda")
-            row = {"seqlen_q": seqlen_q, "seqlen_k": seqlen_k, "nheads_k": nheads_k,
-                   "auto_splits": decode.launch_shape(q, nheads_k, 0, 0, seqlen_k)[3],
-                   "kvcache_ms": t_kv, "dense_ms": t_dense,
-                   "kvcache_tflops": tflop / (t_kv * 1e-3),
-                   "dense_tflops": tflop / (t_dense * 1e-3), "ratio": t_dense / t_kv}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+    """Query length 128..2k after 1k..16k cached keys (seqlen_k = cached + seqlen_q), GQA 8:1:
+    the KV-cache kernel (contiguous and page 256) against the dense forward (the Gluon kernel
+    on sm_90) on the same q, k, v, causal and full, and cuDNN SDPA on the full case (its causal
+    mask is top-left aligned: other work); MHA at 4k cached, causal, contiguous."""
+    rows = []
+    queries, cached_keys = ([128, 2048], [4096]) if quick else (PREFILL_QUERIES, PREFILL_CACHED)
+    cells = [(sq, cached, 4, causal) for sq in queries for cached in cached_keys
+             for causal in (True, False)]
+    cells += [(sq, 4096, 32, True) for sq in queries]
+    for seqlen_q, cached, nheads_k, causal in cells:
+        seqlen_k = cached + seqlen_q
+        visible = seqlen_q * cached + (seqlen_q * (seqlen_q + 1) / 2 if causal else seqlen_q ** 2)
+        tflop = 4 * NHEADS * visible * HEAD_DIM / 1e12
+        row = {"seqlen_q": seqlen_q, "cached": cached, "seqlen_k": seqlen_k,
+               "nheads_k": nheads_k, "causal": causal}
+        row.update(prefill_ms(seqlen_q, seqlen_k, nheads_k, causal,
+                              pages=(None,) if nheads_k == 32 else (None, 256)))
+        for key in [k for k in row if k.endswith("_ms")]:
+            if row[key] is not None:
+                row[key.replace("_ms", "_tflops")] = tflop / (row[key] * 1e-3)
+        row["ratio"] = row["dense_ms"] / row["kvcache_ms"]  # > 1: the cache kernel is faster
+        if row.get("kvcache_paged256_ms"):
+            row["ratio_paged256"] = row["dense_ms"] / row["kvcache_paged256_ms"]
+        if row.get("sdpa_cudnn_ms"):
+            row["ratio_cudnn"] = row["sdpa_cudnn_ms"] / row["kvcache_ms"]
+        rows.append(row)
+        print("prefill", json.dumps(row), flush=True)
+        torch.cuda.empty_cache()
     return rows
 
 
-def prefill_ms(seqlen_q, seqlen_k, nheads_k) -> tuple[float, float]:
-    """(KV-cache kernel ms, dense forward ms), causal, on the same q, k, v."""
+def prefill_ms(seqlen_q, seqlen_k, nheads_k, causal=True, pages=(None,)) -> dict:
+    """Eager ms of the KV-cache launcher (auto splits; per page size) and of the dense forward
+    on the same q, k, v (and SDPA cuDNN when not causal); auto_splits."""
     k_cache, v_cache, _ = make_cache(1, seqlen_k, nheads_k, None)
     q = torch.randn(1, seqlen_q, NHEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
-    params = AttentionParams(HEAD_DIM ** -0.5, None, 0)
-    return (kernel_ms(q, k_cache, v_cache, None, seqlen_k, params, 0),
-            bench(lambda: attention_forward(q, k_cache, v_cache, params)))
+    params = AttentionParams(HEAD_DIM ** -0.5, None, 0 if causal else None)
+    times = {"auto_splits": decode.launch_shape(q, nheads_k, 0, 0, seqlen_k)[3],
+             "dense_ms": bench(lambda: attention_forward(q, k_cache, v_cache, params))}
+    for page_size in pages:
+        table = None
+        kc, vc = k_cache, v_cache
+        if page_size is not None:
+            n_pages = math.ceil(seqlen_k / page_size)
+            table = torch.randperm(n_pages, device="cuda", dtype=torch.int32)[None]
+            kc, vc = (paged_copy(c, table, page_size) for c in (k_cache, v_cache))
+        key = "kvcache_ms" if page_size is None else f"kvcache_paged{page_size}_ms"
+        times[key] = kernel_ms(q, kc, vc, table, seqlen_k, params, 0)
+    # The public call over the whole cache: an int cache_seqlens takes the dense forward from
+    # kvcache.DENSE_PREFILL_MIN_QUERIES queries, a tensor one the decode kernels.
+    for key, seqlens in (("public_int_ms", seqlen_k), ("public_tensor_ms", torch.full(
+            (1,), seqlen_k, dtype=torch.int32, device="cuda"))):
+        times[key] = bench(functools.partial(flash_attn_with_kvcache, q, k_cache, v_cache,
+                                             cache_seqlens=seqlens, causal=causal))
+    if not causal:
+        fn = sdpa_fn(q, k_cache, v_cache, "CUDNN_ATTENTION")
+        times["sdpa_cudnn_ms"] = None if fn is None else bench(fn)
+    return times
+
+
+def paged_copy(cache, table, page_size):
+    """A batch-1 contiguous cache (1, L, hk, d) laid out in the pages of table (1, pages)."""
+    n_pages = table.shape[1]
+    padded = cache.new_zeros(n_pages * page_size, *cache.shape[2:])
+    padded[:cache.shape[1]] = cache[0]
+    paged = torch.empty_like(padded).unflatten(0, (n_pages, page_size))
+    paged[table[0].long()] = padded.unflatten(0, (n_pages, page_size))
+    return paged
+
+
+# --- a decode step replayed from a CUDA graph ----------------------------------------------------
+
+GRAPH_CELLS = [(b, L, hk, page) for hk in (4, 32) for b in (1, 4) for L in (1024, 4096, 16384)
+               for page in (None, 256)]
+
+
+def run_graph_steps(copy_bw: float, quick: bool) -> list[dict]:
+    """The public call as one decoding step (append one token with rotary at cache_seqlens = L - 1,
+    attend causally over L keys, auto splits): per-step time of back-to-back eager calls and of
+    back-to-back replays of the captured step (wall clock, what a decoding loop sees), the
+    captured step's GPU time, and cuDNN SDPA on the same attention (no append) eager and
+    replayed; bandwidth = K+V bytes / time as % of the copy."""
+    rows = []
+    cells = GRAPH_CELLS[::3] if quick else GRAPH_CELLS
+    for batch, seqlen_k, nheads_k, page_size in cells:
+        k_cache, v_cache, table = make_cache(batch, seqlen_k, nheads_k, page_size)
+        q = torch.randn(batch, 1, NHEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+        k_new, v_new = (torch.randn(batch, 1, nheads_k, HEAD_DIM, dtype=DTYPE, device="cuda")
+                        for _ in "kv")
+        angles = torch.rand(seqlen_k, HEAD_DIM // 2, device="cuda")
+        cos, sin = angles.cos().to(DTYPE), angles.sin().to(DTYPE)
+        seqlens = torch.full((batch,), seqlen_k - 1, dtype=torch.int32, device="cuda")
+        step = functools.partial(flash_attn_with_kvcache, q, k_cache, v_cache, k_new, v_new,
+                                 cos, sin, seqlens, block_table=table, causal=True)
+        kv_bytes = kv_bytes_of(batch, seqlen_k, nheads_k)
+        row = {"batch": batch, "seqlen_k": seqlen_k, "nheads_k": nheads_k,
+               "page_size": page_size, "kv_bytes": kv_bytes,
+               "auto_splits": auto_splits(batch, seqlen_k, nheads_k, page_size),
+               "eager_loop_ms": loop_ms(step), "graph_loop_ms": loop_ms(captured(step)),
+               "graph_gpu_ms": bench_graph(step)}
+        if page_size is None:
+            fn = sdpa_fn(q, k_cache, v_cache, "CUDNN_ATTENTION")
+            row["cudnn_eager_loop_ms"] = loop_ms(fn)
+            row["cudnn_graph_loop_ms"] = loop_ms(captured(fn))
+            row["cudnn_graph_gpu_ms"] = bench_graph(fn)
+        for key in [k for k in row if k.endswith("_ms")]:
+            row[key.replace("_ms", "_pct_copy")] = 100 * kv_bytes / (row[key] * 1e-3) / copy_bw
+        rows.append(row)
+        print("graph", json.dumps(row), flush=True)
+        del k_cache, v_cache
+        torch.cuda.empty_cache()
+    return rows
+
+
+def captured(fn):
+    """fn captured in a CUDA graph (warmed up on a side stream first); returns its replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def loop_ms(call, calls: int = 300) -> float:
+    """Wall-clock ms per call of back-to-back calls, the GPU drained before and after: the
+    larger of host and GPU time per step."""
+    for _ in range(10):
+        call()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        call()
+    torch.cuda.synchronize()
+    return 1e3 * (time.perf_counter() - start) / calls
 
 
 # --- tile sweep ---------------------------------------------------------------------------------
@@ -553,26 +699,29 @@ def run_sweep(copy_bw: float) -> list[dict]:
     return rows
 
 
+STAGES = ["api", "profile", "study", "paging", "prefill", "graph", "decode", "sweep"]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--sweep", action="store_true")
-    parser.add_argument("--no-study", action="store_true")
-    parser.add_argument("--paging-study", action="store_true")
-    parser.add_argument("--no-prefill", action="store_true")
+    parser.add_argument("--stages", default="api,study,prefill,graph,decode",
+                        help=f"comma-separated, in this order: {','.join(STAGES)} (the gate "
+                             "and the copy bandwidth always run)")
     parser.add_argument("--no-fa2", action="store_true", help="skip SDPA's FLASH backend")
     parser.add_argument("--before", help="a previous kvcache.py to time in the api stage")
-    parser.add_argument("--api-only", action="store_true", help="gate, api, --profile-api only")
-    parser.add_argument("--profile-api", action="store_true")
     args = parser.parse_args()
+    stages = set(args.stages.split(","))
+    if stages - set(STAGES):
+        parser.error(f"--stages: unknown {sorted(stages - set(STAGES))}")
     torch.manual_seed(0)
     os.makedirs(args.out, exist_ok=True)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S")
     path = os.path.join(args.out, f"decode_{stamp}.json")
     result = {"env": environment(),
               "config": {"dtype": str(DTYPE), "nheads": NHEADS, "head_dim": HEAD_DIM,
-                         "quick": args.quick, "tiles": tiles(),
+                         "quick": args.quick, "stages": sorted(stages), "tiles": tiles(),
                          "min_keys_per_split": decode.MIN_KEYS_PER_SPLIT,
                          "paged_extra_stages": decode.PAGED_EXTRA_STAGES,
                          "launch_pdl": decode.LAUNCH_PDL}}
@@ -589,44 +738,65 @@ def main():
     save("copy_bandwidth_bytes_per_s", copy_bandwidth())
     copy_bw = result["copy_bandwidth_bytes_per_s"]
     print(f"copy bandwidth {copy_bw / 1e12:.2f} TB/s", flush=True)
-    if args.sweep:
+    if "sweep" in stages:
         save("sweep", run_sweep(copy_bw))
-    save("api", run_api(args.before))
-    if args.profile_api:
+    if "api" in stages:
+        save("api", run_api(args.before))
+    if "profile" in stages:
+        try:
+            save("launch_study", launch_study())
+        except Exception as e:  # noqa: BLE001 - a study of Triton internals; the run goes on
+            save("launch_study", {"error": f"{type(e).__name__}: {e}"})
+        print("launch study", json.dumps(result["launch_study"]), flush=True)
         save("api_profile", profile_api())
         print(result["api_profile"], flush=True)
-    if args.api_only:
-        return
-    if not args.no_study:
+    if "study" in stages:
         save("split_study", study_splits(copy_bw))
         save("prefill_study", study_prefill())
-    if args.paging_study:
+    if "paging" in stages:
         save("paging_study", study_paging(copy_bw))
     save("chosen", {"tiles": tiles(), "launch_pdl": decode.LAUNCH_PDL,
                     "page_tile_lookup": decode.PAGE_TILE_LOOKUP,
                     "page_tile_extra_stages": decode.PAGE_TILE_EXTRA_STAGES})
     print("chosen", json.dumps(result["chosen"]), flush=True)
-    if not args.no_prefill:
+    if "prefill" in stages:
         save("prefill", run_prefill(args.quick))
-    save("decode", run_decode(copy_bw, args.quick, not args.no_fa2))
+    if "graph" in stages:
+        save("graph", run_graph_steps(copy_bw, args.quick))
+    if "decode" in stages:
+        save("decode", run_decode(copy_bw, args.quick, not args.no_fa2))
     print_summary(result)
     print("wrote", path)
 
 
 def print_summary(result: dict) -> None:
-    """The tables of decode_NOTES.md, compactly: % of copy bandwidth (graph replays) and the
-    prefill ratio to the dense forward."""
+    """The tables of decode_NOTES.md, compactly: % of copy bandwidth (graph replays), the
+    prefill ratios to the dense forward and cuDNN, the captured step against eager calls."""
     pct = lambda row, key: f"{row[key]:.0f}" if row.get(key) is not None else "-"  # noqa: E731
-    print("batch seqlen_k hk page splits | auto splits1 cudnn fa2 | auto_eager")
-    for r in result["decode"]:
+    if result.get("decode"):
+        print("batch seqlen_k hk page splits | auto splits1 cudnn fa2 | auto_eager")
+    for r in result.get("decode", []):
         print(r["batch"], r["seqlen_k"], r["nheads_k"], r["page_size"] or "-", r["auto_splits"],
               "|", *(pct(r, f"{k}_graph_pct_copy") for k in
                      ("auto", "splits1", "sdpa_cudnn", "sdpa_flash")),
               "|", pct(r, "auto_eager_pct_copy"), "L2" if r["l2_resident"] else "")
     for r in result.get("prefill", []):
-        print("prefill", r["seqlen_q"], r["nheads_k"], "splits", r["auto_splits"],
-              f"{r['kvcache_tflops']:.0f} vs dense {r['dense_tflops']:.0f} TFLOP/s,"
-              f" ratio {r['ratio']:.2f}")
+        print("prefill", r["seqlen_q"], r["cached"], r["nheads_k"],
+              "causal" if r["causal"] else "full", "splits", r["auto_splits"],
+              f"kv {r['kvcache_tflops']:.0f} dense {r['dense_tflops']:.0f} TFLOP/s"
+              f" ratio {r['ratio']:.2f} paged {r.get('ratio_paged256', 0):.2f}"
+              f" x cudnn {r.get('ratio_cudnn') or 0:.2f}"
+              f" public int/tensor {r['dense_ms'] / r['public_int_ms']:.2f}"
+              f" {r['dense_ms'] / r['public_tensor_ms']:.2f}")
+    if result.get("graph"):
+        print("graph: b L hk page splits | % copy: eager_loop graph_loop graph_gpu | cudnn "
+              "eager_loop graph_loop graph_gpu | us per step eager graph")
+    for r in result.get("graph", []):
+        print(r["batch"], r["seqlen_k"], r["nheads_k"], r["page_size"] or "-", r["auto_splits"],
+              "|", *(pct(r, f"{k}_pct_copy") for k in ("eager_loop", "graph_loop", "graph_gpu")),
+              "|", *(pct(r, f"cudnn_{k}_pct_copy") for k in
+                     ("eager_loop", "graph_loop", "graph_gpu")),
+              "|", f"{1e3 * r['eager_loop_ms']:.1f} {1e3 * r['graph_loop_ms']:.1f}")
 
 
 def tiles() -> dict:

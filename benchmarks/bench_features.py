@@ -1,9 +1,9 @@
 """What each kernel feature costs on the Triton backend (issue 4), with anchors in the same run.
 
     PYTHONPATH=src python3 benchmarks/bench_features.py --out DIR [--compile-only] [--jobs N]
-                                                         [--parts costs,window,varlen,ragged]
+        [--parts costs,window,varlen,varlen_ab,ragged] [--forward-only]
 
-Four parts, bf16, head dim 128, times from triton.testing.do_bench medians (bench_triton.bench):
+Five parts, bf16, head dim 128, times from triton.testing.do_bench medians (bench_triton.bench):
     costs    each feature against the plain kernel at seqlen 8k (batch 2, 16 heads), forward
              and backward: window (a causal-sized band through the HAS_LEFT path) against causal;
              ALiBi, softcap, sink, dropout 0.1 against full; dropout and every feature at once
@@ -16,9 +16,13 @@ Four parts, bf16, head dim 128, times from triton.testing.do_bench medians (benc
              pairs, for scale) and FlexAttention compiled with the same sliding-window mask
              (block mask built once, outside the timing).
     varlen   equal lengths packed (2 x 8k, 8 x 2k, causal and full) against the dense call on
-             the same tokens.
+             the same tokens; also the Triton varlen kernels (varlen_triton: what varlen ran
+             before the Gluon forward took it) and cuDNN (SDPA) dense on the same shape.
+    varlen_ab  the equal-length cases' forwards again, dense and varlen timed in alternation
+             (AB_ROUNDS rounds, medians): the clock drifts by more than 5% between cases run
+             minutes apart, which a ratio of two cases timed in turn would show as a gap.
     ragged   16 causal sequences of 1..8k tokens: varlen tokens/s against the dense call on the
-             batch padded to the longest.
+             batch padded to the longest (and the Triton varlen kernels, cuDNN padded).
 Backward times the backward launcher alone on saved (out, lse), as bench_triton does.
 --compile-only runs every case once, in --jobs processes (Triton's and Inductor's disk caches
 then serve the timed run). Results: DIR/features_<date>.json with date, device, versions.
@@ -44,6 +48,7 @@ from flashkit.ops.triton.forward import attention_forward
 HEAD_DIM, NHEADS, DTYPE = 128, 16, torch.bfloat16
 SCALE = HEAD_DIM ** -0.5
 WINDOW, WINDOW_SEQLEN = 1024, 16384
+FORWARD_ONLY = False  # --forward-only: time and run forwards alone (bwd_ms None)
 
 
 def randn(*shape):
@@ -91,6 +96,9 @@ def time_ours(q, k, v, dout, params, timed=True, triton_only=False):
     tile, tiles = triton_tiles() if triton_only else (None, None)
     out, lse = attention_forward(q, k, v, params, tile=tile)
     fwd = lambda: attention_forward(q, k, v, params, tile=tile)  # noqa: E731
+    if FORWARD_ONLY:
+        torch.cuda.synchronize()
+        return (bench(fwd) if timed else None), None
     bwd = lambda: attention_backward(dout, q, k, v, out, lse, params, tiles=tiles)  # noqa: E731
     if not timed:
         bwd()
@@ -111,6 +119,11 @@ def time_sdpa(q, k, v, dout, causal, backend="cudnn", timed=True):
         with sdpa_kernel(kind):
             return sdpa(*t, is_causal=causal)
 
+    if FORWARD_ONLY:
+        if not timed:
+            run(qh, kh, vh)
+            return None, None
+        return bench(lambda: run(qh, kh, vh)), None
     leaves = [x.requires_grad_() for x in (qh, kh, vh)]
     out = run(*leaves)
     if not timed:
@@ -189,10 +202,11 @@ def case_window(impl, timed=True):
 
 def case_varlen(layout, lengths, causal, padded=False, timed=True):
     """Dense (batch, max, h, d) or varlen packed tokens of `lengths`; dense with unequal
-    lengths means padding every sequence to the longest."""
+    lengths means padding every sequence to the longest. Layouts: dense, cudnn (SDPA on the
+    dense shape), varlen, varlen_triton (the Triton kernels forced by a tile override)."""
     longest, tokens = max(lengths), sum(lengths)
     window = dict(window_right=0) if causal else {}
-    if layout == "dense":
+    if layout in ("dense", "cudnn"):
         q, k, v, dout = (randn(len(lengths), longest, NHEADS, HEAD_DIM) for _ in range(4))
         params = AttentionParams(SCALE, **window)
     else:
@@ -200,20 +214,56 @@ def case_varlen(layout, lengths, causal, padded=False, timed=True):
         cu = cu_seqlens(lengths)
         params = AttentionParams(SCALE, **window, cu_seqlens_q=cu, cu_seqlens_k=cu,
                                  max_seqlen_q=longest, max_seqlen_k=longest)
-    fwd, bwd = time_ours(q, k, v, dout, params, timed)
+    if layout == "cudnn":
+        fwd, bwd = time_sdpa(q, k, v, dout, causal, timed=timed)
+    else:
+        fwd, bwd = time_ours(q, k, v, dout, params, timed,
+                             triton_only=layout == "varlen_triton")
     row = dict(layout=layout, lengths=list(lengths), causal=causal, tokens=tokens, fwd_ms=fwd,
                bwd_ms=bwd)
     if timed:
-        row.update(fwd_tokens_per_s=tokens / fwd * 1e3, bwd_tokens_per_s=tokens / bwd * 1e3)
+        row.update(fwd_tokens_per_s=tokens / fwd * 1e3,
+                   bwd_tokens_per_s=bwd and tokens / bwd * 1e3)
     return row
+
+
+AB_ROUNDS = 5
+
+
+def case_varlen_ab(lengths, causal, timed=True):
+    """Forward ms of dense and varlen on the same tokens, timed in alternation."""
+    longest, tokens = max(lengths), sum(lengths)
+    window = dict(window_right=0) if causal else {}
+    cu = cu_seqlens(lengths)
+    calls = {"dense": ((randn(len(lengths), longest, NHEADS, HEAD_DIM) for _ in range(3)),
+                       AttentionParams(SCALE, **window)),
+             "varlen": ((randn(tokens, NHEADS, HEAD_DIM) for _ in range(3)),
+                        AttentionParams(SCALE, **window, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                        max_seqlen_q=longest, max_seqlen_k=longest))}
+    fns = {name: (lambda qkv=tuple(qkv), p=p: attention_forward(*qkv, p))
+           for name, (qkv, p) in calls.items()}
+    times = {name: [] for name in fns}
+    for _ in range(AB_ROUNDS if timed else 1):
+        for name, fn in fns.items():
+            if timed:
+                times[name].append(bench(fn))
+            else:
+                fn()
+    if not timed:
+        return {}
+    med = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+    return dict(part="varlen_ab", lengths=list(lengths), causal=causal, tokens=tokens,
+                dense_fwd_ms=med["dense"], varlen_fwd_ms=med["varlen"],
+                varlen_over_dense=med["varlen"] / med["dense"], rounds=times)
 
 
 RAGGED = [int(x) for x in torch.randint(1, 8193, (16,),
                                         generator=torch.Generator().manual_seed(0))]
 EQUAL = {"2x8k": [8192] * 2, "8x2k": [2048] * 8}
+VARLEN_LAYOUTS = ("dense", "varlen", "varlen_triton", "cudnn")
 
 
-def cases(parts=("costs", "window", "varlen", "ragged")):
+def cases(parts=("costs", "window", "varlen", "varlen_ab", "ragged")):
     """(label, function, args) of every measurement of `parts`, in the order they are timed."""
     out = [(f"cost {n}", case_cost, (n,)) for n in COST_BASE]
     out += [(f"cost cudnn causal={c}", case_cost_anchor, (c,)) for c in (False, True)]
@@ -221,15 +271,20 @@ def cases(parts=("costs", "window", "varlen", "ragged")):
             ("ours_window", "ours_causal", "flex_window", "cudnn_causal", "flash_causal")]
     for label, lengths in EQUAL.items():
         for causal in (False, True):
-            for layout in ("dense", "varlen"):
+            for layout in VARLEN_LAYOUTS:
                 out.append((f"varlen {label} causal={causal} {layout}", case_varlen,
                             (layout, lengths, causal)))
-    for layout in ("varlen", "dense"):
+    for label, lengths in EQUAL.items():
+        for causal in (False, True):
+            out.append((f"varlen_ab {label} causal={causal}", case_varlen_ab, (lengths, causal)))
+    for layout in VARLEN_LAYOUTS:
         out.append((f"ragged {layout}", case_varlen, (layout, RAGGED, True)))
     return [case for case in out if case[0].split()[0].replace("cost", "costs") in parts]
 
 
-def _compile(i, parts):
+def _compile(i, parts, forward_only):
+    global FORWARD_ONLY
+    FORWARD_ONLY = forward_only
     label, fn, args = cases(parts)[i]
     fn(*args, timed=False)
     return label
@@ -256,12 +311,17 @@ def summarize(rows):
     varlen = {}
     dense = {(tuple(r["lengths"]), r["causal"]): r for r in rows if r.get("layout") == "dense"}
     for r in rows:
-        if r.get("layout") == "varlen":
+        layout = r.get("layout")
+        if layout in VARLEN_LAYOUTS and layout != "dense":
             d = dense.get((tuple(r["lengths"]), r["causal"]))
             if d:
-                key = f"{len(r['lengths'])}seq causal={r['causal']}"
-                varlen[key] = dict(fwd=r["fwd_ms"] / d["fwd_ms"], bwd=r["bwd_ms"] / d["bwd_ms"])
-    return dict(cost_ratios=costs, varlen_over_dense_time=varlen)
+                key = f"{layout} {len(r['lengths'])}seq causal={r['causal']}"
+                varlen[key] = dict(fwd=r["fwd_ms"] / d["fwd_ms"],
+                                   bwd=r["bwd_ms"] and r["bwd_ms"] / d["bwd_ms"])
+    alternating = {f"{len(r['lengths'])}seq causal={r['causal']}": r["varlen_over_dense"]
+                   for r in rows if r.get("part") == "varlen_ab"}
+    return dict(cost_ratios=costs, time_over_dense_ours=varlen,
+                varlen_over_dense_fwd_alternating=alternating)
 
 
 def main():
@@ -269,13 +329,16 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--jobs", type=int, default=6)
-    ap.add_argument("--parts", default="costs,window,varlen,ragged")
+    ap.add_argument("--parts", default="costs,window,varlen,varlen_ab,ragged")
+    ap.add_argument("--forward-only", action="store_true")
     args = ap.parse_args()
+    global FORWARD_ONLY
+    FORWARD_ONLY = args.forward_only
     parts = tuple(args.parts.split(","))
     if args.compile_only:
         ctx = multiprocessing.get_context("spawn")
         with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=ctx) as pool:
-            futures = {pool.submit(_compile, i, parts): label
+            futures = {pool.submit(_compile, i, parts, args.forward_only): label
                        for i, (label, _, _) in enumerate(cases(parts))}
             for future in concurrent.futures.as_completed(futures):
                 error = future.exception()
@@ -285,7 +348,7 @@ def main():
     env = environment()
     rows = []
     stamp = datetime.datetime.now().strftime("%Y%m%d_%H%M")
-    path = os.path.join(args.out, f"features_{stamp}.json")
+    path = os.path.join(args.out, f"features_{stamp}{'_fwd' if FORWARD_ONLY else ''}.json")
     for label, fn, fn_args in cases(parts):
         try:
             row = fn(*fn_args)
@@ -294,7 +357,7 @@ def main():
             continue
         rows.append(row)
         print(label, {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
-                      if k.endswith(("ms", "tflops", "per_s"))}, flush=True)
+                      if k.endswith(("ms", "tflops", "per_s", "over_dense"))}, flush=True)
         json.dump({"env": env, "config": dict(head_dim=HEAD_DIM, nheads=NHEADS, dtype=str(DTYPE)),
                    "rows": rows, "summary": summarize(rows)}, open(path, "w"), indent=1)
     print(json.dumps(summarize(rows), indent=1))

@@ -163,6 +163,7 @@ GRIDS = {
     "main": dict(dtypes=[torch.bfloat16], head_dims=[64, 128],
                  seqlens=[1024, 2048, 4096, 8192, 16384]),
     "d256": dict(dtypes=[torch.bfloat16], head_dims=[256], seqlens=[1024, 4096, 16384]),
+    "fp16": dict(dtypes=[torch.float16], head_dims=[64, 128, 256], seqlens=[1024, 4096, 16384]),
     "full": dict(dtypes=[torch.bfloat16, torch.float16], head_dims=[64, 128, 256],
                  seqlens=[512, 1024, 2048, 4096, 8192, 16384]),
 }

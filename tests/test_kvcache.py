@@ -622,3 +622,92 @@ def test_gpu_index_checks_sync_and_on_device():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=300, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert done.returncode != 0 and "assert" in done.stderr.lower(), done.stderr[-2000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout, num_splits", [("contiguous", 0), ("paged256", 0),
+                                                ("paged16", 3), ("contiguous", 1)])
+def test_cuda_graph_replay_with_new_lengths_and_inputs(layout, num_splits):
+    """One decoding step (append one token with rotary, attend causally) captured in a CUDA
+    graph, replayed with new q, k, v and cache_seqlens written into the captured tensors: each
+    replay gives the eager call's out, lse and cache bit for bit, and the oracle's result."""
+    case = Case(batch=3, nheads=16, nheads_k=2, d=128, capacity=1024, seqlen_q=1, seqlen_new=1,
+                page_size=GPU_LAYOUTS[layout], rotary="neox", causal=True,
+                dtype=torch.bfloat16)
+    cuda = lambda t: None if t is None else t.cuda()  # noqa: E731
+    q, k, v, seqlens = (cuda(t) for t in (case.q, case.k_new, case.v_new, case.seqlens))
+    cos, sin, rows, table = (cuda(t) for t in (case.cos, case.sin, case.batch_idx,
+                                               case.block_table))
+    k_cache, v_cache = cuda(case.k_cache), cuda(case.v_cache)
+
+    def step(kc, vc):
+        return flash_attn_with_kvcache(q, kc, vc, k, v, cos, sin, seqlens, cache_batch_idx=rows,
+                                       block_table=table, causal=True, num_splits=num_splits,
+                                       rotary_interleaved=case.interleaved,
+                                       return_softmax_lse=True)
+
+    side = torch.cuda.Stream()  # compile and warm up off the capture, on scratch caches
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step(k_cache.clone(), v_cache.clone())
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = step(k_cache, v_cache)
+
+    for lengths in ([0, 517, 1022], [1, 64, 1000], [255, 256, 1023 - 1]):
+        for name, t in (("q", case.q), ("k_new", case.k_new), ("v_new", case.v_new)):
+            setattr(case, name, torch.randn_like(t))
+        case.seqlens = torch.tensor(lengths, dtype=torch.int32)
+        case.k_cache, case.v_cache = k_cache.cpu(), v_cache.cpu()
+        for static, new in ((q, case.q), (k, case.k_new), (v, case.v_new),
+                            (seqlens, case.seqlens)):
+            static.copy_(new)
+        k_eager, v_eager = k_cache.clone(), v_cache.clone()
+        out_eager, lse_eager = step(k_eager, v_eager)
+        graph.replay()
+        assert torch.equal(out, out_eager) and torch.equal(lse, lse_eager)
+        assert torch.equal(k_cache, k_eager) and torch.equal(v_cache, v_eager)
+        k_before, v_before = case.k_cache.clone(), case.v_cache.clone()
+        oracle_out, oracle_lse, k_rot64 = case.expected(torch.float64)
+        base_out, base_lse, _ = case.expected(torch.bfloat16)
+        assert_close_to_oracle("out", out.cpu(), oracle_out, base_out)
+        assert_close_to_oracle("lse", lse.cpu(), oracle_lse, base_lse)
+        case.k_cache, case.v_cache = k_cache.cpu(), v_cache.cpu()
+        case.check_append(k_before, v_before, k_rot64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mask, cached", [("causal", 700), ("window", 1300), ("full", 0)])
+def test_prefill_with_an_int_length_takes_the_dense_forward_on_gpu(mask, cached, monkeypatch):
+    """Batch 1, contiguous cache, int cache_seqlens, 512 new tokens with rotary: the dense
+    (Gluon, sm_90) forward computes the attention, against the oracle; the cache is appended."""
+    from flashkit import kvcache
+    from flashkit.ops.triton import forward_hopper
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon forward runs on sm_90")
+    monkeypatch.setattr(kvcache, "DENSE_PREFILL_MIN_WORK", 0)  # a small case takes the route
+    calls = []
+    dense = forward_hopper.attention_forward
+    monkeypatch.setattr(forward_hopper, "attention_forward",
+                        lambda *a, **kw: calls.append(1) or dense(*a, **kw))
+    case = Case(batch=1, nheads=16, nheads_k=2, d=128, capacity=2048, seqlen_q=512,
+                seqlen_new=512, rotary="interleaved", dtype=torch.bfloat16, seqlens=[cached],
+                **MASKS[mask])
+    case.k_cache, case.v_cache = (c[case.batch_idx.long()] for c in (case.k_cache,
+                                                                      case.v_cache))
+    case.batch_idx = torch.zeros(1, dtype=torch.int32)  # row 0: no cache_batch_idx passed
+    k_before, v_before = case.k_cache.clone(), case.v_cache.clone()
+    oracle_out, oracle_lse, k_rot64 = case.expected(torch.float64)
+    base_out, base_lse, _ = case.expected(torch.bfloat16)
+    k_cache, v_cache = case.k_cache.cuda(), case.v_cache.cuda()
+    out, lse = flash_attn_with_kvcache(
+        case.q.cuda(), k_cache, v_cache, case.k_new.cuda(), case.v_new.cuda(), case.cos.cuda(),
+        case.sin.cuda(), cache_seqlens=cached, causal=case.causal, window_size=case.window,
+        return_softmax_lse=True)
+    assert calls, "the dense forward was not used"
+    assert_close_to_oracle("out", out.cpu(), oracle_out, base_out)
+    assert_close_to_oracle("lse", lse.cpu(), oracle_lse, base_lse)
+    case.k_cache, case.v_cache = k_cache.cpu(), v_cache.cpu()
+    case.check_append(k_before, v_before, k_rot64)

@@ -15,6 +15,12 @@ rotary table's length) decide where the kernels read and write, so they are alwa
   bad index then raises a device-side assertion error (at the next synchronising call, and it
   ends the CUDA context), never an out-of-bounds read or write. Pass sync_checks=True to learn
   which argument was wrong.
+
+On CUDA with the Triton backend a call does not synchronise and allocates only through the
+caching allocator, and auto num_splits depends on shapes alone (the cache capacity), so a decoding
+step can be captured in torch.cuda.graph and replayed with new values copied into the captured
+q, k, v and cache_seqlens tensors (an int cache_seqlens is frozen into the graph); tests/
+test_kvcache.py checks replays against eager calls and the oracle.
 """
 
 from __future__ import annotations
@@ -100,6 +106,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 
     capacity = _check_paging(block_table, k_cache, batch, device, cache_batch_idx,
                              cache_leftpad)
+    host_seqlen = cache_seqlens if isinstance(cache_seqlens, numbers.Integral) else None
     cache_batch_idx = _index_vector("cache_batch_idx", cache_batch_idx, batch, device)
     cache_leftpad = _index_vector("cache_leftpad", cache_leftpad, batch, device)
     cache_seqlens = _cache_seqlens(cache_seqlens, batch, capacity, device)
@@ -128,8 +135,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                          cache_seqlens, cache_batch_idx, cache_leftpad,
                                          block_table, q_rows, rotary_interleaved)
         torch._assert_async(ok, _DEVICE_CHECK_FAILED)
-        out, lse = decode.forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx,
-                                  cache_leftpad, block_table, params, num_splits, max_seqlen_k)
+        dense = _dense_prefill(q, k_cache, v_cache, host_seqlen, seqlen_new, cache_batch_idx,
+                               cache_leftpad, block_table, params)
+        if dense is not None:
+            out, lse = dense
+        else:
+            out, lse = decode.forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx,
+                                      cache_leftpad, block_table, params, num_splits,
+                                      max_seqlen_k)
         return (out, lse) if return_softmax_lse else out
 
     if cache_batch_idx is None:
@@ -157,6 +170,41 @@ _DEVICE_CHECK_FAILED = (
     "flash_attn_with_kvcache: cache_seqlens, cache_leftpad, cache_batch_idx, block_table or "
     "rotary_cos length out of range (device check; nothing written out of bounds); "
     "sync_checks=True says which")
+
+
+# Prefill through the dense forward: from this many query rows the Gluon forward (sm_90) beats
+# the decode kernel's prefill tile (H200, bf16 d128 GQA 8:1, decode_20261121T063947.json: the
+# decode kernel ran 0.73-0.84x the dense forward's speed at 512 and 2048 queries after 1k-16k
+# cached keys, 1.06-1.96x at 128), and from this much work (batch x heads x queries x keys):
+# below it the public call is bound by host time, which the dense launch adds to (32 heads,
+# decode_20261121T064707.json: 512 x 4.6k keys ran 0.36-0.40x the dense kernel through it
+# against 0.67-0.73x through the decode kernels; 2048 x 3k 0.79-0.95x against 0.74-0.78x,
+# 512 x 16.9k and 2048 x 6k-18k 0.93-1.02x against 0.71-0.79x).
+DENSE_PREFILL_MIN_QUERIES = 512
+DENSE_PREFILL_MIN_WORK = 2**27
+
+
+def _dense_prefill(q, k_cache, v_cache, host_seqlen, seqlen_new, cache_batch_idx,
+                   cache_leftpad, block_table, params: AttentionParams):
+    """(out, lse) from the dense Gluon forward when every sequence's keys are one dense block
+    it takes: a contiguous cache without cache_batch_idx / cache_leftpad, an int cache_seqlens
+    (the key count known on the host; it was checked against the capacity on the device), at
+    least DENSE_PREFILL_MIN_QUERIES query rows and DENSE_PREFILL_MIN_WORK, and keys
+    k_cache[:batch, :n + seqlen_new] in the flash layout (batch 1, or a cache filled to
+    capacity). Else None: the decode kernels."""
+    batch, seqlen_q, nheads, _ = q.shape
+    if (host_seqlen is None or block_table is not None or cache_batch_idx is not None
+            or cache_leftpad is not None or seqlen_q < DENSE_PREFILL_MIN_QUERIES
+            or not 0 <= host_seqlen <= k_cache.shape[1] - seqlen_new
+            or batch * nheads * seqlen_q * (host_seqlen + seqlen_new) < DENSE_PREFILL_MIN_WORK):
+        return None
+    from flashkit.ops.triton import forward_hopper
+
+    seqlen_k = host_seqlen + seqlen_new
+    k, v = k_cache[:batch, :seqlen_k], v_cache[:batch, :seqlen_k]
+    if not forward_hopper.eligible(q, k, v, params, None, None, None):
+        return None
+    return forward_hopper.attention_forward(q, k, v, params)
 
 
 def _run(name, q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, block_table,

@@ -1,11 +1,14 @@
 """The Gluon forward (flashkit.ops.triton.forward_hopper): which calls take it, which tile the
 table gives, and its outputs against the float64 oracle (DESIGN section 5) on every case it
-takes, with each schedule of configs.GLUON_FORWARD_TILES' kind (one warpgroup issuing its own
-loads; producer warp with one, two or three consumers, with and without ping-pong), dropout
-against the oracle with the Triton kernels' own keep-mask."""
+takes, dense and varlen (packed sequences, lengths 0 and 1, a contiguous cache through
+seqused_k), with each schedule of configs.GLUON_FORWARD_TILES' kind (one warpgroup issuing its
+own loads; producer warp with one, two or three consumers, with and without ping-pong), dropout
+against the oracle with the Triton kernels' own keep-mask and, bit for bit, against the Triton
+varlen kernel's dropped elements."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 import pytest
@@ -13,11 +16,16 @@ import torch
 from tests.ops.test_triton import DEVICE, make_inputs
 
 from flashkit.ops.params import AttentionParams
-from flashkit.ops.triton.configs import GLUON_FORWARD_TILES, gluon_forward_tile
+from flashkit.ops.triton.configs import (
+    GLUON_FORWARD_TILES,
+    gluon_forward_tile,
+    tile_config,
+)
 from flashkit.reference import attention_with_params
 from flashkit.testing import assert_close_to_oracle, dropout_keep_mask, poison
 
 hopper = importlib.import_module("flashkit.ops.triton.forward_hopper")
+triton_forward = importlib.import_module("flashkit.ops.triton.forward")  # the module
 
 # (BLOCK_N, NUM_STAGES, CONSUMERS, SPECIALIZED, PINGPONG)
 SCHEDULES = {
@@ -35,7 +43,8 @@ def _on_hopper() -> bool:
 
 
 def test_eligibility():
-    """Every feature but varlen and an SDPA bias is taken; those and other head dims are not."""
+    """Every feature and varlen are taken (varlen only where the caller of gluon_supported says
+    it takes it: the backward does not yet); an SDPA bias and other head dims are not."""
     q, k, v, _ = make_inputs(1, 100, 37, 2, 1, 64, 64, torch.float16)
     taken = DEVICE == "cuda" and _on_hopper()
     slopes = torch.ones(2, device=q.device)
@@ -43,6 +52,12 @@ def test_eligibility():
                    AttentionParams(0.125, None, None, softcap=5.0, alibi_slopes=slopes,
                                sink=slopes), AttentionParams(0.125, dropout_p=0.1)):
         assert hopper.eligible(q, k, v, params, None, None, None) == taken
+    packed = [x[0] for x in (q, k, v)]
+    cu = torch.tensor([0, 37], dtype=torch.int32, device=q.device)
+    varlen = AttentionParams(0.125, None, 0, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=37,
+                             max_seqlen_k=37)
+    assert hopper.eligible(*packed, varlen, None, None, None) == taken
+    assert not hopper.gluon_supported(*packed, varlen)
     assert not hopper.eligible(q, k, v, AttentionParams(0.125, attn_bias=torch.zeros(
         1, 2, 100, 37)), None, None, None)
     q80, k80, v80, _ = make_inputs(1, 64, 64, 2, 2, 80, 80, torch.float16)
@@ -73,7 +88,7 @@ def test_launch_config_fits_the_register_file():
                     <= config["maxnreg"] * warpgroups)
 
 
-def _params(head_dim, window, features, nheads, device):
+def _params(head_dim, window, features, nheads, device, batch=2, **varlen):
     left, right = window
     gen = torch.Generator(device="cpu").manual_seed(head_dim + nheads)
     extra = {}
@@ -82,12 +97,12 @@ def _params(head_dim, window, features, nheads, device):
     if "alibi" in features:
         extra["alibi_slopes"] = (torch.rand(nheads, generator=gen) * 0.3).to(device)
     if "alibi_batch" in features:
-        extra["alibi_slopes"] = (torch.rand(2, nheads, generator=gen) * 0.3).to(device)
+        extra["alibi_slopes"] = (torch.rand(batch, nheads, generator=gen) * 0.3).to(device)
     if "sink" in features:
         extra["sink"] = (torch.randn(nheads, generator=gen) * 2).to(device)
     if "dropout" in features:
         extra.update(dropout_p=0.17, dropout_seed=2**40 + 12345 + head_dim)
-    return AttentionParams(head_dim ** -0.5 * 1.3, left, right, **extra)
+    return AttentionParams(head_dim ** -0.5 * 1.3, left, right, **extra, **varlen)
 
 
 def check_forward(q, k, v, params, tile):
@@ -170,3 +185,163 @@ def test_gpu_gluon_wide_tile_matches_oracle(case):
     """d64's 256-key tile (two Philox chunks per dropout draw)."""
     _run_case(case, WIDE)
 
+
+
+# ---- varlen -------------------------------------------------------------------------------------
+
+LENGTHS_Q = [1000, 0, 1, 517, 130, 3, 300, 64]  # lengths 0 and 1, odd, q < k and q > k
+LENGTHS_K = [1000, 7, 0, 1031, 64, 3, 1, 200]
+
+VARLEN_CASES = [  # (dtype, head_dim, nheads, nheads_k, window, features)
+    (torch.bfloat16, 128, 4, 1, (None, 0), ()),
+    (torch.float16, 64, 4, 2, (None, None), ()),
+    (torch.bfloat16, 64, 2, 2, (7, 3), ("alibi_batch", )),
+    (torch.bfloat16, 128, 4, 2, (100, 0), ("softcap", "sink")),
+    (torch.float16, 128, 2, 2, (None, None), ("alibi", "sink")),  # both sides' ALiBi tiles
+    (torch.bfloat16, 128, 4, 2, (None, None), ("dropout", )),
+    (torch.float16, 64, 2, 1, (64, 5), ("dropout", "alibi_batch", "sink", "softcap")),
+]
+
+
+def cu_seqlens(lengths, device="cuda"):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32,
+                        device=device)
+
+
+def varlen_inputs(lengths_q, lengths_k, case):
+    """Packed q (total_q, h, d), k and v (total_k, hk, d) and the case's varlen params."""
+    dtype, head_dim, nheads, nheads_k, window, features = case
+    gen = torch.Generator(device="cuda").manual_seed(sum(lengths_q) + head_dim)
+    q, k, v = (torch.randn(sum(lengths), heads, head_dim, dtype=dtype, device="cuda",
+                           generator=gen)
+               for lengths, heads in ((lengths_q, nheads), (lengths_k, nheads_k),
+                                      (lengths_k, nheads_k)))
+    params = _params(head_dim, window, features, nheads, "cuda", batch=len(lengths_q),
+                     cu_seqlens_q=cu_seqlens(lengths_q), cu_seqlens_k=cu_seqlens(lengths_k),
+                     max_seqlen_q=max(lengths_q), max_seqlen_k=max(lengths_k))
+    return q, k, v, params
+
+
+def varlen_mask(params, nheads):
+    """The Triton kernels' keep-mask (sequences, nheads, max_q, max_k), or None."""
+    if params.dropout_p == 0:
+        return None
+    return dropout_keep_mask(params.dropout_seed, params.cu_seqlens_q.numel() - 1, nheads,
+                             params.max_seqlen_q, params.max_seqlen_k, params.dropout_p,
+                             backend="triton", device="cuda")
+
+
+def run_varlen(q, k, v, params, tile, seqused_k=None):
+    """The Gluon forward (asserted to be what forward.py picks) into NaN-poisoned out (total_q,
+    h, d) and lse (h, total_q)."""
+    assert hopper.eligible(q, k, v, params, None, None, None)
+    out = poison(torch.empty_like(q))
+    lse = poison(torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device))
+    return hopper.attention_forward(q, k, v, params, out=out, lse=lse, tile=tile,
+                                    seqused_k=seqused_k)
+
+
+def check_varlen(case, tile, lengths_q=LENGTHS_Q, lengths_k=LENGTHS_K):
+    """Every sequence against the float64 oracle (reference.attention_with_params on each
+    packed sequence as its own dense problem)."""
+    q, k, v, params = varlen_inputs(lengths_q, lengths_k, case)
+    out, lse = run_varlen(q, k, v, params, tile)
+    mask = varlen_mask(params, q.shape[1])
+    oracle = attention_with_params(q.double(), k.double(), v.double(), params, mask)
+    baseline = attention_with_params(q, k, v, params, mask)
+    assert_close_to_oracle("out", out, oracle[0], baseline[0])
+    assert_close_to_oracle("lse", lse, oracle[1], baseline[1])
+
+
+gpu_hopper = pytest.mark.skipif(not _on_hopper(), reason="needs an sm_90 GPU")
+
+
+@pytest.mark.gpu
+@gpu_hopper
+@pytest.mark.parametrize("case", VARLEN_CASES, ids=str)
+def test_gpu_gluon_varlen_matches_oracle(case):
+    """The configured tile (by the longest sequence) on every case."""
+    check_varlen(case, None)
+
+
+@pytest.mark.gpu
+@gpu_hopper
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+@pytest.mark.parametrize("case", VARLEN_CASES, ids=str)
+def test_gpu_gluon_varlen_schedules_match_oracle(case, schedule):
+    check_varlen(case, SCHEDULES[schedule])
+
+
+@pytest.mark.gpu
+@gpu_hopper
+@pytest.mark.parametrize("case", [VARLEN_CASES[i] for i in (2, 6)], ids=str)
+def test_gpu_gluon_varlen_wide_tile_matches_oracle(case):
+    check_varlen(case, WIDE)
+
+
+@pytest.mark.gpu
+@gpu_hopper
+@pytest.mark.parametrize("schedule", ["inline", "three"])
+def test_gpu_gluon_varlen_single_rows(schedule):
+    """Sequences of one query row, one key, empty ones, all in one batch (causal GQA)."""
+    check_varlen(VARLEN_CASES[0], SCHEDULES[schedule], [1, 1, 0, 1, 2, 1], [1, 5, 3, 0, 1, 1])
+
+
+@pytest.mark.gpu
+@gpu_hopper
+@pytest.mark.parametrize("schedule", [None, "inline", "three"])
+def test_gpu_gluon_varlen_ragged_long(schedule):
+    """Long ragged causal sequences (bench_features' ragged kind) with short ones between."""
+    check_varlen(VARLEN_CASES[0], SCHEDULES.get(schedule), [2733, 1, 1654, 3265, 17, 4932],
+                 [2733, 1, 1654, 3265, 17, 4932])
+
+
+@pytest.mark.gpu
+@gpu_hopper
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+def test_gpu_gluon_varlen_dropout_mask_is_the_triton_kernels(schedule):
+    """Bit for bit: with v one-hot over keys (v[j] = e_j, seqlen_k <= d), out[i, j] is 0
+    exactly where the key is dropped. The Gluon forward, the Triton varlen kernel and
+    dropout_keep_mask drop the same elements in every sequence."""
+    lengths_q, lengths_k = [300, 0, 77, 1, 129], [128, 5, 0, 100, 128]
+    q, _, _, params = varlen_inputs(lengths_q, lengths_k,
+                                    (torch.bfloat16, 128, 2, 1, (None, None), ("dropout", )))
+    eye = torch.eye(128, dtype=q.dtype, device="cuda")
+    v = torch.cat([eye[:n] for n in lengths_k])[:, None, :]  # (total_k, 1, 128)
+    k = torch.zeros_like(v)  # uniform attention: every kept probability is > 0
+    gluon_out, _ = run_varlen(q, k, v, params, SCHEDULES[schedule])
+    triton_out, _ = triton_forward.attention_forward(q, k, v, params,
+                                                     tile=tile_config("forward", 128, 2, False))
+    mask = varlen_mask(params, 2)
+    cu_q = params.cu_seqlens_q.tolist()
+    for b, (len_q, len_k) in enumerate(zip(lengths_q, lengths_k, strict=True)):
+        rows = slice(cu_q[b], cu_q[b + 1])
+        dropped = mask[b, :, :len_q, :len_k].transpose(0, 1).logical_not()  # (len_q, h, len_k)
+        for name, out in (("gluon", gluon_out), ("triton", triton_out)):
+            assert torch.equal(out[rows, :, :len_k] == 0, dropped), f"{name} sequence {b}"
+
+
+@pytest.mark.gpu
+@gpu_hopper
+@pytest.mark.parametrize("schedule", ["inline", "two", "three"])
+def test_gpu_gluon_seqused_k_reads_a_contiguous_cache(schedule):
+    """seqused_k: sequence b's keys are the first seqused_k[b] slots of its cache row, the
+    cache (batch, capacity, hk, d) passed flattened with cu_seqlens_k = capacity * b. Causal,
+    q shorter than its keys, slots past the used ones hold (finite) garbage."""
+    case = (torch.bfloat16, 128, 4, 2, (None, 0), ("softcap", ))
+    lengths_q, used, capacity = [3, 200, 0, 1, 64], [700, 200, 5, 1, 0], 768
+    q, _, _, params = varlen_inputs(lengths_q, used, case)
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    k_cache, v_cache = (torch.randn(len(used), capacity, 2, 128, dtype=q.dtype, device="cuda",
+                                    generator=gen) for _ in range(2))
+    seqused_k = torch.tensor(used, dtype=torch.int32, device="cuda")
+    cache_params = dataclasses.replace(
+        params, cu_seqlens_k=capacity * torch.arange(len(used) + 1, dtype=torch.int32,
+                                                     device="cuda"), max_seqlen_k=capacity)
+    out, lse = run_varlen(q, k_cache.view(-1, 2, 128), v_cache.view(-1, 2, 128), cache_params,
+                          SCHEDULES[schedule], seqused_k=seqused_k)
+    k, v = (torch.cat([c[b, :n] for b, n in enumerate(used)]) for c in (k_cache, v_cache))
+    oracle = attention_with_params(q.double(), k.double(), v.double(), params)
+    baseline = attention_with_params(q, k, v, params)
+    assert_close_to_oracle("out", out, oracle[0], baseline[0])
+    assert_close_to_oracle("lse", lse, oracle[1], baseline[1])

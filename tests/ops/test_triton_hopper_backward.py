@@ -2,12 +2,14 @@
 against the float64 oracle (DESIGN section 5) through the public backend, on both dQ paths (the
 dQ kernel by default and under deterministic=True, bitwise reproducible; atomics when configured),
 plain and with its features (windows, seqlen_q != seqlen_k, sink, ALiBi, softcap, dropout: the
-oracle drops what the Triton kernels' keep-mask helper drops)."""
+oracle drops what the Triton kernels' keep-mask helper drops), dense and varlen (packed sequences
+of any length, each checked as its own dense problem by the oracle)."""
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import itertools
 
 import pytest
 import torch
@@ -291,3 +293,189 @@ def test_gpu_gluon_backward_dropout_with_features_deterministic():
     for name, a, b in zip(("dq", "dk", "dv", "dsink"), first, again, strict=True):
         assert torch.equal(a, b), name
     _check_dropout(q, k, v, dout, params)
+
+
+# ---- varlen: packed sequences through both Gluon kernels ---------------------------------------
+
+def _cu_seqlens(lengths, device):
+    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
+
+
+def _varlen_case(lengths_q, lengths_k, nheads, nheads_k, head_dim, dtype, device=DEVICE,
+                 **features):
+    """Packed q (total_q, nheads, d), k/v (total_k, nheads_k, d), dout, and their params:
+    features as _feature_params (ALiBi slopes per sequence and head), plus dropout_p /
+    dropout_seed / deterministic."""
+    q = torch.randn(sum(lengths_q), nheads, head_dim, dtype=dtype, device=device)
+    k, v = (torch.randn(sum(lengths_k), nheads_k, head_dim, dtype=dtype, device=device)
+            for _ in range(2))
+    dout = torch.randn_like(q)
+    alibi = features.pop("alibi", False)
+    sink = features.pop("sink", False)
+    params = AttentionParams(
+        head_dim ** -0.5, features.pop("window_left", None), features.pop("window_right", None),
+        alibi_slopes=(torch.rand(len(lengths_q), nheads, device=device) * 0.3
+                      if alibi == "batch" else torch.rand(nheads, device=device) * 0.3
+                      if alibi else None),
+        sink=torch.randn(nheads, device=device) + 1.0 if sink else None,
+        cu_seqlens_q=_cu_seqlens(lengths_q, device), cu_seqlens_k=_cu_seqlens(lengths_k, device),
+        max_seqlen_q=max(lengths_q), max_seqlen_k=max(lengths_k), **features)
+    return q, k, v, dout, params
+
+
+def test_varlen_taken_on_hopper():
+    """Varlen takes the Gluon kernels at any lengths on sm_90 (tokens on both sides)."""
+    on_hopper = DEVICE == "cuda" and _on_hopper()
+    for lengths_q, lengths_k in (([5, 0, 130], [7, 1, 64]), ([64, 64], [64, 64])):
+        q, k, v, dout, params = _varlen_case(lengths_q, lengths_k, 4, 2, 64, torch.float16,
+                                             window_right=0, softcap=3.0)
+        lse = torch.empty(4, q.shape[0], dtype=torch.float32, device=q.device)
+        args = (dout, lse, params, torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
+        assert hopper.eligible(q, k, v, *args, None) == on_hopper
+        assert not hopper.eligible(q, k, v, *args, {"dkdv": (32, 32, 4, 1)})
+    q, k, v, dout, params = _varlen_case([0, 0], [3, 4], 2, 2, 64, torch.float16)
+    lse = torch.empty(2, 0, dtype=torch.float32, device=q.device)
+    assert not hopper.eligible(q, k, v, dout, lse, params, q, k, v, None)  # no query token
+
+
+def _spy_gluon(monkeypatch) -> list:
+    """Record every launch of the Gluon backward kernels (backward.py calls them through the
+    module), so a test knows they, not the Triton kernels, computed the gradients."""
+    calls = []
+
+    def spy(name, launch):
+        def launch_and_record(*args, **kwargs):
+            calls.append(name)
+            return launch(*args, **kwargs)
+        return launch_and_record
+
+    for name in ("attention_backward_dkdv", "attention_backward_dq"):
+        monkeypatch.setattr(hopper, name, spy(name, getattr(hopper, name)))
+    return calls
+
+
+def _check_varlen(q, k, v, dout, params, monkeypatch):
+    """Forward + the Gluon backward into NaN-poisoned buffers against the float64 oracle, which
+    computes each packed sequence as its own dense problem (reference.attention_with_params),
+    fed the kernels' keep-mask under dropout: section 5's rule for out, lse, dq, dk, dv and
+    dsink. Returns (dq, dk, dv, dsink)."""
+    nheads = q.shape[1]
+    calls = _spy_gluon(monkeypatch)
+    out = poison(torch.empty_like(q))
+    lse = poison(torch.empty(nheads, q.shape[0], dtype=torch.float32, device=q.device))
+    out, lse = triton_backend.forward(q, k, v, params, out=out, lse=lse)
+    grads = triton_backend.backward(dout, q, k, v, out, lse, params,
+                                    dq=poison(torch.empty_like(q)),
+                                    dk=poison(torch.empty_like(k)),
+                                    dv=poison(torch.empty_like(v)))
+    assert calls == ["attention_backward_dkdv", "attention_backward_dq"]
+    mask = None
+    if params.dropout_p > 0:
+        mask = dropout_keep_mask(params.dropout_seed, params.cu_seqlens_q.numel() - 1, nheads,
+                                 params.max_seqlen_q, params.max_seqlen_k, params.dropout_p,
+                                 backend="triton", device=q.device)
+    results = []
+    for t in (torch.float64, q.dtype):
+        leaves = [x.detach().to(t).requires_grad_() for x in (q, k, v)]
+        ref_params = params
+        if params.sink is not None:
+            leaves.append(params.sink.detach().to(t).requires_grad_())
+            ref_params = dataclasses.replace(params, sink=leaves[3])
+        ref_out, ref_lse = attention_with_params(*leaves[:3], ref_params, mask)
+        results.append((ref_out, ref_lse, *torch.autograd.grad(ref_out, leaves, dout.to(t))))
+    names = ("out", "lse", "dq", "dk", "dv", "dsink")
+    got = (out, lse, *grads) if params.sink is not None else (out, lse, *grads[:3])
+    for name, value, want, base in zip(names, got, *results, strict=False):
+        assert_close_to_oracle(name, value, want, base)
+    return grads
+
+
+# Lengths 0 and 1 inside one batch, seqlen_q != seqlen_k both ways, lengths off every tile
+# (1, 3, 17, 113, 203, 1000, 1023) beside whole tiles (64, 1024).
+LENGTHS_Q = [1000, 1, 0, 203, 17, 64, 3, 1024, 113]
+LENGTHS_K = [1023, 1, 5, 0, 17, 300, 64, 1024, 40]
+VARLEN_CASES = [  # (dtype, head_dim, nheads, nheads_k, features)
+    (torch.bfloat16, 128, 4, 2, dict()),
+    (torch.float16, 64, 4, 1, dict(window_right=0)),
+    (torch.bfloat16, 64, 2, 2, dict(window_left=100, window_right=30)),
+    (torch.float16, 128, 4, 4, dict(window_left=70, window_right=-40)),
+    (torch.bfloat16, 128, 4, 2, dict(window_right=0, alibi="batch")),
+    (torch.float16, 64, 4, 2, dict(alibi=True)),
+    (torch.bfloat16, 64, 4, 2, dict(window_right=0, softcap=2.0)),
+    (torch.float16, 128, 2, 2, dict(softcap=5.0, sink=True)),
+    (torch.bfloat16, 128, 4, 1, dict(window_right=0, sink=True)),
+    (torch.bfloat16, 128, 4, 2, dict(dropout_p=0.17, dropout_seed=2**40 + 7, window_right=0)),
+    (torch.float16, 64, 2, 2, dict(dropout_p=0.17, dropout_seed=12345, alibi="batch")),
+    (torch.float16, 64, 4, 2, dict(window_left=50, window_right=0, sink=True, alibi=True,
+                                   softcap=3.0, dropout_p=0.1, dropout_seed=2**61 + 3)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _on_hopper(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("case", VARLEN_CASES, ids=str)
+def test_gpu_gluon_backward_varlen_matches_oracle(case, monkeypatch):
+    """Each feature (and pairs) of both Gluon kernels on packed sequences: tiles that run past a
+    sequence's end read the next one's rows, which must weigh exactly 0 and never be stored."""
+    dtype, head_dim, nheads, nheads_k, features = case
+    q, k, v, dout, params = _varlen_case(LENGTHS_Q, LENGTHS_K, nheads, nheads_k, head_dim,
+                                         dtype, "cuda", **features)
+    _check_varlen(q, k, v, dout, params, monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _on_hopper(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gpu_gluon_backward_varlen_equal_lengths_equal_dense(head_dim, monkeypatch):
+    """Equal lengths of whole tiles: the packed backward gives bitwise the dense backward's
+    dq, dk, dv from the same out and lse (dsink: the same sum in another order)."""
+    batch, seqlen, nheads = 3, 512, 4
+    q, k, v, dout, params = _varlen_case([seqlen] * batch, [seqlen] * batch, nheads, 2,
+                                         head_dim, torch.bfloat16, "cuda", window_right=0,
+                                         alibi="batch", sink=True)
+    out, lse = triton_backend.forward(q, k, v, params)
+    calls = _spy_gluon(monkeypatch)
+    packed = triton_backend.backward(dout, q, k, v, out, lse, params)
+    dense_params = dataclasses.replace(params, cu_seqlens_q=None, cu_seqlens_k=None)
+    dense = [x.view(batch, seqlen, *x.shape[1:]) for x in (q, k, v, dout, out)]
+    lse_dense = lse.view(nheads, batch, seqlen).transpose(0, 1).contiguous()
+    grads = triton_backend.backward(dense[3], *dense[:3], dense[4], lse_dense, dense_params)
+    assert calls == ["attention_backward_dkdv", "attention_backward_dq"] * 2
+    for name, a, b in zip(("dq", "dk", "dv"), packed, grads, strict=False):
+        assert torch.equal(a, b.view(a.shape)), name
+    torch.testing.assert_close(packed[3], grads[3], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _on_hopper(), reason="needs an sm_90 GPU")
+def test_gpu_gluon_backward_varlen_deterministic_is_bitwise_reproducible(monkeypatch):
+    q, k, v, dout, params = _varlen_case(
+        LENGTHS_Q, LENGTHS_K, 4, 2, 128, torch.bfloat16, "cuda", window_left=200,
+        window_right=0, alibi=True, softcap=4.0, sink=True, dropout_p=0.1,
+        dropout_seed=2**33 + 5, deterministic=True)
+    calls = _spy_gluon(monkeypatch)
+    out, lse = triton_backend.forward(q, k, v, params)
+    first = triton_backend.backward(dout, q, k, v, out, lse, params)
+    again = triton_backend.backward(dout, q, k, v, out, lse, params)
+    assert len(calls) == 4
+    for name, a, b in zip(("dq", "dk", "dv", "dsink"), first, again, strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_varlen_lse_delta_copies_start_every_sequence_aligned():
+    """The dK/dV kernel's TMA boxes of lse / delta must start on 16 bytes: the aligned copies put
+    sequence b at _aligned_row (a multiple of 4 rows), in order, the gaps zero (interpreter)."""
+    lengths = [5, 0, 1, 130, 7, 64]
+    _, _, _, _, params = _varlen_case(lengths, lengths, 2, 2, 16, torch.float32)
+    lse, delta = (torch.randn(2, sum(lengths), device=DEVICE) for _ in range(2))
+    lse_aligned, delta_aligned = hopper._aligned_lse_delta(lse, delta, params)
+    assert lse_aligned.stride(0) % 4 == 0
+    written = torch.zeros_like(lse_aligned, dtype=torch.bool)
+    cu = params.cu_seqlens_q.tolist()
+    for b, length in enumerate(lengths):
+        start = (cu[b] + 3 * b + 3) // 4 * 4  # _aligned_row
+        assert start % 4 == 0 and start >= (written.nonzero()[:, 1].max() + 1 if b else 0)
+        for copy, packed in ((lse_aligned, lse), (delta_aligned, delta)):
+            assert torch.equal(copy[:, start:start + length], packed[:, cu[b]:cu[b + 1]])
+        written[:, start:start + length] = True
+    assert not lse_aligned[~written].any() and not delta_aligned[~written].any()

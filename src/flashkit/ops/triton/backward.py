@@ -23,7 +23,7 @@ element in one program in a fixed order, so gradients are bitwise reproducible; 
 saving the dQ kernel's two recomputed matmuls (5 instead of 7) at the price of a run-to-run order.
 Transposed tiles carry a _t suffix: s_t is [BLOCK_N, BLOCK_M] = s^T.
 On sm_90 dK/dV and dQ run the Gluon kernels of backward_hopper.py instead (configs.GLUON_BACKWARD;
-every feature but varlen, see backward_hopper.eligible); the preprocess, dsink (and on
+every feature, varlen included, see backward_hopper.eligible); the preprocess, dsink (and on
 the atomic path the dQ conversion) here serve both.
 """
 
@@ -241,33 +241,17 @@ def _bwd_dkdv_program(pid_n, pid_bh, Q, K, V, DO, Lse, Delta, DK, DV, DQAcc,
             dqacc_src = DQAcc
         else:
             dqacc_src = DQAcc + dqacc_bh * seqlen_q * BLOCK_D
-        dk, dv = _bwd_dkdv_tiles(dk, dv, k_tile, v_tile, q_base, do_base, lse_base, delta_base,
-                                 dqacc_src, dqacc_bh, stride_qs, stride_qd, stride_dos,
-                                 stride_dod, stride_ls, stride_deltas, lo, mid_lo, offs_n,
-                                 offs_d, offs_dv, seqlen_q, seqlen_k, window_left,
-                                 window_right, qk_scale, softcap_scale, alibi_log2, off_b,
-                                 off_h, start_n, seed_lo, seed_hi, dropout_threshold,
-                                 dropout_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
-                                 BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT,
-                                 ATOMIC_DQ, DQ_TMA, PRECISION)
-        dk, dv = _bwd_dkdv_tiles(dk, dv, k_tile, v_tile, q_base, do_base, lse_base, delta_base,
-                                 dqacc_src, dqacc_bh, stride_qs, stride_qd, stride_dos,
-                                 stride_dod, stride_ls, stride_deltas, mid_lo, mid_hi, offs_n,
-                                 offs_d, offs_dv, seqlen_q, seqlen_k, window_left,
-                                 window_right, qk_scale, softcap_scale, alibi_log2, off_b,
-                                 off_h, start_n, seed_lo, seed_hi, dropout_threshold,
-                                 dropout_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
-                                 BLOCK_N, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT,
-                                 ATOMIC_DQ, DQ_TMA, PRECISION)
-        dk, dv = _bwd_dkdv_tiles(dk, dv, k_tile, v_tile, q_base, do_base, lse_base, delta_base,
-                                 dqacc_src, dqacc_bh, stride_qs, stride_qd, stride_dos,
-                                 stride_dod, stride_ls, stride_deltas, mid_hi, hi, offs_n,
-                                 offs_d, offs_dv, seqlen_q, seqlen_k, window_left,
-                                 window_right, qk_scale, softcap_scale, alibi_log2, off_b,
-                                 off_h, start_n, seed_lo, seed_hi, dropout_threshold,
-                                 dropout_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
-                                 BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT,
-                                 ATOMIC_DQ, DQ_TMA, PRECISION)
+        bounds = (lo, mid_lo, mid_hi, hi)
+        for segment in tl.static_range(3):  # masked edge, unmasked middle, masked edge
+            dk, dv = _bwd_dkdv_tiles(
+                dk, dv, k_tile, v_tile, q_base, do_base, lse_base, delta_base, dqacc_src,
+                dqacc_bh, stride_qs, stride_qd, stride_dos, stride_dod, stride_ls,
+                stride_deltas, bounds[segment], bounds[segment + 1], offs_n, offs_d, offs_dv,
+                seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale,
+                alibi_log2, off_b, off_h, start_n, seed_lo, seed_hi, dropout_threshold,
+                dropout_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N,
+                segment != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, ATOMIC_DQ, DQ_TMA,
+                PRECISION)
 
     dk_ptrs = tile_ptrs(head_ptr(DK, off_b, off_hk, k_start, stride_dkb, stride_dkh, stride_dks),
                         offs_n, offs_d, stride_dks, stride_dkd)
@@ -375,24 +359,15 @@ def _bwd_dq_program(pid_m, pid_bh, Q, K, V, DO, Lse, Delta, DQ,
     lo, mid_lo, mid_hi, hi = key_tile_ranges(start_m, seqlen_q, seqlen_k, window_left,
                                              window_right, BLOCK_M, BLOCK_N, HAS_LEFT,
                                              HAS_RIGHT)
-    dq = _bwd_dq_tiles(dq, q_tile, do_tile, lse2, delta, k_base, v_base, stride_ks, stride_kd,
-                       stride_vs, stride_vd, lo, mid_lo, offs_m, offs_d, offs_dv, seqlen_q,
-                       seqlen_k, window_left, window_right, qk_scale, softcap_scale, alibi_log2,
-                       off_b, off_h, seed_lo, seed_hi, dropout_threshold, dropout_scale,
-                       HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_LEFT,
-                       HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, PRECISION)
-    dq = _bwd_dq_tiles(dq, q_tile, do_tile, lse2, delta, k_base, v_base, stride_ks, stride_kd,
-                       stride_vs, stride_vd, mid_lo, mid_hi, offs_m, offs_d, offs_dv, seqlen_q,
-                       seqlen_k, window_left, window_right, qk_scale, softcap_scale, alibi_log2,
-                       off_b, off_h, seed_lo, seed_hi, dropout_threshold, dropout_scale,
-                       HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, False, HAS_LEFT,
-                       HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, PRECISION)
-    dq = _bwd_dq_tiles(dq, q_tile, do_tile, lse2, delta, k_base, v_base, stride_ks, stride_kd,
-                       stride_vs, stride_vd, mid_hi, hi, offs_m, offs_d, offs_dv, seqlen_q,
-                       seqlen_k, window_left, window_right, qk_scale, softcap_scale, alibi_log2,
-                       off_b, off_h, seed_lo, seed_hi, dropout_threshold, dropout_scale,
-                       HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_LEFT,
-                       HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, PRECISION)
+    bounds = (lo, mid_lo, mid_hi, hi)
+    for segment in tl.static_range(3):  # masked edge, unmasked middle, masked edge
+        dq = _bwd_dq_tiles(dq, q_tile, do_tile, lse2, delta, k_base, v_base, stride_ks,
+                           stride_kd, stride_vs, stride_vd, bounds[segment],
+                           bounds[segment + 1], offs_m, offs_d, offs_dv, seqlen_q, seqlen_k,
+                           window_left, window_right, qk_scale, softcap_scale, alibi_log2,
+                           off_b, off_h, seed_lo, seed_hi, dropout_threshold, dropout_scale,
+                           HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, segment != 1,
+                           HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, PRECISION)
 
     dq_ptrs = tile_ptrs(head_ptr(DQ, off_b, off_h, q_start, stride_dqb, stride_dqh, stride_dqs),
                         offs_m, offs_d, stride_dqs, stride_dqd)

@@ -37,26 +37,43 @@ kernel drawing each call once and moving packed keep bits into the S^T layout) w
 here: it lives in lse (and dsink comes from lse and delta). A row with no visible key (lse -inf)
 only meets masked tiles, where its P (inf before the mask) becomes 0.
 
+VARLEN (packed sequences, cu_seqlens): the grid covers the longest sequence; each program reads
+its sequence's first rows and lengths (common.sequence) and returns past its end. TMA reads the
+(total, heads * d) views on, so a tile that runs past the sequence's end holds the next
+sequence's rows (or zeros past the tensor): the dK/dV kernel masks those query columns in the
+sequence's last query tile (their P and dS are exactly 0), the dQ kernel those key columns in its
+last key tile; key rows (dK/dV) and query rows (dQ) past the end only reach gradient rows that
+are never stored. Lengths need no alignment: equal lengths of whole tiles run what dense runs,
+but lse and delta reach the dK/dV kernel as copies in which every sequence starts on 16 bytes
+(_aligned_lse_delta: a TMA box must start there; the dQ kernel loads them per row).
+The keep-mask is indexed (sequence, head, i, j) with i, j within the sequence, as forward.py's.
+
 Eligible (see `eligible`): what the Gluon forward takes (forward_hopper.gluon_supported: sm_90,
-fp16/bf16, head dim 64 or 128, dense, q/k/v in the flash layout so (batch * seqlen, heads * d) is
-a plain 2-D view for TMA), with seqlen_q and seqlen_k multiples of every tile.
+fp16/bf16, head dim 64 or 128, q/k/v in the flash layout so (tokens, heads * d) is a plain 2-D
+view for TMA), dense with seqlen_q and seqlen_k multiples of every tile, or varlen.
 """
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 from flashkit.ops.params import AttentionParams
 from flashkit.ops.triton.common import (
     LOG2E,
     alibi_args,
     alibi_bias,
+    batch_strides,
     key_tile_ranges,
     load_alibi_log2,
     query_tile_ranges,
     score_args,
     scores,
+    sequence,
     softcap_grad,
+    varlen_args,
+    varlen_shape,
     visible,
     window_args,
 )
@@ -81,6 +98,67 @@ except ImportError:  # a Triton without Gluon: the Triton kernels do everything
     gluon = None
 if gluon is not None:  # the forward's K/V ring fill and keep-mask serve the dQ kernel as they are
     from flashkit.ops.triton.forward_hopper import _dropout_keep, _issue_kv_load
+
+
+
+@triton.jit
+def _scores_and_softcap_grad(qk, qk_scale, softcap_scale, SOFTCAP: tl.constexpr):
+    """(s, dcap): common.scores' log2 scores and, with SOFTCAP, 1 - tanh^2 (common.softcap_grad)
+    taken from the tanh itself (scores at qk_scale 1) rather than from s / qk_scale, with
+    s = qk_scale * tanh left to fuse into exp2's subtraction, and dcap kept in fp32: the Gluon
+    kernels issue more instructions than the tensor cores wait for, and here (unlike in
+    backward.py's kernels) an fp16 dcap saves no spills (sm_90 SASS, d128 dK/dV: 7 spill loads
+    either way, 1408 -> 1360 instructions per tile; dQ 1080 -> 952 in all). dcap is 1.0
+    (unused) without SOFTCAP."""
+    dcap = 1.0
+    if SOFTCAP:
+        t = scores(qk, 1.0, softcap_scale, SOFTCAP)
+        s = t * qk_scale
+        dcap = softcap_grad(t, 1.0)  # SOFTCAP_EXACT's fp32 (no fp16 round trip)
+    else:
+        s = scores(qk, qk_scale, softcap_scale, SOFTCAP)
+    return s, dcap
+
+
+@triton.jit
+def _aligned_row(q_start, off_b):
+    """Varlen: the first row of sequence off_b (packed row q_start) in the aligned lse / delta
+    copies: q_start plus up to 3 per earlier sequence, rounded up to a multiple of 4, so every
+    sequence's rows start on 16 bytes (a TMA box must: an unaligned lse box start was an illegal
+    instruction on the H200). Sequence b + 1 starts at least len(b) later: no overlap."""
+    return (q_start + 3 * off_b + 3) // 4 * 4
+
+
+@triton.jit
+def _align_rows_kernel(Lse, Delta, LseAligned, DeltaAligned, Cu_q, stride_h, stride_aligned_h,
+                       BLOCK: tl.constexpr):
+    """Copy BLOCK rows of sequence program_id(1), head program_id(2) of lse and delta (nheads,
+    total_q) into their aligned copies (nheads, aligned rows), zeroed beforehand."""
+    off_b = tl.program_id(1)
+    off_h = tl.program_id(2).to(tl.int64)
+    q_start = tl.load(Cu_q + off_b)
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = rows < tl.load(Cu_q + off_b + 1) - q_start
+    src = off_h * stride_h + q_start + rows
+    dst = off_h * stride_aligned_h + _aligned_row(q_start, off_b) + rows
+    tl.store(LseAligned + dst, tl.load(Lse + src, mask=mask), mask=mask)
+    tl.store(DeltaAligned + dst, tl.load(Delta + src, mask=mask), mask=mask)
+
+
+def _aligned_lse_delta(lse, delta, params: AttentionParams):
+    """Varlen lse and delta (nheads, total_q) as (nheads, rows) copies in which each sequence
+    starts on a multiple of 4 rows (_aligned_row), the gaps zero: what the dK/dV kernel's TMA
+    boxes read (a query column past a sequence's end then meets its neighbour's rows or zeros,
+    never uninitialised memory, so 0 * (dP - delta) stays 0)."""
+    nheads, total_q = lse.shape
+    batch = params.cu_seqlens_q.numel() - 1
+    rows = (total_q + 3 * batch + 3) // 4 * 4
+    aligned = torch.zeros((2, nheads, rows), dtype=torch.float32, device=lse.device)
+    block = 128
+    grid = (triton.cdiv(params.max_seqlen_q, block), batch, nheads)
+    _align_rows_kernel[grid](lse, delta, aligned[0], aligned[1], params.cu_seqlens_q,
+                             lse.stride(0), rows, BLOCK=block)
+    return aligned[0], aligned[1]
 
 
 if gluon is not None:
@@ -168,17 +246,18 @@ if gluon is not None:
     @gluon.jit
     def _issue_q_do_load(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem,
                          delta_smem, q_bars, do_bars, job, n_jobs, jobs_per_head, m_first, q_row,
-                         q_col, lse_row, seqlen_q, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
-                         NUM_STAGES: gl.constexpr):
+                         q_col, lse_row, lse_stride_h, BLOCK_M: gl.constexpr,
+                         HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr):
         """TMA the Q and dO tiles of job `job` (with their lse and delta rows) into ring buffer
         job % NUM_STAGES, skipped past n_jobs. Job j is query tile m_first + j % jobs_per_head of
-        group head j // jobs_per_head (jobs_per_head >= 1: a block no query sees has n_jobs 0)."""
+        group head j // jobs_per_head (jobs_per_head >= 1: a block no query sees has n_jobs 0);
+        lse_row is the first group head's first lse row, lse_stride_h the rows between heads."""
         stage = job % NUM_STAGES
         valid = job < n_jobs
         g = job // jobs_per_head
         start_m = (m_first + job % jobs_per_head) * BLOCK_M
         col = q_col + g * HEAD_DIM
-        row_1d = lse_row + g * seqlen_q + start_m
+        row_1d = lse_row + g * lse_stride_h + start_m
         q_bar = q_bars.index(stage)
         mbarrier.expect(q_bar, q_desc.block_type.nbytes + lse_desc.block_type.nbytes, pred=valid)
         tma.async_copy_global_to_shared(q_desc, [q_row + start_m, col], q_bar,
@@ -197,15 +276,19 @@ if gluon is not None:
     def _query_tile_step(dk, dv, job, m, dq_base, k_smem, v_smem, q_smem, do_smem, lse_smem,
                          delta_smem, ds_smem, q_bars, do_bars, q_desc, do_desc, lse_desc,
                          delta_desc, n_jobs, jobs_per_head, m_first, q_row, q_col, lse_row,
-                         start_n, geo, alibi_log2, drop,
+                         lse_stride_h, start_n, geo, alibi_log2, drop,
                          HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                          NUM_STAGES: gl.constexpr, MASK: gl.constexpr, HAS_LEFT: gl.constexpr,
                          HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
-                         DROPOUT: gl.constexpr, ATOMIC_DQ: gl.constexpr, DQ_CHUNK: gl.constexpr,
+                         DROPOUT: gl.constexpr, VARLEN: gl.constexpr, ATOMIC_DQ: gl.constexpr,
+                         DQ_CHUNK: gl.constexpr,
                          st_layout: gl.constexpr, kv_layout: gl.constexpr,
                          dq_layout: gl.constexpr, op_layout: gl.constexpr):
         """Add query tile m (ring job `job`) to dK, dV (and dQ's accumulator); MASK applies the
-        band predicate (common.visible). geo = (seqlen_q, seqlen_k, window_left, window_right,
+        band predicate (common.visible), with VARLEN also to the query rows: those past seqlen_q
+        are the next sequence's (TMA reads on), their P and dS columns must be exactly 0 (key rows
+        past seqlen_k need no mask: they only reach dK/dV rows that are never stored).
+        geo = (seqlen_q, seqlen_k, window_left, window_right,
         qk_scale, softcap_scale, dropout_scale); alibi_log2 is this query head's slope * log2(e)
         (ALIBI); drop = (seed_lo, seed_hi, threshold, batch, query head) of the keep-mask
         (DROPOUT: dV = (P o Z)^T dO, dP = Z o (dO V^T) with Z = keep / (1 - p), dS = P o (dP -
@@ -236,17 +319,15 @@ if gluon is not None:
             if job > 0:
                 _issue_q_do_load(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem,
                                  lse_smem, delta_smem, q_bars, do_bars, job - 1 + NUM_STAGES,
-                                 n_jobs, jobs_per_head, m_first, q_row, q_col, lse_row, seqlen_q,
-                                 BLOCK_M, HEAD_DIM, NUM_STAGES)
+                                 n_jobs, jobs_per_head, m_first, q_row, q_col, lse_row,
+                                 lse_stride_h, BLOCK_M, HEAD_DIM, NUM_STAGES)
         if DROPOUT:  # drawn while the tensor cores work on S^T and dP^T
             bits_t = _dropout_bits_t(drop, start_m, start_n, BLOCK_M, BLOCK_N, gl.num_warps())
         s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
         # lse and delta are read from shared memory at their use: as per-column vectors of the
         # wgmma layout they would hold 2 * BLOCK_M / 4 registers across the matmuls.
         lse2 = lse_smem.index(stage).load(col_layout) * LOG2E_G
-        s_t = scores(s_t, qk_scale, softcap_scale, SOFTCAP)
-        if SOFTCAP:
-            dcap_t = softcap_grad(s_t, qk_scale, SOFTCAP)
+        s_t, dcap_t = _scores_and_softcap_grad(s_t, qk_scale, softcap_scale, SOFTCAP)
         # query i along the columns, key j along the rows: [1, BLOCK_M] and [BLOCK_N, 1]
         i_t = gl.expand_dims(start_m + gl.arange(0, BLOCK_M, layout=col_layout), 0)
         j_t = gl.expand_dims(start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout)),
@@ -259,6 +340,8 @@ if gluon is not None:
         if MASK:
             keep = visible(i_t, j_t, seqlen_q, seqlen_k, window_left, window_right, HAS_LEFT,
                            HAS_RIGHT)
+            if VARLEN:
+                keep = keep & (i_t < seqlen_q)
             p_t = gl.where(keep, p_t, 0.0)
         dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, ))
         delta = delta_smem.index(stage).load(col_layout)
@@ -310,8 +393,8 @@ if gluon is not None:
             gl.thread_barrier()
             _issue_q_do_load(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem,
                              delta_smem, q_bars, do_bars, job + NUM_STAGES, n_jobs,
-                             jobs_per_head, m_first, q_row, q_col, lse_row, seqlen_q, BLOCK_M,
-                             HEAD_DIM, NUM_STAGES)
+                             jobs_per_head, m_first, q_row, q_col, lse_row, lse_stride_h,
+                             BLOCK_M, HEAD_DIM, NUM_STAGES)
         return dk, dv
 
     @gluon.jit(do_not_specialize=["seed_lo", "seed_hi", "dropout_threshold"])
@@ -321,29 +404,44 @@ if gluon is not None:
                                 Alibi, stride_ab, stride_ah, nheads, nheads_k, seqlen_q,
                                 seqlen_k, window_left, window_right, qk_scale, softcap_scale,
                                 softmax_scale, seed_lo, seed_hi, dropout_threshold,
-                                dropout_scale,
+                                dropout_scale, stride_lh, Cu_q, Cu_k,
                                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                                 BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                                 HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                                 SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
-                                DROPOUT: gl.constexpr, ATOMIC_DQ: gl.constexpr,
+                                DROPOUT: gl.constexpr, VARLEN: gl.constexpr,
+                                ATOMIC_DQ: gl.constexpr,
                                 DQ_CHUNK: gl.constexpr, DQ_WARPS_M: gl.constexpr,
                                 DS_LAYOUT: gl.constexpr, num_warps: gl.constexpr):
         """dK, dV of key block program_id(0) of (batch, kv head) program_id(1), heaviest causal
         blocks first. q/k/v/do descriptors over (batch * seqlen, heads * HEAD_DIM), lse/delta
-        descriptors over their flat (batch * nheads * seqlen) rows; dq_acc_desc (ATOMIC_DQ)
-        covers the fp32 accumulator of dQ / scale as (batch * nheads * seqlen_q, HEAD_DIM) rows
-        in [BLOCK_M, DQ_CHUNK = HEAD_DIM / 2] tiles."""
+        descriptors over their flat (batch * nheads * seqlen) rows (varlen: the aligned copies
+        of _aligned_lse_delta), stride_lh rows per head; dq_acc_desc (ATOMIC_DQ) covers the fp32
+        accumulator of dQ / scale as (batch * nheads * seqlen_q, HEAD_DIM) rows in [BLOCK_M,
+        DQ_CHUNK = HEAD_DIM / 2] tiles. VARLEN: batch entry = sequence (common.sequence: first
+        rows from Cu_q/Cu_k, its own lengths; seqlen_q/k arrive as the longest), descriptors over
+        (total, heads * HEAD_DIM), lse/delta (nheads, total_q); blocks past the sequence's end
+        return."""
+        gl.static_assert(not (VARLEN and ATOMIC_DQ), "varlen takes the dQ kernel")
         pid_n = gl.program_id(0)
         pid_bh = gl.program_id(1)
         off_b = pid_bh // nheads_k
         off_hk = pid_bh % nheads_k
         group = nheads // nheads_k
         start_n = pid_n * BLOCK_N
-        q_row = off_b * seqlen_q
-        kv_row = off_b * seqlen_k + start_n
+        q_start, k_start, seqlen_q, seqlen_k = sequence(off_b, seqlen_q, seqlen_k, Cu_q, Cu_k,
+                                                        VARLEN)
+        if VARLEN:
+            if start_n >= seqlen_k:
+                return
+            q_row = q_start.to(gl.int32)
+            kv_row = k_start.to(gl.int32) + start_n
+            lse_row = off_hk * group * stride_lh + _aligned_row(q_row, off_b)
+        else:
+            q_row = off_b * seqlen_q
+            kv_row = off_b * seqlen_k + start_n
+            lse_row = (off_b * nheads + off_hk * group) * seqlen_q
         q_col = off_hk * group * HEAD_DIM
-        lse_row = (off_b * nheads + off_hk * group) * seqlen_q
         geo = (seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale,
                dropout_scale)
         dtype: gl.constexpr = q_desc.dtype
@@ -403,7 +501,7 @@ if gluon is not None:
         for i in gl.static_range(NUM_STAGES):
             _issue_q_do_load(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem,
                              delta_smem, q_bars, do_bars, i, n_jobs, jobs_per_head, m_first,
-                             q_row, q_col, lse_row, seqlen_q, BLOCK_M, HEAD_DIM, NUM_STAGES)
+                             q_row, q_col, lse_row, stride_lh, BLOCK_M, HEAD_DIM, NUM_STAGES)
         mbarrier.wait(kv_bar, 0)
 
         dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
@@ -414,33 +512,35 @@ if gluon is not None:
             dq_base = (dq_acc_desc, (off_b * nheads + off_h) * seqlen_q)  # its first row
             alibi_log2 = load_alibi_log2(Alibi, off_b, off_h, stride_ab, stride_ah, ALIBI)
             drop = (seed_lo, seed_hi, dropout_threshold, off_b, off_h)
-            if HAS_RIGHT:  # masked: tiles whose rows see only part of the block (right side)
+            if HAS_RIGHT or VARLEN:  # masked: rows that see only part of the block (right side)
                 for m in range(m_first, m_mid_lo):
                     dk, dv = _query_tile_step(
                         dk, dv, job, m, dq_base, k_smem, v_smem, q_smem, do_smem, lse_smem,
                         delta_smem, ds_smem, q_bars, do_bars, q_desc, do_desc, lse_desc,
                         delta_desc, n_jobs, jobs_per_head, m_first, q_row, q_col, lse_row,
-                        start_n, geo, alibi_log2, drop, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
-                        True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, ATOMIC_DQ, DQ_CHUNK,
+                        stride_lh, start_n, geo, alibi_log2, drop, HEAD_DIM, BLOCK_M, BLOCK_N,
+                        NUM_STAGES, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, VARLEN,
+                        ATOMIC_DQ, DQ_CHUNK,
                         st_layout, kv_layout, dq_layout, op_layout)
                     job += 1
             for m in range(m_mid_lo, m_mid_hi):
                 dk, dv = _query_tile_step(
                     dk, dv, job, m, dq_base, k_smem, v_smem, q_smem, do_smem, lse_smem,
                     delta_smem, ds_smem, q_bars, do_bars, q_desc, do_desc, lse_desc, delta_desc,
-                    n_jobs, jobs_per_head, m_first, q_row, q_col, lse_row, start_n, geo,
-                    alibi_log2, drop, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, False, HAS_LEFT,
-                    HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, ATOMIC_DQ, DQ_CHUNK, st_layout,
-                    kv_layout, dq_layout, op_layout)
+                    n_jobs, jobs_per_head, m_first, q_row, q_col, lse_row, stride_lh, start_n,
+                    geo, alibi_log2, drop, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, False,
+                    HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, VARLEN, ATOMIC_DQ, DQ_CHUNK,
+                    st_layout, kv_layout, dq_layout, op_layout)
                 job += 1
-            if HAS_LEFT:  # masked: the window's left edge passes through these tiles
+            if HAS_LEFT or VARLEN:  # masked: the window's left edge, varlen's last query tile
                 for m in range(m_mid_hi, m_end):
                     dk, dv = _query_tile_step(
                         dk, dv, job, m, dq_base, k_smem, v_smem, q_smem, do_smem, lse_smem,
                         delta_smem, ds_smem, q_bars, do_bars, q_desc, do_desc, lse_desc,
                         delta_desc, n_jobs, jobs_per_head, m_first, q_row, q_col, lse_row,
-                        start_n, geo, alibi_log2, drop, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
-                        True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, ATOMIC_DQ, DQ_CHUNK,
+                        stride_lh, start_n, geo, alibi_log2, drop, HEAD_DIM, BLOCK_M, BLOCK_N,
+                        NUM_STAGES, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, VARLEN,
+                        ATOMIC_DQ, DQ_CHUNK,
                         st_layout, kv_layout, dq_layout, op_layout)
                     job += 1
 
@@ -453,13 +553,16 @@ if gluon is not None:
 
         rows = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout))
         cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
-        rows_2d = gl.expand_dims(rows, 1).to(gl.int64)
+        rows_2d = gl.expand_dims(rows, 1).to(gl.int64) + k_start
+        store_mask = None
+        if VARLEN:  # rows past the sequence's end belong to the next one
+            store_mask = gl.expand_dims(rows < seqlen_k, 1) & gl.expand_dims(cols < HEAD_DIM, 0)
         dk_ptrs = (DK + off_b.to(gl.int64) * stride_dkb + off_hk * stride_dkh
                    + rows_2d * stride_dks + gl.expand_dims(cols, 0))
-        gl.store(dk_ptrs, (dk * softmax_scale).to(DK.dtype.element_ty))
+        gl.store(dk_ptrs, (dk * softmax_scale).to(DK.dtype.element_ty), mask=store_mask)
         dv_ptrs = (DV + off_b.to(gl.int64) * stride_dvb + off_hk * stride_dvh
                    + rows_2d * stride_dvs + gl.expand_dims(cols, 0))
-        gl.store(dv_ptrs, dv.to(DV.dtype.element_ty))
+        gl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=store_mask)
 
 
     @gluon.jit
@@ -489,9 +592,7 @@ if gluon is not None:
         dp_tok = warpgroup_mma(do_smem, v_buf.permute((1, 0)), zero_s, use_acc=False,
                                is_async=True)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
-        s = scores(s, qk_scale, softcap_scale, SOFTCAP)
-        if SOFTCAP:
-            dcap = softcap_grad(s, qk_scale, SOFTCAP)
+        s, dcap = _scores_and_softcap_grad(s, qk_scale, softcap_scale, SOFTCAP)
         i = gl.expand_dims(start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout)), 1)
         start_n = key_lo + tile * BLOCK_N
         j = gl.expand_dims(start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)), 0)
@@ -524,21 +625,33 @@ if gluon is not None:
                               stride_dqb, stride_dqs, stride_dqh, stride_ab, stride_ah,
                               nheads, group, seqlen_q, seqlen_k, window_left, window_right,
                               qk_scale, softcap_scale, softmax_scale, seed_lo, seed_hi,
-                              dropout_threshold, dropout_scale,
+                              dropout_threshold, dropout_scale, Cu_q, Cu_k,
                               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                               BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                               SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
-                              DROPOUT: gl.constexpr, num_warps: gl.constexpr):
+                              DROPOUT: gl.constexpr, VARLEN: gl.constexpr,
+                              num_warps: gl.constexpr):
         """dQ of BLOCK_M query rows of one (batch, head), heaviest causal rows first: Q and dO
         stay in shared memory, K/V tiles stream through a TMA ring (as the forward), each dQ
-        element summed in one program in a fixed order (deterministic)."""
+        element summed in one program in a fixed order (deterministic). VARLEN as the dK/dV
+        kernel; key columns past the sequence's end (the next one's, read by TMA) are masked in
+        the last key tile, query rows past it are never stored."""
         pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
         pid_bh = gl.program_id(1)
         off_b = pid_bh // nheads
         off_h = pid_bh % nheads
         start_m = pid_m * BLOCK_M
-        q_row = off_b * seqlen_q + start_m
+        q_start, k_start, seqlen_q, seqlen_k = sequence(off_b, seqlen_q, seqlen_k, Cu_q, Cu_k,
+                                                        VARLEN)
+        if VARLEN:
+            if start_m >= seqlen_q:
+                return
+            q_row = q_start.to(gl.int32) + start_m
+            key_row0 = k_start.to(gl.int32)
+        else:
+            q_row = off_b * seqlen_q + start_m
+            key_row0 = off_b * seqlen_k
         kv_col = (off_h // group) * HEAD_DIM
         geo = (seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale,
                dropout_scale)
@@ -576,7 +689,7 @@ if gluon is not None:
         n_tiles = gl.cdiv(hi - lo, BLOCK_N)
         t_mid_lo = gl.cdiv(mid_lo - lo, BLOCK_N)
         t_mid_hi = gl.cdiv(mid_hi - lo, BLOCK_N)
-        key0 = off_b * seqlen_k + lo
+        key0 = key_row0 + lo
 
         mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [q_row, off_h * HEAD_DIM], q_bar, q_smem)
@@ -585,9 +698,13 @@ if gluon is not None:
             _issue_kv_load(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, i, n_tiles, key0,
                             kv_col, BLOCK_N, NUM_STAGES)
         rows = start_m + gl.arange(0, BLOCK_M, layout=row_layout)
-        lse2 = gl.load(Lse + off_b.to(gl.int64) * stride_lb + off_h * stride_lh + rows) * LOG2E_G
+        row_mask = None
+        if VARLEN:  # rows past the sequence's end: any value, never stored
+            row_mask = rows < seqlen_q
+        lse2 = gl.load(Lse + off_b.to(gl.int64) * stride_lb + off_h * stride_lh + q_start + rows,
+                       mask=row_mask) * LOG2E_G
         delta = gl.load(Delta + off_b.to(gl.int64) * stride_deltab + off_h * stride_deltah
-                        + rows)
+                        + q_start + rows, mask=row_mask)
         dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout)
         mbarrier.wait(q_bar, 0)
 
@@ -605,7 +722,8 @@ if gluon is not None:
                                    lo, geo, alibi_log2, drop, BLOCK_M, BLOCK_N, NUM_STAGES, False,
                                    HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, s_layout,
                                    op_layout)
-        if HAS_RIGHT:  # masked: the diagonal (causal) or the window's right edge
+        if HAS_RIGHT or VARLEN:  # masked: the diagonal (causal), the window's right edge or
+            # the last key tile of a sequence
             for tile in range(t_mid_hi, n_tiles):
                 dq = _key_tile_dq_step(dq, tile, q_smem, do_smem, k_smem, v_smem, k_bars, v_bars,
                                        k_desc, v_desc, lse2, delta, n_tiles, key0, kv_col,
@@ -620,10 +738,14 @@ if gluon is not None:
 
         rows_o = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
         cols_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dq_layout))
+        store_mask = None
+        if VARLEN:
+            store_mask = (gl.expand_dims(rows_o < seqlen_q, 1)
+                          & gl.expand_dims(cols_o < HEAD_DIM, 0))
         dq_ptrs = (DQ + off_b.to(gl.int64) * stride_dqb + off_h * stride_dqh
-                   + gl.expand_dims(rows_o, 1).to(gl.int64) * stride_dqs
+                   + (gl.expand_dims(rows_o, 1).to(gl.int64) + q_start) * stride_dqs
                    + gl.expand_dims(cols_o, 0))
-        gl.store(dq_ptrs, (dq * softmax_scale).to(DQ.dtype.element_ty))
+        gl.store(dq_ptrs, (dq * softmax_scale).to(DQ.dtype.element_ty), mask=store_mask)
 
 
 # (BLOCK_M, BLOCK_N, num_warps, NUM_STAGES) per head dim, one warpgroup per program (several
@@ -650,14 +772,16 @@ HOPPER_BACKWARD_DQ = {
 
 def eligible(q, k, v, dout, lse, params: AttentionParams, dq, dk, dv, tiles) -> bool:
     """Whether the Gluon kernels compute this call's gradients (else backward.py's do): what
-    the Gluon forward takes (forward_hopper.gluon_supported), both sequence lengths multiples
-    of every tile."""
+    the Gluon forward takes (forward_hopper.gluon_supported), dense with both sequence lengths
+    multiples of every tile, or varlen with any lengths (at least one token each side)."""
     if (not GLUON_BACKWARD or set(tiles or {}) - {"hopper", "hopper_dq"}
-            or not gluon_supported(q, k, v, params)):
+            or not gluon_supported(q, k, v, params, varlen=True)):
         return False
-    tile = max(*HOPPER_BACKWARD[q.shape[-1]][:2], *HOPPER_BACKWARD_DQ[q.shape[-1]][:2])
-    return (q.shape[1] % tile == 0 and k.shape[1] % tile == 0 and dout.dtype == q.dtype
-            and flash_layout_2d(dout) and flash_layout_2d(lse)
+    if not params.is_varlen:
+        tile = max(*HOPPER_BACKWARD[q.shape[-1]][:2], *HOPPER_BACKWARD_DQ[q.shape[-1]][:2])
+        if q.shape[1] % tile or k.shape[1] % tile:
+            return False
+    return (dout.dtype == q.dtype and flash_layout_2d(dout) and flash_layout_2d(lse)
             and all(x.stride(-1) == 1 for x in (dq, dk, dv)))
 
 
@@ -680,18 +804,21 @@ def _launch_args(q, params: AttentionParams, lse) -> tuple:
 def attention_backward_dkdv(dout, q, k, v, lse, delta, params: AttentionParams, dk, dv,
                             dq_acc=None, block=None):
     """dK, dV of the eligible case into dk, dv; with dq_acc (fp32 (batch * nheads, seqlen_q, d),
-    zeroed) also dQ / scale added into it. delta (like lse) comes from backward.py's preprocess;
-    block overrides HOPPER_BACKWARD (the sweep)."""
-    batch, seqlen_q, nheads, head_dim = q.shape
-    seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    zeroed; dense only) also dQ / scale added into it. delta (laid out like lse) comes from
+    backward.py's preprocess; block overrides HOPPER_BACKWARD (the sweep)."""
+    batch, seqlen_q, seqlen_k, nheads, nheads_k = varlen_shape(q, v, params)
+    head_dim = q.shape[-1]
     block_m, block_n, num_warps, num_stages = block or HOPPER_BACKWARD[head_dim]
     gl_dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
 
-    def rows_descriptor(x):  # lse / delta (batch, nheads, seqlen_q) as flat rows
+    def rows_descriptor(x):  # lse / delta (batch, nheads, seqlen_q), varlen (nheads, rows)
         layout = gl.NVMMASharedLayout.get_default_for([block_m], gl.float32)
         return TensorDescriptor(x.view(-1), [x.numel()], [1], [block_m], layout)
 
     alibi, geo, flags = _launch_args(q, params, lse)
+    cu_q, cu_k, varlen = varlen_args(params, lse)
+    if varlen:
+        lse, delta = _aligned_lse_delta(lse, delta, params)
     atomic_dq = dq_acc is not None
     if atomic_dq:  # (batch * nheads, seqlen_q, d) as rows, added to in [block_m, d / 2] halves
         rows = dq_acc.view(-1, head_dim)
@@ -700,30 +827,33 @@ def attention_backward_dkdv(dout, q, k, v, lse, delta, params: AttentionParams, 
                                        gl.NVMMASharedLayout.get_default_for(half, gl.float32))
     else:
         dq_acc_desc = rows_descriptor(delta)  # unused
-    grid = (seqlen_k // block_n, batch * nheads_k)
+    grid = (triton.cdiv(seqlen_k, block_n), batch * nheads_k)
     _bwd_dkdv_hopper_kernel[grid](
         flash_descriptor(q, block_m), flash_descriptor(k, block_n), flash_descriptor(v, block_n),
         flash_descriptor(dout, block_m), rows_descriptor(lse), rows_descriptor(delta), dk, dv,
         dq_acc_desc,
-        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-        *alibi, nheads, nheads_k, seqlen_q, seqlen_k, *geo,
+        *batch_strides(dk, params)[:3], *batch_strides(dv, params)[:3],
+        *alibi, nheads, nheads_k, seqlen_q, seqlen_k, *geo, lse.stride(-2), cu_q, cu_k,
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=num_stages, **flags,
-        ATOMIC_DQ=atomic_dq, DQ_CHUNK=head_dim // 2, DQ_WARPS_M=min(num_warps, block_m // 16),
+        VARLEN=varlen, ATOMIC_DQ=atomic_dq, DQ_CHUNK=head_dim // 2,
+        DQ_WARPS_M=min(num_warps, block_m // 16),
         DS_LAYOUT=gl.NVMMASharedLayout.get_default_for([block_n, block_m], gl_dtype),
         num_warps=num_warps)
 
 
 def attention_backward_dq(dout, q, k, v, lse, delta, params: AttentionParams, dq, block=None):
     """dQ of the eligible case into dq (deterministic); block overrides HOPPER_BACKWARD_DQ."""
-    batch, seqlen_q, nheads, head_dim = q.shape
+    batch, seqlen_q, seqlen_k, nheads, nheads_k = varlen_shape(q, v, params)
+    head_dim = q.shape[-1]
     block_m, block_n, num_warps, num_stages = block or HOPPER_BACKWARD_DQ[head_dim]
     (alibi, *alibi_strides), geo, flags = _launch_args(q, params, lse)
-    grid = (seqlen_q // block_m, batch * nheads)
+    cu_q, cu_k, varlen = varlen_args(params, lse)
+    grid = (triton.cdiv(seqlen_q, block_m), batch * nheads)
     _bwd_dq_hopper_kernel[grid](
         flash_descriptor(q, block_m), flash_descriptor(k, block_n), flash_descriptor(v, block_n),
         flash_descriptor(dout, block_m), lse, delta, dq, alibi,
-        lse.stride(0), lse.stride(1), delta.stride(0), delta.stride(1),
-        dq.stride(0), dq.stride(1), dq.stride(2), *alibi_strides,
-        nheads, nheads // k.shape[2], seqlen_q, k.shape[1], *geo,
+        *batch_strides(lse, params)[:2], *batch_strides(delta, params)[:2],
+        *batch_strides(dq, params)[:3], *alibi_strides,
+        nheads, nheads // nheads_k, seqlen_q, seqlen_k, *geo, cu_q, cu_k,
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=num_stages, **flags,
-        num_warps=num_warps)
+        VARLEN=varlen, num_warps=num_warps)

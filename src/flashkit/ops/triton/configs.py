@@ -54,7 +54,7 @@ HOPPER = {
 USE_TMA = False
 
 # Forward on sm_90 through the Gluon kernel of forward_hopper.py (fp16/bf16, head dim 64/128,
-# every feature but varlen): async wgmma lets the softmax of one tile overlap the
+# every feature, varlen too): async wgmma lets the softmax of one tile overlap the
 # P V matmul of the previous one. Measured: see benchmarks/NOTES_triton.md.
 GLUON_FORWARD = True
 

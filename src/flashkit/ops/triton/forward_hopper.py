@@ -1,5 +1,5 @@
 """Hopper-only forward in Gluon (triton.experimental.gluon): explicit TMA, mbarriers and async
-wgmma; forward.py dispatches here when `eligible` says so and keeps varlen.
+wgmma; forward.py dispatches here when `eligible` says so.
 
 Notation as in common.py (whose mask predicate, tile ranges, scores and ALiBi helpers this file
 calls: Gluon kernels can call those @triton.jit helpers). One consumer = one warpgroup owning
@@ -24,18 +24,26 @@ head dim, band and length):
 
 Masking: every tile of the program's key range outside a consumer's fully visible middle
 (common.key_tile_ranges) applies common.visible, which also drops keys >= seqlen_k. TMA reads
-(batch * seqlen, heads * d) views, so a tile past a sequence's end reads the next sequence's
-rows (or zeros past the tensor): their scores are masked to -inf, so they weigh exactly 0, and
-query rows past seqlen_q are never stored.
+2-D views (tokens, heads * d) of dense (batch * seqlen) or packed varlen tokens, so a tile past
+a sequence's end reads the next sequence's rows (or zeros past the tensor): their scores are
+masked to -inf, so they weigh exactly 0 (as long as those rows are finite: P V multiplies them
+by 0), and query rows past seqlen_q are never stored.
+
+Varlen (VARLEN): the grid covers the longest sequence; each program reads its sequence's first
+rows and lengths (_sequence_rows) and returns past its end, so the per-sequence masks, band
+alignment, ALiBi and dropout indices (sequence b as batch entry b, rows and columns within the
+sequence, as forward.py's Triton varlen kernel) are the dense ones. A sequence's keys are a
+(first row, length) pair, so SEQUSED_K (flash-attn's seqused_k) reads a contiguous KV cache.
 
 Dropout draws dropout.py's keep-mask bit for bit (`_dropout_keep`, through dropout.py's own
 Philox core), so either backward regenerates what this forward dropped.
 
-Eligible (see `eligible`): CUDA sm_90, fp16/bf16, head dim 64 or 128 (q, k, v alike), dense,
-any seqlen_q / seqlen_k, any window (causal included), softcap, ALiBi, sink, GQA, dropout; not
-varlen or an SDPA bias; q/k/v contiguous in the flash-attn layout (so (batch * seqlen, heads * d)
-is a plain 2-D view for TMA). Same outputs as forward.py: out in out's dtype, lse (batch, heads,
-seqlen_q) float32 natural log, a row with no visible key (and no sink) gives out 0, lse -inf.
+Eligible (see `eligible`): CUDA sm_90, fp16/bf16, head dim 64 or 128 (q, k, v alike), dense or
+varlen, any seqlen_q / seqlen_k, any window (causal included), softcap, ALiBi, sink, GQA,
+dropout; not an SDPA bias; q/k/v contiguous in the flash-attn layout (so (tokens, heads * d) is
+a plain 2-D view for TMA). Same outputs as forward.py: out in out's dtype, lse (batch, heads,
+seqlen_q) or varlen (heads, total_q) float32 natural log, a row with no visible key (and no
+sink) gives out 0, lse -inf.
 """
 
 from __future__ import annotations
@@ -48,11 +56,15 @@ from flashkit.ops.triton.common import (
     LOG2E,
     alibi_args,
     alibi_bias,
+    batch_strides,
     interpreting,
     key_tile_ranges,
     load_alibi_log2,
     score_args,
     scores,
+    sequence,
+    varlen_args,
+    varlen_shape,
     visible,
     window_args,
 )
@@ -298,10 +310,9 @@ if gluon is not None:
                   SINK: gl.constexpr, DROPOUT: gl.constexpr):
         """One warpgroup: query rows start_m + CONSUMER * BLOCK_M ... over the program's key
         tiles [lo, lo + n_tiles * BLOCK_N), then out and lse of its rows."""
-        (Out, Lse, Alibi, Sink, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
-         stride_ab, stride_ah, off_b, off_h, start_m, lo, n_tiles, key0, kv_col, seqlen_q,
-         seqlen_k, window_left, window_right, qk_scale, softcap_scale, seed_lo, seed_hi,
-         dropout_threshold, dropout_scale) = scalars
+        (out_base, lse_base, Alibi, Sink, stride_os, stride_ab, stride_ah, off_b, off_h, start_m,
+         lo, n_tiles, key0, kv_col, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
+         softcap_scale, seed_lo, seed_hi, dropout_threshold, dropout_scale) = scalars
         geo = (seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale)
         drop = (seed_lo, seed_hi, dropout_threshold, off_b, off_h)
         q_smem, k_smem, v_smem = smem
@@ -404,28 +415,23 @@ if gluon is not None:
         out = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout)), 1)
         rows_o = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, o_layout))
         cols_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-        o_ptrs = (Out + off_b.to(gl.int64) * stride_ob + off_h * stride_oh
-                  + gl.expand_dims(rows_o, 1).to(gl.int64) * stride_os
+        o_ptrs = (out_base + gl.expand_dims(rows_o, 1).to(gl.int64) * stride_os
                   + gl.expand_dims(cols_o, 0))
-        gl.store(o_ptrs, out.to(Out.dtype.element_ty),
+        gl.store(o_ptrs, out.to(out_base.dtype.element_ty),
                  mask=gl.expand_dims(rows_o, 1) < seqlen_q)
         lse = gl.where(has_mass, (m_i + gl.log2(gl.where(has_mass, l_i, 1.0))) * LN2,
                        float("-inf"))
-        gl.store(Lse + off_b.to(gl.int64) * stride_lb + off_h * stride_lh + rows_1d, lse,
-                 mask=rows_1d < seqlen_q)
+        gl.store(lse_base + rows_1d, lse, mask=rows_1d < seqlen_q)
 
     @gluon.jit
-    def _producer(descs, smem, bars, scalars, q_row, q_col, CONSUMERS: gl.constexpr,
-                  BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+    def _producer(descs, smem, bars, n_tiles, key0, kv_col, q_row, q_col,
+                  CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
         """The producer warp: Q of every consumer, then K and V tiles into the ring as the
         consumers free its buffers (a fresh mbarrier passes a wait on phase 1, so the first
         NUM_STAGES waits pass)."""
         q_desc, k_desc, v_desc = descs
         q_smem, k_smem, v_smem = smem
         q_bars, k_ready, v_ready, k_empty, v_empty, turns = bars
-        n_tiles = scalars[15]
-        key0 = scalars[16]
-        kv_col = scalars[17]
         for c in gl.static_range(CONSUMERS):
             mbarrier.expect(q_bars.index(c), q_desc.block_type.nbytes, pred=n_tiles > 0)
             tma.async_copy_global_to_shared(q_desc, [q_row + c * BM, q_col], q_bars.index(c),
@@ -443,8 +449,29 @@ if gluon is not None:
             tma.async_copy_global_to_shared(v_desc, [row, kv_col], v_ready.index(stage),
                                             v_smem.index(stage))
 
+    @gluon.jit
+    def _sequence_rows(off_b, seqlen_q, seqlen_k, Cu_q, Cu_k, Used_k, VARLEN: gl.constexpr,
+                       SEQUSED_K: gl.constexpr):
+        """(q_start, q_row0, k_row0, seqlen_q, seqlen_k) of batch entry off_b: its first query
+        row in out/lse's sequence dimension (varlen: cu_seqlens_q[b], dense: 0), its first query
+        and key rows in the 2-D TMA views, and its lengths. A sequence's keys are (first row,
+        length): varlen rows cu_seqlens_k[b] .. + (cu_seqlens_k[b + 1] - cu_seqlens_k[b]), or
+        with SEQUSED_K + Used_k[b] (flash-attn's seqused_k: a contiguous cache (batch, capacity)
+        flattened, cu_seqlens_k = b * capacity)."""
+        q_start, k_start, seqlen_q, seqlen_k = sequence(off_b, seqlen_q, seqlen_k, Cu_q, Cu_k,
+                                                        VARLEN)
+        if VARLEN:
+            q_row0 = q_start.to(gl.int32)
+            k_row0 = k_start.to(gl.int32)
+            if SEQUSED_K:
+                seqlen_k = gl.load(Used_k + off_b)
+        else:
+            q_row0 = off_b * seqlen_q
+            k_row0 = off_b * seqlen_k
+        return q_start, q_row0, k_row0, seqlen_q, seqlen_k
+
     @gluon.jit(do_not_specialize=["seed_lo", "seed_hi", "dropout_threshold"])
-    def _fwd_hopper_kernel(q_desc, k_desc, v_desc, Out, Lse, Alibi, Sink,
+    def _fwd_hopper_kernel(q_desc, k_desc, v_desc, Out, Lse, Alibi, Sink, Cu_q, Cu_k, Used_k,
                            stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ab,
                            stride_ah, nheads, group, seqlen_q, seqlen_k, window_left,
                            window_right, qk_scale, softcap_scale, seed_lo, seed_hi,
@@ -455,21 +482,32 @@ if gluon is not None:
                            CONSUMER_REGS: gl.constexpr,
                            HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                            SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINK: gl.constexpr,
-                           DROPOUT: gl.constexpr, num_warps: gl.constexpr):
+                           DROPOUT: gl.constexpr, VARLEN: gl.constexpr,
+                           SEQUSED_K: gl.constexpr, num_warps: gl.constexpr):
         """One program per CONSUMERS * 64 query rows of one (batch, head), heaviest causal rows
-        first. q_desc/k_desc/v_desc: TMA descriptors over (batch * seqlen, heads * HEAD_DIM)."""
+        first. q_desc/k_desc/v_desc: TMA descriptors over the 2-D views (tokens, heads *
+        HEAD_DIM). VARLEN: the grid covers the longest sequence; sequence b's rows and lengths
+        come from _sequence_rows, and programs past its end return."""
         BLOCK_Q: gl.constexpr = CONSUMERS * BM
         pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
         pid_bh = gl.program_id(1)
         off_b = pid_bh // nheads
         off_h = pid_bh % nheads
         start_m = pid_m * BLOCK_Q
+        q_start, q_row0, k_row0, seqlen_q, seqlen_k = _sequence_rows(
+            off_b, seqlen_q, seqlen_k, Cu_q, Cu_k, Used_k, VARLEN, SEQUSED_K)
+        if VARLEN:
+            if start_m >= seqlen_q:
+                return
         kv_col = (off_h // group) * HEAD_DIM
         lo, _, _, hi = key_tile_ranges(start_m, seqlen_q, seqlen_k, window_left, window_right,
                                        BLOCK_Q, BLOCK_N, HAS_LEFT, HAS_RIGHT)
         n_tiles = gl.cdiv(hi - lo, BLOCK_N)
-        key0 = off_b * seqlen_k + lo  # the program's first key row in the 2-D view
-        q_row = off_b * seqlen_q + start_m
+        key0 = k_row0 + lo  # the program's first key row in the 2-D view
+        q_row = q_row0 + start_m
+        # row 0 of this (sequence, head) in out (.., seqlen, heads, d) and lse (.., heads, seqlen)
+        out_base = Out + off_b.to(gl.int64) * stride_ob + off_h * stride_oh + q_start * stride_os
+        lse_base = Lse + off_b.to(gl.int64) * stride_lb + off_h * stride_lh + q_start
         dtype: gl.constexpr = q_desc.dtype
 
         q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, BM, HEAD_DIM], q_desc.layout)
@@ -492,10 +530,10 @@ if gluon is not None:
 
         smem = (q_smem, k_smem, v_smem)
         bars = (q_bars, k_ready, v_ready, k_empty, v_empty, turns)
-        scalars = (Out, Lse, Alibi, Sink, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
-                   stride_ab, stride_ah, off_b, off_h, start_m, lo, n_tiles, key0, kv_col,
-                   seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale,
-                   seed_lo, seed_hi, dropout_threshold, dropout_scale)
+        scalars = (out_base, lse_base, Alibi, Sink, stride_os, stride_ab, stride_ah, off_b, off_h,
+                   start_m, lo, n_tiles, key0, kv_col, seqlen_q, seqlen_k, window_left,
+                   window_right, qk_scale, softcap_scale, seed_lo, seed_hi, dropout_threshold,
+                   dropout_scale)
         descs = (q_desc, k_desc, v_desc)
         if SPECIALIZED:  # consumer 0 is the default partition, the others workers of 4 warps
             if CONSUMERS == 1:
@@ -503,16 +541,16 @@ if gluon is not None:
                     [(_consumer, (descs, smem, bars, scalars, 0, HEAD_DIM, BLOCK_N,
                                   NUM_STAGES, CONSUMERS, True, PINGPONG, HAS_LEFT,
                                   HAS_RIGHT, SOFTCAP, ALIBI, SINK, DROPOUT)),
-                     (_producer, (descs, smem, bars, scalars, q_row, off_h * HEAD_DIM,
-                                  CONSUMERS, BLOCK_N, NUM_STAGES))],
+                     (_producer, (descs, smem, bars, n_tiles, key0, kv_col, q_row,
+                                  off_h * HEAD_DIM, CONSUMERS, BLOCK_N, NUM_STAGES))],
                     [1], [PRODUCER_REGS_GL])
             elif CONSUMERS == 2:
                 gl.warp_specialize(
                     [(_consumer, (descs, smem, bars, scalars, 0, HEAD_DIM, BLOCK_N,
                                   NUM_STAGES, CONSUMERS, True, PINGPONG, HAS_LEFT,
                                   HAS_RIGHT, SOFTCAP, ALIBI, SINK, DROPOUT)),
-                     (_producer, (descs, smem, bars, scalars, q_row, off_h * HEAD_DIM,
-                                  CONSUMERS, BLOCK_N, NUM_STAGES)),
+                     (_producer, (descs, smem, bars, n_tiles, key0, kv_col, q_row,
+                                  off_h * HEAD_DIM, CONSUMERS, BLOCK_N, NUM_STAGES)),
                      (_consumer, (descs, smem, bars, scalars, 1, HEAD_DIM, BLOCK_N,
                                   NUM_STAGES, CONSUMERS, True, PINGPONG, HAS_LEFT,
                                   HAS_RIGHT, SOFTCAP, ALIBI, SINK, DROPOUT))],
@@ -522,8 +560,8 @@ if gluon is not None:
                     [(_consumer, (descs, smem, bars, scalars, 0, HEAD_DIM, BLOCK_N,
                                   NUM_STAGES, CONSUMERS, True, PINGPONG, HAS_LEFT,
                                   HAS_RIGHT, SOFTCAP, ALIBI, SINK, DROPOUT)),
-                     (_producer, (descs, smem, bars, scalars, q_row, off_h * HEAD_DIM,
-                                  CONSUMERS, BLOCK_N, NUM_STAGES)),
+                     (_producer, (descs, smem, bars, n_tiles, key0, kv_col, q_row,
+                                  off_h * HEAD_DIM, CONSUMERS, BLOCK_N, NUM_STAGES)),
                      (_consumer, (descs, smem, bars, scalars, 1, HEAD_DIM, BLOCK_N,
                                   NUM_STAGES, CONSUMERS, True, PINGPONG, HAS_LEFT,
                                   HAS_RIGHT, SOFTCAP, ALIBI, SINK, DROPOUT)),
@@ -567,26 +605,29 @@ def flash_descriptor(x, rows):
     return TensorDescriptor(x2d, list(x2d.shape), [heads * head_dim, 1], [rows, head_dim], layout)
 
 
-def gluon_supported(q, k, v, params: AttentionParams) -> bool:
+def gluon_supported(q, k, v, params: AttentionParams, varlen: bool = False) -> bool:
     """What both Gluon kernels (this forward, backward_hopper's backward) need: Gluon on an
-    sm_90 GPU, dense non-empty fp16/bf16 q/k/v of head dim 64 or 128 in the flash layout, no
-    bias, a positive scale. Each kernel's `eligible` adds its own conditions."""
+    sm_90 GPU, non-empty fp16/bf16 q/k/v of head dim 64 or 128 in the flash layout, no bias, a
+    positive scale; dense, or varlen too where the caller says it takes it (varlen=True). Each
+    kernel's `eligible` adds its own conditions."""
     if gluon is None or interpreting():
         return False
-    supported = (params.attn_bias is None and not params.is_varlen
-                 and params.softmax_scale > 0)
+    if params.is_varlen and not varlen:
+        return False
+    supported = params.attn_bias is None and params.softmax_scale > 0
     if not (supported and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9):
         return False
-    head_dim = q.shape[-1]  # dense: varlen was excluded above
+    head_dim = q.shape[-1]
+    tokens = 0 if params.is_varlen else 1  # varlen (total, h, d), dense (b, seqlen, h, d)
     return (head_dim in (64, 128) and head_dim == v.shape[-1] == k.shape[-1]
             and q.dtype in (torch.float16, torch.bfloat16) and q.dtype == k.dtype == v.dtype
-            and min(q.shape[1], k.shape[1]) > 0
+            and min(q.shape[tokens], k.shape[tokens]) > 0
             and all(flash_layout_2d(x) for x in (q, k, v)))
 
 
 def eligible(q, k, v, params: AttentionParams, out, lse, tile) -> bool:
     """Whether the Gluon kernel computes this call (else forward.py's kernel does)."""
-    return (GLUON_FORWARD and tile is None and gluon_supported(q, k, v, params)
+    return (GLUON_FORWARD and tile is None and gluon_supported(q, k, v, params, varlen=True)
             and (out is None or out.stride(-1) == 1) and (lse is None or lse.stride(-1) == 1))
 
 
@@ -603,15 +644,25 @@ def launch_config(tile) -> dict:
     return dict(num_warps=4, maxnreg=maxnreg, CONSUMER_REGS=consumer_regs)
 
 
-def attention_forward(q, k, v, params: AttentionParams, out=None, lse=None, tile=None):
-    """(out, lse) of an eligible call; tile overrides configs.gluon_forward_tile (the bench)."""
-    batch, seqlen_q, nheads, head_dim = q.shape
-    seqlen_k, nheads_k = k.shape[1], k.shape[2]
+def attention_forward(q, k, v, params: AttentionParams, out=None, lse=None, tile=None,
+                      seqused_k=None):
+    """(out, lse) of an eligible call; tile overrides configs.gluon_forward_tile (the bench).
+
+    Varlen (params.cu_seqlens_q set): q (total_q, h, d), k/v (total_k, hk, d), out like q, lse
+    (h, total_q). seqused_k (int32 (batch,), varlen only; flash-attn's name): sequence b's keys
+    are rows cu_seqlens_k[b] .. cu_seqlens_k[b] + seqused_k[b] - 1 of k/v instead of up to
+    cu_seqlens_k[b + 1], e.g. a contiguous cache (batch, capacity, hk, d) passed as
+    k_cache.view(-1, hk, d) with cu_seqlens_k = capacity * arange(batch + 1). Slots past a
+    sequence's keys are read by TMA and weigh 0 through the mask, so they must hold finite
+    values (0 * inf is NaN in P V)."""
+    batch, seqlen_q, seqlen_k, nheads, nheads_k = varlen_shape(q, v, params)
+    head_dim = q.shape[-1]
     if out is None:
         out_dtype = torch.float32 if params.fp32_out else q.dtype
-        out = torch.empty((batch, seqlen_q, nheads, head_dim), dtype=out_dtype, device=q.device)
-    if lse is None:
-        lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
+        out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
+    if lse is None:  # (batch, nheads, seqlen_q), varlen (nheads, total_q)
+        lse_shape = (nheads, q.shape[0]) if params.is_varlen else (batch, nheads, seqlen_q)
+        lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
     tile = tile or gluon_forward_tile(head_dim, seqlen_q, params.window_right is not None)
     block_n, num_stages, consumers, specialized, pingpong = tile
 
@@ -621,15 +672,18 @@ def attention_forward(q, k, v, params: AttentionParams, out=None, lse=None, tile
     sink = lse if params.sink is None else params.sink.to(torch.float32)
     seed_lo, seed_hi, threshold, dropout_scale, dropout = dropout_args(params.dropout_p,
                                                                        params.dropout_seed)
+    cu_q, cu_k, varlen = varlen_args(params, lse)
+    stride_ob, stride_os, stride_oh, _ = batch_strides(out, params)
+    stride_lb, stride_lh, _ = batch_strides(lse, params)
     grid = (triton.cdiv(seqlen_q, BLOCK_M * consumers), batch * nheads)
     _fwd_hopper_kernel[grid](
         flash_descriptor(q, BLOCK_M), flash_descriptor(k, block_n), flash_descriptor(v, block_n),
-        out, lse, alibi,
-        sink, out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
+        out, lse, alibi, sink, cu_q, cu_k, lse if seqused_k is None else seqused_k,
+        stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
         *alibi_strides, nheads, nheads // nheads_k, seqlen_q, seqlen_k, window_left,
         window_right, qk_scale, softcap_scale, seed_lo, seed_hi, threshold, dropout_scale,
         HEAD_DIM=head_dim, BLOCK_N=block_n, NUM_STAGES=num_stages, CONSUMERS=consumers,
         SPECIALIZED=specialized, PINGPONG=pingpong and consumers >= 2, HAS_LEFT=has_left,
         HAS_RIGHT=has_right, SOFTCAP=softcap, ALIBI=has_alibi, SINK=params.sink is not None,
-        DROPOUT=dropout, **launch_config(tile))
+        DROPOUT=dropout, VARLEN=varlen, SEQUSED_K=seqused_k is not None, **launch_config(tile))
     return out, lse
