@@ -187,6 +187,48 @@ def test_gpu_gluon_wide_tile_matches_oracle(case):
 
 
 
+def non_finite_(x):
+    """Fill x in place with NaN, inf and -inf in turn (rows a kernel must not let through)."""
+    flat = x.view(-1)
+    for i, value in enumerate((float("nan"), float("inf"), float("-inf"))):
+        flat[i::3] = value
+    return x
+
+
+TAIL_CASES = [  # (dtype, head_dim, seqlen_q, seqlen_k, nheads, nheads_k, window, features)
+    (torch.bfloat16, 128, 203, 300, 2, 1, (None, 0), ()),
+    (torch.float16, 64, 1000, 1023, 2, 2, (None, None), ("softcap", )),
+    (torch.bfloat16, 128, 517, 700, 2, 2, (7, 3), ("sink", )),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _on_hopper(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+@pytest.mark.parametrize("case", TAIL_CASES, ids=str)
+def test_gpu_gluon_next_batch_entry_does_not_leak(case, schedule):
+    """Dense, seqlen_k not a multiple of the key tile: entry b's last tile reads entry b + 1's
+    first rows. With NaN/inf in entry 1's q, k and v, entries 0 and 2 still equal the oracle
+    on their finite data (P = 0 there, and V's rows past the end are zeroed: 0 * NaN in P V
+    would be NaN)."""
+    dtype, head_dim, seqlen_q, seqlen_k, nheads, nheads_k, window, features = case
+    q, k, v, _ = make_inputs(3, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, head_dim,
+                             dtype, "cuda")
+    for x in (q, k, v):
+        non_finite_(x[1])
+    params = _params(head_dim, window, features, nheads, "cuda")
+    out = poison(torch.empty_like(q))
+    lse = poison(torch.empty(3, nheads, seqlen_q, dtype=torch.float32, device="cuda"))
+    out, lse = hopper.attention_forward(q, k, v, params, out=out, lse=lse,
+                                        tile=SCHEDULES[schedule])
+    finite = [0, 2]
+    qf, kf, vf = (x[finite] for x in (q, k, v))
+    oracle = attention_with_params(qf.double(), kf.double(), vf.double(), params)
+    baseline = attention_with_params(qf, kf, vf, params)
+    assert_close_to_oracle("out", out[finite], oracle[0], baseline[0])
+    assert_close_to_oracle("lse", lse[finite], oracle[1], baseline[1])
+
+
 # ---- varlen -------------------------------------------------------------------------------------
 
 LENGTHS_Q = [1000, 0, 1, 517, 130, 3, 300, 64]  # lengths 0 and 1, odd, q < k and q > k
@@ -327,13 +369,17 @@ def test_gpu_gluon_varlen_dropout_mask_is_the_triton_kernels(schedule):
 def test_gpu_gluon_seqused_k_reads_a_contiguous_cache(schedule):
     """seqused_k: sequence b's keys are the first seqused_k[b] slots of its cache row, the
     cache (batch, capacity, hk, d) passed flattened with cu_seqlens_k = capacity * b. Causal,
-    q shorter than its keys, slots past the used ones hold (finite) garbage."""
+    q shorter than its keys, slots past the used ones hold NaN and inf (a torch.empty cache):
+    TMA reads them with the tile that crosses a sequence's end, and they must weigh 0."""
     case = (torch.bfloat16, 128, 4, 2, (None, 0), ("softcap", ))
     lengths_q, used, capacity = [3, 200, 0, 1, 64], [700, 200, 5, 1, 0], 768
     q, _, _, params = varlen_inputs(lengths_q, used, case)
     gen = torch.Generator(device="cuda").manual_seed(7)
     k_cache, v_cache = (torch.randn(len(used), capacity, 2, 128, dtype=q.dtype, device="cuda",
                                     generator=gen) for _ in range(2))
+    for b, n in enumerate(used):
+        non_finite_(k_cache[b, n:])
+        non_finite_(v_cache[b, n:])
     seqused_k = torch.tensor(used, dtype=torch.int32, device="cuda")
     cache_params = dataclasses.replace(
         params, cu_seqlens_k=capacity * torch.arange(len(used) + 1, dtype=torch.int32,
@@ -345,3 +391,25 @@ def test_gpu_gluon_seqused_k_reads_a_contiguous_cache(schedule):
     baseline = attention_with_params(q, k, v, params)
     assert_close_to_oracle("out", out, oracle[0], baseline[0])
     assert_close_to_oracle("lse", lse, oracle[1], baseline[1])
+
+
+@pytest.mark.gpu
+@gpu_hopper
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+def test_gpu_gluon_varlen_non_finite_sequence_does_not_leak(schedule):
+    """A packed sequence whose q, k and v are NaN/inf: the sequences before it (whose last key
+    tiles read its rows) and after it equal the oracle on their finite data."""
+    case = (torch.bfloat16, 128, 4, 2, (None, None), ("alibi_batch", ))
+    lengths_q, lengths_k, bad = [70, 3, 200, 1, 129], [100, 1000, 33, 5, 130], 1
+    q, k, v, params = varlen_inputs(lengths_q, lengths_k, case)
+    cu_q, cu_k = params.cu_seqlens_q.tolist(), params.cu_seqlens_k.tolist()
+    non_finite_(q[cu_q[bad]:cu_q[bad + 1]])
+    non_finite_(k[cu_k[bad]:cu_k[bad + 1]])
+    non_finite_(v[cu_k[bad]:cu_k[bad + 1]])
+    out, lse = run_varlen(q, k, v, params, SCHEDULES[schedule])
+    oracle = attention_with_params(q.double(), k.double(), v.double(), params)
+    baseline = attention_with_params(q, k, v, params)
+    rows = torch.cat([torch.arange(cu_q[b], cu_q[b + 1]) for b in range(len(lengths_q))
+                      if b != bad]).cuda()
+    assert_close_to_oracle("out", out[rows], oracle[0][rows], baseline[0][rows])
+    assert_close_to_oracle("lse", lse[:, rows], oracle[1][:, rows], baseline[1][:, rows])

@@ -75,6 +75,7 @@ try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
         mbarrier,
         tma,
         warpgroup_mma,
@@ -109,6 +110,28 @@ if gluon is not None:
         mbarrier.expect(v_bars.index(stage), v_desc.block_type.nbytes, pred=valid)
         tma.async_copy_global_to_shared(v_desc, [row, kv_col], v_bars.index(stage),
                                         v_smem.index(stage), pred=valid)
+
+    @gluon.jit
+    def _zero_key_tail(v_tile, n_keep, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
+        """Zero rows n_keep.. of a V tile in shared memory (the keys past the sequence's end that
+        TMA read with the tile: the next sequence's rows or spare cache slots). Their P is 0,
+        but 0 * NaN or 0 * inf in P V is NaN, so they must hold zeros. In 16-row slices of a
+        [16, HEAD_DIM] blocked layout (8 registers per thread at d128); then a fence, so the
+        wgmma (async proxy) sees the writes, and a warpgroup barrier. Consumers that share the
+        tile each zero it before their own wgmma reads it: a concurrent write by another stores
+        the same values, and nothing else writes the buffer while consumers hold it."""
+        if n_keep < BLOCK_N:
+            ROWS: gl.constexpr = 16
+            COLS: gl.constexpr = HEAD_DIM // 8  # threads along a row, 8 elements each
+            layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // COLS, COLS], [4, 1], [1, 0])
+            for c in gl.static_range(BLOCK_N // ROWS):
+                if (c + 1) * ROWS > n_keep:
+                    rows = c * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+                    chunk = v_tile.slice(c * ROWS, ROWS)
+                    x = chunk.load(layout)
+                    chunk.store(gl.where(gl.expand_dims(rows, 1) < n_keep, x, gl.zeros_like(x)))
+            fence_async_shared()
+            gl.thread_barrier()
 
     @gluon.constexpr_function
     def _dropout_layout(block_n):
@@ -307,7 +330,7 @@ if gluon is not None:
                   BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
                   SPECIALIZED: gl.constexpr, PINGPONG: gl.constexpr, HAS_LEFT: gl.constexpr,
                   HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
-                  SINK: gl.constexpr, DROPOUT: gl.constexpr):
+                  SINK: gl.constexpr, DROPOUT: gl.constexpr, KEY_TAIL: gl.constexpr):
         """One warpgroup: query rows start_m + CONSUMER * BLOCK_M ... over the program's key
         tiles [lo, lo + n_tiles * BLOCK_N), then out and lse of its rows."""
         (out_base, lse_base, Alibi, Sink, stride_os, stride_ab, stride_ah, off_b, off_h, start_m,
@@ -402,6 +425,9 @@ if gluon is not None:
 
             last = (n_tiles - 1) % NUM_STAGES
             mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // NUM_STAGES) & 1)
+            if KEY_TAIL:  # only the last tile can reach past the sequence's keys
+                _zero_key_tail(v_smem.index(last), seqlen_k - lo - (n_tiles - 1) * BLOCK_N,
+                               BLOCK_N, HEAD_DIM)
             _take_turn(turns, n_tiles, CONSUMER, PINGPONG)
             o_tok = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
             _pass_turn(turns, CONSUMER, CONSUMERS, PINGPONG)
@@ -483,7 +509,8 @@ if gluon is not None:
                            HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                            SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINK: gl.constexpr,
                            DROPOUT: gl.constexpr, VARLEN: gl.constexpr,
-                           SEQUSED_K: gl.constexpr, num_warps: gl.constexpr):
+                           SEQUSED_K: gl.constexpr, KEY_TAIL: gl.constexpr,
+                           num_warps: gl.constexpr):
         """One program per CONSUMERS * 64 query rows of one (batch, head), heaviest causal rows
         first. q_desc/k_desc/v_desc: TMA descriptors over the 2-D views (tokens, heads *
         HEAD_DIM). VARLEN: the grid covers the longest sequence; sequence b's rows and lengths
@@ -540,7 +567,7 @@ if gluon is not None:
                 gl.warp_specialize(
                     [(_consumer, (descs, smem, bars, scalars, 0, HEAD_DIM, BLOCK_N,
                                   NUM_STAGES, CONSUMERS, True, PINGPONG, HAS_LEFT,
-                                  HAS_RIGHT, SOFTCAP, ALIBI, SINK, DROPOUT)),
+                                  HAS_RIGHT, SOFTCAP, ALIBI, SINK, DROPOUT, KEY_TAIL)),
                      (_producer, (descs, smem, bars, n_tiles, key0, kv_col, q_row,
                                   off_h * HEAD_DIM, CONSUMERS, BLOCK_N, NUM_STAGES))],
                     [1], [PRODUCER_REGS_GL])
@@ -548,26 +575,26 @@ if gluon is not None:
                 gl.warp_specialize(
                     [(_consumer, (descs, smem, bars, scalars, 0, HEAD_DIM, BLOCK_N,
                                   NUM_STAGES, CONSUMERS, True, PINGPONG, HAS_LEFT,
-                                  HAS_RIGHT, SOFTCAP, ALIBI, SINK, DROPOUT)),
+                                  HAS_RIGHT, SOFTCAP, ALIBI, SINK, DROPOUT, KEY_TAIL)),
                      (_producer, (descs, smem, bars, n_tiles, key0, kv_col, q_row,
                                   off_h * HEAD_DIM, CONSUMERS, BLOCK_N, NUM_STAGES)),
                      (_consumer, (descs, smem, bars, scalars, 1, HEAD_DIM, BLOCK_N,
                                   NUM_STAGES, CONSUMERS, True, PINGPONG, HAS_LEFT,
-                                  HAS_RIGHT, SOFTCAP, ALIBI, SINK, DROPOUT))],
+                                  HAS_RIGHT, SOFTCAP, ALIBI, SINK, DROPOUT, KEY_TAIL))],
                     [1, 4], [PRODUCER_REGS_GL, CONSUMER_REGS])
             else:
                 gl.warp_specialize(
                     [(_consumer, (descs, smem, bars, scalars, 0, HEAD_DIM, BLOCK_N,
                                   NUM_STAGES, CONSUMERS, True, PINGPONG, HAS_LEFT,
-                                  HAS_RIGHT, SOFTCAP, ALIBI, SINK, DROPOUT)),
+                                  HAS_RIGHT, SOFTCAP, ALIBI, SINK, DROPOUT, KEY_TAIL)),
                      (_producer, (descs, smem, bars, n_tiles, key0, kv_col, q_row,
                                   off_h * HEAD_DIM, CONSUMERS, BLOCK_N, NUM_STAGES)),
                      (_consumer, (descs, smem, bars, scalars, 1, HEAD_DIM, BLOCK_N,
                                   NUM_STAGES, CONSUMERS, True, PINGPONG, HAS_LEFT,
-                                  HAS_RIGHT, SOFTCAP, ALIBI, SINK, DROPOUT)),
+                                  HAS_RIGHT, SOFTCAP, ALIBI, SINK, DROPOUT, KEY_TAIL)),
                      (_consumer, (descs, smem, bars, scalars, 2, HEAD_DIM, BLOCK_N,
                                   NUM_STAGES, CONSUMERS, True, PINGPONG, HAS_LEFT,
-                                  HAS_RIGHT, SOFTCAP, ALIBI, SINK, DROPOUT))],
+                                  HAS_RIGHT, SOFTCAP, ALIBI, SINK, DROPOUT, KEY_TAIL))],
                     [1, 4, 4], [PRODUCER_REGS_GL, CONSUMER_REGS, CONSUMER_REGS])
         else:
             mbarrier.expect(q_bars.index(0), q_desc.block_type.nbytes, pred=n_tiles > 0)
@@ -577,7 +604,8 @@ if gluon is not None:
                 _issue_kv_load(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, i, n_tiles,
                                key0, kv_col, BLOCK_N, NUM_STAGES)
             _consumer(descs, smem, bars, scalars, 0, HEAD_DIM, BLOCK_N, NUM_STAGES, CONSUMERS,
-                      SPECIALIZED, PINGPONG, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, SINK, DROPOUT)
+                      SPECIALIZED, PINGPONG, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, SINK, DROPOUT,
+                      KEY_TAIL)
 
         for c in gl.static_range(CONSUMERS):
             mbarrier.invalidate(q_bars.index(c))
@@ -685,5 +713,6 @@ def attention_forward(q, k, v, params: AttentionParams, out=None, lse=None, tile
         HEAD_DIM=head_dim, BLOCK_N=block_n, NUM_STAGES=num_stages, CONSUMERS=consumers,
         SPECIALIZED=specialized, PINGPONG=pingpong and consumers >= 2, HAS_LEFT=has_left,
         HAS_RIGHT=has_right, SOFTCAP=softcap, ALIBI=has_alibi, SINK=params.sink is not None,
-        DROPOUT=dropout, VARLEN=varlen, SEQUSED_K=seqused_k is not None, **launch_config(tile))
+        DROPOUT=dropout, VARLEN=varlen, SEQUSED_K=seqused_k is not None,
+        KEY_TAIL=varlen or seqlen_k % block_n != 0, **launch_config(tile))
     return out, lse
