@@ -16,9 +16,12 @@ the public API); the run stops if it fails. Then, bf16, d128, 32 query heads:
            and V read / time, as % of the device-to-device copy bandwidth measured in the same run
            (bytes read + written / time); the kernel with auto splits, with num_splits=1, and
            PyTorch SDPA (cuDNN and FLASH backends, enable_gqa) on the same work in (b, h, s, d).
-  prefill  query length 128..2k after 1k..16k cached keys, causal and full: the KV-cache kernel
-           (contiguous and page 256) against the dense forward kernel (Gluon on sm_90) on the
-           same q, k, v and cuDNN SDPA (full only), in TFLOP/s over visible pairs.
+  prefill  query length 128..2k after 1k..16k cached keys, causal and full (batch 1, and batch 4
+           at 512 x 4k): the decode kernel (contiguous and page 256) and the Gluon prefill route
+           (kvcache._gluon_prefill: the cache as varlen keys with seqused_k) against the dense
+           forward kernel (Gluon on sm_90) on the same q, k, v and cuDNN SDPA (full only), in
+           TFLOP/s over visible pairs; the public call with the route forced on and off (tensor
+           cache_seqlens) and as configured (int cache_seqlens), to set its thresholds.
   graph    the public call as a decoding step (append + rotary + attention) captured in a CUDA
            graph and replayed back to back, against eager calls and cuDNN SDPA (b1/b4, 1k..16k).
   sweep    (stage sweep) candidate decode tiles at three shapes, to choose decode.HOPPER.
@@ -37,6 +40,7 @@ date, device, versions and config, rewritten after every stage.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import functools
 import importlib.util
@@ -52,6 +56,7 @@ import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
 import flashkit
+from flashkit import kvcache
 from flashkit.kvcache import flash_attn_with_kvcache
 from flashkit.ops.params import AttentionParams
 from flashkit.ops.triton import append, decode
@@ -531,7 +536,7 @@ def study_paging(copy_bw: float) -> dict:
 
 # --- prefill ------------------------------------------------------------------------------------
 
-PREFILL_QUERIES, PREFILL_CACHED = [128, 512, 2048], [1024, 4096, 16384]
+PREFILL_QUERIES, PREFILL_CACHED = [128, 256, 512, 2048], [1024, 4096, 16384]
 
 
 def run_prefill(quick: bool) -> list[dict]:
@@ -541,17 +546,18 @@ def run_prefill(quick: bool) -> list[dict]:
     mask is top-left aligned: other work); MHA at 4k cached, causal, contiguous."""
     rows = []
     queries, cached_keys = ([128, 2048], [4096]) if quick else (PREFILL_QUERIES, PREFILL_CACHED)
-    cells = [(sq, cached, 4, causal) for sq in queries for cached in cached_keys
+    cells = [(1, sq, cached, 4, causal) for sq in queries for cached in cached_keys
              for causal in (True, False)]
-    cells += [(sq, 4096, 32, True) for sq in queries]
-    for seqlen_q, cached, nheads_k, causal in cells:
+    cells += [(1, sq, 4096, 32, True) for sq in queries]
+    cells += [(4, 512, 4096, 4, causal) for causal in (True, False)]
+    for batch, seqlen_q, cached, nheads_k, causal in cells:
         seqlen_k = cached + seqlen_q
         visible = seqlen_q * cached + (seqlen_q * (seqlen_q + 1) / 2 if causal else seqlen_q ** 2)
-        tflop = 4 * NHEADS * visible * HEAD_DIM / 1e12
-        row = {"seqlen_q": seqlen_q, "cached": cached, "seqlen_k": seqlen_k,
+        tflop = 4 * batch * NHEADS * visible * HEAD_DIM / 1e12
+        row = {"batch": batch, "seqlen_q": seqlen_q, "cached": cached, "seqlen_k": seqlen_k,
                "nheads_k": nheads_k, "causal": causal}
-        row.update(prefill_ms(seqlen_q, seqlen_k, nheads_k, causal,
-                              pages=(None,) if nheads_k == 32 else (None, 256)))
+        row.update(prefill_ms(batch, seqlen_q, seqlen_k, nheads_k, causal,
+                              pages=(None, 256) if nheads_k == 4 and batch == 1 else (None,)))
         for key in [k for k in row if k.endswith("_ms")]:
             if row[key] is not None:
                 row[key.replace("_ms", "_tflops")] = tflop / (row[key] * 1e-3)
@@ -566,11 +572,13 @@ def run_prefill(quick: bool) -> list[dict]:
     return rows
 
 
-def prefill_ms(seqlen_q, seqlen_k, nheads_k, causal=True, pages=(None,)) -> dict:
-    """Eager ms of the KV-cache launcher (auto splits; per page size) and of the dense forward
-    on the same q, k, v (and SDPA cuDNN when not causal); auto_splits."""
-    k_cache, v_cache, _ = make_cache(1, seqlen_k, nheads_k, None)
-    q = torch.randn(1, seqlen_q, NHEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+def prefill_ms(batch, seqlen_q, seqlen_k, nheads_k, causal=True, pages=(None,)) -> dict:
+    """Eager ms of the KV-cache launcher (auto splits; per page size), of the Gluon prefill
+    route's launcher, of the public call (route forced on / off with a tensor cache_seqlens; as
+    configured with an int) and of the dense forward on the same q, k, v (and SDPA cuDNN when
+    not causal); auto_splits. Page sizes: batch 1 only."""
+    k_cache, v_cache, _ = make_cache(batch, seqlen_k, nheads_k, None)
+    q = torch.randn(batch, seqlen_q, NHEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
     params = AttentionParams(HEAD_DIM ** -0.5, None, 0 if causal else None)
     times = {"auto_splits": decode.launch_shape(q, nheads_k, 0, 0, seqlen_k)[3],
              "dense_ms": bench(lambda: attention_forward(q, k_cache, v_cache, params))}
@@ -583,16 +591,34 @@ def prefill_ms(seqlen_q, seqlen_k, nheads_k, causal=True, pages=(None,)) -> dict
             kc, vc = (paged_copy(c, table, page_size) for c in (k_cache, v_cache))
         key = "kvcache_ms" if page_size is None else f"kvcache_paged{page_size}_ms"
         times[key] = kernel_ms(q, kc, vc, table, seqlen_k, params, 0)
-    # The public call over the whole cache: an int cache_seqlens takes the dense forward from
-    # kvcache.DENSE_PREFILL_MIN_QUERIES queries, a tensor one the decode kernels.
-    for key, seqlens in (("public_int_ms", seqlen_k), ("public_tensor_ms", torch.full(
-            (1,), seqlen_k, dtype=torch.int32, device="cuda"))):
-        times[key] = bench(functools.partial(flash_attn_with_kvcache, q, k_cache, v_cache,
-                                             cache_seqlens=seqlens, causal=causal))
+    seqlens = torch.full((batch,), seqlen_k, dtype=torch.int32, device="cuda")
+    with gluon_prefill_thresholds(0, 0):
+        route = functools.partial(kvcache._gluon_prefill, q, k_cache, v_cache, seqlens,
+                                  seqlen_k, None, None, None, params)
+        assert route() is not None, "the Gluon prefill route did not take the cell"
+        times["route_ms"] = bench(route)
+    # The public call over the whole cache (no append): the Gluon route forced on and off with a
+    # tensor cache_seqlens, and as configured (kvcache.GLUON_PREFILL_*) with an int one.
+    public = functools.partial(flash_attn_with_kvcache, q, k_cache, v_cache, causal=causal)
+    for key, lo in (("public_route_ms", 0), ("public_decode_ms", 2**62)):
+        with gluon_prefill_thresholds(lo, lo):
+            times[key] = bench(lambda: public(cache_seqlens=seqlens))
+    times["public_int_ms"] = bench(lambda: public(cache_seqlens=seqlen_k))
     if not causal:
         fn = sdpa_fn(q, k_cache, v_cache, "CUDNN_ATTENTION")
         times["sdpa_cudnn_ms"] = None if fn is None else bench(fn)
     return times
+
+
+@contextlib.contextmanager
+def gluon_prefill_thresholds(min_queries, min_work):
+    """kvcache's Gluon prefill route thresholds set for the block (0: always; huge: never)."""
+    saved = kvcache.GLUON_PREFILL_MIN_QUERIES, kvcache.GLUON_PREFILL_MIN_WORK
+    kvcache.GLUON_PREFILL_MIN_QUERIES, kvcache.GLUON_PREFILL_MIN_WORK = min_queries, min_work
+    try:
+        yield
+    finally:
+        kvcache.GLUON_PREFILL_MIN_QUERIES, kvcache.GLUON_PREFILL_MIN_WORK = saved
 
 
 def paged_copy(cache, table, page_size):
@@ -780,14 +806,16 @@ def print_summary(result: dict) -> None:
               "|", *(pct(r, f"{k}_graph_pct_copy") for k in
                      ("auto", "splits1", "sdpa_cudnn", "sdpa_flash")),
               "|", pct(r, "auto_eager_pct_copy"), "L2" if r["l2_resident"] else "")
+    if result.get("prefill"):
+        print("prefill b sq cached hk mask | dense TFLOP/s | x dense: decode paged256 route "
+              "public_route public_decode public_int | decode x cudnn")
     for r in result.get("prefill", []):
-        print("prefill", r["seqlen_q"], r["cached"], r["nheads_k"],
-              "causal" if r["causal"] else "full", "splits", r["auto_splits"],
-              f"kv {r['kvcache_tflops']:.0f} dense {r['dense_tflops']:.0f} TFLOP/s"
-              f" ratio {r['ratio']:.2f} paged {r.get('ratio_paged256', 0):.2f}"
-              f" x cudnn {r.get('ratio_cudnn') or 0:.2f}"
-              f" public int/tensor {r['dense_ms'] / r['public_int_ms']:.2f}"
-              f" {r['dense_ms'] / r['public_tensor_ms']:.2f}")
+        print("prefill", r["batch"], r["seqlen_q"], r["cached"], r["nheads_k"],
+              "causal" if r["causal"] else "full", f"| {r['dense_tflops']:.0f} |",
+              *(f"{r['dense_ms'] / r[key]:.2f}" if r.get(key) else "-" for key in (
+                  "kvcache_ms", "kvcache_paged256_ms", "route_ms", "public_route_ms",
+                  "public_decode_ms", "public_int_ms")),
+              f"| {r.get('ratio_cudnn') or 0:.2f}")
     if result.get("graph"):
         print("graph: b L hk page splits | % copy: eager_loop graph_loop graph_gpu | cudnn "
               "eager_loop graph_loop graph_gpu | us per step eager graph")

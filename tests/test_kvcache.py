@@ -98,14 +98,14 @@ class Case:
         """(out, lse) on the CPU from a call on `device` (on copies of the inputs there; the
         caches' new contents are copied back)."""
         on = lambda t: t.to(device) if isinstance(t, torch.Tensor) else t  # noqa: E731
-        kw = {"causal": self.causal, "window_size": self.window, **self.extra, **kw}
+        kw = {"causal": self.causal, "window_size": self.window, "cache_seqlens": self.seqlens,
+              "cache_batch_idx": self.batch_idx, "cache_leftpad": self.leftpad,
+              "block_table": self.block_table, **self.extra, **kw}
         k_cache, v_cache = on(self.k_cache), on(self.v_cache)
         out, lse = flash_attn_with_kvcache(
             on(self.q), k_cache, v_cache, on(self.k_new), on(self.v_new), on(self.cos),
-            on(self.sin), cache_seqlens=on(self.seqlens), cache_batch_idx=on(self.batch_idx),
-            cache_leftpad=on(self.leftpad), block_table=on(self.block_table),
-            rotary_interleaved=self.interleaved, return_softmax_lse=True, backend=backend,
-            **{name: on(value) for name, value in kw.items()})
+            on(self.sin), rotary_interleaved=self.interleaved, return_softmax_lse=True,
+            backend=backend, **{name: on(value) for name, value in kw.items()})
         self.k_cache.copy_(k_cache)
         self.v_cache.copy_(v_cache)
         return out.cpu(), lse.cpu()
@@ -677,37 +677,82 @@ def test_cuda_graph_replay_with_new_lengths_and_inputs(layout, num_splits):
         case.check_append(k_before, v_before, k_rot64)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("mask, cached", [("causal", 700), ("window", 1300), ("full", 0)])
-def test_prefill_with_an_int_length_takes_the_dense_forward_on_gpu(mask, cached, monkeypatch):
-    """Batch 1, contiguous cache, int cache_seqlens, 512 new tokens with rotary: the dense
-    (Gluon, sm_90) forward computes the attention, against the oracle; the cache is appended."""
+PREFILL_CASES = {  # name: (mask, Case options, call options ("int": cache_seqlens as an int))
+    "causal_rotary_leftpad": ("causal", dict(rotary="interleaved", leftpad=True), {}),
+    "window_int_rows": ("window", dict(rotary="neox", seqlens=[700] * 3), {"int": True}),
+    "full_features": ("full", dict(alibi_slopes=torch.rand(3, 16), sink=torch.randn(16),
+                                   softcap=3.0), {}),
+    "causal_no_append_in_order": ("causal", dict(seqlen_new=0), {"in_order": True}),
+}
+
+
+def _prefill_case(mask, options, call):
+    """bf16 d128 GQA 8:1, 512 query rows over a contiguous cache of 1536 slots, ragged lengths
+    (one empty sequence, one full), cache rows permuted (or in order with cache_batch_idx
+    None); returns (case, extra call kwargs)."""
+    case = Case(batch=3, nheads=16, nheads_k=2, d=128, capacity=1536, seqlen_q=512,
+                seqlen_new=options.pop("seqlen_new", 512), dtype=torch.bfloat16, **options,
+                **MASKS[mask])
+    kw = {}
+    if call.get("int"):
+        kw["cache_seqlens"] = int(case.seqlens[0])
+    if call.get("in_order"):  # rows 0..batch-1: no cache_batch_idx
+        case.k_cache, case.v_cache = (c[case.batch_idx.long()] for c in (case.k_cache,
+                                                                          case.v_cache))
+        case.batch_idx = torch.arange(3, dtype=torch.int32)
+        kw["cache_batch_idx"] = None
+    return case, kw
+
+
+def _spy_gluon_prefill(monkeypatch):
+    """Route every contiguous prefill to the Gluon forward; returns the list its calls land in."""
     from flashkit import kvcache
     from flashkit.ops.triton import forward_hopper
 
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon forward runs on sm_90")
-    monkeypatch.setattr(kvcache, "DENSE_PREFILL_MIN_WORK", 0)  # a small case takes the route
+    monkeypatch.setattr(kvcache, "GLUON_PREFILL_MIN_WORK", 0)  # small cases take the route
     calls = []
-    dense = forward_hopper.attention_forward
+    forward = forward_hopper.attention_forward
     monkeypatch.setattr(forward_hopper, "attention_forward",
-                        lambda *a, **kw: calls.append(1) or dense(*a, **kw))
-    case = Case(batch=1, nheads=16, nheads_k=2, d=128, capacity=2048, seqlen_q=512,
-                seqlen_new=512, rotary="interleaved", dtype=torch.bfloat16, seqlens=[cached],
+                        lambda *a, **kw: calls.append(kw.get("seqused_k")) or forward(*a, **kw))
+    return calls
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(PREFILL_CASES))
+def test_prefill_takes_the_gluon_forward_on_gpu(name, monkeypatch):
+    """512 new tokens over a contiguous cache: the Gluon forward (seqused_k) computes the
+    attention, against the oracle; the cache is appended (rotated) and nothing else changed."""
+    calls = _spy_gluon_prefill(monkeypatch)
+    mask, options, call = PREFILL_CASES[name]
+    case, kw = _prefill_case(mask, dict(options), call)
+    case.check("triton", "cuda", **kw)
+    assert calls and calls[0] is not None, "the Gluon forward was not used"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mask", ["causal", "full"])
+def test_prefill_poisoned_spare_cache_does_not_leak_on_gpu(mask, monkeypatch):
+    """NaN, inf and -inf in every slot outside the valid keys (the spare cache row, slots past
+    each sequence's keys, slots before its leftpad) never reach the Gluon prefill's output: TMA
+    reads them with the tiles that cross a sequence's ends."""
+    calls = _spy_gluon_prefill(monkeypatch)
+    case = Case(batch=3, nheads=16, nheads_k=2, d=128, capacity=1536, seqlen_q=512,
+                seqlen_new=512, dtype=torch.bfloat16, leftpad=True, rotary="neox",
                 **MASKS[mask])
-    case.k_cache, case.v_cache = (c[case.batch_idx.long()] for c in (case.k_cache,
-                                                                      case.v_cache))
-    case.batch_idx = torch.zeros(1, dtype=torch.int32)  # row 0: no cache_batch_idx passed
-    k_before, v_before = case.k_cache.clone(), case.v_cache.clone()
-    oracle_out, oracle_lse, k_rot64 = case.expected(torch.float64)
+    valid = torch.zeros(case.k_cache.shape[:2], dtype=torch.bool)
+    for b in range(3):
+        valid[case.batch_idx[b], case.leftpad[b]:case.seqlens[b]] = True
+    for cache in (case.k_cache, case.v_cache):
+        spare = cache[~valid]  # (slots, hk, d), a copy
+        flat = spare.view(-1)
+        for i, value in enumerate((float("nan"), float("inf"), float("-inf"))):
+            flat[i::3] = value
+        cache[~valid] = spare
+    oracle_out, oracle_lse, _ = case.expected(torch.float64)
     base_out, base_lse, _ = case.expected(torch.bfloat16)
-    k_cache, v_cache = case.k_cache.cuda(), case.v_cache.cuda()
-    out, lse = flash_attn_with_kvcache(
-        case.q.cuda(), k_cache, v_cache, case.k_new.cuda(), case.v_new.cuda(), case.cos.cuda(),
-        case.sin.cuda(), cache_seqlens=cached, causal=case.causal, window_size=case.window,
-        return_softmax_lse=True)
-    assert calls, "the dense forward was not used"
-    assert_close_to_oracle("out", out.cpu(), oracle_out, base_out)
-    assert_close_to_oracle("lse", lse.cpu(), oracle_lse, base_lse)
-    case.k_cache, case.v_cache = k_cache.cpu(), v_cache.cpu()
-    case.check_append(k_before, v_before, k_rot64)
+    out, lse = case.call("triton", "cuda")
+    assert calls and calls[0] is not None, "the Gluon forward was not used"
+    assert_close_to_oracle("out", out, oracle_out, base_out)
+    assert_close_to_oracle("lse", lse, oracle_lse, base_lse)

@@ -3,7 +3,8 @@
 Semantics follow flash-attn 2's function of the same name; see its docstring below. Steps:
 check every argument, rotate q and the new k, append the new k and v to the cache in place, then
 run the backend's attention over each sequence's cached keys, split along the key length into
-num_splits chunks merged by lse.
+num_splits chunks merged by lse. A long prefill over a contiguous cache on sm_90 runs the Gluon
+forward instead (`_gluon_prefill`: the cache read as varlen keys with seqused_k).
 
 Index values (cache_seqlens, cache_batch_idx, cache_leftpad, the used block_table entries, the
 rotary table's length) decide where the kernels read and write, so they are always checked:
@@ -135,15 +136,16 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                          cache_seqlens, cache_batch_idx, cache_leftpad,
                                          block_table, q_rows, rotary_interleaved)
         torch._assert_async(ok, _DEVICE_CHECK_FAILED)
-        dense = _dense_prefill(q, k_cache, v_cache, host_seqlen, seqlen_new, cache_batch_idx,
-                               cache_leftpad, block_table, params)
-        if dense is not None:
-            out, lse = dense
+        keys_bound = capacity if host_seqlen is None else host_seqlen + seqlen_new
+        prefill = _gluon_prefill(q, k_cache, v_cache, seqlens_k, keys_bound, cache_batch_idx,
+                                 cache_leftpad, block_table, params)
+        if prefill is not None:
+            out, lse = prefill
         else:
             out, lse = decode.forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx,
                                       cache_leftpad, block_table, params, num_splits,
                                       max_seqlen_k)
-        return (out, lse) if return_softmax_lse else out
+        return (out, lse.contiguous()) if return_softmax_lse else out
 
     if cache_batch_idx is None:
         cache_batch_idx = torch.arange(batch, dtype=torch.int32, device=device)
@@ -172,39 +174,59 @@ _DEVICE_CHECK_FAILED = (
     "sync_checks=True says which")
 
 
-# Prefill through the dense forward: from this many query rows the Gluon forward (sm_90) beats
-# the decode kernel's prefill tile (H200, bf16 d128 GQA 8:1, decode_20261121T063947.json: the
-# decode kernel ran 0.73-0.84x the dense forward's speed at 512 and 2048 queries after 1k-16k
-# cached keys, 1.06-1.96x at 128), and from this much work (batch x heads x queries x keys):
-# below it the public call is bound by host time, which the dense launch adds to (32 heads,
-# decode_20261121T064707.json: 512 x 4.6k keys ran 0.36-0.40x the dense kernel through it
-# against 0.67-0.73x through the decode kernels; 2048 x 3k 0.79-0.95x against 0.74-0.78x,
-# 512 x 16.9k and 2048 x 6k-18k 0.93-1.02x against 0.71-0.79x).
-DENSE_PREFILL_MIN_QUERIES = 512
-DENSE_PREFILL_MIN_WORK = 2**27
+# Prefill through the Gluon forward (sm_90) with seqused_k, from this many query rows and this
+# much work (batch x heads x queries x keys, the keys bounded by the capacity when cache_seqlens
+# is a tensor). H200, bf16 d128, 32 heads, public call with the route forced on / off
+# (decode_20261121T071109.json, x the dense forward's speed): 128 and 256 queries stay on the
+# decode kernels (1.0-1.9x the dense forward at 128; through the public call 0.44-1.04 against
+# the route's 0.25-0.96 at 256); from 2**28 the route
+# wins (512 x 16.9k keys 0.86-0.97 against 0.75-0.80, batch 4 x 512 x 4.6k 0.99-1.00 against
+# 0.75-0.85, 2048 x 18k 0.95-0.96 against 0.73-0.74); below it the call is bound by host time,
+# and the route's launch costs more of it (512 x 4.6k: 0.31-0.35 against 0.66-0.74; 2048 x 3k:
+# 0.68-0.81 against 0.74-0.80).
+GLUON_PREFILL_MIN_QUERIES = 512
+GLUON_PREFILL_MIN_WORK = 2**28
 
 
-def _dense_prefill(q, k_cache, v_cache, host_seqlen, seqlen_new, cache_batch_idx,
-                   cache_leftpad, block_table, params: AttentionParams):
-    """(out, lse) from the dense Gluon forward when every sequence's keys are one dense block
-    it takes: a contiguous cache without cache_batch_idx / cache_leftpad, an int cache_seqlens
-    (the key count known on the host; it was checked against the capacity on the device), at
-    least DENSE_PREFILL_MIN_QUERIES query rows and DENSE_PREFILL_MIN_WORK, and keys
-    k_cache[:batch, :n + seqlen_new] in the flash layout (batch 1, or a cache filled to
-    capacity). Else None: the decode kernels."""
-    batch, seqlen_q, nheads, _ = q.shape
-    if (host_seqlen is None or block_table is not None or cache_batch_idx is not None
-            or cache_leftpad is not None or seqlen_q < DENSE_PREFILL_MIN_QUERIES
-            or not 0 <= host_seqlen <= k_cache.shape[1] - seqlen_new
-            or batch * nheads * seqlen_q * (host_seqlen + seqlen_new) < DENSE_PREFILL_MIN_WORK):
+def _gluon_prefill(q, k_cache, v_cache, seqlens_k, keys_bound, cache_batch_idx, cache_leftpad,
+                   block_table, params: AttentionParams):
+    """(out, lse) from the Gluon forward over a contiguous cache, or None (the decode kernels).
+
+    The cache (batch_cache, capacity, hk, d) is read as packed varlen keys (batch_cache *
+    capacity, hk, d): sequence b's keys start at row cache_batch_idx[b] * capacity +
+    cache_leftpad[b] (cu_seqlens_k; only the starts are read) and number seqlens_k[b] (the
+    append kernel's, as seqused_k), so tensor cache_seqlens need no host sync. q (batch,
+    seqlen_q, h, d) is packed as varlen queries (batch * seqlen_q, h, d) with cu_seqlens_q =
+    seqlen_q * b; causal and windows are bottom-right aligned per sequence, as here. Slots past a
+    sequence's keys (spare capacity, other rows) weigh exactly 0 even when they hold NaN.
+    keys_bound: the key count (int cache_seqlens) or the capacity, for the work threshold."""
+    batch, seqlen_q, nheads, head_dim = q.shape
+    if (block_table is not None or not q.is_cuda or seqlen_q < GLUON_PREFILL_MIN_QUERIES
+            or batch * nheads * seqlen_q * keys_bound < GLUON_PREFILL_MIN_WORK):
         return None
     from flashkit.ops.triton import forward_hopper
 
-    seqlen_k = host_seqlen + seqlen_new
-    k, v = k_cache[:batch, :seqlen_k], v_cache[:batch, :seqlen_k]
-    if not forward_hopper.eligible(q, k, v, params, None, None, None):
+    capacity, nheads_k = k_cache.shape[1], k_cache.shape[2]
+    if not (forward_hopper.flash_layout_2d(k_cache) and forward_hopper.flash_layout_2d(v_cache)):
         return None
-    return forward_hopper.attention_forward(q, k, v, params)
+    k, v = k_cache.view(-1, nheads_k, head_dim), v_cache.view(-1, nheads_k, v_cache.shape[-1])
+    device = q.device
+    starts = torch.arange(0, (batch + 1) * capacity, capacity, dtype=torch.int32, device=device)
+    if cache_batch_idx is not None:  # (batch + 1,): the last entry is never read
+        starts = torch.nn.functional.pad(cache_batch_idx * capacity, (0, 1))
+    if cache_leftpad is not None:
+        starts = starts + torch.nn.functional.pad(cache_leftpad, (0, 1))
+    varlen = dataclasses.replace(
+        params, cu_seqlens_q=torch.arange(0, (batch + 1) * seqlen_q, seqlen_q,
+                                          dtype=torch.int32, device=device),
+        cu_seqlens_k=starts, max_seqlen_q=seqlen_q, max_seqlen_k=capacity)
+    q_packed = q.reshape(batch * seqlen_q, nheads, head_dim)
+    if not forward_hopper.eligible(q_packed, k, v, varlen, None, None, None):
+        return None
+    out, lse = forward_hopper.attention_forward(q_packed, k, v, varlen, seqused_k=seqlens_k)
+    # out (batch * seqlen_q, h, dv) -> (batch, seqlen_q, h, dv); lse (h, batch * seqlen_q)
+    return (out.view(batch, seqlen_q, nheads, -1),
+            lse.view(nheads, batch, seqlen_q).transpose(0, 1))
 
 
 def _run(name, q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, block_table,
