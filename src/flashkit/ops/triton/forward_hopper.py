@@ -26,8 +26,10 @@ Masking: every tile of the program's key range outside a consumer's fully visibl
 (common.key_tile_ranges) applies common.visible, which also drops keys >= seqlen_k. TMA reads
 2-D views (tokens, heads * d) of dense (batch * seqlen) or packed varlen tokens, so a tile past
 a sequence's end reads the next sequence's rows (or zeros past the tensor): their scores are
-masked to -inf, so they weigh exactly 0 (as long as those rows are finite: P V multiplies them
-by 0), and query rows past seqlen_q are never stored.
+masked to -inf, so P is 0 there, and with KEY_TAIL (varlen, or seqlen_k not a multiple of
+BLOCK_N) each consumer zeroes V's rows past the end in that last tile before its P V wgmma
+(_zero_key_tail), so NaN or inf there (0 * NaN) cannot reach the output; query rows past
+seqlen_q are never stored.
 
 Varlen (VARLEN): the grid covers the longest sequence; each program reads its sequence's first
 rows and lengths (_sequence_rows) and returns past its end, so the per-sequence masks, band
@@ -680,9 +682,9 @@ def attention_forward(q, k, v, params: AttentionParams, out=None, lse=None, tile
     (h, total_q). seqused_k (int32 (batch,), varlen only; flash-attn's name): sequence b's keys
     are rows cu_seqlens_k[b] .. cu_seqlens_k[b] + seqused_k[b] - 1 of k/v instead of up to
     cu_seqlens_k[b + 1], e.g. a contiguous cache (batch, capacity, hk, d) passed as
-    k_cache.view(-1, hk, d) with cu_seqlens_k = capacity * arange(batch + 1). Slots past a
-    sequence's keys are read by TMA and weigh 0 through the mask, so they must hold finite
-    values (0 * inf is NaN in P V)."""
+    k_cache.view(-1, hk, d) with cu_seqlens_k = capacity * arange(batch + 1) (only the starts
+    are read, so they may be in any order). Slots past a sequence's keys are read by TMA and
+    weigh exactly 0 whatever they hold (NaN, inf: see _zero_key_tail)."""
     batch, seqlen_q, seqlen_k, nheads, nheads_k = varlen_shape(q, v, params)
     head_dim = q.shape[-1]
     if out is None:
