@@ -29,6 +29,12 @@ backward; dq/dk/dv checked against cuDNN's) beside cuDNN's, XLA's and the Triton
 backward (implementation="pallas_triton"): the data behind mosaic_backward.TILES. --budget
 stops starting new configs after that many seconds; the JSON is rewritten after every config,
 so a run cut short still leaves its numbers.
+--domain times the cells the Mosaic kernels took over from the Triton-lowered fallback (lengths
+that are not multiples of 128, a causal sliding window over 16k, a length not a multiple of 8
+that costs a padding copy) and a few aligned cells (regression check): forward and backward of
+"pallas" (Mosaic) against "pallas_triton" (the previous fallback) and cuDNN through
+jax.nn.dot_product_attention (local_window_size for the window; an error is recorded where
+cuDNN refuses a cell), --cells picks them by label.
 Results: DIR/jax_<date>.json with date, device, versions, tiles and config.
 """
 
@@ -274,6 +280,78 @@ def mosaic_bwd(args, record, path):
                 json.dump(record, f, indent=1)
 
 
+# label -> (seqlen, head dim, causal, window (left, right)); batch = --tokens / seqlen
+DOMAIN = {
+    "1000 full d64": (1000, 64, False, (-1, -1)), "1000 full d128": (1000, 128, False, (-1, -1)),
+    "1000 causal d64": (1000, 64, True, (-1, -1)),
+    "1000 causal d128": (1000, 128, True, (-1, -1)),
+    "4000 full d64": (4000, 64, False, (-1, -1)), "4000 full d128": (4000, 128, False, (-1, -1)),
+    "4000 causal d64": (4000, 64, True, (-1, -1)),
+    "4000 causal d128": (4000, 128, True, (-1, -1)),
+    "16k window 1024 d64": (16384, 64, True, (1024, 0)),
+    "16k window 1024 d128": (16384, 128, True, (1024, 0)),
+    "4003 full d128 (pad copy)": (4003, 128, False, (-1, -1)),
+    "aligned 1024 causal d64": (1024, 64, True, (-1, -1)),
+    "aligned 4096 full d128": (4096, 128, False, (-1, -1)),
+    "aligned 16384 causal d128": (16384, 128, True, (-1, -1)),
+}
+
+
+def visible_pairs(seqlen, left, right) -> int:
+    """(query, key) pairs a bottom-right aligned window (left, right), -1 unbounded, lets
+    through at seqlen_q = seqlen_k."""
+    hi = seqlen - 1
+    return sum(min(i + right if right >= 0 else hi, hi) - max(i - left if left >= 0 else 0, 0)
+               + 1 for i in range(seqlen))
+
+
+def domain_fns(causal, window):
+    """name -> f(q, k, v): Mosaic, the Triton-lowered fallback and cuDNN for one cell."""
+    fns = {impl: (lambda q, k, v, impl=impl: flash_attention(
+        q, k, v, causal=causal, window_size=window, implementation=impl))
+        for impl in ("pallas", "pallas_triton")}
+    fns["jax.nn/cudnn"] = lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, is_causal=causal, implementation="cudnn",
+        local_window_size=None if window == (-1, -1) else window)
+    return fns
+
+
+def domain(args, record, path):
+    """The --domain cells: Mosaic vs the Triton-lowered fallback vs cuDNN, fwd and bwd."""
+    record["domain_cells"] = []
+    labels = args.cells.split(";") if args.cells else list(DOMAIN)
+    for label in labels:
+        if time.time() - args.started > args.budget:
+            print("budget spent: stopping", flush=True)
+            break
+        seqlen, d, causal, window = DOMAIN[label]
+        q, k, v, dout = inputs(seqlen, d, args.tokens)
+        left, right = window[0], 0 if causal else window[1]
+        fl = 4 * q.shape[0] * q.shape[2] * d * visible_pairs(seqlen, left, right)
+        row = {"cell": label, "seqlen": seqlen, "head_dim": d, "causal": causal,
+               "window": window, "batch": q.shape[0], "nheads": q.shape[2]}
+        for name, fn in domain_fns(causal, window).items():
+            if name == "pallas_triton" and label.startswith("aligned"):
+                continue  # the aligned cells ran Mosaic before too
+            try:
+                t_fwd, t_bwd = measure(fn, q, k, v, dout)
+                row[name] = {"fwd_ms": t_fwd, "fwd_tflops": fl / t_fwd / 1e9, "bwd_ms": t_bwd,
+                             "bwd_tflops": 2.5 * fl / t_bwd / 1e9}
+            except Exception as err:  # cuDNN refuses some cells: say so
+                row[name] = {"error": f"{type(err).__name__}: {str(err)[:200]}"}
+        mine = row["pallas"]
+        for name in ("pallas_triton", "jax.nn/cudnn"):
+            if "fwd_ms" in mine and "fwd_ms" in row.get(name, {}):
+                mine[f"fwd_speedup_vs_{name.split('/')[-1]}"] = row[name]["fwd_ms"] / mine[
+                    "fwd_ms"]
+                mine[f"bwd_speedup_vs_{name.split('/')[-1]}"] = row[name]["bwd_ms"] / mine[
+                    "bwd_ms"]
+        record["domain_cells"].append(row)
+        print(json.dumps(row), flush=True)
+        with open(path, "w") as f:
+            json.dump(record, f, indent=1)
+
+
 def grid(args):
     """(seqlen, causal, head dim) cells, seqlen outermost: a budget cut drops whole seqlens."""
     return [(seqlen, causal, d) for seqlen in (int(s) for s in args.seqlens.split(","))
@@ -300,6 +378,8 @@ def main() -> None:
     ap.add_argument("--dtypes", default="bfloat16", help="--mosaic-bwd: bfloat16,float16")
     ap.add_argument("--triton-bwd", action="store_true",
                     help="--mosaic-bwd: also time the Triton-lowered backward")
+    ap.add_argument("--domain", action="store_true")
+    ap.add_argument("--cells", default="", help="--domain: labels separated by ';'")
     ap.add_argument("--sweep-seqlen", type=int, default=8192)
     ap.add_argument("--budget", type=float, default=float("inf"))
     args = ap.parse_args()
@@ -327,6 +407,11 @@ def main() -> None:
     if args.mosaic_bwd:
         path = path.replace(".json", "_mosaic_bwd.json")
         mosaic_bwd(args, record, path)
+        print(f"wrote {path}")
+        return
+    if args.domain:
+        path = path.replace(".json", f"_domain_{record['date'][11:16].replace(':', '')}.json")
+        domain(args, record, path)
         print(f"wrote {path}")
         return
     if args.mosaic_cells:

@@ -8,6 +8,7 @@ checked there); the numbers are checked by the `gpu` tests.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 jax = pytest.importorskip("jax")
@@ -31,14 +32,19 @@ COVERED = [  # (sq, sk, h, hk, d, causal)
     (256, 256, 4, 2, 64, False),
     (128, 384, 2, 1, 128, True),  # bottom-right causal, shift 256
     (256, 128, 2, 2, 64, False),
+    (200, 256, 2, 2, 128, False),  # partial query tile
+    (256, 200, 2, 2, 128, False),  # partial key block
+    (256, 128, 2, 2, 128, True),  # causal rows that see no key
+    (63, 65, 2, 1, 128, True),  # lengths not multiples of 8: padded
+    (1, 1, 1, 1, 128, False),
 ]
 NOT_COVERED = [  # (sq, sk, h, hk, d, causal, window, dtype): the Triton kernel runs these
     (256, 256, 2, 2, 80, False, (-1, -1), jnp.bfloat16),  # head dim
-    (200, 256, 2, 2, 64, False, (-1, -1), jnp.bfloat16),  # partial query block
-    (256, 200, 2, 2, 64, False, (-1, -1), jnp.bfloat16),  # partial key block (of 64)
-    (256, 128, 2, 2, 64, True, (-1, -1), jnp.bfloat16),  # causal rows that see no key
-    (256, 256, 2, 2, 64, False, (16, 0), jnp.bfloat16),  # window
     (256, 256, 2, 2, 64, False, (-1, -1), jnp.float32),
+    (200, 256, 2, 2, 64, False, (-1, -1), jnp.bfloat16),  # d64: partial query tile
+    (256, 200, 2, 2, 64, False, (-1, -1), jnp.bfloat16),  # d64: partial key block
+    (256, 128, 2, 2, 64, True, (-1, -1), jnp.bfloat16),  # d64: causal rows that see no key
+    (256, 256, 2, 2, 64, False, (16, 0), jnp.bfloat16),  # d64: window
 ]
 
 
@@ -53,9 +59,47 @@ def test_supports_and_lowers_for_cuda(sq, sk, h, hk, d, causal):
 
 
 def test_block_k_divides_seqlen_k():
-    """d64's 256-key blocks halve until they divide seqlen_k (here 384 -> 128)."""
-    q, k = _arrays(128, 384, 2, 1, 64)
-    assert mosaic.cfg_tile(_cfg(q, k), 64).block_k == 128
+    """d64's 256-key blocks halve until they divide seqlen_k (here 384 -> 128); where no block
+    of 64 or more divides it, while half a block still holds every key (65 -> 128)."""
+    for sk, bk in ((384, 128), (1000, 256), (65, 128), (63, 64)):
+        q, k = _arrays(128, sk, 2, 1, 64)
+        assert mosaic.cfg_tile(_cfg(q, k, block_k=None), 64).block_k == bk
+
+
+def test_window_lowers_for_cuda():
+    q, k = _arrays(1000, 1000, 2, 1, 128)
+    cfg = _cfg(q, k, window=(100, 30))
+    lowered = jax.jit(lambda q, k, v: mosaic.forward(q, k, v, cfg)).trace(q, k, k).lower(
+        lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_band_blocks_hold_every_visible_pair(seed):
+    """Band.blocks covers every key (row) that a 64-row (key) range sees, and every block of
+    Band.full_blocks is visible whole (DESIGN section 1's mask, bottom-right aligned)."""
+    rng = np.random.default_rng(seed)
+    for _ in range(40):
+        sq, sk = (int(x) for x in rng.integers(1, 300, 2))
+        left, right = (int(rng.choice(c)) for c in ([-1, 0, 3, 64, 130], [-1, 0, 5, 70]))
+        q, k = _arrays(sq, sk, 1, 1, 64)
+        cfg = _cfg(q, k, causal=bool(rng.integers(2)), window=(left, right))
+        i, j = np.arange(sq)[:, None], np.arange(sk)[None, :]
+        seen = np.ones((sq, sk), bool)
+        if cfg.window_left is not None:
+            seen &= j >= i + cfg.shift - cfg.window_left
+        if cfg.window_right is not None:
+            seen &= j <= i + cfg.shift + cfg.window_right
+        for band, seen_by, size in ((mosaic.Band.keys_of_rows(cfg), seen, 64),
+                                    (mosaic.Band.rows_of_keys(cfg, sq), seen.T, 32)):
+            for x0 in range(0, len(seen_by), 64):
+                part = seen_by[x0:x0 + 64]
+                lo, hi = band.blocks(x0, x0 + 64, size)
+                cols = np.nonzero(part.any(axis=0))[0]
+                assert not len(cols) or lo * size <= cols[0] and cols[-1] < hi * size
+                for b in range(*band.full_blocks(x0, x0 + 64, size)):
+                    assert part[:, b * size:(b + 1) * size].shape[1] == size
+                    assert part[:, b * size:(b + 1) * size].all()
 
 
 CANDIDATES = [(d, tile) for d, tiles in mosaic.CANDIDATES.items() for tile in tiles]
@@ -132,3 +176,57 @@ def test_mosaic_against_oracle(check, batch, sq, sk, h, hk, d, causal):
         pytest.skip("needs a Hopper GPU")
     check("pallas_mosaic", batch=batch, seqlen_q=sq, seqlen_k=sk, nheads=h, nheads_k=hk, d=d,
           causal=causal, dtype="bfloat16")
+
+
+AWKWARD = [  # (batch, sq, sk, h, hk, d, causal, window): d128 (d64 keeps whole blocks)
+    (1, 1, 1, 2, 1, 128, False, (-1, -1)),
+    (2, 63, 65, 4, 2, 128, True, (-1, -1)),  # not multiples of 8: padded copies
+    (1, 65, 63, 2, 2, 128, True, (-1, -1)),  # causal sq > sk: leading rows see no key
+    (1, 257, 257, 4, 1, 128, False, (-1, -1)),
+    (1, 1000, 1000, 2, 2, 128, True, (-1, -1)),
+    (2, 1000, 296, 4, 2, 128, True, (-1, -1)),  # sq > sk, in-kernel masking only
+    (1, 296, 1000, 2, 1, 128, False, (100, 0)),  # causal window
+    (1, 1000, 1000, 2, 2, 128, False, (256, 64)),
+    (1, 520, 200, 2, 1, 128, False, (-1, 17)),  # right only, sq > sk: empty leading rows
+    (1, 200, 520, 2, 2, 128, False, (33, -1)),  # left only
+]
+
+
+@pytest.fixture
+def mosaic_calls(monkeypatch):
+    """Counts of the Mosaic forward and backward calls (traced once per jitted check)."""
+    from flashkit.jax import mosaic_backward
+
+    calls = {"forward": 0, "backward": 0}
+
+    def counting(name, fn):
+        def counted(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return counted
+
+    monkeypatch.setattr(mosaic, "forward", counting("forward", mosaic.forward))
+    monkeypatch.setattr(mosaic_backward, "backward",
+                        counting("backward", mosaic_backward.backward))
+    return calls
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,sq,sk,h,hk,d,causal,window", AWKWARD)
+def test_awkward_against_oracle(check, mosaic_calls, batch, sq, sk, h, hk, d, causal, window):
+    """Partial tiles, causal both ways, windows, GQA: out, lse and gradients, through the Mosaic
+    forward and backward (counted, so a silent fallback fails)."""
+    if not mosaic.is_hopper():
+        pytest.skip("needs a Hopper GPU")
+    check("pallas", batch=batch, seqlen_q=sq, seqlen_k=sk, nheads=h, nheads_k=hk, d=d,
+          causal=causal, window=window, dtype="bfloat16", seed=3)
+    assert mosaic_calls == {"forward": 1, "backward": 1}
+
+
+@pytest.mark.gpu
+def test_awkward_float16_against_oracle(check, mosaic_calls):
+    if not mosaic.is_hopper():
+        pytest.skip("needs a Hopper GPU")
+    check("pallas", batch=1, seqlen_q=1000, seqlen_k=1000, nheads=2, nheads_k=1, d=128,
+          window=(128, 128), dtype="float16", seed=4)
+    assert mosaic_calls == {"forward": 1, "backward": 1}

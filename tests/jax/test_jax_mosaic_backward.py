@@ -33,14 +33,16 @@ COVERED = [  # (sq, sk, h, hk, d, causal)
     (128, 384, 2, 1, 128, True),  # bottom-right causal, shift 256
     (512, 128, 2, 2, 64, False),
     (256, 256, 8, 1, 128, True),  # MQA
+    (192, 256, 2, 2, 128, False),  # query rows not a multiple of 128
+    (256, 192, 2, 2, 128, False),
+    (256, 128, 2, 2, 128, True),  # causal rows that see no key
+    (63, 1, 2, 2, 128, False),
 ]
 NOT_COVERED = [  # (sq, sk, h, hk, d, causal, window, dtype): the Triton-lowered backward runs
     (256, 256, 2, 2, 80, False, (-1, -1), jnp.bfloat16),  # head dim
-    (192, 256, 2, 2, 64, False, (-1, -1), jnp.bfloat16),  # query rows not a multiple of 128
-    (256, 192, 2, 2, 64, False, (-1, -1), jnp.bfloat16),  # keys: the forward's 64 is not enough
-    (256, 128, 2, 2, 64, True, (-1, -1), jnp.bfloat16),  # causal rows that see no key
-    (256, 256, 2, 2, 64, False, (16, 0), jnp.bfloat16),  # window
     (256, 256, 2, 2, 64, False, (-1, -1), jnp.float32),
+    (192, 256, 2, 2, 64, False, (-1, -1), jnp.bfloat16),  # d64: whole 128-blocks only
+    (256, 256, 2, 2, 64, False, (16, 0), jnp.bfloat16),  # d64: window
 ]
 
 
@@ -59,7 +61,7 @@ def test_not_covered(sq, sk, h, hk, d, causal, window, dtype):
 @pytest.mark.parametrize("implementation,interpret,hopper,shape,expected", [
     ("pallas", False, True, (256, 256), True),
     ("pallas_mosaic", False, True, (256, 256), True),
-    ("pallas", False, True, (256, 192), False),  # the forward's Mosaic, Triton's backward
+    ("pallas", False, True, (250, 193), False),  # d64 keeps whole blocks (d128: any)
     ("pallas", False, False, (256, 256), False),  # not a Hopper GPU
     ("pallas", True, True, (256, 256), False),  # the interpreter runs Triton's kernels
     ("pallas_triton", False, True, (256, 256), False),
@@ -99,6 +101,13 @@ def test_candidate_lowers_for_cuda(monkeypatch, d, tile, causal):
     _use_tile(monkeypatch, d, tile)
     q, k, cfg = _problem(256, 384, 4, 2, d, causal)
     assert _lower(q, k, cfg).count("mosaic_gpu") >= 2  # the dK/dV and the dQ kernel
+
+
+@pytest.mark.parametrize("sq,sk,window", [(1000, 300, (-1, 0)), (63, 65, (-1, -1)),
+                                          (300, 1000, (100, 20))])
+def test_partial_and_banded_lower_for_cuda(sq, sk, window):
+    q, k, cfg = _problem(sq, sk, 4, 2, 128, window=window)
+    assert _lower(q, k, cfg).count("mosaic_gpu") >= 2
 
 
 GPU_CASES = [  # (batch, sq, sk, h, hk, d, causal)

@@ -12,9 +12,9 @@ see no key give 0 and lse -inf):
                      Triton-lowered ones (`pallas.py`); on a CPU the Triton-lowered kernels run
                      in Pallas's interpreter (slow: tests and teaching)
     "pallas_triton"  the Triton-lowered kernels only
-    "pallas_mosaic"  the Mosaic GPU forward (Hopper only; NotImplementedError where it does not
-                     cover the problem), the Mosaic GPU backward where it covers the problem
-                     (its domain is narrower: seqlen_k % 128 == 0), else the Triton-lowered one
+    "pallas_mosaic"  the Mosaic GPU kernels only (Hopper only; NotImplementedError where they do
+                     not cover the problem: bf16/fp16, d = dv = 128 at any lengths, causal
+                     and windows; d = dv = 64 on whole blocks without a window)
     "xla"            seed 003's vmap-over-query-blocks port, tiled in plain JAX
     "fori"           seed 003's first port, a fori_loop over query blocks (kept to show the
                      difference)
@@ -62,8 +62,8 @@ def _mosaic_for(q, k, v, cfg: AttentionConfig):
     if cfg.implementation == "pallas_mosaic" and not usable:
         raise NotImplementedError(
             "implementation='pallas_mosaic' needs a Hopper GPU (no interpreter) and covers "
-            "bf16/fp16, d = dv in (64, 128), seqlen_q % 128 == 0, seqlen_k % 64 == 0, no "
-            "window, causal only with seqlen_q <= seqlen_k; use implementation='pallas'")
+            "bf16/fp16 with d = dv = 128 (d = 64: whole blocks, no window); use "
+            "implementation='pallas'")
     return mosaic if usable else None
 
 

@@ -21,10 +21,15 @@ Notation as in `_tile`: scores in the log2 domain (`s * scale * log2(e)`), m/l/a
 max, sum and unnormalised output. Barrier phases are tracked per thread by Mosaic GPU, so every
 consumer waits on every ready barrier exactly once per block, also on blocks it does not need.
 
-It covers the common case and says so in `supports`: bf16/fp16, d = dv in {64, 128}, whole
-blocks (seqlen_q % 128 == 0, seqlen_k % 64 == 0), no window, causal only with seqlen_q <=
-seqlen_k (every row sees key 0, so no row is empty); flashkit.jax runs the Triton-lowered kernel
-(`pallas.py`) for everything else, and for the backward.
+Any lengths: TMA zero-fills the rows of a box past the end of q/k/v and drops the rows of a
+store past the end of out, so a partial last query tile needs no code; keys past seqlen_k are
+masked, in the last key block only. Causal and sliding windows (bottom-right aligned, DESIGN
+section 1) through `Band`: a tile streams only the key blocks its rows see, and only the blocks
+at the band's edges are masked (the split into masked and unmasked blocks is static where the
+problem allows, so aligned full attention runs no mask code). Rows that see no key give out 0
+and lse -inf. `supports` says what it covers: bf16/fp16 and d = dv = 128 at any shape, d = dv =
+64 only on whole blocks without a window (see `aligned`); flashkit.jax runs the Triton-lowered
+kernel (`pallas.py`) for everything else.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from flashkit.jax._checks import AttentionConfig
 from flashkit.jax._tile import LOG2E
 
-__all__ = ["forward", "supports", "Tile", "TILES", "CANDIDATES"]
+__all__ = ["forward", "supports", "Band", "Tile", "TILES", "CANDIDATES"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,10 +68,12 @@ class Tile:
 # 1k (1.07 vs 0.97 for 256), persistent 256 at 2k-8k (1.03-1.06), non-persistent 256 at 16k
 # (1.05 vs 0.99: the hardware's dynamic order balances the causal triangle); d128 full: persistent
 # 128 at 1k-8k (0.95-1.02 vs 0.92-0.95), non-persistent at 16k (0.96 vs 0.90); d128 causal:
-# non-persistent 128 (1.03-1.13 vs 0.80-1.01 persistent).
+# non-persistent 128 (1.03-1.13 vs 0.80-1.01 persistent). d64 causal is now persistent 128
+# throughout: with the Band masks, 256-key blocks lost 1.5x (4096: 0.99 ms vs 0.68 for 128, vs
+# 0.66 for 256 before; H200 run 07:20; 16k unmeasured).
 TILES = {
     (64, False): ((None, Tile(256)),),
-    (64, True): ((1024, Tile(128)), (8192, Tile(256)), (None, Tile(256, persistent=False))),
+    (64, True): ((None, Tile(128)),),
     (128, False): ((8192, Tile(128)), (None, Tile(128, persistent=False))),
     (128, True): ((None, Tile(128, persistent=False)),),
 }
@@ -79,6 +86,105 @@ CANDIDATES = {
 MIN_BLOCK_K = 64
 _CONSUMERS = 2
 _DTYPES = (jnp.bfloat16, jnp.float16)
+# A finite running-max floor for rows that may see no key in a masked block: exp2(s - m) and
+# exp2(m_old - m_new) stay 0 or finite where -inf - -inf would give NaN.
+_M_FLOOR = float(jnp.finfo(jnp.float32).min)
+
+
+def pad_rows(x, multiple=8):
+    """x [B, S, H, D] zero-padded along S to a multiple of 8. Mosaic's TMA views the GMEM rows in
+    the shared-memory tiling's 8-row tiles and refuses a partial one (jax 0.10/0.11), so a
+    length that is not a multiple of 8 costs a copy in and out; others are masked in-kernel."""
+    extra = -x.shape[1] % multiple
+    return jnp.pad(x, ((0, 0), (0, extra), (0, 0), (0, 0))) if extra else x
+
+
+def cdiv(a, b):
+    """ceil(a / b) for a >= 0 (a Python int or an int32 scalar in a kernel)."""
+    return (a + b - 1) // b if isinstance(a, int) else lax.div(a + b - 1, b)
+
+
+def _div(a, b):  # floor(a / b) for a >= 0; lax.div on a traced scalar (jnp's // adds sign fixes)
+    return a // b if isinstance(a, int) else lax.div(a, b)
+
+
+def clip(x, lo, hi):
+    """min(max(x, lo), hi) for lo <= hi: a Python int wherever the result is static (an aligned
+    problem's loop bounds stay constants)."""
+    if isinstance(x, int) and isinstance(lo, int) and x <= lo:
+        return lo
+    if isinstance(x, int) and isinstance(hi, int) and x >= hi:
+        return hi
+    if all(isinstance(v, int) for v in (x, lo, hi)):
+        return min(max(x, lo), hi)
+    return jnp.clip(x, lo, hi)
+
+
+@dataclasses.dataclass(frozen=True)
+class Band:
+    """Which indices y (of an axis of length n) an index x of the other axis sees: those with
+    lo <= y - x <= hi (None: unbounded) and y < n. The forward and dQ see keys from query rows
+    (`keys_of_rows`), dK/dV query rows from keys (`rows_of_keys`). Spans and block ranges are
+    Python ints where nothing traced enters them, so a kernel can leave out static no-ops."""
+
+    lo: int | None
+    hi: int | None
+    n: int
+
+    @classmethod
+    def keys_of_rows(cls, cfg: AttentionConfig) -> Band:
+        """Key j visible from query row i iff i + shift - left <= j <= i + shift + right."""
+        left, right = cfg.window_left, cfg.window_right
+        return cls(None if left is None else cfg.shift - left,
+                   None if right is None else cfg.shift + right, cfg.seqlen_k)
+
+    @classmethod
+    def rows_of_keys(cls, cfg: AttentionConfig, n: int) -> Band:
+        """The transpose: row i visible from key j iff j - shift - right <= i <= j - shift +
+        left; n (the padded query length) bounds the rows."""
+        left, right = cfg.window_left, cfg.window_right
+        return cls(None if right is None else -cfg.shift - right,
+                   None if left is None else left - cfg.shift, n)
+
+    def blocks(self, x0, x1, size):
+        """Blocks of `size` along y that any index in [x0, x1) sees: [lo, hi), hi >= lo."""
+        lo = 0 if self.lo is None else clip(x0 + self.lo, 0, self.n)
+        hi = self.n if self.hi is None else clip(x1 - 1 + self.hi + 1, 0, self.n)
+        lo = _div(lo, size)
+        return lo, (max if isinstance(lo, int) and isinstance(hi, int) else jnp.maximum)(
+            cdiv(hi, size), lo)
+
+    def full_blocks(self, x0, x1, size):
+        """Blocks of `size` along y that every index in [x0, x1) sees whole: [lo, hi) (empty
+        where hi <= lo); the last block of a partial n is never whole."""
+        lo = 0 if self.lo is None else clip(x1 - 1 + self.lo, 0, self.n)
+        hi = self.n if self.hi is None else clip(x0 + self.hi + 1, 0, self.n)
+        return cdiv(lo, size), _div(hi, size)
+
+    def edges(self, size):
+        """Static: (masked blocks before the whole ones, masked blocks after them) can exist."""
+        return self.lo is not None, self.hi is not None or self.n % size != 0
+
+    def visible(self, x0, y0, shape, x_dim, size):
+        """[shape] bool in the WGMMA layout: y0 + c visible from x0 + r, r along x_dim and c
+        along the other dim (a block of `size` along y)."""
+        iota = [plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+                for dim in (0, 1)]
+        xs, ys = iota[x_dim], iota[1 - x_dim]
+        diff = ys - xs + (y0 - x0)  # y - x
+        ok = []
+        if self.lo is not None:
+            ok.append(diff >= self.lo)
+        if self.hi is not None:
+            ok.append(diff <= self.hi)
+        if self.n % size:
+            ok.append(ys < self.n - y0)
+        return functools.reduce(jnp.logical_and, ok)
+
+    def may_see_nothing(self) -> bool:
+        """Whether an index may see nothing in a masked block processed before its first
+        visible y (then the forward's running max needs its finite floor)."""
+        return self.lo is not None or (self.hi is not None and self.hi < 0)
 
 
 def is_hopper() -> bool:
@@ -93,17 +199,22 @@ def sm_count() -> int:
     return getattr(jax.devices()[0], "core_count", None) or 132
 
 
+def aligned(cfg: AttentionConfig, rows: int, keys: int) -> bool:
+    """Whole blocks (seqlen_q % rows, seqlen_k % keys), no window, causal with every row seeing
+    key 0: the domain d64 keeps (H200 run 07:20: at d64 a partial query tile gave wrong lse in
+    the forward; the cause, found for d128 too, is fixed in `forward` (lse padded to whole tiles)
+    but not yet re-run on the GPU at d64)."""
+    if cfg.seqlen_q % rows or cfg.seqlen_k % keys or cfg.window_left is not None:
+        return False
+    return cfg.window_right is None or (cfg.window_right == 0 and cfg.shift >= 0)
+
+
 def supports(q_shape, k_shape, v_shape, dtype, cfg: AttentionConfig) -> bool:
     """Whether this kernel covers the problem (original layout shapes, see the module doc)."""
     d = q_shape[3]
-    if d not in (64, 128) or v_shape[3] != d or not any(dtype == t for t in _DTYPES):
+    if v_shape[3] != d or not any(dtype == t for t in _DTYPES):
         return False
-    tile = cfg_tile(cfg, d)
-    if cfg.seqlen_q % (_CONSUMERS * tile.block_q) or cfg.seqlen_k % tile.block_k:
-        return False
-    if cfg.window_left is not None:
-        return False
-    return cfg.window_right is None or (cfg.window_right == 0 and cfg.shift >= 0)
+    return d == 128 or (d == 64 and aligned(cfg, _CONSUMERS * 64, MIN_BLOCK_K))
 
 
 def table_tile(d: int, causal: bool, seqlen_k: int) -> Tile:
@@ -112,27 +223,33 @@ def table_tile(d: int, causal: bool, seqlen_k: int) -> Tile:
 
 
 def cfg_tile(cfg: AttentionConfig, d: int) -> Tile:
-    """The table's tile for this problem with BLOCK_K halved (down to 64) until it divides
-    seqlen_k and STAGES at most the number of key blocks; block_k overrides BLOCK_K."""
-    tile = table_tile(d, cfg.window_right == 0, cfg.seqlen_k)
-    bk = cfg.block_k or tile.block_k
-    while not cfg.block_k and bk > MIN_BLOCK_K and cfg.seqlen_k % bk:
+    """The table's tile for this problem (banded problems take the causal row) with BLOCK_K
+    halved (down to 64) until it divides seqlen_k, or, where no block of 64 or more divides it,
+    while half a block still holds all the keys; STAGES at most the number of key blocks.
+    block_k overrides BLOCK_K."""
+    tile = table_tile(d, cfg.window_right is not None, cfg.seqlen_k)
+    bk, sk = cfg.block_k or tile.block_k, cfg.seqlen_k
+    while not cfg.block_k and bk > MIN_BLOCK_K and (
+            sk % bk if sk % MIN_BLOCK_K == 0 else bk // 2 >= sk):
         bk //= 2
     return dataclasses.replace(tile, block_k=bk, stages=max(1, min(tile.stages,
-                                                                   cfg.seqlen_k // bk)))
+                                                                   cdiv(sk, bk))))
 
 
 def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, smem, barriers, *, cfg, tile, ctas):
-    """q_ref/out_ref [B, Sq, H, D], k_ref/v_ref [B, Sk, Hk, D], lse_ref [B, H, Sq] (all GMEM)."""
+    """q_ref/out_ref [B, Sq, H, D], k_ref/v_ref [B, Sk, Hk, D], lse_ref [B, H, >= Sq] (GMEM)."""
     bq, bk, stages = tile.block_q, tile.block_k, tile.stages
-    causal = cfg.window_right == 0
+    cta_rows = _CONSUMERS * bq
+    band = Band.keys_of_rows(cfg)
+    left_edge, right_edge = band.edges(bk)  # masked blocks can precede / follow the whole ones
+    floor = band.may_see_nothing()
+    heaviest_first = cfg.window_right is not None and cfg.window_left is None
     q_smem, o_smem, k_smem, v_smem, lse_smem = smem  # [2, BQ, D] x2, [STAGES, BK, D] x2, [2, BQ]
     k_ready, v_ready, q_ready, k_free, v_free, turn = barriers
     batches, _, heads, _ = out_ref.shape
     wg, cta = lax.axis_index("wg"), lax.axis_index("cta")
-    tiles_q = cfg.seqlen_q // (_CONSUMERS * bq)
+    tiles_q = cdiv(cfg.seqlen_q, cta_rows)
     my_tiles = lax.div(tiles_q * heads * batches - 1 - cta, ctas) + 1  # cta, cta + ctas, ...
-    blocks_k = cfg.seqlen_k // bk
 
     def work(i):
         """(batch, head, query tile) of this CTA's i-th tile: heads fastest, then query tiles
@@ -141,13 +258,11 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, smem, barriers, *, cfg, tile,
         t = cta + i * ctas
         head, rest = lax.rem(t, heads), lax.div(t, heads)
         tile_q = lax.rem(rest, tiles_q)
-        return lax.div(rest, tiles_q), head, (tiles_q - 1 - tile_q) if causal else tile_q
+        return lax.div(rest, tiles_q), head, (tiles_q - 1 - tile_q) if heaviest_first else tile_q
 
-    def key_blocks(rows_end):
-        """Key blocks that rows < rows_end see: all, or (causal) up to the last row's diagonal."""
-        if not causal:
-            return blocks_k
-        return lax.div(rows_end + cfg.shift + bk - 1, bk)
+    def cta_blocks(tile_q):
+        """The key blocks the tile's rows see, [lo, hi): the producer streams these."""
+        return band.blocks(tile_q * cta_rows, (tile_q + 1) * cta_rows, bk)
 
     def take_turn():
         plgpu.barrier_arrive(turn)
@@ -163,36 +278,39 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, smem, barriers, *, cfg, tile,
         c = cfg.scale * LOG2E
         row_layout = plgpu.Layout.WGMMA.reduce(1)
 
-        def rows_of(i):  # (batch, head, first row of this warpgroup, key blocks of the CTA)
-            batch, head, tile_q = work(i)
-            return (batch, head, (tile_q * _CONSUMERS + wg) * bq,
-                    key_blocks((tile_q + 1) * _CONSUMERS * bq))
-
         def load_q(i):
-            batch, head, row0, _ = rows_of(i)
+            batch, head, tile_q = work(i)
+            row0 = (tile_q * _CONSUMERS + wg) * bq
             plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(row0, bq), head], q_wg, q_ready.at[wg])
 
         def tile_body(i, base):
             """Tile i, whose first key block is the CTA's base-th."""
-            batch, head, row0, cta_blocks = rows_of(i)
-            blocks = key_blocks(row0 + bq)
-            # Key blocks below every row's diagonal need no mask.
-            unmasked = jnp.minimum(lax.div(row0 + cfg.shift + 1, bk), blocks) if causal else blocks
-            m = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), row_layout)
+            batch, head, tile_q = work(i)
+            row0 = (tile_q * _CONSUMERS + wg) * bq
+            cta_lo, cta_hi = cta_blocks(tile_q)
+            # This consumer's blocks [lo, hi) within the tile's, whole ones [lo_full, hi_full).
+            lo, hi = band.blocks(row0, row0 + bq, bk)
+            lo = clip(lo, cta_lo, cta_hi)
+            hi = clip(hi, lo, cta_hi)
+            lo_full, hi_full = band.full_blocks(row0, row0 + bq, bk)
+            lo_full = clip(lo_full, lo, hi)
+            hi_full = clip(hi_full, lo_full, hi)
+            m = plgpu.layout_cast(jnp.full((bq,), _M_FLOOR if floor else -jnp.inf, jnp.float32),
+                                  row_layout)
             l = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row_layout)
             acc = plgpu.layout_cast(jnp.zeros((bq, q_ref.shape[3]), jnp.float32),
                                     plgpu.Layout.WGMMA)
             plgpu.barrier_wait(q_ready.at[wg])
-            plgpu.barrier_wait(k_ready.at[slot_of(base)])  # blocks >= 1 always (module doc)
             pl.when(wg == 1)(take_turn)  # consumer 0 goes first
 
-            def step(j, state, masked):
-                """S, softmax, then O += P V, waited for before the next S. Issuing the next S
-                before this P V (FlashAttention-3's intra-warpgroup overlap) made ptxas serialise
-                every wgmma (P's register operand is written inside S's open wgmma stage);
-                issuing P V and the next S together measured no faster (results NOTES, runs 7-8)."""
+            def step(kb, state, masked):
+                """Key block kb: S, softmax, then O += P V, waited for before the next S.
+                Issuing the next S before this P V (FlashAttention-3's intra-warpgroup overlap)
+                made ptxas serialise every wgmma (P's register operand is written inside S's
+                open wgmma stage); issuing P V and the next S together measured no faster
+                (results NOTES, runs 7-8)."""
                 m, l, acc = state
-                slot = slot_of(base + j)
+                slot = slot_of(base + kb - cta_lo)
 
                 def qk(s_ref):  # [BQ, BK] = [BQ, D] @ [D, BK]
                     plgpu.wgmma(s_ref, q_wg, k_smem.at[slot].transpose((1, 0)))
@@ -201,12 +319,9 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, smem, barriers, *, cfg, tile,
 
                 s = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
                 plgpu.barrier_arrive(k_free.at[slot])
-                if masked:  # key col visible from row iff col <= row + shift
-                    rows, cols = (plgpu.broadcasted_iota(jnp.int32, (bq, bk), dim,
-                                                         layout=plgpu.Layout.WGMMA)
-                                  for dim in (0, 1))
-                    s = jnp.where(rows + (row0 + cfg.shift) >= cols + j * bk, s, -jnp.inf)
-                # Block 0 holds a visible key for every row, so m is finite from then on: no NaN.
+                if masked:
+                    s = jnp.where(band.visible(row0, kb * bk, s.shape, 0, bk), s, -jnp.inf)
+                # m is finite after the first block (or floored): no NaN from -inf - -inf.
                 m_new = jnp.maximum(m, s.max(axis=1) * c)
                 alpha = jnp.exp2(m - m_new)
                 p = jnp.exp2(s * c - lax.broadcast_in_dim(m_new, s.shape, [0]))
@@ -221,18 +336,18 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, smem, barriers, *, cfg, tile,
                 def pv(acc_ref):  # [BQ, D] += [BQ, BK] @ [BK, D]
                     plgpu.wgmma(acc_ref, p, v_smem.at[slot])
 
-                    @pl.when(j + 1 < blocks)  # wait for the next K while this matmul runs
+                    @pl.when(kb + 1 < hi)  # wait for the next K while this matmul runs
                     def _():
-                        plgpu.barrier_wait(k_ready.at[slot_of(base + j + 1)])
+                        plgpu.barrier_wait(k_ready.at[slot_of(base + kb + 1 - cta_lo)])
 
                 acc = pl.run_state(pv)(plgpu.ACC.init(acc))  # wgmma accumulates in place
                 plgpu.barrier_arrive(v_free.at[slot])
                 return m_new, l, acc
 
-            def drain(j, carry):
-                """Blocks only the other consumer sees (causal): wait for them (barrier phases
-                stay in step), free their slots, keep taking turns."""
-                slot = slot_of(base + j)
+            def drain(kb, carry):
+                """Blocks only the other consumer sees: wait for them (barrier phases stay in
+                step), free their slots, keep taking turns."""
+                slot = slot_of(base + kb - cta_lo)
                 plgpu.barrier_wait(k_ready.at[slot])
                 plgpu.barrier_arrive(k_free.at[slot])
                 plgpu.barrier_wait(v_ready.at[slot])
@@ -242,23 +357,38 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, smem, barriers, *, cfg, tile,
                 return carry
 
             state = (m, l, acc)
-            state = lax.fori_loop(0, unmasked, functools.partial(step, masked=False), state)
-            if causal:
-                state = lax.fori_loop(unmasked, blocks, functools.partial(step, masked=True),
-                                      state)
-                lax.fori_loop(blocks, cta_blocks, drain, None)
+            if left_edge:  # a window's left edge: the other consumer's first blocks
+                lax.fori_loop(cta_lo, lo, drain, None)
+
+            @pl.when(lo < hi)
+            def _():
+                plgpu.barrier_wait(k_ready.at[slot_of(base + lo - cta_lo)])
+
+            if left_edge:
+                state = lax.fori_loop(lo, lo_full, functools.partial(step, masked=True), state)
+            state = lax.fori_loop(lo_full, hi_full, functools.partial(step, masked=False), state)
+            if right_edge:
+                state = lax.fori_loop(hi_full, hi, functools.partial(step, masked=True), state)
+            if cfg.window_right is not None:  # blocks past this consumer's diagonal
+                lax.fori_loop(hi, cta_hi, drain, None)
             pl.when(wg == 0)(take_turn)
             pl.when(i + 1 < my_tiles)(functools.partial(load_q, i + 1))  # Q's slot is free
             m, l, acc = state
 
-            acc = acc * lax.broadcast_in_dim(1.0 / l, acc.shape, [0])
+            inv_l = 1.0 / l
+            lse = (m + jnp.log2(l)) / LOG2E  # natural log, as flashkit returns
+            if floor:  # rows that saw no key: out 0, lse -inf
+                inv_l = jnp.where(l > 0, inv_l, 0.0)
+                lse = jnp.where(l > 0, lse, -jnp.inf)
+            acc = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's O left o_wg
             o_wg[...] = acc.astype(q_ref.dtype)
-            lse_wg[...] = (m + jnp.log2(l)) / LOG2E  # natural log, as flashkit returns
+            lse_wg[...] = lse
             plgpu.commit_smem()
+            # TMA drops the rows of a partial last tile past seqlen_q.
             plgpu.copy_smem_to_gmem(o_wg, out_ref.at[batch, pl.ds(row0, bq), head])
             plgpu.copy_smem_to_gmem(lse_wg, lse_ref.at[batch, head, pl.ds(row0, bq)])
-            return base + cta_blocks
+            return base + cta_hi - cta_lo
 
         load_q(0)
         lax.fori_loop(0, my_tiles, tile_body, jnp.int32(0))
@@ -271,11 +401,11 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, smem, barriers, *, cfg, tile,
         def tile_body(i, base):
             batch, head, tile_q = work(i)
             kv_head = lax.div(head, cfg.group)
-            cta_blocks = key_blocks((tile_q + 1) * _CONSUMERS * bq)
+            cta_lo, cta_hi = cta_blocks(tile_q)
 
-            @pl.loop(0, cta_blocks)
-            def _(j):
-                slot, rows = slot_of(base + j), (batch, pl.ds(j * bk, bk), kv_head)
+            @pl.loop(0, cta_hi - cta_lo)
+            def _(j):  # TMA zero-fills the keys of a partial last block past seqlen_k
+                slot, rows = slot_of(base + j), (batch, pl.ds((cta_lo + j) * bk, bk), kv_head)
                 for src, dst, ready, free in ((k_ref, k_smem, k_ready, k_free),
                                               (v_ref, v_smem, v_ready, v_free)):
                     # both consumers are done with the slot's last block (STAGES back)
@@ -283,7 +413,7 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, smem, barriers, *, cfg, tile,
                                                                   free.at[slot]))
                     plgpu.copy_gmem_to_smem(src.at[rows], dst.at[slot], ready.at[slot])
 
-            return base + cta_blocks
+            return base + cta_hi - cta_lo
 
         lax.fori_loop(0, my_tiles, tile_body, jnp.int32(0))
 
@@ -294,9 +424,14 @@ def forward(q, k, v, cfg: AttentionConfig):
     batch, seqlen_q, heads, d = q.shape
     tile = cfg_tile(cfg, d)
     bq, bk, stages = tile.block_q, tile.block_k, tile.stages
-    tiles = batch * heads * (seqlen_q // (_CONSUMERS * bq))
+    tiles = batch * heads * cdiv(seqlen_q, _CONSUMERS * bq)
     ctas = min(tiles, sm_count()) if tile.persistent else tiles
     smem_tile = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    q, k, v = pad_rows(q), pad_rows(k), pad_rows(v)  # a no-op for lengths that are multiples of 8
+    # lse's rows are padded to whole tiles (sliced off below): Mosaic stores a contiguous 1-D
+    # slice with a plain bulk copy that is clipped only at the end of the whole array, so a
+    # partial last tile would write into the next head's first rows (H200 run 07:24).
+    lse_len = cdiv(seqlen_q, _CONSUMERS * bq) * _CONSUMERS * bq
 
     def entry(q_ref, k_ref, v_ref, out_ref, lse_ref):
         pl.run_scoped(
@@ -316,13 +451,14 @@ def forward(q, k, v, cfg: AttentionConfig):
             collective_axes="wg",
         )
 
-    return plgpu.kernel(
+    out, lse = plgpu.kernel(
         entry,
         out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype),
-                  jax.ShapeDtypeStruct((batch, heads, seqlen_q), jnp.float32)),
+                  jax.ShapeDtypeStruct((batch, heads, lse_len), jnp.float32)),
         grid=(ctas,),
         grid_names=("cta",),
         num_threads=_CONSUMERS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
     )(q, k, v)
+    return out[:, :seqlen_q], lse if lse_len == seqlen_q else lse[..., :seqlen_q]

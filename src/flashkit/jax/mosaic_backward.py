@@ -19,14 +19,18 @@ that both consumers arrive on):
                 dQ += dS K                  [64, D]  = [64, BK] @ [BK, D]
 Notation as in `_tile`: c = scale * log2(e), lse2 = lse * log2(e) (+inf for a row that saw
 nothing), delta = rowsum(dO * O) - dlse. dK and dQ get the softmax scale once, at the end.
-Causal: only the blocks a CTA's band reaches are streamed, and only those that straddle the
-diagonal are masked; a CTA's blocks are visited by both consumers (the ring is shared), so a
-consumer masks a whole block away where only the other one sees it.
+Causal and windows (`mosaic.Band`): only the blocks a CTA's band reaches are streamed, and only
+those at the band's edges are masked; a CTA's blocks are visited by both consumers (the ring is
+shared), so a consumer masks a whole block away where only the other one sees it.
 
 The kernels read q/dO/dQ [B, Sq, H, D], k/v/dK/dV [B, Sk, Hk, D] and lse2/delta [B, H, Sq] in
-place (TMA boxes over strided rows): no transposes around them. They cover what `supports`
-says (bf16/fp16, d = dv in {64, 128}, seqlen_q and seqlen_k multiples of 128, no window, causal
-only with seqlen_q <= seqlen_k); flashkit.jax runs the Triton-lowered backward for the rest.
+place (TMA boxes over strided rows): no transposes around them. Any lengths: TMA zero-fills rows
+past the end and drops stored rows past it; lse2/delta are padded to whole CTAs with +inf/0, so
+padded query rows have P = 0; padded keys only reach their own (dropped) dK/dV rows, and the dQ
+kernel masks them in the last key block (K is zero there, but exp2 of an unseen score may
+overflow). Lengths that are not multiples of 8 are zero-padded first (`mosaic.pad_rows`).
+`supports`: bf16/fp16, d = dv = 128 at any shape, d = dv = 64 on whole 128-blocks without a
+window; flashkit.jax runs the Triton-lowered backward for the rest.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from flashkit.jax._checks import AttentionConfig
 from flashkit.jax._tile import LOG2E, backward_rows
+from flashkit.jax.mosaic import Band, aligned, cdiv, clip, pad_rows
 
 __all__ = ["backward", "supports", "Tile", "TILES", "CANDIDATES"]
 
@@ -81,9 +86,7 @@ def supports(q_shape, k_shape, v_shape, dtype, cfg: AttentionConfig) -> bool:
     d = q_shape[3]
     if d not in CANDIDATES or v_shape[3] != d or not any(dtype == t for t in _DTYPES):
         return False
-    if cfg.seqlen_q % _CTA_ROWS or cfg.seqlen_k % _CTA_ROWS or cfg.window_left is not None:
-        return False
-    return cfg.window_right is None or (cfg.window_right == 0 and cfg.shift >= 0)
+    return d == 128 or aligned(cfg, _CTA_ROWS, _CTA_ROWS)  # d64: see mosaic.aligned
 
 
 def _smem_tile():
@@ -94,29 +97,28 @@ def _wait(barrier):
     plgpu.barrier_wait(barrier)
 
 
-def _visible(row0, col0, shape, rows_dim, cfg):
-    """[shape] bool in the WGMMA layout: key col0 + c visible from query row0 + r (causal),
-    r along rows_dim, c along the other dim."""
-    iota = [plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
-            for dim in (0, 1)]
-    rows, cols = iota[rows_dim], iota[1 - rows_dim]
-    return rows + (row0 + cfg.shift) >= cols + col0
+def _whole_within(band, x0, size, span):
+    """The blocks of `size` every index in [x0, x0 + 64) sees whole, clipped into the CTA's
+    blocks span = (lo, hi): the masked ones are [lo, whole_lo) and [whole_hi, hi)."""
+    whole_lo, whole_hi = band.full_blocks(x0, x0 + _WG_ROWS, size)
+    whole_lo = clip(whole_lo, *span)
+    return whole_lo, clip(whole_hi, whole_lo, span[1])
 
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, smem,
                  barriers, *, cfg, tile):
     """q/do [B, Sq, H, D], k/v/dk/dv [B, Sk, Hk, D], lse/delta [B, H, Sq] (GMEM)."""
     bq, stages = tile.block_q, tile.stages
-    causal = cfg.window_right == 0
     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem = smem
     k_ready, v_ready, q_ready, do_ready, lse_ready, delta_ready, free = barriers
     kb, kv_head, batch = (lax.axis_index(n) for n in ("blk", "heads", "batch"))
     wg = lax.axis_index("wg")
-    blocks_q = cfg.seqlen_q // bq
+    # Query blocks (of lse_ref's padded rows: padded rows have P = 0, no mask needed).
+    band = Band.rows_of_keys(cfg, lse_ref.shape[2])
+    left_edge, right_edge = band.edges(bq)
     k0 = kb * _CTA_ROWS
-    # Causal: query block i sees the CTA's keys iff its last row's diagonal reaches key k0.
-    lo = jnp.maximum(lax.div(k0 - cfg.shift, bq), 0) if causal else 0
-    per_head = blocks_q - lo
+    lo, hi = band.blocks(k0, k0 + _CTA_ROWS, bq)  # the query blocks that see the CTA's keys
+    per_head = hi - lo
     steps = cfg.group * per_head
 
     def where(t):  # (query head, first row) of the CTA's t-th block: heads outer, rows inner
@@ -154,7 +156,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
             p = jnp.exp2(s * c - lax.broadcast_in_dim(lse2, s.shape, [1]))
             if masked:
                 _, row0 = where(t)
-                p = jnp.where(_visible(row0, key0, s.shape, 1, cfg), p, 0.0)
+                p = jnp.where(band.visible(key0, row0, s.shape, 0, bq), p, 0.0)
             _wait(do_ready.at[slot])
 
             def dv_dp(accs):  # dV += P^T dO; dP^T [64, BQ] = V [64, D] @ dO^T [D, BQ]
@@ -175,20 +177,21 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
             plgpu.barrier_arrive(free.at[slot])
             return dk, dv
 
+        whole_lo, whole_hi = _whole_within(band, key0, bq, (lo, hi))
+
         def head(g, carry):
-            """Query head g of the group: masked blocks (straddling this consumer's
-            diagonal) first, then the unmasked ones."""
+            """Query head g of the group: the blocks at the band's edges masked, whole ones
+            not."""
             t0 = g * per_head - lo  # step number of block i is t0 + i
-            if not causal:
-                return lax.fori_loop(0, blocks_q, functools.partial(step, t0=t0, masked=False),
-                                     carry)
-            # Block i is unmasked iff its first row's diagonal reaches this consumer's last key.
-            first_full = jnp.clip(lax.div(key0 + _WG_ROWS - 1 - cfg.shift + bq - 1, bq), lo,
-                                  blocks_q)
-            carry = lax.fori_loop(lo, first_full, functools.partial(step, t0=t0, masked=True),
-                                  carry)
-            return lax.fori_loop(first_full, blocks_q,
-                                 functools.partial(step, t0=t0, masked=False), carry)
+            if left_edge:
+                carry = lax.fori_loop(lo, whole_lo, functools.partial(step, t0=t0, masked=True),
+                                      carry)
+            carry = lax.fori_loop(whole_lo, whole_hi,
+                                  functools.partial(step, t0=t0, masked=False), carry)
+            if right_edge:
+                carry = lax.fori_loop(whole_hi, hi, functools.partial(step, t0=t0, masked=True),
+                                      carry)
+            return carry
 
         dk, dv = lax.fori_loop(0, cfg.group, head, (zeros, zeros))
         k_wg[...] = (dk * cfg.scale).astype(dk_ref.dtype)  # K/V's buffers are free now
@@ -220,18 +223,16 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, smem, ba
                cfg, tile):
     """q/do/dq [B, Sq, H, D], k/v [B, Sk, Hk, D], lse/delta [B, H, Sq] (GMEM)."""
     bk, stages = tile.block_k, tile.stages
-    causal = cfg.window_right == 0
     q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem = smem
     *rows_ready, k_ready, v_ready, free = barriers  # rows_ready: Q, dO, lse2, delta
     qb, head, batch = (lax.axis_index(n) for n in ("blk", "heads", "batch"))
     wg = lax.axis_index("wg")
-    if causal:  # heaviest (most key blocks) first
-        qb = cfg.seqlen_q // _CTA_ROWS - 1 - qb
+    if cfg.window_right is not None and cfg.window_left is None:  # heaviest blocks first
+        qb = cdiv(cfg.seqlen_q, _CTA_ROWS) - 1 - qb
     kv_head = lax.div(head, cfg.group)
-    blocks_k = cfg.seqlen_k // bk
-    # Causal: key blocks up to the CTA's last row's diagonal.
-    steps = (jnp.minimum(lax.div(qb * _CTA_ROWS + _CTA_ROWS + cfg.shift + bk - 1, bk), blocks_k)
-             if causal else blocks_k)
+    band = Band.keys_of_rows(cfg)
+    left_edge, right_edge = band.edges(bk)
+    lo, hi = band.blocks(qb * _CTA_ROWS, (qb + 1) * _CTA_ROWS, bk)  # the CTA's key blocks
 
     @pl.when(wg < _CONSUMERS)
     def _consumer():
@@ -253,8 +254,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, smem, ba
         lse2 = plgpu.load(lse_smem.at[wg], (), layout=row_layout)
         delta = plgpu.load(delta_smem.at[wg], (), layout=row_layout)
 
-        def step(j, dq, masked):
-            slot = lax.rem(j, stages)
+        def step(kb, dq, masked):
+            slot = lax.rem(kb - lo, stages)
             k_s, v_s = k_smem.at[slot], v_smem.at[slot]
             _wait(k_ready.at[slot])
             _wait(v_ready.at[slot])
@@ -268,8 +269,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, smem, ba
             zeros = plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
             s, dp = pl.run_state(s_dp)((plgpu.ACC.init(zeros), plgpu.ACC.init(zeros)))
             p = jnp.exp2(s * c - lax.broadcast_in_dim(lse2, shape, [0]))
-            if masked:
-                p = jnp.where(_visible(row0, j * bk, shape, 0, cfg), p, 0.0)
+            if masked:  # (also keys past seqlen_k: K is 0 there, but P may overflow)
+                p = jnp.where(band.visible(row0, kb * bk, shape, 0, bk), p, 0.0)
             ds = p * (dp - lax.broadcast_in_dim(delta, shape, [0]))
 
             def dq_step(acc):  # dQ += dS [64, BK] @ K [BK, D]
@@ -281,11 +282,12 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, smem, ba
 
         dq = plgpu.layout_cast(jnp.zeros((_WG_ROWS, q_ref.shape[3]), jnp.float32),
                                plgpu.Layout.WGMMA)
-        # Key blocks wholly below this consumer's first row's diagonal need no mask.
-        full = jnp.minimum(lax.div(row0 + cfg.shift + 1, bk), steps) if causal else steps
-        dq = lax.fori_loop(0, full, functools.partial(step, masked=False), dq)
-        if causal:
-            dq = lax.fori_loop(full, steps, functools.partial(step, masked=True), dq)
+        whole_lo, whole_hi = _whole_within(band, row0, bk, (lo, hi))
+        if left_edge:
+            dq = lax.fori_loop(lo, whole_lo, functools.partial(step, masked=True), dq)
+        dq = lax.fori_loop(whole_lo, whole_hi, functools.partial(step, masked=False), dq)
+        if right_edge:
+            dq = lax.fori_loop(whole_hi, hi, functools.partial(step, masked=True), dq)
         q_wg[...] = (dq * cfg.scale).astype(dq_ref.dtype)  # Q's buffer is free now
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(q_wg, dq_ref.at[rows])
@@ -295,10 +297,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, smem, ba
     def _producer():
         plgpu.set_max_registers(40, action="decrease")
 
-        @pl.loop(0, steps)
+        @pl.loop(0, hi - lo)
         def _(j):
             slot = lax.rem(j, stages)
-            keys = (batch, pl.ds(j * bk, bk), kv_head)
+            keys = (batch, pl.ds((lo + j) * bk, bk), kv_head)
             pl.when(j >= stages)(functools.partial(_wait, free.at[slot]))
             plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[slot], k_ready.at[slot])
             plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[slot], v_ready.at[slot])
@@ -327,18 +329,24 @@ def backward(q, k, v, out, dout, lse, dlse, cfg: AttentionConfig):
     -> (dq, dk, dv) like q, k, v. Only for problems `supports` accepts."""
     batch, seqlen_q, heads, d = q.shape
     heads_k = k.shape[2]
-    tile = TILES[d, cfg.window_right == 0]  # cfg's block_q/block_k are the forward's
+    # cfg's block_q/block_k are the forward's; banded problems take the causal tile
+    tile = TILES[d, cfg.window_right is not None]
     # [B, H, Sq] float32; XLA fuses the transpose into the reduction.
     lse2, delta = backward_rows(out.transpose(0, 2, 1, 3), dout.transpose(0, 2, 1, 3), lse,
                                 dlse)
-    args = (q, k, v, dout, lse2, delta)
+    pad = -seqlen_q % _CTA_ROWS  # whole CTAs of rows: padded rows get P = 0 (lse2 = +inf)
+    if pad:
+        lse2 = jnp.pad(lse2, ((0, 0), (0, 0), (0, pad)), constant_values=jnp.inf)
+        delta = jnp.pad(delta, ((0, 0), (0, 0), (0, pad)))
+    args = (pad_rows(q), pad_rows(k), pad_rows(v), pad_rows(dout), lse2, delta)
     dtype, smem_tile = q.dtype, _smem_tile()
     rows, stages = (_CONSUMERS, _WG_ROWS, d), tile.stages
 
     dk, dv = _launch(
         _dkdv_kernel, args,
-        (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
-        (cfg.seqlen_k // _CTA_ROWS, heads_k, batch),
+        (jax.ShapeDtypeStruct(args[1].shape, k.dtype),
+         jax.ShapeDtypeStruct(args[2].shape, v.dtype)),
+        (cdiv(cfg.seqlen_k, _CTA_ROWS), heads_k, batch),
         ((plgpu.SMEM(rows, dtype, transforms=smem_tile),  # K
           plgpu.SMEM(rows, dtype, transforms=smem_tile),  # V
           plgpu.SMEM((stages, tile.block_q, d), dtype, transforms=smem_tile),  # Q ring
@@ -350,8 +358,8 @@ def backward(q, k, v, out, dout, lse, dlse, cfg: AttentionConfig):
           plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages))),  # slot free
         cfg, tile)
     dq = _launch(
-        _dq_kernel, args, jax.ShapeDtypeStruct(q.shape, q.dtype),
-        (seqlen_q // _CTA_ROWS, heads, batch),
+        _dq_kernel, args, jax.ShapeDtypeStruct(args[0].shape, q.dtype),
+        (cdiv(seqlen_q, _CTA_ROWS), heads, batch),
         ((plgpu.SMEM(rows, dtype, transforms=smem_tile),  # Q
           plgpu.SMEM(rows, dtype, transforms=smem_tile),  # dO
           plgpu.SMEM((_CONSUMERS, _WG_ROWS), jnp.float32),  # lse2
@@ -362,4 +370,5 @@ def backward(q, k, v, out, dout, lse, dlse, cfg: AttentionConfig):
           *(plgpu.Barrier(num_barriers=stages),) * 2,  # K, V ready
           plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages))),  # slot free
         cfg, tile)
-    return dq, dk, dv
+    seqlen_k = cfg.seqlen_k
+    return dq[:, :seqlen_q], dk[:, :seqlen_k], dv[:, :seqlen_k]
