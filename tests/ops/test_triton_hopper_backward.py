@@ -479,3 +479,154 @@ def test_varlen_lse_delta_copies_start_every_sequence_aligned():
             assert torch.equal(copy[:, start:start + length], packed[:, cu[b]:cu[b + 1]])
         written[:, start:start + length] = True
     assert not lse_aligned[~written].any() and not delta_aligned[~written].any()
+
+
+# ---- NaN-safe tails and dense calls at any length (as varlen with equal lengths) --------------
+
+def non_finite_(x):
+    """Fill x in place with NaN, inf and -inf in turn (rows no other sequence may see)."""
+    flat = x.view(-1)
+    for i, value in enumerate((float("nan"), float("inf"), float("-inf"))):
+        flat[i::3] = value
+    return x
+
+
+def _gluon_grads(q, k, v, dout, params, monkeypatch):
+    """(dq, dk, dv) of forward + backward into NaN-poisoned buffers, asserting that the Gluon
+    kernels computed them."""
+    calls = _spy_gluon(monkeypatch)
+    out, lse = triton_backend.forward(q, k, v, params)
+    grads = triton_backend.backward(dout, q, k, v, out, lse, params,
+                                    dq=poison(torch.empty_like(q)),
+                                    dk=poison(torch.empty_like(k)),
+                                    dv=poison(torch.empty_like(v)))[:3]
+    assert calls == ["attention_backward_dkdv", "attention_backward_dq"]
+    return grads
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _on_hopper(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gpu_gluon_backward_varlen_non_finite_sequence_does_not_leak(head_dim, monkeypatch):
+    """A packed sequence whose q, k, v and dout are NaN/inf: the tiles of the sequences before
+    it read its rows (Q, dO, delta in the dK/dV kernel, K and V in the dQ kernel) and must
+    still give the oracle's gradients on their finite data (0 * NaN would be NaN)."""
+    lengths_q, lengths_k, bad = [70, 3, 200, 1, 129], [100, 1000, 33, 5, 130], 1
+    q, k, v, dout, params = _varlen_case(lengths_q, lengths_k, 4, 2, head_dim, torch.bfloat16,
+                                         "cuda", window_right=0, alibi="batch")
+    cu_q, cu_k = params.cu_seqlens_q.tolist(), params.cu_seqlens_k.tolist()
+    for x, cu in ((q, cu_q), (dout, cu_q), (k, cu_k), (v, cu_k)):
+        non_finite_(x[cu[bad]:cu[bad + 1]])
+    grads = _gluon_grads(q, k, v, dout, params, monkeypatch)
+    rows_q, rows_k = ([torch.arange(cu[b], cu[b + 1]) for b in range(len(lengths_q)) if b != bad]
+                      for cu in (cu_q, cu_k))
+    rows_q, rows_k = torch.cat(rows_q).cuda(), torch.cat(rows_k).cuda()
+    results = []
+    for t in (torch.float64, q.dtype):
+        leaves = [x.detach().to(t).requires_grad_() for x in (q, k, v)]
+        ref_out, _ = attention_with_params(*leaves, params)
+        results.append(torch.autograd.grad(ref_out, leaves, dout.to(t)))
+    for name, got, want, base, rows in zip(("dq", "dk", "dv"), grads, *results,
+                                           (rows_q, rows_k, rows_k), strict=True):
+        assert_close_to_oracle(name, got[rows], want[rows], base[rows])
+
+
+def test_dense_as_varlen_taken_on_hopper_at_odd_lengths():
+    """Dense lengths off the tiles: not `eligible` as they are, but run as varlen on sm_90;
+    whole tiles and a Triton tile override never take that route."""
+    on_hopper = DEVICE == "cuda" and _on_hopper()
+    plain = AttentionParams(0.125, None, 0)
+    for seqlens in ((100, 100), (1, 63), (1000, 777)):
+        q, k, v, _ = make_inputs(2, *seqlens, 4, 2, 64, 64, torch.float16)
+        lse = torch.empty(2, 4, seqlens[0], dtype=torch.float32, device=q.device)
+        args = (q, k, v, torch.empty_like(q), lse, plain, torch.empty_like(q),
+                torch.empty_like(k), torch.empty_like(v))
+        assert not hopper.eligible(*args, None)
+        assert hopper.dense_as_varlen(*args, None) == on_hopper
+        assert not hopper.dense_as_varlen(*args, {"dkdv": (32, 32, 4, 1)})
+    q, k, v, _ = make_inputs(1, 128, 128, 2, 2, 64, 64, torch.float16)
+    lse = torch.empty(1, 2, 128, dtype=torch.float32, device=q.device)
+    assert not hopper.dense_as_varlen(q, k, v, q, lse, plain, q, k, v, None)
+
+
+def test_dense_as_varlen_equals_dense():
+    """backward._dense_as_varlen (the views, cu_seqlens, transposed lse and dlse, ALiBi's
+    (batch, nheads) slopes and the keep-mask indexed by batch entry) gives the dense call's
+    gradients, here through the Triton varlen kernels (interpreter on CPU)."""
+    batch, seqlen_q, seqlen_k, nheads = 2, 37, 29, 2
+    q, k, v, dout = make_inputs(batch, seqlen_q, seqlen_k, nheads, 1, 16, 16, torch.float32)
+    params = AttentionParams(0.25, 20, 0, alibi_slopes=torch.rand(batch, nheads, device=DEVICE),
+                             sink=torch.randn(nheads, device=DEVICE), dropout_p=0.2,
+                             dropout_seed=77)
+    out, lse = triton_backend.forward(q, k, v, params)
+    dlse = torch.randn_like(lse)
+    dense = backward.attention_backward(dout, q, k, v, out, lse, params, dlse=dlse)
+    grads = [torch.empty_like(x) for x in (q, k, v)]
+    packed = backward._dense_as_varlen(dout, q, k, v, out, lse, params, *grads, None, dlse)
+    assert all(a is b for a, b in zip(packed[:3], grads, strict=False))
+    for name, a, b in zip(("dq", "dk", "dv", "dsink"), packed, dense, strict=True):
+        torch.testing.assert_close(a, b, msg=name)
+
+
+DENSE_ODD_CASES = [  # (dtype, head_dim, batch, seqlen_q, seqlen_k, nheads, nheads_k, features)
+    (torch.bfloat16, 128, 2, 1000, 777, 4, 2, dict(window_right=0)),
+    (torch.float16, 64, 2, 777, 1000, 4, 1, dict(window_left=100, window_right=30)),
+    (torch.bfloat16, 64, 3, 1, 63, 2, 2, dict()),
+    (torch.float16, 128, 2, 63, 1, 2, 2, dict(window_right=0)),  # rows without keys
+    (torch.bfloat16, 128, 2, 4000, 4000, 2, 1, dict(window_right=0, sink=True, alibi=True)),
+    (torch.float16, 64, 2, 300, 517, 4, 2, dict(softcap=3.0, sink=True)),
+    (torch.bfloat16, 128, 2, 517, 300, 4, 2, dict(window_right=0, dropout_p=0.17,
+                                                 dropout_seed=2**40 + 7)),
+    (torch.float16, 64, 2, 203, 203, 2, 2, dict(alibi=True, dropout_p=0.1, dropout_seed=99)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _on_hopper(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("case", DENSE_ODD_CASES, ids=str)
+def test_gpu_gluon_backward_dense_any_length_matches_oracle(case, monkeypatch):
+    """Dense lengths off every tile through the Gluon kernels (as varlen with equal lengths)
+    against the float64 oracle into NaN-poisoned buffers, every feature and GQA (ALiBi slopes
+    (batch = 2, nheads), _feature_params')."""
+    dtype, head_dim, batch, seqlen_q, seqlen_k, nheads, nheads_k, features = case
+    features = dict(features)
+    dropout = dict(dropout_p=features.pop("dropout_p", 0.0),
+                   dropout_seed=features.pop("dropout_seed", 0))
+    q, k, v, dout = make_inputs(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim,
+                                head_dim, dtype, "cuda")
+    params = dataclasses.replace(_feature_params(nheads, head_dim, False, **features), **dropout)
+    calls = _spy_gluon(monkeypatch)
+    if dropout["dropout_p"]:
+        _check_dropout(q, k, v, dout, params)
+    else:
+        _, _, grads = check_against_oracle(q, k, v, dout, params)
+        if params.sink is not None:
+            dsinks = []
+            for t in (torch.float64, dtype):
+                leaves = [x.detach().to(t).requires_grad_() for x in (q, k, v, params.sink)]
+                out, _ = attention_with_params(*leaves[:3],
+                                               dataclasses.replace(params, sink=leaves[3]))
+                dsinks.append(torch.autograd.grad(out, leaves[3], dout.to(t))[0])
+            assert_close_to_oracle("dsink", grads[3], *dsinks)
+    assert calls == ["attention_backward_dkdv", "attention_backward_dq"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _on_hopper(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gpu_gluon_backward_dense_next_batch_entry_does_not_leak(head_dim, monkeypatch):
+    """Dense at odd lengths: entry 0's last tiles read entry 1's first rows. With NaN/inf in
+    entry 1's q, k, v and dout, entries 0 and 2 still equal the oracle on their finite data."""
+    q, k, v, dout = make_inputs(3, 203, 300, 4, 2, head_dim, head_dim, torch.bfloat16, "cuda")
+    for x in (q, k, v, dout):
+        non_finite_(x[1])
+    params = AttentionParams(head_dim ** -0.5, None, 0, softcap=4.0)
+    grads = _gluon_grads(q, k, v, dout, params, monkeypatch)
+    finite = [0, 2]
+    results = []
+    for t in (torch.float64, q.dtype):
+        leaves = [x[finite].detach().to(t).requires_grad_() for x in (q, k, v)]
+        ref_out, _ = attention_with_params(*leaves, params)
+        results.append(torch.autograd.grad(ref_out, leaves, dout[finite].to(t)))
+    for name, got, want, base in zip(("dq", "dk", "dv"), grads, *results, strict=True):
+        assert_close_to_oracle(name, got[finite], want, base)

@@ -23,11 +23,14 @@ element in one program in a fixed order, so gradients are bitwise reproducible; 
 saving the dQ kernel's two recomputed matmuls (5 instead of 7) at the price of a run-to-run order.
 Transposed tiles carry a _t suffix: s_t is [BLOCK_N, BLOCK_M] = s^T.
 On sm_90 dK/dV and dQ run the Gluon kernels of backward_hopper.py instead (configs.GLUON_BACKWARD;
-every feature, varlen included, see backward_hopper.eligible); the preprocess, dsink (and on
-the atomic path the dQ conversion) here serve both.
+every feature, varlen included, see backward_hopper.eligible; dense calls whose lengths are
+not tile multiples run there as varlen with equal lengths, _dense_as_varlen); the preprocess,
+dsink (and on the atomic path the dQ conversion) here serve both.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import triton
@@ -460,6 +463,33 @@ def _bwd_dq_convert_kernel(DQAcc, DQ, stride_dqb, stride_dqs, stride_dqh, stride
                HEAD_DIM, True, HEAD_DIM != BLOCK_D)
 
 
+def _dense_as_varlen(dout, q, k, v, out, lse, params: AttentionParams, dq, dk, dv, tiles,
+                     dlse):
+    """A dense call whose lengths are not tile multiples (backward_hopper.dense_as_varlen) as
+    varlen with equal lengths, which the Gluon kernels take at any length: tokens as (batch *
+    seqlen, heads, d) views (dq, dk, dv written through theirs), lse and dlse as (nheads,
+    batch * seqlen_q) copies. Sequence b is batch entry b: ALiBi's (batch, nheads) slopes and
+    the dropout keep-mask, indexed (sequence, head, i, j), mean what they did dense."""
+    batch, seqlen_q, nheads = q.shape[:3]
+    seqlen_k = k.shape[1]
+    starts = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
+    packed = dataclasses.replace(params, cu_seqlens_q=starts * seqlen_q,
+                                 cu_seqlens_k=starts * seqlen_k, max_seqlen_q=seqlen_q,
+                                 max_seqlen_k=seqlen_k)
+
+    def tokens(x):  # (batch, seqlen, heads, d) -> (batch * seqlen, heads, d)
+        return x.reshape(-1, *x.shape[2:])
+
+    def rows(x):  # (batch, nheads, seqlen_q) -> (nheads, batch * seqlen_q)
+        return x.transpose(0, 1).reshape(nheads, -1)
+
+    dsink = attention_backward(tokens(dout), tokens(q), tokens(k), tokens(v), tokens(out),
+                               rows(lse), packed, dq.view(-1, *dq.shape[2:]),
+                               dk.view(-1, *dk.shape[2:]), dv.view(-1, *dv.shape[2:]),
+                               tiles=tiles, dlse=None if dlse is None else rows(dlse))[3]
+    return dq, dk, dv, dsink
+
+
 def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        out: torch.Tensor, lse: torch.Tensor, params: AttentionParams,
                        dq: torch.Tensor | None = None, dk: torch.Tensor | None = None,
@@ -486,6 +516,8 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     dq = torch.empty_like(q) if dq is None else dq
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
+    if backward_hopper.dense_as_varlen(q, k, v, dout, lse, params, dq, dk, dv, tiles):
+        return _dense_as_varlen(dout, q, k, v, out, lse, params, dq, dk, dv, tiles, dlse)
     hopper = backward_hopper.eligible(q, k, v, dout, lse, params, dq, dk, dv, tiles)
     delta = torch.empty(lse.shape, dtype=torch.float32, device=q.device)  # laid out like lse
     window_left, window_right, has_left, has_right = window_args(params)

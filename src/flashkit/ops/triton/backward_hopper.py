@@ -50,7 +50,9 @@ The keep-mask is indexed (sequence, head, i, j) with i, j within the sequence, a
 
 Eligible (see `eligible`): what the Gluon forward takes (forward_hopper.gluon_supported: sm_90,
 fp16/bf16, head dim 64 or 128, q/k/v in the flash layout so (tokens, heads * d) is a plain 2-D
-view for TMA), dense with seqlen_q and seqlen_k multiples of every tile, or varlen.
+view for TMA), dense with seqlen_q and seqlen_k multiples of every tile, or varlen; a dense
+call at other lengths runs as varlen with equal lengths (dense_as_varlen), whose tails are
+NaN-safe: nothing the TMA tiles read past a batch entry's end reaches its gradients.
 """
 
 from __future__ import annotations
@@ -97,7 +99,7 @@ try:
 except ImportError:  # a Triton without Gluon: the Triton kernels do everything
     gluon = None
 if gluon is not None:  # the forward's K/V ring fill and keep-mask serve the dQ kernel as they are
-    from flashkit.ops.triton.forward_hopper import _dropout_keep, _issue_kv_load
+    from flashkit.ops.triton.forward_hopper import _dropout_keep, _issue_kv_load, _zero_key_tail
 
 
 
@@ -287,7 +289,10 @@ if gluon is not None:
         """Add query tile m (ring job `job`) to dK, dV (and dQ's accumulator); MASK applies the
         band predicate (common.visible), with VARLEN also to the query rows: those past seqlen_q
         are the next sequence's (TMA reads on), their P and dS columns must be exactly 0 (key rows
-        past seqlen_k need no mask: they only reach dK/dV rows that are never stored).
+        past seqlen_k need no mask: they only reach dK/dV rows that are never stored). Since
+        0 * NaN/inf is NaN, the tile that crosses the end also zeroes its Q and dO rows past it
+        in shared memory (forward_hopper._zero_key_tail: they feed dK += dS^T Q, dV += P^T dO
+        and dP^T) and its delta there, so rows of a neighbour holding NaN/inf weigh exactly 0.
         geo = (seqlen_q, seqlen_k, window_left, window_right,
         qk_scale, softcap_scale, dropout_scale); alibi_log2 is this query head's slope * log2(e)
         (ALIBI); drop = (seed_lo, seed_hi, threshold, batch, query head) of the keep-mask
@@ -304,10 +309,14 @@ if gluon is not None:
         col_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
 
         mbarrier.wait(q_bars.index(stage), phase)
+        if MASK and VARLEN:  # the tile that crosses the sequence's end: its Q rows past it
+            _zero_key_tail(q_buf, seqlen_q - start_m, BLOCK_M, HEAD_DIM)
         # [BLOCK_N, BLOCK_M] = [BLOCK_N, D] @ [D, BLOCK_M]
         s_tok = warpgroup_mma(k_smem, q_buf.permute((1, 0)), zero_st, use_acc=False,
                               is_async=True)
         mbarrier.wait(do_bars.index(stage), phase)
+        if MASK and VARLEN:  # and its dO rows
+            _zero_key_tail(do_buf, seqlen_q - start_m, BLOCK_M, HEAD_DIM)
         # [BLOCK_N, BLOCK_M] = [BLOCK_N, D] @ [D, BLOCK_M]
         dp_tok = warpgroup_mma(v_smem, do_buf.permute((1, 0)), zero_st, use_acc=False,
                                is_async=True)
@@ -345,6 +354,9 @@ if gluon is not None:
             p_t = gl.where(keep, p_t, 0.0)
         dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, ))
         delta = delta_smem.index(stage).load(col_layout)
+        if MASK and VARLEN:  # the next sequence's delta (maybe NaN/inf) would meet P = 0
+            delta = gl.where(start_m + gl.arange(0, BLOCK_M, layout=col_layout) < seqlen_q,
+                             delta, 0.0)
         if DROPOUT:
             kept_t = _unpack_keep_t(bits_t, start_n, BLOCK_M, BLOCK_N, st_layout, gl.num_warps())
             dp_t = gl.where(kept_t, dp_t * dropout_scale, 0.0)
@@ -571,30 +583,36 @@ if gluon is not None:
                           alibi_log2, drop, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                           NUM_STAGES: gl.constexpr, MASK: gl.constexpr, HAS_LEFT: gl.constexpr,
                           HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
-                          DROPOUT: gl.constexpr, s_layout: gl.constexpr,
-                          op_layout: gl.constexpr):
+                          DROPOUT: gl.constexpr, VARLEN: gl.constexpr,
+                          s_layout: gl.constexpr, op_layout: gl.constexpr):
         """Add key tile `tile` (keys key_lo + tile * BLOCK_N ..., at row key0 + tile * BLOCK_N
         of the 2-D view) to dQ (unscaled); MASK applies the band predicate. geo, alibi_log2 and
         drop as in _query_tile_step; the keep-mask is the forward's own (_dropout_keep, drawn in
-        this same score layout)."""
+        this same score layout). VARLEN: the (last) tile that crosses the sequence's keys zeroes
+        the next sequence's K and V rows it holds before the wgmmas read them (0 * NaN/inf in
+        dS K or in dP = dO V^T would be NaN; their P is masked to 0)."""
         seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale, dropout_scale = geo
         stage = tile % NUM_STAGES
         phase = (tile // NUM_STAGES) & 1
         k_buf = k_smem.index(stage)
         v_buf = v_smem.index(stage)
+        start_n = key_lo + tile * BLOCK_N
         zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
         mbarrier.wait(k_bars.index(stage), phase)
+        if MASK and VARLEN:  # never refilled: the crossing tile is the program's last
+            _zero_key_tail(k_buf, seqlen_k - start_n, BLOCK_N, k_buf.shape[1])
         # [BLOCK_M, BLOCK_N] = [BLOCK_M, D] @ [D, BLOCK_N]
         s_tok = warpgroup_mma(q_smem, k_buf.permute((1, 0)), zero_s, use_acc=False,
                               is_async=True)
         mbarrier.wait(v_bars.index(stage), phase)
+        if MASK and VARLEN:
+            _zero_key_tail(v_buf, seqlen_k - start_n, BLOCK_N, v_buf.shape[1])
         # [BLOCK_M, BLOCK_N] = [BLOCK_M, D] @ [D, BLOCK_N]
         dp_tok = warpgroup_mma(do_smem, v_buf.permute((1, 0)), zero_s, use_acc=False,
                                is_async=True)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
         s, dcap = _scores_and_softcap_grad(s, qk_scale, softcap_scale, SOFTCAP)
         i = gl.expand_dims(start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout)), 1)
-        start_n = key_lo + tile * BLOCK_N
         j = gl.expand_dims(start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)), 0)
         if ALIBI:
             s = s - alibi_bias(i, j, seqlen_q, seqlen_k, alibi_log2)
@@ -715,13 +733,13 @@ if gluon is not None:
                                        k_desc, v_desc, lse2, delta, n_tiles, key0, kv_col,
                                        start_m, lo, geo, alibi_log2, drop, BLOCK_M, BLOCK_N,
                                        NUM_STAGES, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI,
-                                       DROPOUT, s_layout, op_layout)
+                                       DROPOUT, VARLEN, s_layout, op_layout)
         for tile in range(t_mid_lo, t_mid_hi):
             dq = _key_tile_dq_step(dq, tile, q_smem, do_smem, k_smem, v_smem, k_bars, v_bars,
                                    k_desc, v_desc, lse2, delta, n_tiles, key0, kv_col, start_m,
                                    lo, geo, alibi_log2, drop, BLOCK_M, BLOCK_N, NUM_STAGES, False,
-                                   HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, s_layout,
-                                   op_layout)
+                                   HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, VARLEN,
+                                   s_layout, op_layout)
         if HAS_RIGHT or VARLEN:  # masked: the diagonal (causal), the window's right edge or
             # the last key tile of a sequence
             for tile in range(t_mid_hi, n_tiles):
@@ -729,7 +747,7 @@ if gluon is not None:
                                        k_desc, v_desc, lse2, delta, n_tiles, key0, kv_col,
                                        start_m, lo, geo, alibi_log2, drop, BLOCK_M, BLOCK_N,
                                        NUM_STAGES, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI,
-                                       DROPOUT, s_layout, op_layout)
+                                       DROPOUT, VARLEN, s_layout, op_layout)
 
         mbarrier.invalidate(q_bar)
         for i in gl.static_range(NUM_STAGES):
@@ -770,19 +788,36 @@ HOPPER_BACKWARD_DQ = {
 }
 
 
-def eligible(q, k, v, dout, lse, params: AttentionParams, dq, dk, dv, tiles) -> bool:
-    """Whether the Gluon kernels compute this call's gradients (else backward.py's do): what
-    the Gluon forward takes (forward_hopper.gluon_supported), dense with both sequence lengths
-    multiples of every tile, or varlen with any lengths (at least one token each side)."""
-    if (not GLUON_BACKWARD or set(tiles or {}) - {"hopper", "hopper_dq"}
-            or not gluon_supported(q, k, v, params, varlen=True)):
-        return False
-    if not params.is_varlen:
-        tile = max(*HOPPER_BACKWARD[q.shape[-1]][:2], *HOPPER_BACKWARD_DQ[q.shape[-1]][:2])
-        if q.shape[1] % tile or k.shape[1] % tile:
-            return False
-    return (dout.dtype == q.dtype and flash_layout_2d(dout) and flash_layout_2d(lse)
+def _takes(q, k, v, dout, lse, params: AttentionParams, dq, dk, dv, tiles) -> bool:
+    """What the Gluon kernels need whatever the lengths: what the Gluon forward takes
+    (forward_hopper.gluon_supported, varlen included), no Triton tile override, dout like q."""
+    return (GLUON_BACKWARD and not set(tiles or {}) - {"hopper", "hopper_dq"}
+            and gluon_supported(q, k, v, params, varlen=True) and dout.dtype == q.dtype
+            and flash_layout_2d(dout) and flash_layout_2d(lse)
             and all(x.stride(-1) == 1 for x in (dq, dk, dv)))
+
+
+def _whole_tiles(q, k) -> bool:
+    """Dense seqlen_q and seqlen_k are multiples of every tile of both kernels."""
+    tile = max(*HOPPER_BACKWARD[q.shape[-1]][:2], *HOPPER_BACKWARD_DQ[q.shape[-1]][:2])
+    return q.shape[1] % tile == 0 and k.shape[1] % tile == 0
+
+
+def eligible(q, k, v, dout, lse, params: AttentionParams, dq, dk, dv, tiles) -> bool:
+    """Whether the Gluon kernels compute this call's gradients as it is (else dense_as_varlen
+    or backward.py's kernels): dense with both sequence lengths multiples of every tile, or
+    varlen with any lengths (at least one token each side)."""
+    return (_takes(q, k, v, dout, lse, params, dq, dk, dv, tiles)
+            and (params.is_varlen or _whole_tiles(q, k)))
+
+
+def dense_as_varlen(q, k, v, dout, lse, params: AttentionParams, dq, dk, dv, tiles) -> bool:
+    """Whether a dense call with lengths off the tiles runs through the Gluon kernels as varlen
+    with equal lengths (backward.py's _dense_as_varlen; its VARLEN tails mask and zero what the
+    tiles read of the next batch entry): dq, dk, dv must then be contiguous too (their
+    (batch * seqlen, heads, d) views are written)."""
+    return (not params.is_varlen and _takes(q, k, v, dout, lse, params, dq, dk, dv, tiles)
+            and not _whole_tiles(q, k) and all(x.is_contiguous() for x in (dq, dk, dv)))
 
 
 def _launch_args(q, params: AttentionParams, lse) -> tuple:
