@@ -516,7 +516,9 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     dq = torch.empty_like(q) if dq is None else dq
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
-    if backward_hopper.dense_as_varlen(q, k, v, dout, lse, params, dq, dk, dv, tiles):
+    # (varlen never takes atomics: a call that asks for them keeps backward.py's kernels)
+    if not atomic_dq and backward_hopper.dense_as_varlen(q, k, v, dout, lse, params, dq, dk,
+                                                         dv, tiles):
         return _dense_as_varlen(dout, q, k, v, out, lse, params, dq, dk, dv, tiles, dlse)
     hopper = backward_hopper.eligible(q, k, v, dout, lse, params, dq, dk, dv, tiles)
     delta = torch.empty(lse.shape, dtype=torch.float32, device=q.device)  # laid out like lse
