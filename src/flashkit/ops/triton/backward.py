@@ -480,8 +480,9 @@ def _dense_as_varlen(dout, q, k, v, out, lse, params: AttentionParams, dq, dk, d
     def tokens(x):  # (batch, seqlen, heads, d) -> (batch * seqlen, heads, d)
         return x.reshape(-1, *x.shape[2:])
 
-    def rows(x):  # (batch, nheads, seqlen_q) -> (nheads, batch * seqlen_q)
-        return x.transpose(0, 1).reshape(nheads, -1)
+    def rows(x):  # (batch, nheads, seqlen_q) -> (nheads, batch * seqlen_q), contiguous (at
+        # seqlen_q 1 a reshape would return a strided view, which the Gluon kernels refuse)
+        return x.transpose(0, 1).contiguous().view(nheads, -1)
 
     dsink = attention_backward(tokens(dout), tokens(q), tokens(k), tokens(v), tokens(out),
                                rows(lse), packed, dq.view(-1, *dq.shape[2:]),
