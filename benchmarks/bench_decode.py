@@ -487,16 +487,19 @@ def profile_api() -> str:
     return text.getvalue()
 
 
-def host_ms(call, calls: int = 200) -> float:
+def host_ms(call, calls: int = 200, drain: bool = False) -> float:
     """CPU wall-clock ms per call of `calls` back-to-back calls (no sync inside the loop, the
     GPU drained before): what a decoding loop's host thread pays per call. The appends of
-    the timed calls land on the same slots each time (cache_seqlens is fixed)."""
+    the timed calls land on the same slots each time (cache_seqlens is fixed). drain: the
+    clock stops after the GPU drained too, i.e. the larger of host and GPU time per step."""
     for _ in range(10):
         call()
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(calls):
         call()
+    if drain:
+        torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     torch.cuda.synchronize()
     return 1e3 * elapsed / calls
@@ -691,14 +694,7 @@ def captured(fn):
 def loop_ms(call, calls: int = 300) -> float:
     """Wall-clock ms per call of back-to-back calls, the GPU drained before and after: the
     larger of host and GPU time per step."""
-    for _ in range(10):
-        call()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        call()
-    torch.cuda.synchronize()
-    return 1e3 * (time.perf_counter() - start) / calls
+    return host_ms(call, calls, drain=True)
 
 
 # --- tile sweep ---------------------------------------------------------------------------------
