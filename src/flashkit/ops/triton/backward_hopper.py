@@ -524,37 +524,23 @@ if gluon is not None:
             dq_base = (dq_acc_desc, (off_b * nheads + off_h) * seqlen_q)  # its first row
             alibi_log2 = load_alibi_log2(Alibi, off_b, off_h, stride_ab, stride_ah, ALIBI)
             drop = (seed_lo, seed_hi, dropout_threshold, off_b, off_h)
-            if HAS_RIGHT or VARLEN:  # masked: rows that see only part of the block (right side)
-                for m in range(m_first, m_mid_lo):
-                    dk, dv = _query_tile_step(
-                        dk, dv, job, m, dq_base, k_smem, v_smem, q_smem, do_smem, lse_smem,
-                        delta_smem, ds_smem, q_bars, do_bars, q_desc, do_desc, lse_desc,
-                        delta_desc, n_jobs, jobs_per_head, m_first, q_row, q_col, lse_row,
-                        stride_lh, start_n, geo, alibi_log2, drop, HEAD_DIM, BLOCK_M, BLOCK_N,
-                        NUM_STAGES, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, VARLEN,
-                        ATOMIC_DQ, DQ_CHUNK,
-                        st_layout, kv_layout, dq_layout, op_layout)
-                    job += 1
-            for m in range(m_mid_lo, m_mid_hi):
-                dk, dv = _query_tile_step(
-                    dk, dv, job, m, dq_base, k_smem, v_smem, q_smem, do_smem, lse_smem,
-                    delta_smem, ds_smem, q_bars, do_bars, q_desc, do_desc, lse_desc, delta_desc,
-                    n_jobs, jobs_per_head, m_first, q_row, q_col, lse_row, stride_lh, start_n,
-                    geo, alibi_log2, drop, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, False,
-                    HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, VARLEN, ATOMIC_DQ, DQ_CHUNK,
-                    st_layout, kv_layout, dq_layout, op_layout)
-                job += 1
-            if HAS_LEFT or VARLEN:  # masked: the window's left edge, varlen's last query tile
-                for m in range(m_mid_hi, m_end):
-                    dk, dv = _query_tile_step(
-                        dk, dv, job, m, dq_base, k_smem, v_smem, q_smem, do_smem, lse_smem,
-                        delta_smem, ds_smem, q_bars, do_bars, q_desc, do_desc, lse_desc,
-                        delta_desc, n_jobs, jobs_per_head, m_first, q_row, q_col, lse_row,
-                        stride_lh, start_n, geo, alibi_log2, drop, HEAD_DIM, BLOCK_M, BLOCK_N,
-                        NUM_STAGES, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, VARLEN,
-                        ATOMIC_DQ, DQ_CHUNK,
-                        st_layout, kv_layout, dq_layout, op_layout)
-                    job += 1
+            # Masked rows that see part of the block on its right side (HAS_RIGHT), the rows
+            # that see all of it, masked rows of the window's left edge and varlen's last
+            # query tile (HAS_LEFT); a masked segment is compiled only where it can exist.
+            bounds = (m_first, m_mid_lo, m_mid_hi, m_end)
+            for segment in gl.static_range(3):
+                if (segment == 1 or (segment == 0 and (HAS_RIGHT or VARLEN))
+                        or (segment == 2 and (HAS_LEFT or VARLEN))):
+                    for m in range(bounds[segment], bounds[segment + 1]):
+                        dk, dv = _query_tile_step(
+                            dk, dv, job, m, dq_base, k_smem, v_smem, q_smem, do_smem, lse_smem,
+                            delta_smem, ds_smem, q_bars, do_bars, q_desc, do_desc, lse_desc,
+                            delta_desc, n_jobs, jobs_per_head, m_first, q_row, q_col, lse_row,
+                            stride_lh, start_n, geo, alibi_log2, drop, HEAD_DIM, BLOCK_M,
+                            BLOCK_N, NUM_STAGES, segment != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+                            ALIBI, DROPOUT, VARLEN, ATOMIC_DQ, DQ_CHUNK, st_layout, kv_layout,
+                            dq_layout, op_layout)
+                        job += 1
 
         if ATOMIC_DQ:  # the last reduce-adds read shared memory until here
             tma.store_wait(0)
@@ -727,27 +713,20 @@ if gluon is not None:
         mbarrier.wait(q_bar, 0)
 
         alibi_log2 = load_alibi_log2(Alibi, off_b, off_h, stride_ab, stride_ah, ALIBI)
-        if HAS_LEFT:  # masked: the window's left edge
-            for tile in range(0, t_mid_lo):
-                dq = _key_tile_dq_step(dq, tile, q_smem, do_smem, k_smem, v_smem, k_bars, v_bars,
-                                       k_desc, v_desc, lse2, delta, n_tiles, key0, kv_col,
-                                       start_m, lo, geo, alibi_log2, drop, BLOCK_M, BLOCK_N,
-                                       NUM_STAGES, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI,
-                                       DROPOUT, VARLEN, s_layout, op_layout)
-        for tile in range(t_mid_lo, t_mid_hi):
-            dq = _key_tile_dq_step(dq, tile, q_smem, do_smem, k_smem, v_smem, k_bars, v_bars,
-                                   k_desc, v_desc, lse2, delta, n_tiles, key0, kv_col, start_m,
-                                   lo, geo, alibi_log2, drop, BLOCK_M, BLOCK_N, NUM_STAGES, False,
-                                   HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, VARLEN,
-                                   s_layout, op_layout)
-        if HAS_RIGHT or VARLEN:  # masked: the diagonal (causal), the window's right edge or
-            # the last key tile of a sequence
-            for tile in range(t_mid_hi, n_tiles):
-                dq = _key_tile_dq_step(dq, tile, q_smem, do_smem, k_smem, v_smem, k_bars, v_bars,
-                                       k_desc, v_desc, lse2, delta, n_tiles, key0, kv_col,
-                                       start_m, lo, geo, alibi_log2, drop, BLOCK_M, BLOCK_N,
-                                       NUM_STAGES, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI,
-                                       DROPOUT, VARLEN, s_layout, op_layout)
+        # Masked tiles of the window's left edge (HAS_LEFT), the fully visible ones, masked
+        # tiles of the diagonal (causal), the window's right edge or a sequence's last key
+        # tile (HAS_RIGHT, VARLEN); a masked segment is compiled only where it can exist.
+        bounds = (0, t_mid_lo, t_mid_hi, n_tiles)
+        for segment in gl.static_range(3):
+            if (segment == 1 or (segment == 0 and HAS_LEFT)
+                    or (segment == 2 and (HAS_RIGHT or VARLEN))):
+                for tile in range(bounds[segment], bounds[segment + 1]):
+                    dq = _key_tile_dq_step(dq, tile, q_smem, do_smem, k_smem, v_smem, k_bars,
+                                           v_bars, k_desc, v_desc, lse2, delta, n_tiles, key0,
+                                           kv_col, start_m, lo, geo, alibi_log2, drop, BLOCK_M,
+                                           BLOCK_N, NUM_STAGES, segment != 1, HAS_LEFT,
+                                           HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, VARLEN, s_layout,
+                                           op_layout)
 
         mbarrier.invalidate(q_bar)
         for i in gl.static_range(NUM_STAGES):
