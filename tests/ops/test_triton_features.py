@@ -106,7 +106,7 @@ def test_dropout_varlen_matches_oracle(dtype):
 
 
 def philox_draws(seed, batch, nheads, seqlen_q, seqlen_k):
-    """The documented draw of every (b, h, i, j) by an independent numpy Philox4x32-10:
+    """The documented draw of every (b, h, i, j) by an independent numpy Philox4x32-7:
     key = seed, counter (g, i, h, b); column j takes call g = 8 (j // 128) + j % 8 and byte
     c = (j % 128) // 8 of it, bits 8 (c % 4) .. + 7 of word c // 4."""
     mask32 = np.uint64(0xFFFFFFFF)
@@ -115,7 +115,7 @@ def philox_draws(seed, batch, nheads, seqlen_q, seqlen_k):
                              np.arange(calls), indexing="ij")
     c = [x.astype(np.uint64) for x in (g, i, h, b)]
     k0, k1 = np.uint64(seed & 0xFFFFFFFF), np.uint64(seed >> 32)
-    for _ in range(10):
+    for _ in range(7):
         p0, p1 = np.uint64(0xD2511F53) * c[0], np.uint64(0xCD9E8D57) * c[2]
         c = [(p1 >> np.uint64(32)) ^ c[1] ^ k0, p1 & mask32, (p0 >> np.uint64(32)) ^ c[3] ^ k1,
              p0 & mask32]

@@ -6,18 +6,22 @@ helper `dropout_keep` and agree bit for bit, whatever their tiles. Its core (phi
 byte_keep, packed_keep) takes index tensors the caller built, so the Gluon kernels
 (forward_hopper, backward_hopper) draw through the same functions in their own layouts.
 
-Philox4x32-10 (tl.philox): key = the call's 64-bit seed (params.dropout_seed < 2**62), counter =
-(g, i, head, batch), four 32-bit words, so no index is ever folded into one overflowing offset
-(batch * heads * seqlen_q * seqlen_k passes 2**32 at real sizes). One call yields 16 bytes, one
-8-bit draw each (flash-attn's width), for 16 columns of row i: the columns are cut into chunks
-of 128, and column j takes call g = 8 * (j // 128) + j % 8 and byte c = (j % 128) // 8 of it,
-i.e. bits 8 (c % 4) .. 8 (c % 4) + 7 of word c // 4. Why this order: in the accumulator layout
-of a tensor-core score tile a thread holds, per row, the column pairs 2t, 2t + 1 of every 8, so
-the thread that owns an element also owns all 16 of its call's draws (tiles of >= 128 columns):
-the draws land where the scores are, with no shuffle through shared memory and no call
-computed twice. Element (i, j) is kept iff its draw >= threshold = round(p * 256): dropout_p is
-quantized to a multiple of 1/256 (as flash-attn's uint8 compare) while the kept values are
-still scaled by 1 / (1 - p); p < 1/512 keeps everything.
+Philox4x32-7 (tl.philox with n_rounds = PHILOX_ROUNDS = 7, flash-attn's philox.cuh count;
+Salmon et al., SC'11, report that Philox4x32-7 passes BigCrush, tl.philox's default of 10 being
+their safety margin; going from 10 to 7 changed the mask of every seed, which stays a pure
+function of (seed, b, h, i, j) that every kernel and keep_mask draw alike): key = the call's
+64-bit seed (params.dropout_seed < 2**62), counter = (g, i, head, batch), four 32-bit words, so
+no index is ever folded into one overflowing offset (batch * heads * seqlen_q * seqlen_k passes
+2**32 at real sizes). One call yields 16 bytes, one 8-bit draw each (flash-attn's width), for 16
+columns of row i: the columns are cut into chunks of 128, and column j takes call g = 8 * (j //
+128) + j % 8 and byte c = (j % 128) // 8 of it, i.e. bits 8 (c % 4) .. 8 (c % 4) + 7 of word
+c // 4. Why this order: in the accumulator layout of a tensor-core score tile a thread holds,
+per row, the column pairs 2t, 2t + 1 of every 8, so the thread that owns an element also owns
+all 16 of its call's draws (tiles of >= 128 columns): the draws land where the scores are, with
+no shuffle through shared memory and no call computed twice. Element (i, j) is kept iff its
+draw >= threshold = round(p * 256): dropout_p is quantized to a multiple of 1/256 (as
+flash-attn's uint8 compare) while the kept values are still scaled by 1 / (1 - p); p < 1/512
+keeps everything.
 The tiled backend uses its own hash (ops/tiled/dropout.py): the two backends drop different
 elements for the same seed.
 """
@@ -31,6 +35,7 @@ import triton
 import triton.language as tl
 
 DRAW_BITS = 8  # bits of one uniform draw: sixteen draws per Philox call
+PHILOX_ROUNDS = tl.constexpr(7)  # rounds per Philox4x32 call (see the module docstring)
 CHUNK = 128  # columns whose draws come from one row's eight Philox calls
 
 
@@ -55,7 +60,8 @@ def philox_calls(seed_lo, seed_hi, off_b, off_h, rows, calls):
     Gluon in its own), so every kernel generation draws through this one function."""
     seed = (seed_hi.to(tl.uint64) << 32) | seed_lo.to(tl.uint32, bitcast=True).to(tl.uint64)
     zero = calls * 0
-    return tl.philox(seed, calls, rows, zero + off_h.to(tl.uint32), zero + off_b.to(tl.uint32))
+    return tl.philox(seed, calls, rows, zero + off_h.to(tl.uint32), zero + off_b.to(tl.uint32),
+                     n_rounds=PHILOX_ROUNDS)
 
 
 @triton.jit
