@@ -638,16 +638,20 @@ def paged_copy(cache, table, page_size):
 
 GRAPH_CELLS = [(b, L, hk, page) for hk in (4, 32) for b in (1, 4) for L in (1024, 4096, 16384)
                for page in (None, 256)]
+# --graph-cells small: the launch-bound cells of issue 5 (b1 1k/16k and b8 16k, GQA 8:1 and 1:1)
+SMALL_GRAPH_CELLS = [(1, 1024, 4, None), (1, 16384, 4, None), (1, 1024, 32, None),
+                     (1, 16384, 32, None), (8, 16384, 4, None), (8, 16384, 32, None),
+                     (1, 16384, 4, 256)]
 
 
-def run_graph_steps(copy_bw: float, quick: bool) -> list[dict]:
+def run_graph_steps(copy_bw: float, quick: bool, small: bool = False) -> list[dict]:
     """The public call as one decoding step (append one token with rotary at cache_seqlens = L - 1,
     attend causally over L keys, auto splits): per-step time of back-to-back eager calls and of
     back-to-back replays of the captured step (wall clock, what a decoding loop sees), the
     captured step's GPU time, and cuDNN SDPA on the same attention (no append) eager and
     replayed; bandwidth = K+V bytes / time as % of the copy."""
     rows = []
-    cells = GRAPH_CELLS[::3] if quick else GRAPH_CELLS
+    cells = SMALL_GRAPH_CELLS if small else GRAPH_CELLS[::3] if quick else GRAPH_CELLS
     for batch, seqlen_k, nheads_k, page_size in cells:
         k_cache, v_cache, table = make_cache(batch, seqlen_k, nheads_k, page_size)
         q = torch.randn(batch, 1, NHEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
@@ -662,6 +666,7 @@ def run_graph_steps(copy_bw: float, quick: bool) -> list[dict]:
         row = {"batch": batch, "seqlen_k": seqlen_k, "nheads_k": nheads_k,
                "page_size": page_size, "kv_bytes": kv_bytes,
                "auto_splits": auto_splits(batch, seqlen_k, nheads_k, page_size),
+               "nodes": graph_nodes(step), "eager_kernels": eager_kernels(step),
                "eager_loop_ms": loop_ms(step), "graph_loop_ms": loop_ms(captured(step)),
                "graph_gpu_ms": bench_graph(step)}
         if page_size is None:
@@ -669,6 +674,7 @@ def run_graph_steps(copy_bw: float, quick: bool) -> list[dict]:
             row["cudnn_eager_loop_ms"] = loop_ms(fn)
             row["cudnn_graph_loop_ms"] = loop_ms(captured(fn))
             row["cudnn_graph_gpu_ms"] = bench_graph(fn)
+            row["cudnn_nodes"] = graph_nodes(fn)
         for key in [k for k in row if k.endswith("_ms")]:
             row[key.replace("_ms", "_pct_copy")] = 100 * kv_bytes / (row[key] * 1e-3) / copy_bw
         rows.append(row)
@@ -689,6 +695,40 @@ def captured(fn):
     with torch.cuda.graph(graph):
         fn()
     return graph.replay
+
+
+def graph_nodes(fn) -> dict:
+    """Node types of fn captured in a CUDA graph, from the graph's DOT dump (e.g. {"KERNEL": 3});
+    "total": all nodes."""
+    import re
+    import tempfile
+
+    fn()  # compiled and warm before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    graph.enable_debug_mode()
+    with torch.cuda.graph(graph):
+        fn()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "graph.dot")
+        graph.debug_dump(path)
+        with open(path) as f:
+            dot = f.read()
+    kinds = re.findall(r'label="\{\s*([A-Z_]+)', dot)
+    counts = {kind: kinds.count(kind) for kind in sorted(set(kinds))}
+    return {**counts, "total": len(kinds)}
+
+
+def eager_kernels(fn) -> list[str]:
+    """Names of the GPU activities (kernels, memsets, copies) of one eager call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
 def loop_ms(call, calls: int = 300) -> float:
@@ -733,6 +773,8 @@ def main():
                              "and the copy bandwidth always run)")
     parser.add_argument("--no-fa2", action="store_true", help="skip SDPA's FLASH backend")
     parser.add_argument("--before", help="a previous kvcache.py to time in the api stage")
+    parser.add_argument("--graph-cells", choices=["grid", "small"], default="grid",
+                        help="graph stage: the b1/b4 grid, or issue 5's launch-bound cells")
     args = parser.parse_args()
     stages = set(args.stages.split(","))
     if stages - set(STAGES):
@@ -784,7 +826,7 @@ def main():
     if "prefill" in stages:
         save("prefill", run_prefill(args.quick))
     if "graph" in stages:
-        save("graph", run_graph_steps(copy_bw, args.quick))
+        save("graph", run_graph_steps(copy_bw, args.quick, args.graph_cells == "small"))
     if "decode" in stages:
         save("decode", run_decode(copy_bw, args.quick, not args.no_fa2))
     print_summary(result)
@@ -817,6 +859,7 @@ def print_summary(result: dict) -> None:
               "eager_loop graph_loop graph_gpu | us per step eager graph")
     for r in result.get("graph", []):
         print(r["batch"], r["seqlen_k"], r["nheads_k"], r["page_size"] or "-", r["auto_splits"],
+              "nodes", r.get("nodes", {}).get("total"),
               "|", *(pct(r, f"{k}_pct_copy") for k in ("eager_loop", "graph_loop", "graph_gpu")),
               "|", *(pct(r, f"cudnn_{k}_pct_copy") for k in
                      ("eager_loop", "graph_loop", "graph_gpu")),

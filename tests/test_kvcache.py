@@ -487,11 +487,15 @@ def test_triton_writes_every_output_element():
         assert not out.isnan().any() and not lse.isnan().any()
 
 
-# The checks of the Triton append kernel (CUDA calls check index values there, without a sync,
-# and assert its flag on the device; see flashkit.kvcache). Same cases as test_errors'.
+# The checks of the Triton append kernel (CUDA calls check index values there, without a sync:
+# a bad one fails a device-side assertion, which the interpreter skips; the kernel also marks
+# the sequence's seqlens_k -1, checked here). Same cases as test_errors', plus an int
+# cache_seqlens (passed to the kernel as a scalar).
 APPEND_CHECKS = {
     "valid": {},
     "unused_table_entries_padding": {"table": {(0, 1): -1}},
+    "int_seqlens": {"seqlens": 5},
+    "int_seqlens_beyond_after_append": {"seqlens": 32},
     "seqlens_beyond_after_append": {"seqlens": [3, 32]},
     "seqlens_negative": {"seqlens": [-1, 2]},
     "leftpad_beyond_seqlens": {"leftpad": [4, 0]},
@@ -518,19 +522,29 @@ def test_append_kernel_flags_bad_indices_and_writes_nothing_out_of_bounds(case):
     kc_before, vc_before = kc.clone(), vc.clone()
     seqlens, rows, leftpad = (as_i32(key, default) for key, default in
                               (("seqlens", [3, 5]), ("batch_idx", [2, 0]), ("leftpad", [0, 0])))
-    _, seqlens_k, ok = append.append(
-        q, kc, vc, k, v, angles.cos(), angles.sin(), seqlens, None if paged else rows,
+    passed = int(seqlens) if seqlens.dim() == 0 else seqlens  # an int: the kernel's scalar
+    seqlens = seqlens.expand(2)
+    _, seqlens_k = append.append(
+        q, kc, vc, k, v, angles.cos(), angles.sin(), passed, None if paged else rows,
         None if paged else leftpad, table, 1, False)
-    assert int(ok) == (case in ("valid", "unused_table_entries_padding")), case
-    if int(ok):
-        assert seqlens_k.tolist() == [4, 6]
-        return
+    # Sequence b is marked -1 iff one of its indices is bad.
+    ok = []
+    for b, n in enumerate(seqlens.tolist()):
+        row_ok = paged or 0 <= int(rows[b]) < kc.shape[0]
+        pages_ok = not paged or all(0 <= int(p) < kc.shape[0]
+                                    for p in table[b, :-(-max(n + 1, 0) // 16)])
+        ok.append(0 <= n < 32 and 0 <= int(leftpad[b]) <= n and row_ok and pages_ok
+                  and n - int(leftpad[b]) + 1 <= angles.shape[0])
+    assert seqlens_k.tolist() == [n + 1 if good else -1
+                                  for n, good in zip(seqlens.tolist(), ok, strict=True)], case
+    assert all(ok) == (case in ("valid", "unused_table_entries_padding", "int_seqlens")), case
     # A sequence whose scalars or written page are bad writes nothing; the others only their
     # new slot (a bad entry among the pages it only reads does not stop that in-bounds write).
     allowed = set()
     for b, n in enumerate(seqlens.tolist()):
         row = int(table[b, n // 16]) if paged and 0 <= n < 32 else int(rows[b])
-        if 0 <= n < 32 and 0 <= int(leftpad[b]) <= n and 0 <= row < kc.shape[0]:
+        if 0 <= n < 32 and 0 <= int(leftpad[b]) <= n and 0 <= row < kc.shape[0] \
+                and n - int(leftpad[b]) + 1 <= angles.shape[0]:
             allowed.add((row, n % 16 if paged else n))
     changed = (kc != kc_before).flatten(2).any(-1) | (vc != vc_before).flatten(2).any(-1)
     for row, slot in changed.nonzero().tolist():
@@ -675,6 +689,32 @@ def test_cuda_graph_replay_with_new_lengths_and_inputs(layout, num_splits):
         assert_close_to_oracle("lse", lse.cpu(), oracle_lse, base_lse)
         case.k_cache, case.v_cache = k_cache.cpu(), v_cache.cpu()
         case.check_append(k_before, v_before, k_rot64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout, num_splits, seqlens", [
+    ("contiguous", 1, "tensor"), ("contiguous", 4, "int"), ("paged256", 0, "tensor")])
+def test_decoding_step_launches_only_its_kernels_on_gpu(layout, num_splits, seqlens):
+    """An eager decoding step (append with rotary, attention) runs the append kernel, the decode
+    kernel and, with several splits, the merge kernel, and nothing else on the GPU (no fill, no
+    separate assertion): a captured step has as many graph nodes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    case = Case(batch=3, nheads=16, nheads_k=2, d=128, capacity=1024, seqlen_q=1, seqlen_new=1,
+                page_size=GPU_LAYOUTS[layout], rotary="neox", causal=True, dtype=torch.bfloat16,
+                seqlens=[500] * 3, num_splits=num_splits)
+    kw = {"cache_seqlens": 500} if seqlens == "int" else {}
+    case.call("triton", "cuda", **kw)  # compile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        case.call("triton", "cuda", **kw)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = [name for name in names if not name.startswith("Memcpy")]  # case.call's copies
+    expected = ["_append_kernel", "_decode_kernel"]
+    if num_splits != 1:  # auto picks several splits for 6 programs over 1024 keys
+        expected.append("_merge_kernel")
+    assert sorted(kernels) == expected, names
 
 
 PREFILL_CASES = {  # name: (mask, Case options, call options ("int": cache_seqlens as an int))

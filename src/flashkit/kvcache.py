@@ -11,17 +11,18 @@ rotary table's length) decide where the kernels read and write, so they are alwa
 - on the host, raising a ValueError that names the argument, when the tensors are on the CPU,
   for the torch and reference backends, and with sync_checks=True (one device sync);
 - otherwise (CUDA tensors, the Triton backend) on the device, without a sync: the Triton append
-  kernel (flashkit.ops.triton.append) checks every index before it writes and flags a bad one,
-  and torch._assert_async on that flag stops the stream before the attention kernels read. A
-  bad index then raises a device-side assertion error (at the next synchronising call, and it
-  ends the CUDA context), never an out-of-bounds read or write. Pass sync_checks=True to learn
-  which argument was wrong.
+  kernel (flashkit.ops.triton.append) checks every index before it writes, and a bad one fails
+  a device-side assertion in that kernel, which stops the stream before the attention kernels
+  read. A bad index then raises a device-side assertion error (at the next synchronising call,
+  and it ends the CUDA context), never an out-of-bounds read or write. Pass sync_checks=True to
+  learn which argument was wrong. An int cache_seqlens is checked on the host at once.
 
 On CUDA with the Triton backend a call does not synchronise and allocates only through the
 caching allocator, and auto num_splits depends on shapes alone (the cache capacity), so a decoding
 step can be captured in torch.cuda.graph and replayed with new values copied into the captured
 q, k, v and cache_seqlens tensors (an int cache_seqlens is frozen into the graph); tests/
-test_kvcache.py checks replays against eager calls and the oracle.
+test_kvcache.py checks replays against eager calls and the oracle. Such a step is the append
+kernel, the decode kernel and, with more than one split, the merge kernel: three graph nodes.
 """
 
 from __future__ import annotations
@@ -107,10 +108,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 
     capacity = _check_paging(block_table, k_cache, batch, device, cache_batch_idx,
                              cache_leftpad)
-    host_seqlen = cache_seqlens if isinstance(cache_seqlens, numbers.Integral) else None
     cache_batch_idx = _index_vector("cache_batch_idx", cache_batch_idx, batch, device)
     cache_leftpad = _index_vector("cache_leftpad", cache_leftpad, batch, device)
-    cache_seqlens = _cache_seqlens(cache_seqlens, batch, capacity, device)
+    host_seqlen = _host_seqlen(cache_seqlens, seqlen_new, capacity)
+    if host_seqlen is None:
+        cache_seqlens = _index_vector("cache_seqlens", cache_seqlens, batch, device)
     params = build_params(q, 0.0, softmax_scale, causal, window_size, softcap, alibi_slopes, False,
                      sink, batch=batch)
     num_splits = _num_splits(num_splits)
@@ -123,7 +125,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if rotary:
         _check_rotary(rotary_cos, rotary_sin, q, k)
     max_seqlen_k = capacity  # a bound for the split heuristic, as flash-attn's
-    if device.type == "cpu" or sync_checks or name != "triton":
+    host_checks = device.type == "cpu" or sync_checks or name != "triton"
+    if host_seqlen is not None and host_checks:  # the device path passes the int itself
+        cache_seqlens = torch.full((batch,), host_seqlen, dtype=torch.int32, device=device)
+    if host_checks:
         max_seqlen_k = _check_values(cache_seqlens, seqlen_new, capacity, cache_batch_idx,
                                      cache_leftpad, block_table, k_cache,
                                      rotary_cos.shape[0] if rotary else None, q_rows)
@@ -132,10 +137,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         from flashkit.ops.triton import append, decode
 
         decode.check_supported(q.dtype, params)
-        q, seqlens_k, ok = append.append(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
-                                         cache_seqlens, cache_batch_idx, cache_leftpad,
-                                         block_table, q_rows, rotary_interleaved)
-        torch._assert_async(ok, _DEVICE_CHECK_FAILED)
+        # A bad index fails a device-side assertion in the append kernel (module docstring).
+        q, seqlens_k = append.append(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
+                                     cache_seqlens, cache_batch_idx, cache_leftpad,
+                                     block_table, q_rows, rotary_interleaved)
         keys_bound = capacity if host_seqlen is None else host_seqlen + seqlen_new
         prefill = _gluon_prefill(q, k_cache, v_cache, seqlens_k, keys_bound, cache_batch_idx,
                                  cache_leftpad, block_table, params)
@@ -165,13 +170,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     out, lse = _run(name, q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad,
                     block_table, params, num_splits)
     return (out, lse) if return_softmax_lse else out
-
-
-# CUDA keeps at most 254 characters of an assertion message.
-_DEVICE_CHECK_FAILED = (
-    "flash_attn_with_kvcache: cache_seqlens, cache_leftpad, cache_batch_idx, block_table or "
-    "rotary_cos length out of range (device check; nothing written out of bounds); "
-    "sync_checks=True says which")
 
 
 # Prefill through the Gluon forward (sm_90) with seqused_k, from this many query rows and this
@@ -310,13 +308,18 @@ def _index_vector(name, t, batch, device):
     return t
 
 
-def _cache_seqlens(cache_seqlens, batch, capacity, device):
-    """cache_seqlens as an int32 (batch,) tensor; an int broadcasts, None means full."""
+def _host_seqlen(cache_seqlens, seqlen_new, capacity) -> int | None:
+    """An int cache_seqlens (None: the whole capacity), checked against the capacity here; None
+    for a tensor (checked where its values are read)."""
     if cache_seqlens is None:
-        cache_seqlens = capacity
-    if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
-        return torch.full((batch,), int(cache_seqlens), dtype=torch.int32, device=device)
-    return _index_vector("cache_seqlens", cache_seqlens, batch, device)
+        return capacity
+    if not isinstance(cache_seqlens, numbers.Integral) or isinstance(cache_seqlens, bool):
+        return None
+    n = int(cache_seqlens)
+    if not 0 <= n <= capacity - seqlen_new:
+        raise ValueError(f"cache_seqlens: {n} tokens and {seqlen_new} appended must fit the "
+                         f"cache's capacity of {capacity} slots per sequence (and be >= 0)")
+    return n
 
 
 def _check_values(cache_seqlens, seqlen_new, capacity, cache_batch_idx, cache_leftpad,

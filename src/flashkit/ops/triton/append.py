@@ -1,21 +1,25 @@
 """One Triton launch before the decode kernel: check the cache indices, rotate, append.
 
 flash_attn_with_kvcache on CUDA tensors runs this instead of ~40 small tensor ops and a host
-read of the index tensors (a device sync): a decoding loop pays one launch per call.
+read of the index tensors (a device sync): a decoding loop pays one launch per call, and the
+check needs no other graph node (no flag to fill beforehand, no torch._assert_async after).
 
 Notation as in decode.py, plus:
-    n_b          cache_seqlens[b]: filled slots of sequence b before the append
+    n_b          cache_seqlens[b]: filled slots of sequence b before the append (a tensor, or
+                 one int for every sequence: then no tensor is made for it)
     pos_b        n_b - leftpad_b: rotary position of its first new token (and of its query rows
                  [pos_b, pos_b + seqlen_q), or all at pos_b, see q_rows)
     program      (b, i): token i of the new keys (i < seqlen_new) is rotated and written; query
-                 row i (i < seqlen_q) is rotated into q_out; block-table entries
-                 [i * TABLE_CHUNK, (i + 1) * TABLE_CHUNK) of the pages sequence b uses are
-                 checked; program (b, 0) writes seqlens_k[b] = pos_b + seqlen_new
-    ok           int32 (1,), left at 1; a program that finds a bad index stores 0 there. Every
-                 program checks sequence b's scalars (0 <= n_b, n_b + seqlen_new <= capacity,
-                 0 <= leftpad_b <= n_b, the cache row in range, the rotary table long enough)
-                 and the page of the slot it writes before it writes, so no write leaves the
-                 cache; the caller asserts ok on the device before the decode kernel reads.
+                 row i (i < seqlen_q) is rotated into q_out; program (b, 0) also checks
+                 sequence b's indices and writes seqlens_k[b]
+    checks       sequence b's scalars (0 <= n_b, n_b + seqlen_new <= capacity, 0 <= leftpad_b <=
+                 n_b, the cache row in range, the rotary table long enough) and every
+                 block-table entry of the pages it uses. Program (b, 0) checks them all and, if
+                 one fails, stops the stream with a device-side assertion (compiled in with
+                 debug=True: kernels queued behind it never run, and the CUDA context ends) and
+                 writes seqlens_k[b] = -1 (the interpreter, which skips device assertions, leaves
+                 that mark for tests). Every program checks the scalars and the page of the slot
+                 it writes before it writes, so no write leaves the cache whatever the order.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import triton.language as tl
 
 from flashkit.ops.triton.configs import padded_head_dim
 
-TABLE_CHUNK = 1024  # block-table entries checked per program
+TABLE_CHUNK = 1024  # block-table entries checked per step of program (b, 0)
 ROW_ELEMENTS = 4096  # heads x BLOCK_D elements per rotation step (registers of 4 warps)
 
 
@@ -67,9 +71,11 @@ def _rotate_heads(Src, Dst, nheads, stride_sh, stride_sd, stride_dh, stride_dd, 
                  y.to(Dst.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+# Program (b, 0)'s device assertion needs debug=True; the overflow sanitiser that comes with it
+# is turned off at launch (sanitize_overflow=False): index arithmetic stays as compiled before.
+@triton.jit(debug=True)
 def _append_kernel(Q, QOut, K, V, KCache, VCache, Cos, Sin, CacheSeqlens, CacheBatchIdx, Leftpad,
-                   BlockTable, SeqlensK, Ok,
+                   BlockTable, SeqlensK,
                    stride_qb, stride_qs, stride_qh, stride_qd,
                    stride_ob, stride_os, stride_oh, stride_od,
                    stride_kb, stride_ks, stride_kh, stride_kd,
@@ -78,15 +84,16 @@ def _append_kernel(Q, QOut, K, V, KCache, VCache, Cos, Sin, CacheSeqlens, CacheB
                    stride_vcb, stride_vcs, stride_vch, stride_vcd,
                    stride_cs, stride_cd, stride_bt,
                    nheads, nheads_k, seqlen_q, seqlen_new, q_rows, capacity, cache_rows,
-                   table_width, seqlen_ro,
+                   table_width, seqlen_ro, seqlen_all,
                    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_DV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HK: tl.constexpr,
                    ROTARY_HALF: tl.constexpr, INTERLEAVED: tl.constexpr,
-                   PAGE_SIZE: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
-                   HAS_LEFTPAD: tl.constexpr, TABLE_CHUNK: tl.constexpr):
+                   PAGE_SIZE: tl.constexpr, SEQLENS_TENSOR: tl.constexpr,
+                   HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
+                   TABLE_CHUNK: tl.constexpr):
     off_b = tl.program_id(0)
     i = tl.program_id(1)
-    n = tl.load(CacheSeqlens + off_b)
+    n = tl.load(CacheSeqlens + off_b) if SEQLENS_TENSOR else seqlen_all
     pad = tl.load(Leftpad + off_b) if HAS_LEFTPAD else 0
     row = tl.load(CacheBatchIdx + off_b) if HAS_BATCH_IDX else off_b
     pos = n - pad
@@ -96,16 +103,21 @@ def _append_kernel(Q, QOut, K, V, KCache, VCache, Cos, Sin, CacheSeqlens, CacheB
         ok = ok & (row >= 0) & (row < cache_rows)
     if ROTARY_HALF > 0:
         ok = ok & (pos + tl.maximum(seqlen_new, q_rows) <= seqlen_ro)
-    if i == 0:
-        tl.store(SeqlensK + off_b, pos + seqlen_new)
     table_row = BlockTable + off_b.to(tl.int64) * stride_bt
-    if PAGE_SIZE > 0:  # this program's share of the entries the sequence uses
-        used = tl.cdiv(tl.minimum(tl.maximum(total, 0), table_width * PAGE_SIZE), PAGE_SIZE)
-        offs_p = i * TABLE_CHUNK + tl.arange(0, TABLE_CHUNK)
-        pages = tl.load(table_row + offs_p, mask=offs_p < used, other=0)
-        bad_pages = tl.sum(((pages < 0) | (pages >= cache_rows)).to(tl.int32), 0)
-        tl.store(Ok, 0, mask=bad_pages > 0)
-    tl.store(Ok, 0, mask=ok == 0)
+    if i == 0:
+        checked = ok
+        if PAGE_SIZE > 0:  # every entry of the pages the sequence uses
+            used = tl.cdiv(tl.minimum(tl.maximum(total, 0), table_width * PAGE_SIZE), PAGE_SIZE)
+            bad_pages = 0
+            for start in range(0, used, TABLE_CHUNK):
+                offs_p = start + tl.arange(0, TABLE_CHUNK)
+                pages = tl.load(table_row + offs_p, mask=offs_p < used, other=0)
+                bad_pages += tl.sum(((pages < 0) | (pages >= cache_rows)).to(tl.int32), 0)
+            checked = checked & (bad_pages == 0)
+        tl.device_assert(checked, "flash_attn_with_kvcache: cache_seqlens, cache_leftpad, "
+                         "cache_batch_idx, block_table or rotary_cos length out of range "
+                         "(nothing written out of bounds); sync_checks=True says which")
+        tl.store(SeqlensK + off_b, tl.where(checked, pos + seqlen_new, -1))
 
     if i < seqlen_new:  # new token i: rotate k into its cache slot, copy v
         slot = (n + i).to(tl.int64)
@@ -114,7 +126,6 @@ def _append_kernel(Q, QOut, K, V, KCache, VCache, Cos, Sin, CacheSeqlens, CacheB
         else:
             slot_row = tl.load(table_row + slot // PAGE_SIZE, mask=ok, other=0).to(tl.int64)
             ok = ok & (slot_row >= 0) & (slot_row < cache_rows)
-            tl.store(Ok, 0, mask=ok == 0)
             slot = slot % PAGE_SIZE
         k_src = K + off_b.to(tl.int64) * stride_kb + i * stride_ks
         k_dst = KCache + slot_row * stride_kcb + slot * stride_kcs
@@ -139,12 +150,13 @@ def _append_kernel(Q, QOut, K, V, KCache, VCache, Cos, Sin, CacheSeqlens, CacheB
 
 def append(q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, cache_batch_idx, cache_leftpad,
            block_table, q_rows: int, interleaved: bool):
-    """(q rotated or q itself, seqlens_k int32 (b,), ok int32 (1,)): checks, rotates q and the
-    new k (with cos/sin), appends k, v in place at cache_seqlens. Shapes are checked by the
-    caller; index values here (see the module docstring: ok is 0 when one is out of range).
+    """(q rotated or q itself, seqlens_k int32 (b,)): checks, rotates q and the new k (with
+    cos/sin), appends k, v in place at cache_seqlens. Shapes are checked by the caller; index
+    values here (see the module docstring: a bad one asserts on the device, and its sequence's
+    seqlens_k is -1).
 
-    cache_batch_idx / cache_leftpad may be None (rows 0..b-1, no padding); k, v may be None
-    (no append; then cos is None too)."""
+    cache_seqlens: an int32 (b,) tensor or an int; cache_batch_idx / cache_leftpad may be None
+    (rows 0..b-1, no padding); k, v may be None (no append; then cos is None too)."""
     batch, seqlen_q, nheads, head_dim = q.shape
     nheads_k, head_dim_v = k_cache.shape[2], v_cache.shape[3]
     seqlen_new = 0 if k is None else k.shape[1]
@@ -154,30 +166,31 @@ def append(q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, cache_batch_idx, 
     rotary_half = 0 if cos is None else cos.shape[1]
     q_out = q if cos is None else torch.empty_like(q)
     seqlens_k = torch.empty(batch, dtype=torch.int32, device=q.device)
-    ok = torch.ones(1, dtype=torch.int32, device=q.device)
     if k is None:  # strides of absent tensors: never read
         k, v = k_cache[:1, :0], v_cache[:1, :0]
-    dummy = cache_seqlens
+    seqlens_tensor = isinstance(cache_seqlens, torch.Tensor)
+    dummy = seqlens_k  # stands in for absent pointer arguments; never read
     block_d, block_dv = padded_head_dim(head_dim), padded_head_dim(head_dim_v)
-    programs = max(1, seqlen_new, seqlen_q if cos is not None else 0,
-                   triton.cdiv(table_width, TABLE_CHUNK))
+    programs = max(1, seqlen_new, seqlen_q if cos is not None else 0)
     _append_kernel[(batch, programs)](
         q, q_out, k, v, k_cache, v_cache, dummy if cos is None else cos,
-        dummy if sin is None else sin, cache_seqlens,
+        dummy if sin is None else sin, cache_seqlens if seqlens_tensor else dummy,
         dummy if cache_batch_idx is None else cache_batch_idx,
         dummy if cache_leftpad is None else cache_leftpad,
-        dummy if block_table is None else block_table, seqlens_k, ok,
+        dummy if block_table is None else block_table, seqlens_k,
         *q.stride(), *q_out.stride(), *k.stride(), *v.stride(), *k_cache.stride(),
         *v_cache.stride(), *((0, 0) if cos is None else cos.stride()),
         0 if block_table is None else block_table.stride(0),
         nheads, nheads_k, seqlen_q, seqlen_new, q_rows, capacity, k_cache.shape[0],
         table_width, 0 if cos is None else cos.shape[0],
+        0 if seqlens_tensor else int(cache_seqlens),
         HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
         BLOCK_H=_block_heads(nheads, block_d), BLOCK_HK=_block_heads(nheads_k, block_d),
         ROTARY_HALF=rotary_half, INTERLEAVED=interleaved, PAGE_SIZE=page_size,
-        HAS_BATCH_IDX=cache_batch_idx is not None, HAS_LEFTPAD=cache_leftpad is not None,
-        TABLE_CHUNK=TABLE_CHUNK, num_warps=4)
-    return q_out, seqlens_k, ok
+        SEQLENS_TENSOR=seqlens_tensor, HAS_BATCH_IDX=cache_batch_idx is not None,
+        HAS_LEFTPAD=cache_leftpad is not None, TABLE_CHUNK=TABLE_CHUNK, num_warps=4,
+        sanitize_overflow=False)
+    return q_out, seqlens_k
 
 
 def _block_heads(nheads: int, block_d: int) -> int:
