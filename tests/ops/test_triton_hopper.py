@@ -1,7 +1,7 @@
 """The Gluon forward (flashkit.ops.triton.forward_hopper): which calls take it, which tile the
 table gives, and its outputs against the float64 oracle (DESIGN section 5) on every case it
 takes, dense and varlen (packed sequences, lengths 0 and 1, a contiguous cache through
-seqused_k), with each schedule of configs.GLUON_FORWARD_TILES' kind (one warpgroup issuing its
+seqused_k), at head dims 64, 128 and 256, with each schedule of configs.GLUON_FORWARD_TILES' kind (one warpgroup issuing its
 own loads; producer warp with one, two or three consumers, with and without ping-pong), dropout
 against the oracle with the Triton kernels' own keep-mask and, bit for bit, against the Triton
 varlen kernel's dropped elements."""
@@ -36,6 +36,13 @@ SCHEDULES = {
     "three": (128, 2, 3, True, True),
 }
 WIDE = (256, 2, 1, False, False)  # d64 only (a 64 x 256 score tile per warpgroup)
+# Head dim 256 (a 64 x 256 fp32 O is 128 registers per thread; 32 KB per 64-key K or V buffer):
+# the schedules whose shared memory fits besides the configured one.
+D256_SCHEDULES = {
+    "inline": (64, 2, 1, False, False),
+    "two": (64, 2, 2, True, False),
+    "narrow": (32, 4, 2, True, True),
+}
 
 
 def _on_hopper() -> bool:
@@ -44,7 +51,8 @@ def _on_hopper() -> bool:
 
 def test_eligibility():
     """Every feature and varlen are taken (varlen only where the caller of gluon_supported says
-    it takes it: the backward does not yet); an SDPA bias and other head dims are not."""
+    it takes it), head dim 256 by the forward only (gluon_supported's default head dims are the
+    backward's); an SDPA bias and other head dims are not."""
     q, k, v, _ = make_inputs(1, 100, 37, 2, 1, 64, 64, torch.float16)
     taken = DEVICE == "cuda" and _on_hopper()
     slopes = torch.ones(2, device=q.device)
@@ -62,12 +70,15 @@ def test_eligibility():
         1, 2, 100, 37)), None, None, None)
     q80, k80, v80, _ = make_inputs(1, 64, 64, 2, 2, 80, 80, torch.float16)
     assert not hopper.eligible(q80, k80, v80, AttentionParams(0.125), None, None, None)
+    q256, k256, v256, _ = make_inputs(1, 64, 64, 2, 2, 256, 256, torch.float16)
+    assert hopper.eligible(q256, k256, v256, AttentionParams(0.125), None, None, None) == taken
+    assert not hopper.gluon_supported(q256, k256, v256, AttentionParams(0.125))  # the backward
     assert not hopper.eligible(q, k, v, AttentionParams(0.125), None, None, (64, 64, 4, 2))
 
 
 def test_tile_table():
     """Every head dim, band and length has a tile; the first matching row wins."""
-    for head_dim in (64, 128):
+    for head_dim in (64, 128, 256):
         for banded in (False, True):
             for seqlen in (1, 1024, 1025, 16384):
                 tile = gluon_forward_tile(head_dim, seqlen, banded)
@@ -80,7 +91,7 @@ def test_tile_table():
 
 
 def test_launch_config_fits_the_register_file():
-    for tile in (*SCHEDULES.values(), WIDE):
+    for tile in (*SCHEDULES.values(), WIDE, *D256_SCHEDULES.values()):
         config = hopper.launch_config(tile)
         if tile[3]:  # specialized: producer + consumers within maxnreg * warpgroups
             warpgroups = tile[2] + 1
@@ -186,6 +197,21 @@ def test_gpu_gluon_wide_tile_matches_oracle(case):
     _run_case(case, WIDE)
 
 
+def at_head_dim(case, head_dim):
+    """A case of GPU_CASES, TAIL_CASES or VARLEN_CASES at another head dim."""
+    return (case[0], head_dim, *case[2:])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _on_hopper(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("schedule", [None, *sorted(D256_SCHEDULES)])
+@pytest.mark.parametrize("case", [at_head_dim(c, 256) for c in GPU_CASES], ids=str)
+def test_gpu_gluon_d256_matches_oracle(case, schedule):
+    """Head dim 256: every case (each feature, window, GQA, awkward length) with the configured
+    tile and each schedule that fits its shared memory."""
+    _run_case(case, D256_SCHEDULES.get(schedule))
+
+
 
 def non_finite_(x):
     """Fill x in place with NaN, inf and -inf in turn (rows a kernel must not let through)."""
@@ -202,11 +228,14 @@ TAIL_CASES = [  # (dtype, head_dim, seqlen_q, seqlen_k, nheads, nheads_k, window
 ]
 
 
+TAIL_SCHEDULES = [(case, tile) for case in TAIL_CASES for tile in SCHEDULES.values()] + [
+    (at_head_dim(case, 256), tile) for case in TAIL_CASES for tile in D256_SCHEDULES.values()]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not _on_hopper(), reason="needs an sm_90 GPU")
-@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
-@pytest.mark.parametrize("case", TAIL_CASES, ids=str)
-def test_gpu_gluon_next_batch_entry_does_not_leak(case, schedule):
+@pytest.mark.parametrize(("case", "tile"), TAIL_SCHEDULES, ids=str)
+def test_gpu_gluon_next_batch_entry_does_not_leak(case, tile):
     """Dense, seqlen_k not a multiple of the key tile: entry b's last tile reads entry b + 1's
     first rows. With NaN/inf in entry 1's q, k and v, entries 0 and 2 still equal the oracle
     on their finite data (P = 0 there, and V's rows past the end are zeroed: 0 * NaN in P V
@@ -219,8 +248,7 @@ def test_gpu_gluon_next_batch_entry_does_not_leak(case, schedule):
     params = _params(head_dim, window, features, nheads, "cuda")
     out = poison(torch.empty_like(q))
     lse = poison(torch.empty(3, nheads, seqlen_q, dtype=torch.float32, device="cuda"))
-    out, lse = hopper.attention_forward(q, k, v, params, out=out, lse=lse,
-                                        tile=SCHEDULES[schedule])
+    out, lse = hopper.attention_forward(q, k, v, params, out=out, lse=lse, tile=tile)
     finite = [0, 2]
     qf, kf, vf = (x[finite] for x in (q, k, v))
     oracle = attention_with_params(qf.double(), kf.double(), vf.double(), params)
@@ -319,6 +347,14 @@ def test_gpu_gluon_varlen_schedules_match_oracle(case, schedule):
 @pytest.mark.parametrize("case", [VARLEN_CASES[i] for i in (2, 6)], ids=str)
 def test_gpu_gluon_varlen_wide_tile_matches_oracle(case):
     check_varlen(case, WIDE)
+
+
+@pytest.mark.gpu
+@gpu_hopper
+@pytest.mark.parametrize("schedule", [None, *sorted(D256_SCHEDULES)])
+@pytest.mark.parametrize("case", [at_head_dim(c, 256) for c in VARLEN_CASES], ids=str)
+def test_gpu_gluon_varlen_d256_matches_oracle(case, schedule):
+    check_varlen(case, D256_SCHEDULES.get(schedule))
 
 
 @pytest.mark.gpu

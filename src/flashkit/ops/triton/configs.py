@@ -53,7 +53,7 @@ HOPPER = {
 # d64: 1.373 vs 1.310), Triton 3.6 already pipelines the pointer loads with cp.async.
 USE_TMA = False
 
-# Forward on sm_90 through the Gluon kernel of forward_hopper.py (fp16/bf16, head dim 64/128,
+# Forward on sm_90 through the Gluon kernel of forward_hopper.py (fp16/bf16, head dim 64/128/256,
 # every feature, varlen too): async wgmma lets the softmax of one tile overlap the
 # P V matmul of the previous one. Measured: see benchmarks/NOTES_triton.md.
 GLUON_FORWARD = True
@@ -80,11 +80,12 @@ GLUON_FORWARD_TILES = (
     (64, None, None, (128, 2, 3, True, True)),
     (128, True, 1024, (64, 3, 1, False, False)),
     (128, None, None, (128, 2, 2, True, True)),
+    (256, None, None, (64, 2, 2, True, True)),
 )
 
 
 def gluon_forward_tile(head_dim: int, seqlen_q: int, banded: bool) -> tuple:
-    """The Gluon forward's tile for a head dim (64 or 128), query length and band."""
+    """The Gluon forward's tile for a head dim (64, 128 or 256), query length and band."""
     for row_dim, row_banded, longest, tile in GLUON_FORWARD_TILES:
         if (row_dim == head_dim and row_banded in (None, banded)
                 and (longest is None or seqlen_q <= longest)):

@@ -40,9 +40,9 @@ sequence, as forward.py's Triton varlen kernel) are the dense ones. A sequence's
 Dropout draws dropout.py's keep-mask bit for bit (`_dropout_keep`, through dropout.py's own
 Philox core), so either backward regenerates what this forward dropped.
 
-Eligible (see `eligible`): CUDA sm_90, fp16/bf16, head dim 64 or 128 (q, k, v alike), dense or
-varlen, any seqlen_q / seqlen_k, any window (causal included), softcap, ALiBi, sink, GQA,
-dropout; not an SDPA bias; q/k/v contiguous in the flash-attn layout (so (tokens, heads * d) is
+Eligible (see `eligible`): CUDA sm_90, fp16/bf16, head dim 64, 128 or 256 (q, k, v alike),
+dense or varlen, any seqlen_q / seqlen_k, any window (causal included), softcap, ALiBi, sink,
+GQA, dropout; not an SDPA bias; q/k/v contiguous in the flash-attn layout (so (tokens, heads * d) is
 a plain 2-D view for TMA). Same outputs as forward.py: out in out's dtype, lse (batch, heads,
 seqlen_q) or varlen (heads, total_q) float32 natural log, a row with no visible key (and no
 sink) gives out 0, lse -inf.
@@ -89,6 +89,7 @@ except ImportError:  # a Triton without Gluon: the Triton kernel does everything
 
 BLOCK_M = 64  # query rows per consumer warpgroup (the wgmma M of one warpgroup)
 PRODUCER_REGS = 24  # registers per thread of the producer warp (the least setmaxnreg allows)
+FORWARD_HEAD_DIMS = (64, 128, 256)  # this forward's; the backward's stay gluon_supported's
 
 
 if gluon is not None:
@@ -635,9 +636,11 @@ def flash_descriptor(x, rows):
     return TensorDescriptor(x2d, list(x2d.shape), [heads * head_dim, 1], [rows, head_dim], layout)
 
 
-def gluon_supported(q, k, v, params: AttentionParams, varlen: bool = False) -> bool:
+def gluon_supported(q, k, v, params: AttentionParams, varlen: bool = False,
+                    head_dims: tuple = (64, 128)) -> bool:
     """What both Gluon kernels (this forward, backward_hopper's backward) need: Gluon on an
-    sm_90 GPU, non-empty fp16/bf16 q/k/v of head dim 64 or 128 in the flash layout, no bias, a
+    sm_90 GPU, non-empty fp16/bf16 q/k/v of one head dim in head_dims (the backward's 64 and
+    128 by default; this forward passes FORWARD_HEAD_DIMS) in the flash layout, no bias, a
     positive scale; dense, or varlen too where the caller says it takes it (varlen=True). Each
     kernel's `eligible` adds its own conditions."""
     if gluon is None or interpreting():
@@ -649,7 +652,7 @@ def gluon_supported(q, k, v, params: AttentionParams, varlen: bool = False) -> b
         return False
     head_dim = q.shape[-1]
     tokens = 0 if params.is_varlen else 1  # varlen (total, h, d), dense (b, seqlen, h, d)
-    return (head_dim in (64, 128) and head_dim == v.shape[-1] == k.shape[-1]
+    return (head_dim in head_dims and head_dim == v.shape[-1] == k.shape[-1]
             and q.dtype in (torch.float16, torch.bfloat16) and q.dtype == k.dtype == v.dtype
             and min(q.shape[tokens], k.shape[tokens]) > 0
             and all(flash_layout_2d(x) for x in (q, k, v)))
@@ -657,7 +660,8 @@ def gluon_supported(q, k, v, params: AttentionParams, varlen: bool = False) -> b
 
 def eligible(q, k, v, params: AttentionParams, out, lse, tile) -> bool:
     """Whether the Gluon kernel computes this call (else forward.py's kernel does)."""
-    return (GLUON_FORWARD and tile is None and gluon_supported(q, k, v, params, varlen=True)
+    return (GLUON_FORWARD and tile is None
+            and gluon_supported(q, k, v, params, varlen=True, head_dims=FORWARD_HEAD_DIMS)
             and (out is None or out.stride(-1) == 1) and (lse is None or lse.stride(-1) == 1))
 
 
