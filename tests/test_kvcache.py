@@ -796,3 +796,71 @@ def test_prefill_poisoned_spare_cache_does_not_leak_on_gpu(mask, monkeypatch):
     assert calls and calls[0] is not None, "the Gluon forward was not used"
     assert_close_to_oracle("out", out, oracle_out, base_out)
     assert_close_to_oracle("lse", lse, oracle_lse, base_lse)
+
+
+# --- the launch cache (flashkit.ops.triton.launch) -----------------------------------------------
+
+def _launch_samples():
+    ints = [0, 1, 2, 15, 16, 17, -1, -16, -17, 2**31 - 16, 2**31 - 1, 2**31, 2**32, 2**63 - 16,
+            2**63, 2**64 - 16]
+    base = {dtype: torch.zeros(64, dtype=dtype) for dtype in (torch.float32, torch.bfloat16,
+                                                                torch.int32)}
+    tensors = [t[offset:] for t in base.values() for offset in (0, 1, 4, 8, 16)]
+    return ints + tensors + [True, False, 0.5, 1.0, None]
+
+
+def test_launch_key_determines_tritons_specialisation():
+    """Equal launch keys imply equal Triton specialisations (the launch cache's premise), over
+    ints at every boundary Triton marks (== 1, % 16, int32/int64/uint64), tensors of several
+    dtypes at aligned and misaligned addresses, bools, floats and None."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    from flashkit.ops.triton.launch import arg_key
+
+    samples = _launch_samples()
+    keys = [arg_key(a) for a in samples]
+    specs = [native_specialize_impl(BaseBackend, a, False, True, True) for a in samples]
+    pairs = itertools.combinations(zip(keys, specs, strict=True), 2)
+    for (key_a, spec_a), (key_b, spec_b) in pairs:
+        if key_a == key_b:
+            assert spec_a == spec_b, (key_a, spec_a, spec_b)
+
+
+def test_launched_kernels_take_their_constexprs_last():
+    """launch passes the runtime arguments and then the constexprs in signature order."""
+    import inspect
+
+    from flashkit.ops.triton import append, decode
+
+    for kernel in (append._append_kernel, decode._decode_kernel, decode._merge_kernel):
+        kinds = ["constexpr" in str(p.annotation)
+                 for p in inspect.signature(kernel.fn).parameters.values()]
+        assert kinds == sorted(kinds), kernel.fn.__name__
+
+
+@pytest.mark.gpu
+def test_launch_cache_separates_misaligned_tensors_on_gpu():
+    """A misaligned q (data_ptr % 16 != 0) gets its own compiled decode kernel, and both give the
+    same result."""
+    from flashkit.ops.triton import decode, launch
+
+    case = Case(batch=3, nheads=16, nheads_k=2, d=128, capacity=512, seqlen_q=1, seqlen_new=0,
+                dtype=torch.bfloat16)
+    k_cache, v_cache, seqlens = case.k_cache.cuda(), case.v_cache.cuda(), case.seqlens.cuda()
+    rows = case.batch_idx.cuda()
+    q = case.q.cuda()
+    q_odd = torch.empty(q.numel() + 1, dtype=q.dtype, device="cuda")[1:].view_as(q)
+    q_odd.copy_(q)
+    params = AttentionParams(128 ** -0.5)
+    outs = []
+    for query in (q, q_odd, q, q_odd):
+        before = set(launch._compiled)
+        outs.append(decode.forward(query, k_cache, v_cache, seqlens, rows, None, None, params,
+                                   1, 512)[0])
+        new = [key for key in set(launch._compiled) - before
+               if key[0] == id(decode._decode_kernel)]
+        assert len(new) <= 1
+    assert all(torch.equal(outs[0], out) for out in outs[1:])
+    aligned = {key[2][0] for key in launch._compiled if key[0] == id(decode._decode_kernel)}
+    assert {(torch.bfloat16, True), (torch.bfloat16, False)} <= aligned

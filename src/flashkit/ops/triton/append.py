@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from flashkit.ops.triton.configs import padded_head_dim
+from flashkit.ops.triton.launch import launch
 
 TABLE_CHUNK = 1024  # block-table entries checked per step of program (b, 0)
 ROW_ELEMENTS = 4096  # heads x BLOCK_D elements per rotation step (registers of 4 warps)
@@ -172,7 +173,7 @@ def append(q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, cache_batch_idx, 
     dummy = seqlens_k  # stands in for absent pointer arguments; never read
     block_d, block_dv = padded_head_dim(head_dim), padded_head_dim(head_dim_v)
     programs = max(1, seqlen_new, seqlen_q if cos is not None else 0)
-    _append_kernel[(batch, programs)](
+    launch(_append_kernel, (batch, programs), (
         q, q_out, k, v, k_cache, v_cache, dummy if cos is None else cos,
         dummy if sin is None else sin, cache_seqlens if seqlens_tensor else dummy,
         dummy if cache_batch_idx is None else cache_batch_idx,
@@ -183,13 +184,13 @@ def append(q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, cache_batch_idx, 
         0 if block_table is None else block_table.stride(0),
         nheads, nheads_k, seqlen_q, seqlen_new, q_rows, capacity, k_cache.shape[0],
         table_width, 0 if cos is None else cos.shape[0],
-        0 if seqlens_tensor else int(cache_seqlens),
+        0 if seqlens_tensor else int(cache_seqlens)), dict(
         HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
         BLOCK_H=_block_heads(nheads, block_d), BLOCK_HK=_block_heads(nheads_k, block_d),
         ROTARY_HALF=rotary_half, INTERLEAVED=interleaved, PAGE_SIZE=page_size,
         SEQLENS_TENSOR=seqlens_tensor, HAS_BATCH_IDX=cache_batch_idx is not None,
-        HAS_LEFTPAD=cache_leftpad is not None, TABLE_CHUNK=TABLE_CHUNK, num_warps=4,
-        sanitize_overflow=False)
+        HAS_LEFTPAD=cache_leftpad is not None, TABLE_CHUNK=TABLE_CHUNK),
+        num_warps=4, sanitize_overflow=False)
     return q_out, seqlens_k
 
 

@@ -53,6 +53,7 @@ from flashkit.ops.triton.common import (
     window_args,
 )
 from flashkit.ops.triton.configs import padded_head_dim
+from flashkit.ops.triton.launch import launch
 
 
 class Tile(NamedTuple):
@@ -402,11 +403,11 @@ def merge(out_part, lse_part, out, lse, use_pdl: bool = False) -> None:
     """out, lse from the splits' partial results (layouts in the module docstring)."""
     num_splits, batch, seqlen_q, nheads, head_dim_v = out_part.shape
     block_dv = min(MERGE_BLOCK_DV, padded_head_dim(head_dim_v))
-    _merge_kernel[(batch * seqlen_q * nheads, triton.cdiv(head_dim_v, block_dv))](
+    launch(_merge_kernel, (batch * seqlen_q * nheads, triton.cdiv(head_dim_v, block_dv)), (
         out_part, lse_part, out, lse, *out_part.stride(), *lse_part.stride(),
-        *out.stride(), *lse.stride(), nheads, seqlen_q, num_splits,
+        *out.stride(), *lse.stride(), nheads, seqlen_q, num_splits), dict(
         HEAD_DIM_V=head_dim_v, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
-        BLOCK_DV=block_dv, USE_PDL=use_pdl, num_warps=4, launch_pdl=use_pdl)
+        BLOCK_DV=block_dv, USE_PDL=use_pdl), num_warps=4, launch_pdl=use_pdl)
 
 
 def launch_shape(q, nheads_k: int, page_size: int, num_splits: int,
@@ -458,7 +459,7 @@ def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, bloc
     window_left, window_right, has_left, has_right = window_args(params)
     qk_scale, softcap_scale, softcap = score_args(params)
     dummy = seqlens_k  # stands in for absent pointer arguments; never read
-    _decode_kernel[(num_splits, batch * nheads_k, m_blocks)](
+    launch(_decode_kernel, (num_splits, batch * nheads_k, m_blocks), (
         q, k_cache, v_cache, out_part, lse_part,
         dummy if block_table is None else block_table,
         dummy if cache_batch_idx is None else cache_batch_idx,
@@ -469,14 +470,14 @@ def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, bloc
         *lse_part.stride(), 0 if block_table is None else block_table.stride(0),
         slopes.stride(0) if slopes is not None and slopes.dim() == 2 else 0,
         nheads_k, group, seqlen_q, num_splits, window_left, window_right, qk_scale,
-        softcap_scale,
+        softcap_scale), dict(
         HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=padded_head_dim(head_dim),
         BLOCK_DV=padded_head_dim(head_dim_v), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
         PAGE_SIZE=page_size, PAGE_PER_TILE=per_tile,
         HAS_BATCH_IDX=cache_batch_idx is not None, HAS_LEFTPAD=cache_leftpad is not None,
         HAS_LEFT=has_left, HAS_RIGHT=has_right, SOFTCAP=softcap,
         ALIBI=slopes is not None, HAS_SINK=params.sink is not None,
-        USE_PDL=use_pdl and num_splits > 1, PRECISION=DOT_PRECISION,
+        USE_PDL=use_pdl and num_splits > 1, PRECISION=DOT_PRECISION),
         num_warps=tile.num_warps, num_stages=tile.num_stages)
     if num_splits > 1:
         merge(out_part, lse_part, out, lse, use_pdl)
