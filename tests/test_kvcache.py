@@ -800,31 +800,28 @@ def test_prefill_poisoned_spare_cache_does_not_leak_on_gpu(mask, monkeypatch):
 
 # --- the launch cache (flashkit.ops.triton.launch) -----------------------------------------------
 
-def _launch_samples():
-    ints = [0, 1, 2, 15, 16, 17, -1, -16, -17, 2**31 - 16, 2**31 - 1, 2**31, 2**32, 2**63 - 16,
-            2**63, 2**64 - 16]
-    base = {dtype: torch.zeros(64, dtype=dtype) for dtype in (torch.float32, torch.bfloat16,
-                                                                torch.int32)}
-    tensors = [t[offset:] for t in base.values() for offset in (0, 1, 4, 8, 16)]
-    return ints + tensors + [True, False, 0.5, 1.0, None]
-
-
 def test_launch_key_determines_tritons_specialisation():
-    """Equal launch keys imply equal Triton specialisations (the launch cache's premise), over
-    ints at every boundary Triton marks (== 1, % 16, int32/int64/uint64), tensors of several
-    dtypes at aligned and misaligned addresses, bools, floats and None."""
+    """Equal launch keys imply equal Triton specialisations (the launch cache's premise):
+    tensors of several dtypes at aligned and misaligned addresses by tensor_key; scalars are
+    keyed by type and value, of which Triton's marks are a function (sampled at every boundary
+    it marks: == 1, % 16, int32/int64/uint64)."""
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import BaseBackend
 
-    from flashkit.ops.triton.launch import arg_key
+    from flashkit.ops.triton.launch import tensor_key
 
-    samples = _launch_samples()
-    keys = [arg_key(a) for a in samples]
-    specs = [native_specialize_impl(BaseBackend, a, False, True, True) for a in samples]
-    pairs = itertools.combinations(zip(keys, specs, strict=True), 2)
-    for (key_a, spec_a), (key_b, spec_b) in pairs:
-        if key_a == key_b:
-            assert spec_a == spec_b, (key_a, spec_a, spec_b)
+    spec = lambda a: native_specialize_impl(BaseBackend, a, False, True, True)  # noqa: E731
+    base = [torch.zeros(64, dtype=dtype) for dtype in (torch.float32, torch.bfloat16,
+                                                        torch.int32)]
+    tensors = [t[offset:] for t in base for offset in (0, 1, 4, 8, 16)]
+    for a, b in itertools.combinations(tensors, 2):
+        if tensor_key(a) == tensor_key(b):
+            assert spec(a) == spec(b), (tensor_key(a), spec(a), spec(b))
+    scalars = [0, 1, 2, 15, 16, 17, -1, -16, -17, 2**31 - 16, 2**31 - 1, 2**31, 2**32,
+               2**63 - 16, 2**63, 2**64 - 16, True, False, 0.5, 1.0, None]
+    marks = {(type(a), a): spec(a) for a in scalars}
+    assert all(spec(a) == marks[type(a), a] for a in scalars)  # a function of (type, value)
+    assert marks[int, 1] != marks[bool, True] and marks[int, 1] != marks[float, 1.0]
 
 
 def test_launched_kernels_take_their_constexprs_last():

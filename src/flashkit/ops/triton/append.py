@@ -178,7 +178,7 @@ def append(q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, cache_batch_idx, 
         dummy if sin is None else sin, cache_seqlens if seqlens_tensor else dummy,
         dummy if cache_batch_idx is None else cache_batch_idx,
         dummy if cache_leftpad is None else cache_leftpad,
-        dummy if block_table is None else block_table, seqlens_k,
+        dummy if block_table is None else block_table, seqlens_k), (
         *q.stride(), *q_out.stride(), *k.stride(), *v.stride(), *k_cache.stride(),
         *v_cache.stride(), *((0, 0) if cos is None else cos.stride()),
         0 if block_table is None else block_table.stride(0),

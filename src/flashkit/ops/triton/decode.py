@@ -404,7 +404,7 @@ def merge(out_part, lse_part, out, lse, use_pdl: bool = False) -> None:
     num_splits, batch, seqlen_q, nheads, head_dim_v = out_part.shape
     block_dv = min(MERGE_BLOCK_DV, padded_head_dim(head_dim_v))
     launch(_merge_kernel, (batch * seqlen_q * nheads, triton.cdiv(head_dim_v, block_dv)), (
-        out_part, lse_part, out, lse, *out_part.stride(), *lse_part.stride(),
+        out_part, lse_part, out, lse), (*out_part.stride(), *lse_part.stride(),
         *out.stride(), *lse.stride(), nheads, seqlen_q, num_splits), dict(
         HEAD_DIM_V=head_dim_v, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
         BLOCK_DV=block_dv, USE_PDL=use_pdl), num_warps=4, launch_pdl=use_pdl)
@@ -465,7 +465,7 @@ def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, bloc
         dummy if cache_batch_idx is None else cache_batch_idx,
         dummy if cache_leftpad is None else cache_leftpad, seqlens_k,
         dummy if slopes is None else slopes,
-        dummy if params.sink is None else params.sink,
+        dummy if params.sink is None else params.sink), (
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out_part.stride(),
         *lse_part.stride(), 0 if block_table is None else block_table.stride(0),
         slopes.stride(0) if slopes is not None and slopes.dim() == 2 else 0,

@@ -2,20 +2,23 @@
 launches the same compiled kernel.
 
 `kernel[grid](*args, **kwargs)` binds and specialises every argument in Triton's binder, turns
-the options into a string for its cache key, then launches; on an H200 host that costs 22.7 us
-per launch against 9.2 us for launching the compiled kernel it returns
-(benchmarks/results/decode_20261121T064932.json, launch_study). A decoding call makes three
-launches. `launch` keeps the compiled kernel under a key that determines Triton's own cache key
-(`JITFunction.run`: the specialisation of every argument and the options) and launches it
-directly when the key is seen again:
-    tensor   its dtype and whether data_ptr() % 16 == 0 (Triton's "D" alignment mark)
-    int      == 1 (Triton makes it a constexpr), % 16 == 0 ("D"), and its type: int32, int64
-             or uint64 by range; bool and float by type, None as itself
+the options into a string for its cache key, then launches; on an H200 host that costs 15-23 us
+per launch against 6.5-9.2 us for launching the compiled kernel it returns
+(benchmarks/results/decode_20261121T064932.json and _081334.json, launch_study). A decoding
+call makes three launches. `launch` keeps the compiled kernel under a key that determines
+Triton's own cache key (`JITFunction.run`: the specialisation of every argument and the
+options) and launches it directly when the key is seen again:
+    tensors  each one's dtype and whether data_ptr() % 16 == 0 (Triton's "D" alignment mark)
+    scalars  their values and types (int, float, bool or None), of which Triton's marks are a
+             function (int == 1 becomes a constexpr, % 16 == 0 "D", int32/int64/uint64 by
+             range)
     rest     the constexpr values, the launch options, the device, and the runtime knobs that
              Triton adds to the options (debug, instrumentation mode)
-Anything else (an argument of another type, a registered launch hook, the interpreter) takes
-Triton's entry. Two calls with equal keys get equal Triton keys, so the kernel launched is the
-one Triton would launch; tests/test_kvcache.py checks the key against Triton's specialiser.
+Keying scalars by value is finer than Triton's key (more entries, each launched through Triton
+the first time) and costs one C-level tuple hash instead of a Python call per argument.
+Anything else (a registered launch hook, the interpreter, a scalar of another type) takes
+Triton's entry. Equal keys imply equal Triton keys, so the kernel launched is the one Triton
+would launch; tests/test_kvcache.py checks the tensor key against Triton's specialiser.
 """
 
 from __future__ import annotations
@@ -26,52 +29,45 @@ from triton import knobs
 
 from flashkit.ops.triton.common import interpreting
 
-_INT32 = (-2**31, 2**31)
+MAX_ENTRIES = 4096  # forget every entry beyond this (scalars that change every call)
+_SCALAR_TYPES = (int, float, bool, type(None))
 _compiled: dict = {}  # key -> Triton's compiled kernel
 
 
-def arg_key(arg):
-    """What Triton's specialisation of one non-constexpr argument depends on (or raises
-    TypeError for a type it is not known for)."""
-    kind = type(arg)
-    if kind is int:
-        return (arg == 1, arg % 16 == 0, _INT32[0] <= arg < _INT32[1], arg < 2**63)
-    if isinstance(arg, torch.Tensor):
-        return (arg.dtype, arg.data_ptr() % 16 == 0)
-    if kind is bool or kind is float or arg is None:
-        return (kind, arg) if kind is bool else kind
-    raise TypeError(f"launch: no key for an argument of type {kind.__name__}")
+def tensor_key(t: torch.Tensor) -> tuple:
+    """What Triton's specialisation of a tensor argument depends on."""
+    return t.dtype, t.data_ptr() % 16 == 0
 
 
-def launch(kernel, grid: tuple, args: tuple, constexprs: dict, **options) -> None:
-    """kernel[grid](*args, **constexprs, **options), the compiled kernel launched directly once
-    it is known. args: the runtime arguments in signature order; constexprs: the rest, also in
-    signature order (they follow the runtime arguments in every kernel launched here)."""
+def launch(kernel, grid: tuple, tensors: tuple, scalars: tuple, constexprs: dict,
+           **options) -> None:
+    """kernel[grid](*tensors, *scalars, **constexprs, **options), the compiled kernel launched
+    directly once it is known. The kernel's signature lists the tensor arguments, then the
+    scalars, then the constexprs, each in the order given here."""
     if interpreting() or _hooked():
-        kernel[grid](*args, **constexprs, **options)
+        kernel[grid](*tensors, *scalars, **constexprs, **options)
         return
     device = torch.cuda.current_device()
-    try:
-        key = (id(kernel), device, tuple(map(arg_key, args)), tuple(constexprs.values()),
-               tuple(options.items()), knobs.runtime.debug,
-               knobs.compilation.instrumentation_mode)
-    except TypeError:
-        kernel[grid](*args, **constexprs, **options)
-        return
+    key = (id(kernel), device, tuple([tensor_key(t) for t in tensors]), scalars,
+           tuple(map(type, scalars)), tuple(constexprs.values()), tuple(options.items()),
+           knobs.runtime.debug, knobs.compilation.instrumentation_mode)
     compiled = _compiled.get(key)
     if compiled is None or _globals_changed(kernel):
-        compiled = kernel[grid](*args, **constexprs, **options)
+        compiled = kernel[grid](*tensors, *scalars, **constexprs, **options)
         if hasattr(compiled, "result"):  # asynchronous compilation
             compiled = compiled.result()
-        if kernel.arg_names[len(args):] != list(constexprs):
+        if kernel.arg_names[len(tensors) + len(scalars):] != list(constexprs):
             raise ValueError(f"launch: {kernel.__name__}'s constexprs must follow its runtime "
                              "arguments in the signature, in order")
-        _compiled[key] = compiled
+        if all(type(a) in _SCALAR_TYPES for a in scalars):
+            if len(_compiled) >= MAX_ENTRIES:
+                _compiled.clear()
+            _compiled[key] = compiled
         return
     grid = tuple(grid) + (1,) * (3 - len(grid))
     stream = triton.runtime.driver.active.get_current_stream(device)
     compiled.run(*grid, stream, compiled.function, compiled.packed_metadata, None, None, None,
-                 *args, *constexprs.values())
+                 *tensors, *scalars, *constexprs.values())
 
 
 def _hooked() -> bool:
