@@ -14,10 +14,13 @@ import math
 import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import flashkit
 from flashkit.api import draw_dropout_seed
 from flashkit.ops import triton as triton_backend
+from flashkit.ops.triton import dropout
 from flashkit.testing import assert_close_to_oracle, dropout_keep_mask
 from helpers import alibi_slopes, api_attention, check_against_oracle, cu_seqlens, oracle
 
@@ -136,6 +139,34 @@ def test_keep_mask_is_the_documented_philox(seed):
     mask = dropout_keep_mask(seed, 2, 3, 19, 270, p, backend="triton")
     expected = philox_draws(seed, 2, 3, 19, 270) >= round(p * 256)
     assert np.array_equal(mask.cpu().numpy(), expected)
+
+
+@triton.jit
+def _transposed_keep_kernel(Out, seed_lo, seed_hi, off_b, off_h, threshold, start_n,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Out [BLOCK_N, BLOCK_M] int8: dropout_keep_t of rows [0, BLOCK_M), keys start_n + ..."""
+    keep = dropout.dropout_keep_t(seed_lo, seed_hi, off_b, off_h, tl.arange(0, BLOCK_M),
+                                  start_n, threshold, BLOCK_N)
+    offs = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+    tl.store(Out + offs, keep.to(tl.int8))
+
+
+@pytest.mark.parametrize("threshold", [0, 1, 77, 127, 128, 129, 200, 255, 256])
+def test_packed_transposed_keep_equals_the_mask(threshold):
+    """dropout_keep_t (packed decisions, compared four bytes at a time) is keep_mask's tile,
+    transposed, for tiles of 8..256 keys at every offset in a 256-column span and thresholds
+    at the bytes' edges (256: p rounds to 1, nothing kept)."""
+    seed = 2**40 + 99
+    seed_lo, seed_hi, _, _, _ = dropout.dropout_args(0.5, seed)
+    draws = torch.from_numpy(philox_draws(seed, 2, 3, 16, 256)[1, 2].astype(np.int64))
+    expected = (draws >= threshold).to(DEVICE)  # [16 rows, 256 keys] of batch 1, head 2
+    for block_n in (8, 16, 32, 64, 128, 256):
+        for start_n in range(0, 256, block_n):
+            out = torch.empty(block_n, 16, dtype=torch.int8, device=DEVICE)
+            _transposed_keep_kernel[(1,)](out, seed_lo, seed_hi, 1, 2, threshold, start_n,
+                                          BLOCK_M=16, BLOCK_N=block_n)
+            want = expected[:, start_n:start_n + block_n].T
+            assert torch.equal(out.bool(), want), (block_n, start_n)
 
 
 def quantized(p):

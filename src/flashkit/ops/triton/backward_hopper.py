@@ -80,7 +80,13 @@ from flashkit.ops.triton.common import (
     window_args,
 )
 from flashkit.ops.triton.configs import GLUON_BACKWARD
-from flashkit.ops.triton.dropout import dropout_args, packed_keep, philox_calls
+from flashkit.ops.triton.dropout import (
+    dropout_args,
+    packed_bit,
+    packed_keep,
+    philox_calls,
+    tile_words,
+)
 from flashkit.ops.triton.forward_hopper import flash_descriptor, flash_layout_2d, gluon_supported
 
 try:
@@ -225,7 +231,8 @@ if gluon is not None:
         calls = zero + gl.expand_dims(gl.expand_dims(chunk, 1) * 8 + gl.expand_dims(g, 0),
                                       2).to(gl.uint32)
         row_ids = zero + gl.expand_dims(gl.expand_dims(rows, 0), 1).to(gl.uint32)
-        words = philox_calls(seed_lo, seed_hi, off_b, off_h, row_ids, calls)
+        words = tile_words(philox_calls(seed_lo, seed_hi, off_b, off_h, row_ids, calls),
+                           start_n, BLOCK_N)
         T4: gl.constexpr = _dropout_layout_t(BLOCK_N, BLOCK_M, num_warps)
         return gl.convert_layout(packed_keep(words, threshold), gl.SliceLayout(1, T4))
 
@@ -233,17 +240,17 @@ if gluon is not None:
     def _unpack_keep_t(bits, start_n, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                        st_layout: gl.constexpr, num_warps: gl.constexpr):
         """[BLOCK_N, BLOCK_M] bool in st_layout: key j = start_n + r of query column c is kept
-        iff bit (j % 128) // 8 of bits[j // 128 - start_n // 128, j % 8, c] is set."""
+        iff bit packed_bit(b) of bits[j // 128 - start_n // 128, j % 8, c] is set, b the byte
+        of j within dropout.tile_words' words."""
         gl.static_assert(BLOCK_N == 16 * num_warps, "_dropout_layout_t: 16 key rows per warp")
+        gl.static_assert(BLOCK_N >= 32, "tile_words: whole words")
         T4: gl.constexpr = _dropout_layout_t(BLOCK_N, BLOCK_M, num_warps)
         BYTES: gl.constexpr = BLOCK_N // 8 if BLOCK_N < 128 else 16
         byte = gl.arange(0, BYTES, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(
             3, T4))))
-        if BLOCK_N < 128:  # a narrow tile uses the middle bytes of its calls
-            byte = byte + (start_n % 128) // 8
-        byte = gl.expand_dims(gl.expand_dims(gl.expand_dims(byte, 0), 2), 3)  # [1, BYTES, 1, 1]
-        keep = (gl.expand_dims(bits, 1) >> byte) & 1  # [CHUNKS, BYTES, 8, BLOCK_M]
-        return gl.convert_layout(gl.reshape(keep != 0, [BLOCK_N, BLOCK_M]), st_layout)
+        bit = gl.expand_dims(gl.expand_dims(gl.expand_dims(packed_bit(byte), 0), 2), 3)
+        keep = gl.expand_dims(bits, 1) & (1 << bit)  # [CHUNKS, BYTES, 8, BLOCK_M]
+        return gl.convert_layout(gl.reshape(keep, [BLOCK_N, BLOCK_M]), st_layout) != 0
 
     @gluon.jit
     def _issue_q_do_load(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem,
@@ -297,7 +304,9 @@ if gluon is not None:
         qk_scale, softcap_scale, dropout_scale); alibi_log2 is this query head's slope * log2(e)
         (ALIBI); drop = (seed_lo, seed_hi, threshold, batch, query head) of the keep-mask
         (DROPOUT: dV = (P o Z)^T dO, dP = Z o (dO V^T) with Z = keep / (1 - p), dS = P o (dP -
-        delta) with the pre-dropout P). Returns (dk, dv)."""
+        delta) with the pre-dropout P; the tile computes dS and P o Z over 1 / (1 - p), a select
+        per element instead of a select and a multiply, and the kernel scales dK and dV (dQ's
+        halves here) once). Returns (dk, dv)."""
         seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale, dropout_scale = geo
         stage = job % NUM_STAGES
         phase = (job // NUM_STAGES) & 1
@@ -357,15 +366,16 @@ if gluon is not None:
         if MASK and VARLEN:  # the next sequence's delta (maybe NaN/inf) would meet P = 0
             delta = gl.where(start_m + gl.arange(0, BLOCK_M, layout=col_layout) < seqlen_q,
                              delta, 0.0)
-        if DROPOUT:
+        if DROPOUT:  # dS / (1 / (1 - p)) = P o (keep o dP - (1 - p) delta): see the kernel
             kept_t = _unpack_keep_t(bits_t, start_n, BLOCK_M, BLOCK_N, st_layout, gl.num_warps())
-            dp_t = gl.where(kept_t, dp_t * dropout_scale, 0.0)
+            dp_t = gl.where(kept_t, dp_t, 0.0)
+            delta = delta * (1.0 / dropout_scale)
         ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
         if SOFTCAP:
             ds_t = ds_t * dcap_t
         ds_t = ds_t.to(dtype)
-        if DROPOUT:  # dV takes the dropped, rescaled P
-            p_t = gl.where(kept_t, p_t * dropout_scale, 0.0)
+        if DROPOUT:  # dV / (1 / (1 - p)) takes the dropped P
+            p_t = gl.where(kept_t, p_t, 0.0)
         # dV and dK only after dS: their register operands then replace P, dP and delta instead
         # of living beside them (d128: dK + dV alone take 128 of the 255 registers).
         # [BLOCK_N, D] += [BLOCK_N, BLOCK_M] @ [BLOCK_M, D]
@@ -394,9 +404,13 @@ if gluon is not None:
                                    use_acc=False, is_async=True)
             dq_acc, dq_row = dq_base
             stage_layout: gl.constexpr = dq_acc.layout
+            if DROPOUT:  # dS above left out 1 / (1 - p)
+                dq = dq * dropout_scale
             _stage_and_add(dq, dq_acc, dq_row + start_m, 0,
                            q_buf._reinterpret(gl.float32, [BLOCK_M, DQ_CHUNK], stage_layout))
             dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq_tok, ))
+            if DROPOUT:
+                dq = dq * dropout_scale
             _stage_and_add(dq, dq_acc, dq_row + start_m, DQ_CHUNK,
                            do_buf._reinterpret(gl.float32, [BLOCK_M, DQ_CHUNK], stage_layout))
         else:
@@ -557,6 +571,9 @@ if gluon is not None:
             store_mask = gl.expand_dims(rows < seqlen_k, 1) & gl.expand_dims(cols < HEAD_DIM, 0)
         dk_ptrs = (DK + off_b.to(gl.int64) * stride_dkb + off_hk * stride_dkh
                    + rows_2d * stride_dks + gl.expand_dims(cols, 0))
+        if DROPOUT:  # the tiles left out the keep scale 1 / (1 - p): one multiply here
+            dk = dk * dropout_scale
+            dv = dv * dropout_scale
         gl.store(dk_ptrs, (dk * softmax_scale).to(DK.dtype.element_ty), mask=store_mask)
         dv_ptrs = (DV + off_b.to(gl.int64) * stride_dvb + off_hk * stride_dvh
                    + rows_2d * stride_dvs + gl.expand_dims(cols, 0))

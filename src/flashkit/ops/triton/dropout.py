@@ -74,14 +74,62 @@ def byte_keep(words, byte, threshold):
 
 
 @triton.jit
+def tile_words(words, start_n, BLOCK_N: tl.constexpr):
+    """The words of each call (of philox_calls' four) that hold the draws of the tile of
+    columns start_n + [0, BLOCK_N) (start_n a multiple of BLOCK_N): all four from 128 columns
+    on, else the BLOCK_N / 32 (at least one) that hold its bytes."""
+    if BLOCK_N >= 128:
+        chosen = words
+    else:
+        first = (start_n % 128) // 32
+        if BLOCK_N == 64:
+            chosen = (tl.where(first == 0, words[0], words[2]),
+                      tl.where(first == 0, words[1], words[3]))
+        else:
+            chosen = (tl.where(first < 2, tl.where(first == 0, words[0], words[1]),
+                               tl.where(first == 2, words[2], words[3])), )
+    return chosen
+
+
+@triton.jit
+def tile_bytes_in_words(start_n, BLOCK_N: tl.constexpr):
+    """[min(16, BLOCK_N / 8)]: the tile's bytes counted within tile_words' words."""
+    if BLOCK_N >= 32:
+        byte = tl.arange(0, min(BLOCK_N // 8, 16))
+    else:
+        byte = (start_n % 32) // 8 + tl.arange(0, BLOCK_N // 8)
+    return byte
+
+
+@triton.jit
+def packed_bit(byte):
+    """The bit of packed_keep's int32 that holds the decision of byte `byte` of its words."""
+    return 8 * (byte % 4) + 7 - byte // 4
+
+
+@triton.jit
 def packed_keep(words, threshold):
-    """int32 per call: bit c is the keep decision of the call's byte c (sixteen per call), for a
-    tile whose elements sit far from their calls (see dropout_keep_t)."""
-    bits = ((words[0] & 0xFF).to(tl.int32) >= threshold).to(tl.int32)
-    for c in tl.static_range(1, 16):
-        draw = ((words[c // 4] >> (8 * (c % 4))) & 0xFF).to(tl.int32)
-        bits = bits | ((draw >= threshold).to(tl.int32) << c)
-    return bits
+    """int32 per call: the keep decisions of every byte of `words` (a tuple of up to four of a
+    call's words, e.g. tile_words'), byte c at bit packed_bit(c), other bits 0, for a tile whose
+    elements sit far from their calls (see dropout_keep_t).
+
+    Four bytes per instruction (SWAR): with H the bytes' high bits, r = (x | H) - (t & ~H)
+    subtracts the low seven bits of the threshold t from those of each byte x without a borrow
+    between bytes, so r's high bit says low7(x) >= low7(t); x >= t is then x's high bit where
+    the high bits differ and r's where they agree. Word w's decisions land on the high bits and
+    move right by w, so four words fill bits 4..7 of each byte."""
+    t = tl.minimum(threshold, 255).to(tl.uint32) * 0x01010101
+    not_t = t ^ 0xFFFFFFFF
+    high = 0x80808080
+    for w in tl.static_range(len(words)):
+        x = words[w]
+        r = (x | high) - (t & 0x7F7F7F7F)
+        ge = ((x & not_t) | ((x ^ not_t) & r)) & high  # x ^ ~t: 1 where the bits agree
+        if w == 0:
+            bits = ge
+        else:
+            bits = bits | (ge >> w)
+    return tl.where(threshold < 256, bits, 0).to(tl.int32, bitcast=True)
 
 
 @triton.jit
@@ -130,17 +178,17 @@ def dropout_keep_t(seed_lo, seed_hi, off_b, off_h, offs_m, start_n, threshold,
     """dropout_keep transposed, [BLOCK_N, BLOCK_M], for a tile whose rows are keys.
 
     There a thread holds two keys of a call, not sixteen, so drawing in place would repeat each
-    call 8 times. Instead each call packs its 16 decisions into one int32 where the calls are
-    (one per element of [BLOCK_M, CHUNKS, 8]); a sum over a unit axis keeps the compiler from
-    moving the draws into the transposed layout, so only the packed words change layout.
+    call 8 times. Instead each call packs its tile's decisions into one int32 where the calls
+    are (one per element of [BLOCK_M, CHUNKS, 8]); a sum over a unit axis keeps the compiler
+    from moving the draws into the transposed layout, so only the packed words change layout.
     """
-    byte = _tile_bytes(start_n, BLOCK_N)
-    words = _philox_words(seed_lo, seed_hi, off_b, off_h, offs_m, start_n, BLOCK_N)
-    bits = packed_keep(words, threshold)
+    byte = tile_bytes_in_words(start_n, BLOCK_N)
+    r0, r1, r2, r3 = _philox_words(seed_lo, seed_hi, off_b, off_h, offs_m, start_n, BLOCK_N)
+    bits = packed_keep(tile_words((r0, r1, r2, r3), start_n, BLOCK_N), threshold)
     bits = tl.sum(bits[:, :, :, None], axis=3)  # the layout firewall
     bits_t = tl.permute(bits, (1, 2, 0))  # [CHUNKS, 8, BLOCK_M]
-    keep = (bits_t[:, None, :, :] >> byte[None, :, None, None]) & 1  # [CHUNKS, BYTES, 8, M]
-    return tl.reshape(keep != 0, [BLOCK_N, offs_m.shape[0]])
+    keep = (bits_t[:, None, :, :] >> packed_bit(byte)[None, :, None, None]) & 1
+    return tl.reshape(keep != 0, [BLOCK_N, offs_m.shape[0]])  # from [CHUNKS, BYTES, 8, M]
 
 
 @triton.jit(do_not_specialize=["seed_lo", "seed_hi", "threshold"])
