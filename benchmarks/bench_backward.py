@@ -6,6 +6,7 @@ the grid.
     PYTHONPATH=src python3 benchmarks/bench_backward.py --out DIR [--seqlens 1024,4096,16384]
                                                         [--skip-sweep] [--budget SECONDS]
                                                         [--parts check,sweep,grid,varlen]
+                                                        [--varlen-sets 2x8k,8x2k,ragged16]
 
 Variants: gluon (the default path: Gluon dK/dV and dQ kernels), gluon_best (each kernel's
 fastest tile of this run's sweep), gluon_atomic (dQ by bulk TMA reduce-adds from the dK/dV kernel
@@ -221,11 +222,12 @@ def _packed(lengths, head_dim, causal):
     return q, k, v, dout, params
 
 
-def varlen(log, rows, head_dims):
+def varlen(log, rows, head_dims, sets=tuple(VARLEN_SETS)):
     """Gluon varlen backward against dense / padded and the Triton varlen kernels, cuDNN as
-    the anchor (see the module docstring)."""
+    the anchor (see the module docstring), for the VARLEN_SETS named in `sets`."""
     for head_dim in head_dims:
-        for label, lengths in VARLEN_SETS.items():
+        for label in sets:
+            lengths = VARLEN_SETS[label]
             for causal in (False, True):
                 q, k, v, dout, params = _packed(lengths, head_dim, causal)
                 out, lse = saved_forward(q, k, v, params)
@@ -285,6 +287,7 @@ def main():
     ap.add_argument("--budget", type=float, default=200.0, help="seconds before the grid stops")
     ap.add_argument("--parts", default="check,sweep,grid")
     ap.add_argument("--varlen-head-dims", default="128")
+    ap.add_argument("--varlen-sets", default=",".join(VARLEN_SETS))
     args = ap.parse_args()
     parts = args.parts.split(",")
     start = time.time()
@@ -316,7 +319,8 @@ def main():
         grid(log, [int(s) for s in args.seqlens.split(",")], result["grid"],
              start + args.budget, args.variants.split(","), best)
     if "varlen" in parts:
-        varlen(log, result["varlen"], [int(d) for d in args.varlen_head_dims.split(",")])
+        varlen(log, result["varlen"], [int(d) for d in args.varlen_head_dims.split(",")],
+               args.varlen_sets.split(","))
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d_%H%M")
     path = os.path.join(args.out, f"backward_{stamp}.json")
     with open(path, "w") as f:

@@ -1,7 +1,8 @@
 """What each kernel feature costs on the Triton backend (issue 4), with anchors in the same run.
 
     PYTHONPATH=src python3 benchmarks/bench_features.py --out DIR [--compile-only] [--jobs N]
-        [--parts costs,window,varlen,varlen_ab,ragged] [--forward-only]
+        [--parts costs,window,varlen,varlen_ab,ragged] [--forward-only] [--cases full,dropout]
+        [--tag _name]
 
 Five parts, bf16, head dim 128, times from triton.testing.do_bench medians (bench_triton.bench):
     costs    each feature against the plain kernel at seqlen 8k (batch 2, 16 heads), forward
@@ -263,10 +264,12 @@ EQUAL = {"2x8k": [8192] * 2, "8x2k": [2048] * 8}
 VARLEN_LAYOUTS = ("dense", "varlen", "varlen_triton", "cudnn")
 
 
-def cases(parts=("costs", "window", "varlen", "varlen_ab", "ragged")):
-    """(label, function, args) of every measurement of `parts`, in the order they are timed."""
+def cases(parts=("costs", "window", "varlen", "varlen_ab", "ragged"), names=None):
+    """(label, function, args) of every measurement of `parts`, in the order they are timed;
+    names (a set of COST_BASE keys and cudnn_full / cudnn_causal) keeps only those costs."""
     out = [(f"cost {n}", case_cost, (n,)) for n in COST_BASE]
-    out += [(f"cost cudnn causal={c}", case_cost_anchor, (c,)) for c in (False, True)]
+    out += [(f"cost cudnn_{'causal' if c else 'full'}", case_cost_anchor, (c,))
+            for c in (False, True)]
     out += [(f"window {i}", case_window, (i,)) for i in
             ("ours_window", "ours_causal", "flex_window", "cudnn_causal", "flash_causal")]
     for label, lengths in EQUAL.items():
@@ -279,13 +282,14 @@ def cases(parts=("costs", "window", "varlen", "varlen_ab", "ragged")):
             out.append((f"varlen_ab {label} causal={causal}", case_varlen_ab, (lengths, causal)))
     for layout in VARLEN_LAYOUTS:
         out.append((f"ragged {layout}", case_varlen, (layout, RAGGED, True)))
-    return [case for case in out if case[0].split()[0].replace("cost", "costs") in parts]
+    return [case for case in out if case[0].split()[0].replace("cost", "costs") in parts
+            and (names is None or case[0].split()[0] != "cost" or case[0].split()[1] in names)]
 
 
-def _compile(i, parts, forward_only):
+def _compile(i, parts, forward_only, names):
     global FORWARD_ONLY
     FORWARD_ONLY = forward_only
-    label, fn, args = cases(parts)[i]
+    label, fn, args = cases(parts, names)[i]
     fn(*args, timed=False)
     return label
 
@@ -331,15 +335,19 @@ def main():
     ap.add_argument("--jobs", type=int, default=6)
     ap.add_argument("--parts", default="costs,window,varlen,varlen_ab,ragged")
     ap.add_argument("--forward-only", action="store_true")
+    ap.add_argument("--cases", default=None,
+                    help="comma list: only these costs cases (COST_BASE keys, cudnn_full, ...)")
+    ap.add_argument("--tag", default="", help="appended to the result file's name")
     args = ap.parse_args()
+    names = set(args.cases.split(",")) if args.cases else None
     global FORWARD_ONLY
     FORWARD_ONLY = args.forward_only
     parts = tuple(args.parts.split(","))
     if args.compile_only:
         ctx = multiprocessing.get_context("spawn")
         with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=ctx) as pool:
-            futures = {pool.submit(_compile, i, parts, args.forward_only): label
-                       for i, (label, _, _) in enumerate(cases(parts))}
+            futures = {pool.submit(_compile, i, parts, args.forward_only, names): label
+                       for i, (label, _, _) in enumerate(cases(parts, names))}
             for future in concurrent.futures.as_completed(futures):
                 error = future.exception()
                 print("compiled" if error is None else f"FAILED {error!r:.300}", futures[future],
@@ -348,8 +356,9 @@ def main():
     env = environment()
     rows = []
     stamp = datetime.datetime.now().strftime("%Y%m%d_%H%M")
-    path = os.path.join(args.out, f"features_{stamp}{'_fwd' if FORWARD_ONLY else ''}.json")
-    for label, fn, fn_args in cases(parts):
+    path = os.path.join(args.out, f"features_{stamp}{'_fwd' if FORWARD_ONLY else ''}"
+                                  f"{args.tag}.json")
+    for label, fn, fn_args in cases(parts, names):
         try:
             row = fn(*fn_args)
         except Exception as error:  # one broken case must not cost the rest of the run
