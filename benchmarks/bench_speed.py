@@ -27,11 +27,15 @@ from flashkit.ops.triton.configs import HOPPER, gluon_forward_tile  # noqa: E402
 fwd_mod = importlib.import_module("flashkit.ops.triton.forward")
 hop_mod = importlib.import_module("flashkit.ops.triton.forward_hopper")
 
-# (BLOCK_N, NUM_STAGES, CONSUMERS, SPECIALIZED, PINGPONG) measured in every cell besides the
-# configured one.
+# (BLOCK_N, NUM_STAGES, CONSUMERS, SPECIALIZED, PINGPONG, PERSISTENT) measured in every cell
+# besides the configured one.
 CANDIDATES = {
-    128: [(64, 3, 1, False, False), (128, 2, 2, True, True)],
-    64: [(128, 2, 1, False, False), (128, 2, 3, True, True)],
+    256: [(64, 2, 2, True, True, False), (64, 2, 2, True, False, False),
+          (32, 4, 2, True, True, False), (64, 2, 2, True, True, True)],
+    128: [(64, 3, 1, False, False, False), (128, 2, 2, True, True, False),
+          (128, 2, 2, True, True, True)],
+    64: [(128, 2, 1, False, False, False), (128, 2, 3, True, True, False),
+         (128, 2, 3, True, True, True)],
 }
 
 
@@ -60,6 +64,35 @@ def anchor_fwd(name, q, k, v, causal):
             return sdpa(qh, kh, vh, is_causal=causal)
 
     return bench(run)
+
+
+def _compile_one(job):
+    """Run one Gluon forward variant (head_dim, causal, tile) at a small size: its kernel lands
+    in Triton's cache (the same specialization as the grid's: lengths multiples of 128)."""
+    head_dim, causal, tile = job
+    q, k, v = (torch.randn(1, 256, 2048 // head_dim, head_dim, dtype=torch.bfloat16,
+                           device="cuda") for _ in range(3))
+    try:
+        hop_mod.attention_forward(q, k, v, params_for(head_dim, causal), tile=tile)
+        fwd_mod.attention_forward(q, k, v, params_for(head_dim, causal),
+                                  tile=HOPPER["forward"][head_dim])
+        torch.cuda.synchronize()
+        return None
+    except Exception as e:  # reported again (and logged) by the grid
+        return f"{job}: {type(e).__name__}"
+
+
+def precompile(log, head_dims, seqlens, workers):
+    """Compile every variant of the grid in parallel processes first, so the timed grid (one
+    process) finds them in the cache instead of compiling ~40 kernels one after another."""
+    import multiprocessing
+
+    jobs = {(d, causal, tile) for d in head_dims for causal in (False, True)
+            for tile in CANDIDATES[d] + [gluon_forward_tile(d, s, causal) for s in seqlens]}
+    start = time.time()
+    with multiprocessing.get_context("spawn").Pool(workers) as pool:
+        failed = [r for r in pool.map(_compile_one, sorted(jobs)) if r]
+    log(f"precompiled {len(jobs)} variants in {time.time() - start:.0f} s; failed: {failed}")
 
 
 def grid(log, rows, head_dims, seqlens, anchors):
@@ -128,7 +161,7 @@ def features(log, rows, seqlen=8192, head_dim=128):
                           tile=HOPPER["forward"][head_dim])
         else:
             assert hop_mod.eligible(q, k, v, params, None, None, None), name
-            tile = (64, 3, 1, False, False) if name.endswith("_one_warpgroup") else None
+            tile = (64, 3, 1, False, False, False) if name.endswith("_one_warpgroup") else None
             run = partial(hop_mod.attention_forward, q, k, v, params, tile=tile)
         ms[name] = bench(run)
         cost = ms[name] / ms[base] if base else None
@@ -145,7 +178,14 @@ def main():
     ap.add_argument("--head-dims", default="128,64")
     ap.add_argument("--seqlens", default="1024,2048,4096,8192,16384")
     ap.add_argument("--anchors", default="cudnn,flash,flex")
+    ap.add_argument("--precompile", type=int, default=0, help="processes compiling the grid's "
+                    "variants first (0: none)")
+    ap.add_argument("--skip-persistent", action="store_true",
+                    help="leave the persistent candidates out")
     args = ap.parse_args()
+    if args.skip_persistent:
+        for tiles in CANDIDATES.values():
+            tiles[:] = [tile for tile in tiles if not tile[5]]
     env = environment()
     stamp = time.strftime("%Y%m%d_%H%M", time.gmtime())
     path = os.path.join(args.out, f"speed_{stamp}.json")
@@ -161,9 +201,12 @@ def main():
     log(str(env))
     if not args.skip_features:
         features(log, feature_rows)
+    head_dims = [int(d) for d in args.head_dims.split(",")]
+    seqlens = [int(s) for s in args.seqlens.split(",")]
+    if args.precompile:
+        precompile(log, head_dims, seqlens, args.precompile)
     if not args.skip_grid:
-        grid(log, rows, [int(d) for d in args.head_dims.split(",")],
-             [int(s) for s in args.seqlens.split(",")], args.anchors.split(","))
+        grid(log, rows, head_dims, seqlens, args.anchors.split(","))
     return 0
 
 
