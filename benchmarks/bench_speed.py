@@ -27,15 +27,13 @@ from flashkit.ops.triton.configs import HOPPER, gluon_forward_tile  # noqa: E402
 fwd_mod = importlib.import_module("flashkit.ops.triton.forward")
 hop_mod = importlib.import_module("flashkit.ops.triton.forward_hopper")
 
-# (BLOCK_N, NUM_STAGES, CONSUMERS, SPECIALIZED, PINGPONG, PERSISTENT) measured in every cell
-# besides the configured one.
+# (BLOCK_N, NUM_STAGES, CONSUMERS, SPECIALIZED, PINGPONG) measured in every cell besides the
+# configured one.
 CANDIDATES = {
-    256: [(64, 2, 2, True, True, False), (64, 2, 2, True, False, False),
-          (32, 4, 2, True, True, False), (64, 2, 2, True, True, True)],
-    128: [(64, 3, 1, False, False, False), (128, 2, 2, True, True, False),
-          (128, 2, 2, True, True, True)],
-    64: [(128, 2, 1, False, False, False), (128, 2, 3, True, True, False),
-         (128, 2, 3, True, True, True)],
+    256: [(64, 2, 2, True, True), (64, 2, 2, True, False), (32, 4, 2, True, True),
+          (64, 2, 1, False, False)],
+    128: [(64, 3, 1, False, False), (128, 2, 2, True, True)],
+    64: [(128, 2, 1, False, False), (128, 2, 3, True, True)],
 }
 
 
@@ -161,7 +159,7 @@ def features(log, rows, seqlen=8192, head_dim=128):
                           tile=HOPPER["forward"][head_dim])
         else:
             assert hop_mod.eligible(q, k, v, params, None, None, None), name
-            tile = (64, 3, 1, False, False, False) if name.endswith("_one_warpgroup") else None
+            tile = (64, 3, 1, False, False) if name.endswith("_one_warpgroup") else None
             run = partial(hop_mod.attention_forward, q, k, v, params, tile=tile)
         ms[name] = bench(run)
         cost = ms[name] / ms[base] if base else None
@@ -180,15 +178,11 @@ def main():
     ap.add_argument("--anchors", default="cudnn,flash,flex")
     ap.add_argument("--precompile", type=int, default=0, help="processes compiling the grid's "
                     "variants first (0: none)")
-    ap.add_argument("--skip-persistent", action="store_true",
-                    help="leave the persistent candidates out")
+    ap.add_argument("--tag", default="", help="appended to the result file's name")
     args = ap.parse_args()
-    if args.skip_persistent:
-        for tiles in CANDIDATES.values():
-            tiles[:] = [tile for tile in tiles if not tile[5]]
     env = environment()
     stamp = time.strftime("%Y%m%d_%H%M", time.gmtime())
-    path = os.path.join(args.out, f"speed_{stamp}.json")
+    path = os.path.join(args.out, f"speed_{stamp}{args.tag}.json")
     lines, rows, feature_rows = [], [], []
 
     def log(msg):

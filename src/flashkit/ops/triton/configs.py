@@ -58,13 +58,11 @@ USE_TMA = False
 # P V matmul of the previous one. Measured: see benchmarks/NOTES_triton.md.
 GLUON_FORWARD = True
 
-# Its tiles: (BLOCK_N, NUM_STAGES, CONSUMERS, SPECIALIZED, PINGPONG, PERSISTENT). Every
-# consumer is one warpgroup owning 64 query rows. SPECIALIZED: a producer warp issues the TMA
-# loads and CONSUMERS warpgroups share each K/V tile (FA3's layout, one program per SM at two or
-# three consumers); else one warpgroup issues its own loads and two or three programs share an
-# SM (session 2's kernel). PINGPONG (two or more consumers): they take turns issuing their
-# wgmmas. PERSISTENT (specialized): one program per SM loops over (query tile, head) items, its
-# producer loading the next item's Q and K/V while the consumers finish the last.
+# Its tiles: (BLOCK_N, NUM_STAGES, CONSUMERS, SPECIALIZED, PINGPONG). Every consumer is one
+# warpgroup owning 64 query rows. SPECIALIZED: a producer warp issues the TMA loads and
+# CONSUMERS warpgroups share each K/V tile (FA3's layout, one program per SM at two or three
+# consumers); else one warpgroup issues its own loads and two or three programs share an SM
+# (session 2's kernel). PINGPONG (two or more consumers): they take turns issuing their wgmmas.
 # Sweep 2026-11-21 05:10 (speed_20261121_0510.json, 4k, bf16, TFLOP/s full / causal): d128
 # two consumers + producer, BLOCK_N 128, ping-pong 599 / 518 (no ping-pong 597 / 513; session 2's
 # one-warpgroup (64, 3, 1) 512 / 461); d64 the one-warpgroup kernel stays best: (128, 2, 1)
@@ -74,23 +72,22 @@ GLUON_FORWARD = True
 # warpgroup 429/438/450; causal 376/441/481 vs 373/409/428; 05:36: full 460/499/515 vs
 # 436/453/454, causal 356/428/473 vs 380/408/423), one warpgroup up to 2k (1k 389/278 vs
 # 329/197); BLOCK_N 256 (one warpgroup, 250 registers) 133-256 everywhere.
-# d256 (session 5): (64, 2, 2, producer, ping-pong) is provisional, chosen by fit, not yet by
-# speed: with two consumers only 64-key tiles fit (Q 64 KB + 2 stages of K and V at 32 KB each =
-# 192 KB of shared memory; 240 registers per consumer thread hold O's 128 and S's 32 without
-# spills, offline sm_90); correct on the H200 (2026-11-21 08:19, every GPU_CASES/VARLEN_CASES/
-# TAIL_CASES case at d256 with it and the other fitting schedules); its speed sweep
-# (bench_speed.py CANDIDATES[256]: no ping-pong, (32, 4, 2), persistent) is still to run.
-# PERSISTENT is in no row yet: the same 08:19 run hung on multi-item programs (an item's last V
-# buffer was never handed back), fixed since but not yet measured against the per-item grid.
+# d256 (session 5): with two consumers only 64-key tiles fit (Q 64 KB + 2 stages of K and V at
+# 32 KB each = 192 KB of shared memory; 240 registers per consumer thread hold O's 128 and S's
+# 32 without spills, offline sm_90). Sweep 2026-11-21 08:38 (speed_20261121_083*_d256_s*.json,
+# bf16, 1k/2k/4k/16k TFLOP/s): full, (64, 2, 2) ping-pong 553/664/710/702 (no ping-pong
+# 542/618/672/696; (32, 4, 2) 422-517; one warpgroup (64, 2, 1) 325-420; cuDNN 611/643/670/669);
+# causal, no ping-pong 381/487/552/670 (ping-pong 380/475/543/668; cuDNN 455/528/556/616).
 # Rows (head_dim, banded, longest seqlen_q or None, tile), the first match wins; banded: a right
 # bound (causal or a window).
 GLUON_FORWARD_TILES = (
-    (64, False, 2048, (128, 2, 1, False, False, False)),
-    (64, True, 4096, (128, 2, 1, False, False, False)),
-    (64, None, None, (128, 2, 3, True, True, False)),
-    (128, True, 1024, (64, 3, 1, False, False, False)),
-    (128, None, None, (128, 2, 2, True, True, False)),
-    (256, None, None, (64, 2, 2, True, True, False)),
+    (64, False, 2048, (128, 2, 1, False, False)),
+    (64, True, 4096, (128, 2, 1, False, False)),
+    (64, None, None, (128, 2, 3, True, True)),
+    (128, True, 1024, (64, 3, 1, False, False)),
+    (128, None, None, (128, 2, 2, True, True)),
+    (256, True, None, (64, 2, 2, True, False)),
+    (256, None, None, (64, 2, 2, True, True)),
 )
 
 
