@@ -32,8 +32,10 @@ hop_mod = importlib.import_module("flashkit.ops.triton.forward_hopper")
 CANDIDATES = {
     256: [(64, 2, 2, True, True), (64, 2, 2, True, False), (32, 4, 2, True, True),
           (64, 2, 1, False, False)],
-    128: [(64, 3, 1, False, False), (128, 2, 2, True, True)],
-    64: [(128, 2, 1, False, False), (128, 2, 3, True, True)],
+    128: [(64, 3, 1, False, False), (128, 2, 2, True, True), (64, 2, 1, True, False),
+          (64, 3, 1, True, False), (64, 2, 2, True, True)],
+    64: [(128, 2, 1, False, False), (128, 2, 3, True, True), (128, 2, 1, True, False),
+         (128, 2, 2, True, True)],
 }
 
 

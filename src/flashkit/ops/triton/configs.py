@@ -78,6 +78,14 @@ GLUON_FORWARD = True
 # bf16, 1k/2k/4k/16k TFLOP/s): full, (64, 2, 2) ping-pong 553/664/710/702 (no ping-pong
 # 542/618/672/696; (32, 4, 2) 422-517; one warpgroup (64, 2, 1) 325-420; cuDNN 611/643/670/669);
 # causal, no ping-pong 381/487/552/670 (ping-pong 380/475/543/668; cuDNN 455/528/556/616).
+# Short lengths, 08:41 (speed_20261121_084*_d{64,128}_s*.json, 1k/2k full / causal): the rows
+# above stay best in 7 of 8 cells against a producer with one consumer (two programs per SM:
+# d128 (64, 2, 1) 454/351 at 1k, 492/416 at 2k; (64, 3, 1) 452/346, 497/410; d64 (128, 2, 1)
+# 367/256, 411/327) and two consumers on 64-key tiles (d128 425/304, 480/387; d64 (128, 2, 2)
+# 331/221, 390/303); configured d128 479/344, 580/433, d64 404/285, 448/341; cuDNN d128
+# 581/435, 635/504, d64 438/335, 464/390. The one win, d128 1k causal (64, 2, 1) +2%, is
+# within noise and not taken: the <= 2k gap is no tile choice (FA3 closes it with a persistent
+# grid, see benchmarks/NOTES_triton.md).
 # Rows (head_dim, banded, longest seqlen_q or None, tile), the first match wins; banded: a right
 # bound (causal or a window).
 GLUON_FORWARD_TILES = (
