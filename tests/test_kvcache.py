@@ -723,14 +723,16 @@ PREFILL_CASES = {  # name: (mask, Case options, call options ("int": cache_seqle
     "full_features": ("full", dict(alibi_slopes=torch.rand(3, 16), sink=torch.randn(16),
                                    softcap=3.0), {}),
     "causal_no_append_in_order": ("causal", dict(seqlen_new=0), {"in_order": True}),
+    "causal_rotary_d256": ("causal", dict(d=256, rotary="neox"), {}),
 }
 
 
 def _prefill_case(mask, options, call):
-    """bf16 d128 GQA 8:1, 512 query rows over a contiguous cache of 1536 slots, ragged lengths
-    (one empty sequence, one full), cache rows permuted (or in order with cache_batch_idx
-    None); returns (case, extra call kwargs)."""
-    case = Case(batch=3, nheads=16, nheads_k=2, d=128, capacity=1536, seqlen_q=512,
+    """bf16 d128 (or options' d) GQA 8:1, 512 query rows over a contiguous cache of 1536 slots,
+    ragged lengths (one empty sequence, one full), cache rows permuted (or in order with
+    cache_batch_idx None); returns (case, extra call kwargs)."""
+    case = Case(batch=3, nheads=16, nheads_k=2, d=options.pop("d", 128), capacity=1536,
+                seqlen_q=512,
                 seqlen_new=options.pop("seqlen_new", 512), dtype=torch.bfloat16, **options,
                 **MASKS[mask])
     kw = {}
