@@ -27,15 +27,23 @@ from flashkit.ops.triton.configs import HOPPER, gluon_forward_tile  # noqa: E402
 fwd_mod = importlib.import_module("flashkit.ops.triton.forward")
 hop_mod = importlib.import_module("flashkit.ops.triton.forward_hopper")
 
-# (BLOCK_N, NUM_STAGES, CONSUMERS, SPECIALIZED, PINGPONG) measured in every cell besides the
-# configured one.
+# (BLOCK_N, NUM_STAGES, CONSUMERS, SPECIALIZED, PINGPONG, PERSISTENT) measured in every cell
+# besides the configured one (--candidates persistent: the persistent grid against the
+# specialized tiles it would replace).
 CANDIDATES = {
-    256: [(64, 2, 2, True, True), (64, 2, 2, True, False), (32, 4, 2, True, True),
-          (64, 2, 1, False, False)],
-    128: [(64, 3, 1, False, False), (128, 2, 2, True, True), (64, 2, 1, True, False),
-          (64, 3, 1, True, False), (64, 2, 2, True, True)],
-    64: [(128, 2, 1, False, False), (128, 2, 3, True, True), (128, 2, 1, True, False),
-         (128, 2, 2, True, True)],
+    256: [(64, 2, 2, True, True, False), (64, 2, 2, True, False, False),
+          (32, 4, 2, True, True, False), (64, 2, 1, False, False, False)],
+    128: [(64, 3, 1, False, False, False), (128, 2, 2, True, True, False),
+          (64, 2, 1, True, False, False), (64, 3, 1, True, False, False),
+          (64, 2, 2, True, True, False)],
+    64: [(128, 2, 1, False, False, False), (128, 2, 3, True, True, False),
+         (128, 2, 1, True, False, False), (128, 2, 2, True, True, False)],
+}
+PERSISTENT_CANDIDATES = {
+    128: [(128, 2, 2, True, True, False), (128, 2, 2, True, True, True),
+          (64, 2, 1, True, False, True)],
+    64: [(128, 2, 3, True, True, False), (128, 2, 3, True, True, True),
+         (128, 2, 2, True, True, True), (128, 2, 1, True, False, True)],
 }
 
 
@@ -95,10 +103,10 @@ def precompile(log, head_dims, seqlens, workers):
     log(f"precompiled {len(jobs)} variants in {time.time() - start:.0f} s; failed: {failed}")
 
 
-def grid(log, rows, head_dims, seqlens, anchors):
+def grid(log, rows, head_dims, seqlens, anchors, modes=(False, True)):
     for head_dim in head_dims:
         for seqlen in seqlens:
-            for causal in (False, True):
+            for causal in modes:
                 q, k, v, _ = inputs(seqlen, head_dim, torch.bfloat16)
                 params = params_for(head_dim, causal)
                 f = flops(q.shape[0], q.shape[2], seqlen, head_dim, causal, "fwd")
@@ -161,7 +169,7 @@ def features(log, rows, seqlen=8192, head_dim=128):
                           tile=HOPPER["forward"][head_dim])
         else:
             assert hop_mod.eligible(q, k, v, params, None, None, None), name
-            tile = (64, 3, 1, False, False) if name.endswith("_one_warpgroup") else None
+            tile = (64, 3, 1, False, False, False) if name.endswith("_one_warpgroup") else None
             run = partial(hop_mod.attention_forward, q, k, v, params, tile=tile)
         ms[name] = bench(run)
         cost = ms[name] / ms[base] if base else None
@@ -181,7 +189,11 @@ def main():
     ap.add_argument("--precompile", type=int, default=0, help="processes compiling the grid's "
                     "variants first (0: none)")
     ap.add_argument("--tag", default="", help="appended to the result file's name")
+    ap.add_argument("--modes", default="full,causal", help="comma-separated: full, causal")
+    ap.add_argument("--candidates", choices=("tiles", "persistent"), default="tiles")
     args = ap.parse_args()
+    if args.candidates == "persistent":
+        CANDIDATES.update(PERSISTENT_CANDIDATES)
     env = environment()
     stamp = time.strftime("%Y%m%d_%H%M", time.gmtime())
     path = os.path.join(args.out, f"speed_{stamp}{args.tag}.json")
@@ -202,7 +214,8 @@ def main():
     if args.precompile:
         precompile(log, head_dims, seqlens, args.precompile)
     if not args.skip_grid:
-        grid(log, rows, head_dims, seqlens, args.anchors.split(","))
+        grid(log, rows, head_dims, seqlens, args.anchors.split(","),
+             [mode == "causal" for mode in args.modes.split(",")])
     return 0
 
 

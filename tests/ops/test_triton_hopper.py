@@ -3,8 +3,8 @@ table gives, and its outputs against the float64 oracle (DESIGN section 5) on ev
 takes, dense and varlen (packed sequences, lengths 0 and 1, a contiguous cache through
 seqused_k), at head dims 64, 128 and 256, with each schedule of configs.GLUON_FORWARD_TILES'
 kind (one warpgroup issuing its own loads; producer warp with one, two or three consumers, with
-and without ping-pong), dropout against the oracle with the Triton kernels' own keep-mask and,
-bit for bit, against the Triton varlen kernel's dropped elements."""
+and without ping-pong, persistent), dropout against the oracle with the Triton kernels' own
+keep-mask and, bit for bit, against the Triton varlen kernel's dropped elements."""
 
 from __future__ import annotations
 
@@ -27,21 +27,24 @@ from flashkit.testing import assert_close_to_oracle, dropout_keep_mask, poison
 hopper = importlib.import_module("flashkit.ops.triton.forward_hopper")
 triton_forward = importlib.import_module("flashkit.ops.triton.forward")  # the module
 
-# (BLOCK_N, NUM_STAGES, CONSUMERS, SPECIALIZED, PINGPONG)
+# (BLOCK_N, NUM_STAGES, CONSUMERS, SPECIALIZED, PINGPONG, PERSISTENT)
 SCHEDULES = {
-    "inline": (64, 3, 1, False, False),
-    "producer": (128, 2, 1, True, False),
-    "two": (128, 2, 2, True, False),
-    "pingpong": (64, 2, 2, True, True),
-    "three": (128, 2, 3, True, True),
+    "inline": (64, 3, 1, False, False, False),
+    "producer": (128, 2, 1, True, False, False),
+    "two": (128, 2, 2, True, False, False),
+    "pingpong": (64, 2, 2, True, True, False),
+    "three": (128, 2, 3, True, True, False),
+    "persistent": (128, 2, 2, True, True, True),
+    "persistent_three": (64, 2, 3, True, False, True),
 }
-WIDE = (256, 2, 1, False, False)  # d64 only (a 64 x 256 score tile per warpgroup)
+WIDE = (256, 2, 1, False, False, False)  # d64 only (a 64 x 256 score tile per warpgroup)
 # Head dim 256 (a 64 x 256 fp32 O is 128 registers per thread; 32 KB per 64-key K or V buffer):
 # the schedules whose shared memory fits besides the configured one.
 D256_SCHEDULES = {
-    "inline": (64, 2, 1, False, False),
-    "two": (64, 2, 2, True, False),
-    "narrow": (32, 4, 2, True, True),
+    "inline": (64, 2, 1, False, False, False),
+    "two": (64, 2, 2, True, False, False),
+    "narrow": (32, 4, 2, True, True, False),
+    "persistent": (64, 2, 2, True, True, True),
 }
 
 
@@ -82,7 +85,7 @@ def test_tile_table():
         for banded in (False, True):
             for seqlen in (1, 1024, 1025, 16384):
                 tile = gluon_forward_tile(head_dim, seqlen, banded)
-                assert len(tile) == 5 and tile[2] in (1, 2, 3)
+                assert len(tile) == 6 and tile[2] in (1, 2, 3)
     for head_dim, banded, longest, tile in GLUON_FORWARD_TILES:
         if longest is not None:
             assert gluon_forward_tile(head_dim, longest, bool(banded)) == tile
@@ -257,6 +260,24 @@ def test_gpu_gluon_next_batch_entry_does_not_leak(case, tile):
     assert_close_to_oracle("lse", lse[finite], oracle[1], baseline[1])
 
 
+PERSISTENT = {name: tile for name, tile in (*SCHEDULES.items(), *(
+    (f"d256_{name}", tile) for name, tile in D256_SCHEDULES.items())) if tile[5]}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _on_hopper(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("programs", [1, 5])
+@pytest.mark.parametrize("schedule", sorted(PERSISTENT))
+@pytest.mark.parametrize("case", [GPU_CASES[i] for i in (1, 10, 19, 22)], ids=str)
+def test_gpu_gluon_persistent_programs_take_many_items(case, schedule, programs, monkeypatch):
+    """A persistent grid of 1 or 5 programs: each walks many (query tile, head) items, so the
+    K/V ring, Q's buffer and the ping-pong turns carry over from item to item (with the
+    configured grid of one program per SM the test shapes give most programs one item)."""
+    monkeypatch.setattr(hopper, "_programs_per_device", lambda device, consumers: programs)
+    tile = PERSISTENT[schedule]
+    _run_case(at_head_dim(case, 256) if schedule.startswith("d256") else case, tile)
+
+
 # ---- varlen -------------------------------------------------------------------------------------
 
 LENGTHS_Q = [1000, 0, 1, 517, 130, 3, 300, 64]  # lengths 0 and 1, odd, q < k and q > k
@@ -355,6 +376,18 @@ def test_gpu_gluon_varlen_wide_tile_matches_oracle(case):
 @pytest.mark.parametrize("case", [at_head_dim(c, 256) for c in VARLEN_CASES], ids=str)
 def test_gpu_gluon_varlen_d256_matches_oracle(case, schedule):
     check_varlen(case, D256_SCHEDULES.get(schedule))
+
+
+@pytest.mark.gpu
+@gpu_hopper
+@pytest.mark.parametrize("schedule", sorted(PERSISTENT))
+@pytest.mark.parametrize("case", [VARLEN_CASES[i] for i in (0, 3, 6)], ids=str)
+def test_gpu_gluon_varlen_persistent_programs_take_many_items(case, schedule, monkeypatch):
+    """Varlen through 3 persistent programs: items past a sequence's end (lengths 0, 1, 3)
+    take no tiles and store nothing between items that do."""
+    monkeypatch.setattr(hopper, "_programs_per_device", lambda device, consumers: 3)
+    tile = PERSISTENT[schedule]
+    check_varlen(at_head_dim(case, 256) if schedule.startswith("d256") else case, tile)
 
 
 @pytest.mark.gpu

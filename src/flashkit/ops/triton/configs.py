@@ -58,11 +58,14 @@ USE_TMA = False
 # P V matmul of the previous one. Measured: see benchmarks/NOTES_triton.md.
 GLUON_FORWARD = True
 
-# Its tiles: (BLOCK_N, NUM_STAGES, CONSUMERS, SPECIALIZED, PINGPONG). Every consumer is one
-# warpgroup owning 64 query rows. SPECIALIZED: a producer warp issues the TMA loads and
-# CONSUMERS warpgroups share each K/V tile (FA3's layout, one program per SM at two or three
-# consumers); else one warpgroup issues its own loads and two or three programs share an SM
-# (session 2's kernel). PINGPONG (two or more consumers): they take turns issuing their wgmmas.
+# Its tiles: (BLOCK_N, NUM_STAGES, CONSUMERS, SPECIALIZED, PINGPONG, PERSISTENT). Every
+# consumer is one warpgroup owning 64 query rows. SPECIALIZED: a producer warp issues the TMA
+# loads and CONSUMERS warpgroups share each K/V tile (FA3's layout, one program per SM at two or
+# three consumers); else one warpgroup issues its own loads and two or three programs share an
+# SM (session 2's kernel). PINGPONG (two or more consumers): they take turns issuing their
+# wgmmas. PERSISTENT (specialized): one program per SM (two at one consumer) loops over
+# (query tile, head) items, its producer loading the next item's Q and K/V while the consumers
+# finish the last; causal items are dealt longest first.
 # Sweep 2026-11-21 05:10 (speed_20261121_0510.json, 4k, bf16, TFLOP/s full / causal): d128
 # two consumers + producer, BLOCK_N 128, ping-pong 599 / 518 (no ping-pong 597 / 513; session 2's
 # one-warpgroup (64, 3, 1) 512 / 461); d64 the one-warpgroup kernel stays best: (128, 2, 1)
@@ -86,16 +89,27 @@ GLUON_FORWARD = True
 # 581/435, 635/504, d64 438/335, 464/390. The one win, d128 1k causal (64, 2, 1) +2%, is
 # within noise and not taken: the <= 2k gap is no tile choice (FA3 closes it with a persistent
 # grid, see benchmarks/NOTES_triton.md).
+# Persistent grid, 08:55 (speed_20261121_0855_persistent.json, bf16, TFLOP/s persistent vs the
+# per-item grid of the same tile, full / causal; GPU tests of 1/3/5-program grids passed first):
+# d128 (128, 2, 2) full 552 vs 477 at 1k, 588 vs 579 at 2k, 621 vs 642 at 4k; causal (items
+# dealt longest first) 333/411/483 vs 321/430/507 and the configured 344 at 1k; d64 full (128,
+# 2, 3) 384/462/480 vs 342/437/493 (configured (128, 2, 1) 402/449 at 1k/2k, (128, 2, 2)
+# persistent 394/427), causal 225-378, below the configured 286/338/383. Repeated 08:56
+# (_repeat1/2.json): d128 full 1k 555/554 vs 477/476 (0.96x cuDNN, 1.69x FA2), 2k 575/587 vs
+# 548/548. So d128 full up to 2k takes it (1k +16%, 2k +2/+5/+7%); everywhere else the per-item
+# grid stays (likely: causal work dealt statically balances worse than the hardware's dynamic
+# block scheduling, and from 4k the per-item prologue/epilogue it hides weighs little).
 # Rows (head_dim, banded, longest seqlen_q or None, tile), the first match wins; banded: a right
 # bound (causal or a window).
 GLUON_FORWARD_TILES = (
-    (64, False, 2048, (128, 2, 1, False, False)),
-    (64, True, 4096, (128, 2, 1, False, False)),
-    (64, None, None, (128, 2, 3, True, True)),
-    (128, True, 1024, (64, 3, 1, False, False)),
-    (128, None, None, (128, 2, 2, True, True)),
-    (256, True, None, (64, 2, 2, True, False)),
-    (256, None, None, (64, 2, 2, True, True)),
+    (64, False, 2048, (128, 2, 1, False, False, False)),
+    (64, True, 4096, (128, 2, 1, False, False, False)),
+    (64, None, None, (128, 2, 3, True, True, False)),
+    (128, True, 1024, (64, 3, 1, False, False, False)),
+    (128, False, 2048, (128, 2, 2, True, True, True)),
+    (128, None, None, (128, 2, 2, True, True, False)),
+    (256, True, None, (64, 2, 2, True, False, False)),
+    (256, None, None, (64, 2, 2, True, True, False)),
 )
 
 

@@ -50,6 +50,8 @@ sink) gives out 0, lse -inf.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 
@@ -250,14 +252,15 @@ if gluon is not None:
             mbarrier.arrive(turns.index((CONSUMER + 1) % CONSUMERS), count=1)
 
     @gluon.jit
-    def _release_v(descs, smem, bars, tile, n_tiles, key0, kv_col, BLOCK_N: gl.constexpr,
+    def _release_v(descs, smem, bars, tile, ring, n_tiles, key0, kv_col, BLOCK_N: gl.constexpr,
                    NUM_STAGES: gl.constexpr, SPECIALIZED: gl.constexpr):
-        """This consumer's P V wgmma of tile `tile` completed: hand V's buffer to the producer,
-        or (unspecialized) refill the buffer with tile + NUM_STAGES after every warp is done."""
+        """This consumer's P V wgmma of tile `tile` (ring position ring + tile) completed: hand
+        V's buffer to the producer, or (unspecialized, ring 0) refill the buffer with tile +
+        NUM_STAGES after every warp is done."""
         k_desc, v_desc = descs
         q_smem, k_smem, v_smem = smem
-        q_bars, k_ready, v_ready, k_empty, v_empty, turns = bars
-        stage = tile % NUM_STAGES
+        q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, turns = bars
+        stage = (ring + tile) % NUM_STAGES
         if SPECIALIZED:
             mbarrier.arrive(v_empty.index(stage), count=1)
         else:
@@ -278,15 +281,15 @@ if gluon is not None:
         m, l). ctx: see _consumer. DROPOUT zeroes dropped P after l summed it (lse and l stay
         pre-dropout)."""
         (descs, smem, bars, q_tile, row0, rows, n_tiles, key0, key_start, kv_col, geo, alibi,
-         drop) = ctx
+         drop, ring, turn0) = ctx
         acc, p_op, m_i, l_i = state
         q_smem, k_smem, v_smem = smem
-        q_bars, k_ready, v_ready, k_empty, v_empty, turns = bars
-        stage = tile % NUM_STAGES
-        mbarrier.wait(k_ready.index(stage), (tile // NUM_STAGES) & 1)
-        prev = (tile - 1) % NUM_STAGES
-        mbarrier.wait(v_ready.index(prev), ((tile - 1) // NUM_STAGES) & 1)
-        _take_turn(turns, tile, CONSUMER, PINGPONG)
+        q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, turns = bars
+        stage = (ring + tile) % NUM_STAGES
+        mbarrier.wait(k_ready.index(stage), ((ring + tile) // NUM_STAGES) & 1)
+        prev = (ring + tile - 1) % NUM_STAGES
+        mbarrier.wait(v_ready.index(prev), ((ring + tile - 1) // NUM_STAGES) & 1)
+        _take_turn(turns, turn0 + tile, CONSUMER, PINGPONG)
         # [BLOCK_M, BLOCK_N] = [BLOCK_M, D] @ [D, BLOCK_N]
         s_tok = warpgroup_mma(q_tile, k_smem.index(stage).permute((1, 0)),
                               gl.zeros([BM, BLOCK_N], gl.float32, s_layout),
@@ -309,8 +312,8 @@ if gluon is not None:
         acc, p_op, p_next, alpha, l_i = warpgroup_mma_wait(
             num_outstanding=0, deps=(o_tok, p_op, p_next, alpha, l_i))
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-        _release_v((descs[1], descs[2]), smem, bars, tile - 1, n_tiles, key0, kv_col, BLOCK_N,
-                   NUM_STAGES, SPECIALIZED)
+        _release_v((descs[1], descs[2]), smem, bars, tile - 1, ring, n_tiles, key0, kv_col,
+                   BLOCK_N, NUM_STAGES, SPECIALIZED)
         return acc, p_next, m_i, l_i
 
     @gluon.jit
@@ -329,20 +332,24 @@ if gluon is not None:
         return state
 
     @gluon.jit
-    def _consumer(descs, smem, bars, scalars, CONSUMER: gl.constexpr, HEAD_DIM: gl.constexpr,
-                  BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
-                  SPECIALIZED: gl.constexpr, PINGPONG: gl.constexpr, HAS_LEFT: gl.constexpr,
-                  HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
-                  SINK: gl.constexpr, DROPOUT: gl.constexpr, KEY_TAIL: gl.constexpr):
-        """One warpgroup: query rows start_m + CONSUMER * BLOCK_M ... over the program's key
-        tiles [lo, lo + n_tiles * BLOCK_N), then out and lse of its rows."""
+    def _consumer(descs, smem, bars, scalars, ring, items, CONSUMER: gl.constexpr,
+                  HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                  CONSUMERS: gl.constexpr, SPECIALIZED: gl.constexpr, PINGPONG: gl.constexpr,
+                  HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
+                  ALIBI: gl.constexpr, SINK: gl.constexpr, DROPOUT: gl.constexpr,
+                  KEY_TAIL: gl.constexpr):
+        """One warpgroup: query rows start_m + CONSUMER * BLOCK_M ... over the work item's key
+        tiles [lo, lo + n_tiles * BLOCK_N), then out and lse of its rows. ring: the K/V tiles
+        the program consumed before this item (ring buffer positions continue across a
+        persistent program's items), items: its earlier items with tiles (Q's phase; each took
+        n_tiles + 1 turns, so this item's turns start at ring + items)."""
         (out_base, lse_base, Alibi, Sink, stride_os, stride_ab, stride_ah, off_b, off_h, start_m,
          lo, n_tiles, key0, kv_col, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
          softcap_scale, seed_lo, seed_hi, dropout_threshold, dropout_scale) = scalars
         geo = (seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale)
         drop = (seed_lo, seed_hi, dropout_threshold, off_b, off_h)
         q_smem, k_smem, v_smem = smem
-        q_bars, k_ready, v_ready, k_empty, v_empty, turns = bars
+        q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, turns = bars
         dtype: gl.constexpr = q_smem.dtype
 
         # Accumulators in the wgmma layout: warps stacked along the rows, 16 rows per warp.
@@ -375,19 +382,21 @@ if gluon is not None:
         t_lo = gl.maximum(gl.minimum(gl.cdiv(gl.maximum(mid_lo - lo, 0), BLOCK_N), n_tiles), 1)
         t_hi = gl.maximum(gl.minimum(gl.maximum((mid_hi - lo) // BLOCK_N, t_lo), n_tiles), 1)
         q_tile = q_smem.index(CONSUMER)
+        turn0 = ring + items
         ctx = (descs, smem, bars, q_tile, row0, rows, n_tiles, key0, lo, kv_col, geo, alibi,
-               drop)
+               drop, ring, turn0)
         if n_tiles > 0:
             # Tile 0 on its own: its scores, nothing to add to O yet (masked: exact anywhere).
-            mbarrier.wait(q_bars.index(CONSUMER), 0)
-            mbarrier.wait(k_ready.index(0), 0)
-            _take_turn(turns, 0, CONSUMER, PINGPONG)
-            s_tok = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)),
+            first = ring % NUM_STAGES
+            mbarrier.wait(q_bars.index(CONSUMER), items & 1)
+            mbarrier.wait(k_ready.index(first), (ring // NUM_STAGES) & 1)
+            _take_turn(turns, turn0, CONSUMER, PINGPONG)
+            s_tok = warpgroup_mma(q_tile, k_smem.index(first).permute((1, 0)),
                                   gl.zeros([BM, BLOCK_N], gl.float32, s_layout), use_acc=False,
                                   is_async=True)
             _pass_turn(turns, CONSUMER, CONSUMERS, PINGPONG)
             qk = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
-            _release_k(k_empty, 0, SPECIALIZED)
+            _release_k(k_empty, first, SPECIALIZED)
             cols = lo + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
             p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, rows, gl.expand_dims(cols, 0), lo,
                                                geo, alibi, True, HAS_LEFT, HAS_RIGHT, SOFTCAP,
@@ -425,16 +434,20 @@ if gluon is not None:
                            CONSUMER, CONSUMERS, PINGPONG, True, HAS_LEFT, HAS_RIGHT, SOFTCAP,
                            ALIBI, 0, DROPOUT, s_layout, o_layout, p_layout)
             acc, p_op, m_i, l_i = state
+            if SPECIALIZED:  # every S wgmma of this item completed: Q's buffer is free
+                mbarrier.arrive(q_empty.index(CONSUMER), count=1)
 
-            last = (n_tiles - 1) % NUM_STAGES
-            mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // NUM_STAGES) & 1)
+            last = (ring + n_tiles - 1) % NUM_STAGES
+            mbarrier.wait(v_ready.index(last), ((ring + n_tiles - 1) // NUM_STAGES) & 1)
             if KEY_TAIL:  # only the last tile can reach past the sequence's keys
                 _zero_key_tail(v_smem.index(last), seqlen_k - lo - (n_tiles - 1) * BLOCK_N,
                                BLOCK_N, HEAD_DIM)
-            _take_turn(turns, n_tiles, CONSUMER, PINGPONG)
+            _take_turn(turns, turn0 + n_tiles, CONSUMER, PINGPONG)
             o_tok = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
             _pass_turn(turns, CONSUMER, CONSUMERS, PINGPONG)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, ))
+            if SPECIALIZED:  # the last V buffer too: a persistent program's next item needs it
+                mbarrier.arrive(v_empty.index(last), count=1)
 
         # A row with no visible key (and no sink) has l = 0: out 0 (acc is 0), lse -inf.
         has_mass = l_i > 0.0
@@ -453,21 +466,23 @@ if gluon is not None:
         gl.store(lse_base + rows_1d, lse, mask=rows_1d < seqlen_q)
 
     @gluon.jit
-    def _producer(descs, smem, bars, n_tiles, key0, kv_col, q_row, q_col,
+    def _producer(descs, smem, bars, n_tiles, key0, kv_col, q_row, q_col, ring, items,
                   CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
-        """The producer warp: Q of every consumer, then K and V tiles into the ring as the
-        consumers free its buffers (a fresh mbarrier passes a wait on phase 1, so the first
-        NUM_STAGES waits pass)."""
+        """The producer warp, one work item: Q of every consumer once that consumer's last S of
+        the program's previous item completed, then K and V tiles into the ring (positions
+        ring ..) as the consumers free its buffers (a fresh mbarrier passes a wait on phase 1,
+        so the first item's Q and the first NUM_STAGES tiles pass)."""
         q_desc, k_desc, v_desc = descs
         q_smem, k_smem, v_smem = smem
-        q_bars, k_ready, v_ready, k_empty, v_empty, turns = bars
+        q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, turns = bars
         for c in gl.static_range(CONSUMERS):
+            mbarrier.wait(q_empty.index(c), (items & 1) ^ 1, pred=n_tiles > 0)
             mbarrier.expect(q_bars.index(c), q_desc.block_type.nbytes, pred=n_tiles > 0)
             tma.async_copy_global_to_shared(q_desc, [q_row + c * BM, q_col], q_bars.index(c),
                                             q_smem.index(c), pred=n_tiles > 0)
         for tile in range(n_tiles):
-            stage = tile % NUM_STAGES
-            phase = (tile // NUM_STAGES) & 1
+            stage = (ring + tile) % NUM_STAGES
+            phase = ((ring + tile) // NUM_STAGES) & 1
             row = key0 + tile * BLOCK_N
             mbarrier.wait(k_empty.index(stage), phase ^ 1)
             mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
@@ -499,51 +514,159 @@ if gluon is not None:
             k_row0 = off_b * seqlen_k
         return q_start, q_row0, k_row0, seqlen_q, seqlen_k
 
-    @gluon.jit(do_not_specialize=["seed_lo", "seed_hi", "dropout_threshold"])
-    def _fwd_hopper_kernel(q_desc, k_desc, v_desc, Out, Lse, Alibi, Sink, Cu_q, Cu_k, Used_k,
-                           stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ab,
-                           stride_ah, nheads, group, seqlen_q, seqlen_k, window_left,
-                           window_right, qk_scale, softcap_scale, seed_lo, seed_hi,
-                           dropout_threshold, dropout_scale,
-                           HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                           NUM_STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
-                           SPECIALIZED: gl.constexpr, PINGPONG: gl.constexpr,
-                           CONSUMER_REGS: gl.constexpr,
-                           HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                           SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINK: gl.constexpr,
-                           DROPOUT: gl.constexpr, VARLEN: gl.constexpr,
-                           SEQUSED_K: gl.constexpr, KEY_TAIL: gl.constexpr,
-                           num_warps: gl.constexpr):
-        """One program per CONSUMERS * 64 query rows of one (batch, head), heaviest causal rows
-        first. q_desc/k_desc/v_desc: TMA descriptors over the 2-D views (tokens, heads *
-        HEAD_DIM). VARLEN: the grid covers the longest sequence; sequence b's rows and lengths
-        come from _sequence_rows, and programs past its end return."""
-        BLOCK_Q: gl.constexpr = CONSUMERS * BM
-        pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
-        pid_bh = gl.program_id(1)
+    @gluon.jit
+    def _work_item(pid_m, pid_bh, problem, HEAD_DIM: gl.constexpr, BLOCK_Q: gl.constexpr,
+                   BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                   VARLEN: gl.constexpr, SEQUSED_K: gl.constexpr):
+        """Query tile pid_m (BLOCK_Q rows) of (batch, head) pid_bh: _consumer's scalars and the
+        producer's loads (n_tiles, key0, kv_col, q_row, q_col); VARLEN: no tiles past the
+        sequence's end."""
+        (Out, Lse, Alibi, Sink, Cu_q, Cu_k, Used_k, stride_ob, stride_os, stride_oh, stride_lb,
+         stride_lh, stride_ab, stride_ah, nheads, group, seqlen_q, seqlen_k, window_left,
+         window_right, qk_scale, softcap_scale, seed_lo, seed_hi, dropout_threshold,
+         dropout_scale) = problem
         off_b = pid_bh // nheads
         off_h = pid_bh % nheads
         start_m = pid_m * BLOCK_Q
         q_start, q_row0, k_row0, seqlen_q, seqlen_k = _sequence_rows(
             off_b, seqlen_q, seqlen_k, Cu_q, Cu_k, Used_k, VARLEN, SEQUSED_K)
-        if VARLEN:
-            if start_m >= seqlen_q:
-                return
         kv_col = (off_h // group) * HEAD_DIM
         lo, _, _, hi = key_tile_ranges(start_m, seqlen_q, seqlen_k, window_left, window_right,
                                        BLOCK_Q, BLOCK_N, HAS_LEFT, HAS_RIGHT)
         n_tiles = gl.cdiv(hi - lo, BLOCK_N)
-        key0 = k_row0 + lo  # the program's first key row in the 2-D view
-        q_row = q_row0 + start_m
+        if VARLEN:
+            n_tiles = gl.where(start_m < seqlen_q, n_tiles, 0)
+        key0 = k_row0 + lo  # the item's first key row in the 2-D view
         # row 0 of this (sequence, head) in out (.., seqlen, heads, d) and lse (.., heads, seqlen)
         out_base = Out + off_b.to(gl.int64) * stride_ob + off_h * stride_oh + q_start * stride_os
         lse_base = Lse + off_b.to(gl.int64) * stride_lb + off_h * stride_lh + q_start
+        scalars = (out_base, lse_base, Alibi, Sink, stride_os, stride_ab, stride_ah, off_b, off_h,
+                   start_m, lo, n_tiles, key0, kv_col, seqlen_q, seqlen_k, window_left,
+                   window_right, qk_scale, softcap_scale, seed_lo, seed_hi, dropout_threshold,
+                   dropout_scale)
+        return scalars, (n_tiles, key0, kv_col, q_row0 + start_m, off_h * HEAD_DIM)
+
+    @gluon.jit
+    def _item_tile(item, n_m, n_items, LONGEST_FIRST: gl.constexpr):
+        """(query tile, batch * heads index) of a persistent program's item. Items are dealt
+        round-robin (program p takes p, p + programs, ...), so their order is the schedule:
+        (batch, head) after (batch, head), each's query tiles heaviest first (neighbouring
+        programs share K/V in L2), or LONGEST_FIRST (a right bound: a query tile's work grows
+        with its index) every head's last query tile, then every head's one before, ..., so
+        the round-robin deals each program about the same work."""
+        if LONGEST_FIRST:
+            n_bh = n_items // n_m
+            pid_m = n_m - 1 - item // n_bh
+            pid_bh = item % n_bh
+        else:
+            pid_m = n_m - 1 - item % n_m
+            pid_bh = item // n_m
+        return pid_m, pid_bh
+
+    @gluon.jit
+    def _consumer_items(descs, smem, bars, work, CONSUMER: gl.constexpr,
+                        HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                        CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr,
+                        HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                        SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINK: gl.constexpr,
+                        DROPOUT: gl.constexpr, KEY_TAIL: gl.constexpr, VARLEN: gl.constexpr,
+                        SEQUSED_K: gl.constexpr, PERSISTENT: gl.constexpr):
+        """A specialized consumer: the program's one item (work = (scalars, loads) of
+        _work_item) or, PERSISTENT, items program_id, + num_programs, ... < n_items (work =
+        (problem, n_m, n_items))."""
+        if PERSISTENT:
+            problem, n_m, n_items = work
+            ring = gl.to_tensor(0)
+            items = gl.to_tensor(0)
+            for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
+                pid_m, pid_bh = _item_tile(item, n_m, n_items, HAS_RIGHT)
+                scalars, loads = _work_item(pid_m, pid_bh, problem, HEAD_DIM, CONSUMERS * BM,
+                                            BLOCK_N, HAS_LEFT, HAS_RIGHT, VARLEN, SEQUSED_K)
+                _consumer(descs, smem, bars, scalars, ring, items, CONSUMER, HEAD_DIM, BLOCK_N,
+                          NUM_STAGES, CONSUMERS, True, PINGPONG, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+                          ALIBI, SINK, DROPOUT, KEY_TAIL)
+                n_tiles = loads[0]
+                ring += n_tiles
+                items += (n_tiles > 0).to(gl.int32)
+        else:
+            scalars, loads = work
+            _consumer(descs, smem, bars, scalars, 0, 0, CONSUMER, HEAD_DIM, BLOCK_N, NUM_STAGES,
+                      CONSUMERS, True, PINGPONG, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, SINK,
+                      DROPOUT, KEY_TAIL)
+
+    @gluon.jit
+    def _producer_items(descs, smem, bars, work, CONSUMER: gl.constexpr,
+                        HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                        CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr,
+                        HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                        SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINK: gl.constexpr,
+                        DROPOUT: gl.constexpr, KEY_TAIL: gl.constexpr, VARLEN: gl.constexpr,
+                        SEQUSED_K: gl.constexpr, PERSISTENT: gl.constexpr):
+        """The producer warp over the program's items (as _consumer_items, whose arguments it
+        takes; CONSUMER unused)."""
+        if PERSISTENT:
+            problem, n_m, n_items = work
+            ring = gl.to_tensor(0)
+            items = gl.to_tensor(0)
+            for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
+                pid_m, pid_bh = _item_tile(item, n_m, n_items, HAS_RIGHT)
+                _, loads = _work_item(pid_m, pid_bh, problem, HEAD_DIM, CONSUMERS * BM, BLOCK_N,
+                                      HAS_LEFT, HAS_RIGHT, VARLEN, SEQUSED_K)
+                n_tiles, key0, kv_col, q_row, q_col = loads
+                _producer(descs, smem, bars, n_tiles, key0, kv_col, q_row, q_col, ring, items,
+                          CONSUMERS, BLOCK_N, NUM_STAGES)
+                ring += n_tiles
+                items += (n_tiles > 0).to(gl.int32)
+        else:
+            _, loads = work
+            n_tiles, key0, kv_col, q_row, q_col = loads
+            _producer(descs, smem, bars, n_tiles, key0, kv_col, q_row, q_col, 0, 0, CONSUMERS,
+                      BLOCK_N, NUM_STAGES)
+
+    @gluon.jit(do_not_specialize=["seed_lo", "seed_hi", "dropout_threshold", "n_items"])
+    def _fwd_hopper_kernel(q_desc, k_desc, v_desc, Out, Lse, Alibi, Sink, Cu_q, Cu_k, Used_k,
+                           stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ab,
+                           stride_ah, nheads, group, seqlen_q, seqlen_k, window_left,
+                           window_right, qk_scale, softcap_scale, seed_lo, seed_hi,
+                           dropout_threshold, dropout_scale, n_items,
+                           HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                           NUM_STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
+                           SPECIALIZED: gl.constexpr, PINGPONG: gl.constexpr,
+                           PERSISTENT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                           HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                           SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINK: gl.constexpr,
+                           DROPOUT: gl.constexpr, VARLEN: gl.constexpr,
+                           SEQUSED_K: gl.constexpr, KEY_TAIL: gl.constexpr,
+                           num_warps: gl.constexpr):
+        """Work items (_work_item) of CONSUMERS * 64 query rows of one (batch, head), n_items =
+        n_m * batch * heads with n_m = cdiv(seqlen_q, CONSUMERS * 64). One program per item
+        (grid (n_m, batch * heads)), or PERSISTENT (specialized): about one program per SM, each
+        taking items program_id, + num_programs, ..., so its producer loads the next item's Q
+        and first K/V tiles while the consumers finish the last one (FA3's persistent kernel).
+        q_desc/k_desc/v_desc: TMA descriptors over the 2-D views (tokens, heads * HEAD_DIM).
+        VARLEN: n_m covers the longest sequence; items past a sequence's end do nothing (a
+        program of one returns at once)."""
+        BLOCK_Q: gl.constexpr = CONSUMERS * BM
+        problem = (Out, Lse, Alibi, Sink, Cu_q, Cu_k, Used_k, stride_ob, stride_os, stride_oh,
+                   stride_lb, stride_lh, stride_ab, stride_ah, nheads, group, seqlen_q,
+                   seqlen_k, window_left, window_right, qk_scale, softcap_scale, seed_lo,
+                   seed_hi, dropout_threshold, dropout_scale)
+        if PERSISTENT:
+            work = (problem, gl.cdiv(seqlen_q, BLOCK_Q), n_items)
+        else:  # heaviest causal rows first
+            work = _work_item(gl.num_programs(0) - 1 - gl.program_id(0), gl.program_id(1),
+                              problem, HEAD_DIM, BLOCK_Q, BLOCK_N, HAS_LEFT, HAS_RIGHT, VARLEN,
+                              SEQUSED_K)
+            if VARLEN:  # past the sequence's end: start_m >= seqlen_q
+                if work[0][9] >= work[0][14]:
+                    return
         dtype: gl.constexpr = q_desc.dtype
 
         q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, BM, HEAD_DIM], q_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
         q_bars = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -551,6 +674,7 @@ if gluon is not None:
         turns = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
         for c in gl.static_range(CONSUMERS):
             mbarrier.init(q_bars.index(c), count=1)
+            mbarrier.init(q_empty.index(c), count=1)
             mbarrier.init(turns.index(c), count=1)
         for i in gl.static_range(NUM_STAGES):
             mbarrier.init(k_ready.index(i), count=1)
@@ -559,59 +683,72 @@ if gluon is not None:
             mbarrier.init(v_empty.index(i), count=CONSUMERS)
 
         smem = (q_smem, k_smem, v_smem)
-        bars = (q_bars, k_ready, v_ready, k_empty, v_empty, turns)
-        scalars = (out_base, lse_base, Alibi, Sink, stride_os, stride_ab, stride_ah, off_b, off_h,
-                   start_m, lo, n_tiles, key0, kv_col, seqlen_q, seqlen_k, window_left,
-                   window_right, qk_scale, softcap_scale, seed_lo, seed_hi, dropout_threshold,
-                   dropout_scale)
+        bars = (q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, turns)
         descs = (q_desc, k_desc, v_desc)
         if SPECIALIZED:  # consumer 0 is the default partition, the others workers of 4 warps
+            # (the producer takes a consumer's arguments; constexprs stay constexpr only when
+            # written out in the call)
             if CONSUMERS == 1:
-                gl.warp_specialize(
-                    [(_consumer, (descs, smem, bars, scalars, 0, HEAD_DIM, BLOCK_N,
-                                  NUM_STAGES, CONSUMERS, True, PINGPONG, HAS_LEFT,
-                                  HAS_RIGHT, SOFTCAP, ALIBI, SINK, DROPOUT, KEY_TAIL)),
-                     (_producer, (descs, smem, bars, n_tiles, key0, kv_col, q_row,
-                                  off_h * HEAD_DIM, CONSUMERS, BLOCK_N, NUM_STAGES))],
+                gl.warp_specialize([
+                    (_consumer_items, (descs, smem, bars, work, 0, HEAD_DIM, BLOCK_N,
+                                        NUM_STAGES, CONSUMERS, PINGPONG, HAS_LEFT, HAS_RIGHT,
+                                        SOFTCAP, ALIBI, SINK, DROPOUT, KEY_TAIL, VARLEN,
+                                        SEQUSED_K, PERSISTENT)),
+                    (_producer_items, (descs, smem, bars, work, 0, HEAD_DIM, BLOCK_N,
+                                        NUM_STAGES, CONSUMERS, PINGPONG, HAS_LEFT, HAS_RIGHT,
+                                        SOFTCAP, ALIBI, SINK, DROPOUT, KEY_TAIL, VARLEN,
+                                        SEQUSED_K, PERSISTENT))],
                     [1], [PRODUCER_REGS_GL])
             elif CONSUMERS == 2:
-                gl.warp_specialize(
-                    [(_consumer, (descs, smem, bars, scalars, 0, HEAD_DIM, BLOCK_N,
-                                  NUM_STAGES, CONSUMERS, True, PINGPONG, HAS_LEFT,
-                                  HAS_RIGHT, SOFTCAP, ALIBI, SINK, DROPOUT, KEY_TAIL)),
-                     (_producer, (descs, smem, bars, n_tiles, key0, kv_col, q_row,
-                                  off_h * HEAD_DIM, CONSUMERS, BLOCK_N, NUM_STAGES)),
-                     (_consumer, (descs, smem, bars, scalars, 1, HEAD_DIM, BLOCK_N,
-                                  NUM_STAGES, CONSUMERS, True, PINGPONG, HAS_LEFT,
-                                  HAS_RIGHT, SOFTCAP, ALIBI, SINK, DROPOUT, KEY_TAIL))],
+                gl.warp_specialize([
+                    (_consumer_items, (descs, smem, bars, work, 0, HEAD_DIM, BLOCK_N,
+                                        NUM_STAGES, CONSUMERS, PINGPONG, HAS_LEFT, HAS_RIGHT,
+                                        SOFTCAP, ALIBI, SINK, DROPOUT, KEY_TAIL, VARLEN,
+                                        SEQUSED_K, PERSISTENT)),
+                    (_producer_items, (descs, smem, bars, work, 0, HEAD_DIM, BLOCK_N,
+                                        NUM_STAGES, CONSUMERS, PINGPONG, HAS_LEFT, HAS_RIGHT,
+                                        SOFTCAP, ALIBI, SINK, DROPOUT, KEY_TAIL, VARLEN,
+                                        SEQUSED_K, PERSISTENT)),
+                    (_consumer_items, (descs, smem, bars, work, 1, HEAD_DIM, BLOCK_N,
+                                        NUM_STAGES, CONSUMERS, PINGPONG, HAS_LEFT, HAS_RIGHT,
+                                        SOFTCAP, ALIBI, SINK, DROPOUT, KEY_TAIL, VARLEN,
+                                        SEQUSED_K, PERSISTENT))],
                     [1, 4], [PRODUCER_REGS_GL, CONSUMER_REGS])
             else:
-                gl.warp_specialize(
-                    [(_consumer, (descs, smem, bars, scalars, 0, HEAD_DIM, BLOCK_N,
-                                  NUM_STAGES, CONSUMERS, True, PINGPONG, HAS_LEFT,
-                                  HAS_RIGHT, SOFTCAP, ALIBI, SINK, DROPOUT, KEY_TAIL)),
-                     (_producer, (descs, smem, bars, n_tiles, key0, kv_col, q_row,
-                                  off_h * HEAD_DIM, CONSUMERS, BLOCK_N, NUM_STAGES)),
-                     (_consumer, (descs, smem, bars, scalars, 1, HEAD_DIM, BLOCK_N,
-                                  NUM_STAGES, CONSUMERS, True, PINGPONG, HAS_LEFT,
-                                  HAS_RIGHT, SOFTCAP, ALIBI, SINK, DROPOUT, KEY_TAIL)),
-                     (_consumer, (descs, smem, bars, scalars, 2, HEAD_DIM, BLOCK_N,
-                                  NUM_STAGES, CONSUMERS, True, PINGPONG, HAS_LEFT,
-                                  HAS_RIGHT, SOFTCAP, ALIBI, SINK, DROPOUT, KEY_TAIL))],
+                gl.warp_specialize([
+                    (_consumer_items, (descs, smem, bars, work, 0, HEAD_DIM, BLOCK_N,
+                                        NUM_STAGES, CONSUMERS, PINGPONG, HAS_LEFT, HAS_RIGHT,
+                                        SOFTCAP, ALIBI, SINK, DROPOUT, KEY_TAIL, VARLEN,
+                                        SEQUSED_K, PERSISTENT)),
+                    (_producer_items, (descs, smem, bars, work, 0, HEAD_DIM, BLOCK_N,
+                                        NUM_STAGES, CONSUMERS, PINGPONG, HAS_LEFT, HAS_RIGHT,
+                                        SOFTCAP, ALIBI, SINK, DROPOUT, KEY_TAIL, VARLEN,
+                                        SEQUSED_K, PERSISTENT)),
+                    (_consumer_items, (descs, smem, bars, work, 1, HEAD_DIM, BLOCK_N,
+                                        NUM_STAGES, CONSUMERS, PINGPONG, HAS_LEFT, HAS_RIGHT,
+                                        SOFTCAP, ALIBI, SINK, DROPOUT, KEY_TAIL, VARLEN,
+                                        SEQUSED_K, PERSISTENT)),
+                    (_consumer_items, (descs, smem, bars, work, 2, HEAD_DIM, BLOCK_N,
+                                        NUM_STAGES, CONSUMERS, PINGPONG, HAS_LEFT, HAS_RIGHT,
+                                        SOFTCAP, ALIBI, SINK, DROPOUT, KEY_TAIL, VARLEN,
+                                        SEQUSED_K, PERSISTENT))],
                     [1, 4, 4], [PRODUCER_REGS_GL, CONSUMER_REGS, CONSUMER_REGS])
         else:
+            scalars, loads = work
+            n_tiles, key0, kv_col, q_row, q_col = loads
             mbarrier.expect(q_bars.index(0), q_desc.block_type.nbytes, pred=n_tiles > 0)
-            tma.async_copy_global_to_shared(q_desc, [q_row, off_h * HEAD_DIM], q_bars.index(0),
+            tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bars.index(0),
                                             q_smem.index(0), pred=n_tiles > 0)
             for i in gl.static_range(NUM_STAGES):
                 _issue_kv_load(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, i, n_tiles,
                                key0, kv_col, BLOCK_N, NUM_STAGES)
-            _consumer(descs, smem, bars, scalars, 0, HEAD_DIM, BLOCK_N, NUM_STAGES, CONSUMERS,
-                      SPECIALIZED, PINGPONG, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, SINK, DROPOUT,
-                      KEY_TAIL)
+            _consumer(descs, smem, bars, scalars, 0, 0, 0, HEAD_DIM, BLOCK_N, NUM_STAGES,
+                      CONSUMERS, SPECIALIZED, PINGPONG, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, SINK,
+                      DROPOUT, KEY_TAIL)
 
         for c in gl.static_range(CONSUMERS):
             mbarrier.invalidate(q_bars.index(c))
+            mbarrier.invalidate(q_empty.index(c))
             mbarrier.invalidate(turns.index(c))
         for i in gl.static_range(NUM_STAGES):
             mbarrier.invalidate(k_ready.index(i))
@@ -667,15 +804,23 @@ def eligible(q, k, v, params: AttentionParams, out, lse, tile) -> bool:
 
 def launch_config(tile) -> dict:
     """num_warps, maxnreg and the consumer workers' registers of a tile (BLOCK_N, NUM_STAGES,
-    CONSUMERS, SPECIALIZED, PINGPONG). Specialized programs have CONSUMERS + 1 warpgroups (the
-    producer warp pads to one); one consumer aims at two programs per SM, more at one."""
-    _, _, consumers, specialized, _ = tile
+    CONSUMERS, SPECIALIZED, PINGPONG, PERSISTENT). Specialized programs have CONSUMERS + 1
+    warpgroups (the producer warp pads to one); one consumer aims at two programs per SM, more
+    at one."""
+    consumers, specialized = tile[2:4]
     if not specialized:
         return dict(num_warps=4, CONSUMER_REGS=0)
     warpgroups, programs = consumers + 1, (2 if consumers == 1 else 1)
     maxnreg = min(65536 // (128 * warpgroups * programs) // 8 * 8, 256)
     consumer_regs = min((maxnreg * warpgroups - PRODUCER_REGS) // consumers // 8 * 8, 240)
     return dict(num_warps=4, maxnreg=maxnreg, CONSUMER_REGS=consumer_regs)
+
+
+@functools.cache
+def _programs_per_device(device, consumers) -> int:
+    """A persistent grid: one specialized program per SM (two at one consumer)."""
+    programs = 2 if consumers == 1 else 1
+    return programs * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def attention_forward(q, k, v, params: AttentionParams, out=None, lse=None, tile=None,
@@ -698,7 +843,8 @@ def attention_forward(q, k, v, params: AttentionParams, out=None, lse=None, tile
         lse_shape = (nheads, q.shape[0]) if params.is_varlen else (batch, nheads, seqlen_q)
         lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
     tile = tile or gluon_forward_tile(head_dim, seqlen_q, params.window_right is not None)
-    block_n, num_stages, consumers, specialized, pingpong = tile
+    block_n, num_stages, consumers, specialized, pingpong, persistent = tile
+    persistent = persistent and specialized
 
     window_left, window_right, has_left, has_right = window_args(params)
     qk_scale, softcap_scale, softcap = score_args(params, q.dtype)
@@ -709,15 +855,19 @@ def attention_forward(q, k, v, params: AttentionParams, out=None, lse=None, tile
     cu_q, cu_k, varlen = varlen_args(params, lse)
     stride_ob, stride_os, stride_oh, _ = batch_strides(out, params)
     stride_lb, stride_lh, _ = batch_strides(lse, params)
-    grid = (triton.cdiv(seqlen_q, BLOCK_M * consumers), batch * nheads)
+    n_m = triton.cdiv(seqlen_q, BLOCK_M * consumers)
+    n_items = n_m * batch * nheads
+    grid = (min(n_items, _programs_per_device(q.device, consumers)), ) if persistent else (
+        n_m, batch * nheads)
     _fwd_hopper_kernel[grid](
         flash_descriptor(q, BLOCK_M), flash_descriptor(k, block_n), flash_descriptor(v, block_n),
         out, lse, alibi, sink, cu_q, cu_k, lse if seqused_k is None else seqused_k,
         stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
         *alibi_strides, nheads, nheads // nheads_k, seqlen_q, seqlen_k, window_left,
         window_right, qk_scale, softcap_scale, seed_lo, seed_hi, threshold, dropout_scale,
-        HEAD_DIM=head_dim, BLOCK_N=block_n, NUM_STAGES=num_stages, CONSUMERS=consumers,
-        SPECIALIZED=specialized, PINGPONG=pingpong and consumers >= 2, HAS_LEFT=has_left,
+        n_items, HEAD_DIM=head_dim, BLOCK_N=block_n, NUM_STAGES=num_stages, CONSUMERS=consumers,
+        SPECIALIZED=specialized, PINGPONG=pingpong and consumers >= 2, PERSISTENT=persistent,
+        HAS_LEFT=has_left,
         HAS_RIGHT=has_right, SOFTCAP=softcap, ALIBI=has_alibi, SINK=params.sink is not None,
         DROPOUT=dropout, VARLEN=varlen, SEQUSED_K=seqused_k is not None,
         KEY_TAIL=varlen or seqlen_k % block_n != 0, **launch_config(tile))
