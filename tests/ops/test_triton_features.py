@@ -169,6 +169,31 @@ def test_packed_transposed_keep_equals_the_mask(threshold):
             assert torch.equal(out.bool(), want), (block_n, start_n)
 
 
+@triton.jit
+def _bytes_ge_kernel(Out, Words, Thresholds, N_WORDS: tl.constexpr, N_T: tl.constexpr):
+    """Out [N_T, N_WORDS] uint32: dropout.bytes_ge(word, threshold) for every pair."""
+    t = tl.load(Thresholds + tl.arange(0, N_T))[:, None]
+    words = tl.load(Words + tl.arange(0, N_WORDS))[None, :]
+    offs = tl.arange(0, N_T)[:, None] * N_WORDS + tl.arange(0, N_WORDS)[None, :]
+    tl.store(Out + offs, dropout.bytes_ge(words, t))
+
+
+def test_bytes_ge_is_a_bytewise_compare():
+    """bytes_ge's high bit of byte c says byte c >= threshold for every byte value (each at
+    every position, beside neighbours that would borrow) and every threshold 0..256."""
+    values = np.arange(256, dtype=np.uint32)
+    words = values | np.roll(values, 1) << 8 | np.roll(values, 7) << 16 | (255 - values) << 24
+    thresholds = np.arange(512, dtype=np.int32).clip(max=256)  # 257 thresholds, padded
+    out = torch.empty(512, 256, dtype=torch.uint32, device=DEVICE)
+    _bytes_ge_kernel[(1,)](out, torch.from_numpy(words.view(np.int32)).to(DEVICE),
+                           torch.from_numpy(thresholds).to(DEVICE), N_WORDS=256, N_T=512)
+    got = out.cpu().view(torch.int32).numpy().view(np.uint32)
+    for c in range(4):
+        byte = (words >> np.uint32(8 * c)) & np.uint32(0xFF)
+        want = byte[None, :] >= thresholds[:, None]
+        assert np.array_equal((got >> np.uint32(8 * c + 7)) & np.uint32(1) == 1, want), c
+
+
 def quantized(p):
     """The drop probability the kernels realise: round(p * 256) / 256 (dropout.py)."""
     return round(p * 256) / 256

@@ -279,6 +279,21 @@ def test_gpu_gluon_backward_dropout_matches_oracle(case, path, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _on_hopper(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("dropout_p", [0.6, 0.999], ids=str)
+def test_gpu_gluon_backward_dropout_high_thresholds(dropout_p):
+    """Thresholds from 128 (dropout.bytes_ge's and-form) and 256 (p rounds to 1: nothing
+    kept) in both kernels, causal d128 and full d64."""
+    for head_dim, window_right in ((128, 0), (64, None)):
+        q, k, v, dout = make_inputs(1, 256, 384, 2, 1, head_dim, head_dim, torch.bfloat16,
+                                    "cuda")
+        params = AttentionParams(head_dim ** -0.5, None, window_right, dropout_p=dropout_p,
+                                 dropout_seed=2**35 + 1)
+        assert _eligible(q, k, v, params)
+        _check_dropout(q, k, v, dout, params)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _on_hopper(), reason="needs an sm_90 GPU")
 def test_gpu_gluon_backward_dropout_with_features_deterministic():
     """Dropout beside a window, ALiBi, softcap and sink; deterministic=True gives the same bits
     every run."""

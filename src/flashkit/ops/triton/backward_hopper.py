@@ -31,9 +31,11 @@ HAS_LEFT / HAS_RIGHT (any window, causal included, bottom-right aligned for seql
 pick the tile ranges (common.query_tile_ranges / key_tile_ranges) and mask the edge tiles with
 common.visible; SOFTCAP scores through common.scores and multiplies dS by common.softcap_grad;
 ALIBI subtracts common.alibi_bias; DROPOUT regenerates the forward's keep-mask (dropout.py's
-Philox core: the dQ kernel through forward_hopper._dropout_keep in its score layout, the dK/dV
-kernel drawing each call once and moving packed keep bits into the S^T layout) with dV =
-(P o Z)^T dO, dP = Z o (dO V^T), Z = keep / (1 - p), as backward.py. A sink needs nothing
+Philox core, each call's decisions packed into one int32: the dQ kernel drawing in its score
+layout as the forward does, the dK/dV kernel drawing each call once and moving the packed bits
+into the S^T layout) with dV = (P o Z)^T dO, dP = Z o (dO V^T), Z = keep / (1 - p), as
+backward.py; the tiles select the kept elements and leave out 1 / (1 - p), which each kernel
+multiplies into its gradients once (delta enters as (1 - p) delta). A sink needs nothing
 here: it lives in lse (and dsink comes from lse and delta). A row with no visible key (lse -inf)
 only meets masked tiles, where its P (inf before the mask) becomes 0.
 
@@ -81,6 +83,7 @@ from flashkit.ops.triton.common import (
 )
 from flashkit.ops.triton.configs import GLUON_BACKWARD
 from flashkit.ops.triton.dropout import (
+    bytes_ge,
     dropout_args,
     packed_bit,
     packed_keep,
@@ -104,8 +107,8 @@ try:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 except ImportError:  # a Triton without Gluon: the Triton kernels do everything
     gluon = None
-if gluon is not None:  # the forward's K/V ring fill and keep-mask serve the dQ kernel as they are
-    from flashkit.ops.triton.forward_hopper import _dropout_keep, _issue_kv_load, _zero_key_tail
+if gluon is not None:  # the forward's K/V ring fill and draw layout serve the dQ kernel as they are
+    from flashkit.ops.triton.forward_hopper import _dropout_layout, _issue_kv_load, _zero_key_tail
 
 
 
@@ -251,6 +254,39 @@ if gluon is not None:
         bit = gl.expand_dims(gl.expand_dims(gl.expand_dims(packed_bit(byte), 0), 2), 3)
         keep = gl.expand_dims(bits, 1) & (1 << bit)  # [CHUNKS, BYTES, 8, BLOCK_M]
         return gl.convert_layout(gl.reshape(keep, [BLOCK_N, BLOCK_M]), st_layout) != 0
+
+    @gluon.jit
+    def _dropout_keep_s(drop, start_m, start_n, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+        """[64, BLOCK_N] bool in s_layout (the dQ kernel's score tile): the forward's keep-mask
+        (forward_hopper._dropout_keep's, bit for bit) of query rows start_m + [0, 64) and keys
+        start_n + [0, BLOCK_N) (start_n a multiple of BLOCK_N). Drawn, as there, in
+        forward_hopper._dropout_layout, one Philox call per (row, chunk, g) of the thread's own
+        scores, but only the words the tile uses (dropout.tile_words) are compared, four bytes
+        per instruction (dropout.bytes_ge); an element then tests one bit of its word."""
+        seed_lo, seed_hi, threshold, off_b, off_h = drop
+        gl.static_assert(BLOCK_N >= 32, "tile_words: whole words")
+        L4: gl.constexpr = _dropout_layout(BLOCK_N)  # [64, CHUNKS, BYTES, 8]
+        L3: gl.constexpr = gl.SliceLayout(2, L4)  # the calls [64, CHUNKS, 8]
+        CHUNKS: gl.constexpr = (BLOCK_N + 127) // 128
+        BYTES: gl.constexpr = BLOCK_N // 8 if BLOCK_N < 128 else 16
+        rows = start_m + gl.arange(0, 64, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
+        chunk = start_n // 128 + gl.arange(0, CHUNKS,
+                                           layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
+        g = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+        zero = gl.zeros([64, CHUNKS, 8], gl.uint32, L3)
+        calls = zero + (gl.expand_dims(gl.expand_dims(chunk, 0), 2) * 8
+                        + gl.expand_dims(gl.expand_dims(g, 0), 1)).to(gl.uint32)
+        row_ids = zero + gl.expand_dims(gl.expand_dims(rows, 1), 2).to(gl.uint32)
+        words = tile_words(philox_calls(seed_lo, seed_hi, off_b, off_h, row_ids, calls),
+                           start_n, BLOCK_N)
+        byte = gl.arange(0, BYTES, layout=gl.SliceLayout(1, gl.SliceLayout(0, gl.SliceLayout(
+            0, L4))))
+        byte = gl.expand_dims(gl.expand_dims(gl.expand_dims(byte, 1), 0), 0)  # [1, 1, BYTES, 1]
+        ge = gl.expand_dims(bytes_ge(words[0], threshold), 2)  # [64, CHUNKS, 1, 8]
+        for w in gl.static_range(1, len(words)):  # byte b's word, b // 4: known per register
+            ge = gl.where(byte // 4 == w, gl.expand_dims(bytes_ge(words[w], threshold), 2), ge)
+        keep = ge & (0x80 << (8 * (byte % 4))).to(gl.uint32)  # [64, CHUNKS, BYTES, 8]
+        return gl.convert_layout(gl.reshape(keep, [64, BLOCK_N]), s_layout) != 0
 
     @gluon.jit
     def _issue_q_do_load(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem,
@@ -590,8 +626,9 @@ if gluon is not None:
                           s_layout: gl.constexpr, op_layout: gl.constexpr):
         """Add key tile `tile` (keys key_lo + tile * BLOCK_N ..., at row key0 + tile * BLOCK_N
         of the 2-D view) to dQ (unscaled); MASK applies the band predicate. geo, alibi_log2 and
-        drop as in _query_tile_step; the keep-mask is the forward's own (_dropout_keep, drawn in
-        this same score layout). VARLEN: the (last) tile that crosses the sequence's keys zeroes
+        drop as in _query_tile_step; the keep-mask is the forward's own (_dropout_keep_s, drawn in
+        this same score layout); with DROPOUT, delta comes as (1 - p) delta and dQ is left
+        over 1 / (1 - p). VARLEN: the (last) tile that crosses the sequence's keys zeroes
         the next sequence's K and V rows it holds before the wgmmas read them (0 * NaN/inf in
         dS K or in dP = dO V^T would be NaN; their P is masked to 0)."""
         seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale, dropout_scale = geo
@@ -624,10 +661,10 @@ if gluon is not None:
             p = gl.where(visible(i, j, seqlen_q, seqlen_k, window_left, window_right, HAS_LEFT,
                                  HAS_RIGHT), p, 0.0)
         if DROPOUT:  # drawn while the tensor cores still work on dP
-            kept = _dropout_keep(drop, start_m, start_n, BLOCK_N, s_layout)
+            kept = _dropout_keep_s(drop, start_m, start_n, BLOCK_N, s_layout)
         dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, ))
-        if DROPOUT:
-            dp = gl.where(kept, dp * dropout_scale, 0.0)
+        if DROPOUT:  # dS / (1 / (1 - p)) = P o (keep o dP - (1 - p) delta): see the kernel
+            dp = gl.where(kept, dp, 0.0)
         ds = p * (dp - gl.expand_dims(delta, 1))
         if SOFTCAP:
             ds = ds * dcap
@@ -679,7 +716,7 @@ if gluon is not None:
         drop = (seed_lo, seed_hi, dropout_threshold, off_b, off_h)
         dtype: gl.constexpr = q_desc.dtype
         gl.static_assert(not DROPOUT or (BLOCK_M == 64 and num_warps == 4),
-                         "_dropout_keep draws for the forward's 64-row, one-warpgroup tile")
+                         "_dropout_keep_s draws for the forward's 64-row, one-warpgroup tile")
 
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16])
@@ -726,6 +763,8 @@ if gluon is not None:
                        mask=row_mask) * LOG2E_G
         delta = gl.load(Delta + off_b.to(gl.int64) * stride_deltab + off_h * stride_deltah
                         + q_start + rows, mask=row_mask)
+        if DROPOUT:  # the tiles select dP without the keep scale 1 / (1 - p): dQ takes it once
+            delta = delta * (1.0 / dropout_scale)
         dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout)
         mbarrier.wait(q_bar, 0)
 
@@ -759,6 +798,8 @@ if gluon is not None:
         dq_ptrs = (DQ + off_b.to(gl.int64) * stride_dqb + off_h * stride_dqh
                    + (gl.expand_dims(rows_o, 1).to(gl.int64) + q_start) * stride_dqs
                    + gl.expand_dims(cols_o, 0))
+        if DROPOUT:
+            dq = dq * dropout_scale
         gl.store(dq_ptrs, (dq * softmax_scale).to(DQ.dtype.element_ty), mask=store_mask)
 
 

@@ -3,7 +3,7 @@
 The mask is a pure function of (seed, batch, head, i, j), so the forward kernel, both backward
 kernels and `keep_mask` below (the testing helper's kernel) all draw it through the one jit
 helper `dropout_keep` and agree bit for bit, whatever their tiles. Its core (philox_calls,
-byte_keep, packed_keep) takes index tensors the caller built, so the Gluon kernels
+byte_keep, bytes_ge, packed_keep) takes index tensors the caller built, so the Gluon kernels
 (forward_hopper, backward_hopper) draw through the same functions in their own layouts.
 
 Philox4x32-7 (tl.philox with n_rounds = PHILOX_ROUNDS = 7, flash-attn's philox.cuh count;
@@ -108,28 +108,37 @@ def packed_bit(byte):
 
 
 @triton.jit
+def bytes_ge(x, threshold):
+    """Four keep decisions per instruction (SWAR): bit 8 c + 7 of the result is set iff byte c
+    of the uint32 x is >= threshold (0..256, uniform); the other bits are unspecified.
+
+    With H the bytes' high bits, r = (x | H) - low7(t) (t = threshold, low7 per byte) subtracts
+    without a borrow between bytes, so r's high bit says low7(x) >= low7(t). Then x >= t is
+    x_hi | r_hi for t < 128 and x_hi & r_hi for t >= 128: one three-input function of x, r and
+    a uniform mask. t = 256 keeps nothing: r's operand drops the high bits (r = low7(x)) and
+    the and-form applies."""
+    high = 0x80808080
+    below = threshold < 256
+    low7 = tl.where(below, (threshold & 0x7F).to(tl.uint32) * 0x01010101, 0)
+    r = ((x | high) & tl.where(below, 0xFFFFFFFF, 0x7F7F7F7F).to(tl.uint32)) - low7
+    or_form = tl.where(threshold < 128, 0xFFFFFFFF, 0).to(tl.uint32)
+    return (x & r) | ((x | r) & or_form)
+
+
+@triton.jit
 def packed_keep(words, threshold):
     """int32 per call: the keep decisions of every byte of `words` (a tuple of up to four of a
     call's words, e.g. tile_words'), byte c at bit packed_bit(c), other bits 0, for a tile whose
-    elements sit far from their calls (see dropout_keep_t).
-
-    Four bytes per instruction (SWAR): with H the bytes' high bits, r = (x | H) - (t & ~H)
-    subtracts the low seven bits of the threshold t from those of each byte x without a borrow
-    between bytes, so r's high bit says low7(x) >= low7(t); x >= t is then x's high bit where
-    the high bits differ and r's where they agree. Word w's decisions land on the high bits and
-    move right by w, so four words fill bits 4..7 of each byte."""
-    t = tl.minimum(threshold, 255).to(tl.uint32) * 0x01010101
-    not_t = t ^ 0xFFFFFFFF
+    elements sit far from their calls (see dropout_keep_t). Word w's decisions (bytes_ge) land
+    on the high bits and move right by w, so four words fill bits 4..7 of each byte."""
     high = 0x80808080
     for w in tl.static_range(len(words)):
-        x = words[w]
-        r = (x | high) - (t & 0x7F7F7F7F)
-        ge = ((x & not_t) | ((x ^ not_t) & r)) & high  # x ^ ~t: 1 where the bits agree
+        ge = bytes_ge(words[w], threshold) & high
         if w == 0:
             bits = ge
         else:
             bits = bits | (ge >> w)
-    return tl.where(threshold < 256, bits, 0).to(tl.int32, bitcast=True)
+    return bits.to(tl.int32, bitcast=True)
 
 
 @triton.jit
