@@ -98,6 +98,7 @@ if gluon is not None:
     LN2 = gl.constexpr(0.6931471805599453)
     LOG2E_GL = gl.constexpr(LOG2E)
     BM = gl.constexpr(BLOCK_M)
+    PRODUCER = gl.constexpr(-1)  # _partition's role of the producer warp
     PRODUCER_REGS_GL = gl.constexpr(PRODUCER_REGS)
 
     @gluon.jit
@@ -518,9 +519,9 @@ if gluon is not None:
     def _work_item(pid_m, pid_bh, problem, HEAD_DIM: gl.constexpr, BLOCK_Q: gl.constexpr,
                    BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                    VARLEN: gl.constexpr, SEQUSED_K: gl.constexpr):
-        """Query tile pid_m (BLOCK_Q rows) of (batch, head) pid_bh: _consumer's scalars and the
-        producer's loads (n_tiles, key0, kv_col, q_row, q_col); VARLEN: no tiles past the
-        sequence's end."""
+        """Query tile pid_m (BLOCK_Q rows) of (batch, head) pid_bh: _consumer's scalars, the
+        producer's loads (n_tiles, key0, kv_col, q_row, q_col) and whether the tile starts
+        inside its sequence (VARLEN: no tiles past the sequence's end)."""
         (Out, Lse, Alibi, Sink, Cu_q, Cu_k, Used_k, stride_ob, stride_os, stride_oh, stride_lb,
          stride_lh, stride_ab, stride_ah, nheads, group, seqlen_q, seqlen_k, window_left,
          window_right, qk_scale, softcap_scale, seed_lo, seed_hi, dropout_threshold,
@@ -534,8 +535,9 @@ if gluon is not None:
         lo, _, _, hi = key_tile_ranges(start_m, seqlen_q, seqlen_k, window_left, window_right,
                                        BLOCK_Q, BLOCK_N, HAS_LEFT, HAS_RIGHT)
         n_tiles = gl.cdiv(hi - lo, BLOCK_N)
+        in_sequence = start_m < seqlen_q
         if VARLEN:
-            n_tiles = gl.where(start_m < seqlen_q, n_tiles, 0)
+            n_tiles = gl.where(in_sequence, n_tiles, 0)
         key0 = k_row0 + lo  # the item's first key row in the 2-D view
         # row 0 of this (sequence, head) in out (.., seqlen, heads, d) and lse (.., heads, seqlen)
         out_base = Out + off_b.to(gl.int64) * stride_ob + off_h * stride_oh + q_start * stride_os
@@ -544,7 +546,7 @@ if gluon is not None:
                    start_m, lo, n_tiles, key0, kv_col, seqlen_q, seqlen_k, window_left,
                    window_right, qk_scale, softcap_scale, seed_lo, seed_hi, dropout_threshold,
                    dropout_scale)
-        return scalars, (n_tiles, key0, kv_col, q_row0 + start_m, off_h * HEAD_DIM)
+        return scalars, (n_tiles, key0, kv_col, q_row0 + start_m, off_h * HEAD_DIM), in_sequence
 
     @gluon.jit
     def _item_tile(item, n_m, n_items, LONGEST_FIRST: gl.constexpr):
@@ -564,64 +566,52 @@ if gluon is not None:
         return pid_m, pid_bh
 
     @gluon.jit
-    def _consumer_items(descs, smem, bars, work, CONSUMER: gl.constexpr,
-                        HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                        CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr,
-                        HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                        SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINK: gl.constexpr,
-                        DROPOUT: gl.constexpr, KEY_TAIL: gl.constexpr, VARLEN: gl.constexpr,
-                        SEQUSED_K: gl.constexpr, PERSISTENT: gl.constexpr):
-        """A specialized consumer: the program's one item (work = (scalars, loads) of
+    def _partition(descs, smem, bars, work, ROLE: gl.constexpr, HEAD_DIM: gl.constexpr,
+                   BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
+                   PINGPONG: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                   SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINK: gl.constexpr,
+                   DROPOUT: gl.constexpr, KEY_TAIL: gl.constexpr, VARLEN: gl.constexpr,
+                   SEQUSED_K: gl.constexpr, PERSISTENT: gl.constexpr):
+        """One partition of a specialized program, consumer ROLE (0 ..) or the producer warp
+        (ROLE == PRODUCER), over the program's one item (work = (scalars, loads) of
         _work_item) or, PERSISTENT, items program_id, + num_programs, ... < n_items (work =
-        (problem, n_m, n_items))."""
+        (problem, n_m, n_items)), with the K/V ring positions and Q phases carried over."""
         if PERSISTENT:
             problem, n_m, n_items = work
             ring = gl.to_tensor(0)
             items = gl.to_tensor(0)
             for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
                 pid_m, pid_bh = _item_tile(item, n_m, n_items, HAS_RIGHT)
-                scalars, loads = _work_item(pid_m, pid_bh, problem, HEAD_DIM, CONSUMERS * BM,
-                                            BLOCK_N, HAS_LEFT, HAS_RIGHT, VARLEN, SEQUSED_K)
-                _consumer(descs, smem, bars, scalars, ring, items, CONSUMER, HEAD_DIM, BLOCK_N,
-                          NUM_STAGES, CONSUMERS, True, PINGPONG, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-                          ALIBI, SINK, DROPOUT, KEY_TAIL)
+                scalars, loads, _ = _work_item(pid_m, pid_bh, problem, HEAD_DIM, CONSUMERS * BM,
+                                               BLOCK_N, HAS_LEFT, HAS_RIGHT, VARLEN, SEQUSED_K)
+                _item_partition(descs, smem, bars, scalars, loads, ring, items, ROLE, HEAD_DIM,
+                                BLOCK_N, NUM_STAGES, CONSUMERS, PINGPONG, HAS_LEFT, HAS_RIGHT,
+                                SOFTCAP, ALIBI, SINK, DROPOUT, KEY_TAIL)
                 n_tiles = loads[0]
                 ring += n_tiles
                 items += (n_tiles > 0).to(gl.int32)
         else:
             scalars, loads = work
-            _consumer(descs, smem, bars, scalars, 0, 0, CONSUMER, HEAD_DIM, BLOCK_N, NUM_STAGES,
-                      CONSUMERS, True, PINGPONG, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, SINK,
-                      DROPOUT, KEY_TAIL)
+            _item_partition(descs, smem, bars, scalars, loads, 0, 0, ROLE, HEAD_DIM, BLOCK_N,
+                            NUM_STAGES, CONSUMERS, PINGPONG, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+                            ALIBI, SINK, DROPOUT, KEY_TAIL)
 
     @gluon.jit
-    def _producer_items(descs, smem, bars, work, CONSUMER: gl.constexpr,
-                        HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                        CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr,
-                        HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+    def _item_partition(descs, smem, bars, scalars, loads, ring, items, ROLE: gl.constexpr,
+                        HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                        NUM_STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
+                        PINGPONG: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                         SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINK: gl.constexpr,
-                        DROPOUT: gl.constexpr, KEY_TAIL: gl.constexpr, VARLEN: gl.constexpr,
-                        SEQUSED_K: gl.constexpr, PERSISTENT: gl.constexpr):
-        """The producer warp over the program's items (as _consumer_items, whose arguments it
-        takes; CONSUMER unused)."""
-        if PERSISTENT:
-            problem, n_m, n_items = work
-            ring = gl.to_tensor(0)
-            items = gl.to_tensor(0)
-            for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
-                pid_m, pid_bh = _item_tile(item, n_m, n_items, HAS_RIGHT)
-                _, loads = _work_item(pid_m, pid_bh, problem, HEAD_DIM, CONSUMERS * BM, BLOCK_N,
-                                      HAS_LEFT, HAS_RIGHT, VARLEN, SEQUSED_K)
-                n_tiles, key0, kv_col, q_row, q_col = loads
-                _producer(descs, smem, bars, n_tiles, key0, kv_col, q_row, q_col, ring, items,
-                          CONSUMERS, BLOCK_N, NUM_STAGES)
-                ring += n_tiles
-                items += (n_tiles > 0).to(gl.int32)
-        else:
-            _, loads = work
+                        DROPOUT: gl.constexpr, KEY_TAIL: gl.constexpr):
+        """_partition's work on one item: the producer's loads or a consumer's rows."""
+        if ROLE == PRODUCER:
             n_tiles, key0, kv_col, q_row, q_col = loads
-            _producer(descs, smem, bars, n_tiles, key0, kv_col, q_row, q_col, 0, 0, CONSUMERS,
-                      BLOCK_N, NUM_STAGES)
+            _producer(descs, smem, bars, n_tiles, key0, kv_col, q_row, q_col, ring, items,
+                      CONSUMERS, BLOCK_N, NUM_STAGES)
+        else:
+            _consumer(descs, smem, bars, scalars, ring, items, ROLE, HEAD_DIM, BLOCK_N,
+                      NUM_STAGES, CONSUMERS, True, PINGPONG, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+                      ALIBI, SINK, DROPOUT, KEY_TAIL)
 
     @gluon.jit(do_not_specialize=["seed_lo", "seed_hi", "dropout_threshold", "n_items"])
     def _fwd_hopper_kernel(q_desc, k_desc, v_desc, Out, Lse, Alibi, Sink, Cu_q, Cu_k, Used_k,
@@ -654,12 +644,13 @@ if gluon is not None:
         if PERSISTENT:
             work = (problem, gl.cdiv(seqlen_q, BLOCK_Q), n_items)
         else:  # heaviest causal rows first
-            work = _work_item(gl.num_programs(0) - 1 - gl.program_id(0), gl.program_id(1),
-                              problem, HEAD_DIM, BLOCK_Q, BLOCK_N, HAS_LEFT, HAS_RIGHT, VARLEN,
-                              SEQUSED_K)
-            if VARLEN:  # past the sequence's end: start_m >= seqlen_q
-                if work[0][9] >= work[0][14]:
+            scalars, loads, in_sequence = _work_item(
+                gl.num_programs(0) - 1 - gl.program_id(0), gl.program_id(1), problem, HEAD_DIM,
+                BLOCK_Q, BLOCK_N, HAS_LEFT, HAS_RIGHT, VARLEN, SEQUSED_K)
+            if VARLEN:  # a tile past its sequence's end has nothing to do
+                if not in_sequence:
                     return
+            work = (scalars, loads)
         dtype: gl.constexpr = q_desc.dtype
 
         q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, BM, HEAD_DIM], q_desc.layout)
@@ -686,49 +677,48 @@ if gluon is not None:
         bars = (q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, turns)
         descs = (q_desc, k_desc, v_desc)
         if SPECIALIZED:  # consumer 0 is the default partition, the others workers of 4 warps
-            # (the producer takes a consumer's arguments; constexprs stay constexpr only when
-            # written out in the call)
+            # (constexprs stay constexpr only when written out in the call)
             if CONSUMERS == 1:
                 gl.warp_specialize([
-                    (_consumer_items, (descs, smem, bars, work, 0, HEAD_DIM, BLOCK_N,
+                    (_partition, (descs, smem, bars, work, 0, HEAD_DIM, BLOCK_N,
                                         NUM_STAGES, CONSUMERS, PINGPONG, HAS_LEFT, HAS_RIGHT,
                                         SOFTCAP, ALIBI, SINK, DROPOUT, KEY_TAIL, VARLEN,
                                         SEQUSED_K, PERSISTENT)),
-                    (_producer_items, (descs, smem, bars, work, 0, HEAD_DIM, BLOCK_N,
+                    (_partition, (descs, smem, bars, work, PRODUCER, HEAD_DIM, BLOCK_N,
                                         NUM_STAGES, CONSUMERS, PINGPONG, HAS_LEFT, HAS_RIGHT,
                                         SOFTCAP, ALIBI, SINK, DROPOUT, KEY_TAIL, VARLEN,
                                         SEQUSED_K, PERSISTENT))],
                     [1], [PRODUCER_REGS_GL])
             elif CONSUMERS == 2:
                 gl.warp_specialize([
-                    (_consumer_items, (descs, smem, bars, work, 0, HEAD_DIM, BLOCK_N,
+                    (_partition, (descs, smem, bars, work, 0, HEAD_DIM, BLOCK_N,
                                         NUM_STAGES, CONSUMERS, PINGPONG, HAS_LEFT, HAS_RIGHT,
                                         SOFTCAP, ALIBI, SINK, DROPOUT, KEY_TAIL, VARLEN,
                                         SEQUSED_K, PERSISTENT)),
-                    (_producer_items, (descs, smem, bars, work, 0, HEAD_DIM, BLOCK_N,
+                    (_partition, (descs, smem, bars, work, PRODUCER, HEAD_DIM, BLOCK_N,
                                         NUM_STAGES, CONSUMERS, PINGPONG, HAS_LEFT, HAS_RIGHT,
                                         SOFTCAP, ALIBI, SINK, DROPOUT, KEY_TAIL, VARLEN,
                                         SEQUSED_K, PERSISTENT)),
-                    (_consumer_items, (descs, smem, bars, work, 1, HEAD_DIM, BLOCK_N,
+                    (_partition, (descs, smem, bars, work, 1, HEAD_DIM, BLOCK_N,
                                         NUM_STAGES, CONSUMERS, PINGPONG, HAS_LEFT, HAS_RIGHT,
                                         SOFTCAP, ALIBI, SINK, DROPOUT, KEY_TAIL, VARLEN,
                                         SEQUSED_K, PERSISTENT))],
                     [1, 4], [PRODUCER_REGS_GL, CONSUMER_REGS])
             else:
                 gl.warp_specialize([
-                    (_consumer_items, (descs, smem, bars, work, 0, HEAD_DIM, BLOCK_N,
+                    (_partition, (descs, smem, bars, work, 0, HEAD_DIM, BLOCK_N,
                                         NUM_STAGES, CONSUMERS, PINGPONG, HAS_LEFT, HAS_RIGHT,
                                         SOFTCAP, ALIBI, SINK, DROPOUT, KEY_TAIL, VARLEN,
                                         SEQUSED_K, PERSISTENT)),
-                    (_producer_items, (descs, smem, bars, work, 0, HEAD_DIM, BLOCK_N,
+                    (_partition, (descs, smem, bars, work, PRODUCER, HEAD_DIM, BLOCK_N,
                                         NUM_STAGES, CONSUMERS, PINGPONG, HAS_LEFT, HAS_RIGHT,
                                         SOFTCAP, ALIBI, SINK, DROPOUT, KEY_TAIL, VARLEN,
                                         SEQUSED_K, PERSISTENT)),
-                    (_consumer_items, (descs, smem, bars, work, 1, HEAD_DIM, BLOCK_N,
+                    (_partition, (descs, smem, bars, work, 1, HEAD_DIM, BLOCK_N,
                                         NUM_STAGES, CONSUMERS, PINGPONG, HAS_LEFT, HAS_RIGHT,
                                         SOFTCAP, ALIBI, SINK, DROPOUT, KEY_TAIL, VARLEN,
                                         SEQUSED_K, PERSISTENT)),
-                    (_consumer_items, (descs, smem, bars, work, 2, HEAD_DIM, BLOCK_N,
+                    (_partition, (descs, smem, bars, work, 2, HEAD_DIM, BLOCK_N,
                                         NUM_STAGES, CONSUMERS, PINGPONG, HAS_LEFT, HAS_RIGHT,
                                         SOFTCAP, ALIBI, SINK, DROPOUT, KEY_TAIL, VARLEN,
                                         SEQUSED_K, PERSISTENT))],
