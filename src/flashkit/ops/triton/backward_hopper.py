@@ -82,14 +82,7 @@ from flashkit.ops.triton.common import (
     window_args,
 )
 from flashkit.ops.triton.configs import GLUON_BACKWARD
-from flashkit.ops.triton.dropout import (
-    bytes_ge,
-    dropout_args,
-    packed_bit,
-    packed_keep,
-    philox_calls,
-    tile_words,
-)
+from flashkit.ops.triton.dropout import dropout_args
 from flashkit.ops.triton.forward_hopper import flash_descriptor, flash_layout_2d, gluon_supported
 
 try:
@@ -107,8 +100,9 @@ try:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 except ImportError:  # a Triton without Gluon: the Triton kernels do everything
     gluon = None
-if gluon is not None:  # the forward's K/V ring fill and draw layout serve the dQ kernel as they are
-    from flashkit.ops.triton.forward_hopper import _dropout_layout, _issue_kv_load, _zero_key_tail
+if gluon is not None:  # the forward's K/V ring fill serves the dQ kernel as it is
+    from flashkit.ops.triton.dropout_gluon import keep_bits_t, keep_tile, unpack_keep_t
+    from flashkit.ops.triton.forward_hopper import _issue_kv_load, _zero_key_tail
 
 
 
@@ -196,97 +190,6 @@ if gluon is not None:
         fence_async_shared()  # generic-proxy writes before the async proxy reads them
         gl.thread_barrier()  # every warp's part is written before one thread issues the add
         _tma_reduce_add(dq_acc, [dq_row, col], staging)
-
-    @gluon.constexpr_function
-    def _dropout_layout_t(block_n, block_m, num_warps):
-        """The wgmma accumulator layout of an S^T tile [block_n, block_m] (num_warps warps of
-        16 key rows; per 8 query columns a thread holds columns 2 (lane % 4) + 0/1 of key rows
-        lane / 4 and + 8) with key j split as (chunk, byte, g) = (j // 128, j % 128 // 8, j % 8),
-        dropout.py's order: [CHUNKS, BYTES, 8, block_m]. Reshaped back it is the S^T layout."""
-        col_bits = (block_m // 8).bit_length() - 1  # register bases of query columns 8, 16, ...
-        tile = lambda key, query: [key // 128, key % 128 // 8, key % 8, query]  # noqa: E731
-        return gl.DistributedLinearLayout(
-            reg_bases=[tile(0, 1), tile(8, 0)] + [tile(0, 8 << b) for b in range(col_bits)],
-            lane_bases=[tile(0, 2), tile(0, 4), tile(1, 0), tile(2, 0), tile(4, 0)],
-            warp_bases=[tile(16 << w, 0) for w in range(num_warps.bit_length() - 1)],
-            block_bases=[], shape=[max(block_n // 128, 1), min(block_n // 8, 16), 8, block_m])
-
-    @gluon.jit
-    def _dropout_bits_t(drop, start_m, start_n, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                        num_warps: gl.constexpr):
-        """[CHUNKS, 8, BLOCK_M] int32 in SliceLayout(1, _dropout_layout_t): the forward's
-        keep-mask of query rows start_m + [0, BLOCK_M) and keys start_n + [0, BLOCK_N) (start_n
-        a multiple of BLOCK_N), one int32 of sixteen decisions per Philox call (dropout.
-        packed_keep); _unpack_keep_t turns it into the S^T tile. In S^T a thread holds one g of
-        sixteen queries, so drawing in place would repeat every call once per warp: instead
-        each call is drawn once, in a blocked layout, and only the packed words move (through
-        shared memory) to the transposed layout."""
-        seed_lo, seed_hi, threshold, off_b, off_h = drop
-        CHUNKS: gl.constexpr = (BLOCK_N + 127) // 128
-        calls_layout: gl.constexpr = gl.BlockedLayout([1, 1, 1], [1, 8, 4], [1, 1, num_warps],
-                                                      [2, 1, 0])
-        chunk = start_n // 128 + gl.arange(
-            0, CHUNKS, layout=gl.SliceLayout(1, gl.SliceLayout(2, calls_layout)))
-        g = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, calls_layout)))
-        rows = start_m + gl.arange(0, BLOCK_M,
-                                   layout=gl.SliceLayout(0, gl.SliceLayout(1, calls_layout)))
-        zero = gl.zeros([CHUNKS, 8, BLOCK_M], gl.uint32, calls_layout)
-        calls = zero + gl.expand_dims(gl.expand_dims(chunk, 1) * 8 + gl.expand_dims(g, 0),
-                                      2).to(gl.uint32)
-        row_ids = zero + gl.expand_dims(gl.expand_dims(rows, 0), 1).to(gl.uint32)
-        words = tile_words(philox_calls(seed_lo, seed_hi, off_b, off_h, row_ids, calls),
-                           start_n, BLOCK_N)
-        T4: gl.constexpr = _dropout_layout_t(BLOCK_N, BLOCK_M, num_warps)
-        return gl.convert_layout(packed_keep(words, threshold), gl.SliceLayout(1, T4))
-
-    @gluon.jit
-    def _unpack_keep_t(bits, start_n, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                       st_layout: gl.constexpr, num_warps: gl.constexpr):
-        """[BLOCK_N, BLOCK_M] bool in st_layout: key j = start_n + r of query column c is kept
-        iff bit packed_bit(b) of bits[j // 128 - start_n // 128, j % 8, c] is set, b the byte
-        of j within dropout.tile_words' words."""
-        gl.static_assert(BLOCK_N == 16 * num_warps, "_dropout_layout_t: 16 key rows per warp")
-        gl.static_assert(BLOCK_N >= 32, "tile_words: whole words")
-        T4: gl.constexpr = _dropout_layout_t(BLOCK_N, BLOCK_M, num_warps)
-        BYTES: gl.constexpr = BLOCK_N // 8 if BLOCK_N < 128 else 16
-        byte = gl.arange(0, BYTES, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(
-            3, T4))))
-        bit = gl.expand_dims(gl.expand_dims(gl.expand_dims(packed_bit(byte), 0), 2), 3)
-        keep = gl.expand_dims(bits, 1) & (1 << bit)  # [CHUNKS, BYTES, 8, BLOCK_M]
-        return gl.convert_layout(gl.reshape(keep, [BLOCK_N, BLOCK_M]), st_layout) != 0
-
-    @gluon.jit
-    def _dropout_keep_s(drop, start_m, start_n, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
-        """[64, BLOCK_N] bool in s_layout (the dQ kernel's score tile): the forward's keep-mask
-        (forward_hopper._dropout_keep's, bit for bit) of query rows start_m + [0, 64) and keys
-        start_n + [0, BLOCK_N) (start_n a multiple of BLOCK_N). Drawn, as there, in
-        forward_hopper._dropout_layout, one Philox call per (row, chunk, g) of the thread's own
-        scores, but only the words the tile uses (dropout.tile_words) are compared, four bytes
-        per instruction (dropout.bytes_ge); an element then tests one bit of its word."""
-        seed_lo, seed_hi, threshold, off_b, off_h = drop
-        gl.static_assert(BLOCK_N >= 32, "tile_words: whole words")
-        L4: gl.constexpr = _dropout_layout(BLOCK_N)  # [64, CHUNKS, BYTES, 8]
-        L3: gl.constexpr = gl.SliceLayout(2, L4)  # the calls [64, CHUNKS, 8]
-        CHUNKS: gl.constexpr = (BLOCK_N + 127) // 128
-        BYTES: gl.constexpr = BLOCK_N // 8 if BLOCK_N < 128 else 16
-        rows = start_m + gl.arange(0, 64, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
-        chunk = start_n // 128 + gl.arange(0, CHUNKS,
-                                           layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
-        g = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
-        zero = gl.zeros([64, CHUNKS, 8], gl.uint32, L3)
-        calls = zero + (gl.expand_dims(gl.expand_dims(chunk, 0), 2) * 8
-                        + gl.expand_dims(gl.expand_dims(g, 0), 1)).to(gl.uint32)
-        row_ids = zero + gl.expand_dims(gl.expand_dims(rows, 1), 2).to(gl.uint32)
-        words = tile_words(philox_calls(seed_lo, seed_hi, off_b, off_h, row_ids, calls),
-                           start_n, BLOCK_N)
-        byte = gl.arange(0, BYTES, layout=gl.SliceLayout(1, gl.SliceLayout(0, gl.SliceLayout(
-            0, L4))))
-        byte = gl.expand_dims(gl.expand_dims(gl.expand_dims(byte, 1), 0), 0)  # [1, 1, BYTES, 1]
-        ge = gl.expand_dims(bytes_ge(words[0], threshold), 2)  # [64, CHUNKS, 1, 8]
-        for w in gl.static_range(1, len(words)):  # byte b's word, b // 4: known per register
-            ge = gl.where(byte // 4 == w, gl.expand_dims(bytes_ge(words[w], threshold), 2), ge)
-        keep = ge & (0x80 << (8 * (byte % 4))).to(gl.uint32)  # [64, CHUNKS, BYTES, 8]
-        return gl.convert_layout(gl.reshape(keep, [64, BLOCK_N]), s_layout) != 0
 
     @gluon.jit
     def _issue_q_do_load(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem,
@@ -376,7 +279,7 @@ if gluon is not None:
                                  n_jobs, jobs_per_head, m_first, q_row, q_col, lse_row,
                                  lse_stride_h, BLOCK_M, HEAD_DIM, NUM_STAGES)
         if DROPOUT:  # drawn while the tensor cores work on S^T and dP^T
-            bits_t = _dropout_bits_t(drop, start_m, start_n, BLOCK_M, BLOCK_N, gl.num_warps())
+            bits_t = keep_bits_t(drop, start_m, start_n, BLOCK_M, BLOCK_N, gl.num_warps())
         s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
         # lse and delta are read from shared memory at their use: as per-column vectors of the
         # wgmma layout they would hold 2 * BLOCK_M / 4 registers across the matmuls.
@@ -403,7 +306,7 @@ if gluon is not None:
             delta = gl.where(start_m + gl.arange(0, BLOCK_M, layout=col_layout) < seqlen_q,
                              delta, 0.0)
         if DROPOUT:  # dS / (1 / (1 - p)) = P o (keep o dP - (1 - p) delta): see the kernel
-            kept_t = _unpack_keep_t(bits_t, start_n, BLOCK_M, BLOCK_N, st_layout, gl.num_warps())
+            kept_t = unpack_keep_t(bits_t, start_n, BLOCK_M, BLOCK_N, st_layout, gl.num_warps())
             dp_t = gl.where(kept_t, dp_t, 0.0)
             delta = delta * (1.0 / dropout_scale)
         ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
@@ -626,7 +529,7 @@ if gluon is not None:
                           s_layout: gl.constexpr, op_layout: gl.constexpr):
         """Add key tile `tile` (keys key_lo + tile * BLOCK_N ..., at row key0 + tile * BLOCK_N
         of the 2-D view) to dQ (unscaled); MASK applies the band predicate. geo, alibi_log2 and
-        drop as in _query_tile_step; the keep-mask is the forward's own (_dropout_keep_s, drawn in
+        drop as in _query_tile_step; the keep-mask is the forward's own (keep_tile, drawn in
         this same score layout); with DROPOUT, delta comes as (1 - p) delta and dQ is left
         over 1 / (1 - p). VARLEN: the (last) tile that crosses the sequence's keys zeroes
         the next sequence's K and V rows it holds before the wgmmas read them (0 * NaN/inf in
@@ -661,7 +564,7 @@ if gluon is not None:
             p = gl.where(visible(i, j, seqlen_q, seqlen_k, window_left, window_right, HAS_LEFT,
                                  HAS_RIGHT), p, 0.0)
         if DROPOUT:  # drawn while the tensor cores still work on dP
-            kept = _dropout_keep_s(drop, start_m, start_n, BLOCK_N, s_layout)
+            kept = keep_tile(drop, start_m, start_n, BLOCK_N, s_layout)
         dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, ))
         if DROPOUT:  # dS / (1 / (1 - p)) = P o (keep o dP - (1 - p) delta): see the kernel
             dp = gl.where(kept, dp, 0.0)
@@ -716,7 +619,7 @@ if gluon is not None:
         drop = (seed_lo, seed_hi, dropout_threshold, off_b, off_h)
         dtype: gl.constexpr = q_desc.dtype
         gl.static_assert(not DROPOUT or (BLOCK_M == 64 and num_warps == 4),
-                         "_dropout_keep_s draws for the forward's 64-row, one-warpgroup tile")
+                         "keep_tile draws for the forward's 64-row, one-warpgroup tile")
 
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16])

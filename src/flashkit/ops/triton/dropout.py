@@ -4,7 +4,7 @@ The mask is a pure function of (seed, batch, head, i, j), so the forward kernel,
 kernels and `keep_mask` below (the testing helper's kernel) all draw it through the one jit
 helper `dropout_keep` and agree bit for bit, whatever their tiles. Its core (philox_calls,
 byte_keep, bytes_ge, packed_keep) takes index tensors the caller built, so the Gluon kernels
-(forward_hopper, backward_hopper) draw through the same functions in their own layouts.
+draw through the same functions in their own layouts (dropout_gluon.py).
 
 Philox4x32-7 (tl.philox with n_rounds = PHILOX_ROUNDS = 7, flash-attn's philox.cuh count;
 Salmon et al., SC'11, report that Philox4x32-7 passes BigCrush, tl.philox's default of 10 being

@@ -37,8 +37,8 @@ alignment, ALiBi and dropout indices (sequence b as batch entry b, rows and colu
 sequence, as forward.py's Triton varlen kernel) are the dense ones. A sequence's keys are a
 (first row, length) pair, so SEQUSED_K (flash-attn's seqused_k) reads a contiguous KV cache.
 
-Dropout draws dropout.py's keep-mask bit for bit (`_dropout_keep`, through dropout.py's own
-Philox core), so either backward regenerates what this forward dropped.
+Dropout draws dropout.py's keep-mask bit for bit (dropout_gluon.keep_tile, through dropout.py's
+own Philox core), so either backward regenerates what this forward dropped.
 
 Eligible (see `eligible`): CUDA sm_90, fp16/bf16, head dim 64, 128 or 256 (q, k, v alike),
 dense or varlen, any seqlen_q / seqlen_k, any window (causal included), softcap, ALiBi, sink,
@@ -73,7 +73,7 @@ from flashkit.ops.triton.common import (
     window_args,
 )
 from flashkit.ops.triton.configs import GLUON_FORWARD, gluon_forward_tile
-from flashkit.ops.triton.dropout import byte_keep, dropout_args, philox_calls
+from flashkit.ops.triton.dropout import dropout_args
 
 try:
     from triton.experimental import gluon
@@ -95,6 +95,8 @@ FORWARD_HEAD_DIMS = (64, 128, 256)  # this forward's; the backward's stay gluon_
 
 
 if gluon is not None:
+    from flashkit.ops.triton.dropout_gluon import keep_tile
+
     LN2 = gl.constexpr(0.6931471805599453)
     LOG2E_GL = gl.constexpr(LOG2E)
     BM = gl.constexpr(BLOCK_M)
@@ -138,53 +140,6 @@ if gluon is not None:
                     chunk.store(gl.where(gl.expand_dims(rows, 1) < n_keep, x, gl.zeros_like(x)))
             fence_async_shared()
             gl.thread_barrier()
-
-    @gluon.constexpr_function
-    def _dropout_layout(block_n):
-        """The wgmma accumulator layout of a [64, block_n] score tile (4 warps, 16 rows each;
-        per 8 columns a thread holds columns 2 (lane % 4) + 0/1 of rows lane / 4 and + 8) with
-        column j split as (chunk, byte, g) = (j // 128, j % 128 // 8, j % 8), the order of
-        dropout.py's draws: [64, CHUNKS, BYTES, 8]. Reshaped back it is the score layout, so
-        each thread draws exactly the Philox calls (row, chunk, g) of its own scores."""
-        col_bits = (block_n // 8).bit_length() - 1  # register bases of columns 8, 16, ...
-        tile = lambda row, col: [row, col // 128, col % 128 // 8, col % 8]  # noqa: E731
-        return gl.DistributedLinearLayout(
-            reg_bases=[tile(0, 1), tile(8, 0)] + [tile(0, 8 << b) for b in range(col_bits)],
-            lane_bases=[tile(0, 2), tile(0, 4), tile(1, 0), tile(2, 0), tile(4, 0)],
-            warp_bases=[tile(16, 0), tile(32, 0)], block_bases=[],
-            shape=[64, max(block_n // 128, 1), min(block_n // 8, 16), 8])
-
-    @gluon.jit
-    def _dropout_keep(drop, row0, col0, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
-        """[BM, BLOCK_N] bool in s_layout: dropout.dropout_keep's mask for rows row0 + [0, BM)
-        and columns col0 + [0, BLOCK_N) (col0 a multiple of BLOCK_N), bit for bit: Philox
-        (seed; call, row, head, batch) with call 8 (j // 128) + j % 8, byte j % 128 // 8, kept
-        iff the byte >= threshold. Drawn in _dropout_layout, one Philox call per (row, chunk,
-        g) of the thread's own scores, through dropout.py's philox_calls and byte_keep (the
-        Triton kernels' own core) on index tensors built here in Gluon layouts."""
-        seed_lo, seed_hi, threshold, off_b, off_h = drop
-        L4: gl.constexpr = _dropout_layout(BLOCK_N)
-        L3: gl.constexpr = gl.SliceLayout(2, L4)  # the calls [BM, CHUNKS, 8]
-        CHUNKS: gl.constexpr = (BLOCK_N + 127) // 128
-        BYTES: gl.constexpr = BLOCK_N // 8 if BLOCK_N < 128 else 16
-        rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
-        chunk = col0 // 128 + gl.arange(0, CHUNKS, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
-        g = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
-        zero = gl.zeros([BM, CHUNKS, 8], gl.uint32, L3)
-        call = gl.expand_dims(gl.expand_dims(chunk, 0), 2) * 8 + gl.expand_dims(
-            gl.expand_dims(g, 0), 1)
-        row_ids = zero + gl.expand_dims(gl.expand_dims(rows, 1), 2).to(gl.uint32)
-        r0, r1, r2, r3 = philox_calls(seed_lo, seed_hi, off_b, off_h, row_ids,
-                                      zero + call.to(gl.uint32))
-        byte = gl.arange(0, BYTES, layout=gl.SliceLayout(1, gl.SliceLayout(0, gl.SliceLayout(0,
-                                                                                          L4))))
-        if BLOCK_N < 128:  # a narrow tile uses the middle bytes of its calls
-            byte = byte + (col0 % 128) // 8
-        byte = gl.expand_dims(gl.expand_dims(gl.expand_dims(byte, 1), 0), 0)  # [1, 1, BYTES, 1]
-        words = (gl.expand_dims(r0, 2), gl.expand_dims(r1, 2), gl.expand_dims(r2, 2),
-                 gl.expand_dims(r3, 2))
-        keep = byte_keep(words, byte, threshold)  # [BM, CHUNKS, BYTES, 8]
-        return gl.convert_layout(gl.reshape(keep, [BM, BLOCK_N]), s_layout)
 
     @gluon.jit
     def _softmax_step(qk, m_i, l_i, rows, cols, col0, geo, alibi, MASK: gl.constexpr,
@@ -306,7 +261,7 @@ if gluon is not None:
                                            geo, alibi, MASK, HAS_LEFT, HAS_RIGHT, SOFTCAP,
                                            ALIBI, ALIBI_SIDE)
         if DROPOUT:
-            p = gl.where(_dropout_keep(drop, row0, col0, BLOCK_N, s_layout), p, 0.0)
+            p = gl.where(keep_tile(drop, row0, col0, BLOCK_N, s_layout), p, 0.0)
         p_next = gl.convert_layout(p.to(q_tile.dtype), p_layout)
         # The softmax results pass through the wait so that the compiler cannot sink the softmax
         # below it (which would serialise it after the P V matmul again).
@@ -403,7 +358,7 @@ if gluon is not None:
                                                geo, alibi, True, HAS_LEFT, HAS_RIGHT, SOFTCAP,
                                                ALIBI, 0)
             if DROPOUT:
-                p = gl.where(_dropout_keep(drop, row0, lo, BLOCK_N, s_layout), p, 0.0)
+                p = gl.where(keep_tile(drop, row0, lo, BLOCK_N, s_layout), p, 0.0)
             state = (acc, gl.convert_layout(p.to(dtype), p_layout), m_i, l_i)
 
             if HAS_LEFT:  # masked tiles left of the visible middle

@@ -1,0 +1,129 @@
+"""The dropout keep-mask in the register layouts of the Gluon kernels (forward_hopper.py and
+backward_hopper.py).
+
+Every function here draws dropout.py's mask bit for bit, through its Philox core (philox_calls)
+and its four-bytes-per-instruction compare (bytes_ge, packed_keep), on index tensors built in
+the layout where the mask is used:
+  - keep_tile: a [64, BLOCK_N] score tile in the wgmma accumulator layout of one warpgroup (the
+    forward's tile and the dQ kernel's), each thread drawing the Philox calls of its own scores;
+  - keep_bits_t / unpack_keep_t: a transposed [BLOCK_N, BLOCK_M] tile (the dK/dV kernel's S^T),
+    drawn once per call in a blocked layout and moved, packed, to the transposed one.
+"""
+
+from __future__ import annotations
+
+from flashkit.ops.triton.dropout import bytes_ge, packed_bit, packed_keep, philox_calls, tile_words
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+except ImportError:  # a Triton without Gluon: nothing here is used
+    gluon = None
+
+if gluon is not None:
+    @gluon.constexpr_function
+    def draw_layout(block_n):
+        """The wgmma accumulator layout of a [64, block_n] score tile (4 warps, 16 rows each;
+        per 8 columns a thread holds columns 2 (lane % 4) + 0/1 of rows lane / 4 and + 8) with
+        column j split as (chunk, byte, g) = (j // 128, j % 128 // 8, j % 8), the order of
+        dropout.py's draws: [64, CHUNKS, BYTES, 8]. Reshaped back it is the score layout, so
+        each thread draws exactly the Philox calls (row, chunk, g) of its own scores."""
+        col_bits = (block_n // 8).bit_length() - 1  # register bases of columns 8, 16, ...
+        tile = lambda row, col: [row, col // 128, col % 128 // 8, col % 8]  # noqa: E731
+        return gl.DistributedLinearLayout(
+            reg_bases=[tile(0, 1), tile(8, 0)] + [tile(0, 8 << b) for b in range(col_bits)],
+            lane_bases=[tile(0, 2), tile(0, 4), tile(1, 0), tile(2, 0), tile(4, 0)],
+            warp_bases=[tile(16, 0), tile(32, 0)], block_bases=[],
+            shape=[64, max(block_n // 128, 1), min(block_n // 8, 16), 8])
+
+
+    @gluon.constexpr_function
+    def draw_layout_t(block_n, block_m, num_warps):
+        """The wgmma accumulator layout of an S^T tile [block_n, block_m] (num_warps warps of
+        16 key rows; per 8 query columns a thread holds columns 2 (lane % 4) + 0/1 of key rows
+        lane / 4 and + 8) with key j split as (chunk, byte, g) = (j // 128, j % 128 // 8, j % 8),
+        dropout.py's order: [CHUNKS, BYTES, 8, block_m]. Reshaped back it is the S^T layout."""
+        col_bits = (block_m // 8).bit_length() - 1  # register bases of query columns 8, 16, ...
+        tile = lambda key, query: [key // 128, key % 128 // 8, key % 8, query]  # noqa: E731
+        return gl.DistributedLinearLayout(
+            reg_bases=[tile(0, 1), tile(8, 0)] + [tile(0, 8 << b) for b in range(col_bits)],
+            lane_bases=[tile(0, 2), tile(0, 4), tile(1, 0), tile(2, 0), tile(4, 0)],
+            warp_bases=[tile(16 << w, 0) for w in range(num_warps.bit_length() - 1)],
+            block_bases=[], shape=[max(block_n // 128, 1), min(block_n // 8, 16), 8, block_m])
+
+    @gluon.jit
+    def keep_bits_t(drop, start_m, start_n, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                        num_warps: gl.constexpr):
+        """[CHUNKS, 8, BLOCK_M] int32 in SliceLayout(1, draw_layout_t): the forward's
+        keep-mask of query rows start_m + [0, BLOCK_M) and keys start_n + [0, BLOCK_N) (start_n
+        a multiple of BLOCK_N), one int32 of sixteen decisions per Philox call (dropout.
+        packed_keep); unpack_keep_t turns it into the S^T tile. In S^T a thread holds one g of
+        sixteen queries, so drawing in place would repeat every call once per warp: instead
+        each call is drawn once, in a blocked layout, and only the packed words move (through
+        shared memory) to the transposed layout."""
+        seed_lo, seed_hi, threshold, off_b, off_h = drop
+        CHUNKS: gl.constexpr = (BLOCK_N + 127) // 128
+        calls_layout: gl.constexpr = gl.BlockedLayout([1, 1, 1], [1, 8, 4], [1, 1, num_warps],
+                                                      [2, 1, 0])
+        chunk = start_n // 128 + gl.arange(
+            0, CHUNKS, layout=gl.SliceLayout(1, gl.SliceLayout(2, calls_layout)))
+        g = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, calls_layout)))
+        rows = start_m + gl.arange(0, BLOCK_M,
+                                   layout=gl.SliceLayout(0, gl.SliceLayout(1, calls_layout)))
+        zero = gl.zeros([CHUNKS, 8, BLOCK_M], gl.uint32, calls_layout)
+        calls = zero + gl.expand_dims(gl.expand_dims(chunk, 1) * 8 + gl.expand_dims(g, 0),
+                                      2).to(gl.uint32)
+        row_ids = zero + gl.expand_dims(gl.expand_dims(rows, 0), 1).to(gl.uint32)
+        words = tile_words(philox_calls(seed_lo, seed_hi, off_b, off_h, row_ids, calls),
+                           start_n, BLOCK_N)
+        T4: gl.constexpr = draw_layout_t(BLOCK_N, BLOCK_M, num_warps)
+        return gl.convert_layout(packed_keep(words, threshold), gl.SliceLayout(1, T4))
+
+    @gluon.jit
+    def unpack_keep_t(bits, start_n, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                       st_layout: gl.constexpr, num_warps: gl.constexpr):
+        """[BLOCK_N, BLOCK_M] bool in st_layout: key j = start_n + r of query column c is kept
+        iff bit packed_bit(b) of bits[j // 128 - start_n // 128, j % 8, c] is set, b the byte
+        of j within dropout.tile_words' words."""
+        gl.static_assert(BLOCK_N == 16 * num_warps, "draw_layout_t: 16 key rows per warp")
+        gl.static_assert(BLOCK_N >= 32, "tile_words: whole words")
+        T4: gl.constexpr = draw_layout_t(BLOCK_N, BLOCK_M, num_warps)
+        BYTES: gl.constexpr = BLOCK_N // 8 if BLOCK_N < 128 else 16
+        byte = gl.arange(0, BYTES, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(
+            3, T4))))
+        bit = gl.expand_dims(gl.expand_dims(gl.expand_dims(packed_bit(byte), 0), 2), 3)
+        keep = gl.expand_dims(bits, 1) & (1 << bit)  # [CHUNKS, BYTES, 8, BLOCK_M]
+        return gl.convert_layout(gl.reshape(keep, [BLOCK_N, BLOCK_M]), st_layout) != 0
+
+    @gluon.jit
+    def keep_tile(drop, start_m, start_n, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+        """[64, BLOCK_N] bool in s_layout (a one-warpgroup score tile: the forward's and the dQ
+        kernel's): dropout.dropout_keep's mask, bit for bit, of query rows start_m + [0, 64)
+        and keys start_n + [0, BLOCK_N) (start_n a multiple of BLOCK_N). Drawn in draw_layout,
+        one Philox call per (row, chunk, g) of the thread's own scores; only the words the tile
+        uses (dropout.tile_words) are compared, four bytes per instruction (dropout.bytes_ge),
+        and an element then tests one bit of its word."""
+        seed_lo, seed_hi, threshold, off_b, off_h = drop
+        gl.static_assert(BLOCK_N >= 32, "tile_words: whole words")
+        L4: gl.constexpr = draw_layout(BLOCK_N)  # [64, CHUNKS, BYTES, 8]
+        L3: gl.constexpr = gl.SliceLayout(2, L4)  # the calls [64, CHUNKS, 8]
+        CHUNKS: gl.constexpr = (BLOCK_N + 127) // 128
+        BYTES: gl.constexpr = BLOCK_N // 8 if BLOCK_N < 128 else 16
+        rows = start_m + gl.arange(0, 64, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
+        chunk = start_n // 128 + gl.arange(0, CHUNKS,
+                                           layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
+        g = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+        zero = gl.zeros([64, CHUNKS, 8], gl.uint32, L3)
+        calls = zero + (gl.expand_dims(gl.expand_dims(chunk, 0), 2) * 8
+                        + gl.expand_dims(gl.expand_dims(g, 0), 1)).to(gl.uint32)
+        row_ids = zero + gl.expand_dims(gl.expand_dims(rows, 1), 2).to(gl.uint32)
+        words = tile_words(philox_calls(seed_lo, seed_hi, off_b, off_h, row_ids, calls),
+                           start_n, BLOCK_N)
+        byte = gl.arange(0, BYTES, layout=gl.SliceLayout(1, gl.SliceLayout(0, gl.SliceLayout(
+            0, L4))))
+        byte = gl.expand_dims(gl.expand_dims(gl.expand_dims(byte, 1), 0), 0)  # [1, 1, BYTES, 1]
+        ge = gl.expand_dims(bytes_ge(words[0], threshold), 2)  # [64, CHUNKS, 1, 8]
+        for w in gl.static_range(1, len(words)):  # byte b's word, b // 4: known per register
+            ge = gl.where(byte // 4 == w, gl.expand_dims(bytes_ge(words[w], threshold), 2), ge)
+        keep = ge & (0x80 << (8 * (byte % 4))).to(gl.uint32)  # [64, CHUNKS, BYTES, 8]
+        return gl.convert_layout(gl.reshape(keep, [64, BLOCK_N]), s_layout) != 0
