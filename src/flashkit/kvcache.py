@@ -3,8 +3,9 @@
 Semantics follow flash-attn 2's function of the same name; see its docstring below. Steps:
 check every argument, rotate q and the new k, append the new k and v to the cache in place, then
 run the backend's attention over each sequence's cached keys, split along the key length into
-num_splits chunks merged by lse. A long prefill over a contiguous cache on sm_90 runs the Gluon
-forward instead (`_gluon_prefill`: the cache read as varlen keys with seqused_k).
+num_splits chunks merged by lse. A long prefill on sm_90 runs the Gluon forward instead
+(`_gluon_prefill`: a contiguous cache read as varlen keys with seqused_k, a paged one with
+power-of-two pages through its block table).
 
 Index values (cache_seqlens, cache_batch_idx, cache_leftpad, the used block_table entries, the
 rotary table's length) decide where the kernels read and write, so they are always checked:
@@ -28,6 +29,7 @@ kernel, the decode kernel and, with more than one split, the merge kernel: three
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 
@@ -188,43 +190,67 @@ GLUON_PREFILL_MIN_WORK = 2**28
 
 def _gluon_prefill(q, k_cache, v_cache, seqlens_k, keys_bound, cache_batch_idx, cache_leftpad,
                    block_table, params: AttentionParams):
-    """(out, lse) from the Gluon forward over a contiguous cache, or None (the decode kernels).
+    """(out, lse) from the Gluon forward over the cache, or None (the decode kernels).
 
-    The cache (batch_cache, capacity, hk, d) is read as packed varlen keys (batch_cache *
-    capacity, hk, d): sequence b's keys start at row cache_batch_idx[b] * capacity +
-    cache_leftpad[b] (cu_seqlens_k; only the starts are read) and number seqlens_k[b] (the
-    append kernel's, as seqused_k), so tensor cache_seqlens need no host sync. q (batch,
-    seqlen_q, h, d) is packed as varlen queries (batch * seqlen_q, h, d) with cu_seqlens_q =
-    seqlen_q * b; causal and windows are bottom-right aligned per sequence, as here. Slots past a
-    sequence's keys (spare capacity, other rows) weigh exactly 0 even when they hold NaN.
-    keys_bound: the key count (int cache_seqlens) or the capacity, for the work threshold."""
+    q (batch, seqlen_q, h, d) is packed as varlen queries (batch * seqlen_q, h, d) with
+    cu_seqlens_q = seqlen_q * b; sequence b's keys number seqlens_k[b] (the append kernel's, as
+    seqused_k), so tensor cache_seqlens need no host sync. A contiguous cache (batch_cache,
+    capacity, hk, d) is read as packed varlen keys (batch_cache * capacity, hk, d): sequence
+    b's start at row cache_batch_idx[b] * capacity + cache_leftpad[b] (cu_seqlens_k; only the
+    starts are read). A paged one (num_blocks, page_size, hk, d) with a power-of-two page_size
+    goes through block_table (attention_forward's paged keys); other page sizes stay on the
+    decode kernels. Causal and windows are bottom-right aligned per sequence, as here. Slots
+    past a sequence's keys (spare capacity, other rows, the rest of its last page) weigh exactly
+    0 even when they hold NaN. keys_bound: the key count (int cache_seqlens) or the capacity,
+    for the work threshold."""
     batch, seqlen_q, nheads, head_dim = q.shape
-    if (block_table is not None or not q.is_cuda or seqlen_q < GLUON_PREFILL_MIN_QUERIES
+    if (not q.is_cuda or seqlen_q < GLUON_PREFILL_MIN_QUERIES
             or batch * nheads * seqlen_q * keys_bound < GLUON_PREFILL_MIN_WORK):
         return None
     from flashkit.ops.triton import forward_hopper
 
-    capacity, nheads_k = k_cache.shape[1], k_cache.shape[2]
+    slots, nheads_k = k_cache.shape[1], k_cache.shape[2]  # the capacity, or page_size
+    if block_table is not None and slots & (slots - 1):
+        return None
     if not (forward_hopper.flash_layout_2d(k_cache) and forward_hopper.flash_layout_2d(v_cache)):
         return None
     k, v = k_cache.view(-1, nheads_k, head_dim), v_cache.view(-1, nheads_k, v_cache.shape[-1])
-    device = q.device
-    starts = torch.arange(0, (batch + 1) * capacity, capacity, dtype=torch.int32, device=device)
-    if cache_batch_idx is not None:  # (batch + 1,): the last entry is never read
-        starts = torch.nn.functional.pad(cache_batch_idx * capacity, (0, 1))
-    if cache_leftpad is not None:
-        starts = starts + torch.nn.functional.pad(cache_leftpad, (0, 1))
-    varlen = dataclasses.replace(
-        params, cu_seqlens_q=torch.arange(0, (batch + 1) * seqlen_q, seqlen_q,
-                                          dtype=torch.int32, device=device),
-        cu_seqlens_k=starts, max_seqlen_q=seqlen_q, max_seqlen_k=capacity)
-    q_packed = q.reshape(batch * seqlen_q, nheads, head_dim)
+    cu_q = _multiples(seqlen_q, batch + 1, q.device)
+    if block_table is not None:
+        starts = cu_q  # unread with a block table
+    elif cache_batch_idx is None and cache_leftpad is None:
+        starts = _multiples(slots, batch + 1, q.device)
+    else:  # (batch + 1,): the last entry is never read
+        rows = _multiples(1, batch, q.device) if cache_batch_idx is None else cache_batch_idx
+        starts = torch.nn.functional.pad(rows * slots if cache_leftpad is None
+                                         else rows * slots + cache_leftpad, (0, 1))
+    capacity = slots if block_table is None else block_table.shape[1] * slots
+    varlen = dataclasses.replace(params, cu_seqlens_q=cu_q, cu_seqlens_k=starts,
+                                 max_seqlen_q=seqlen_q, max_seqlen_k=capacity)
+    q_packed = q.view(batch * seqlen_q, nheads, head_dim) if q.is_contiguous() \
+        else q.reshape(batch * seqlen_q, nheads, head_dim)
     if not forward_hopper.eligible(q_packed, k, v, varlen, None, None, None):
         return None
-    out, lse = forward_hopper.attention_forward(q_packed, k, v, varlen, seqused_k=seqlens_k)
+    out, lse = forward_hopper.attention_forward(
+        q_packed, k if block_table is None else k_cache, v if block_table is None else v_cache,
+        varlen, seqused_k=seqlens_k, block_table=block_table)
     # out (batch * seqlen_q, h, dv) -> (batch, seqlen_q, h, dv); lse (h, batch * seqlen_q)
     return (out.view(batch, seqlen_q, nheads, -1),
             lse.view(nheads, batch, seqlen_q).transpose(0, 1))
+
+
+def _multiples(step: int, count: int, device) -> torch.Tensor:
+    """int32 [0, step, ..., (count - 1) * step] on device (prefill's cu_seqlens; read-only),
+    made once per (step, count, device) to spare a launch per call; made afresh under CUDA graph
+    capture (a tensor made there holds its values only once the graph replays)."""
+    if torch.cuda.is_current_stream_capturing():
+        return torch.arange(0, count * step, step, dtype=torch.int32, device=device)
+    return _cached_multiples(step, count, device)
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_multiples(step: int, count: int, device) -> torch.Tensor:
+    return torch.arange(0, count * step, step, dtype=torch.int32, device=device)
 
 
 def _run(name, q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, block_table,
