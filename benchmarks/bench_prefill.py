@@ -2,7 +2,7 @@
 keys) against the dense forward on the same q, k, v: flashkit's flash_attn_func and cuDNN SDPA.
 
     PYTHONPATH=src python benchmarks/bench_prefill.py --out results/x.json [--label tree]
-        [--quick] [--no-force]
+        [--no-force] [--host-only] [--queries 128,256 --cached 4096 --kv-heads 4,32]
 
 bf16, d128, 32 query heads, GQA 8:1 and 1:1, batch 1, causal (bottom-right aligned: the
 queries are the sequence's last positions), the whole cache attended (no append; cache_seqlens
@@ -13,7 +13,8 @@ a tensor). Per cell, eager ms (triton's do_bench, median, L2 flushed between cal
   <layout>_ms     the public call as configured (kvcache.GLUON_PREFILL_*), contiguous and
                   paged (page 16 / 64 / 256, pages shuffled)
   <layout>_route_ms / _decode_ms  the same with the Gluon route forced on / off (unless
-                  --no-force; a tree without a paged route runs the decode kernels for both)
+                  --no-force; a tree without a paged route runs the decode kernels for both),
+                  paged also _route_unspecialized_ms: forward_hopper.PAGED_SPECIALIZED off
 and ratio_* = dense_ms / that (>= 0.9: within 10% of the dense forward). host: CPU wall-clock
 us per call of back-to-back public calls (no sync), which bounds small cells.
 """
@@ -38,6 +39,7 @@ import flashkit
 from flashkit import kvcache
 from flashkit.api import flash_attn_func
 from flashkit.kvcache import flash_attn_with_kvcache
+from flashkit.ops.triton import forward_hopper
 
 NHEADS, HEAD_DIM, DTYPE = 32, 128, torch.bfloat16
 QUERIES, CACHED, KV_HEADS, PAGES = (128, 256, 512, 2048), (4096, 16384), (4, 32), (16, 64, 256)
@@ -58,6 +60,19 @@ def route(on: bool | None):
         yield
     finally:
         kvcache.GLUON_PREFILL_MIN_QUERIES, kvcache.GLUON_PREFILL_MIN_WORK = saved
+
+
+@contextlib.contextmanager
+def paged_tile(specialized: bool):
+    """forward_hopper.PAGED_SPECIALIZED set for the block (where the tree has it)."""
+    saved = getattr(forward_hopper, "PAGED_SPECIALIZED", None)
+    if saved is not None:
+        forward_hopper.PAGED_SPECIALIZED = specialized
+    try:
+        yield
+    finally:
+        if saved is not None:
+            forward_hopper.PAGED_SPECIALIZED = saved
 
 
 def paged(cache, page_size):
@@ -117,12 +132,15 @@ def cell(seqlen_q, cached, nheads_k, force: bool) -> dict:
             return flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, block_table=table,
                                            causal=True)
         modes = (("", None), ("_route", True), ("_decode", False)) if force else (("", None),)
+        if force and table is not None and hasattr(forward_hopper, "PAGED_SPECIALIZED"):
+            modes += (("_route_unspecialized", True), )
         for suffix, on in modes:
-            with route(on):
+            with route(on), paged_tile(suffix != "_route_unspecialized"):
                 row[f"{name}{suffix}_ms"] = bench(call)
                 row[f"ratio_{name}{suffix}"] = row["dense_ms"] / row[f"{name}{suffix}_ms"]
-    print("prefill", json.dumps({key: round(value, 4) if isinstance(value, float) else value
-                                 for key, value in row.items()}), flush=True)
+    print("prefill", " ".join(f"{key.replace('_ms', '')}={value:.3f}" if isinstance(value, float)
+                              else f"{key}={value}" for key, value in row.items()
+                              if "ratio" in key or not isinstance(value, float)), flush=True)
     return row
 
 
@@ -153,9 +171,13 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--label", default="")
-    parser.add_argument("--quick", action="store_true")
     parser.add_argument("--no-force", action="store_true")
+    parser.add_argument("--host-only", action="store_true")
+    parser.add_argument("--queries", default=",".join(map(str, QUERIES)))
+    parser.add_argument("--cached", default=",".join(map(str, CACHED)))
+    parser.add_argument("--kv-heads", default=",".join(map(str, KV_HEADS)))
     args = parser.parse_args()
+    ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
     result = {"env": {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -164,9 +186,9 @@ def main():
         "flashkit": flashkit.__file__, "label": args.label,
         "thresholds": [kvcache.GLUON_PREFILL_MIN_QUERIES, kvcache.GLUON_PREFILL_MIN_WORK]}}
     result["host"] = host_times()
-    queries, cached = ((128, 2048), (4096,)) if args.quick else (QUERIES, CACHED)
-    result["cells"] = [cell(sq, c, hk, not args.no_force) for hk in KV_HEADS for c in cached
-                       for sq in queries]
+    if not args.host_only:
+        result["cells"] = [cell(sq, c, hk, not args.no_force) for hk in ints(args.kv_heads)
+                           for c in ints(args.cached) for sq in ints(args.queries)]
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
 

@@ -73,10 +73,23 @@ def _check(case, calls, paged_route=True, **kw):
 @pytest.mark.parametrize("mask", ["causal", "full"])
 def test_paged_prefill_matches_oracle_on_gpu(page_size, mask, monkeypatch):
     """Every page size (pieces of a key tile, a tile per page, several tiles per page), shuffled
-    pages, NaN everywhere but the keys, a padded block_table; 512 queries take the
-    unspecialized (causal) and the persistent (full) forward tiles at d128."""
+    pages, NaN everywhere but the keys, a padded block_table; 512 queries at d128."""
     calls = _spy(monkeypatch)
     case = _case(page_size=page_size, mask=mask)
+    _poison(case)
+    _check(case, calls)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [16, 128])
+def test_paged_prefill_unspecialized_tile_on_gpu(page_size, monkeypatch):
+    """PAGED_SPECIALIZED off: the consumer issues its own paged loads (causal 512 at d128 is
+    an unspecialized tile), NaN everywhere but the keys."""
+    from flashkit.ops.triton import forward_hopper
+
+    calls = _spy(monkeypatch)
+    monkeypatch.setattr(forward_hopper, "PAGED_SPECIALIZED", False)
+    case = _case(page_size=page_size, mask="causal")
     _poison(case)
     _check(case, calls)
 
