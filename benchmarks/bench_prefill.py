@@ -13,8 +13,7 @@ a tensor). Per cell, eager ms (triton's do_bench, median, L2 flushed between cal
   <layout>_ms     the public call as configured (kvcache.GLUON_PREFILL_*), contiguous and
                   paged (page 16 / 64 / 256, pages shuffled)
   <layout>_route_ms / _decode_ms  the same with the Gluon route forced on / off (unless
-                  --no-force; a tree without a paged route runs the decode kernels for both),
-                  paged also _route_unspecialized_ms: forward_hopper.PAGED_SPECIALIZED off
+                  --no-force; a tree without a paged route runs the decode kernels for both)
 and ratio_* = dense_ms / that (>= 0.9: within 10% of the dense forward). host: CPU wall-clock
 us per call of back-to-back public calls (no sync), which bounds small cells.
 """
@@ -39,7 +38,6 @@ import flashkit
 from flashkit import kvcache
 from flashkit.api import flash_attn_func
 from flashkit.kvcache import flash_attn_with_kvcache
-from flashkit.ops.triton import forward_hopper
 
 NHEADS, HEAD_DIM, DTYPE = 32, 128, torch.bfloat16
 QUERIES, CACHED, KV_HEADS, PAGES = (128, 256, 512, 2048), (4096, 16384), (4, 32), (16, 64, 256)
@@ -60,19 +58,6 @@ def route(on: bool | None):
         yield
     finally:
         kvcache.GLUON_PREFILL_MIN_QUERIES, kvcache.GLUON_PREFILL_MIN_WORK = saved
-
-
-@contextlib.contextmanager
-def paged_tile(specialized: bool):
-    """forward_hopper.PAGED_SPECIALIZED set for the block (where the tree has it)."""
-    saved = getattr(forward_hopper, "PAGED_SPECIALIZED", None)
-    if saved is not None:
-        forward_hopper.PAGED_SPECIALIZED = specialized
-    try:
-        yield
-    finally:
-        if saved is not None:
-            forward_hopper.PAGED_SPECIALIZED = saved
 
 
 def paged(cache, page_size):
@@ -132,10 +117,8 @@ def cell(seqlen_q, cached, nheads_k, force: bool) -> dict:
             return flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, block_table=table,
                                            causal=True)
         modes = (("", None), ("_route", True), ("_decode", False)) if force else (("", None),)
-        if force and table is not None and hasattr(forward_hopper, "PAGED_SPECIALIZED"):
-            modes += (("_route_unspecialized", True), )
         for suffix, on in modes:
-            with route(on), paged_tile(suffix != "_route_unspecialized"):
+            with route(on):
                 row[f"{name}{suffix}_ms"] = bench(call)
                 row[f"ratio_{name}{suffix}"] = row["dense_ms"] / row[f"{name}{suffix}_ms"]
     print("prefill", " ".join(f"{key.replace('_ms', '')}={value:.3f}" if isinstance(value, float)

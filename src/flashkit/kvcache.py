@@ -174,18 +174,19 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     return (out, lse) if return_softmax_lse else out
 
 
-# Prefill through the Gluon forward (sm_90) with seqused_k, from this many query rows and this
-# much work (batch x heads x queries x keys, the keys bounded by the capacity when cache_seqlens
-# is a tensor). H200, bf16 d128, 32 heads, public call with the route forced on / off
-# (decode_20261121T071109.json, x the dense forward's speed): 128 and 256 queries stay on the
-# decode kernels (1.0-1.9x the dense forward at 128; through the public call 0.44-1.04 against
-# the route's 0.25-0.96 at 256); from 2**28 the route
-# wins (512 x 16.9k keys 0.86-0.97 against 0.75-0.80, batch 4 x 512 x 4.6k 0.99-1.00 against
-# 0.75-0.85, 2048 x 18k 0.95-0.96 against 0.73-0.74); below it the call is bound by host time,
-# and the route's launch costs more of it (512 x 4.6k: 0.31-0.35 against 0.66-0.74; 2048 x 3k:
-# 0.68-0.81 against 0.74-0.80).
-GLUON_PREFILL_MIN_QUERIES = 512
-GLUON_PREFILL_MIN_WORK = 2**28
+# Prefill through the Gluon forward (sm_90), from this many query rows and this much work (batch x
+# heads x queries x keys, the keys bounded by the capacity when cache_seqlens is a tensor).
+# H200, bf16 d128, 32 heads, batch 1, causal, GQA 8:1 and 1:1, public call with the route forced
+# on / off, x the dense forward's speed (prefill_20261121_0950.json; route: _prefill_tile's
+# tile): 128 queries stay on the decode kernels (split along the keys they fill the GPU: 1.4-1.7
+# at 4k and 16k keys against the route's 0.7-1.0, one 64-row program per head); 256 and 512
+# queries over 4.3-4.6k keys (3.6e7-7.5e7) too (0.96-1.24 against 0.69-0.80, bound by host
+# time: the route's launch costs ~50 us more); 256 x 16.6k (1.4e8) is the route's (contiguous
+# 1.00 against 0.93-0.95, pages 64/256 0.93-0.94 against 0.79-0.86, page 16 0.81-0.84 against
+# 0.78-0.80), 512 x 16.9k (pages 1.04-1.10 against 0.64-0.71) and 2048 x 6-18k (0.88-1.01
+# against 0.57-0.76) too.
+GLUON_PREFILL_MIN_QUERIES = 256
+GLUON_PREFILL_MIN_WORK = 2**27
 
 
 def _gluon_prefill(q, k_cache, v_cache, seqlens_k, keys_bound, cache_batch_idx, cache_leftpad,
@@ -231,12 +232,41 @@ def _gluon_prefill(q, k_cache, v_cache, seqlens_k, keys_bound, cache_batch_idx, 
         else q.reshape(batch * seqlen_q, nheads, head_dim)
     if not forward_hopper.eligible(q_packed, k, v, varlen, None, None, None):
         return None
+    tile = _prefill_tile(q, varlen, slots if block_table is not None else None)
     out, lse = forward_hopper.attention_forward(
         q_packed, k if block_table is None else k_cache, v if block_table is None else v_cache,
-        varlen, seqused_k=seqlens_k, block_table=block_table)
+        varlen, tile=tile, seqused_k=seqlens_k, block_table=block_table)
     # out (batch * seqlen_q, h, dv) -> (batch, seqlen_q, h, dv); lse (h, batch * seqlen_q)
     return (out.view(batch, seqlen_q, nheads, -1),
             lse.view(nheads, batch, seqlen_q).transpose(0, 1))
+
+
+def _prefill_tile(q, params: AttentionParams, page_size: int | None) -> tuple:
+    """The Gluon forward's tile for a prefill of q (batch, seqlen_q, h, d): the configured one
+    (configs.gluon_forward_tile), or the specialized tile of long queries in place of an
+    unspecialized one (causal up to 1k queries at d128) where
+    - pages are smaller than its key tile: a paged tile's block_table loads and page-sized
+      TMAs, issued by the consumer itself, stall every step (page 16, d128 bf16, 32 heads:
+      0.70-0.79x the dense forward at 128-512 queries x 16k keys against 0.81-1.09 with the
+      producer warp), or
+    - its programs fill about every SM: the causal band over a long cache is nearly full, so
+      the configured tile's masking rationale does not hold (paged 512 x 16.9k: 1.04-1.10x
+      against 0.92-0.94); at half the SMs (256 queries) it stays (0.93-0.94 against 0.87-0.90).
+    prefill_20261121_0950.json (forced route, both tiles)."""
+    from flashkit.ops.triton import forward_hopper
+    from flashkit.ops.triton.configs import gluon_forward_tile
+
+    batch, seqlen_q, nheads, head_dim = q.shape
+    banded = params.window_right is not None
+    tile = gluon_forward_tile(head_dim, seqlen_q, banded)
+    if tile[3]:
+        return tile
+    long = gluon_forward_tile(head_dim, 2**31, banded)
+    programs = -(-seqlen_q // (forward_hopper.BLOCK_M * long[2])) * batch * nheads
+    sms = forward_hopper._programs_per_device(q.device, long[2])
+    if (page_size is not None and page_size < tile[0]) or 4 * programs >= 3 * sms:
+        return long
+    return tile
 
 
 def _multiples(step: int, count: int, device) -> torch.Tensor:

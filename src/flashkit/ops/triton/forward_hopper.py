@@ -92,10 +92,6 @@ except ImportError:  # a Triton without Gluon: the Triton kernel does everything
 BLOCK_M = 64  # query rows per consumer warpgroup (the wgmma M of one warpgroup)
 PRODUCER_REGS = 24  # registers per thread of the producer warp (the least setmaxnreg allows)
 FORWARD_HEAD_DIMS = (64, 128, 256)  # this forward's; the backward's stay gluon_supported's
-# A paged cache's key tiles come through block_table lookups (a scalar load per page, then the
-# TMA): on the unspecialized tiles the consumer waits for them in its own step, so paged calls
-# take the specialized tile of long queries, whose producer warp issues them.
-PAGED_SPECIALIZED = True
 
 
 if gluon is not None:
@@ -847,10 +843,7 @@ def attention_forward(q, k, v, params: AttentionParams, out=None, lse=None, tile
     if lse is None:  # (batch, nheads, seqlen_q), varlen (nheads, total_q)
         lse_shape = (nheads, q.shape[0]) if params.is_varlen else (batch, nheads, seqlen_q)
         lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
-    banded = params.window_right is not None
-    tile = tile or gluon_forward_tile(head_dim, seqlen_q, banded)
-    if paged and PAGED_SPECIALIZED and not tile[3]:  # the long-query tile: specialized
-        tile = gluon_forward_tile(head_dim, 2**31, banded)
+    tile = tile or gluon_forward_tile(head_dim, seqlen_q, params.window_right is not None)
     block_n, num_stages, consumers, specialized, pingpong, persistent = tile
     persistent = persistent and specialized
 
