@@ -83,12 +83,13 @@ def test_paged_prefill_matches_oracle_on_gpu(page_size, mask, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("page_size", [16, 128])
 def test_paged_prefill_unspecialized_tile_on_gpu(page_size, monkeypatch):
-    """PAGED_SPECIALIZED off: the consumer issues its own paged loads (causal 512 at d128 is
-    an unspecialized tile), NaN everywhere but the keys."""
-    from flashkit.ops.triton import forward_hopper
+    """The configured tile (causal 512 at d128: unspecialized) instead of _prefill_tile's: the
+    consumer issues its own paged loads; NaN everywhere but the keys."""
+    from flashkit.ops.triton.configs import gluon_forward_tile
 
     calls = _spy(monkeypatch)
-    monkeypatch.setattr(forward_hopper, "PAGED_SPECIALIZED", False)
+    monkeypatch.setattr(kvcache, "_prefill_tile", lambda q, params, page_size: gluon_forward_tile(
+        q.shape[-1], q.shape[1], params.window_right is not None))
     case = _case(page_size=page_size, mask="causal")
     _poison(case)
     _check(case, calls)
@@ -179,3 +180,21 @@ def test_route_declines_cpu_tensors():
     params = kvcache.build_params(q, 0.0, None, True, (-1, -1), 0.0, None, False, None, batch=1)
     assert kvcache._gluon_prefill(q, cache, cache, lens, 2**40, None, None,
                                   torch.zeros(1, 4, dtype=torch.int32), params) is None
+
+
+@pytest.mark.parametrize("seqlen_q,nheads,page_size,specialized", [
+    (512, 32, None, True),  # 128 programs of the long-query tile: about every SM
+    (256, 32, None, False),  # 64: the configured (unspecialized) tile
+    (256, 32, 128, False),
+    (256, 32, 16, True),  # pages smaller than the configured tile's 64 keys
+    (2048, 4, None, True),  # the configured tile is specialized already
+])
+def test_prefill_tile_choice(seqlen_q, nheads, page_size, specialized, monkeypatch):
+    """_prefill_tile at d128 causal on a device of 132 SMs (no GPU needed)."""
+    from flashkit.ops.triton import forward_hopper
+
+    monkeypatch.setattr(forward_hopper, "_programs_per_device",
+                        lambda device, consumers: 132 * (2 if consumers == 1 else 1))
+    q = torch.empty(1, seqlen_q, nheads, 128, dtype=torch.bfloat16, device="meta")
+    params = kvcache.build_params(q, 0.0, None, True, (-1, -1), 0.0, None, False, None, batch=1)
+    assert kvcache._prefill_tile(q, params, page_size)[3] == specialized

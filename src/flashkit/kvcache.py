@@ -251,8 +251,9 @@ def _prefill_tile(q, params: AttentionParams, page_size: int | None) -> tuple:
       producer warp), or
     - its programs fill about every SM: the causal band over a long cache is nearly full, so
       the configured tile's masking rationale does not hold (paged 512 x 16.9k: 1.04-1.10x
-      against 0.92-0.94); at half the SMs (256 queries) it stays (0.93-0.94 against 0.87-0.90).
-    prefill_20261121_0950.json (forced route, both tiles)."""
+      against 0.92-0.94; contiguous 1.10-1.17 against 0.91-0.92); at half the SMs (256
+      queries) it stays (0.93-0.94 against 0.87-0.90).
+    prefill_20261121_0950.json (forced route, both tiles), _0955.json (as configured)."""
     from flashkit.ops.triton import forward_hopper
     from flashkit.ops.triton.configs import gluon_forward_tile
 
