@@ -35,7 +35,10 @@ Varlen (VARLEN): the grid covers the longest sequence; each program reads its se
 rows and lengths (_sequence_rows) and returns past its end, so the per-sequence masks, band
 alignment, ALiBi and dropout indices (sequence b as batch entry b, rows and columns within the
 sequence, as forward.py's Triton varlen kernel) are the dense ones. A sequence's keys are a
-(first row, length) pair, so SEQUSED_K (flash-attn's seqused_k) reads a contiguous KV cache.
+(first row, length) pair, so SEQUSED_K (flash-attn's seqused_k) reads a contiguous KV cache;
+PAGED reads a paged one (power-of-two pages) through its block table: each key tile's rows are
+looked up per page and loaded in page-sized TMA pieces where pages are shorter than the tile
+(_tile_rows, _load_tile).
 
 Dropout draws dropout.py's keep-mask bit for bit (dropout_gluon.keep_tile, through dropout.py's
 own Philox core), so either backward regenerates what this forward dropped.
