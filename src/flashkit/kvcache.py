@@ -3,8 +3,9 @@
 Semantics follow flash-attn 2's function of the same name; see its docstring below. Steps:
 check every argument, rotate q and the new k, append the new k and v to the cache in place, then
 run the backend's attention over each sequence's cached keys, split along the key length into
-num_splits chunks merged by lse. A long prefill over a contiguous cache on sm_90 runs the Gluon
-forward instead (`_gluon_prefill`: the cache read as varlen keys with seqused_k).
+num_splits chunks merged by lse. A long prefill on sm_90 runs the Gluon forward instead
+(`_gluon_prefill`: a contiguous cache read as varlen keys with seqused_k, a paged one with
+power-of-two pages through its block table).
 
 Index values (cache_seqlens, cache_batch_idx, cache_leftpad, the used block_table entries, the
 rotary table's length) decide where the kernels read and write, so they are always checked:
@@ -28,6 +29,7 @@ kernel, the decode kernel and, with more than one split, the merge kernel: three
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 
@@ -172,59 +174,114 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     return (out, lse) if return_softmax_lse else out
 
 
-# Prefill through the Gluon forward (sm_90) with seqused_k, from this many query rows and this
-# much work (batch x heads x queries x keys, the keys bounded by the capacity when cache_seqlens
-# is a tensor). H200, bf16 d128, 32 heads, public call with the route forced on / off
-# (decode_20261121T071109.json, x the dense forward's speed): 128 and 256 queries stay on the
-# decode kernels (1.0-1.9x the dense forward at 128; through the public call 0.44-1.04 against
-# the route's 0.25-0.96 at 256); from 2**28 the route
-# wins (512 x 16.9k keys 0.86-0.97 against 0.75-0.80, batch 4 x 512 x 4.6k 0.99-1.00 against
-# 0.75-0.85, 2048 x 18k 0.95-0.96 against 0.73-0.74); below it the call is bound by host time,
-# and the route's launch costs more of it (512 x 4.6k: 0.31-0.35 against 0.66-0.74; 2048 x 3k:
-# 0.68-0.81 against 0.74-0.80).
-GLUON_PREFILL_MIN_QUERIES = 512
-GLUON_PREFILL_MIN_WORK = 2**28
+# Prefill through the Gluon forward (sm_90), from this many query rows and this much work (batch x
+# heads x queries x keys, the keys bounded by the capacity when cache_seqlens is a tensor).
+# H200, bf16 d128, 32 heads, batch 1, causal, GQA 8:1 and 1:1, public call with the route forced
+# on / off, x the dense forward's speed (prefill_20261121_0950.json; route: _prefill_tile's
+# tile): 128 queries stay on the decode kernels (split along the keys they fill the GPU: 1.4-1.7
+# at 4k and 16k keys against the route's 0.7-1.0, one 64-row program per head); 256 and 512
+# queries over 4.3-4.6k keys (3.6e7-7.5e7) too (0.96-1.24 against 0.69-0.80, bound by host
+# time: the route's launch costs ~50 us more); 256 x 16.6k (1.4e8) is the route's (contiguous
+# 1.00 against 0.93-0.95, pages 64/256 0.93-0.94 against 0.79-0.86, page 16 0.81-0.84 against
+# 0.78-0.80), 512 x 16.9k (pages 1.04-1.10 against 0.64-0.71) and 2048 x 6-18k (0.88-1.01
+# against 0.57-0.76) too.
+GLUON_PREFILL_MIN_QUERIES = 256
+GLUON_PREFILL_MIN_WORK = 2**27
 
 
 def _gluon_prefill(q, k_cache, v_cache, seqlens_k, keys_bound, cache_batch_idx, cache_leftpad,
                    block_table, params: AttentionParams):
-    """(out, lse) from the Gluon forward over a contiguous cache, or None (the decode kernels).
+    """(out, lse) from the Gluon forward over the cache, or None (the decode kernels).
 
-    The cache (batch_cache, capacity, hk, d) is read as packed varlen keys (batch_cache *
-    capacity, hk, d): sequence b's keys start at row cache_batch_idx[b] * capacity +
-    cache_leftpad[b] (cu_seqlens_k; only the starts are read) and number seqlens_k[b] (the
-    append kernel's, as seqused_k), so tensor cache_seqlens need no host sync. q (batch,
-    seqlen_q, h, d) is packed as varlen queries (batch * seqlen_q, h, d) with cu_seqlens_q =
-    seqlen_q * b; causal and windows are bottom-right aligned per sequence, as here. Slots past a
-    sequence's keys (spare capacity, other rows) weigh exactly 0 even when they hold NaN.
-    keys_bound: the key count (int cache_seqlens) or the capacity, for the work threshold."""
+    q (batch, seqlen_q, h, d) is packed as varlen queries (batch * seqlen_q, h, d) with
+    cu_seqlens_q = seqlen_q * b; sequence b's keys number seqlens_k[b] (the append kernel's, as
+    seqused_k), so tensor cache_seqlens need no host sync. A contiguous cache (batch_cache,
+    capacity, hk, d) is read as packed varlen keys (batch_cache * capacity, hk, d): sequence
+    b's start at row cache_batch_idx[b] * capacity + cache_leftpad[b] (cu_seqlens_k; only the
+    starts are read). A paged one (num_blocks, page_size, hk, d) with a power-of-two page_size
+    goes through block_table (attention_forward's paged keys); other page sizes stay on the
+    decode kernels. Causal and windows are bottom-right aligned per sequence, as here. Slots
+    past a sequence's keys (spare capacity, other rows, the rest of its last page) weigh exactly
+    0 even when they hold NaN. keys_bound: the key count (int cache_seqlens) or the capacity,
+    for the work threshold."""
     batch, seqlen_q, nheads, head_dim = q.shape
-    if (block_table is not None or not q.is_cuda or seqlen_q < GLUON_PREFILL_MIN_QUERIES
+    if (not q.is_cuda or seqlen_q < GLUON_PREFILL_MIN_QUERIES
             or batch * nheads * seqlen_q * keys_bound < GLUON_PREFILL_MIN_WORK):
         return None
     from flashkit.ops.triton import forward_hopper
 
-    capacity, nheads_k = k_cache.shape[1], k_cache.shape[2]
+    slots, nheads_k = k_cache.shape[1], k_cache.shape[2]  # the capacity, or page_size
+    if block_table is not None and slots & (slots - 1):
+        return None
     if not (forward_hopper.flash_layout_2d(k_cache) and forward_hopper.flash_layout_2d(v_cache)):
         return None
     k, v = k_cache.view(-1, nheads_k, head_dim), v_cache.view(-1, nheads_k, v_cache.shape[-1])
-    device = q.device
-    starts = torch.arange(0, (batch + 1) * capacity, capacity, dtype=torch.int32, device=device)
-    if cache_batch_idx is not None:  # (batch + 1,): the last entry is never read
-        starts = torch.nn.functional.pad(cache_batch_idx * capacity, (0, 1))
-    if cache_leftpad is not None:
-        starts = starts + torch.nn.functional.pad(cache_leftpad, (0, 1))
-    varlen = dataclasses.replace(
-        params, cu_seqlens_q=torch.arange(0, (batch + 1) * seqlen_q, seqlen_q,
-                                          dtype=torch.int32, device=device),
-        cu_seqlens_k=starts, max_seqlen_q=seqlen_q, max_seqlen_k=capacity)
-    q_packed = q.reshape(batch * seqlen_q, nheads, head_dim)
+    cu_q = _multiples(seqlen_q, batch + 1, q.device)
+    if block_table is not None:
+        starts = cu_q  # unread with a block table
+    elif cache_batch_idx is None and cache_leftpad is None:
+        starts = _multiples(slots, batch + 1, q.device)
+    else:  # (batch + 1,): the last entry is never read
+        rows = _multiples(1, batch, q.device) if cache_batch_idx is None else cache_batch_idx
+        starts = torch.nn.functional.pad(rows * slots if cache_leftpad is None
+                                         else rows * slots + cache_leftpad, (0, 1))
+    capacity = slots if block_table is None else block_table.shape[1] * slots
+    varlen = dataclasses.replace(params, cu_seqlens_q=cu_q, cu_seqlens_k=starts,
+                                 max_seqlen_q=seqlen_q, max_seqlen_k=capacity)
+    q_packed = q.view(batch * seqlen_q, nheads, head_dim) if q.is_contiguous() \
+        else q.reshape(batch * seqlen_q, nheads, head_dim)
     if not forward_hopper.eligible(q_packed, k, v, varlen, None, None, None):
         return None
-    out, lse = forward_hopper.attention_forward(q_packed, k, v, varlen, seqused_k=seqlens_k)
+    tile = _prefill_tile(q, varlen, slots if block_table is not None else None)
+    out, lse = forward_hopper.attention_forward(
+        q_packed, k if block_table is None else k_cache, v if block_table is None else v_cache,
+        varlen, tile=tile, seqused_k=seqlens_k, block_table=block_table)
     # out (batch * seqlen_q, h, dv) -> (batch, seqlen_q, h, dv); lse (h, batch * seqlen_q)
     return (out.view(batch, seqlen_q, nheads, -1),
             lse.view(nheads, batch, seqlen_q).transpose(0, 1))
+
+
+def _prefill_tile(q, params: AttentionParams, page_size: int | None) -> tuple:
+    """The Gluon forward's tile for a prefill of q (batch, seqlen_q, h, d): the configured one
+    (configs.gluon_forward_tile), or the specialized tile of long queries in place of an
+    unspecialized one (causal up to 1k queries at d128) where
+    - pages are smaller than its key tile: a paged tile's block_table loads and page-sized
+      TMAs, issued by the consumer itself, stall every step (page 16, d128 bf16, 32 heads:
+      0.70-0.79x the dense forward at 128-512 queries x 16k keys against 0.81-1.09 with the
+      producer warp), or
+    - its programs fill about every SM: the causal band over a long cache is nearly full, so
+      the configured tile's masking rationale does not hold (paged 512 x 16.9k: 1.04-1.10x
+      against 0.92-0.94; contiguous 1.10-1.17 against 0.91-0.92); at half the SMs (256
+      queries) it stays (0.93-0.94 against 0.87-0.90).
+    prefill_20261121_0950.json (forced route, both tiles), _0955.json (as configured)."""
+    from flashkit.ops.triton import forward_hopper
+    from flashkit.ops.triton.configs import gluon_forward_tile
+
+    batch, seqlen_q, nheads, head_dim = q.shape
+    banded = params.window_right is not None
+    tile = gluon_forward_tile(head_dim, seqlen_q, banded)
+    if tile[3]:
+        return tile
+    long = gluon_forward_tile(head_dim, 2**31, banded)
+    programs = -(-seqlen_q // (forward_hopper.BLOCK_M * long[2])) * batch * nheads
+    sms = forward_hopper._programs_per_device(q.device, long[2])
+    if (page_size is not None and page_size < tile[0]) or 4 * programs >= 3 * sms:
+        return long
+    return tile
+
+
+def _multiples(step: int, count: int, device) -> torch.Tensor:
+    """int32 [0, step, ..., (count - 1) * step] on device (prefill's cu_seqlens; read-only),
+    made once per (step, count, device) to spare a launch per call; made afresh under CUDA graph
+    capture (a tensor made there holds its values only once the graph replays)."""
+    if torch.cuda.is_current_stream_capturing():
+        return torch.arange(0, count * step, step, dtype=torch.int32, device=device)
+    return _cached_multiples(step, count, device)
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_multiples(step: int, count: int, device) -> torch.Tensor:
+    return torch.arange(0, count * step, step, dtype=torch.int32, device=device)
 
 
 def _run(name, q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, block_table,

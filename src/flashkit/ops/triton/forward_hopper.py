@@ -35,7 +35,10 @@ Varlen (VARLEN): the grid covers the longest sequence; each program reads its se
 rows and lengths (_sequence_rows) and returns past its end, so the per-sequence masks, band
 alignment, ALiBi and dropout indices (sequence b as batch entry b, rows and columns within the
 sequence, as forward.py's Triton varlen kernel) are the dense ones. A sequence's keys are a
-(first row, length) pair, so SEQUSED_K (flash-attn's seqused_k) reads a contiguous KV cache.
+(first row, length) pair, so SEQUSED_K (flash-attn's seqused_k) reads a contiguous KV cache;
+PAGED reads a paged one (power-of-two pages) through its block table: each key tile's rows are
+looked up per page and loaded in page-sized TMA pieces where pages are shorter than the tile
+(_tile_rows, _load_tile).
 
 Dropout draws dropout.py's keep-mask bit for bit (dropout_gluon.keep_tile, through dropout.py's
 own Philox core), so either backward regenerates what this forward dropped.
@@ -104,20 +107,50 @@ if gluon is not None:
     PRODUCER_REGS_GL = gl.constexpr(PRODUCER_REGS)
 
     @gluon.jit
-    def _issue_kv_load(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, tile, n_tiles, key0,
+    def _tile_rows(keys, tile, BLOCK_N: gl.constexpr, ROWS: gl.constexpr):
+        """Rows in the 2-D view of key tile `tile`'s ROWS-row pieces (a tuple of BLOCK_N // ROWS).
+        keys: the first key row of the program's range in the 2-D view (one piece), or for a
+        paged cache (num_blocks * page_size rows) the tuple (first key index, the sequence's
+        block_table row, its key count, log2 page_size): piece j's keys key .. key + ROWS - 1
+        (ROWS = min(page_size, BLOCK_N), so they lie in one page) are rows
+        table[key >> shift] * page_size + key % page_size. A piece past the last key reads the
+        last key's page instead (the table may hold padding there; its rows are masked and
+        zeroed as any key tail's), so only table entries of used pages are read."""
+        if isinstance(keys, gl.tuple):
+            key0, table, n_keys, shift = keys
+            last = gl.maximum(n_keys - 1, 0)
+            rows = ()
+            for j in gl.static_range(BLOCK_N // ROWS):
+                key = gl.minimum(key0 + tile * BLOCK_N + j * ROWS, last)
+                page = gl.load(table + (key >> shift))
+                rows = rows + ((page << shift) + (key & ((1 << shift) - 1)), )
+        else:
+            rows = (keys + tile * BLOCK_N, )
+        return rows
+
+    @gluon.jit
+    def _load_tile(desc, bar, buf, rows, kv_col, pred):
+        """TMA the pieces at `rows` (_tile_rows) into consecutive row slices of buf, one
+        transaction count on bar for the whole tile."""
+        ROWS: gl.constexpr = desc.block_type.shape[0]
+        mbarrier.expect(bar, desc.block_type.nbytes * len(rows), pred=pred)
+        if len(rows) == 1:
+            tma.async_copy_global_to_shared(desc, [rows[0], kv_col], bar, buf, pred=pred)
+        else:
+            for j in gl.static_range(len(rows)):
+                tma.async_copy_global_to_shared(desc, [rows[j], kv_col], bar,
+                                                buf.slice(j * ROWS, ROWS), pred=pred)
+
+    @gluon.jit
+    def _issue_kv_load(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, tile, n_tiles, keys,
                        kv_col, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
-        """TMA K and V tile `tile` (keys key0 + tile * BLOCK_N ..., key0 the first key row of
-        the program's range in the 2-D view) into ring buffer tile % NUM_STAGES; skipped past
-        n_tiles."""
+        """TMA K and V tile `tile` (keys: see _tile_rows) into ring buffer tile % NUM_STAGES;
+        skipped past n_tiles."""
         stage = tile % NUM_STAGES
         valid = tile < n_tiles
-        row = key0 + tile * BLOCK_N
-        mbarrier.expect(k_bars.index(stage), k_desc.block_type.nbytes, pred=valid)
-        tma.async_copy_global_to_shared(k_desc, [row, kv_col], k_bars.index(stage),
-                                        k_smem.index(stage), pred=valid)
-        mbarrier.expect(v_bars.index(stage), v_desc.block_type.nbytes, pred=valid)
-        tma.async_copy_global_to_shared(v_desc, [row, kv_col], v_bars.index(stage),
-                                        v_smem.index(stage), pred=valid)
+        rows = _tile_rows(keys, tile, BLOCK_N, k_desc.block_type.shape[0])
+        _load_tile(k_desc, k_bars.index(stage), k_smem.index(stage), rows, kv_col, valid)
+        _load_tile(v_desc, v_bars.index(stage), v_smem.index(stage), rows, kv_col, valid)
 
     @gluon.jit
     def _zero_key_tail(v_tile, n_keep, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
@@ -422,12 +455,12 @@ if gluon is not None:
         gl.store(lse_base + rows_1d, lse, mask=rows_1d < seqlen_q)
 
     @gluon.jit
-    def _producer(descs, smem, bars, n_tiles, key0, kv_col, q_row, q_col, ring, items,
+    def _producer(descs, smem, bars, n_tiles, keys, kv_col, q_row, q_col, ring, items,
                   CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
         """The producer warp, one work item: Q of every consumer once that consumer's last S of
         the program's previous item completed, then K and V tiles into the ring (positions
         ring ..) as the consumers free its buffers (a fresh mbarrier passes a wait on phase 1,
-        so the first item's Q and the first NUM_STAGES tiles pass)."""
+        so the first item's Q and the first NUM_STAGES tiles pass). keys: see _tile_rows."""
         q_desc, k_desc, v_desc = descs
         q_smem, k_smem, v_smem = smem
         q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, turns = bars
@@ -439,15 +472,11 @@ if gluon is not None:
         for tile in range(n_tiles):
             stage = (ring + tile) % NUM_STAGES
             phase = ((ring + tile) // NUM_STAGES) & 1
-            row = key0 + tile * BLOCK_N
+            rows = _tile_rows(keys, tile, BLOCK_N, k_desc.block_type.shape[0])
             mbarrier.wait(k_empty.index(stage), phase ^ 1)
-            mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [row, kv_col], k_ready.index(stage),
-                                            k_smem.index(stage))
+            _load_tile(k_desc, k_ready.index(stage), k_smem.index(stage), rows, kv_col, True)
             mbarrier.wait(v_empty.index(stage), phase ^ 1)
-            mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [row, kv_col], v_ready.index(stage),
-                                            v_smem.index(stage))
+            _load_tile(v_desc, v_ready.index(stage), v_smem.index(stage), rows, kv_col, True)
 
     @gluon.jit
     def _sequence_rows(off_b, seqlen_q, seqlen_k, Cu_q, Cu_k, Used_k, VARLEN: gl.constexpr,
@@ -476,11 +505,14 @@ if gluon is not None:
                    VARLEN: gl.constexpr, SEQUSED_K: gl.constexpr):
         """Query tile pid_m (BLOCK_Q rows) of (batch, head) pid_bh: _consumer's scalars, the
         producer's loads (n_tiles, key0, kv_col, q_row, q_col) and whether the tile starts
-        inside its sequence (VARLEN: no tiles past the sequence's end)."""
+        inside its sequence (VARLEN: no tiles past the sequence's end). key0 (_tile_rows' keys):
+        the first key row in the 2-D view, or with paging = (Table, stride_table, page_shift)
+        (a paged cache; else ()) the tuple (first key index, block_table row, key count,
+        log2 page_size)."""
         (Out, Lse, Alibi, Sink, Cu_q, Cu_k, Used_k, stride_ob, stride_os, stride_oh, stride_lb,
          stride_lh, stride_ab, stride_ah, nheads, group, seqlen_q, seqlen_k, window_left,
          window_right, qk_scale, softcap_scale, seed_lo, seed_hi, dropout_threshold,
-         dropout_scale) = problem
+         dropout_scale, paging) = problem
         off_b = pid_bh // nheads
         off_h = pid_bh % nheads
         start_m = pid_m * BLOCK_Q
@@ -494,6 +526,9 @@ if gluon is not None:
         if VARLEN:
             n_tiles = gl.where(in_sequence, n_tiles, 0)
         key0 = k_row0 + lo  # the item's first key row in the 2-D view
+        if len(paging) > 0:
+            table, stride_table, page_shift = paging
+            key0 = (lo, table + off_b * stride_table, seqlen_k, page_shift)
         # row 0 of this (sequence, head) in out (.., seqlen, heads, d) and lse (.., heads, seqlen)
         out_base = Out + off_b.to(gl.int64) * stride_ob + off_h * stride_oh + q_start * stride_os
         lse_base = Lse + off_b.to(gl.int64) * stride_lb + off_h * stride_lh + q_start
@@ -573,8 +608,8 @@ if gluon is not None:
                            stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ab,
                            stride_ah, nheads, group, seqlen_q, seqlen_k, window_left,
                            window_right, qk_scale, softcap_scale, seed_lo, seed_hi,
-                           dropout_threshold, dropout_scale, n_items,
-                           HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                           dropout_threshold, dropout_scale, n_items, Table, stride_table,
+                           page_shift, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                            NUM_STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
                            SPECIALIZED: gl.constexpr, PINGPONG: gl.constexpr,
                            PERSISTENT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
@@ -582,7 +617,7 @@ if gluon is not None:
                            SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINK: gl.constexpr,
                            DROPOUT: gl.constexpr, VARLEN: gl.constexpr,
                            SEQUSED_K: gl.constexpr, KEY_TAIL: gl.constexpr,
-                           num_warps: gl.constexpr):
+                           PAGED: gl.constexpr, num_warps: gl.constexpr):
         """Work items (_work_item) of CONSUMERS * 64 query rows of one (batch, head), n_items =
         n_m * batch * heads with n_m = cdiv(seqlen_q, CONSUMERS * 64). One program per item
         (grid (n_m, batch * heads)), or PERSISTENT (specialized): about one program per SM, each
@@ -590,12 +625,18 @@ if gluon is not None:
         and first K/V tiles while the consumers finish the last one (FA3's persistent kernel).
         q_desc/k_desc/v_desc: TMA descriptors over the 2-D views (tokens, heads * HEAD_DIM).
         VARLEN: n_m covers the longest sequence; items past a sequence's end do nothing (a
-        program of one returns at once)."""
+        program of one returns at once). PAGED (VARLEN with SEQUSED_K): k_desc/v_desc view a
+        paged cache (num_blocks * page_size, hk * HEAD_DIM) in [min(page_size, BLOCK_N),
+        HEAD_DIM] boxes, sequence b's key j in page Table[b * stride_table + (j >> page_shift)]
+        (_tile_rows); Cu_k is not read for rows then."""
         BLOCK_Q: gl.constexpr = CONSUMERS * BM
+        paging = ()
+        if PAGED:
+            paging = (Table, stride_table, page_shift)
         problem = (Out, Lse, Alibi, Sink, Cu_q, Cu_k, Used_k, stride_ob, stride_os, stride_oh,
                    stride_lb, stride_lh, stride_ab, stride_ah, nheads, group, seqlen_q,
                    seqlen_k, window_left, window_right, qk_scale, softcap_scale, seed_lo,
-                   seed_hi, dropout_threshold, dropout_scale)
+                   seed_hi, dropout_threshold, dropout_scale, paging)
         if PERSISTENT:
             work = (problem, gl.cdiv(seqlen_q, BLOCK_Q), n_items)
         else:  # heaviest causal rows first
@@ -708,14 +749,22 @@ def flash_layout_2d(x: torch.Tensor) -> bool:
     return x.is_contiguous() and x.data_ptr() % 16 == 0
 
 
-def flash_descriptor(x, rows):
+def flash_descriptor(x, rows, box_rows=None):
     """TMA descriptor of [rows, d] tiles over x (batch, seqlen, heads, d) or varlen (total,
-    heads, d) as the 2-D view (tokens, heads * d)."""
+    heads, d) as the 2-D view (tokens, heads * d); box_rows < rows: [box_rows, d] pieces of
+    such a tile (a paged cache's pages), in the tile's shared-memory layout."""
     heads, head_dim = x.shape[-2:]
     x2d = x.view(-1, heads * head_dim)
-    gl_dtype = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
-    layout = gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl_dtype)
-    return TensorDescriptor(x2d, list(x2d.shape), [heads * head_dim, 1], [rows, head_dim], layout)
+    return TensorDescriptor(x2d, list(x2d.shape), [heads * head_dim, 1],
+                            [box_rows or rows, head_dim], _tile_layout(rows, head_dim, x.dtype))
+
+
+@functools.cache
+def _tile_layout(rows, head_dim, dtype):
+    """The shared-memory layout of a [rows, head_dim] tile (made once: ~20 us of host time
+    per descriptor otherwise)."""
+    gl_dtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    return gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl_dtype)
 
 
 def gluon_supported(q, k, v, params: AttentionParams, varlen: bool = False,
@@ -769,7 +818,7 @@ def _programs_per_device(device, consumers) -> int:
 
 
 def attention_forward(q, k, v, params: AttentionParams, out=None, lse=None, tile=None,
-                      seqused_k=None):
+                      seqused_k=None, block_table=None):
     """(out, lse) of an eligible call; tile overrides configs.gluon_forward_tile (the bench).
 
     Varlen (params.cu_seqlens_q set): q (total_q, h, d), k/v (total_k, hk, d), out like q, lse
@@ -778,7 +827,17 @@ def attention_forward(q, k, v, params: AttentionParams, out=None, lse=None, tile
     cu_seqlens_k[b + 1], e.g. a contiguous cache (batch, capacity, hk, d) passed as
     k_cache.view(-1, hk, d) with cu_seqlens_k = capacity * arange(batch + 1) (only the starts
     are read, so they may be in any order). Slots past a sequence's keys are read by TMA and
-    weigh exactly 0 whatever they hold (NaN, inf: see _zero_key_tail)."""
+    weigh exactly 0 whatever they hold (NaN, inf: see _zero_key_tail).
+
+    block_table (int32 (batch, max_blocks), with seqused_k): k/v are a paged cache (num_blocks,
+    page_size, hk, d) with page_size a power of two >= 16: key j of sequence b
+    is slot j % page_size of page block_table[b, j // page_size]; cu_seqlens_k is not read
+    (any int32 (batch + 1,), e.g. cu_seqlens_q). Only the table entries of pages below
+    seqused_k[b] are read."""
+    paged = block_table is not None
+    if paged:  # (num_blocks, page_size, hk, d) -> rows (num_blocks * page_size, hk, d)
+        page_size = k.shape[1]
+        k, v = k.flatten(0, 1), v.flatten(0, 1)
     batch, seqlen_q, seqlen_k, nheads, nheads_k = varlen_shape(q, v, params)
     head_dim = q.shape[-1]
     if out is None:
@@ -804,16 +863,21 @@ def attention_forward(q, k, v, params: AttentionParams, out=None, lse=None, tile
     n_items = n_m * batch * nheads
     grid = (min(n_items, _programs_per_device(q.device, consumers)), ) if persistent else (
         n_m, batch * nheads)
+    box_rows, paging = None, (lse, 0, 0)
+    if paged:
+        box_rows = min(page_size, block_n)
+        paging = (block_table, block_table.stride(0), page_size.bit_length() - 1)
     _fwd_hopper_kernel[grid](
-        flash_descriptor(q, BLOCK_M), flash_descriptor(k, block_n), flash_descriptor(v, block_n),
+        flash_descriptor(q, BLOCK_M), flash_descriptor(k, block_n, box_rows),
+        flash_descriptor(v, block_n, box_rows),
         out, lse, alibi, sink, cu_q, cu_k, lse if seqused_k is None else seqused_k,
         stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
         *alibi_strides, nheads, nheads // nheads_k, seqlen_q, seqlen_k, window_left,
         window_right, qk_scale, softcap_scale, seed_lo, seed_hi, threshold, dropout_scale,
-        n_items, HEAD_DIM=head_dim, BLOCK_N=block_n, NUM_STAGES=num_stages, CONSUMERS=consumers,
-        SPECIALIZED=specialized, PINGPONG=pingpong and consumers >= 2, PERSISTENT=persistent,
-        HAS_LEFT=has_left,
-        HAS_RIGHT=has_right, SOFTCAP=softcap, ALIBI=has_alibi, SINK=params.sink is not None,
-        DROPOUT=dropout, VARLEN=varlen, SEQUSED_K=seqused_k is not None,
-        KEY_TAIL=varlen or seqlen_k % block_n != 0, **launch_config(tile))
+        n_items, *paging, HEAD_DIM=head_dim, BLOCK_N=block_n, NUM_STAGES=num_stages,
+        CONSUMERS=consumers, SPECIALIZED=specialized, PINGPONG=pingpong and consumers >= 2,
+        PERSISTENT=persistent, HAS_LEFT=has_left, HAS_RIGHT=has_right, SOFTCAP=softcap,
+        ALIBI=has_alibi, SINK=params.sink is not None, DROPOUT=dropout, VARLEN=varlen,
+        SEQUSED_K=seqused_k is not None, KEY_TAIL=varlen or seqlen_k % block_n != 0,
+        PAGED=paged, **launch_config(tile))
     return out, lse

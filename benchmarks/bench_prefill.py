@@ -1,0 +1,180 @@
+"""Prefill over a KV cache (flash_attn_with_kvcache, query length 128..2k after 4k..16k cached
+keys) against the dense forward on the same q, k, v: flashkit's flash_attn_func and cuDNN SDPA.
+
+    PYTHONPATH=src python benchmarks/bench_prefill.py --out results/x.json [--label tree]
+        [--no-force] [--host-only] [--queries 128,256 --cached 4096 --kv-heads 4,32]
+
+bf16, d128, 32 query heads, GQA 8:1 and 1:1, batch 1, causal (bottom-right aligned: the
+queries are the sequence's last positions), the whole cache attended (no append; cache_seqlens
+a tensor). Per cell, eager ms (triton's do_bench, median, L2 flushed between calls):
+  dense_ms        flash_attn_func(q, k, v, causal=True), k/v the cache's seqlen_k keys
+  dense_full_ms   the same without the mask, and cudnn_full_ms (SDPA, cuDNN backend) on it:
+                  SDPA's causal mask is top-left aligned, other work, so it anchors the full one
+  <layout>_ms     the public call as configured (kvcache.GLUON_PREFILL_*), contiguous and
+                  paged (page 16 / 64 / 256, pages shuffled)
+  <layout>_route_ms / _decode_ms  the same with the Gluon route forced on / off (unless
+                  --no-force; a tree without a paged route runs the decode kernels for both)
+and ratio_* = dense_ms / that (>= 0.9: within 10% of the dense forward). host: CPU wall-clock
+us per call of back-to-back public calls (no sync), which bounds small cells.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import math
+import platform
+import time
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from triton.testing import do_bench
+
+import flashkit
+from flashkit import kvcache
+from flashkit.api import flash_attn_func
+from flashkit.kvcache import flash_attn_with_kvcache
+
+NHEADS, HEAD_DIM, DTYPE = 32, 128, torch.bfloat16
+QUERIES, CACHED, KV_HEADS, PAGES = (128, 256, 512, 2048), (4096, 16384), (4, 32), (16, 64, 256)
+
+
+def bench(fn) -> float:
+    return do_bench(fn, warmup=10, rep=40, return_mode="median")
+
+
+@contextlib.contextmanager
+def route(on: bool | None):
+    """kvcache's Gluon prefill route forced on (True) or off (False) in the block; None: as
+    configured."""
+    saved = kvcache.GLUON_PREFILL_MIN_QUERIES, kvcache.GLUON_PREFILL_MIN_WORK
+    if on is not None:
+        kvcache.GLUON_PREFILL_MIN_QUERIES = kvcache.GLUON_PREFILL_MIN_WORK = 0 if on else 2**62
+    try:
+        yield
+    finally:
+        kvcache.GLUON_PREFILL_MIN_QUERIES, kvcache.GLUON_PREFILL_MIN_WORK = saved
+
+
+def paged(cache, page_size):
+    """(pages (n, page_size, hk, d), block_table (1, n)): the batch-1 cache's keys in shuffled
+    pages."""
+    n = math.ceil(cache.shape[1] / page_size)
+    table = torch.randperm(n, device=cache.device, dtype=torch.int32)[None]
+    return paged_like(cache, page_size, table), table
+
+
+def paged_like(cache, page_size, table):
+    """cache's keys laid out in the pages of block_table (1, n)."""
+    n = table.shape[1]
+    padded = cache.new_zeros(n * page_size, *cache.shape[2:])
+    padded[:cache.shape[1]] = cache[0]
+    pages = torch.empty_like(padded).unflatten(0, (n, page_size))
+    pages[table[0].long()] = padded.unflatten(0, (n, page_size))
+    return pages
+
+
+def host_us(call, calls: int = 200) -> float:
+    """CPU wall-clock us per call of back-to-back calls (GPU drained before, not after)."""
+    for _ in range(10):
+        call()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        call()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return 1e6 * elapsed / calls
+
+
+def cell(seqlen_q, cached, nheads_k, force: bool) -> dict:
+    seqlen_k = cached + seqlen_q
+    q = torch.randn(1, seqlen_q, NHEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+    k, v = (torch.randn(1, seqlen_k, nheads_k, HEAD_DIM, dtype=DTYPE, device="cuda")
+            for _ in range(2))
+    row = {"seqlen_q": seqlen_q, "cached": cached, "seqlen_k": seqlen_k, "nheads_k": nheads_k}
+    row["dense_ms"] = bench(lambda: flash_attn_func(q, k, v, causal=True))
+    row["dense_full_ms"] = bench(lambda: flash_attn_func(q, k, v))
+    qt, kt, vt = (x.transpose(1, 2).repeat_interleave(NHEADS // x.shape[2], 1)
+                  for x in (q, k, v))  # SDPA (b, h, s, d), GQA as repeated heads
+    try:
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            row["cudnn_full_ms"] = bench(lambda: F.scaled_dot_product_attention(qt, kt, vt))
+    except RuntimeError as error:  # no cuDNN attention for this shape / build
+        row["cudnn_full_ms"], row["cudnn_error"] = None, str(error)[:200]
+    row["ratio_cudnn_full"] = row["cudnn_full_ms"] and row["cudnn_full_ms"] / row["dense_full_ms"]
+    lens = torch.full((1,), seqlen_k, dtype=torch.int32, device="cuda")
+    layouts = {"contiguous": (k, v, None)}
+    for page_size in PAGES:
+        kp, table = paged(k, page_size)
+        layouts[f"paged{page_size}"] = (kp, paged_like(v, page_size, table), table)
+    for name, (kc, vc, table) in layouts.items():
+        def call(kc=kc, vc=vc, table=table):
+            return flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, block_table=table,
+                                           causal=True)
+        modes = (("", None), ("_route", True), ("_decode", False)) if force else (("", None),)
+        for suffix, on in modes:
+            with route(on):
+                row[f"{name}{suffix}_ms"] = bench(call)
+                row[f"ratio_{name}{suffix}"] = row["dense_ms"] / row[f"{name}{suffix}_ms"]
+    print("prefill", " ".join(f"{key.replace('_ms', '')}={value:.3f}" if isinstance(value, float)
+                              else f"{key}={value}" for key, value in row.items()
+                              if "ratio" in key or not isinstance(value, float)), flush=True)
+    return row
+
+
+def host_times() -> dict:
+    """us per public call, back to back, on a cell whose GPU time is small (128 queries over 4k
+    cached keys, GQA 8:1), the route forced on (contiguous, page 64) and off."""
+    q = torch.randn(1, 128, NHEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+    k, v = (torch.randn(1, 4096 + 128, 4, HEAD_DIM, dtype=DTYPE, device="cuda")
+            for _ in range(2))
+    lens = torch.full((1,), 4096 + 128, dtype=torch.int32, device="cuda")
+    kp, table = paged(k, 64)
+    vp = paged_like(v, 64, table)
+    out = {}
+    for name, (kc, vc, tb) in {"contiguous": (k, v, None), "paged64": (kp, vp, table)}.items():
+        def call(kc=kc, vc=vc, tb=tb):
+            return flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, block_table=tb,
+                                           causal=True)
+        for mode, on in (("route", True), ("decode", False)):
+            with route(on):
+                out[f"{name}_{mode}_us"] = host_us(call)
+                out[f"{name}_{mode}_gpu_ms"] = bench(call)
+    out["dense_us"] = host_us(lambda: flash_attn_func(q, k, v, causal=True))
+    print("host", json.dumps(out), flush=True)
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--label", default="")
+    parser.add_argument("--no-force", action="store_true")
+    parser.add_argument("--host-only", action="store_true")
+    parser.add_argument("--queries", default=",".join(map(str, QUERIES)))
+    parser.add_argument("--cached", default=",".join(map(str, CACHED)))
+    parser.add_argument("--kv-heads", default=",".join(map(str, KV_HEADS)))
+    args = parser.parse_args()
+    ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
+    result = {"env": {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "triton": triton.__version__, "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version(), "python": platform.python_version(),
+        "flashkit": flashkit.__file__, "label": args.label,
+        "thresholds": [kvcache.GLUON_PREFILL_MIN_QUERIES, kvcache.GLUON_PREFILL_MIN_WORK]}}
+    result["host"] = host_times()
+    if not args.host_only:
+        result["cells"] = [cell(sq, c, hk, not args.no_force) for hk in ints(args.kv_heads)
+                           for c in ints(args.cached) for sq in ints(args.queries)]
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
