@@ -509,7 +509,7 @@ APPEND_CHECKS = {
 @interpreted
 @pytest.mark.parametrize("case", list(APPEND_CHECKS))
 def test_append_kernel_flags_bad_indices_and_writes_nothing_out_of_bounds(case):
-    from flashkit.ops.triton import append
+    from flashkit.ops.triton import append, decode
 
     bad = APPEND_CHECKS[case]
     paged = "table" in bad or case == "valid"
@@ -524,9 +524,16 @@ def test_append_kernel_flags_bad_indices_and_writes_nothing_out_of_bounds(case):
                               (("seqlens", [3, 5]), ("batch_idx", [2, 0]), ("leftpad", [0, 0])))
     passed = int(seqlens) if seqlens.dim() == 0 else seqlens  # an int: the kernel's scalar
     seqlens = seqlens.expand(2)
-    _, seqlens_k = append.append(
-        q, kc, vc, k, v, angles.cos(), angles.sin(), passed, None if paged else rows,
-        None if paged else leftpad, table, 1, False)
+    layout = (None if paged else rows, None if paged else leftpad, table)
+    step = decode.Step(passed, 1, angles.cos(), angles.sin(), False, 1)
+    q_rotated, seqlens_k = append.append(q, kc, vc, k, v, step.cos, step.sin, passed, *layout,
+                                         1, False)
+    # The decode kernel of the step (which may run before the append kernel's checks) applies
+    # the same checks: a sequence with a bad scalar reads no key (lse -inf), a good one gives
+    # what the decode kernel gives on the append kernel's rotated q and lengths, bit for bit.
+    params = AttentionParams(0.25)
+    _, lse_step = decode.forward(q, kc, vc, None, *layout, params, 2, 32, step=step)
+    _, lse = decode.forward(q_rotated, kc, vc, seqlens_k.clamp(min=0), *layout, params, 2, 32)
     # Sequence b is marked -1 iff one of its indices is bad.
     ok = []
     for b, n in enumerate(seqlens.tolist()):
@@ -538,6 +545,13 @@ def test_append_kernel_flags_bad_indices_and_writes_nothing_out_of_bounds(case):
     assert seqlens_k.tolist() == [n + 1 if good else -1
                                   for n, good in zip(seqlens.tolist(), ok, strict=True)], case
     assert all(ok) == (case in ("valid", "unused_table_entries_padding", "int_seqlens")), case
+    for b, n in enumerate(seqlens.tolist()):
+        scalars_ok = (0 <= n < 32 and 0 <= int(leftpad[b]) <= n and n - int(leftpad[b]) + 1
+                      <= angles.shape[0] and (paged or 0 <= int(rows[b]) < kc.shape[0]))
+        if scalars_ok and ok[b]:
+            assert torch.equal(lse_step[b], lse[b]), case
+        elif not scalars_ok:
+            assert (lse_step[b] == -math.inf).all(), case
     # A sequence whose scalars or written page are bad writes nothing; the others only their
     # new slot (a bad entry among the pages it only reads does not stop that in-bounds write).
     allowed = set()

@@ -138,18 +138,20 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 
         decode.check_supported(q.dtype, params)
         # A bad index fails a device-side assertion in the append kernel (module docstring).
-        q, seqlens_k = append.append(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
-                                     cache_seqlens, cache_batch_idx, cache_leftpad,
-                                     block_table, q_rows, rotary_interleaved)
+        q_rotated, seqlens_k = append.append(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
+                                             cache_seqlens, cache_batch_idx, cache_leftpad,
+                                             block_table, q_rows, rotary_interleaved)
         keys_bound = capacity if host_seqlen is None else host_seqlen + seqlen_new
-        prefill = _gluon_prefill(q, k_cache, v_cache, seqlens_k, keys_bound, cache_batch_idx,
-                                 cache_leftpad, block_table, params)
+        prefill = _gluon_prefill(q_rotated, k_cache, v_cache, seqlens_k, keys_bound,
+                                 cache_batch_idx, cache_leftpad, block_table, params)
         if prefill is not None:
             out, lse = prefill
-        else:
+        else:  # the decode kernels rotate q and overlap the append kernel (decode.Step)
+            step = decode.Step(host_seqlen if cache_seqlens is None else cache_seqlens,
+                               seqlen_new, rotary_cos, rotary_sin, rotary_interleaved, q_rows)
             out, lse = decode.forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx,
                                       cache_leftpad, block_table, params, num_splits,
-                                      max_seqlen_k)
+                                      max_seqlen_k, step=step)
         return (out, lse.contiguous()) if return_softmax_lse else out
 
     if cache_batch_idx is None:

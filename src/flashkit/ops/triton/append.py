@@ -27,25 +27,20 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from flashkit.ops.triton.configs import padded_head_dim
-from flashkit.ops.triton.launch import launch
+from flashkit.ops.triton.launch import device_facts, launch
 
 TABLE_CHUNK = 1024  # block-table entries checked per step of program (b, 0)
 ROW_ELEMENTS = 4096  # heads x BLOCK_D elements per rotation step (registers of 4 warps)
 
 
 @triton.jit
-def _rotate_heads(Src, Dst, nheads, stride_sh, stride_sd, stride_dh, stride_dd, cos_row, sin_row,
-                  stride_cd, ok, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                  BLOCK_H: tl.constexpr, ROTARY_HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
-    """Dst[h, :] = Src[h, :] for every head, its first 2 * ROTARY_HALF dims rotated in float32
-    by cos/sin (rows cos_row, sin_row) as tiled.kvcache.rotary; nothing is written unless ok.
-
-    Pairs: (2f, 2f + 1) interleaved, else (f, f + ROTARY_HALF); x[d] becomes
-    x[d] cos_f + sign_d x[partner_d] sin_f, sign -1 for a pair's first element."""
-    offs_d = tl.arange(0, BLOCK_D)
-    in_d = offs_d < HEAD_DIM
+def rotary_layout(offs_d, ROTARY_HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """(partner, freq, first, rotated) of head dims offs_d: pairs (2f, 2f + 1) interleaved, else
+    (f, f + ROTARY_HALF); x[d] becomes x[d] cos_f + sign_d x[partner_d] sin_f, sign -1 for a
+    pair's first element; dims from 2 * ROTARY_HALF on are not rotated."""
     if INTERLEAVED:
         partner = offs_d ^ 1
         freq = offs_d // 2
@@ -54,10 +49,30 @@ def _rotate_heads(Src, Dst, nheads, stride_sh, stride_sd, stride_dh, stride_dd, 
         partner = tl.where(offs_d < ROTARY_HALF, offs_d + ROTARY_HALF, offs_d - ROTARY_HALF)
         freq = offs_d % ROTARY_HALF if ROTARY_HALF > 0 else offs_d
         first = offs_d < ROTARY_HALF
-    rotated = offs_d < 2 * ROTARY_HALF
-    cos = tl.load(cos_row + freq * stride_cd, mask=rotated & ok, other=1.0).to(tl.float32)
-    sin = tl.load(sin_row + freq * stride_cd, mask=rotated & ok, other=0.0).to(tl.float32)
-    sin = tl.where(first, -sin, sin)
+    return partner, freq, first, offs_d < 2 * ROTARY_HALF
+
+
+@triton.jit
+def rotate(x, x_partner, cos, sin, first, rotated):
+    """x rotated in float32 (as tiled.kvcache.rotary) where `rotated`, else x, in float32; cos,
+    sin, first and rotated broadcast against x (cos/sin as loaded from the tables)."""
+    sin = tl.where(first, -sin.to(tl.float32), sin.to(tl.float32))
+    y = x.to(tl.float32) * cos.to(tl.float32) + x_partner.to(tl.float32) * sin
+    return tl.where(rotated, y, x.to(tl.float32))
+
+
+@triton.jit
+def _rotate_heads(Src, Dst, nheads, stride_sh, stride_sd, stride_dh, stride_dd, cos_row, sin_row,
+                  stride_cd, ok, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_H: tl.constexpr, ROTARY_HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """Dst[h, :] = Src[h, :] for every head, its first 2 * ROTARY_HALF dims rotated in float32
+    by cos/sin (rows cos_row, sin_row), rounded once to Dst's dtype; nothing is written unless
+    ok."""
+    offs_d = tl.arange(0, BLOCK_D)
+    in_d = offs_d < HEAD_DIM
+    partner, freq, first, rotated = rotary_layout(offs_d, ROTARY_HALF, INTERLEAVED)
+    cos = tl.load(cos_row + freq * stride_cd, mask=rotated & ok, other=1.0)
+    sin = tl.load(sin_row + freq * stride_cd, mask=rotated & ok, other=0.0)
     for h0 in range(0, nheads, BLOCK_H):
         offs_h = h0 + tl.arange(0, BLOCK_H)
         mask = ok & (offs_h < nheads)[:, None] & in_d[None, :]
@@ -66,8 +81,7 @@ def _rotate_heads(Src, Dst, nheads, stride_sh, stride_sd, stride_dh, stride_dd, 
         x_partner = tl.load(src + partner[None, :] * stride_sd, mask=mask & rotated[None, :],
                             other=0.0)
         # [BLOCK_H, BLOCK_D]: float32 as the torch path, rounded once to the cache's dtype
-        y = x.to(tl.float32) * cos[None, :] + x_partner.to(tl.float32) * sin[None, :]
-        y = tl.where(rotated[None, :], y, x.to(tl.float32))
+        y = rotate(x, x_partner, cos[None, :], sin[None, :], first[None, :], rotated[None, :])
         tl.store(Dst + offs_h[:, None] * stride_dh + offs_d[None, :] * stride_dd,
                  y.to(Dst.dtype.element_ty), mask=mask)
 
@@ -91,7 +105,9 @@ def _append_kernel(Q, QOut, K, V, KCache, VCache, Cos, Sin, CacheSeqlens, CacheB
                    ROTARY_HALF: tl.constexpr, INTERLEAVED: tl.constexpr,
                    PAGE_SIZE: tl.constexpr, SEQLENS_TENSOR: tl.constexpr,
                    HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
-                   TABLE_CHUNK: tl.constexpr):
+                   TABLE_CHUNK: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr):
+    if LAUNCH_DEPENDENTS:  # the decode kernel may start now (decode.py: what it waits for)
+        gdc_launch_dependents()
     off_b = tl.program_id(0)
     i = tl.program_id(1)
     n = tl.load(CacheSeqlens + off_b) if SEQLENS_TENSOR else seqlen_all
@@ -189,7 +205,8 @@ def append(q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, cache_batch_idx, 
         BLOCK_H=_block_heads(nheads, block_d), BLOCK_HK=_block_heads(nheads_k, block_d),
         ROTARY_HALF=rotary_half, INTERLEAVED=interleaved, PAGE_SIZE=page_size,
         SEQLENS_TENSOR=seqlens_tensor, HAS_BATCH_IDX=cache_batch_idx is not None,
-        HAS_LEFTPAD=cache_leftpad is not None, TABLE_CHUNK=TABLE_CHUNK),
+        HAS_LEFTPAD=cache_leftpad is not None, TABLE_CHUNK=TABLE_CHUNK,
+        LAUNCH_DEPENDENTS=device_facts(q.device)[1]),
         num_warps=4, sanitize_overflow=False)
     return q_out, seqlens_k
 

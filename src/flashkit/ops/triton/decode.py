@@ -39,6 +39,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from flashkit.ops.params import AttentionParams
+from flashkit.ops.triton.append import rotary_layout, rotate
 from flashkit.ops.triton.common import (
     DOT_PRECISION,
     LN2_JIT,
@@ -53,7 +54,7 @@ from flashkit.ops.triton.common import (
     window_args,
 )
 from flashkit.ops.triton.configs import padded_head_dim
-from flashkit.ops.triton.launch import launch
+from flashkit.ops.triton.launch import device_facts, launch
 
 
 class Tile(NamedTuple):
@@ -93,6 +94,9 @@ PAGED_EXTRA_STAGES = 2
 PAGE_TILE_LOOKUP = True
 PAGE_TILE_EXTRA_STAGES = 2
 LAUNCH_PDL = True  # merge kernel as a programmatic dependent launch where the GPU has it
+# A decoding step's decode kernel as a programmatic dependent launch of the append kernel (it
+# waits only where it needs the appended keys); off: an ordinary launch after the append.
+STEP_PDL = True
 # Output columns per merge program: the merge is latency bound. H200, b1, 16k-128k keys, 29-64
 # splits, the merge alone: 3.7-3.9 us with whole 128-column rows per program, 2.6 us with 32.
 MERGE_BLOCK_DV = 32
@@ -104,14 +108,16 @@ FILL_EFFICIENCY = 0.95
 
 @triton.jit
 def _cache_rows(start_n, offs_n, hi, stride_kb, stride_ks, stride_vb, stride_vs, slot0,
-                table_row, PAGE_SIZE: tl.constexpr, PAGE_PER_TILE: tl.constexpr,
-                MASKED: tl.constexpr):
+                table_row, num_pages, PAGE_SIZE: tl.constexpr, PAGE_PER_TILE: tl.constexpr,
+                MASKED: tl.constexpr, CLAMP_PAGES: tl.constexpr):
     """Element offsets of keys offs_n's K and V rows from the program's k_base / v_base.
 
     Contiguous: (slot0 + j) * stride_s. Paged: page(j) * stride_b + (j % PAGE_SIZE) * stride_s,
     page(j) read from the block table per key row (entries of keys >= hi are never read), or
     once per tile with PAGE_PER_TILE (the tile lies in one page: BLOCK_N divides PAGE_SIZE and
-    tiles start at multiples of BLOCK_N; start_n < hi, so the entry is a used one)."""
+    tiles start at multiples of BLOCK_N; start_n < hi, so the entry is a used one).
+    CLAMP_PAGES: entries clamped to [0, num_pages) (a step reads before the append kernel's
+    check of the table has finished)."""
     if PAGE_SIZE == 0:
         slots = slot0 + offs_n
         k_rows = slots * stride_ks
@@ -123,6 +129,8 @@ def _cache_rows(start_n, offs_n, hi, stride_kb, stride_ks, stride_vb, stride_vs,
             page = tl.load(table_row + offs_n // PAGE_SIZE, mask=offs_n < hi, other=0)
         else:
             page = tl.load(table_row + offs_n // PAGE_SIZE)
+        if CLAMP_PAGES:
+            page = tl.minimum(tl.maximum(page, 0), num_pages - 1)
         page = page.to(tl.int64)
         slots = offs_n % PAGE_SIZE
         k_rows = page * stride_kb + slots * stride_ks
@@ -132,21 +140,21 @@ def _cache_rows(start_n, offs_n, hi, stride_kb, stride_ks, stride_vb, stride_vs,
 
 @triton.jit
 def _key_tiles(acc, m_i, l_i, q_tile, start, end, hi, k_base, v_base, slot0, table_row,
-               stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
+               num_pages, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
                offs_t, offs_d, offs_dv, alibi_log2, seqlen_q, seqlen_k, window_left,
                window_right, qk_scale, softcap_scale,
                HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
                PAGE_PER_TILE: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr,
-               HAS_RIGHT: tl.constexpr,
+               HAS_RIGHT: tl.constexpr, CLAMP_PAGES: tl.constexpr,
                SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, PRECISION: tl.constexpr):
     """Fold key tiles [start, end) into (acc, m_i, l_i). MASKED: keys >= hi and keys outside a
     row's band are masked; without it every key is in bounds and visible from every row."""
     for start_n in tl.range(start, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k_rows, v_rows = _cache_rows(start_n, offs_n, hi, stride_kb, stride_ks, stride_vb,
-                                     stride_vs, slot0, table_row, PAGE_SIZE, PAGE_PER_TILE,
-                                     MASKED)
+                                     stride_vs, slot0, table_row, num_pages, PAGE_SIZE,
+                                     PAGE_PER_TILE, MASKED, CLAMP_PAGES)
         k_tile = load_tile(k_base + k_rows[:, None] + offs_d[None, :] * stride_kd, offs_n, hi,
                            offs_d, HEAD_DIM, MASKED, HEAD_DIM != BLOCK_D)
         # [BLOCK_M, BLOCK_N] = [BLOCK_M, BLOCK_D] @ [BLOCK_D, BLOCK_N]
@@ -192,21 +200,25 @@ def _key_ranges(lo, hi, t_lo, t_hi, shift, seqlen_k, window_left, window_right,
 
 @triton.jit
 def _decode_kernel(Q, K, V, Out, Lse, BlockTable, CacheBatchIdx, Leftpad, SeqlensK, Slopes, Sink,
+                   Cos, Sin,
                    stride_qb, stride_qs, stride_qh, stride_qd,
                    stride_kb, stride_ks, stride_kh, stride_kd,
                    stride_vb, stride_vs, stride_vh, stride_vd,
                    stride_osplit, stride_ob, stride_os, stride_oh, stride_od,
                    stride_lsplit, stride_lb, stride_lh, stride_ls,
-                   stride_bt, stride_slopes_b,
+                   stride_bt, stride_slopes_b, stride_cs, stride_cd,
                    nheads_k, group, seqlen_q, num_splits, window_left, window_right, qk_scale,
-                   softcap_scale,
+                   softcap_scale, seqlen_fixed, seqlen_new, q_rows, capacity, cache_rows,
+                   seqlen_ro,
                    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    PAGE_SIZE: tl.constexpr, PAGE_PER_TILE: tl.constexpr,
                    HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
                    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, HAS_SINK: tl.constexpr,
-                   USE_PDL: tl.constexpr, PRECISION: tl.constexpr):
+                   USE_PDL: tl.constexpr, PRECISION: tl.constexpr, STEP: tl.constexpr,
+                   SEQLENS_TENSOR: tl.constexpr, ROTARY_HALF: tl.constexpr,
+                   INTERLEAVED: tl.constexpr, WAIT_APPEND: tl.constexpr):
     if USE_PDL:  # the merge kernel may be scheduled now; it waits for this grid's results
         gdc_launch_dependents()
     pid_split = tl.program_id(0)
@@ -215,7 +227,27 @@ def _decode_kernel(Q, K, V, Out, Lse, BlockTable, CacheBatchIdx, Leftpad, Seqlen
     pid_m = tl.num_programs(2) - 1 - tl.program_id(2)
     off_b = pid_bhk // nheads_k
     off_hk = pid_bhk % nheads_k
-    seqlen_k = tl.load(SeqlensK + off_b)
+    off_b64 = off_b.to(tl.int64)
+    row = off_b64  # contiguous caches: the sequence's cache row and first slot
+    slot0 = 0
+    if PAGE_SIZE == 0:
+        if HAS_BATCH_IDX:
+            row = tl.load(CacheBatchIdx + off_b).to(tl.int64)
+        if HAS_LEFTPAD:
+            slot0 = tl.load(Leftpad + off_b)
+    pos = 0
+    ok = True
+    if STEP:  # the append kernel's checks, so that nothing is read out of bounds before them
+        n = tl.load(SeqlensK + off_b) if SEQLENS_TENSOR else seqlen_fixed
+        pos = n - slot0
+        ok = (n >= 0) & (n + seqlen_new <= capacity) & (slot0 >= 0) & (pos >= 0)
+        if PAGE_SIZE == 0:
+            ok = ok & (row >= 0) & (row < cache_rows)
+        if ROTARY_HALF > 0:
+            ok = ok & (pos + tl.maximum(seqlen_new, q_rows) <= seqlen_ro)
+        seqlen_k = tl.where(ok, pos + seqlen_new, 0)
+    else:
+        seqlen_k = tl.load(SeqlensK + off_b)
     shift = seqlen_k - seqlen_q
 
     offs_r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # packed rows
@@ -224,11 +256,23 @@ def _decode_kernel(Q, K, V, Out, Lse, BlockTable, CacheBatchIdx, Leftpad, Seqlen
     offs_h = off_hk * group + offs_r % group  # query head of each row
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    off_b64 = off_b.to(tl.int64)
 
-    q_ptrs = (Q + off_b64 * stride_qb + offs_t[:, None] * stride_qs + offs_h[:, None] * stride_qh
-              + offs_d[None, :] * stride_qd)
-    q_tile = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    q_rows_base = (Q + off_b64 * stride_qb + offs_t[:, None] * stride_qs
+                   + offs_h[:, None] * stride_qh)
+    q_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    q_tile = tl.load(q_rows_base + offs_d[None, :] * stride_qd, mask=q_mask, other=0.0)
+    if ROTARY_HALF > 0:  # as the append kernel rotates q: row t at pos + min(t, q_rows - 1)
+        partner, freq, first, rotated = rotary_layout(offs_d, ROTARY_HALF, INTERLEAVED)
+        rotated_2d = rotated[None, :]
+        q_partner = tl.load(q_rows_base + partner[None, :] * stride_qd, mask=q_mask & rotated_2d,
+                            other=0.0)
+        table_offs = ((pos + tl.minimum(offs_t, q_rows - 1))[:, None] * stride_cs
+                      + freq[None, :] * stride_cd)
+        table_mask = q_mask & rotated_2d & ok
+        cos = tl.load(Cos + table_offs, mask=table_mask, other=1.0)
+        sin = tl.load(Sin + table_offs, mask=table_mask, other=0.0)
+        q_tile = rotate(q_tile, q_partner, cos, sin, first[None, :],
+                        rotated_2d).to(Q.dtype.element_ty)
 
     # This split's keys, narrowed to the band of the rows' query positions [t_lo, t_hi].
     blocks_per_split = tl.cdiv(tl.cdiv(seqlen_k, BLOCK_N), num_splits)
@@ -238,6 +282,9 @@ def _decode_kernel(Q, K, V, Out, Lse, BlockTable, CacheBatchIdx, Leftpad, Seqlen
     t_hi = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // group, seqlen_q - 1)
     lo, mid_lo, mid_hi, hi = _key_ranges(lo, hi, t_lo, t_hi, shift, seqlen_k, window_left,
                                          window_right, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    first_new = seqlen_k - seqlen_new  # a step's appended keys: only in masked tiles
+    if STEP:
+        mid_hi = tl.maximum(tl.minimum(mid_hi, first_new // BLOCK_N * BLOCK_N), mid_lo)
 
     alibi_log2 = tl.zeros([BLOCK_M], dtype=tl.float32)
     if ALIBI:
@@ -254,30 +301,30 @@ def _decode_kernel(Q, K, V, Out, Lse, BlockTable, CacheBatchIdx, Leftpad, Seqlen
     # Contiguous: the sequence's cache row and first slot; paged: each key row finds its page.
     k_base = K + off_hk * stride_kh
     v_base = V + off_hk * stride_vh
-    slot0 = 0
     if PAGE_SIZE == 0:
-        row = off_b64
-        if HAS_BATCH_IDX:
-            row = tl.load(CacheBatchIdx + off_b).to(tl.int64)
         k_base += row * stride_kb
         v_base += row * stride_vb
-        if HAS_LEFTPAD:
-            slot0 = tl.load(Leftpad + off_b)
     table_row = BlockTable + off_b * stride_bt
     bounds = (lo, mid_lo, mid_hi, hi)
     for segment in tl.static_range(3):  # masked edge, unmasked middle, masked edge
+        if WAIT_APPEND and segment != 1:  # tiles holding appended keys: the append is done
+            if (bounds[segment + 1] > first_new) & (bounds[segment + 1] > bounds[segment]):
+                gdc_wait()
         acc, m_i, l_i = _key_tiles(
             acc, m_i, l_i, q_tile, bounds[segment], bounds[segment + 1], hi, k_base, v_base,
-            slot0, table_row, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
+            slot0, table_row, cache_rows, stride_kb, stride_ks, stride_kd, stride_vb,
+            stride_vs, stride_vd,
             offs_t, offs_d, offs_dv, alibi_log2, seqlen_q, seqlen_k, window_left, window_right,
             qk_scale, softcap_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, PAGE_SIZE,
-            PAGE_PER_TILE, segment != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, PRECISION)
+            PAGE_PER_TILE, segment != 1, HAS_LEFT, HAS_RIGHT, STEP, SOFTCAP, ALIBI, PRECISION)
 
     # A row with no mass (no visible key in this split, no sink) gives out 0 and lse -inf.
     has_mass = l_i > 0.0
     l_safe = tl.where(has_mass, l_i, 1.0)
     out_tile = acc / l_safe[:, None]
     lse = tl.where(has_mass, (m_i + tl.math.log2(l_safe)) * LN2_JIT, float("-inf"))
+    if WAIT_APPEND:  # the step's kernels finish in stream order (module docstring)
+        gdc_wait()
     o_ptrs = (Out + pid_split * stride_osplit + off_b64 * stride_ob + offs_t[:, None] * stride_os
               + offs_h[:, None] * stride_oh + offs_dv[None, :] * stride_od)
     tl.store(o_ptrs, out_tile.to(Out.dtype.element_ty),
@@ -383,19 +430,9 @@ def check_supported(dtype: torch.dtype, params: AttentionParams) -> None:
         raise NotImplementedError("triton decode: float64 is not supported; use backend='torch'")
 
 
-@functools.lru_cache
-def _device(index: int | None) -> tuple[int, bool]:
-    """(SM count, has programmatic dependent launch, i.e. compute capability >= 9)."""
-    props = torch.cuda.get_device_properties(
-        torch.cuda.current_device() if index is None else index)
-    return props.multi_processor_count, props.major >= 9
-
-
 def _launch_facts(device: torch.device) -> tuple[int, bool]:
-    """(SM count, whether to launch the merge with PDL) for a launch on `device`."""
-    if device.type != "cuda" or interpreting():
-        return 4, False
-    sms, has_pdl = _device(device.index)
+    """(SM count, whether to launch with PDL) for a launch on `device`."""
+    sms, has_pdl = device_facts(device)
     return sms, has_pdl and LAUNCH_PDL
 
 
@@ -427,13 +464,29 @@ def launch_shape(q, nheads_k: int, page_size: int, num_splits: int,
     return tile, per_tile, m_blocks, num_splits
 
 
+class Step(NamedTuple):
+    """A decoding step whose append kernel (append.append) was launched just before, on the
+    same stream: the decode kernel takes q before rotation and the cache lengths before the
+    append, and waits for the append kernel only where it needs its writes (module docstring).
+    cache_seqlens: int32 (b,) or an int; cos / sin None without rotary."""
+    cache_seqlens: torch.Tensor | int
+    seqlen_new: int
+    cos: torch.Tensor | None
+    sin: torch.Tensor | None
+    interleaved: bool
+    q_rows: int
+
+
 def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, block_table,
             params: AttentionParams, num_splits: int, max_seqlen_k: int | None = None, *,
-            out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
+            out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+            step: Step | None = None):
     """(out, lse) as flashkit.ops.tiled.kvcache.forward; num_splits 0 = auto_num_splits.
     max_seqlen_k (the longest seqlens_k, or a bound such as the cache capacity, as flash-attn
     uses) saves a device sync when auto splitting; cache_batch_idx / cache_leftpad None mean
-    rows 0..b-1 and no padding; out and lse may be given preallocated."""
+    rows 0..b-1 and no padding; out and lse may be given preallocated. With `step`, q is not yet
+    rotated and seqlens_k is not read (the kernel takes step.cache_seqlens); max_seqlen_k is
+    then required."""
     check_supported(q.dtype, params)
     batch, seqlen_q, nheads, head_dim = q.shape
     nheads_k, head_dim_v = v_cache.shape[2], v_cache.shape[3]
@@ -444,6 +497,7 @@ def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, bloc
     tile, per_tile, m_blocks, num_splits = launch_shape(q, nheads_k, page_size, num_splits,
                                                         max_seqlen_k)
     _, use_pdl = _launch_facts(q.device)
+    step_pdl = use_pdl and STEP_PDL and step is not None
 
     if out is None:
         out = torch.empty(batch, seqlen_q, nheads, head_dim_v, dtype=q.dtype, device=q.device)
@@ -456,29 +510,43 @@ def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, bloc
         lse_part = torch.empty(num_splits, *lse.shape, dtype=torch.float32, device=q.device)
 
     slopes = params.alibi_slopes
+    cos = sin = None
+    if step is not None:
+        cos, sin = step.cos, step.sin
+        seqlens_tensor = isinstance(step.cache_seqlens, torch.Tensor)
+        seqlens_k = step.cache_seqlens if seqlens_tensor else seqlens_k
+    capacity = k_cache.shape[1] if block_table is None else block_table.shape[1] * page_size
     window_left, window_right, has_left, has_right = window_args(params)
     qk_scale, softcap_scale, softcap = score_args(params)
-    dummy = seqlens_k  # stands in for absent pointer arguments; never read
+    dummy = q if seqlens_k is None else seqlens_k  # for absent pointer arguments; never read
     launch(_decode_kernel, (num_splits, batch * nheads_k, m_blocks), (
         q, k_cache, v_cache, out_part, lse_part,
         dummy if block_table is None else block_table,
         dummy if cache_batch_idx is None else cache_batch_idx,
         dummy if cache_leftpad is None else cache_leftpad, seqlens_k,
         dummy if slopes is None else slopes,
-        dummy if params.sink is None else params.sink), (
+        dummy if params.sink is None else params.sink, dummy if cos is None else cos,
+        dummy if sin is None else sin), (
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out_part.stride(),
         *lse_part.stride(), 0 if block_table is None else block_table.stride(0),
         slopes.stride(0) if slopes is not None and slopes.dim() == 2 else 0,
+        *((0, 0) if cos is None else cos.stride()),
         nheads_k, group, seqlen_q, num_splits, window_left, window_right, qk_scale,
-        softcap_scale), dict(
+        softcap_scale, 0 if step is None or seqlens_tensor else int(step.cache_seqlens),
+        0 if step is None else step.seqlen_new, 1 if step is None else step.q_rows, capacity,
+        k_cache.shape[0], 0 if cos is None else cos.shape[0]), dict(
         HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=padded_head_dim(head_dim),
         BLOCK_DV=padded_head_dim(head_dim_v), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
         PAGE_SIZE=page_size, PAGE_PER_TILE=per_tile,
         HAS_BATCH_IDX=cache_batch_idx is not None, HAS_LEFTPAD=cache_leftpad is not None,
         HAS_LEFT=has_left, HAS_RIGHT=has_right, SOFTCAP=softcap,
         ALIBI=slopes is not None, HAS_SINK=params.sink is not None,
-        USE_PDL=use_pdl and num_splits > 1, PRECISION=DOT_PRECISION),
-        num_warps=tile.num_warps, num_stages=tile.num_stages)
+        USE_PDL=use_pdl and num_splits > 1, PRECISION=DOT_PRECISION, STEP=step is not None,
+        SEQLENS_TENSOR=step is None or seqlens_tensor,
+        ROTARY_HALF=0 if cos is None else cos.shape[1],
+        INTERLEAVED=step is not None and step.interleaved,
+        WAIT_APPEND=step_pdl),
+        num_warps=tile.num_warps, num_stages=tile.num_stages, launch_pdl=step_pdl)
     if num_splits > 1:
         merge(out_part, lse_part, out, lse, use_pdl)
     return out, lse
