@@ -12,8 +12,8 @@ rotary table's length) decide where the kernels read and write, so they are alwa
   for the torch and reference backends, and with sync_checks=True (one device sync);
 - otherwise (CUDA tensors, the Triton backend) on the device, without a sync: the Triton append
   kernel (flashkit.ops.triton.append) checks every index before it writes, and a bad one fails
-  a device-side assertion in that kernel, which stops the stream before the attention kernels
-  read. A bad index then raises a device-side assertion error (at the next synchronising call,
+  a device-side assertion in that kernel, which stops the stream; the decode kernel, which may
+  run alongside it, applies the same checks to what it reads (decode.Step). A bad index then raises a device-side assertion error (at the next synchronising call,
   and it ends the CUDA context), never an out-of-bounds read or write. Pass sync_checks=True to
   learn which argument was wrong. An int cache_seqlens is checked on the host at once.
 

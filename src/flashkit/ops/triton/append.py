@@ -3,6 +3,9 @@
 flash_attn_with_kvcache on CUDA tensors runs this instead of ~40 small tensor ops and a host
 read of the index tensors (a device sync): a decoding loop pays one launch per call, and the
 check needs no other graph node (no flag to fill beforehand, no torch._assert_async after).
+On Hopper it lets the decode kernel of a decoding step start at once (PDL), and that kernel
+rotates q and checks the indices it reads itself (decode.Step), so the rotated q this kernel
+writes is read only by the prefill route.
 
 Notation as in decode.py, plus:
     n_b          cache_seqlens[b]: filled slots of sequence b before the append (a tensor, or

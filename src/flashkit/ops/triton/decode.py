@@ -25,6 +25,17 @@ float32. Only key slots below L_b are read, so block_table entries past a sequen
 are never touched. On Hopper the merge kernel is launched programmatically dependent (PDL): it
 is scheduled while the decode kernel runs and waits for its results (griddepcontrol.wait)
 instead of paying a launch after it.
+
+A decoding step (Step: flash_attn_with_kvcache's append kernel, then these kernels) does not
+wait for the append kernel as a whole: the decode kernel takes q before rotation and rotates it
+itself (as the append kernel does, same rounding), computes L_b from cache_seqlens with the
+append kernel's index checks (a sequence with a bad index reads no key; block-table entries
+are clamped into the cache, so nothing is read out of bounds before the append kernel's device
+assertion stops the stream), and is launched PDL after the append kernel (which lets it start
+at once). It waits (griddepcontrol.wait) only before the masked tiles that hold appended keys
+(the unmasked middle stops before them) and before its stores, so the step's kernels finish
+in stream order. Sequences sharing a cache row through a duplicated cache_batch_idx may see
+each other's appended keys or not (flash-attn appends inside its kernel, with the same race).
 """
 
 from __future__ import annotations
@@ -95,8 +106,15 @@ PAGE_TILE_LOOKUP = True
 PAGE_TILE_EXTRA_STAGES = 2
 LAUNCH_PDL = True  # merge kernel as a programmatic dependent launch where the GPU has it
 # A decoding step's decode kernel as a programmatic dependent launch of the append kernel (it
-# waits only where it needs the appended keys); off: an ordinary launch after the append.
+# waits only where it needs the appended keys); off: an ordinary launch after the append. Only
+# up to STEP_PDL_MAX_BYTES of K+V (batch x capacity bound): H200 graph steps, same run
+# (decode_20261121T094536.json off / _094600.json on), us: b1 1k GQA 14.3 -> 10.6, b1 16k GQA
+# 19.8 -> 16.8, b1 1k MHA 17.6 -> 13.2, b4 4k GQA 19.9 -> 15.8, 268 MB cells 76.7 -> 69.1
+# (b1 16k MHA), 78.5 -> 73.3 (b1 128k page 256), 89.5 -> 82.8 (b16 1k MHA page 256), 76.1 ->
+# 77.5 (b8 16k GQA); but 1-2 GB cells 6-8% slower (b16 64k GQA 483 -> 520, b8 16k MHA 490 ->
+# 519; same grid of 256 programs as the 268 MB cells, cause not found).
 STEP_PDL = True
+STEP_PDL_MAX_BYTES = 384 * 2**20
 # Output columns per merge program: the merge is latency bound. H200, b1, 16k-128k keys, 29-64
 # splits, the merge alone: 3.7-3.9 us with whole 128-column rows per program, 2.6 us with 32.
 MERGE_BLOCK_DV = 32
@@ -497,7 +515,8 @@ def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, bloc
     tile, per_tile, m_blocks, num_splits = launch_shape(q, nheads_k, page_size, num_splits,
                                                         max_seqlen_k)
     _, use_pdl = _launch_facts(q.device)
-    step_pdl = use_pdl and STEP_PDL and step is not None
+    step_pdl = (use_pdl and STEP_PDL and step is not None and batch * max_seqlen_k * nheads_k
+                * (head_dim + head_dim_v) * q.element_size() <= STEP_PDL_MAX_BYTES)
 
     if out is None:
         out = torch.empty(batch, seqlen_q, nheads, head_dim_v, dtype=q.dtype, device=q.device)
