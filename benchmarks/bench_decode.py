@@ -644,16 +644,19 @@ SMALL_GRAPH_CELLS = [(1, 1024, 4, None), (1, 16384, 4, None), (1, 1024, 32, None
                      (1, 16384, 32, None), (8, 16384, 4, None), (8, 16384, 32, None),
                      (1, 16384, 4, 256), (4, 4096, 4, None), (16, 1024, 32, 256),
                      (1, 131072, 4, 256), (16, 65536, 4, None)]
+# --graph-cells large: the 1-2 GB cells of SMALL_GRAPH_CELLS
+LARGE_GRAPH_CELLS = [(8, 16384, 32, None), (16, 65536, 4, None)]
 
 
-def run_graph_steps(copy_bw: float, quick: bool, small: bool = False) -> list[dict]:
+def run_graph_steps(copy_bw: float, quick: bool, cells: str = "grid") -> list[dict]:
     """The public call as one decoding step (append one token with rotary at cache_seqlens = L - 1,
     attend causally over L keys, auto splits): per-step time of back-to-back eager calls and of
     back-to-back replays of the captured step (wall clock, what a decoding loop sees), the
     captured step's GPU time, and cuDNN SDPA on the same attention (no append) eager and
     replayed; bandwidth = K+V bytes / time as % of the copy."""
     rows = []
-    cells = SMALL_GRAPH_CELLS if small else GRAPH_CELLS[::3] if quick else GRAPH_CELLS
+    cells = {"small": SMALL_GRAPH_CELLS, "large": LARGE_GRAPH_CELLS}.get(
+        cells, GRAPH_CELLS[::3] if quick else GRAPH_CELLS)
     for batch, seqlen_k, nheads_k, page_size in cells:
         k_cache, v_cache, table = make_cache(batch, seqlen_k, nheads_k, page_size)
         q = torch.randn(batch, 1, NHEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
@@ -761,15 +764,11 @@ def main():
     parser.add_argument("--before", help="a previous kvcache.py to time in the api stage")
     parser.add_argument("--no-gate", action="store_true",
                         help="skip the correctness gate (an A/B run of a tree tested elsewhere)")
-    parser.add_argument("--step-pdl", choices=["on", "off"], default="on",
-                        help="decode.STEP_PDL: the step's decode kernel launched PDL after the "
-                             "append kernel, or an ordinary launch")
-    parser.add_argument("--graph-cells", choices=["grid", "small"], default="grid",
-                        help="graph stage: the b1/b4 grid, or issue 5's launch-bound cells")
+    parser.add_argument("--graph-cells", choices=["grid", "small", "large"], default="grid",
+                        help="graph stage: the b1/b4 grid, issue 5's launch-bound cells, or "
+                             "their 1-2 GB ones")
     args = parser.parse_args()
     stages = set(args.stages.split(","))
-    if hasattr(decode, "STEP_PDL"):
-        decode.STEP_PDL = args.step_pdl == "on"
     if stages - set(STAGES):
         parser.error(f"--stages: unknown {sorted(stages - set(STAGES))}")
     torch.manual_seed(0)
@@ -782,7 +781,7 @@ def main():
                          "min_keys_per_split": decode.MIN_KEYS_PER_SPLIT,
                          "paged_extra_stages": decode.PAGED_EXTRA_STAGES,
                          "launch_pdl": decode.LAUNCH_PDL,
-                         "step_pdl": getattr(decode, "STEP_PDL", None)}}
+                         "step_max_new": getattr(decode, "STEP_MAX_NEW", None)}}
 
     def save(key, value):
         result[key] = value
@@ -821,7 +820,7 @@ def main():
     if "prefill" in stages:
         save("prefill", run_prefill(args.quick))
     if "graph" in stages:
-        save("graph", run_graph_steps(copy_bw, args.quick, args.graph_cells == "small"))
+        save("graph", run_graph_steps(copy_bw, args.quick, args.graph_cells))
     if "decode" in stages:
         save("decode", run_decode(copy_bw, args.quick, not args.no_fa2))
     print_summary(result)

@@ -11,9 +11,10 @@ rotary table's length) decide where the kernels read and write, so they are alwa
 - on the host, raising a ValueError that names the argument, when the tensors are on the CPU,
   for the torch and reference backends, and with sync_checks=True (one device sync);
 - otherwise (CUDA tensors, the Triton backend) on the device, without a sync: the Triton append
-  kernel (flashkit.ops.triton.append) checks every index before it writes, and a bad one fails
-  a device-side assertion in that kernel, which stops the stream; the decode kernel, which may
-  run alongside it, applies the same checks to what it reads (decode.Step). A bad index then raises a device-side assertion error (at the next synchronising call,
+  kernel (flashkit.ops.triton.append), or the decode kernel where it appends itself
+  (decode.Step), checks every index before it writes, and a bad one fails a device-side
+  assertion in that kernel, which stops the stream. A bad index then raises a device-side
+  assertion error (at the next synchronising call,
   and it ends the CUDA context), never an out-of-bounds read or write. Pass sync_checks=True to
   learn which argument was wrong. An int cache_seqlens is checked on the host at once.
 
@@ -21,8 +22,9 @@ On CUDA with the Triton backend a call does not synchronise and allocates only t
 caching allocator, and auto num_splits depends on shapes alone (the cache capacity), so a decoding
 step can be captured in torch.cuda.graph and replayed with new values copied into the captured
 q, k, v and cache_seqlens tensors (an int cache_seqlens is frozen into the graph); tests/
-test_kvcache.py checks replays against eager calls and the oracle. Such a step is the append
-kernel, the decode kernel and, with more than one split, the merge kernel: three graph nodes.
+test_kvcache.py checks replays against eager calls and the oracle. Such a step (a few new keys,
+a few query rows per kv head) is the decode kernel, which appends the new keys itself, and,
+with more than one split, the merge kernel: at most two graph nodes.
 """
 
 from __future__ import annotations
@@ -137,21 +139,26 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         from flashkit.ops.triton import append, decode
 
         decode.check_supported(q.dtype, params)
-        # A bad index fails a device-side assertion in the append kernel (module docstring).
-        q_rotated, seqlens_k = append.append(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
-                                             cache_seqlens, cache_batch_idx, cache_leftpad,
-                                             block_table, q_rows, rotary_interleaved)
-        keys_bound = capacity if host_seqlen is None else host_seqlen + seqlen_new
-        prefill = _gluon_prefill(q_rotated, k_cache, v_cache, seqlens_k, keys_bound,
-                                 cache_batch_idx, cache_leftpad, block_table, params)
-        if prefill is not None:
-            out, lse = prefill
-        else:  # the decode kernels rotate q and overlap the append kernel (decode.Step)
-            step = decode.Step(host_seqlen if cache_seqlens is None else cache_seqlens,
-                               seqlen_new, rotary_cos, rotary_sin, rotary_interleaved, q_rows)
-            out, lse = decode.forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx,
+        if decode.takes_step(q, k_cache.shape[2], seqlen_new):  # one kernel (decode.Step)
+            step = decode.Step(host_seqlen if cache_seqlens is None else cache_seqlens, k, v,
+                               rotary_cos, rotary_sin, rotary_interleaved, q_rows)
+            out, lse = decode.forward(q, k_cache, v_cache, None, cache_batch_idx,
                                       cache_leftpad, block_table, params, num_splits,
                                       max_seqlen_k, step=step)
+            return (out, lse.contiguous()) if return_softmax_lse else out
+        # A bad index fails a device-side assertion in the append kernel (module docstring).
+        q, seqlens_k = append.append(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
+                                     cache_seqlens, cache_batch_idx, cache_leftpad,
+                                     block_table, q_rows, rotary_interleaved)
+        keys_bound = capacity if host_seqlen is None else host_seqlen + seqlen_new
+        prefill = _gluon_prefill(q, k_cache, v_cache, seqlens_k, keys_bound, cache_batch_idx,
+                                 cache_leftpad, block_table, params)
+        if prefill is not None:
+            out, lse = prefill
+        else:
+            out, lse = decode.forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx,
+                                      cache_leftpad, block_table, params, num_splits,
+                                      max_seqlen_k)
         return (out, lse.contiguous()) if return_softmax_lse else out
 
     if cache_batch_idx is None:

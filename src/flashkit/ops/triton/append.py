@@ -1,11 +1,10 @@
-"""One Triton launch before the decode kernel: check the cache indices, rotate, append.
+"""One Triton launch before attention: check the cache indices, rotate, append.
 
 flash_attn_with_kvcache on CUDA tensors runs this instead of ~40 small tensor ops and a host
 read of the index tensors (a device sync): a decoding loop pays one launch per call, and the
 check needs no other graph node (no flag to fill beforehand, no torch._assert_async after).
-On Hopper it lets the decode kernel of a decoding step start at once (PDL), and that kernel
-rotates q and checks the indices it reads itself (decode.Step), so the rotated q this kernel
-writes is read only by the prefill route.
+A decoding step with the decode tile and few new keys does not launch it: the decode kernel
+checks, rotates and appends itself (decode.Step, with this module's rotation and checks).
 
 Notation as in decode.py, plus:
     n_b          cache_seqlens[b]: filled slots of sequence b before the append (a tensor, or
@@ -30,13 +29,16 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
 
 from flashkit.ops.triton.configs import padded_head_dim
-from flashkit.ops.triton.launch import device_facts, launch
+from flashkit.ops.triton.launch import launch
 
 TABLE_CHUNK = 1024  # block-table entries checked per step of program (b, 0)
 ROW_ELEMENTS = 4096  # heads x BLOCK_D elements per rotation step (registers of 4 warps)
+CHECK_MESSAGE = tl.constexpr(  # the device assertion of a failed index check
+    "flash_attn_with_kvcache: cache_seqlens, cache_leftpad, cache_batch_idx, block_table or "
+    "rotary_cos length out of range (nothing written out of bounds); sync_checks=True says "
+    "which")
 
 
 @triton.jit
@@ -108,9 +110,7 @@ def _append_kernel(Q, QOut, K, V, KCache, VCache, Cos, Sin, CacheSeqlens, CacheB
                    ROTARY_HALF: tl.constexpr, INTERLEAVED: tl.constexpr,
                    PAGE_SIZE: tl.constexpr, SEQLENS_TENSOR: tl.constexpr,
                    HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
-                   TABLE_CHUNK: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr):
-    if LAUNCH_DEPENDENTS:  # the decode kernel may start now (decode.py: what it waits for)
-        gdc_launch_dependents()
+                   TABLE_CHUNK: tl.constexpr):
     off_b = tl.program_id(0)
     i = tl.program_id(1)
     n = tl.load(CacheSeqlens + off_b) if SEQLENS_TENSOR else seqlen_all
@@ -134,9 +134,7 @@ def _append_kernel(Q, QOut, K, V, KCache, VCache, Cos, Sin, CacheSeqlens, CacheB
                 pages = tl.load(table_row + offs_p, mask=offs_p < used, other=0)
                 bad_pages += tl.sum(((pages < 0) | (pages >= cache_rows)).to(tl.int32), 0)
             checked = checked & (bad_pages == 0)
-        tl.device_assert(checked, "flash_attn_with_kvcache: cache_seqlens, cache_leftpad, "
-                         "cache_batch_idx, block_table or rotary_cos length out of range "
-                         "(nothing written out of bounds); sync_checks=True says which")
+        tl.device_assert(checked, CHECK_MESSAGE)
         tl.store(SeqlensK + off_b, tl.where(checked, pos + seqlen_new, -1))
 
     if i < seqlen_new:  # new token i: rotate k into its cache slot, copy v
@@ -208,8 +206,7 @@ def append(q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, cache_batch_idx, 
         BLOCK_H=_block_heads(nheads, block_d), BLOCK_HK=_block_heads(nheads_k, block_d),
         ROTARY_HALF=rotary_half, INTERLEAVED=interleaved, PAGE_SIZE=page_size,
         SEQLENS_TENSOR=seqlens_tensor, HAS_BATCH_IDX=cache_batch_idx is not None,
-        HAS_LEFTPAD=cache_leftpad is not None, TABLE_CHUNK=TABLE_CHUNK,
-        LAUNCH_DEPENDENTS=device_facts(q.device)[1]),
+        HAS_LEFTPAD=cache_leftpad is not None, TABLE_CHUNK=TABLE_CHUNK),
         num_warps=4, sanitize_overflow=False)
     return q_out, seqlens_k
 

@@ -26,16 +26,19 @@ are never touched. On Hopper the merge kernel is launched programmatically depen
 is scheduled while the decode kernel runs and waits for its results (griddepcontrol.wait)
 instead of paying a launch after it.
 
-A decoding step (Step: flash_attn_with_kvcache's append kernel, then these kernels) does not
-wait for the append kernel as a whole: the decode kernel takes q before rotation and rotates it
-itself (as the append kernel does, same rounding), computes L_b from cache_seqlens with the
-append kernel's index checks (a sequence with a bad index reads no key; block-table entries
-are clamped into the cache, so nothing is read out of bounds before the append kernel's device
-assertion stops the stream), and is launched PDL after the append kernel (which lets it start
-at once). It waits (griddepcontrol.wait) only before the masked tiles that hold appended keys
-(the unmasked middle stops before them) and before its stores, so the step's kernels finish
-in stream order. Sequences sharing a cache row through a duplicated cache_batch_idx may see
-each other's appended keys or not (flash-attn appends inside its kernel, with the same race).
+A decoding step (Step, flash_attn_with_kvcache with up to STEP_MAX_NEW new keys and the
+decode tile) is this kernel and the merge alone, as flash-attn's Append_KV: the decode kernel
+checks the indices it uses as the append kernel does (append.py: the scalars, and every
+block-table entry of the pages of its split's keys; a failed check fails a device-side assertion
+that stops the stream, and the interpreter, which skips assertions, marks the program's out and
+lse NaN for tests), rotates q, and the program whose split holds positions cache_seqlens[b] ..
++ seqlen_new rotates the new keys and writes them and the new values into the cache (a slot only
+if its sequence's scalars and page pass), then reads them back from there after a barrier: no
+other program reads those slots, so there is no race and no append launch. Before the
+assertion can stop anything the reads stay in bounds (a sequence with a bad scalar reads no key,
+block-table entries are clamped into the cache). Sequences sharing a cache row through a
+duplicated cache_batch_idx may see each other's appended keys or not (flash-attn has the same
+race). Longer appends and wider query tiles take the append kernel first.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from flashkit.ops.params import AttentionParams
-from flashkit.ops.triton.append import rotary_layout, rotate
+from flashkit.ops.triton.append import CHECK_MESSAGE, TABLE_CHUNK, rotary_layout, rotate
 from flashkit.ops.triton.common import (
     DOT_PRECISION,
     LN2_JIT,
@@ -105,16 +108,7 @@ PAGED_EXTRA_STAGES = 2
 PAGE_TILE_LOOKUP = True
 PAGE_TILE_EXTRA_STAGES = 2
 LAUNCH_PDL = True  # merge kernel as a programmatic dependent launch where the GPU has it
-# A decoding step's decode kernel as a programmatic dependent launch of the append kernel (it
-# waits only where it needs the appended keys); off: an ordinary launch after the append. Only
-# up to STEP_PDL_MAX_BYTES of K+V (batch x capacity bound): H200 graph steps, same run
-# (decode_20261121T094536.json off / _094600.json on), us: b1 1k GQA 14.3 -> 10.6, b1 16k GQA
-# 19.8 -> 16.8, b1 1k MHA 17.6 -> 13.2, b4 4k GQA 19.9 -> 15.8, 268 MB cells 76.7 -> 69.1
-# (b1 16k MHA), 78.5 -> 73.3 (b1 128k page 256), 89.5 -> 82.8 (b16 1k MHA page 256), 76.1 ->
-# 77.5 (b8 16k GQA); but 1-2 GB cells 6-8% slower (b16 64k GQA 483 -> 520, b8 16k MHA 490 ->
-# 519; same grid of 256 programs as the 268 MB cells, cause not found).
-STEP_PDL = True
-STEP_PDL_MAX_BYTES = 384 * 2**20
+STEP_MAX_NEW = 16  # a step's decode kernel appends up to this many new keys per sequence
 # Output columns per merge program: the merge is latency bound. H200, b1, 16k-128k keys, 29-64
 # splits, the merge alone: 3.7-3.9 us with whole 128-column rows per program, 2.6 us with 32.
 MERGE_BLOCK_DV = 32
@@ -217,14 +211,74 @@ def _key_ranges(lo, hi, t_lo, t_hi, shift, seqlen_k, window_left, window_right,
 
 
 @triton.jit
+def _append_keys(KNew, VNew, k_base, v_base, Cos, Sin, j_lo, j_hi, first_new, ok, slot0,
+                 table_row, num_pages, stride_nks, stride_nkd, stride_nvs, stride_nvd,
+                 stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, stride_cs,
+                 stride_cd, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_NEW: tl.constexpr,
+                 PAGE_SIZE: tl.constexpr, ROTARY_HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """A step's new keys j in [j_lo, j_hi) (new token j - first_new; j_hi - j_lo <= BLOCK_NEW),
+    k rotated at position j as the append kernel rotates it (float32, rounded once), v copied,
+    into the cache slots of keys j (as _cache_rows); nothing is written unless ok, nor to a
+    page outside the cache. KNew, VNew: the program's (b, kv head) of k, v (b, s_new, hk, d)."""
+    offs_j = j_lo + tl.arange(0, BLOCK_NEW)
+    write = ok & (offs_j < j_hi)
+    if PAGE_SIZE == 0:
+        k_rows = (slot0 + offs_j) * stride_ks
+        v_rows = (slot0 + offs_j) * stride_vs
+    else:
+        page = tl.load(table_row + offs_j // PAGE_SIZE, mask=write, other=0)
+        write = write & (page >= 0) & (page < num_pages)
+        page = page.to(tl.int64)
+        k_rows = page * stride_kb + (offs_j % PAGE_SIZE) * stride_ks
+        v_rows = page * stride_vb + (offs_j % PAGE_SIZE) * stride_vs
+    offs_i = offs_j - first_new
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = write[:, None] & (offs_d < HEAD_DIM)[None, :]
+    k_src = KNew + offs_i[:, None] * stride_nks
+    # [BLOCK_NEW, BLOCK_D]
+    k_new = tl.load(k_src + offs_d[None, :] * stride_nkd, mask=mask, other=0.0)
+    if ROTARY_HALF > 0:
+        partner, freq, first, rotated = rotary_layout(offs_d, ROTARY_HALF, INTERLEAVED)
+        rotated_2d = rotated[None, :]
+        k_partner = tl.load(k_src + partner[None, :] * stride_nkd, mask=mask & rotated_2d,
+                            other=0.0)
+        table_offs = offs_j[:, None] * stride_cs + freq[None, :] * stride_cd
+        cos = tl.load(Cos + table_offs, mask=mask & rotated_2d, other=1.0)
+        sin = tl.load(Sin + table_offs, mask=mask & rotated_2d, other=0.0)
+        k_new = rotate(k_new, k_partner, cos, sin, first[None, :], rotated_2d)
+    tl.store(k_base + k_rows[:, None] + offs_d[None, :] * stride_kd,
+             k_new.to(k_base.dtype.element_ty), mask=mask)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_v = write[:, None] & (offs_dv < HEAD_DIM_V)[None, :]
+    v_new = tl.load(VNew + offs_i[:, None] * stride_nvs + offs_dv[None, :] * stride_nvd,
+                    mask=mask_v, other=0.0)
+    tl.store(v_base + v_rows[:, None] + offs_dv[None, :] * stride_vd, v_new, mask=mask_v)
+
+
+@triton.jit
+def _pages_ok(table_row, lo, hi, num_pages, PAGE_SIZE: tl.constexpr, TABLE_CHUNK: tl.constexpr):
+    """Whether the block-table entries of the pages of keys [lo, hi) are in [0, num_pages)."""
+    bad = 0
+    p_hi = tl.cdiv(hi, PAGE_SIZE)
+    for p_lo in range(lo // PAGE_SIZE, p_hi, TABLE_CHUNK):
+        offs_p = p_lo + tl.arange(0, TABLE_CHUNK)
+        pages = tl.load(table_row + offs_p, mask=offs_p < p_hi, other=0)
+        bad += tl.sum(((pages < 0) | (pages >= num_pages)).to(tl.int32), 0)
+    return bad == 0
+
+
+@triton.jit
 def _decode_kernel(Q, K, V, Out, Lse, BlockTable, CacheBatchIdx, Leftpad, SeqlensK, Slopes, Sink,
-                   Cos, Sin,
+                   Cos, Sin, KNew, VNew,
                    stride_qb, stride_qs, stride_qh, stride_qd,
                    stride_kb, stride_ks, stride_kh, stride_kd,
                    stride_vb, stride_vs, stride_vh, stride_vd,
                    stride_osplit, stride_ob, stride_os, stride_oh, stride_od,
                    stride_lsplit, stride_lb, stride_lh, stride_ls,
                    stride_bt, stride_slopes_b, stride_cs, stride_cd,
+                   stride_nkb, stride_nks, stride_nkh, stride_nkd,
+                   stride_nvb, stride_nvs, stride_nvh, stride_nvd,
                    nheads_k, group, seqlen_q, num_splits, window_left, window_right, qk_scale,
                    softcap_scale, seqlen_fixed, seqlen_new, q_rows, capacity, cache_rows,
                    seqlen_ro,
@@ -236,7 +290,8 @@ def _decode_kernel(Q, K, V, Out, Lse, BlockTable, CacheBatchIdx, Leftpad, Seqlen
                    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, HAS_SINK: tl.constexpr,
                    USE_PDL: tl.constexpr, PRECISION: tl.constexpr, STEP: tl.constexpr,
                    SEQLENS_TENSOR: tl.constexpr, ROTARY_HALF: tl.constexpr,
-                   INTERLEAVED: tl.constexpr, WAIT_APPEND: tl.constexpr):
+                   INTERLEAVED: tl.constexpr, BLOCK_NEW: tl.constexpr,
+                   TABLE_CHUNK: tl.constexpr):
     if USE_PDL:  # the merge kernel may be scheduled now; it waits for this grid's results
         gdc_launch_dependents()
     pid_split = tl.program_id(0)
@@ -255,7 +310,7 @@ def _decode_kernel(Q, K, V, Out, Lse, BlockTable, CacheBatchIdx, Leftpad, Seqlen
             slot0 = tl.load(Leftpad + off_b)
     pos = 0
     ok = True
-    if STEP:  # the append kernel's checks, so that nothing is read out of bounds before them
+    if STEP:  # the append kernel's checks: nothing is read or written out of bounds
         n = tl.load(SeqlensK + off_b) if SEQLENS_TENSOR else seqlen_fixed
         pos = n - slot0
         ok = (n >= 0) & (n + seqlen_new <= capacity) & (slot0 >= 0) & (pos >= 0)
@@ -294,15 +349,13 @@ def _decode_kernel(Q, K, V, Out, Lse, BlockTable, CacheBatchIdx, Leftpad, Seqlen
 
     # This split's keys, narrowed to the band of the rows' query positions [t_lo, t_hi].
     blocks_per_split = tl.cdiv(tl.cdiv(seqlen_k, BLOCK_N), num_splits)
-    lo = pid_split * blocks_per_split * BLOCK_N
-    hi = tl.minimum(lo + blocks_per_split * BLOCK_N, seqlen_k)
+    chunk_lo = pid_split * blocks_per_split * BLOCK_N
+    chunk_hi = tl.minimum(chunk_lo + blocks_per_split * BLOCK_N, seqlen_k)
     t_lo = pid_m * BLOCK_M // group
     t_hi = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // group, seqlen_q - 1)
-    lo, mid_lo, mid_hi, hi = _key_ranges(lo, hi, t_lo, t_hi, shift, seqlen_k, window_left,
-                                         window_right, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-    first_new = seqlen_k - seqlen_new  # a step's appended keys: only in masked tiles
-    if STEP:
-        mid_hi = tl.maximum(tl.minimum(mid_hi, first_new // BLOCK_N * BLOCK_N), mid_lo)
+    lo, mid_lo, mid_hi, hi = _key_ranges(chunk_lo, chunk_hi, t_lo, t_hi, shift, seqlen_k,
+                                         window_left, window_right, BLOCK_N, HAS_LEFT,
+                                         HAS_RIGHT)
 
     alibi_log2 = tl.zeros([BLOCK_M], dtype=tl.float32)
     if ALIBI:
@@ -323,11 +376,18 @@ def _decode_kernel(Q, K, V, Out, Lse, BlockTable, CacheBatchIdx, Leftpad, Seqlen
         k_base += row * stride_kb
         v_base += row * stride_vb
     table_row = BlockTable + off_b * stride_bt
+    if STEP:  # the new keys of this split's chunk, written here and read back below
+        first_new = seqlen_k - seqlen_new
+        _append_keys(KNew + off_b64 * stride_nkb + off_hk * stride_nkh,
+                     VNew + off_b64 * stride_nvb + off_hk * stride_nvh, k_base, v_base, Cos, Sin,
+                     tl.maximum(chunk_lo, first_new), chunk_hi, first_new, ok, slot0, table_row,
+                     cache_rows, stride_nks, stride_nkd, stride_nvs, stride_nvd, stride_kb,
+                     stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, stride_cs, stride_cd,
+                     HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_NEW, PAGE_SIZE, ROTARY_HALF,
+                     INTERLEAVED)
+        tl.debug_barrier()  # the CTA's writes are visible to its loads
     bounds = (lo, mid_lo, mid_hi, hi)
     for segment in tl.static_range(3):  # masked edge, unmasked middle, masked edge
-        if WAIT_APPEND and segment != 1:  # tiles holding appended keys: the append is done
-            if (bounds[segment + 1] > first_new) & (bounds[segment + 1] > bounds[segment]):
-                gdc_wait()
         acc, m_i, l_i = _key_tiles(
             acc, m_i, l_i, q_tile, bounds[segment], bounds[segment + 1], hi, k_base, v_base,
             slot0, table_row, cache_rows, stride_kb, stride_ks, stride_kd, stride_vb,
@@ -341,8 +401,14 @@ def _decode_kernel(Q, K, V, Out, Lse, BlockTable, CacheBatchIdx, Leftpad, Seqlen
     l_safe = tl.where(has_mass, l_i, 1.0)
     out_tile = acc / l_safe[:, None]
     lse = tl.where(has_mass, (m_i + tl.math.log2(l_safe)) * LN2_JIT, float("-inf"))
-    if WAIT_APPEND:  # the step's kernels finish in stream order (module docstring)
-        gdc_wait()
+    if STEP:  # the checks of the indices this program used (module docstring)
+        checked = ok
+        if PAGE_SIZE > 0:
+            checked = checked & _pages_ok(table_row, chunk_lo, chunk_hi, cache_rows, PAGE_SIZE,
+                                          TABLE_CHUNK)
+        tl.device_assert(checked, CHECK_MESSAGE)
+        out_tile = tl.where(checked, out_tile, float("nan"))
+        lse = tl.where(checked, lse, float("nan"))
     o_ptrs = (Out + pid_split * stride_osplit + off_b64 * stride_ob + offs_t[:, None] * stride_os
               + offs_h[:, None] * stride_oh + offs_dv[None, :] * stride_od)
     tl.store(o_ptrs, out_tile.to(Out.dtype.element_ty),
@@ -483,16 +549,24 @@ def launch_shape(q, nheads_k: int, page_size: int, num_splits: int,
 
 
 class Step(NamedTuple):
-    """A decoding step whose append kernel (append.append) was launched just before, on the
-    same stream: the decode kernel takes q before rotation and the cache lengths before the
-    append, and waits for the append kernel only where it needs its writes (module docstring).
+    """A decoding step done by the decode kernel (module docstring): q not yet rotated, the
+    cache lengths before the append, the new keys and values (b, seqlen_new, hk, d) or None.
     cache_seqlens: int32 (b,) or an int; cos / sin None without rotary."""
     cache_seqlens: torch.Tensor | int
-    seqlen_new: int
+    k: torch.Tensor | None
+    v: torch.Tensor | None
     cos: torch.Tensor | None
     sin: torch.Tensor | None
     interleaved: bool
     q_rows: int
+
+
+def takes_step(q, nheads_k: int, seqlen_new: int) -> bool:
+    """Whether the decode kernel does the decoding step itself (Step): one program of the
+    decode tile holds all query rows of a kv head, and at most STEP_MAX_NEW new keys."""
+    table = INTERPRETER if interpreting() else HOPPER
+    packed_rows = q.shape[1] * (q.shape[2] // nheads_k)
+    return packed_rows <= table["decode"].block_m and seqlen_new <= STEP_MAX_NEW
 
 
 def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, block_table,
@@ -502,9 +576,9 @@ def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, bloc
     """(out, lse) as flashkit.ops.tiled.kvcache.forward; num_splits 0 = auto_num_splits.
     max_seqlen_k (the longest seqlens_k, or a bound such as the cache capacity, as flash-attn
     uses) saves a device sync when auto splitting; cache_batch_idx / cache_leftpad None mean
-    rows 0..b-1 and no padding; out and lse may be given preallocated. With `step`, q is not yet
-    rotated and seqlens_k is not read (the kernel takes step.cache_seqlens); max_seqlen_k is
-    then required."""
+    rows 0..b-1 and no padding; out and lse may be given preallocated. With `step` (where
+    takes_step), the kernel appends step.k, step.v to the cache and rotates q and step.k;
+    seqlens_k is not read (the kernel takes step.cache_seqlens) and max_seqlen_k is required."""
     check_supported(q.dtype, params)
     batch, seqlen_q, nheads, head_dim = q.shape
     nheads_k, head_dim_v = v_cache.shape[2], v_cache.shape[3]
@@ -515,8 +589,8 @@ def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, bloc
     tile, per_tile, m_blocks, num_splits = launch_shape(q, nheads_k, page_size, num_splits,
                                                         max_seqlen_k)
     _, use_pdl = _launch_facts(q.device)
-    step_pdl = (use_pdl and STEP_PDL and step is not None and batch * max_seqlen_k * nheads_k
-                * (head_dim + head_dim_v) * q.element_size() <= STEP_PDL_MAX_BYTES)
+    if step is not None and m_blocks != 1:
+        raise ValueError("decode.forward: a step needs one program per kv head (takes_step)")
 
     if out is None:
         out = torch.empty(batch, seqlen_q, nheads, head_dim_v, dtype=q.dtype, device=q.device)
@@ -530,10 +604,17 @@ def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, bloc
 
     slopes = params.alibi_slopes
     cos = sin = None
+    k_new = v_new = k_cache[:1, :0]  # (strides of) absent new keys: never read
     if step is not None:
         cos, sin = step.cos, step.sin
+        if step.k is not None:
+            k_new, v_new = step.k, step.v
         seqlens_tensor = isinstance(step.cache_seqlens, torch.Tensor)
         seqlens_k = step.cache_seqlens if seqlens_tensor else seqlens_k
+    seqlen_new = 0 if step is None or step.k is None else step.k.shape[1]
+    # The step's device assertion needs debug=True; the overflow sanitiser that comes with it
+    # is off (index arithmetic as compiled without it).
+    checks = {} if step is None else dict(debug=True, sanitize_overflow=False)
     capacity = k_cache.shape[1] if block_table is None else block_table.shape[1] * page_size
     window_left, window_right, has_left, has_right = window_args(params)
     qk_scale, softcap_scale, softcap = score_args(params)
@@ -545,14 +626,14 @@ def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, bloc
         dummy if cache_leftpad is None else cache_leftpad, seqlens_k,
         dummy if slopes is None else slopes,
         dummy if params.sink is None else params.sink, dummy if cos is None else cos,
-        dummy if sin is None else sin), (
+        dummy if sin is None else sin, k_new, v_new), (
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out_part.stride(),
         *lse_part.stride(), 0 if block_table is None else block_table.stride(0),
         slopes.stride(0) if slopes is not None and slopes.dim() == 2 else 0,
-        *((0, 0) if cos is None else cos.stride()),
+        *((0, 0) if cos is None else cos.stride()), *k_new.stride(), *v_new.stride(),
         nheads_k, group, seqlen_q, num_splits, window_left, window_right, qk_scale,
         softcap_scale, 0 if step is None or seqlens_tensor else int(step.cache_seqlens),
-        0 if step is None else step.seqlen_new, 1 if step is None else step.q_rows, capacity,
+        seqlen_new, 1 if step is None else step.q_rows, capacity,
         k_cache.shape[0], 0 if cos is None else cos.shape[0]), dict(
         HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=padded_head_dim(head_dim),
         BLOCK_DV=padded_head_dim(head_dim_v), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
@@ -564,8 +645,8 @@ def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, bloc
         SEQLENS_TENSOR=step is None or seqlens_tensor,
         ROTARY_HALF=0 if cos is None else cos.shape[1],
         INTERLEAVED=step is not None and step.interleaved,
-        WAIT_APPEND=step_pdl),
-        num_warps=tile.num_warps, num_stages=tile.num_stages, launch_pdl=step_pdl)
+        BLOCK_NEW=max(1, triton.next_power_of_2(seqlen_new)), TABLE_CHUNK=TABLE_CHUNK),
+        num_warps=tile.num_warps, num_stages=tile.num_stages, **checks)
     if num_splits > 1:
         merge(out_part, lse_part, out, lse, use_pdl)
     return out, lse
