@@ -618,12 +618,14 @@ def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, bloc
     capacity = k_cache.shape[1] if block_table is None else block_table.shape[1] * page_size
     window_left, window_right, has_left, has_right = window_args(params)
     qk_scale, softcap_scale, softcap = score_args(params)
-    dummy = q if seqlens_k is None else seqlens_k  # for absent pointer arguments; never read
+    # seqlens_k, or q where a step takes an int cache_seqlens: stands in for absent pointer
+    # arguments (never read)
+    dummy = q if seqlens_k is None else seqlens_k
     launch(_decode_kernel, (num_splits, batch * nheads_k, m_blocks), (
         q, k_cache, v_cache, out_part, lse_part,
         dummy if block_table is None else block_table,
         dummy if cache_batch_idx is None else cache_batch_idx,
-        dummy if cache_leftpad is None else cache_leftpad, seqlens_k,
+        dummy if cache_leftpad is None else cache_leftpad, dummy,
         dummy if slopes is None else slopes,
         dummy if params.sink is None else params.sink, dummy if cos is None else cos,
         dummy if sin is None else sin, k_new, v_new), (
