@@ -509,7 +509,7 @@ APPEND_CHECKS = {
 @interpreted
 @pytest.mark.parametrize("case", list(APPEND_CHECKS))
 def test_append_kernel_flags_bad_indices_and_writes_nothing_out_of_bounds(case):
-    from flashkit.ops.triton import append
+    from flashkit.ops.triton import append, decode
 
     bad = APPEND_CHECKS[case]
     paged = "table" in bad or case == "valid"
@@ -524,9 +524,16 @@ def test_append_kernel_flags_bad_indices_and_writes_nothing_out_of_bounds(case):
                               (("seqlens", [3, 5]), ("batch_idx", [2, 0]), ("leftpad", [0, 0])))
     passed = int(seqlens) if seqlens.dim() == 0 else seqlens  # an int: the kernel's scalar
     seqlens = seqlens.expand(2)
-    _, seqlens_k = append.append(
-        q, kc, vc, k, v, angles.cos(), angles.sin(), passed, None if paged else rows,
-        None if paged else leftpad, table, 1, False)
+    layout = (None if paged else rows, None if paged else leftpad, table)
+    cos, sin = angles.cos(), angles.sin()
+    # The decoding step's decode kernel (decode.Step) checks and appends itself, on copies.
+    kc_step, vc_step = kc.clone(), vc.clone()
+    params = AttentionParams(0.25)
+    out_step, lse_step = decode.forward(
+        q, kc_step, vc_step, None, *layout, params, 2, 32,
+        step=decode.Step(passed, k, v, cos, sin, False, 1))
+    q_rotated, seqlens_k = append.append(q, kc, vc, k, v, cos, sin, passed, *layout, 1, False)
+    out, lse = decode.forward(q_rotated, kc, vc, seqlens_k.clamp(min=0), *layout, params, 2, 32)
     # Sequence b is marked -1 iff one of its indices is bad.
     ok = []
     for b, n in enumerate(seqlens.tolist()):
@@ -538,6 +545,14 @@ def test_append_kernel_flags_bad_indices_and_writes_nothing_out_of_bounds(case):
     assert seqlens_k.tolist() == [n + 1 if good else -1
                                   for n, good in zip(seqlens.tolist(), ok, strict=True)], case
     assert all(ok) == (case in ("valid", "unused_table_entries_padding", "int_seqlens")), case
+    # The step marks a bad sequence's out NaN (its device assertion fails); a good one gives
+    # what the append kernel and the decode kernel give, bit for bit, and so does the cache.
+    for b in range(2):
+        if ok[b]:
+            assert torch.equal(out_step[b], out[b]) and torch.equal(lse_step[b], lse[b]), case
+        else:
+            assert out_step[b].isnan().all(), case
+    assert torch.equal(kc_step, kc) and torch.equal(vc_step, vc), case
     # A sequence whose scalars or written page are bad writes nothing; the others only their
     # new slot (a bad entry among the pages it only reads does not stop that in-bounds write).
     allowed = set()
@@ -695,9 +710,9 @@ def test_cuda_graph_replay_with_new_lengths_and_inputs(layout, num_splits):
 @pytest.mark.parametrize("layout, num_splits, seqlens", [
     ("contiguous", 1, "tensor"), ("contiguous", 4, "int"), ("paged256", 0, "tensor")])
 def test_decoding_step_launches_only_its_kernels_on_gpu(layout, num_splits, seqlens):
-    """An eager decoding step (append with rotary, attention) runs the append kernel, the decode
-    kernel and, with several splits, the merge kernel, and nothing else on the GPU (no fill, no
-    separate assertion): a captured step has as many graph nodes."""
+    """An eager decoding step (append with rotary, attention) runs the decode kernel, which
+    appends, and with several splits the merge kernel, and nothing else on the GPU (no append
+    kernel, no fill, no separate assertion): a captured step has as many graph nodes."""
     from torch.profiler import ProfilerActivity, profile
 
     case = Case(batch=3, nheads=16, nheads_k=2, d=128, capacity=1024, seqlen_q=1, seqlen_new=1,
@@ -711,7 +726,7 @@ def test_decoding_step_launches_only_its_kernels_on_gpu(layout, num_splits, seql
         torch.cuda.synchronize()
     names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     kernels = [name for name in names if not name.startswith("Memcpy")]  # case.call's copies
-    expected = ["_append_kernel", "_decode_kernel"]
+    expected = ["_decode_kernel"]
     if num_splits != 1:  # auto picks several splits for 6 programs over 1024 keys
         expected.append("_merge_kernel")
     assert sorted(kernels) == expected, names

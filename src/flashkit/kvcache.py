@@ -12,9 +12,10 @@ rotary table's length) decide where the kernels read and write, so they are alwa
 - on the host, raising a ValueError that names the argument, when the tensors are on the CPU,
   for the torch and reference backends, and with sync_checks=True (one device sync);
 - otherwise (CUDA tensors, the Triton backend) on the device, without a sync: the Triton append
-  kernel (flashkit.ops.triton.append) checks every index before it writes, and a bad one fails
-  a device-side assertion in that kernel, which stops the stream before the attention kernels
-  read. A bad index then raises a device-side assertion error (at the next synchronising call,
+  kernel (flashkit.ops.triton.append), or the decode kernel where it appends itself
+  (decode.Step), checks every index before it writes, and a bad one fails a device-side
+  assertion in that kernel, which stops the stream. A bad index then raises a device-side
+  assertion error (at the next synchronising call,
   and it ends the CUDA context), never an out-of-bounds read or write. Pass sync_checks=True to
   learn which argument was wrong. An int cache_seqlens is checked on the host at once.
 
@@ -22,8 +23,9 @@ On CUDA with the Triton backend a call does not synchronise and allocates only t
 caching allocator, and auto num_splits depends on shapes alone (the cache capacity), so a decoding
 step can be captured in torch.cuda.graph and replayed with new values copied into the captured
 q, k, v and cache_seqlens tensors (an int cache_seqlens is frozen into the graph); tests/
-test_kvcache.py checks replays against eager calls and the oracle. Such a step is the append
-kernel, the decode kernel and, with more than one split, the merge kernel: three graph nodes.
+test_kvcache.py checks replays against eager calls and the oracle. Such a step (a few new keys,
+a few query rows per kv head) is the decode kernel, which appends the new keys itself, and,
+with more than one split, the merge kernel: at most two graph nodes.
 """
 
 from __future__ import annotations
@@ -139,6 +141,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         from flashkit.ops.triton import append, decode
 
         decode.check_supported(q.dtype, params)
+        if decode.takes_step(q, k_cache.shape[2], seqlen_new):  # one kernel (decode.Step)
+            step = decode.Step(host_seqlen if cache_seqlens is None else cache_seqlens, k, v,
+                               rotary_cos, rotary_sin, rotary_interleaved, q_rows)
+            out, lse = decode.forward(q, k_cache, v_cache, None, cache_batch_idx,
+                                      cache_leftpad, block_table, params, num_splits,
+                                      max_seqlen_k, step=step)
+            return (out, lse.contiguous()) if return_softmax_lse else out
         # A bad index fails a device-side assertion in the append kernel (module docstring).
         q, seqlens_k = append.append(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
                                      cache_seqlens, cache_batch_idx, cache_leftpad,

@@ -1,8 +1,10 @@
-"""One Triton launch before the decode kernel: check the cache indices, rotate, append.
+"""One Triton launch before attention: check the cache indices, rotate, append.
 
 flash_attn_with_kvcache on CUDA tensors runs this instead of ~40 small tensor ops and a host
 read of the index tensors (a device sync): a decoding loop pays one launch per call, and the
 check needs no other graph node (no flag to fill beforehand, no torch._assert_async after).
+A decoding step with the decode tile and few new keys does not launch it: the decode kernel
+checks, rotates and appends itself (decode.Step, with this module's rotation and checks).
 
 Notation as in decode.py, plus:
     n_b          cache_seqlens[b]: filled slots of sequence b before the append (a tensor, or
@@ -33,19 +35,17 @@ from flashkit.ops.triton.launch import launch
 
 TABLE_CHUNK = 1024  # block-table entries checked per step of program (b, 0)
 ROW_ELEMENTS = 4096  # heads x BLOCK_D elements per rotation step (registers of 4 warps)
+CHECK_MESSAGE = tl.constexpr(  # the device assertion of a failed index check
+    "flash_attn_with_kvcache: cache_seqlens, cache_leftpad, cache_batch_idx, block_table or "
+    "rotary_cos length out of range (nothing written out of bounds); sync_checks=True says "
+    "which")
 
 
 @triton.jit
-def _rotate_heads(Src, Dst, nheads, stride_sh, stride_sd, stride_dh, stride_dd, cos_row, sin_row,
-                  stride_cd, ok, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                  BLOCK_H: tl.constexpr, ROTARY_HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
-    """Dst[h, :] = Src[h, :] for every head, its first 2 * ROTARY_HALF dims rotated in float32
-    by cos/sin (rows cos_row, sin_row) as tiled.kvcache.rotary; nothing is written unless ok.
-
-    Pairs: (2f, 2f + 1) interleaved, else (f, f + ROTARY_HALF); x[d] becomes
-    x[d] cos_f + sign_d x[partner_d] sin_f, sign -1 for a pair's first element."""
-    offs_d = tl.arange(0, BLOCK_D)
-    in_d = offs_d < HEAD_DIM
+def rotary_layout(offs_d, ROTARY_HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """(partner, freq, first, rotated) of head dims offs_d: pairs (2f, 2f + 1) interleaved, else
+    (f, f + ROTARY_HALF); x[d] becomes x[d] cos_f + sign_d x[partner_d] sin_f, sign -1 for a
+    pair's first element; dims from 2 * ROTARY_HALF on are not rotated."""
     if INTERLEAVED:
         partner = offs_d ^ 1
         freq = offs_d // 2
@@ -54,10 +54,30 @@ def _rotate_heads(Src, Dst, nheads, stride_sh, stride_sd, stride_dh, stride_dd, 
         partner = tl.where(offs_d < ROTARY_HALF, offs_d + ROTARY_HALF, offs_d - ROTARY_HALF)
         freq = offs_d % ROTARY_HALF if ROTARY_HALF > 0 else offs_d
         first = offs_d < ROTARY_HALF
-    rotated = offs_d < 2 * ROTARY_HALF
-    cos = tl.load(cos_row + freq * stride_cd, mask=rotated & ok, other=1.0).to(tl.float32)
-    sin = tl.load(sin_row + freq * stride_cd, mask=rotated & ok, other=0.0).to(tl.float32)
-    sin = tl.where(first, -sin, sin)
+    return partner, freq, first, offs_d < 2 * ROTARY_HALF
+
+
+@triton.jit
+def rotate(x, x_partner, cos, sin, first, rotated):
+    """x rotated in float32 (as tiled.kvcache.rotary) where `rotated`, else x, in float32; cos,
+    sin, first and rotated broadcast against x (cos/sin as loaded from the tables)."""
+    sin = tl.where(first, -sin.to(tl.float32), sin.to(tl.float32))
+    y = x.to(tl.float32) * cos.to(tl.float32) + x_partner.to(tl.float32) * sin
+    return tl.where(rotated, y, x.to(tl.float32))
+
+
+@triton.jit
+def _rotate_heads(Src, Dst, nheads, stride_sh, stride_sd, stride_dh, stride_dd, cos_row, sin_row,
+                  stride_cd, ok, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_H: tl.constexpr, ROTARY_HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """Dst[h, :] = Src[h, :] for every head, its first 2 * ROTARY_HALF dims rotated in float32
+    by cos/sin (rows cos_row, sin_row), rounded once to Dst's dtype; nothing is written unless
+    ok."""
+    offs_d = tl.arange(0, BLOCK_D)
+    in_d = offs_d < HEAD_DIM
+    partner, freq, first, rotated = rotary_layout(offs_d, ROTARY_HALF, INTERLEAVED)
+    cos = tl.load(cos_row + freq * stride_cd, mask=rotated & ok, other=1.0)
+    sin = tl.load(sin_row + freq * stride_cd, mask=rotated & ok, other=0.0)
     for h0 in range(0, nheads, BLOCK_H):
         offs_h = h0 + tl.arange(0, BLOCK_H)
         mask = ok & (offs_h < nheads)[:, None] & in_d[None, :]
@@ -66,8 +86,7 @@ def _rotate_heads(Src, Dst, nheads, stride_sh, stride_sd, stride_dh, stride_dd, 
         x_partner = tl.load(src + partner[None, :] * stride_sd, mask=mask & rotated[None, :],
                             other=0.0)
         # [BLOCK_H, BLOCK_D]: float32 as the torch path, rounded once to the cache's dtype
-        y = x.to(tl.float32) * cos[None, :] + x_partner.to(tl.float32) * sin[None, :]
-        y = tl.where(rotated[None, :], y, x.to(tl.float32))
+        y = rotate(x, x_partner, cos[None, :], sin[None, :], first[None, :], rotated[None, :])
         tl.store(Dst + offs_h[:, None] * stride_dh + offs_d[None, :] * stride_dd,
                  y.to(Dst.dtype.element_ty), mask=mask)
 
@@ -115,9 +134,7 @@ def _append_kernel(Q, QOut, K, V, KCache, VCache, Cos, Sin, CacheSeqlens, CacheB
                 pages = tl.load(table_row + offs_p, mask=offs_p < used, other=0)
                 bad_pages += tl.sum(((pages < 0) | (pages >= cache_rows)).to(tl.int32), 0)
             checked = checked & (bad_pages == 0)
-        tl.device_assert(checked, "flash_attn_with_kvcache: cache_seqlens, cache_leftpad, "
-                         "cache_batch_idx, block_table or rotary_cos length out of range "
-                         "(nothing written out of bounds); sync_checks=True says which")
+        tl.device_assert(checked, CHECK_MESSAGE)
         tl.store(SeqlensK + off_b, tl.where(checked, pos + seqlen_new, -1))
 
     if i < seqlen_new:  # new token i: rotate k into its cache slot, copy v

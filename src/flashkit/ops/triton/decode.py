@@ -25,6 +25,20 @@ float32. Only key slots below L_b are read, so block_table entries past a sequen
 are never touched. On Hopper the merge kernel is launched programmatically dependent (PDL): it
 is scheduled while the decode kernel runs and waits for its results (griddepcontrol.wait)
 instead of paying a launch after it.
+
+A decoding step (Step, flash_attn_with_kvcache with up to STEP_MAX_NEW new keys and the
+decode tile) is this kernel and the merge alone, as flash-attn's Append_KV: the decode kernel
+checks the indices it uses as the append kernel does (append.py: the scalars, and every
+block-table entry of the pages of its split's keys; a failed check fails a device-side assertion
+that stops the stream, and the interpreter, which skips assertions, marks the program's out and
+lse NaN for tests), rotates q, and the program whose split holds positions cache_seqlens[b] ..
++ seqlen_new rotates the new keys and writes them and the new values into the cache (a slot only
+if its sequence's scalars and page pass), then reads them back from there after a barrier: no
+other program reads those slots, so there is no race and no append launch. Before the
+assertion can stop anything the reads stay in bounds (a sequence with a bad scalar reads no key,
+block-table entries are clamped into the cache). Sequences sharing a cache row through a
+duplicated cache_batch_idx may see each other's appended keys or not (flash-attn has the same
+race). Longer appends and wider query tiles take the append kernel first.
 """
 
 from __future__ import annotations
@@ -39,6 +53,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from flashkit.ops.params import AttentionParams
+from flashkit.ops.triton.append import CHECK_MESSAGE, TABLE_CHUNK, rotary_layout, rotate
 from flashkit.ops.triton.common import (
     DOT_PRECISION,
     LN2_JIT,
@@ -53,7 +68,7 @@ from flashkit.ops.triton.common import (
     window_args,
 )
 from flashkit.ops.triton.configs import padded_head_dim
-from flashkit.ops.triton.launch import launch
+from flashkit.ops.triton.launch import device_facts, launch
 
 
 class Tile(NamedTuple):
@@ -93,6 +108,7 @@ PAGED_EXTRA_STAGES = 2
 PAGE_TILE_LOOKUP = True
 PAGE_TILE_EXTRA_STAGES = 2
 LAUNCH_PDL = True  # merge kernel as a programmatic dependent launch where the GPU has it
+STEP_MAX_NEW = 16  # a step's decode kernel appends up to this many new keys per sequence
 # Output columns per merge program: the merge is latency bound. H200, b1, 16k-128k keys, 29-64
 # splits, the merge alone: 3.7-3.9 us with whole 128-column rows per program, 2.6 us with 32.
 MERGE_BLOCK_DV = 32
@@ -104,14 +120,16 @@ FILL_EFFICIENCY = 0.95
 
 @triton.jit
 def _cache_rows(start_n, offs_n, hi, stride_kb, stride_ks, stride_vb, stride_vs, slot0,
-                table_row, PAGE_SIZE: tl.constexpr, PAGE_PER_TILE: tl.constexpr,
-                MASKED: tl.constexpr):
+                table_row, num_pages, PAGE_SIZE: tl.constexpr, PAGE_PER_TILE: tl.constexpr,
+                MASKED: tl.constexpr, CLAMP_PAGES: tl.constexpr):
     """Element offsets of keys offs_n's K and V rows from the program's k_base / v_base.
 
     Contiguous: (slot0 + j) * stride_s. Paged: page(j) * stride_b + (j % PAGE_SIZE) * stride_s,
     page(j) read from the block table per key row (entries of keys >= hi are never read), or
     once per tile with PAGE_PER_TILE (the tile lies in one page: BLOCK_N divides PAGE_SIZE and
-    tiles start at multiples of BLOCK_N; start_n < hi, so the entry is a used one)."""
+    tiles start at multiples of BLOCK_N; start_n < hi, so the entry is a used one).
+    CLAMP_PAGES: entries clamped to [0, num_pages) (a step reads before the append kernel's
+    check of the table has finished)."""
     if PAGE_SIZE == 0:
         slots = slot0 + offs_n
         k_rows = slots * stride_ks
@@ -123,6 +141,8 @@ def _cache_rows(start_n, offs_n, hi, stride_kb, stride_ks, stride_vb, stride_vs,
             page = tl.load(table_row + offs_n // PAGE_SIZE, mask=offs_n < hi, other=0)
         else:
             page = tl.load(table_row + offs_n // PAGE_SIZE)
+        if CLAMP_PAGES:
+            page = tl.minimum(tl.maximum(page, 0), num_pages - 1)
         page = page.to(tl.int64)
         slots = offs_n % PAGE_SIZE
         k_rows = page * stride_kb + slots * stride_ks
@@ -132,21 +152,21 @@ def _cache_rows(start_n, offs_n, hi, stride_kb, stride_ks, stride_vb, stride_vs,
 
 @triton.jit
 def _key_tiles(acc, m_i, l_i, q_tile, start, end, hi, k_base, v_base, slot0, table_row,
-               stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
+               num_pages, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
                offs_t, offs_d, offs_dv, alibi_log2, seqlen_q, seqlen_k, window_left,
                window_right, qk_scale, softcap_scale,
                HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
                PAGE_PER_TILE: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr,
-               HAS_RIGHT: tl.constexpr,
+               HAS_RIGHT: tl.constexpr, CLAMP_PAGES: tl.constexpr,
                SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, PRECISION: tl.constexpr):
     """Fold key tiles [start, end) into (acc, m_i, l_i). MASKED: keys >= hi and keys outside a
     row's band are masked; without it every key is in bounds and visible from every row."""
     for start_n in tl.range(start, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k_rows, v_rows = _cache_rows(start_n, offs_n, hi, stride_kb, stride_ks, stride_vb,
-                                     stride_vs, slot0, table_row, PAGE_SIZE, PAGE_PER_TILE,
-                                     MASKED)
+                                     stride_vs, slot0, table_row, num_pages, PAGE_SIZE,
+                                     PAGE_PER_TILE, MASKED, CLAMP_PAGES)
         k_tile = load_tile(k_base + k_rows[:, None] + offs_d[None, :] * stride_kd, offs_n, hi,
                            offs_d, HEAD_DIM, MASKED, HEAD_DIM != BLOCK_D)
         # [BLOCK_M, BLOCK_N] = [BLOCK_M, BLOCK_D] @ [BLOCK_D, BLOCK_N]
@@ -191,22 +211,87 @@ def _key_ranges(lo, hi, t_lo, t_hi, shift, seqlen_k, window_left, window_right,
 
 
 @triton.jit
+def _append_keys(KNew, VNew, k_base, v_base, Cos, Sin, j_lo, j_hi, first_new, ok, slot0,
+                 table_row, num_pages, stride_nks, stride_nkd, stride_nvs, stride_nvd,
+                 stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, stride_cs,
+                 stride_cd, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_NEW: tl.constexpr,
+                 PAGE_SIZE: tl.constexpr, ROTARY_HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """A step's new keys j in [j_lo, j_hi) (new token j - first_new; j_hi - j_lo <= BLOCK_NEW),
+    k rotated at position j as the append kernel rotates it (float32, rounded once), v copied,
+    into the cache slots of keys j (as _cache_rows); nothing is written unless ok, nor to a
+    page outside the cache. KNew, VNew: the program's (b, kv head) of k, v (b, s_new, hk, d)."""
+    offs_j = j_lo + tl.arange(0, BLOCK_NEW)
+    write = ok & (offs_j < j_hi)
+    if PAGE_SIZE == 0:
+        k_rows = (slot0 + offs_j) * stride_ks
+        v_rows = (slot0 + offs_j) * stride_vs
+    else:
+        page = tl.load(table_row + offs_j // PAGE_SIZE, mask=write, other=0)
+        write = write & (page >= 0) & (page < num_pages)
+        page = page.to(tl.int64)
+        k_rows = page * stride_kb + (offs_j % PAGE_SIZE) * stride_ks
+        v_rows = page * stride_vb + (offs_j % PAGE_SIZE) * stride_vs
+    offs_i = offs_j - first_new
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = write[:, None] & (offs_d < HEAD_DIM)[None, :]
+    k_src = KNew + offs_i[:, None] * stride_nks
+    # [BLOCK_NEW, BLOCK_D]
+    k_new = tl.load(k_src + offs_d[None, :] * stride_nkd, mask=mask, other=0.0)
+    if ROTARY_HALF > 0:
+        partner, freq, first, rotated = rotary_layout(offs_d, ROTARY_HALF, INTERLEAVED)
+        rotated_2d = rotated[None, :]
+        k_partner = tl.load(k_src + partner[None, :] * stride_nkd, mask=mask & rotated_2d,
+                            other=0.0)
+        table_offs = offs_j[:, None] * stride_cs + freq[None, :] * stride_cd
+        cos = tl.load(Cos + table_offs, mask=mask & rotated_2d, other=1.0)
+        sin = tl.load(Sin + table_offs, mask=mask & rotated_2d, other=0.0)
+        k_new = rotate(k_new, k_partner, cos, sin, first[None, :], rotated_2d)
+    tl.store(k_base + k_rows[:, None] + offs_d[None, :] * stride_kd,
+             k_new.to(k_base.dtype.element_ty), mask=mask)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_v = write[:, None] & (offs_dv < HEAD_DIM_V)[None, :]
+    v_new = tl.load(VNew + offs_i[:, None] * stride_nvs + offs_dv[None, :] * stride_nvd,
+                    mask=mask_v, other=0.0)
+    tl.store(v_base + v_rows[:, None] + offs_dv[None, :] * stride_vd, v_new, mask=mask_v)
+
+
+@triton.jit
+def _pages_ok(table_row, lo, hi, num_pages, PAGE_SIZE: tl.constexpr, TABLE_CHUNK: tl.constexpr):
+    """Whether the block-table entries of the pages of keys [lo, hi) are in [0, num_pages)."""
+    bad = 0
+    p_hi = tl.cdiv(hi, PAGE_SIZE)
+    for p_lo in range(lo // PAGE_SIZE, p_hi, TABLE_CHUNK):
+        offs_p = p_lo + tl.arange(0, TABLE_CHUNK)
+        pages = tl.load(table_row + offs_p, mask=offs_p < p_hi, other=0)
+        bad += tl.sum(((pages < 0) | (pages >= num_pages)).to(tl.int32), 0)
+    return bad == 0
+
+
+@triton.jit
 def _decode_kernel(Q, K, V, Out, Lse, BlockTable, CacheBatchIdx, Leftpad, SeqlensK, Slopes, Sink,
+                   Cos, Sin, KNew, VNew,
                    stride_qb, stride_qs, stride_qh, stride_qd,
                    stride_kb, stride_ks, stride_kh, stride_kd,
                    stride_vb, stride_vs, stride_vh, stride_vd,
                    stride_osplit, stride_ob, stride_os, stride_oh, stride_od,
                    stride_lsplit, stride_lb, stride_lh, stride_ls,
-                   stride_bt, stride_slopes_b,
+                   stride_bt, stride_slopes_b, stride_cs, stride_cd,
+                   stride_nkb, stride_nks, stride_nkh, stride_nkd,
+                   stride_nvb, stride_nvs, stride_nvh, stride_nvd,
                    nheads_k, group, seqlen_q, num_splits, window_left, window_right, qk_scale,
-                   softcap_scale,
+                   softcap_scale, seqlen_fixed, seqlen_new, q_rows, capacity, cache_rows,
+                   seqlen_ro,
                    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    PAGE_SIZE: tl.constexpr, PAGE_PER_TILE: tl.constexpr,
                    HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
                    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, HAS_SINK: tl.constexpr,
-                   USE_PDL: tl.constexpr, PRECISION: tl.constexpr):
+                   USE_PDL: tl.constexpr, PRECISION: tl.constexpr, STEP: tl.constexpr,
+                   SEQLENS_TENSOR: tl.constexpr, ROTARY_HALF: tl.constexpr,
+                   INTERLEAVED: tl.constexpr, BLOCK_NEW: tl.constexpr,
+                   TABLE_CHUNK: tl.constexpr):
     if USE_PDL:  # the merge kernel may be scheduled now; it waits for this grid's results
         gdc_launch_dependents()
     pid_split = tl.program_id(0)
@@ -215,7 +300,27 @@ def _decode_kernel(Q, K, V, Out, Lse, BlockTable, CacheBatchIdx, Leftpad, Seqlen
     pid_m = tl.num_programs(2) - 1 - tl.program_id(2)
     off_b = pid_bhk // nheads_k
     off_hk = pid_bhk % nheads_k
-    seqlen_k = tl.load(SeqlensK + off_b)
+    off_b64 = off_b.to(tl.int64)
+    row = off_b64  # contiguous caches: the sequence's cache row and first slot
+    slot0 = 0
+    if PAGE_SIZE == 0:
+        if HAS_BATCH_IDX:
+            row = tl.load(CacheBatchIdx + off_b).to(tl.int64)
+        if HAS_LEFTPAD:
+            slot0 = tl.load(Leftpad + off_b)
+    pos = 0
+    ok = True
+    if STEP:  # the append kernel's checks: nothing is read or written out of bounds
+        n = tl.load(SeqlensK + off_b) if SEQLENS_TENSOR else seqlen_fixed
+        pos = n - slot0
+        ok = (n >= 0) & (n + seqlen_new <= capacity) & (slot0 >= 0) & (pos >= 0)
+        if PAGE_SIZE == 0:
+            ok = ok & (row >= 0) & (row < cache_rows)
+        if ROTARY_HALF > 0:
+            ok = ok & (pos + tl.maximum(seqlen_new, q_rows) <= seqlen_ro)
+        seqlen_k = tl.where(ok, pos + seqlen_new, 0)
+    else:
+        seqlen_k = tl.load(SeqlensK + off_b)
     shift = seqlen_k - seqlen_q
 
     offs_r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # packed rows
@@ -224,20 +329,33 @@ def _decode_kernel(Q, K, V, Out, Lse, BlockTable, CacheBatchIdx, Leftpad, Seqlen
     offs_h = off_hk * group + offs_r % group  # query head of each row
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    off_b64 = off_b.to(tl.int64)
 
-    q_ptrs = (Q + off_b64 * stride_qb + offs_t[:, None] * stride_qs + offs_h[:, None] * stride_qh
-              + offs_d[None, :] * stride_qd)
-    q_tile = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    q_rows_base = (Q + off_b64 * stride_qb + offs_t[:, None] * stride_qs
+                   + offs_h[:, None] * stride_qh)
+    q_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    q_tile = tl.load(q_rows_base + offs_d[None, :] * stride_qd, mask=q_mask, other=0.0)
+    if ROTARY_HALF > 0:  # as the append kernel rotates q: row t at pos + min(t, q_rows - 1)
+        partner, freq, first, rotated = rotary_layout(offs_d, ROTARY_HALF, INTERLEAVED)
+        rotated_2d = rotated[None, :]
+        q_partner = tl.load(q_rows_base + partner[None, :] * stride_qd, mask=q_mask & rotated_2d,
+                            other=0.0)
+        table_offs = ((pos + tl.minimum(offs_t, q_rows - 1))[:, None] * stride_cs
+                      + freq[None, :] * stride_cd)
+        table_mask = q_mask & rotated_2d & ok
+        cos = tl.load(Cos + table_offs, mask=table_mask, other=1.0)
+        sin = tl.load(Sin + table_offs, mask=table_mask, other=0.0)
+        q_tile = rotate(q_tile, q_partner, cos, sin, first[None, :],
+                        rotated_2d).to(Q.dtype.element_ty)
 
     # This split's keys, narrowed to the band of the rows' query positions [t_lo, t_hi].
     blocks_per_split = tl.cdiv(tl.cdiv(seqlen_k, BLOCK_N), num_splits)
-    lo = pid_split * blocks_per_split * BLOCK_N
-    hi = tl.minimum(lo + blocks_per_split * BLOCK_N, seqlen_k)
+    chunk_lo = pid_split * blocks_per_split * BLOCK_N
+    chunk_hi = tl.minimum(chunk_lo + blocks_per_split * BLOCK_N, seqlen_k)
     t_lo = pid_m * BLOCK_M // group
     t_hi = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // group, seqlen_q - 1)
-    lo, mid_lo, mid_hi, hi = _key_ranges(lo, hi, t_lo, t_hi, shift, seqlen_k, window_left,
-                                         window_right, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    lo, mid_lo, mid_hi, hi = _key_ranges(chunk_lo, chunk_hi, t_lo, t_hi, shift, seqlen_k,
+                                         window_left, window_right, BLOCK_N, HAS_LEFT,
+                                         HAS_RIGHT)
 
     alibi_log2 = tl.zeros([BLOCK_M], dtype=tl.float32)
     if ALIBI:
@@ -254,30 +372,43 @@ def _decode_kernel(Q, K, V, Out, Lse, BlockTable, CacheBatchIdx, Leftpad, Seqlen
     # Contiguous: the sequence's cache row and first slot; paged: each key row finds its page.
     k_base = K + off_hk * stride_kh
     v_base = V + off_hk * stride_vh
-    slot0 = 0
     if PAGE_SIZE == 0:
-        row = off_b64
-        if HAS_BATCH_IDX:
-            row = tl.load(CacheBatchIdx + off_b).to(tl.int64)
         k_base += row * stride_kb
         v_base += row * stride_vb
-        if HAS_LEFTPAD:
-            slot0 = tl.load(Leftpad + off_b)
     table_row = BlockTable + off_b * stride_bt
+    if STEP:  # the new keys of this split's chunk, written here and read back below
+        first_new = seqlen_k - seqlen_new
+        _append_keys(KNew + off_b64 * stride_nkb + off_hk * stride_nkh,
+                     VNew + off_b64 * stride_nvb + off_hk * stride_nvh, k_base, v_base, Cos, Sin,
+                     tl.maximum(chunk_lo, first_new), chunk_hi, first_new, ok, slot0, table_row,
+                     cache_rows, stride_nks, stride_nkd, stride_nvs, stride_nvd, stride_kb,
+                     stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, stride_cs, stride_cd,
+                     HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_NEW, PAGE_SIZE, ROTARY_HALF,
+                     INTERLEAVED)
+        tl.debug_barrier()  # the CTA's writes are visible to its loads
     bounds = (lo, mid_lo, mid_hi, hi)
     for segment in tl.static_range(3):  # masked edge, unmasked middle, masked edge
         acc, m_i, l_i = _key_tiles(
             acc, m_i, l_i, q_tile, bounds[segment], bounds[segment + 1], hi, k_base, v_base,
-            slot0, table_row, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
+            slot0, table_row, cache_rows, stride_kb, stride_ks, stride_kd, stride_vb,
+            stride_vs, stride_vd,
             offs_t, offs_d, offs_dv, alibi_log2, seqlen_q, seqlen_k, window_left, window_right,
             qk_scale, softcap_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, PAGE_SIZE,
-            PAGE_PER_TILE, segment != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, PRECISION)
+            PAGE_PER_TILE, segment != 1, HAS_LEFT, HAS_RIGHT, STEP, SOFTCAP, ALIBI, PRECISION)
 
     # A row with no mass (no visible key in this split, no sink) gives out 0 and lse -inf.
     has_mass = l_i > 0.0
     l_safe = tl.where(has_mass, l_i, 1.0)
     out_tile = acc / l_safe[:, None]
     lse = tl.where(has_mass, (m_i + tl.math.log2(l_safe)) * LN2_JIT, float("-inf"))
+    if STEP:  # the checks of the indices this program used (module docstring)
+        checked = ok
+        if PAGE_SIZE > 0:
+            checked = checked & _pages_ok(table_row, chunk_lo, chunk_hi, cache_rows, PAGE_SIZE,
+                                          TABLE_CHUNK)
+        tl.device_assert(checked, CHECK_MESSAGE)
+        out_tile = tl.where(checked, out_tile, float("nan"))
+        lse = tl.where(checked, lse, float("nan"))
     o_ptrs = (Out + pid_split * stride_osplit + off_b64 * stride_ob + offs_t[:, None] * stride_os
               + offs_h[:, None] * stride_oh + offs_dv[None, :] * stride_od)
     tl.store(o_ptrs, out_tile.to(Out.dtype.element_ty),
@@ -383,19 +514,9 @@ def check_supported(dtype: torch.dtype, params: AttentionParams) -> None:
         raise NotImplementedError("triton decode: float64 is not supported; use backend='torch'")
 
 
-@functools.lru_cache
-def _device(index: int | None) -> tuple[int, bool]:
-    """(SM count, has programmatic dependent launch, i.e. compute capability >= 9)."""
-    props = torch.cuda.get_device_properties(
-        torch.cuda.current_device() if index is None else index)
-    return props.multi_processor_count, props.major >= 9
-
-
 def _launch_facts(device: torch.device) -> tuple[int, bool]:
-    """(SM count, whether to launch the merge with PDL) for a launch on `device`."""
-    if device.type != "cuda" or interpreting():
-        return 4, False
-    sms, has_pdl = _device(device.index)
+    """(SM count, whether to launch with PDL) for a launch on `device`."""
+    sms, has_pdl = device_facts(device)
     return sms, has_pdl and LAUNCH_PDL
 
 
@@ -427,13 +548,37 @@ def launch_shape(q, nheads_k: int, page_size: int, num_splits: int,
     return tile, per_tile, m_blocks, num_splits
 
 
+class Step(NamedTuple):
+    """A decoding step done by the decode kernel (module docstring): q not yet rotated, the
+    cache lengths before the append, the new keys and values (b, seqlen_new, hk, d) or None.
+    cache_seqlens: int32 (b,) or an int; cos / sin None without rotary."""
+    cache_seqlens: torch.Tensor | int
+    k: torch.Tensor | None
+    v: torch.Tensor | None
+    cos: torch.Tensor | None
+    sin: torch.Tensor | None
+    interleaved: bool
+    q_rows: int
+
+
+def takes_step(q, nheads_k: int, seqlen_new: int) -> bool:
+    """Whether the decode kernel does the decoding step itself (Step): one program of the
+    decode tile holds all query rows of a kv head, and at most STEP_MAX_NEW new keys."""
+    table = INTERPRETER if interpreting() else HOPPER
+    packed_rows = q.shape[1] * (q.shape[2] // nheads_k)
+    return packed_rows <= table["decode"].block_m and seqlen_new <= STEP_MAX_NEW
+
+
 def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, block_table,
             params: AttentionParams, num_splits: int, max_seqlen_k: int | None = None, *,
-            out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
+            out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+            step: Step | None = None):
     """(out, lse) as flashkit.ops.tiled.kvcache.forward; num_splits 0 = auto_num_splits.
     max_seqlen_k (the longest seqlens_k, or a bound such as the cache capacity, as flash-attn
     uses) saves a device sync when auto splitting; cache_batch_idx / cache_leftpad None mean
-    rows 0..b-1 and no padding; out and lse may be given preallocated."""
+    rows 0..b-1 and no padding; out and lse may be given preallocated. With `step` (where
+    takes_step), the kernel appends step.k, step.v to the cache and rotates q and step.k;
+    seqlens_k is not read (the kernel takes step.cache_seqlens) and max_seqlen_k is required."""
     check_supported(q.dtype, params)
     batch, seqlen_q, nheads, head_dim = q.shape
     nheads_k, head_dim_v = v_cache.shape[2], v_cache.shape[3]
@@ -444,6 +589,8 @@ def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, bloc
     tile, per_tile, m_blocks, num_splits = launch_shape(q, nheads_k, page_size, num_splits,
                                                         max_seqlen_k)
     _, use_pdl = _launch_facts(q.device)
+    if step is not None and m_blocks != 1:
+        raise ValueError("decode.forward: a step needs one program per kv head (takes_step)")
 
     if out is None:
         out = torch.empty(batch, seqlen_q, nheads, head_dim_v, dtype=q.dtype, device=q.device)
@@ -456,29 +603,52 @@ def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, bloc
         lse_part = torch.empty(num_splits, *lse.shape, dtype=torch.float32, device=q.device)
 
     slopes = params.alibi_slopes
+    cos = sin = None
+    k_new = v_new = k_cache[:1, :0]  # (strides of) absent new keys: never read
+    if step is not None:
+        cos, sin = step.cos, step.sin
+        if step.k is not None:
+            k_new, v_new = step.k, step.v
+        seqlens_tensor = isinstance(step.cache_seqlens, torch.Tensor)
+        seqlens_k = step.cache_seqlens if seqlens_tensor else seqlens_k
+    seqlen_new = 0 if step is None or step.k is None else step.k.shape[1]
+    # The step's device assertion needs debug=True; the overflow sanitiser that comes with it
+    # is off (index arithmetic as compiled without it).
+    checks = {} if step is None else dict(debug=True, sanitize_overflow=False)
+    capacity = k_cache.shape[1] if block_table is None else block_table.shape[1] * page_size
     window_left, window_right, has_left, has_right = window_args(params)
     qk_scale, softcap_scale, softcap = score_args(params)
-    dummy = seqlens_k  # stands in for absent pointer arguments; never read
+    # seqlens_k, or q where a step takes an int cache_seqlens: stands in for absent pointer
+    # arguments (never read)
+    dummy = q if seqlens_k is None else seqlens_k
     launch(_decode_kernel, (num_splits, batch * nheads_k, m_blocks), (
         q, k_cache, v_cache, out_part, lse_part,
         dummy if block_table is None else block_table,
         dummy if cache_batch_idx is None else cache_batch_idx,
-        dummy if cache_leftpad is None else cache_leftpad, seqlens_k,
+        dummy if cache_leftpad is None else cache_leftpad, dummy,
         dummy if slopes is None else slopes,
-        dummy if params.sink is None else params.sink), (
+        dummy if params.sink is None else params.sink, dummy if cos is None else cos,
+        dummy if sin is None else sin, k_new, v_new), (
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out_part.stride(),
         *lse_part.stride(), 0 if block_table is None else block_table.stride(0),
         slopes.stride(0) if slopes is not None and slopes.dim() == 2 else 0,
+        *((0, 0) if cos is None else cos.stride()), *k_new.stride(), *v_new.stride(),
         nheads_k, group, seqlen_q, num_splits, window_left, window_right, qk_scale,
-        softcap_scale), dict(
+        softcap_scale, 0 if step is None or seqlens_tensor else int(step.cache_seqlens),
+        seqlen_new, 1 if step is None else step.q_rows, capacity,
+        k_cache.shape[0], 0 if cos is None else cos.shape[0]), dict(
         HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=padded_head_dim(head_dim),
         BLOCK_DV=padded_head_dim(head_dim_v), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
         PAGE_SIZE=page_size, PAGE_PER_TILE=per_tile,
         HAS_BATCH_IDX=cache_batch_idx is not None, HAS_LEFTPAD=cache_leftpad is not None,
         HAS_LEFT=has_left, HAS_RIGHT=has_right, SOFTCAP=softcap,
         ALIBI=slopes is not None, HAS_SINK=params.sink is not None,
-        USE_PDL=use_pdl and num_splits > 1, PRECISION=DOT_PRECISION),
-        num_warps=tile.num_warps, num_stages=tile.num_stages)
+        USE_PDL=use_pdl and num_splits > 1, PRECISION=DOT_PRECISION, STEP=step is not None,
+        SEQLENS_TENSOR=step is None or seqlens_tensor,
+        ROTARY_HALF=0 if cos is None else cos.shape[1],
+        INTERLEAVED=step is not None and step.interleaved,
+        BLOCK_NEW=max(1, triton.next_power_of_2(seqlen_new)), TABLE_CHUNK=TABLE_CHUNK),
+        num_warps=tile.num_warps, num_stages=tile.num_stages, **checks)
     if num_splits > 1:
         merge(out_part, lse_part, out, lse, use_pdl)
     return out, lse

@@ -23,6 +23,8 @@ would launch; tests/test_kvcache.py checks the tensor key against Triton's speci
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 from triton import knobs
@@ -68,6 +70,20 @@ def launch(kernel, grid: tuple, tensors: tuple, scalars: tuple, constexprs: dict
     stream = triton.runtime.driver.active.get_current_stream(device)
     compiled.run(*grid, stream, compiled.function, compiled.packed_metadata, None, None, None,
                  *tensors, *scalars, *constexprs.values())
+
+
+@functools.lru_cache
+def _device_facts(index: int) -> tuple[int, bool]:
+    props = torch.cuda.get_device_properties(index)
+    return props.multi_processor_count, props.major >= 9
+
+
+def device_facts(device: torch.device) -> tuple[int, bool]:
+    """(SM count, whether programmatic dependent launch (PDL, compute capability >= 9) is used)
+    for kernels on `device`; (4, False) under the interpreter."""
+    if device.type != "cuda" or interpreting():
+        return 4, False
+    return _device_facts(torch.cuda.current_device() if device.index is None else device.index)
 
 
 def _hooked() -> bool:
