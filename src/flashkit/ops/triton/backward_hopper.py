@@ -739,13 +739,10 @@ HOPPER_BACKWARD = {
     64: (128, 64, 4, 2),
     128: (64, 64, 4, 2),
 }
-# With dropout: 128 keys and two warpgroups, so a program uses every byte of each Philox call
-# it draws (a 64-key block uses half of each and the neighbouring block draws them again):
-# offline sm_90, d128 full, instructions per query tile and thread 713 (64 keys) -> 650
-# (plain 433).
-HOPPER_BACKWARD_DROPOUT = {
-    128: (64, 128, 8, 2),
-}
+# With dropout a 64-key block uses half of each Philox call it draws (the neighbouring block
+# draws them again); 128 keys and two warpgroups use all of them (offline sm_90, d128 full,
+# instructions per query tile and thread 713 -> 650) but ran slower on the H200 at d128 8k
+# bf16 (09:48, dK/dV kernel alone: 4.55 ms at (64, 64, 4, 2), 4.65-4.79 at (64, 128, 8, 2)).
 # dQ: Q, dO and the dQ accumulator per program, K/V streamed (the forward's shape). 05:23 sweep
 # at 4k (whole backward, TFLOP/s full / causal): d64 (64, 64, 4, 2) 408 / 357, (64, 128, 4, 2)
 # 382 / 365, (64, 64, 4, 3) 387 / 346; d128 (64, 64, 4, 2) 441 / 391, (64, 128, 4, 2)
@@ -766,16 +763,9 @@ def _takes(q, k, v, dout, lse, params: AttentionParams, dq, dk, dv, tiles) -> bo
             and all(x.stride(-1) == 1 for x in (dq, dk, dv)))
 
 
-def _dkdv_block(head_dim: int, params: AttentionParams) -> tuple:
-    """The dK/dV kernel's (BLOCK_M, BLOCK_N, num_warps, NUM_STAGES) for this call."""
-    if params.dropout_p > 0 and head_dim in HOPPER_BACKWARD_DROPOUT:
-        return HOPPER_BACKWARD_DROPOUT[head_dim]
-    return HOPPER_BACKWARD[head_dim]
-
-
-def _whole_tiles(q, k, params: AttentionParams) -> bool:
+def _whole_tiles(q, k) -> bool:
     """Dense seqlen_q and seqlen_k are multiples of every tile of both kernels."""
-    tile = max(*_dkdv_block(q.shape[-1], params)[:2], *HOPPER_BACKWARD_DQ[q.shape[-1]][:2])
+    tile = max(*HOPPER_BACKWARD[q.shape[-1]][:2], *HOPPER_BACKWARD_DQ[q.shape[-1]][:2])
     return q.shape[1] % tile == 0 and k.shape[1] % tile == 0
 
 
@@ -784,7 +774,7 @@ def eligible(q, k, v, dout, lse, params: AttentionParams, dq, dk, dv, tiles) -> 
     or backward.py's kernels): dense with both sequence lengths multiples of every tile, or
     varlen with any lengths (at least one token each side)."""
     return (_takes(q, k, v, dout, lse, params, dq, dk, dv, tiles)
-            and (params.is_varlen or _whole_tiles(q, k, params)))
+            and (params.is_varlen or _whole_tiles(q, k)))
 
 
 def dense_as_varlen(q, k, v, dout, lse, params: AttentionParams, dq, dk, dv, tiles) -> bool:
@@ -793,7 +783,7 @@ def dense_as_varlen(q, k, v, dout, lse, params: AttentionParams, dq, dk, dv, til
     tiles read of the next batch entry): dq, dk, dv must then be contiguous too (their
     (batch * seqlen, heads, d) views are written)."""
     return (not params.is_varlen and _takes(q, k, v, dout, lse, params, dq, dk, dv, tiles)
-            and not _whole_tiles(q, k, params) and all(x.is_contiguous() for x in (dq, dk, dv)))
+            and not _whole_tiles(q, k) and all(x.is_contiguous() for x in (dq, dk, dv)))
 
 
 def _launch_args(q, params: AttentionParams, lse) -> tuple:
@@ -816,10 +806,10 @@ def attention_backward_dkdv(dout, q, k, v, lse, delta, params: AttentionParams, 
                             dq_acc=None, block=None):
     """dK, dV of the eligible case into dk, dv; with dq_acc (fp32 (batch * nheads, seqlen_q, d),
     zeroed; dense only) also dQ / scale added into it. delta (laid out like lse) comes from
-    backward.py's preprocess; block overrides HOPPER_BACKWARD(_DROPOUT) (the sweep)."""
+    backward.py's preprocess; block overrides HOPPER_BACKWARD (the sweep)."""
     batch, seqlen_q, seqlen_k, nheads, nheads_k = varlen_shape(q, v, params)
     head_dim = q.shape[-1]
-    block_m, block_n, num_warps, num_stages = block or _dkdv_block(head_dim, params)
+    block_m, block_n, num_warps, num_stages = block or HOPPER_BACKWARD[head_dim]
     gl_dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
 
     def rows_descriptor(x):  # lse / delta (batch, nheads, seqlen_q), varlen (nheads, rows)
