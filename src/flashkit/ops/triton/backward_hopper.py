@@ -32,8 +32,9 @@ pick the tile ranges (common.query_tile_ranges / key_tile_ranges) and mask the e
 common.visible; SOFTCAP scores through common.scores and multiplies dS by common.softcap_grad;
 ALIBI subtracts common.alibi_bias; DROPOUT regenerates the forward's keep-mask (dropout.py's
 Philox core, each call's decisions packed into one int32: the dQ kernel drawing in its score
-layout as the forward does, the dK/dV kernel drawing each call once and moving the packed bits
-into the S^T layout) with dV = (P o Z)^T dO, dP = Z o (dO V^T), Z = keep / (1 - p), as
+layout as the forward does, each call once for both 64-key tiles that use it, the dK/dV kernel
+drawing each call once per program and moving the packed bits into the S^T layout) with
+dV = (P o Z)^T dO, dP = Z o (dO V^T), Z = keep / (1 - p), as
 backward.py; the tiles select the kept elements and leave out 1 / (1 - p), which each kernel
 multiplies into its gradients once (delta enters as (1 - p) delta). A sink needs nothing
 here: it lives in lse (and dsink comes from lse and delta). A row with no visible key (lse -inf)
