@@ -294,6 +294,26 @@ def test_gpu_gluon_backward_dropout_high_thresholds(dropout_p):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _on_hopper(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("case", [  # (head_dim, seqlen_q, seqlen_k, window_left, window_right)
+    (128, 448, 320, 100, 0), (64, 192, 320, None, None), (128, 256, 448, 130, 60)], ids=str)
+def test_gpu_gluon_backward_dropout_key_walks(case):
+    """The dQ kernel's 64-key tiles hand the unused half of each Philox call to the next tile
+    (dropout_gluon.keep_half_tiles): walks that start on a chunk's second half (left windows),
+    cross from masked to visible tiles and back, and end on a half chunk (seqlen_k 320, 448);
+    d64 (dK/dV tiles of 128 queries) runs them as varlen (dense_as_varlen)."""
+    head_dim, seqlen_q, seqlen_k, window_left, window_right = case
+    q, k, v, dout = make_inputs(2, seqlen_q, seqlen_k, 4, 2, head_dim, head_dim, torch.bfloat16,
+                                "cuda")
+    params = AttentionParams(head_dim ** -0.5, window_left, window_right, dropout_p=0.2,
+                             dropout_seed=2**45 + 11)
+    lse = torch.empty(2, 4, seqlen_q, device="cuda")
+    assert (_eligible(q, k, v, params) if head_dim == 128 else
+            hopper.dense_as_varlen(q, k, v, dout, lse, params, q, k, v, None))
+    _check_dropout(q, k, v, dout, params)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _on_hopper(), reason="needs an sm_90 GPU")
 def test_gpu_gluon_backward_dropout_with_features_deterministic():
     """Dropout beside a window, ALiBi, softcap and sink; deterministic=True gives the same bits
     every run."""

@@ -32,8 +32,9 @@ pick the tile ranges (common.query_tile_ranges / key_tile_ranges) and mask the e
 common.visible; SOFTCAP scores through common.scores and multiplies dS by common.softcap_grad;
 ALIBI subtracts common.alibi_bias; DROPOUT regenerates the forward's keep-mask (dropout.py's
 Philox core, each call's decisions packed into one int32: the dQ kernel drawing in its score
-layout as the forward does, the dK/dV kernel drawing each call once and moving the packed bits
-into the S^T layout) with dV = (P o Z)^T dO, dP = Z o (dO V^T), Z = keep / (1 - p), as
+layout as the forward does, each call once for both 64-key tiles that use it, the dK/dV kernel
+drawing each call once per program and moving the packed bits into the S^T layout) with
+dV = (P o Z)^T dO, dP = Z o (dO V^T), Z = keep / (1 - p), as
 backward.py; the tiles select the kept elements and leave out 1 / (1 - p), which each kernel
 multiplies into its gradients once (delta enters as (1 - p) delta). A sink needs nothing
 here: it lives in lse (and dsink comes from lse and delta). A row with no visible key (lse -inf)
@@ -101,7 +102,13 @@ try:
 except ImportError:  # a Triton without Gluon: the Triton kernels do everything
     gluon = None
 if gluon is not None:  # the forward's K/V ring fill serves the dQ kernel as it is
-    from flashkit.ops.triton.dropout_gluon import keep_bits_t, keep_tile, unpack_keep_t
+    from flashkit.ops.triton.dropout_gluon import (
+        keep_bits_t,
+        keep_half_tiles,
+        keep_tile,
+        no_upper_words,
+        unpack_keep_t,
+    )
     from flashkit.ops.triton.forward_hopper import _issue_kv_load, _zero_key_tail
 
 
@@ -255,6 +262,7 @@ if gluon is not None:
         q_buf = q_smem.index(stage)
         do_buf = do_smem.index(stage)
         col_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
+        ST_REGS: gl.constexpr = BLOCK_N * BLOCK_M // (32 * gl.num_warps())  # S^T's, per thread
 
         mbarrier.wait(q_bars.index(stage), phase)
         if MASK and VARLEN:  # the tile that crosses the sequence's end: its Q rows past it
@@ -307,13 +315,24 @@ if gluon is not None:
                              delta, 0.0)
         if DROPOUT:  # dS / (1 / (1 - p)) = P o (keep o dP - (1 - p) delta): see the kernel
             kept_t = unpack_keep_t(bits_t, start_n, BLOCK_M, BLOCK_N, st_layout, gl.num_warps())
-            dp_t = gl.where(kept_t, dp_t, 0.0)
             delta = delta * (1.0 / dropout_scale)
-        ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
+            if ST_REGS <= 32:
+                # = (keep o P) o dP - P o (1 - p) delta: one select per element, keep o P, which
+                # dV / (1 / (1 - p)) takes too (offline sm_90, d128 dK/dV: 844 -> 721
+                # instructions per tile; selecting P after its bf16 rounding cost byte
+                # permutes). It holds P and keep o P at once: d64's S^T tiles of 64 registers
+                # per thread spill.
+                p_kept_t = gl.where(kept_t, p_t, 0.0)
+                ds_t = p_kept_t * dp_t - p_t * gl.expand_dims(delta, 0)
+                p_t = p_kept_t
+            else:
+                ds_t = p_t * (gl.where(kept_t, dp_t, 0.0) - gl.expand_dims(delta, 0))
+        else:
+            ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
         if SOFTCAP:
             ds_t = ds_t * dcap_t
         ds_t = ds_t.to(dtype)
-        if DROPOUT:  # dV / (1 / (1 - p)) takes the dropped P
+        if DROPOUT and ST_REGS > 32:  # dV / (1 / (1 - p)) takes the dropped P
             p_t = gl.where(kept_t, p_t, 0.0)
         # dV and dK only after dS: their register operands then replace P, dP and delta instead
         # of living beside them (d128: dK + dV alone take 128 of the 255 registers).
@@ -520,7 +539,7 @@ if gluon is not None:
 
 
     @gluon.jit
-    def _key_tile_dq_step(dq, tile, q_smem, do_smem, k_smem, v_smem, k_bars, v_bars, k_desc,
+    def _key_tile_dq_step(dq, upper, tile, q_smem, do_smem, k_smem, v_smem, k_bars, v_bars, k_desc,
                           v_desc, lse2, delta, n_tiles, key0, kv_col, start_m, key_lo, geo,
                           alibi_log2, drop, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                           NUM_STAGES: gl.constexpr, MASK: gl.constexpr, HAS_LEFT: gl.constexpr,
@@ -530,10 +549,11 @@ if gluon is not None:
         """Add key tile `tile` (keys key_lo + tile * BLOCK_N ..., at row key0 + tile * BLOCK_N
         of the 2-D view) to dQ (unscaled); MASK applies the band predicate. geo, alibi_log2 and
         drop as in _query_tile_step; the keep-mask is the forward's own (keep_tile, drawn in
-        this same score layout); with DROPOUT, delta comes as (1 - p) delta and dQ is left
-        over 1 / (1 - p). VARLEN: the (last) tile that crosses the sequence's keys zeroes
-        the next sequence's K and V rows it holds before the wgmmas read them (0 * NaN/inf in
-        dS K or in dP = dO V^T would be NaN; their P is masked to 0)."""
+        this same score layout; 64-key tiles through keep_half_tiles, upper its words carried
+        from tile to tile); with DROPOUT, delta comes as (1 - p) delta and dQ is left over
+        1 / (1 - p). Returns (dq, upper). VARLEN: the (last) tile that crosses the sequence's
+        keys zeroes the next sequence's K and V rows it holds before the wgmmas read them (0 *
+        NaN/inf in dS K or in dP = dO V^T would be NaN; their P is masked to 0)."""
         seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale, dropout_scale = geo
         stage = tile % NUM_STAGES
         phase = (tile // NUM_STAGES) & 1
@@ -553,6 +573,11 @@ if gluon is not None:
         # [BLOCK_M, BLOCK_N] = [BLOCK_M, D] @ [D, BLOCK_N]
         dp_tok = warpgroup_mma(do_smem, v_buf.permute((1, 0)), zero_s, use_acc=False,
                                is_async=True)
+        if DROPOUT:  # drawn while the tensor cores work on S and dP
+            if BLOCK_N == 64:
+                kept, upper = keep_half_tiles(drop, start_m, start_n, upper, tile == 0, s_layout)
+            else:
+                kept = keep_tile(drop, start_m, start_n, BLOCK_N, s_layout)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
         s, dcap = _scores_and_softcap_grad(s, qk_scale, softcap_scale, SOFTCAP)
         i = gl.expand_dims(start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout)), 1)
@@ -563,8 +588,6 @@ if gluon is not None:
         if MASK:
             p = gl.where(visible(i, j, seqlen_q, seqlen_k, window_left, window_right, HAS_LEFT,
                                  HAS_RIGHT), p, 0.0)
-        if DROPOUT:  # drawn while the tensor cores still work on dP
-            kept = keep_tile(drop, start_m, start_n, BLOCK_N, s_layout)
         dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, ))
         if DROPOUT:  # dS / (1 / (1 - p)) = P o (keep o dP - (1 - p) delta): see the kernel
             dp = gl.where(kept, dp, 0.0)
@@ -578,7 +601,7 @@ if gluon is not None:
         gl.thread_barrier()  # every warp's reads of this buffer are done: refill it
         _issue_kv_load(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, tile + NUM_STAGES,
                         n_tiles, key0, kv_col, BLOCK_N, NUM_STAGES)
-        return dq
+        return dq, upper
 
     @gluon.jit(do_not_specialize=["seed_lo", "seed_hi", "dropout_threshold"])
     def _bwd_dq_hopper_kernel(q_desc, k_desc, v_desc, do_desc, Lse, Delta, DQ, Alibi,
@@ -676,16 +699,16 @@ if gluon is not None:
         # tiles of the diagonal (causal), the window's right edge or a sequence's last key
         # tile (HAS_RIGHT, VARLEN); a masked segment is compiled only where it can exist.
         bounds = (0, t_mid_lo, t_mid_hi, n_tiles)
+        upper = no_upper_words() if DROPOUT else ()  # keep_half_tiles' carried words
         for segment in gl.static_range(3):
             if (segment == 1 or (segment == 0 and HAS_LEFT)
                     or (segment == 2 and (HAS_RIGHT or VARLEN))):
                 for tile in range(bounds[segment], bounds[segment + 1]):
-                    dq = _key_tile_dq_step(dq, tile, q_smem, do_smem, k_smem, v_smem, k_bars,
-                                           v_bars, k_desc, v_desc, lse2, delta, n_tiles, key0,
-                                           kv_col, start_m, lo, geo, alibi_log2, drop, BLOCK_M,
-                                           BLOCK_N, NUM_STAGES, segment != 1, HAS_LEFT,
-                                           HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, VARLEN, s_layout,
-                                           op_layout)
+                    dq, upper = _key_tile_dq_step(
+                        dq, upper, tile, q_smem, do_smem, k_smem, v_smem, k_bars, v_bars, k_desc,
+                        v_desc, lse2, delta, n_tiles, key0, kv_col, start_m, lo, geo, alibi_log2,
+                        drop, BLOCK_M, BLOCK_N, NUM_STAGES, segment != 1, HAS_LEFT, HAS_RIGHT,
+                        SOFTCAP, ALIBI, DROPOUT, VARLEN, s_layout, op_layout)
 
         mbarrier.invalidate(q_bar)
         for i in gl.static_range(NUM_STAGES):
@@ -717,6 +740,10 @@ HOPPER_BACKWARD = {
     64: (128, 64, 4, 2),
     128: (64, 64, 4, 2),
 }
+# With dropout a 64-key block uses half of each Philox call it draws (the neighbouring block
+# draws them again); 128 keys and two warpgroups use all of them (offline sm_90, d128 full,
+# instructions per query tile and thread 713 -> 650) but ran slower on the H200 at d128 8k
+# bf16 (09:48, dK/dV kernel alone: 4.55 ms at (64, 64, 4, 2), 4.65-4.79 at (64, 128, 8, 2)).
 # dQ: Q, dO and the dQ accumulator per program, K/V streamed (the forward's shape). 05:23 sweep
 # at 4k (whole backward, TFLOP/s full / causal): d64 (64, 64, 4, 2) 408 / 357, (64, 128, 4, 2)
 # 382 / 365, (64, 64, 4, 3) 387 / 346; d128 (64, 64, 4, 2) 441 / 391, (64, 128, 4, 2)

@@ -96,19 +96,13 @@ if gluon is not None:
         return gl.convert_layout(gl.reshape(keep, [BLOCK_N, BLOCK_M]), st_layout) != 0
 
     @gluon.jit
-    def keep_tile(drop, start_m, start_n, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
-        """[64, BLOCK_N] bool in s_layout (a one-warpgroup score tile: the forward's and the dQ
-        kernel's): dropout.dropout_keep's mask, bit for bit, of query rows start_m + [0, 64)
-        and keys start_n + [0, BLOCK_N) (start_n a multiple of BLOCK_N). Drawn in draw_layout,
-        one Philox call per (row, chunk, g) of the thread's own scores; only the words the tile
-        uses (dropout.tile_words) are compared, four bytes per instruction (dropout.bytes_ge),
-        and an element then tests one bit of its word."""
+    def _tile_calls(drop, start_m, start_n, BLOCK_N: gl.constexpr):
+        """The four words (philox_calls) of the calls (row, chunk, g) of query rows start_m +
+        [0, 64) and the chunks of keys start_n + [0, BLOCK_N): [64, CHUNKS, 8] each in
+        SliceLayout(2, draw_layout(BLOCK_N)), each thread's own calls."""
         seed_lo, seed_hi, threshold, off_b, off_h = drop
-        gl.static_assert(BLOCK_N >= 32, "tile_words: whole words")
-        L4: gl.constexpr = draw_layout(BLOCK_N)  # [64, CHUNKS, BYTES, 8]
-        L3: gl.constexpr = gl.SliceLayout(2, L4)  # the calls [64, CHUNKS, 8]
+        L3: gl.constexpr = gl.SliceLayout(2, draw_layout(BLOCK_N))  # the calls [64, CHUNKS, 8]
         CHUNKS: gl.constexpr = (BLOCK_N + 127) // 128
-        BYTES: gl.constexpr = BLOCK_N // 8 if BLOCK_N < 128 else 16
         rows = start_m + gl.arange(0, 64, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
         chunk = start_n // 128 + gl.arange(0, CHUNKS,
                                            layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
@@ -117,8 +111,16 @@ if gluon is not None:
         calls = zero + (gl.expand_dims(gl.expand_dims(chunk, 0), 2) * 8
                         + gl.expand_dims(gl.expand_dims(g, 0), 1)).to(gl.uint32)
         row_ids = zero + gl.expand_dims(gl.expand_dims(rows, 1), 2).to(gl.uint32)
-        words = tile_words(philox_calls(seed_lo, seed_hi, off_b, off_h, row_ids, calls),
-                           start_n, BLOCK_N)
+        return philox_calls(seed_lo, seed_hi, off_b, off_h, row_ids, calls)
+
+    @gluon.jit
+    def _keep_from_words(words, threshold, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+        """[64, BLOCK_N] bool in s_layout from `words`, the tile's words of its calls
+        (dropout.tile_words of _tile_calls): each compared four bytes per instruction
+        (dropout.bytes_ge), and an element then tests one bit of its word."""
+        gl.static_assert(BLOCK_N >= 32, "tile_words: whole words")
+        L4: gl.constexpr = draw_layout(BLOCK_N)  # [64, CHUNKS, BYTES, 8]
+        BYTES: gl.constexpr = BLOCK_N // 8 if BLOCK_N < 128 else 16
         byte = gl.arange(0, BYTES, layout=gl.SliceLayout(1, gl.SliceLayout(0, gl.SliceLayout(
             0, L4))))
         byte = gl.expand_dims(gl.expand_dims(gl.expand_dims(byte, 1), 0), 0)  # [1, 1, BYTES, 1]
@@ -127,3 +129,38 @@ if gluon is not None:
             ge = gl.where(byte // 4 == w, gl.expand_dims(bytes_ge(words[w], threshold), 2), ge)
         keep = ge & (0x80 << (8 * (byte % 4))).to(gl.uint32)  # [64, CHUNKS, BYTES, 8]
         return gl.convert_layout(gl.reshape(keep, [64, BLOCK_N]), s_layout) != 0
+
+    @gluon.jit
+    def keep_tile(drop, start_m, start_n, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+        """[64, BLOCK_N] bool in s_layout (a one-warpgroup score tile: the forward's and the dQ
+        kernel's): dropout.dropout_keep's mask, bit for bit, of query rows start_m + [0, 64)
+        and keys start_n + [0, BLOCK_N) (start_n a multiple of BLOCK_N). Drawn in draw_layout,
+        one Philox call per (row, chunk, g) of the thread's own scores; only the words the tile
+        uses (dropout.tile_words) are compared, four bytes per instruction (dropout.bytes_ge),
+        and an element then tests one bit of its word."""
+        words = tile_words(_tile_calls(drop, start_m, start_n, BLOCK_N), start_n, BLOCK_N)
+        return _keep_from_words(words, drop[2], BLOCK_N, s_layout)
+
+    @gluon.jit
+    def keep_half_tiles(drop, start_m, start_n, upper, fresh, s_layout: gl.constexpr):
+        """keep_tile for [64, 64] tiles walked in key order: (keep, upper'), the 64-key tile
+        at start_n (a multiple of 64) and the words to hand to the next tile. A 64-key tile
+        uses half of each Philox call (words 0, 1 of its 128-key chunk, or 2, 3), so a walk
+        over both halves of a chunk would draw every call twice: the tile that starts a chunk
+        (or starts the walk: fresh, a runtime bool) draws the calls and keeps words 2, 3 for
+        its neighbour; otherwise the tile takes upper, the previous tile's words 2, 3. upper
+        is two [64, 1, 8] uint32 in the calls' layout (any values on the walk's first tile)."""
+        if fresh | (start_n % 128 == 0):
+            words = _tile_calls(drop, start_m, start_n, 64)
+            used = tile_words(words, start_n, 64)
+            upper = (words[2], words[3])
+        else:
+            used = upper
+        return _keep_from_words(used, drop[2], 64, s_layout), upper
+
+    @gluon.jit
+    def no_upper_words():
+        """keep_half_tiles' upper before the walk's first tile (fresh: never read)."""
+        L3: gl.constexpr = gl.SliceLayout(2, draw_layout(64))
+        zero = gl.zeros([64, 1, 8], gl.uint32, L3)
+        return (zero, zero)
