@@ -96,13 +96,14 @@ if gluon is not None:
         return gl.convert_layout(gl.reshape(keep, [BLOCK_N, BLOCK_M]), st_layout) != 0
 
     @gluon.jit
-    def keep_tile(drop, start_m, start_n, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
-        """[64, BLOCK_N] bool in s_layout (a one-warpgroup score tile: the forward's and the dQ
-        kernel's): dropout.dropout_keep's mask, bit for bit, of query rows start_m + [0, 64)
-        and keys start_n + [0, BLOCK_N) (start_n a multiple of BLOCK_N). Drawn in draw_layout,
-        one Philox call per (row, chunk, g) of the thread's own scores; only the words the tile
-        uses (dropout.tile_words) are compared, four bytes per instruction (dropout.bytes_ge),
-        and an element then tests one bit of its word."""
+    def keep_words(drop, start_m, start_n, BLOCK_N: gl.constexpr):
+        """(ge, byte): dropout.dropout_keep's mask of query rows start_m + [0, 64) and keys
+        start_n + [0, BLOCK_N) (start_n a multiple of BLOCK_N) as [64, CHUNKS, BYTES, 8] in
+        draw_layout: ge holds, for each score, the word of its Philox call (dropout.tile_words'
+        word byte // 4) compared four bytes per instruction (dropout.bytes_ge), so the score
+        (row, 128 chunk + 8 byte + g) is kept iff bit 8 (byte % 4) + 7 of ge is set; byte
+        [1, 1, BYTES, 1]. One Philox call per (row, chunk, g) of the thread's own scores: only
+        the words the tile uses are drawn and compared."""
         seed_lo, seed_hi, threshold, off_b, off_h = drop
         gl.static_assert(BLOCK_N >= 32, "tile_words: whole words")
         L4: gl.constexpr = draw_layout(BLOCK_N)  # [64, CHUNKS, BYTES, 8]
@@ -125,5 +126,13 @@ if gluon is not None:
         ge = gl.expand_dims(bytes_ge(words[0], threshold), 2)  # [64, CHUNKS, 1, 8]
         for w in gl.static_range(1, len(words)):  # byte b's word, b // 4: known per register
             ge = gl.where(byte // 4 == w, gl.expand_dims(bytes_ge(words[w], threshold), 2), ge)
+        return ge, byte
+
+    @gluon.jit
+    def keep_tile(drop, start_m, start_n, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+        """[64, BLOCK_N] bool in s_layout (a one-warpgroup score tile: the forward's and the dQ
+        kernel's): dropout.dropout_keep's mask, bit for bit (keep_words), an element testing
+        one bit of its word."""
+        ge, byte = keep_words(drop, start_m, start_n, BLOCK_N)
         keep = ge & (0x80 << (8 * (byte % 4))).to(gl.uint32)  # [64, CHUNKS, BYTES, 8]
         return gl.convert_layout(gl.reshape(keep, [64, BLOCK_N]), s_layout) != 0
