@@ -91,8 +91,6 @@ except ImportError:  # a Triton without Gluon: the Triton kernel does everything
 
 BLOCK_M = 64  # query rows per consumer warpgroup (the wgmma M of one warpgroup)
 PRODUCER_REGS = 24  # registers per thread of the producer warp (the least setmaxnreg allows)
-# Softcap: every SOFTCAP_EXP2_POLY-th exp2 of the scores on the FMA pipe (0: all by MUFU)
-SOFTCAP_EXP2_POLY = 2
 FORWARD_HEAD_DIMS = (64, 128, 256)  # this forward's; the backward's stay gluon_supported's
 
 
@@ -170,55 +168,16 @@ if gluon is not None:
             op = p.to(dtype)
         return op
 
-    @gluon.constexpr_function
-    def _exp2_asm(pack):
-        """PTX of `pack` exp2s of x <= 0 (or -inf): the first pack - 1 by the MUFU unit
-        (ex2.approx.ftz, what gl.exp2 emits), the last on the FMA pipe (Cody-Waite):
-        2^x = 2^n 2^f with n = round(x) by the 1.5 * 2^23 magic add (t's low bits hold n),
-        f = x - n in [-0.5, 0.5] and 2^f by a degree-3 polynomial with p(0) = 1 (relative
-        error 1.0e-4, below fp16/bf16 P's rounding), n added to the exponent as integer bits.
-        x is clamped at -127, where n = -127 and f = 0 give exactly +0.0 (-inf: masked)."""
-        mufu = "".join(f"ex2.approx.ftz.f32 ${k}, ${pack + k}; " for k in range(pack - 1))
-        return ("{ .reg .f32 x, t, j, f, p; .reg .b32 tb, pb; " + mufu
-                + f"max.ftz.f32 x, ${2 * pack - 1}, 0fC2FE0000; "
-                "add.rn.ftz.f32 t, x, 0f4B400000; sub.rn.ftz.f32 j, t, 0f4B400000; "
-                "sub.rn.ftz.f32 f, x, j; fma.rn.ftz.f32 p, f, 0f3D6150CB, 0f3E780610; "
-                "fma.rn.ftz.f32 p, p, f, 0f3F317AFD; fma.rn.ftz.f32 p, p, f, 0f3F800000; "
-                "mov.b32 tb, t; mov.b32 pb, p; shl.b32 tb, tb, 23; "
-                f"add.s32 ${pack - 1}, pb, tb; }}")
-
-    @gluon.constexpr_function
-    def _exp2_constraints(pack):
-        return ",".join(["=r"] * pack + ["r"] * pack)
-
-    @gluon.constexpr_function
-    def _exp2_poly(softcap, consumers):
-        """_exp2's POLY_EVERY for the scores: softcap spends a MUFU op per score on tanh, so
-        every SOFTCAP_EXP2_POLY-th exp2 goes to the FMA pipe, except with three consumers
-        (d64), whose 160 registers per thread it would spill (offline sm_90)."""
-        return SOFTCAP_EXP2_POLY if softcap and consumers < 3 else 0
-
-    @gluon.jit
-    def _exp2(x, POLY_EVERY: gl.constexpr):
-        """exp2 of x [BLOCK_M, BLOCK_N] (x <= 0 or -inf); with POLY_EVERY > 0 every
-        POLY_EVERY-th register on the FMA pipe (_exp2_asm), the rest by MUFU."""
-        if POLY_EVERY == 0:
-            y = gl.exp2(x)
-        else:
-            y = gl.inline_asm_elementwise(_exp2_asm(POLY_EVERY),
-                                          _exp2_constraints(POLY_EVERY),
-                                          [x], dtype=gl.float32, is_pure=True, pack=POLY_EVERY)
-        return y
-
     @gluon.jit
     def _softmax_step(qk, m_i, l_i, rows, cols, col0, geo, alibi, MASK: gl.constexpr,
                       HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-                      ALIBI: gl.constexpr, ALIBI_SIDE: gl.constexpr, EXP2_POLY: gl.constexpr):
+                      ALIBI: gl.constexpr, ALIBI_SIDE: gl.constexpr):
         """Online softmax of raw scores qk [BLOCK_M, BLOCK_N] for query rows `rows` [BLOCK_M, 1]
         and key columns `cols` = col0 + [0, BLOCK_N) as [1, BLOCK_N]. Plain scores take the row
-        max on qk and scale it after (qk_scale > 0), so s - m is one FMA per element. MASK
-        applies the band predicate; a row that has seen only -inf then subtracts 0, not -inf.
-        EXP2_POLY: see _exp2_poly.
+        max on qk and scale it after (qk_scale > 0), so s - m is one FMA per element; softcap
+        (without ALiBi) the same on tanh(scale qk / c), so qk_scale joins that FMA instead of
+        a multiply per element. MASK applies the band predicate; a row that has seen only -inf
+        then subtracts 0, not -inf.
 
         ALiBi (alibi = (slope * log2 e, slope * log2 e * [0, BLOCK_N) as [1, BLOCK_N])): with
         ALIBI_SIDE 0 the bias is slope |i + shift - j| per element. On a tile that lies wholly
@@ -229,18 +188,17 @@ if gluon is not None:
         seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale = geo
         alibi_log2, alibi_cols = alibi
         row_bias = gl.zeros_like(m_i)  # subtracted from each row after the max (side tiles)
-        if SOFTCAP and not ALIBI:  # s = tanh(scale qk / c), scaled by qk_scale (> 0) as qk
+        if SOFTCAP and not ALIBI:  # tanh(scale qk / c), scaled by qk_scale as plain qk
             s = scores(qk, 1.0, softcap_scale, SOFTCAP)
             scale = qk_scale
         elif ALIBI:
             s = scores(qk, qk_scale, softcap_scale, SOFTCAP)
-            if ALIBI:
-                if ALIBI_SIDE == 0:
-                    s = s - alibi_bias(rows, cols, seqlen_q, seqlen_k, alibi_log2)
-                else:
-                    s = s + ALIBI_SIDE * alibi_cols
-                    row_bias = gl.sum(rows + (seqlen_k - seqlen_q - col0), 1).to(gl.float32) * (
-                        ALIBI_SIDE * alibi_log2)
+            if ALIBI_SIDE == 0:
+                s = s - alibi_bias(rows, cols, seqlen_q, seqlen_k, alibi_log2)
+            else:
+                s = s + ALIBI_SIDE * alibi_cols
+                row_bias = gl.sum(rows + (seqlen_k - seqlen_q - col0), 1).to(gl.float32) * (
+                    ALIBI_SIDE * alibi_log2)
             scale = 1.0
         else:
             s = qk
@@ -253,7 +211,7 @@ if gluon is not None:
         m_use = m_new
         if MASK:
             m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p = _exp2(s * scale - gl.expand_dims(m_use + row_bias, 1), EXP2_POLY)
+        p = gl.exp2(s * scale - gl.expand_dims(m_use + row_bias, 1))
         alpha = gl.exp2(m_i - m_use)
         l_new = l_i * alpha + gl.sum(p, 1)
         return p, alpha, m_new, l_new
@@ -327,7 +285,7 @@ if gluon is not None:
         o_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
         _pass_turn(turns, CONSUMER, CONSUMERS, PINGPONG)
         kept = None
-        if DROPOUT:  # the mask does not depend on the scores: drawn while S is computed
+        if DROPOUT:  # independent of the scores; ptxas schedules it among the softmax anyway
             kept = keep_words(drop, row0, key_start + tile * BLOCK_N, BLOCK_N)
         qk = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
         _release_k(k_empty, stage, SPECIALIZED)
@@ -335,7 +293,7 @@ if gluon is not None:
         cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, rows, gl.expand_dims(cols, 0), col0,
                                            geo, alibi, MASK, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-                                           ALIBI, ALIBI_SIDE, _exp2_poly(SOFTCAP, CONSUMERS))
+                                           ALIBI, ALIBI_SIDE)
         p_next = gl.convert_layout(_p_operand(p, kept, q_tile.dtype, s_layout, DROPOUT),
                                    p_layout)
         # The softmax results pass through the wait so that the compiler cannot sink the softmax
@@ -434,7 +392,7 @@ if gluon is not None:
             cols = lo + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
             p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, rows, gl.expand_dims(cols, 0), lo,
                                                geo, alibi, True, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-                                               ALIBI, 0, _exp2_poly(SOFTCAP, CONSUMERS))
+                                               ALIBI, 0)
             state = (acc, gl.convert_layout(_p_operand(p, kept, dtype, s_layout, DROPOUT),
                                             p_layout), m_i, l_i)
 
