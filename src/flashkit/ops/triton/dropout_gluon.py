@@ -4,8 +4,10 @@ backward_hopper.py).
 Every function here draws dropout.py's mask bit for bit, through its Philox core (philox_calls)
 and its four-bytes-per-instruction compare (bytes_ge, packed_keep), on index tensors built in
 the layout where the mask is used:
-  - keep_tile: a [64, BLOCK_N] score tile in the wgmma accumulator layout of one warpgroup (the
-    forward's tile and the dQ kernel's), each thread drawing the Philox calls of its own scores;
+  - keep_words (the forward: compared words, which mask P two scores at a time), keep_tile
+    and keep_half_tiles (the dQ kernel: a bool tile; 64-key tiles hand each call's unused half
+    to the next tile): a [64, BLOCK_N] score tile in the wgmma accumulator layout of one
+    warpgroup, each thread drawing the Philox calls of its own scores;
   - keep_bits_t / unpack_keep_t: a transposed [BLOCK_N, BLOCK_M] tile (the dK/dV kernel's S^T),
     drawn once per call in a blocked layout and moved, packed, to the transposed one.
 """
@@ -114,10 +116,12 @@ if gluon is not None:
         return philox_calls(seed_lo, seed_hi, off_b, off_h, row_ids, calls)
 
     @gluon.jit
-    def _keep_from_words(words, threshold, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
-        """[64, BLOCK_N] bool in s_layout from `words`, the tile's words of its calls
-        (dropout.tile_words of _tile_calls): each compared four bytes per instruction
-        (dropout.bytes_ge), and an element then tests one bit of its word."""
+    def _compare_words(words, threshold, BLOCK_N: gl.constexpr):
+        """(ge, byte) from `words`, the tile's words of its calls (dropout.tile_words of
+        _tile_calls), as [64, CHUNKS, BYTES, 8] in draw_layout: ge holds, for each score, the
+        word of its call (word byte // 4) compared four bytes per instruction (dropout.
+        bytes_ge), so the score (row, 128 chunk + 8 byte + g) is kept iff bit 8 (byte % 4) + 7
+        of ge is set; byte [1, 1, BYTES, 1]."""
         gl.static_assert(BLOCK_N >= 32, "tile_words: whole words")
         L4: gl.constexpr = draw_layout(BLOCK_N)  # [64, CHUNKS, BYTES, 8]
         BYTES: gl.constexpr = BLOCK_N // 8 if BLOCK_N < 128 else 16
@@ -127,17 +131,30 @@ if gluon is not None:
         ge = gl.expand_dims(bytes_ge(words[0], threshold), 2)  # [64, CHUNKS, 1, 8]
         for w in gl.static_range(1, len(words)):  # byte b's word, b // 4: known per register
             ge = gl.where(byte // 4 == w, gl.expand_dims(bytes_ge(words[w], threshold), 2), ge)
+        return ge, byte
+
+    @gluon.jit
+    def _keep_from_words(words, threshold, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+        """[64, BLOCK_N] bool in s_layout from the tile's words (_compare_words), an element
+        testing one bit of its word."""
+        ge, byte = _compare_words(words, threshold, BLOCK_N)
         keep = ge & (0x80 << (8 * (byte % 4))).to(gl.uint32)  # [64, CHUNKS, BYTES, 8]
         return gl.convert_layout(gl.reshape(keep, [64, BLOCK_N]), s_layout) != 0
 
     @gluon.jit
+    def keep_words(drop, start_m, start_n, BLOCK_N: gl.constexpr):
+        """_compare_words' (ge, byte) of dropout.dropout_keep's mask of query rows start_m +
+        [0, 64) and keys start_n + [0, BLOCK_N) (start_n a multiple of BLOCK_N), one Philox
+        call per (row, chunk, g) of the thread's own scores: only the words the tile uses are
+        drawn and compared (the forward masks P pairs with them directly)."""
+        words = tile_words(_tile_calls(drop, start_m, start_n, BLOCK_N), start_n, BLOCK_N)
+        return _compare_words(words, drop[2], BLOCK_N)
+
+    @gluon.jit
     def keep_tile(drop, start_m, start_n, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
-        """[64, BLOCK_N] bool in s_layout (a one-warpgroup score tile: the forward's and the dQ
-        kernel's): dropout.dropout_keep's mask, bit for bit, of query rows start_m + [0, 64)
-        and keys start_n + [0, BLOCK_N) (start_n a multiple of BLOCK_N). Drawn in draw_layout,
-        one Philox call per (row, chunk, g) of the thread's own scores; only the words the tile
-        uses (dropout.tile_words) are compared, four bytes per instruction (dropout.bytes_ge),
-        and an element then tests one bit of its word."""
+        """[64, BLOCK_N] bool in s_layout (a one-warpgroup score tile, the dQ kernel's):
+        dropout.dropout_keep's mask, bit for bit, of query rows start_m + [0, 64) and keys
+        start_n + [0, BLOCK_N) (start_n a multiple of BLOCK_N), drawn in draw_layout."""
         words = tile_words(_tile_calls(drop, start_m, start_n, BLOCK_N), start_n, BLOCK_N)
         return _keep_from_words(words, drop[2], BLOCK_N, s_layout)
 

@@ -40,7 +40,7 @@ PAGED reads a paged one (power-of-two pages) through its block table: each key t
 looked up per page and loaded in page-sized TMA pieces where pages are shorter than the tile
 (_tile_rows, _load_tile).
 
-Dropout draws dropout.py's keep-mask bit for bit (dropout_gluon.keep_tile, through dropout.py's
+Dropout draws dropout.py's keep-mask bit for bit (dropout_gluon.keep_words, through dropout.py's
 own Philox core), so either backward regenerates what this forward dropped.
 
 Eligible (see `eligible`): CUDA sm_90, fp16/bf16, head dim 64, 128 or 256 (q, k, v alike),
@@ -98,7 +98,7 @@ FORWARD_HEAD_DIMS = (64, 128, 256)  # this forward's; the backward's stay gluon_
 
 
 if gluon is not None:
-    from flashkit.ops.triton.dropout_gluon import keep_tile
+    from flashkit.ops.triton.dropout_gluon import keep_words
 
     LN2 = gl.constexpr(0.6931471805599453)
     LOG2E_GL = gl.constexpr(LOG2E)
@@ -175,13 +175,42 @@ if gluon is not None:
             gl.thread_barrier()
 
     @gluon.jit
+    def _p_operand(p, kept, dtype: gl.constexpr, s_layout: gl.constexpr,
+                   DROPOUT: gl.constexpr):
+        """P [BLOCK_M, BLOCK_N] float32 in dtype (fp16/bf16) as the P V wgmma's A operand, and
+        with DROPOUT zero where the keep-mask drops (kept: dropout_gluon.keep_words' (ge,
+        byte), drawn for this tile). The two scores of a register pair (columns 2c, 2c + 1:
+        the same byte of two Philox calls, the wgmma layout's first register basis) are
+        converted into one 32-bit register and masked with one PRMT and one AND: PRMT's
+        sign-replicating selector copies bit 8 (byte % 4) + 7 of each call's ge word into its
+        half (0xFFFF or 0), so the mask costs one instruction per score, the conversion
+        none more."""
+        if DROPOUT:
+            ge, byte = kept
+            BLOCK_N: gl.constexpr = p.shape[1]
+            # selector nibbles 8 | c, 8 | c (ge_lo's byte c), 8 | 4 + c twice (ge_hi's)
+            ge, sel = gl.broadcast(ge, (0xCC88 + 0x1111 * (byte % 4)).to(gl.uint32))
+            ge = gl.convert_layout(gl.reshape(ge, [BM, BLOCK_N]), s_layout)
+            sel = gl.convert_layout(gl.reshape(sel, [BM, BLOCK_N]), s_layout)
+            CVT: gl.constexpr = "cvt.rn.bf16x2.f32" if dtype == gl.bfloat16 else "cvt.rn.f16x2.f32"
+            op = gl.inline_asm_elementwise(
+                "{ .reg .b32 m, t; prmt.b32 m, $3, $4, $5; " + CVT
+                + " t, $2, $1; and.b32 $0, t, m; }",
+                "=r,r,r,r,r,r,r", [p, ge, sel], dtype=dtype.value, is_pure=True, pack=2)
+        else:
+            op = p.to(dtype)
+        return op
+
+    @gluon.jit
     def _softmax_step(qk, m_i, l_i, rows, cols, col0, geo, alibi, MASK: gl.constexpr,
                       HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
                       ALIBI: gl.constexpr, ALIBI_SIDE: gl.constexpr):
         """Online softmax of raw scores qk [BLOCK_M, BLOCK_N] for query rows `rows` [BLOCK_M, 1]
         and key columns `cols` = col0 + [0, BLOCK_N) as [1, BLOCK_N]. Plain scores take the row
-        max on qk and scale it after (qk_scale > 0), so s - m is one FMA per element. MASK
-        applies the band predicate; a row that has seen only -inf then subtracts 0, not -inf.
+        max on qk and scale it after (qk_scale > 0), so s - m is one FMA per element; softcap
+        (without ALiBi) the same on tanh(scale qk / c), so qk_scale joins that FMA instead of
+        a multiply per element. MASK applies the band predicate; a row that has seen only -inf
+        then subtracts 0, not -inf.
 
         ALiBi (alibi = (slope * log2 e, slope * log2 e * [0, BLOCK_N) as [1, BLOCK_N])): with
         ALIBI_SIDE 0 the bias is slope |i + shift - j| per element. On a tile that lies wholly
@@ -192,15 +221,17 @@ if gluon is not None:
         seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale = geo
         alibi_log2, alibi_cols = alibi
         row_bias = gl.zeros_like(m_i)  # subtracted from each row after the max (side tiles)
-        if SOFTCAP or ALIBI:
+        if SOFTCAP and not ALIBI:  # tanh(scale qk / c), scaled by qk_scale as plain qk
+            s = scores(qk, 1.0, softcap_scale, SOFTCAP)
+            scale = qk_scale
+        elif ALIBI:
             s = scores(qk, qk_scale, softcap_scale, SOFTCAP)
-            if ALIBI:
-                if ALIBI_SIDE == 0:
-                    s = s - alibi_bias(rows, cols, seqlen_q, seqlen_k, alibi_log2)
-                else:
-                    s = s + ALIBI_SIDE * alibi_cols
-                    row_bias = gl.sum(rows + (seqlen_k - seqlen_q - col0), 1).to(gl.float32) * (
-                        ALIBI_SIDE * alibi_log2)
+            if ALIBI_SIDE == 0:
+                s = s - alibi_bias(rows, cols, seqlen_q, seqlen_k, alibi_log2)
+            else:
+                s = s + ALIBI_SIDE * alibi_cols
+                row_bias = gl.sum(rows + (seqlen_k - seqlen_q - col0), 1).to(gl.float32) * (
+                    ALIBI_SIDE * alibi_log2)
             scale = 1.0
         else:
             s = qk
@@ -286,6 +317,9 @@ if gluon is not None:
         # [BLOCK_M, D] += [BLOCK_M, BLOCK_N] @ [BLOCK_N, D]
         o_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
         _pass_turn(turns, CONSUMER, CONSUMERS, PINGPONG)
+        kept = None
+        if DROPOUT:  # independent of the scores; ptxas schedules it among the softmax anyway
+            kept = keep_words(drop, row0, key_start + tile * BLOCK_N, BLOCK_N)
         qk = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
         _release_k(k_empty, stage, SPECIALIZED)
         col0 = key_start + tile * BLOCK_N
@@ -293,9 +327,8 @@ if gluon is not None:
         p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, rows, gl.expand_dims(cols, 0), col0,
                                            geo, alibi, MASK, HAS_LEFT, HAS_RIGHT, SOFTCAP,
                                            ALIBI, ALIBI_SIDE)
-        if DROPOUT:
-            p = gl.where(keep_tile(drop, row0, col0, BLOCK_N, s_layout), p, 0.0)
-        p_next = gl.convert_layout(p.to(q_tile.dtype), p_layout)
+        p_next = gl.convert_layout(_p_operand(p, kept, q_tile.dtype, s_layout, DROPOUT),
+                                   p_layout)
         # The softmax results pass through the wait so that the compiler cannot sink the softmax
         # below it (which would serialise it after the P V matmul again).
         acc, p_op, p_next, alpha, l_i = warpgroup_mma_wait(
@@ -384,15 +417,17 @@ if gluon is not None:
                                   gl.zeros([BM, BLOCK_N], gl.float32, s_layout), use_acc=False,
                                   is_async=True)
             _pass_turn(turns, CONSUMER, CONSUMERS, PINGPONG)
+            kept = None
+            if DROPOUT:
+                kept = keep_words(drop, row0, lo, BLOCK_N)
             qk = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
             _release_k(k_empty, first, SPECIALIZED)
             cols = lo + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
             p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, rows, gl.expand_dims(cols, 0), lo,
                                                geo, alibi, True, HAS_LEFT, HAS_RIGHT, SOFTCAP,
                                                ALIBI, 0)
-            if DROPOUT:
-                p = gl.where(keep_tile(drop, row0, lo, BLOCK_N, s_layout), p, 0.0)
-            state = (acc, gl.convert_layout(p.to(dtype), p_layout), m_i, l_i)
+            state = (acc, gl.convert_layout(_p_operand(p, kept, dtype, s_layout, DROPOUT),
+                                            p_layout), m_i, l_i)
 
             if HAS_LEFT:  # masked tiles left of the visible middle
                 state = _steps(ctx, state, 1, t_lo, BLOCK_N, NUM_STAGES, SPECIALIZED, CONSUMER,
