@@ -31,6 +31,7 @@ import time
 import torch
 import torch.nn.functional as F
 import triton
+from bench_decode import gluon_prefill_thresholds, paged_copy
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
@@ -47,17 +48,13 @@ def bench(fn) -> float:
     return do_bench(fn, warmup=10, rep=40, return_mode="median")
 
 
-@contextlib.contextmanager
 def route(on: bool | None):
     """kvcache's Gluon prefill route forced on (True) or off (False) in the block; None: as
     configured."""
-    saved = kvcache.GLUON_PREFILL_MIN_QUERIES, kvcache.GLUON_PREFILL_MIN_WORK
-    if on is not None:
-        kvcache.GLUON_PREFILL_MIN_QUERIES = kvcache.GLUON_PREFILL_MIN_WORK = 0 if on else 2**62
-    try:
-        yield
-    finally:
-        kvcache.GLUON_PREFILL_MIN_QUERIES, kvcache.GLUON_PREFILL_MIN_WORK = saved
+    if on is None:
+        return contextlib.nullcontext()
+    threshold = 0 if on else 2**62
+    return gluon_prefill_thresholds(threshold, threshold)
 
 
 def paged(cache, page_size):
@@ -65,17 +62,7 @@ def paged(cache, page_size):
     pages."""
     n = math.ceil(cache.shape[1] / page_size)
     table = torch.randperm(n, device=cache.device, dtype=torch.int32)[None]
-    return paged_like(cache, page_size, table), table
-
-
-def paged_like(cache, page_size, table):
-    """cache's keys laid out in the pages of block_table (1, n)."""
-    n = table.shape[1]
-    padded = cache.new_zeros(n * page_size, *cache.shape[2:])
-    padded[:cache.shape[1]] = cache[0]
-    pages = torch.empty_like(padded).unflatten(0, (n, page_size))
-    pages[table[0].long()] = padded.unflatten(0, (n, page_size))
-    return pages
+    return paged_copy(cache, table, page_size), table
 
 
 def host_us(call, calls: int = 200) -> float:
@@ -111,7 +98,7 @@ def cell(seqlen_q, cached, nheads_k, force: bool) -> dict:
     layouts = {"contiguous": (k, v, None)}
     for page_size in PAGES:
         kp, table = paged(k, page_size)
-        layouts[f"paged{page_size}"] = (kp, paged_like(v, page_size, table), table)
+        layouts[f"paged{page_size}"] = (kp, paged_copy(v, table, page_size), table)
     for name, (kc, vc, table) in layouts.items():
         def call(kc=kc, vc=vc, table=table):
             return flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, block_table=table,
@@ -135,7 +122,7 @@ def host_times() -> dict:
             for _ in range(2))
     lens = torch.full((1,), 4096 + 128, dtype=torch.int32, device="cuda")
     kp, table = paged(k, 64)
-    vp = paged_like(v, 64, table)
+    vp = paged_copy(v, table, 64)
     out = {}
     for name, (kc, vc, tb) in {"contiguous": (k, v, None), "paged64": (kp, vp, table)}.items():
         def call(kc=kc, vc=vc, tb=tb):
