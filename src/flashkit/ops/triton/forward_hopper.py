@@ -10,6 +10,9 @@ S_t = Q K_t^T and of the previous tile's P_{t-1} V_{t-1} are issued back to back
 for S_t alone and run its softmax while the tensor cores still work on P_{t-1} V_{t-1}, then O is
 rescaled by tile t's alpha and P_t goes into the next step. After step t, O holds
 sum_{i < t} P_i V_i in the scale of m_t, the running row max (log2 units) after tile t.
+(In the sm_90 SASS of the d128 kernels ptxas issues the P V wait right after the S wait, so
+within one consumer that overlap is lost there; two consumers taking turns still hide one's
+softmax under the other's matmuls: benchmarks/NOTES_triton.md.)
 
 K/V tiles come through TMA into a NUM_STAGES-deep ring of shared-memory buffers with a "ready"
 mbarrier per buffer and tensor. Two ways to run it (SPECIALIZED, configs.gluon_forward_tile per
