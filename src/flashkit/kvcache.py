@@ -15,9 +15,9 @@ rotary table's length) decide where the kernels read and write, so they are alwa
   kernel (flashkit.ops.triton.append), or the decode kernel where it appends itself
   (decode.Step), checks every index before it writes, and a bad one fails a device-side
   assertion in that kernel, which stops the stream. A bad index then raises a device-side
-  assertion error (at the next synchronising call,
-  and it ends the CUDA context), never an out-of-bounds read or write. Pass sync_checks=True to
-  learn which argument was wrong. An int cache_seqlens is checked on the host at once.
+  assertion error (at the next synchronising call, and it ends the CUDA context), never an
+  out-of-bounds read or write. Pass sync_checks=True to learn which argument was wrong. An int
+  cache_seqlens is checked on the host at once.
 
 On CUDA with the Triton backend a call does not synchronise and allocates only through the
 caching allocator, and auto num_splits depends on shapes alone (the cache capacity), so a decoding
