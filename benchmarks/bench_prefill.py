@@ -26,12 +26,11 @@ import datetime
 import json
 import math
 import platform
-import time
 
 import torch
 import torch.nn.functional as F
 import triton
-from bench_decode import gluon_prefill_thresholds, paged_copy
+from bench_decode import gluon_prefill_thresholds, host_ms, paged_copy
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
@@ -65,17 +64,9 @@ def paged(cache, page_size):
     return paged_copy(cache, table, page_size), table
 
 
-def host_us(call, calls: int = 200) -> float:
-    """CPU wall-clock us per call of back-to-back calls (GPU drained before, not after)."""
-    for _ in range(10):
-        call()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        call()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return 1e6 * elapsed / calls
+def host_us(call) -> float:
+    """CPU wall-clock us per call of back-to-back calls (bench_decode.host_ms)."""
+    return 1e3 * host_ms(call)
 
 
 def cell(seqlen_q, cached, nheads_k, force: bool) -> dict:
