@@ -237,8 +237,7 @@ def _gluon_prefill(q, k_cache, v_cache, seqlens_k, keys_bound, cache_batch_idx, 
     capacity = slots if block_table is None else block_table.shape[1] * slots
     varlen = dataclasses.replace(params, cu_seqlens_q=cu_q, cu_seqlens_k=starts,
                                  max_seqlen_q=seqlen_q, max_seqlen_k=capacity)
-    q_packed = q.view(batch * seqlen_q, nheads, head_dim) if q.is_contiguous() \
-        else q.reshape(batch * seqlen_q, nheads, head_dim)
+    q_packed = q.reshape(batch * seqlen_q, nheads, head_dim)  # a view when q is contiguous
     if not forward_hopper.eligible(q_packed, k, v, varlen, None, None, None):
         return None
     tile = _prefill_tile(q, varlen, slots if block_table is not None else None)

@@ -711,7 +711,7 @@ if gluon is not None:
         bars = (q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, turns)
         descs = (q_desc, k_desc, v_desc)
         if SPECIALIZED:  # consumer 0 is the default partition, the others workers of 4 warps
-            # (constexprs stay constexpr only when written out in the call)
+            # (written out per count: Triton 3.6 takes no constexpr tuple in a worker's args)
             if CONSUMERS == 1:
                 gl.warp_specialize([
                     (_partition, (descs, smem, bars, work, 0, HEAD_DIM, BLOCK_N,
