@@ -1,10 +1,10 @@
 """What each kernel feature costs on the Triton backend (issue 4), with anchors in the same run.
 
     PYTHONPATH=src python3 benchmarks/bench_features.py --out DIR [--compile-only] [--jobs N]
-        [--parts costs,window,varlen,varlen_ab,ragged] [--forward-only] [--cases full,dropout]
-        [--tag _name]
+        [--parts costs,costs_ab,window,varlen,varlen_ab,ragged] [--forward-only]
+        [--cases full,dropout] [--tag _name]
 
-Five parts, bf16, head dim 128, times from triton.testing.do_bench medians (bench_triton.bench):
+Six parts, bf16, head dim 128, times from triton.testing.do_bench medians (bench_triton.bench):
     costs    each feature against the plain kernel at seqlen 8k (batch 2, 16 heads), forward
              and backward: window (a causal-sized band through the HAS_LEFT path) against causal;
              ALiBi, softcap, sink, dropout 0.1 against full; dropout and every feature at once
@@ -12,6 +12,10 @@ Five parts, bf16, head dim 128, times from triton.testing.do_bench medians (benc
              sm_90 the plain case (and the features the Gluon kernels take) runs Gluon kernels;
              the *_triton cases force the Triton kernels (a tile override), so the Triton
              feature costs are also given against the plain Triton kernel.
+    costs_ab the costs cases again, each round timing every case in turn (AB_ROUNDS rounds):
+             a feature's ratio to its base is taken within a round, then the median, so the
+             clock's drift between cases timed minutes apart (5-9% on the plain forward, more
+             than some features cost) does not show as a cost.
     window   causal sliding window of 1024 keys over 16k (batch 1, 16 heads): TFLOP/s counted on
              the visible pairs, against our causal kernel and cuDNN causal (TFLOP/s on causal
              pairs, for scale) and FlexAttention compiled with the same sliding-window mask
@@ -50,6 +54,8 @@ HEAD_DIM, NHEADS, DTYPE = 128, 16, torch.bfloat16
 SCALE = HEAD_DIM ** -0.5
 WINDOW, WINDOW_SEQLEN = 1024, 16384
 FORWARD_ONLY = False  # --forward-only: time and run forwards alone (bwd_ms None)
+AB_ROUNDS = 5  # rounds of the parts timed in alternation
+PARTS = ("costs", "costs_ab", "window", "varlen", "varlen_ab", "ragged")
 
 
 def randn(*shape):
@@ -91,25 +97,20 @@ def triton_tiles():
             {name: tile_config(name, HEAD_DIM, 2, False) for name in ("dkdv", "dq")})
 
 
-def time_ours(q, k, v, dout, params, timed=True, triton_only=False):
-    """(fwd ms, bwd ms) of the launchers (one run each when not timed: compiling);
-    triton_only forces the Triton kernels where a Gluon kernel would run."""
+def ours_calls(q, k, v, dout, params, triton_only=False):
+    """(forward, backward) closures of the launchers, the backward (None under --forward-only)
+    on the forward's saved (out, lse); triton_only forces the Triton kernels where a Gluon
+    kernel would run."""
     tile, tiles = triton_tiles() if triton_only else (None, None)
     out, lse = attention_forward(q, k, v, params, tile=tile)
     fwd = lambda: attention_forward(q, k, v, params, tile=tile)  # noqa: E731
     if FORWARD_ONLY:
-        torch.cuda.synchronize()
-        return (bench(fwd) if timed else None), None
-    bwd = lambda: attention_backward(dout, q, k, v, out, lse, params, tiles=tiles)  # noqa: E731
-    if not timed:
-        bwd()
-        torch.cuda.synchronize()
-        return None, None
-    return bench(fwd), bench(bwd)
+        return fwd, None
+    return fwd, lambda: attention_backward(dout, q, k, v, out, lse, params, tiles=tiles)
 
 
-def time_sdpa(q, k, v, dout, causal, backend="cudnn", timed=True):
-    """(fwd ms, bwd ms) of SDPA on (b, h, s, d) copies."""
+def sdpa_calls(q, k, v, dout, causal, backend="cudnn"):
+    """(forward, backward) closures of SDPA on (b, h, s, d) copies."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
@@ -120,17 +121,33 @@ def time_sdpa(q, k, v, dout, causal, backend="cudnn", timed=True):
         with sdpa_kernel(kind):
             return sdpa(*t, is_causal=causal)
 
+    fwd = lambda: run(qh, kh, vh)  # noqa: E731
     if FORWARD_ONLY:
-        if not timed:
-            run(qh, kh, vh)
-            return None, None
-        return bench(lambda: run(qh, kh, vh)), None
+        return fwd, None
     leaves = [x.requires_grad_() for x in (qh, kh, vh)]
     out = run(*leaves)
+    return fwd, lambda: torch.autograd.grad(out, leaves, douth, retain_graph=True)
+
+
+def measure(calls, timed=True):
+    """(fwd ms, bwd ms) of (forward, backward) closures; one run each when not timed
+    (compiling)."""
+    fwd, bwd = calls
     if not timed:
+        fwd()
+        if bwd:
+            bwd()
+        torch.cuda.synchronize()
         return None, None
-    return (bench(lambda: run(qh, kh, vh)),
-            bench(lambda: torch.autograd.grad(out, leaves, douth, retain_graph=True)))
+    return bench(fwd), bwd and bench(bwd)
+
+
+def time_ours(q, k, v, dout, params, timed=True, triton_only=False):
+    return measure(ours_calls(q, k, v, dout, params, triton_only), timed)
+
+
+def time_sdpa(q, k, v, dout, causal, backend="cudnn", timed=True):
+    return measure(sdpa_calls(q, k, v, dout, causal, backend), timed)
 
 
 def time_flex_window(q, k, v, dout, timed=True):
@@ -162,22 +179,31 @@ def tflops(fl, ms):
 
 # ---- the cases, each a function of `timed` (so --compile-only can run them in processes) -----
 
-def case_cost(name, timed=True):
+def cost_calls(name):
+    """(forward, backward) closures of one costs case on inputs of its own: a COST_BASE key or
+    cudnn_full / cudnn_causal (SDPA's cuDNN backend, the anchor)."""
     batch, seqlen = 2, 8192
     torch.manual_seed(0)
     q, k, v, dout = (randn(batch, seqlen, NHEADS, HEAD_DIM) for _ in range(4))
+    if name.startswith("cudnn_"):
+        return sdpa_calls(q, k, v, dout, causal=name == "cudnn_causal")
     feature = name.removesuffix("_triton")
-    fwd, bwd = time_ours(q, k, v, dout, feature_params(feature, batch), timed,
-                         triton_only=feature != name)
+    return ours_calls(q, k, v, dout, feature_params(feature, batch), triton_only=feature != name)
+
+
+def case_cost(name, timed=True):
+    fwd, bwd = measure(cost_calls(name), timed)
     return dict(part="costs", case=name, fwd_ms=fwd, bwd_ms=bwd)
 
 
-def case_cost_anchor(causal, timed=True):
-    batch, seqlen = 2, 8192
-    q, k, v, dout = (randn(batch, seqlen, NHEADS, HEAD_DIM) for _ in range(4))
-    fwd, bwd = time_sdpa(q, k, v, dout, causal, timed=timed)
-    return dict(part="costs", case="cudnn_" + ("causal" if causal else "full"), fwd_ms=fwd,
-                bwd_ms=bwd)
+def case_costs_ab(names, timed=True):
+    """Every costs case of `names` timed in turn, AB_ROUNDS rounds: summarize takes a feature's
+    ratio to its base within each round, so the clock's drift between cases minutes apart
+    (5-9% on the plain forward) cancels."""
+    calls = {name: cost_calls(name) for name in names}
+    rounds = [{name: measure(c, timed) for name, c in calls.items()}
+              for _ in range(AB_ROUNDS if timed else 1)]
+    return dict(part="costs_ab", case="rounds", rounds=rounds) if timed else {}
 
 
 def case_window(impl, timed=True):
@@ -228,8 +254,6 @@ def case_varlen(layout, lengths, causal, padded=False, timed=True):
     return row
 
 
-AB_ROUNDS = 5
-
 
 def case_varlen_ab(lengths, causal, timed=True):
     """Forward ms of dense and varlen on the same tokens, timed in alternation."""
@@ -252,7 +276,7 @@ def case_varlen_ab(lengths, causal, timed=True):
                 fn()
     if not timed:
         return {}
-    med = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+    med = {name: median(t) for name, t in times.items()}
     return dict(part="varlen_ab", lengths=list(lengths), causal=causal, tokens=tokens,
                 dense_fwd_ms=med["dense"], varlen_fwd_ms=med["varlen"],
                 varlen_over_dense=med["varlen"] / med["dense"], rounds=times)
@@ -264,26 +288,28 @@ EQUAL = {"2x8k": [8192] * 2, "8x2k": [2048] * 8}
 VARLEN_LAYOUTS = ("dense", "varlen", "varlen_triton", "cudnn")
 
 
-def cases(parts=("costs", "window", "varlen", "varlen_ab", "ragged"), names=None):
+def median(values):
+    return sorted(values)[len(values) // 2]
+
+
+def cases(parts=PARTS, names=None):
     """(label, function, args) of every measurement of `parts`, in the order they are timed;
     names (a set of COST_BASE keys and cudnn_full / cudnn_causal) keeps only those costs."""
-    out = [(f"cost {n}", case_cost, (n,)) for n in COST_BASE]
-    out += [(f"cost cudnn_{'causal' if c else 'full'}", case_cost_anchor, (c,))
-            for c in (False, True)]
-    out += [(f"window {i}", case_window, (i,)) for i in
-            ("ours_window", "ours_causal", "flex_window", "cudnn_causal", "flash_causal")]
-    for label, lengths in EQUAL.items():
-        for causal in (False, True):
-            for layout in VARLEN_LAYOUTS:
-                out.append((f"varlen {label} causal={causal} {layout}", case_varlen,
-                            (layout, lengths, causal)))
-    for label, lengths in EQUAL.items():
-        for causal in (False, True):
-            out.append((f"varlen_ab {label} causal={causal}", case_varlen_ab, (lengths, causal)))
-    for layout in VARLEN_LAYOUTS:
-        out.append((f"ragged {layout}", case_varlen, (layout, RAGGED, True)))
-    return [case for case in out if case[0].split()[0].replace("cost", "costs") in parts
-            and (names is None or case[0].split()[0] != "cost" or case[0].split()[1] in names)]
+    cost_names = [n for n in (*COST_BASE, "cudnn_full", "cudnn_causal")
+                  if names is None or n in names]
+    out = {"costs": [(f"costs {n}", case_cost, (n,)) for n in cost_names],
+           "costs_ab": [("costs_ab", case_costs_ab, (tuple(cost_names),))],
+           "window": [(f"window {i}", case_window, (i,)) for i in
+                      ("ours_window", "ours_causal", "flex_window", "cudnn_causal",
+                       "flash_causal")],
+           "varlen": [(f"varlen {label} causal={causal} {layout}", case_varlen,
+                       (layout, lengths, causal)) for label, lengths in EQUAL.items()
+                      for causal in (False, True) for layout in VARLEN_LAYOUTS],
+           "varlen_ab": [(f"varlen_ab {label} causal={causal}", case_varlen_ab, (lengths, causal))
+                         for label, lengths in EQUAL.items() for causal in (False, True)],
+           "ragged": [(f"ragged {layout}", case_varlen, (layout, RAGGED, True))
+                      for layout in VARLEN_LAYOUTS]}
+    return [case for part in PARTS if part in parts for case in out[part]]
 
 
 def _compile(i, parts, forward_only, names):
@@ -312,6 +338,13 @@ def summarize(rows):
             r, a = by[("costs", name)], by[("costs", "cudnn_" + name)]
             costs[f"plain_{name}_vs_cudnn"] = dict(fwd=a["fwd_ms"] / r["fwd_ms"],
                                                    bwd=a["bwd_ms"] / r["bwd_ms"])
+    alternated = {}
+    rounds = next((r["rounds"] for r in rows if r.get("part") == "costs_ab"), [])
+    for name, base in (*COST_BASE.items(), ("full", "cudnn_full"), ("causal", "cudnn_causal")):
+        if rounds and base in rounds[0] and name in rounds[0]:
+            alternated[name] = dict(vs=base, **{
+                way: median([r[name][i] / r[base][i] for r in rounds])
+                for i, way in enumerate(("fwd", "bwd")) if rounds[0][name][i] is not None})
     varlen = {}
     dense = {(tuple(r["lengths"]), r["causal"]): r for r in rows if r.get("layout") == "dense"}
     for r in rows:
@@ -324,7 +357,8 @@ def summarize(rows):
                                    bwd=r["bwd_ms"] and r["bwd_ms"] / d["bwd_ms"])
     alternating = {f"{len(r['lengths'])}seq causal={r['causal']}": r["varlen_over_dense"]
                    for r in rows if r.get("part") == "varlen_ab"}
-    return dict(cost_ratios=costs, time_over_dense_ours=varlen,
+    return dict(cost_ratios=costs, cost_ratios_alternating=alternated,
+                time_over_dense_ours=varlen,
                 varlen_over_dense_fwd_alternating=alternating)
 
 
@@ -333,7 +367,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--jobs", type=int, default=6)
-    ap.add_argument("--parts", default="costs,window,varlen,varlen_ab,ragged")
+    ap.add_argument("--parts", default=",".join(PARTS))
     ap.add_argument("--forward-only", action="store_true")
     ap.add_argument("--cases", default=None,
                     help="comma list: only these costs cases (COST_BASE keys, cudnn_full, ...)")
