@@ -288,6 +288,11 @@ EQUAL = {"2x8k": [8192] * 2, "8x2k": [2048] * 8}
 VARLEN_LAYOUTS = ("dense", "varlen", "varlen_triton", "cudnn")
 
 
+def ratio(ms, base_ms):
+    """ms / base_ms, None where either was not timed (--forward-only leaves bwd_ms None)."""
+    return None if ms is None or base_ms is None else ms / base_ms
+
+
 def median(values):
     return sorted(values)[len(values) // 2]
 
@@ -327,23 +332,23 @@ def summarize(rows):
     for name, base in COST_BASE.items():
         if base and ("costs", name) in by and ("costs", base) in by:
             r, b = by[("costs", name)], by[("costs", base)]
-            costs[name] = dict(vs=base, fwd=r["fwd_ms"] / b["fwd_ms"],
-                               bwd=r["bwd_ms"] / b["bwd_ms"])
+            costs[name] = dict(vs=base, fwd=ratio(r["fwd_ms"], b["fwd_ms"]),
+                               bwd=ratio(r["bwd_ms"], b["bwd_ms"]))
             anchor = by.get(("costs", "cudnn_" + ("causal" if "causal" in base else "full")))
             if anchor:  # time against cuDNN's plain kernel of the same mask (no such feature)
-                costs[name].update(fwd_over_cudnn=r["fwd_ms"] / anchor["fwd_ms"],
-                                   bwd_over_cudnn=r["bwd_ms"] / anchor["bwd_ms"])
+                costs[name].update(fwd_over_cudnn=ratio(r["fwd_ms"], anchor["fwd_ms"]),
+                                   bwd_over_cudnn=ratio(r["bwd_ms"], anchor["bwd_ms"]))
     for name in ("full", "causal"):
         if ("costs", name) in by and ("costs", "cudnn_" + name) in by:
             r, a = by[("costs", name)], by[("costs", "cudnn_" + name)]
-            costs[f"plain_{name}_vs_cudnn"] = dict(fwd=a["fwd_ms"] / r["fwd_ms"],
-                                                   bwd=a["bwd_ms"] / r["bwd_ms"])
+            costs[f"plain_{name}_vs_cudnn"] = dict(fwd=ratio(a["fwd_ms"], r["fwd_ms"]),
+                                                   bwd=ratio(a["bwd_ms"], r["bwd_ms"]))
     alternated = {}
     rounds = next((r["rounds"] for r in rows if r.get("part") == "costs_ab"), [])
     for name, base in (*COST_BASE.items(), ("full", "cudnn_full"), ("causal", "cudnn_causal")):
         if rounds and base in rounds[0] and name in rounds[0]:
             alternated[name] = dict(vs=base, **{
-                way: median([r[name][i] / r[base][i] for r in rounds])
+                way: median([ratio(r[name][i], r[base][i]) for r in rounds])
                 for i, way in enumerate(("fwd", "bwd")) if rounds[0][name][i] is not None})
     varlen = {}
     dense = {(tuple(r["lengths"]), r["causal"]): r for r in rows if r.get("layout") == "dense"}
@@ -353,8 +358,8 @@ def summarize(rows):
             d = dense.get((tuple(r["lengths"]), r["causal"]))
             if d:
                 key = f"{layout} {len(r['lengths'])}seq causal={r['causal']}"
-                varlen[key] = dict(fwd=r["fwd_ms"] / d["fwd_ms"],
-                                   bwd=r["bwd_ms"] and r["bwd_ms"] / d["bwd_ms"])
+                varlen[key] = dict(fwd=ratio(r["fwd_ms"], d["fwd_ms"]),
+                                   bwd=ratio(r["bwd_ms"], d["bwd_ms"]))
     alternating = {f"{len(r['lengths'])}seq causal={r['causal']}": r["varlen_over_dense"]
                    for r in rows if r.get("part") == "varlen_ab"}
     return dict(cost_ratios=costs, cost_ratios_alternating=alternated,
