@@ -11,7 +11,7 @@ a tensor). Per cell, eager ms (triton's do_bench, median, L2 flushed between cal
   dense_full_ms   the same without the mask, and cudnn_full_ms (SDPA, cuDNN backend) on it:
                   SDPA's causal mask is top-left aligned, other work, so it anchors the full one
   <layout>_ms     the public call as configured (kvcache.GLUON_PREFILL_*), contiguous and
-                  paged (page 16 / 64 / 256, pages shuffled)
+                  paged (page 16 / 32 / 64 / 256 or --pages, pages shuffled)
   <layout>_route_ms / _decode_ms  the same with the Gluon route forced on / off (unless
                   --no-force; a tree without a paged route runs the decode kernels for both)
 and ratio_* = dense_ms / that (>= 0.9: within 10% of the dense forward). host: CPU wall-clock
@@ -40,7 +40,7 @@ from flashkit.api import flash_attn_func
 from flashkit.kvcache import flash_attn_with_kvcache
 
 NHEADS, HEAD_DIM, DTYPE = 32, 128, torch.bfloat16
-QUERIES, CACHED, KV_HEADS, PAGES = (128, 256, 512, 2048), (4096, 16384), (4, 32), (16, 64, 256)
+QUERIES, CACHED, KV_HEADS, PAGES = (128, 256, 512, 2048), (4096, 16384), (4, 32), (16, 32, 64, 256)
 
 
 def bench(fn) -> float:
@@ -69,7 +69,7 @@ def host_us(call) -> float:
     return 1e3 * host_ms(call)
 
 
-def cell(seqlen_q, cached, nheads_k, force: bool) -> dict:
+def cell(seqlen_q, cached, nheads_k, force: bool, pages=PAGES) -> dict:
     seqlen_k = cached + seqlen_q
     q = torch.randn(1, seqlen_q, NHEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
     k, v = (torch.randn(1, seqlen_k, nheads_k, HEAD_DIM, dtype=DTYPE, device="cuda")
@@ -87,7 +87,7 @@ def cell(seqlen_q, cached, nheads_k, force: bool) -> dict:
     row["ratio_cudnn_full"] = row["cudnn_full_ms"] and row["cudnn_full_ms"] / row["dense_full_ms"]
     lens = torch.full((1,), seqlen_k, dtype=torch.int32, device="cuda")
     layouts = {"contiguous": (k, v, None)}
-    for page_size in PAGES:
+    for page_size in pages:
         kp, table = paged(k, page_size)
         layouts[f"paged{page_size}"] = (kp, paged_copy(v, table, page_size), table)
     for name, (kc, vc, table) in layouts.items():
@@ -137,6 +137,7 @@ def main():
     parser.add_argument("--queries", default=",".join(map(str, QUERIES)))
     parser.add_argument("--cached", default=",".join(map(str, CACHED)))
     parser.add_argument("--kv-heads", default=",".join(map(str, KV_HEADS)))
+    parser.add_argument("--pages", default=",".join(map(str, PAGES)))
     args = parser.parse_args()
     ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
     result = {"env": {
@@ -148,7 +149,8 @@ def main():
         "thresholds": [kvcache.GLUON_PREFILL_MIN_QUERIES, kvcache.GLUON_PREFILL_MIN_WORK]}}
     result["host"] = host_times()
     if not args.host_only:
-        result["cells"] = [cell(sq, c, hk, not args.no_force) for hk in ints(args.kv_heads)
+        result["cells"] = [cell(sq, c, hk, not args.no_force, ints(args.pages))
+                           for hk in ints(args.kv_heads)
                            for c in ints(args.cached) for sq in ints(args.queries)]
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
