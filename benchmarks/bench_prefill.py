@@ -2,7 +2,8 @@
 keys) against the dense forward on the same q, k, v: flashkit's flash_attn_func and cuDNN SDPA.
 
     PYTHONPATH=src python benchmarks/bench_prefill.py --out results/x.json [--label tree]
-        [--no-force] [--host-only] [--queries 128,256 --cached 4096 --kv-heads 4,32]
+        [--no-force] [--host-only | --no-host] [--queries 128,256 --cached 4096 --kv-heads 4,32]
+        [--pages 16,64]
 
 bf16, d128, 32 query heads, GQA 8:1 and 1:1, batch 1, causal (bottom-right aligned: the
 queries are the sequence's last positions), the whole cache attended (no append; cache_seqlens
@@ -134,6 +135,7 @@ def main():
     parser.add_argument("--label", default="")
     parser.add_argument("--no-force", action="store_true")
     parser.add_argument("--host-only", action="store_true")
+    parser.add_argument("--no-host", action="store_true")
     parser.add_argument("--queries", default=",".join(map(str, QUERIES)))
     parser.add_argument("--cached", default=",".join(map(str, CACHED)))
     parser.add_argument("--kv-heads", default=",".join(map(str, KV_HEADS)))
@@ -147,7 +149,8 @@ def main():
         "cudnn": torch.backends.cudnn.version(), "python": platform.python_version(),
         "flashkit": flashkit.__file__, "label": args.label,
         "thresholds": [kvcache.GLUON_PREFILL_MIN_QUERIES, kvcache.GLUON_PREFILL_MIN_WORK]}}
-    result["host"] = host_times()
+    if not args.no_host:
+        result["host"] = host_times()
     if not args.host_only:
         result["cells"] = [cell(sq, c, hk, not args.no_force, ints(args.pages))
                            for hk in ints(args.kv_heads)
