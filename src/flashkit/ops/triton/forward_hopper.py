@@ -45,8 +45,8 @@ looked up per page and loaded in page-sized TMA pieces where pages are shorter t
 buffers, and with two consumers (SPLIT_LOADS) a second producer warp issues V's loads: a tile
 of 16-key pages is 8 table loads and 32 TMA instructions (two per piece at d128), ~400
 instructions per tile from one warp on a scheduler it shares with two consumer warps
-(d128 bf16 page 16, 2k x 18k GQA 8:1: 0.89-0.92x the dense forward against 0.84-0.85 with one
-producer warp and no look-ahead, prefill_20261121_1120_h72_explore.json).
+(d128 bf16 page 16, 2k x 18.4k: 0.94-0.96 ms, as a contiguous cache, against 1.01-1.04 with one
+producer warp and no look-ahead; prefill_20261121_1135_h72_ab.json).
 
 Dropout draws dropout.py's keep-mask bit for bit (dropout_gluon.keep_words, through dropout.py's
 own Philox core), so either backward regenerates what this forward dropped.
