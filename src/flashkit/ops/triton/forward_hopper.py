@@ -756,26 +756,7 @@ if gluon is not None:
                                         SOFTCAP, ALIBI, SINK, DROPOUT, KEY_TAIL, VARLEN,
                                         SEQUSED_K, PERSISTENT))],
                     [1], [PRODUCER_REGS_GL])
-            elif SPLIT_LOADS:  # two consumers, a producer warp for Q and K, one for V
-                gl.warp_specialize([
-                    (_partition, (descs, smem, bars, work, 0, HEAD_DIM, BLOCK_N,
-                                        NUM_STAGES, CONSUMERS, PINGPONG, HAS_LEFT, HAS_RIGHT,
-                                        SOFTCAP, ALIBI, SINK, DROPOUT, KEY_TAIL, VARLEN,
-                                        SEQUSED_K, PERSISTENT)),
-                    (_partition, (descs, smem, bars, work, PRODUCER_QK, HEAD_DIM, BLOCK_N,
-                                        NUM_STAGES, CONSUMERS, PINGPONG, HAS_LEFT, HAS_RIGHT,
-                                        SOFTCAP, ALIBI, SINK, DROPOUT, KEY_TAIL, VARLEN,
-                                        SEQUSED_K, PERSISTENT)),
-                    (_partition, (descs, smem, bars, work, PRODUCER_V, HEAD_DIM, BLOCK_N,
-                                        NUM_STAGES, CONSUMERS, PINGPONG, HAS_LEFT, HAS_RIGHT,
-                                        SOFTCAP, ALIBI, SINK, DROPOUT, KEY_TAIL, VARLEN,
-                                        SEQUSED_K, PERSISTENT)),
-                    (_partition, (descs, smem, bars, work, 1, HEAD_DIM, BLOCK_N,
-                                        NUM_STAGES, CONSUMERS, PINGPONG, HAS_LEFT, HAS_RIGHT,
-                                        SOFTCAP, ALIBI, SINK, DROPOUT, KEY_TAIL, VARLEN,
-                                        SEQUSED_K, PERSISTENT))],
-                    [1, 1, 4], [PRODUCER_REGS_GL, PRODUCER_REGS_GL, CONSUMER_REGS])
-            elif CONSUMERS == 2:
+            elif CONSUMERS == 2 and not SPLIT_LOADS:
                 gl.warp_specialize([
                     (_partition, (descs, smem, bars, work, 0, HEAD_DIM, BLOCK_N,
                                         NUM_STAGES, CONSUMERS, PINGPONG, HAS_LEFT, HAS_RIGHT,
@@ -790,25 +771,30 @@ if gluon is not None:
                                         SOFTCAP, ALIBI, SINK, DROPOUT, KEY_TAIL, VARLEN,
                                         SEQUSED_K, PERSISTENT))],
                     [1, 4], [PRODUCER_REGS_GL, CONSUMER_REGS])
-            else:
+            else:  # three consumers, or two with SPLIT_LOADS: V's producer warp, then consumer 1
+                ROLE_1: gl.constexpr = PRODUCER_QK if SPLIT_LOADS else PRODUCER
+                ROLE_2: gl.constexpr = PRODUCER_V if SPLIT_LOADS else 1
+                ROLE_3: gl.constexpr = 1 if SPLIT_LOADS else 2
                 gl.warp_specialize([
                     (_partition, (descs, smem, bars, work, 0, HEAD_DIM, BLOCK_N,
                                         NUM_STAGES, CONSUMERS, PINGPONG, HAS_LEFT, HAS_RIGHT,
                                         SOFTCAP, ALIBI, SINK, DROPOUT, KEY_TAIL, VARLEN,
                                         SEQUSED_K, PERSISTENT)),
-                    (_partition, (descs, smem, bars, work, PRODUCER, HEAD_DIM, BLOCK_N,
+                    (_partition, (descs, smem, bars, work, ROLE_1, HEAD_DIM, BLOCK_N,
                                         NUM_STAGES, CONSUMERS, PINGPONG, HAS_LEFT, HAS_RIGHT,
                                         SOFTCAP, ALIBI, SINK, DROPOUT, KEY_TAIL, VARLEN,
                                         SEQUSED_K, PERSISTENT)),
-                    (_partition, (descs, smem, bars, work, 1, HEAD_DIM, BLOCK_N,
+                    (_partition, (descs, smem, bars, work, ROLE_2, HEAD_DIM, BLOCK_N,
                                         NUM_STAGES, CONSUMERS, PINGPONG, HAS_LEFT, HAS_RIGHT,
                                         SOFTCAP, ALIBI, SINK, DROPOUT, KEY_TAIL, VARLEN,
                                         SEQUSED_K, PERSISTENT)),
-                    (_partition, (descs, smem, bars, work, 2, HEAD_DIM, BLOCK_N,
+                    (_partition, (descs, smem, bars, work, ROLE_3, HEAD_DIM, BLOCK_N,
                                         NUM_STAGES, CONSUMERS, PINGPONG, HAS_LEFT, HAS_RIGHT,
                                         SOFTCAP, ALIBI, SINK, DROPOUT, KEY_TAIL, VARLEN,
                                         SEQUSED_K, PERSISTENT))],
-                    [1, 4, 4], [PRODUCER_REGS_GL, CONSUMER_REGS, CONSUMER_REGS])
+                    [1, 1 if SPLIT_LOADS else 4, 4],
+                    [PRODUCER_REGS_GL, PRODUCER_REGS_GL if SPLIT_LOADS else CONSUMER_REGS,
+                     CONSUMER_REGS])
         else:
             scalars, loads = work
             n_tiles, key0, kv_col, q_row, q_col = loads
