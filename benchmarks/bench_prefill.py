@@ -2,7 +2,8 @@
 keys) against the dense forward on the same q, k, v: flashkit's flash_attn_func and cuDNN SDPA.
 
     PYTHONPATH=src python benchmarks/bench_prefill.py --out results/x.json [--label tree]
-        [--no-force] [--host-only] [--queries 128,256 --cached 4096 --kv-heads 4,32]
+        [--no-force] [--host-only | --no-host] [--queries 128,256 --cached 4096 --kv-heads 4,32]
+        [--pages 16,64]
 
 bf16, d128, 32 query heads, GQA 8:1 and 1:1, batch 1, causal (bottom-right aligned: the
 queries are the sequence's last positions), the whole cache attended (no append; cache_seqlens
@@ -11,7 +12,7 @@ a tensor). Per cell, eager ms (triton's do_bench, median, L2 flushed between cal
   dense_full_ms   the same without the mask, and cudnn_full_ms (SDPA, cuDNN backend) on it:
                   SDPA's causal mask is top-left aligned, other work, so it anchors the full one
   <layout>_ms     the public call as configured (kvcache.GLUON_PREFILL_*), contiguous and
-                  paged (page 16 / 64 / 256, pages shuffled)
+                  paged (page 16 / 32 / 64 / 256 or --pages, pages shuffled)
   <layout>_route_ms / _decode_ms  the same with the Gluon route forced on / off (unless
                   --no-force; a tree without a paged route runs the decode kernels for both)
 and ratio_* = dense_ms / that (>= 0.9: within 10% of the dense forward). host: CPU wall-clock
@@ -40,7 +41,7 @@ from flashkit.api import flash_attn_func
 from flashkit.kvcache import flash_attn_with_kvcache
 
 NHEADS, HEAD_DIM, DTYPE = 32, 128, torch.bfloat16
-QUERIES, CACHED, KV_HEADS, PAGES = (128, 256, 512, 2048), (4096, 16384), (4, 32), (16, 64, 256)
+QUERIES, CACHED, KV_HEADS, PAGES = (128, 256, 512, 2048), (4096, 16384), (4, 32), (16, 32, 64, 256)
 
 
 def bench(fn) -> float:
@@ -69,7 +70,7 @@ def host_us(call) -> float:
     return 1e3 * host_ms(call)
 
 
-def cell(seqlen_q, cached, nheads_k, force: bool) -> dict:
+def cell(seqlen_q, cached, nheads_k, force: bool, pages=PAGES) -> dict:
     seqlen_k = cached + seqlen_q
     q = torch.randn(1, seqlen_q, NHEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
     k, v = (torch.randn(1, seqlen_k, nheads_k, HEAD_DIM, dtype=DTYPE, device="cuda")
@@ -87,7 +88,7 @@ def cell(seqlen_q, cached, nheads_k, force: bool) -> dict:
     row["ratio_cudnn_full"] = row["cudnn_full_ms"] and row["cudnn_full_ms"] / row["dense_full_ms"]
     lens = torch.full((1,), seqlen_k, dtype=torch.int32, device="cuda")
     layouts = {"contiguous": (k, v, None)}
-    for page_size in PAGES:
+    for page_size in pages:
         kp, table = paged(k, page_size)
         layouts[f"paged{page_size}"] = (kp, paged_copy(v, table, page_size), table)
     for name, (kc, vc, table) in layouts.items():
@@ -134,9 +135,11 @@ def main():
     parser.add_argument("--label", default="")
     parser.add_argument("--no-force", action="store_true")
     parser.add_argument("--host-only", action="store_true")
+    parser.add_argument("--no-host", action="store_true")
     parser.add_argument("--queries", default=",".join(map(str, QUERIES)))
     parser.add_argument("--cached", default=",".join(map(str, CACHED)))
     parser.add_argument("--kv-heads", default=",".join(map(str, KV_HEADS)))
+    parser.add_argument("--pages", default=",".join(map(str, PAGES)))
     args = parser.parse_args()
     ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
     result = {"env": {
@@ -146,9 +149,11 @@ def main():
         "cudnn": torch.backends.cudnn.version(), "python": platform.python_version(),
         "flashkit": flashkit.__file__, "label": args.label,
         "thresholds": [kvcache.GLUON_PREFILL_MIN_QUERIES, kvcache.GLUON_PREFILL_MIN_WORK]}}
-    result["host"] = host_times()
+    if not args.no_host:
+        result["host"] = host_times()
     if not args.host_only:
-        result["cells"] = [cell(sq, c, hk, not args.no_force) for hk in ints(args.kv_heads)
+        result["cells"] = [cell(sq, c, hk, not args.no_force, ints(args.pages))
+                           for hk in ints(args.kv_heads)
                            for c in ints(args.cached) for sq in ints(args.queries)]
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

@@ -117,6 +117,11 @@ PAGED_FEATURES = {  # name: (Case options, call options)
     "no_append": (dict(mask="causal", seqlen_new=0), {}),
     "mha_d64": (dict(mask="causal", d=64, nheads_k=16, page_size=16), {}),
     "d256": (dict(mask="full", d=256, page_size=32), {}),
+    # 256 queries: _prefill_tile's one-consumer specialized tile for paged caches
+    "q256_page16_softcap_alibi_sink": (dict(seqlen_q=256, page_size=16, mask="causal",
+                                            softcap=3.0, alibi_slopes=torch.rand(16),
+                                            sink=torch.randn(16)), {}),
+    "q256_page32_window": (dict(seqlen_q=256, page_size=32, mask="full", window=(300, 40)), {}),
 }
 
 
@@ -182,14 +187,18 @@ def test_route_declines_cpu_tensors():
                                   torch.zeros(1, 4, dtype=torch.int32), params) is None
 
 
-@pytest.mark.parametrize("seqlen_q,nheads,page_size,specialized", [
-    (512, 32, None, True),  # 128 programs of the long-query tile: about every SM
-    (256, 32, None, False),  # 64: the configured (unspecialized) tile
-    (256, 32, 128, False),
-    (256, 32, 16, True),  # pages smaller than the configured tile's 64 keys
-    (2048, 4, None, True),  # the configured tile is specialized already
+LONG, ONE_CONSUMER = (128, 2, 2, True, True, False), (128, 2, 1, True, False, False)
+
+
+@pytest.mark.parametrize("seqlen_q,nheads,page_size,tile", [
+    (512, 32, None, LONG),  # 128 programs of the long-query tile: about every SM
+    (512, 32, 16, LONG),
+    (256, 32, None, (64, 3, 1, False, False, False)),  # 64: the configured (unspecialized) tile
+    (256, 32, 16, ONE_CONSUMER),  # paged: a producer warp per consumer
+    (256, 32, 128, ONE_CONSUMER),
+    (2048, 4, None, LONG),  # the configured tile is specialized already
 ])
-def test_prefill_tile_choice(seqlen_q, nheads, page_size, specialized, monkeypatch):
+def test_prefill_tile_choice(seqlen_q, nheads, page_size, tile, monkeypatch):
     """_prefill_tile at d128 causal on a device of 132 SMs (no GPU needed)."""
     from flashkit.ops.triton import forward_hopper
 
@@ -197,4 +206,4 @@ def test_prefill_tile_choice(seqlen_q, nheads, page_size, specialized, monkeypat
                         lambda device, consumers: 132 * (2 if consumers == 1 else 1))
     q = torch.empty(1, seqlen_q, nheads, 128, dtype=torch.bfloat16, device="meta")
     params = kvcache.build_params(q, 0.0, None, True, (-1, -1), 0.0, None, False, None, batch=1)
-    assert kvcache._prefill_tile(q, params, page_size)[3] == specialized
+    assert kvcache._prefill_tile(q, params, page_size) == tile

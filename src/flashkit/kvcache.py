@@ -192,8 +192,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 # queries over 4.3-4.6k keys (3.6e7-7.5e7) too (0.96-1.24 against 0.69-0.80, bound by host
 # time: the route's launch costs ~50 us more); 256 x 16.6k (1.4e8) is the route's (contiguous
 # 1.00 against 0.93-0.95, pages 64/256 0.93-0.94 against 0.79-0.86, page 16 0.81-0.84 against
-# 0.78-0.80), 512 x 16.9k (pages 1.04-1.10 against 0.64-0.71) and 2048 x 6-18k (0.88-1.01
-# against 0.57-0.76) too.
+# 0.78-0.80; with _prefill_tile's one-consumer tile and the split producer pages 16-256 run
+# 1.00-1.21, prefill_20261121_1135_h72_ab.json), 512 x 16.9k (pages 1.04-1.10 against
+# 0.64-0.71) and 2048 x 6-18k (0.88-1.01 against 0.57-0.76) too.
 GLUON_PREFILL_MIN_QUERIES = 256
 GLUON_PREFILL_MIN_WORK = 2**27
 
@@ -251,16 +252,19 @@ def _gluon_prefill(q, k_cache, v_cache, seqlens_k, keys_bound, cache_batch_idx, 
 
 def _prefill_tile(q, params: AttentionParams, page_size: int | None) -> tuple:
     """The Gluon forward's tile for a prefill of q (batch, seqlen_q, h, d): the configured one
-    (configs.gluon_forward_tile), or the specialized tile of long queries in place of an
-    unspecialized one (causal up to 1k queries at d128) where
-    - pages are smaller than its key tile: a paged tile's block_table loads and page-sized
-      TMAs, issued by the consumer itself, stall every step (page 16, d128 bf16, 32 heads:
-      0.70-0.79x the dense forward at 128-512 queries x 16k keys against 0.81-1.09 with the
-      producer warp), or
+    (configs.gluon_forward_tile), or in place of an unspecialized one (causal up to 1k queries
+    at d128) the long queries' specialized tile where
     - its programs fill about every SM: the causal band over a long cache is nearly full, so
       the configured tile's masking rationale does not hold (paged 512 x 16.9k: 1.04-1.10x
-      against 0.92-0.94; contiguous 1.10-1.17 against 0.91-0.92); at half the SMs (256
-      queries) it stays (0.93-0.94 against 0.87-0.90).
+      the dense forward against 0.92-0.94; contiguous 1.10-1.17 against 0.91-0.92);
+    - else, paged, with one consumer (twice the programs, each with a producer warp): the
+      consumer of an unspecialized tile looks its pages up and issues their TMAs itself
+      between its matmuls, two consumers leave half the SMs idle (page 16 / 32 / 64, d128
+      bf16, 256 x 16.6k, GQA 8:1: 1.08 / 1.10 / 1.04 against the unspecialized 0.74 / 0.88 /
+      0.95 and two consumers' 0.86 / 0.87 / 0.95, prefill_20261121_1120_h72_explore.json;
+      A/B against one-producer main: prefill_20261121_1135_h72_ab.json; d64: 1.22-1.40
+      against 0.97-1.09, _1130_h72_d64.json). Contiguous caches keep the configured tile
+      there (1.00; the one-consumer tile not measured on them).
     prefill_20261121_0950.json (forced route, both tiles), _0955.json (as configured)."""
     from flashkit.ops.triton import forward_hopper
     from flashkit.ops.triton.configs import gluon_forward_tile
@@ -273,8 +277,10 @@ def _prefill_tile(q, params: AttentionParams, page_size: int | None) -> tuple:
     long = gluon_forward_tile(head_dim, 2**31, banded)
     programs = -(-seqlen_q // (forward_hopper.BLOCK_M * long[2])) * batch * nheads
     sms = forward_hopper._programs_per_device(q.device, long[2])
-    if (page_size is not None and page_size < tile[0]) or 4 * programs >= 3 * sms:
+    if 4 * programs >= 3 * sms:
         return long
+    if page_size is not None:
+        return (*long[:2], 1, True, False, False)
     return tile
 
 

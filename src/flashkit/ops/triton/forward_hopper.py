@@ -41,7 +41,12 @@ sequence, as forward.py's Triton varlen kernel) are the dense ones. A sequence's
 (first row, length) pair, so SEQUSED_K (flash-attn's seqused_k) reads a contiguous KV cache;
 PAGED reads a paged one (power-of-two pages) through its block table: each key tile's rows are
 looked up per page and loaded in page-sized TMA pieces where pages are shorter than the tile
-(_tile_rows, _load_tile).
+(_tile_rows, _load_tile). The producer looks tile t + 1's pages up while tile t waits for its
+buffers, and with two consumers (SPLIT_LOADS) a second producer warp issues V's loads: a tile
+of 16-key pages is 8 table loads and 32 TMA instructions (two per piece at d128), ~400
+instructions per tile from one warp on a scheduler it shares with two consumer warps
+(d128 bf16 page 16, 2k x 18.4k: 0.94-0.96 ms, as a contiguous cache, against 1.01-1.04 with one
+producer warp and no look-ahead; prefill_20261121_1135_h72_ab.json).
 
 Dropout draws dropout.py's keep-mask bit for bit (dropout_gluon.keep_words, through dropout.py's
 own Philox core), so either backward regenerates what this forward dropped.
@@ -107,6 +112,8 @@ if gluon is not None:
     LOG2E_GL = gl.constexpr(LOG2E)
     BM = gl.constexpr(BLOCK_M)
     PRODUCER = gl.constexpr(-1)  # _partition's role of the producer warp
+    PRODUCER_QK = gl.constexpr(-2)  # SPLIT_LOADS: a producer warp for Q and K
+    PRODUCER_V = gl.constexpr(-3)  # and one for V
     PRODUCER_REGS_GL = gl.constexpr(PRODUCER_REGS)
 
     @gluon.jit
@@ -494,25 +501,49 @@ if gluon is not None:
 
     @gluon.jit
     def _producer(descs, smem, bars, n_tiles, keys, kv_col, q_row, q_col, ring, items,
-                  CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+                  CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                  ROLE: gl.constexpr):
         """The producer warp, one work item: Q of every consumer once that consumer's last S of
         the program's previous item completed, then K and V tiles into the ring (positions
         ring ..) as the consumers free its buffers (a fresh mbarrier passes a wait on phase 1,
-        so the first item's Q and the first NUM_STAGES tiles pass). keys: see _tile_rows."""
+        so the first item's Q and the first NUM_STAGES tiles pass). keys: see _tile_rows. ROLE
+        PRODUCER_QK loads Q and K only, PRODUCER_V V only (SPLIT_LOADS)."""
         q_desc, k_desc, v_desc = descs
         q_smem, k_smem, v_smem = smem
         q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, turns = bars
-        for c in gl.static_range(CONSUMERS):
-            mbarrier.wait(q_empty.index(c), (items & 1) ^ 1, pred=n_tiles > 0)
-            mbarrier.expect(q_bars.index(c), q_desc.block_type.nbytes, pred=n_tiles > 0)
-            tma.async_copy_global_to_shared(q_desc, [q_row + c * BM, q_col], q_bars.index(c),
-                                            q_smem.index(c), pred=n_tiles > 0)
-        for tile in range(n_tiles):
-            stage = (ring + tile) % NUM_STAGES
-            phase = ((ring + tile) // NUM_STAGES) & 1
-            rows = _tile_rows(keys, tile, BLOCK_N, k_desc.block_type.shape[0])
+        if ROLE != PRODUCER_V:
+            for c in gl.static_range(CONSUMERS):
+                mbarrier.wait(q_empty.index(c), (items & 1) ^ 1, pred=n_tiles > 0)
+                mbarrier.expect(q_bars.index(c), q_desc.block_type.nbytes, pred=n_tiles > 0)
+                tma.async_copy_global_to_shared(q_desc, [q_row + c * BM, q_col],
+                                                q_bars.index(c), q_smem.index(c),
+                                                pred=n_tiles > 0)
+        ROWS: gl.constexpr = k_desc.block_type.shape[0]
+        if isinstance(keys, gl.tuple):  # paged: tile t + 1's block_table loads fly while tile
+            rows = _tile_rows(keys, 0, BLOCK_N, ROWS)  # t waits for its buffers
+            for tile in range(n_tiles):
+                next_rows = _tile_rows(keys, tile + 1, BLOCK_N, ROWS)
+                _produce_tile(descs, smem, bars, ring + tile, rows, kv_col, NUM_STAGES, ROLE)
+                rows = next_rows
+        else:
+            for tile in range(n_tiles):
+                _produce_tile(descs, smem, bars, ring + tile,
+                              _tile_rows(keys, tile, BLOCK_N, ROWS), kv_col, NUM_STAGES, ROLE)
+
+    @gluon.jit
+    def _produce_tile(descs, smem, bars, position, rows, kv_col, NUM_STAGES: gl.constexpr,
+                      ROLE: gl.constexpr):
+        """The producer's K and V loads of ring position `position` (pieces at rows), each once
+        the consumers freed its buffer (PRODUCER_QK: K only, PRODUCER_V: V only)."""
+        q_desc, k_desc, v_desc = descs
+        q_smem, k_smem, v_smem = smem
+        q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, turns = bars
+        stage = position % NUM_STAGES
+        phase = (position // NUM_STAGES) & 1
+        if ROLE != PRODUCER_V:
             mbarrier.wait(k_empty.index(stage), phase ^ 1)
             _load_tile(k_desc, k_ready.index(stage), k_smem.index(stage), rows, kv_col, True)
+        if ROLE != PRODUCER_QK:
             mbarrier.wait(v_empty.index(stage), phase ^ 1)
             _load_tile(v_desc, v_ready.index(stage), v_smem.index(stage), rows, kv_col, True)
 
@@ -632,10 +663,10 @@ if gluon is not None:
                         SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINK: gl.constexpr,
                         DROPOUT: gl.constexpr, KEY_TAIL: gl.constexpr):
         """_partition's work on one item: the producer's loads or a consumer's rows."""
-        if ROLE == PRODUCER:
+        if ROLE < 0:
             n_tiles, key0, kv_col, q_row, q_col = loads
             _producer(descs, smem, bars, n_tiles, key0, kv_col, q_row, q_col, ring, items,
-                      CONSUMERS, BLOCK_N, NUM_STAGES)
+                      CONSUMERS, BLOCK_N, NUM_STAGES, ROLE)
         else:
             _consumer(descs, smem, bars, scalars, ring, items, ROLE, HEAD_DIM, BLOCK_N,
                       NUM_STAGES, CONSUMERS, True, PINGPONG, HAS_LEFT, HAS_RIGHT, SOFTCAP,
@@ -655,7 +686,8 @@ if gluon is not None:
                            SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINK: gl.constexpr,
                            DROPOUT: gl.constexpr, VARLEN: gl.constexpr,
                            SEQUSED_K: gl.constexpr, KEY_TAIL: gl.constexpr,
-                           PAGED: gl.constexpr, num_warps: gl.constexpr):
+                           PAGED: gl.constexpr, SPLIT_LOADS: gl.constexpr,
+                           num_warps: gl.constexpr):
         """Work items (_work_item) of CONSUMERS * 64 query rows of one (batch, head), n_items =
         n_m * batch * heads with n_m = cdiv(seqlen_q, CONSUMERS * 64). One program per item
         (grid (n_m, batch * heads)), or PERSISTENT (specialized): about one program per SM, each
@@ -666,7 +698,8 @@ if gluon is not None:
         program of one returns at once). PAGED (VARLEN with SEQUSED_K): k_desc/v_desc view a
         paged cache (num_blocks * page_size, hk * HEAD_DIM) in [min(page_size, BLOCK_N),
         HEAD_DIM] boxes, sequence b's key j in page Table[b * stride_table + (j >> page_shift)]
-        (_tile_rows); Cu_k is not read for rows then."""
+        (_tile_rows); Cu_k is not read for rows then. SPLIT_LOADS (PAGED, two consumers): two
+        producer warps, one loading Q and K, one V."""
         BLOCK_Q: gl.constexpr = CONSUMERS * BM
         paging = ()
         if PAGED:
@@ -723,7 +756,7 @@ if gluon is not None:
                                         SOFTCAP, ALIBI, SINK, DROPOUT, KEY_TAIL, VARLEN,
                                         SEQUSED_K, PERSISTENT))],
                     [1], [PRODUCER_REGS_GL])
-            elif CONSUMERS == 2:
+            elif CONSUMERS == 2 and not SPLIT_LOADS:
                 gl.warp_specialize([
                     (_partition, (descs, smem, bars, work, 0, HEAD_DIM, BLOCK_N,
                                         NUM_STAGES, CONSUMERS, PINGPONG, HAS_LEFT, HAS_RIGHT,
@@ -738,25 +771,30 @@ if gluon is not None:
                                         SOFTCAP, ALIBI, SINK, DROPOUT, KEY_TAIL, VARLEN,
                                         SEQUSED_K, PERSISTENT))],
                     [1, 4], [PRODUCER_REGS_GL, CONSUMER_REGS])
-            else:
+            else:  # three consumers, or two with SPLIT_LOADS: V's producer warp, then consumer 1
+                ROLE_1: gl.constexpr = PRODUCER_QK if SPLIT_LOADS else PRODUCER
+                ROLE_2: gl.constexpr = PRODUCER_V if SPLIT_LOADS else 1
+                ROLE_3: gl.constexpr = 1 if SPLIT_LOADS else 2
                 gl.warp_specialize([
                     (_partition, (descs, smem, bars, work, 0, HEAD_DIM, BLOCK_N,
                                         NUM_STAGES, CONSUMERS, PINGPONG, HAS_LEFT, HAS_RIGHT,
                                         SOFTCAP, ALIBI, SINK, DROPOUT, KEY_TAIL, VARLEN,
                                         SEQUSED_K, PERSISTENT)),
-                    (_partition, (descs, smem, bars, work, PRODUCER, HEAD_DIM, BLOCK_N,
+                    (_partition, (descs, smem, bars, work, ROLE_1, HEAD_DIM, BLOCK_N,
                                         NUM_STAGES, CONSUMERS, PINGPONG, HAS_LEFT, HAS_RIGHT,
                                         SOFTCAP, ALIBI, SINK, DROPOUT, KEY_TAIL, VARLEN,
                                         SEQUSED_K, PERSISTENT)),
-                    (_partition, (descs, smem, bars, work, 1, HEAD_DIM, BLOCK_N,
+                    (_partition, (descs, smem, bars, work, ROLE_2, HEAD_DIM, BLOCK_N,
                                         NUM_STAGES, CONSUMERS, PINGPONG, HAS_LEFT, HAS_RIGHT,
                                         SOFTCAP, ALIBI, SINK, DROPOUT, KEY_TAIL, VARLEN,
                                         SEQUSED_K, PERSISTENT)),
-                    (_partition, (descs, smem, bars, work, 2, HEAD_DIM, BLOCK_N,
+                    (_partition, (descs, smem, bars, work, ROLE_3, HEAD_DIM, BLOCK_N,
                                         NUM_STAGES, CONSUMERS, PINGPONG, HAS_LEFT, HAS_RIGHT,
                                         SOFTCAP, ALIBI, SINK, DROPOUT, KEY_TAIL, VARLEN,
                                         SEQUSED_K, PERSISTENT))],
-                    [1, 4, 4], [PRODUCER_REGS_GL, CONSUMER_REGS, CONSUMER_REGS])
+                    [1, 1 if SPLIT_LOADS else 4, 4],
+                    [PRODUCER_REGS_GL, PRODUCER_REGS_GL if SPLIT_LOADS else CONSUMER_REGS,
+                     CONSUMER_REGS])
         else:
             scalars, loads = work
             n_tiles, key0, kv_col, q_row, q_col = loads
@@ -917,5 +955,6 @@ def attention_forward(q, k, v, params: AttentionParams, out=None, lse=None, tile
         PERSISTENT=persistent, HAS_LEFT=has_left, HAS_RIGHT=has_right, SOFTCAP=softcap,
         ALIBI=has_alibi, SINK=params.sink is not None, DROPOUT=dropout, VARLEN=varlen,
         SEQUSED_K=seqused_k is not None, KEY_TAIL=varlen or seqlen_k % block_n != 0,
-        PAGED=paged, **launch_config(tile))
+        PAGED=paged, SPLIT_LOADS=paged and specialized and consumers == 2,
+        **launch_config(tile))
     return out, lse
