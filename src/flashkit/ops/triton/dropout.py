@@ -34,8 +34,18 @@ import torch
 import triton
 import triton.language as tl
 
+from flashkit.ops.triton.common import interpreting
+
 DRAW_BITS = 8  # bits of one uniform draw: sixteen draws per Philox call
 PHILOX_ROUNDS = tl.constexpr(7)  # rounds per Philox4x32 call (see the module docstring)
+# Philox4x32's round multipliers and key increments (Salmon et al.; tl.philox's for uint32)
+PHILOX_ROUND_A = tl.constexpr(0xD2511F53)
+PHILOX_ROUND_B = tl.constexpr(0xCD9E8D57)
+PHILOX_KEY_A = tl.constexpr(0x9E3779B9)
+PHILOX_KEY_B = tl.constexpr(0xBB67AE85)
+# Inline PTX (wide multiplies, lop3) on the GPU; plain Triton in the CPU interpreter, which has
+# no inline assembly. Read when triton.jit decorates (as Triton itself reads TRITON_INTERPRET).
+PTX = tl.constexpr(not interpreting())
 CHUNK = 128  # columns whose draws come from one row's eight Philox calls
 
 
@@ -57,11 +67,46 @@ def dropout_args(dropout_p: float, seed: int) -> tuple[int, int, int, float, boo
 def philox_calls(seed_lo, seed_hi, off_b, off_h, rows, calls):
     """The four uint32 words of Philox calls (seed; call, row, head, batch): rows and calls are
     uint32 index tensors of the calls' full shape, built by the caller (Triton without a layout,
-    Gluon in its own), so every kernel generation draws through this one function."""
-    seed = (seed_hi.to(tl.uint64) << 32) | seed_lo.to(tl.uint32, bitcast=True).to(tl.uint64)
+    Gluon in its own), so every kernel generation draws through this one function.
+
+    Philox4x32-7 bit for bit as tl.philox(seed, calls, rows, head, batch, n_rounds=7), with each
+    round's two 32 x 32 -> 64-bit products as one wide multiply (_mul_wide)."""
     zero = calls * 0
-    return tl.philox(seed, calls, rows, zero + off_h.to(tl.uint32), zero + off_b.to(tl.uint32),
-                     n_rounds=PHILOX_ROUNDS)
+    c0, c1, c2, c3 = calls, rows, zero + off_h.to(tl.uint32), zero + off_b.to(tl.uint32)
+    k0 = seed_lo.to(tl.uint32, bitcast=True)
+    k1 = seed_hi.to(tl.uint32)
+    for _ in tl.static_range(PHILOX_ROUNDS):
+        lo_a, hi_a = _mul_wide_a(c0)
+        lo_b, hi_b = _mul_wide_b(c2)
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        k0 = tl.add(k0, PHILOX_KEY_A, sanitize_overflow=False)
+        k1 = tl.add(k1, PHILOX_KEY_B, sanitize_overflow=False)
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def _mul_wide_a(x):
+    """(lo, hi) 32-bit halves of x * PHILOX_ROUND_A (x uint32): one mul.wide.u32 on the GPU, one
+    IMAD.WIDE.U32 where mul.lo and mul.hi (tl.philox's) are two IMADs; ptxas does not fuse them."""
+    if PTX:
+        lo, hi = tl.inline_asm_elementwise(
+            "{ .reg .b64 w; mul.wide.u32 w, $2, 0xD2511F53; mov.b64 {$0, $1}, w; }", "=r,=r,r",
+            [x], dtype=(tl.uint32, tl.uint32), is_pure=True, pack=1)
+    else:
+        lo, hi = tl.mul(x, PHILOX_ROUND_A, sanitize_overflow=False), tl.umulhi(x, PHILOX_ROUND_A)
+    return lo, hi
+
+
+@triton.jit
+def _mul_wide_b(x):
+    """_mul_wide_a for PHILOX_ROUND_B (the constant must be a literal of the PTX)."""
+    if PTX:
+        lo, hi = tl.inline_asm_elementwise(
+            "{ .reg .b64 w; mul.wide.u32 w, $2, 0xCD9E8D57; mov.b64 {$0, $1}, w; }", "=r,=r,r",
+            [x], dtype=(tl.uint32, tl.uint32), is_pure=True, pack=1)
+    else:
+        lo, hi = tl.mul(x, PHILOX_ROUND_B, sanitize_overflow=False), tl.umulhi(x, PHILOX_ROUND_B)
+    return lo, hi
 
 
 @triton.jit
@@ -114,15 +159,20 @@ def bytes_ge(x, threshold):
 
     With H the bytes' high bits, r = (x | H) - low7(t) (t = threshold, low7 per byte) subtracts
     without a borrow between bytes, so r's high bit says low7(x) >= low7(t). Then x >= t is
-    x_hi | r_hi for t < 128 and x_hi & r_hi for t >= 128: one three-input function of x, r and
-    a uniform mask. t = 256 keeps nothing: r's operand drops the high bits (r = low7(x)) and
-    the and-form applies."""
+    x_hi | r_hi for t < 128 and x_hi & r_hi for t >= 128: the majority of x, r and a uniform
+    mask (all ones for t < 128), one lop3 (ptxas makes a select of two from the and/or form).
+    t = 256 keeps nothing: it subtracts H instead (r = low7(x), so r_hi = 0) with the and-form.
+    Three instructions per word, none with a second uniform operand (a LOP3 takes one)."""
     high = 0x80808080
-    below = threshold < 256
-    low7 = tl.where(below, (threshold & 0x7F).to(tl.uint32) * 0x01010101, 0)
-    r = ((x | high) & tl.where(below, 0xFFFFFFFF, 0x7F7F7F7F).to(tl.uint32)) - low7
+    sub = tl.where(threshold < 256, (threshold & 0x7F).to(tl.uint32) * 0x01010101, high)
+    r = (x | high) - sub.to(tl.uint32)
     or_form = tl.where(threshold < 128, 0xFFFFFFFF, 0).to(tl.uint32)
-    return (x & r) | ((x | r) & or_form)
+    if PTX:
+        ge = tl.inline_asm_elementwise("lop3.b32 $0, $1, $2, $3, 0xE8;", "=r,r,r,r",
+                                       [x, r, or_form], dtype=tl.uint32, is_pure=True, pack=1)
+    else:
+        ge = (x & r) | ((x | r) & or_form)
+    return ge
 
 
 @triton.jit
