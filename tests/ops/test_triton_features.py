@@ -171,7 +171,7 @@ def test_philox_core_is_tl_philox(seed):
     assert torch.equal(out[0], out[1])
 
 
-@triton.jit(do_not_specialize=["off_b"])  # on the GPU an int 1 would arrive as a constexpr
+@triton.jit(do_not_specialize=["off_b", "threshold"])  # on the GPU an int 1 is a constexpr
 def _transposed_keep_kernel(Out, seed_lo, seed_hi, off_b, off_h, threshold, start_n,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Out [BLOCK_N, BLOCK_M] int8: dropout_keep_t of rows [0, BLOCK_M), keys start_n + ..."""
