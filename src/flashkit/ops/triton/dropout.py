@@ -6,7 +6,8 @@ helper `dropout_keep` and agree bit for bit, whatever their tiles. Its core (phi
 byte_keep, bytes_ge, packed_keep) takes index tensors the caller built, so the Gluon kernels
 draw through the same functions in their own layouts (dropout_gluon.py).
 
-Philox4x32-7 (tl.philox with n_rounds = PHILOX_ROUNDS = 7, flash-attn's philox.cuh count;
+Philox4x32-7 (tl.philox's function with n_rounds = PHILOX_ROUNDS = 7, written out in
+philox_calls so each round's two products are wide multiplies; flash-attn's philox.cuh count;
 Salmon et al., SC'11, report that Philox4x32-7 passes BigCrush, tl.philox's default of 10 being
 their safety margin; going from 10 to 7 changed the mask of every seed, which stays a pure
 function of (seed, b, h, i, j) that every kernel and keep_mask draw alike): key = the call's
@@ -76,36 +77,30 @@ def philox_calls(seed_lo, seed_hi, off_b, off_h, rows, calls):
     k0 = seed_lo.to(tl.uint32, bitcast=True)
     k1 = seed_hi.to(tl.uint32)
     for _ in tl.static_range(PHILOX_ROUNDS):
-        lo_a, hi_a = _mul_wide_a(c0)
-        lo_b, hi_b = _mul_wide_b(c2)
+        lo_a, hi_a = _mul_wide(c0, PHILOX_ROUND_A)
+        lo_b, hi_b = _mul_wide(c2, PHILOX_ROUND_B)
         c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
         k0 = tl.add(k0, PHILOX_KEY_A, sanitize_overflow=False)
         k1 = tl.add(k1, PHILOX_KEY_B, sanitize_overflow=False)
     return c0, c1, c2, c3
 
 
-@triton.jit
-def _mul_wide_a(x):
-    """(lo, hi) 32-bit halves of x * PHILOX_ROUND_A (x uint32): one mul.wide.u32 on the GPU, one
-    IMAD.WIDE.U32 where mul.lo and mul.hi (tl.philox's) are two IMADs; ptxas does not fuse them."""
-    if PTX:
-        lo, hi = tl.inline_asm_elementwise(
-            "{ .reg .b64 w; mul.wide.u32 w, $2, 0xD2511F53; mov.b64 {$0, $1}, w; }", "=r,=r,r",
-            [x], dtype=(tl.uint32, tl.uint32), is_pure=True, pack=1)
-    else:
-        lo, hi = tl.mul(x, PHILOX_ROUND_A, sanitize_overflow=False), tl.umulhi(x, PHILOX_ROUND_A)
-    return lo, hi
+@triton.constexpr_function
+def _mul_wide_asm(multiplier):
+    """PTX of (lo, hi) = x * multiplier (a uint32 constant) as one 32 x 32 -> 64-bit product."""
+    return "{ .reg .b64 w; mul.wide.u32 w, $2, " + hex(multiplier) + "; mov.b64 {$0, $1}, w; }"
 
 
 @triton.jit
-def _mul_wide_b(x):
-    """_mul_wide_a for PHILOX_ROUND_B (the constant must be a literal of the PTX)."""
+def _mul_wide(x, MULTIPLIER: tl.constexpr):
+    """(lo, hi) 32-bit halves of x * MULTIPLIER (x uint32): one mul.wide.u32 on the GPU, i.e. one
+    IMAD.WIDE.U32 where mul.lo and mul.hi (tl.philox's) are two IMADs (ptxas does not fuse
+    them); in the interpreter the two products themselves."""
     if PTX:
-        lo, hi = tl.inline_asm_elementwise(
-            "{ .reg .b64 w; mul.wide.u32 w, $2, 0xCD9E8D57; mov.b64 {$0, $1}, w; }", "=r,=r,r",
-            [x], dtype=(tl.uint32, tl.uint32), is_pure=True, pack=1)
+        lo, hi = tl.inline_asm_elementwise(_mul_wide_asm(MULTIPLIER), "=r,=r,r", [x],
+                                           dtype=(tl.uint32, tl.uint32), is_pure=True, pack=1)
     else:
-        lo, hi = tl.mul(x, PHILOX_ROUND_B, sanitize_overflow=False), tl.umulhi(x, PHILOX_ROUND_B)
+        lo, hi = tl.mul(x, MULTIPLIER, sanitize_overflow=False), tl.umulhi(x, MULTIPLIER)
     return lo, hi
 
 
