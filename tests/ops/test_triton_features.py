@@ -142,6 +142,36 @@ def test_keep_mask_is_the_documented_philox(seed):
 
 
 @triton.jit
+def _philox_pair_kernel(Out, Rows, Calls, seed_lo, seed_hi, off_b, off_h, N: tl.constexpr):
+    """Out [2, 4, N] uint32: dropout.philox_calls and tl.philox (n_rounds=7) of the same calls."""
+    offs = tl.arange(0, N)
+    rows, calls = tl.load(Rows + offs), tl.load(Calls + offs)
+    ours = dropout.philox_calls(seed_lo, seed_hi, off_b, off_h, rows, calls)
+    seed = (seed_hi.to(tl.uint64) << 32) | seed_lo.to(tl.uint32, bitcast=True).to(tl.uint64)
+    zero = calls * 0
+    theirs = tl.philox(seed, calls, rows, zero + off_h.to(tl.uint32), zero + off_b.to(tl.uint32),
+                       n_rounds=7)
+    for w in tl.static_range(4):
+        tl.store(Out + w * N + offs, ours[w])
+        tl.store(Out + (4 + w) * N + offs, theirs[w])
+
+
+@pytest.mark.parametrize("seed", [0, 2**32 - 1, 2**61 + 12345], ids=str)
+def test_philox_core_is_tl_philox(seed):
+    """dropout.philox_calls' own rounds (one wide multiply per product on the GPU) give tl.philox's
+    Philox4x32-7 words bit for bit, on counters spanning the whole 32-bit range."""
+    n = 256
+    gen = torch.Generator().manual_seed(seed % 1000)
+    rows, calls = (torch.randint(-2**31, 2**31, (n,), generator=gen, dtype=torch.int64)
+                   .to(torch.int32).to(DEVICE) for _ in range(2))
+    seed_lo, seed_hi, _, _, _ = dropout.dropout_args(0.5, seed)
+    out = torch.empty(2, 4, n, dtype=torch.int32, device=DEVICE)
+    _philox_pair_kernel[(1,)](out, rows.view(torch.uint32), calls.view(torch.uint32), seed_lo,
+                              seed_hi, 2**31 - 7, 12345, N=n)
+    assert torch.equal(out[0], out[1])
+
+
+@triton.jit(do_not_specialize=["off_b", "threshold"])  # on the GPU an int 1 is a constexpr
 def _transposed_keep_kernel(Out, seed_lo, seed_hi, off_b, off_h, threshold, start_n,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Out [BLOCK_N, BLOCK_M] int8: dropout_keep_t of rows [0, BLOCK_M), keys start_n + ..."""

@@ -6,7 +6,8 @@ helper `dropout_keep` and agree bit for bit, whatever their tiles. Its core (phi
 byte_keep, bytes_ge, packed_keep) takes index tensors the caller built, so the Gluon kernels
 draw through the same functions in their own layouts (dropout_gluon.py).
 
-Philox4x32-7 (tl.philox with n_rounds = PHILOX_ROUNDS = 7, flash-attn's philox.cuh count;
+Philox4x32-7 (tl.philox's function with n_rounds = PHILOX_ROUNDS = 7, written out in
+philox_calls so each round's two products are wide multiplies; flash-attn's philox.cuh count;
 Salmon et al., SC'11, report that Philox4x32-7 passes BigCrush, tl.philox's default of 10 being
 their safety margin; going from 10 to 7 changed the mask of every seed, which stays a pure
 function of (seed, b, h, i, j) that every kernel and keep_mask draw alike): key = the call's
@@ -34,8 +35,18 @@ import torch
 import triton
 import triton.language as tl
 
+from flashkit.ops.triton.common import interpreting
+
 DRAW_BITS = 8  # bits of one uniform draw: sixteen draws per Philox call
 PHILOX_ROUNDS = tl.constexpr(7)  # rounds per Philox4x32 call (see the module docstring)
+# Philox4x32's round multipliers and key increments (Salmon et al.; tl.philox's for uint32)
+PHILOX_ROUND_A = tl.constexpr(0xD2511F53)
+PHILOX_ROUND_B = tl.constexpr(0xCD9E8D57)
+PHILOX_KEY_A = tl.constexpr(0x9E3779B9)
+PHILOX_KEY_B = tl.constexpr(0xBB67AE85)
+# Inline PTX (wide multiplies, lop3) on the GPU; plain Triton in the CPU interpreter, which has
+# no inline assembly. Read when triton.jit decorates (as Triton itself reads TRITON_INTERPRET).
+PTX = tl.constexpr(not interpreting())
 CHUNK = 128  # columns whose draws come from one row's eight Philox calls
 
 
@@ -57,11 +68,40 @@ def dropout_args(dropout_p: float, seed: int) -> tuple[int, int, int, float, boo
 def philox_calls(seed_lo, seed_hi, off_b, off_h, rows, calls):
     """The four uint32 words of Philox calls (seed; call, row, head, batch): rows and calls are
     uint32 index tensors of the calls' full shape, built by the caller (Triton without a layout,
-    Gluon in its own), so every kernel generation draws through this one function."""
-    seed = (seed_hi.to(tl.uint64) << 32) | seed_lo.to(tl.uint32, bitcast=True).to(tl.uint64)
+    Gluon in its own), so every kernel generation draws through this one function.
+
+    Philox4x32-7 bit for bit as tl.philox(seed, calls, rows, head, batch, n_rounds=7), with each
+    round's two 32 x 32 -> 64-bit products as one wide multiply (_mul_wide)."""
     zero = calls * 0
-    return tl.philox(seed, calls, rows, zero + off_h.to(tl.uint32), zero + off_b.to(tl.uint32),
-                     n_rounds=PHILOX_ROUNDS)
+    c0, c1, c2, c3 = calls, rows, zero + off_h.to(tl.uint32), zero + off_b.to(tl.uint32)
+    k0 = seed_lo.to(tl.uint32, bitcast=True)
+    k1 = seed_hi.to(tl.uint32)
+    for _ in tl.static_range(PHILOX_ROUNDS):
+        lo_a, hi_a = _mul_wide(c0, PHILOX_ROUND_A)
+        lo_b, hi_b = _mul_wide(c2, PHILOX_ROUND_B)
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        k0 = tl.add(k0, PHILOX_KEY_A, sanitize_overflow=False)
+        k1 = tl.add(k1, PHILOX_KEY_B, sanitize_overflow=False)
+    return c0, c1, c2, c3
+
+
+@triton.constexpr_function
+def _mul_wide_asm(multiplier):
+    """PTX of (lo, hi) = x * multiplier (a uint32 constant) as one 32 x 32 -> 64-bit product."""
+    return "{ .reg .b64 w; mul.wide.u32 w, $2, " + hex(multiplier) + "; mov.b64 {$0, $1}, w; }"
+
+
+@triton.jit
+def _mul_wide(x, MULTIPLIER: tl.constexpr):
+    """(lo, hi) 32-bit halves of x * MULTIPLIER (x uint32): one mul.wide.u32 on the GPU, i.e. one
+    IMAD.WIDE.U32 where mul.lo and mul.hi (tl.philox's) are two IMADs (ptxas does not fuse
+    them); in the interpreter the two products themselves."""
+    if PTX:
+        lo, hi = tl.inline_asm_elementwise(_mul_wide_asm(MULTIPLIER), "=r,=r,r", [x],
+                                           dtype=(tl.uint32, tl.uint32), is_pure=True, pack=1)
+    else:
+        lo, hi = tl.mul(x, MULTIPLIER, sanitize_overflow=False), tl.umulhi(x, MULTIPLIER)
+    return lo, hi
 
 
 @triton.jit
@@ -114,15 +154,20 @@ def bytes_ge(x, threshold):
 
     With H the bytes' high bits, r = (x | H) - low7(t) (t = threshold, low7 per byte) subtracts
     without a borrow between bytes, so r's high bit says low7(x) >= low7(t). Then x >= t is
-    x_hi | r_hi for t < 128 and x_hi & r_hi for t >= 128: one three-input function of x, r and
-    a uniform mask. t = 256 keeps nothing: r's operand drops the high bits (r = low7(x)) and
-    the and-form applies."""
+    x_hi | r_hi for t < 128 and x_hi & r_hi for t >= 128: the majority of x, r and a uniform
+    mask (all ones for t < 128), one lop3 (ptxas makes a select of two from the and/or form).
+    t = 256 keeps nothing: it subtracts H instead (r = low7(x), so r_hi = 0) with the and-form.
+    Three instructions per word, none with a second uniform operand (a LOP3 takes one)."""
     high = 0x80808080
-    below = threshold < 256
-    low7 = tl.where(below, (threshold & 0x7F).to(tl.uint32) * 0x01010101, 0)
-    r = ((x | high) & tl.where(below, 0xFFFFFFFF, 0x7F7F7F7F).to(tl.uint32)) - low7
+    sub = tl.where(threshold < 256, (threshold & 0x7F).to(tl.uint32) * 0x01010101, high)
+    r = (x | high) - sub.to(tl.uint32)
     or_form = tl.where(threshold < 128, 0xFFFFFFFF, 0).to(tl.uint32)
-    return (x & r) | ((x | r) & or_form)
+    if PTX:
+        ge = tl.inline_asm_elementwise("lop3.b32 $0, $1, $2, $3, 0xE8;", "=r,r,r,r",
+                                       [x, r, or_form], dtype=tl.uint32, is_pure=True, pack=1)
+    else:
+        ge = (x & r) | ((x | r) & or_form)
+    return ge
 
 
 @triton.jit
