@@ -200,6 +200,52 @@ def test_gpu_gluon_wide_tile_matches_oracle(case):
     _run_case(case, WIDE)
 
 
+def test_softcap_mode_bounds_the_row_max_where_the_dtype_holds_it():
+    """A fixed row max (SOFTCAP_BOUNDED) for the hardware tanh without ALiBi or a sink, up to
+    c = 34.6 (bf16) and 5.2 (fp16); the running max past those, for the exact tanh, with ALiBi
+    or a sink."""
+    fast, exact = hopper.SOFTCAP_FAST, hopper.SOFTCAP_FAST - 1
+    slopes = torch.ones(2)
+    for dtype, c, features, taken in ((torch.bfloat16, 34.6, {}, True),
+                                      (torch.bfloat16, 34.7, {}, False),
+                                      (torch.float16, 5.19, {}, True),
+                                      (torch.float16, 5.21, {}, False),
+                                      (torch.float32, 1.0, {}, False),
+                                      (torch.bfloat16, 3.0, dict(alibi_slopes=slopes), False),
+                                      (torch.bfloat16, 3.0, dict(sink=slopes), False)):
+        params = AttentionParams(0.125, softcap=c, **features)
+        mode = hopper.softcap_mode(params, dtype, c * 1.4426950408889634, fast)
+        assert mode == (hopper.SOFTCAP_BOUNDED if taken else fast), (dtype, c, features)
+        assert hopper.softcap_mode(params, dtype, c * 1.4426950408889634, exact) == exact
+
+
+# (dtype, head_dim, softcap, window): at each dtype's bound for the fixed row max and past it
+SOFTCAP_BOUND_CASES = [
+    (torch.bfloat16, 128, 34.0, (None, None)),
+    (torch.bfloat16, 64, 34.0, (None, 0)),
+    (torch.bfloat16, 128, 50.0, (None, 0)),
+    (torch.float16, 128, 5.0, (None, 0)),
+    (torch.float16, 64, 5.0, (None, None)),
+    (torch.float16, 128, 30.0, (None, None)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _on_hopper(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("schedule", [None, "inline", "persistent"])
+@pytest.mark.parametrize("case", SOFTCAP_BOUND_CASES, ids=str)
+def test_gpu_gluon_softcap_saturated_rows_match_oracle(case, schedule):
+    """Softcaps at the fixed row max's bound (softcap_mode) and past it, on rows whose every
+    score is far below 0 (q . k shifted by -800: tanh near -1, so P = 2^(s - m) near 2^-98 in
+    bf16 at c = 34) beside rows of ordinary scores; 300 rows, 700 keys (a key tail)."""
+    dtype, head_dim, softcap, (left, right) = case
+    q, k, v, _ = make_inputs(2, 300, 700, 4, 2, head_dim, head_dim, dtype, "cuda")
+    q[:, ::2, :, :8] = 10.0  # even rows: q . k = -800 + O(10) against every key
+    k[..., :8] = -10.0
+    params = AttentionParams(head_dim ** -0.5 * 1.3, left, right, softcap=softcap)
+    check_forward(q, k, v, params, SCHEDULES.get(schedule))
+
+
 def at_head_dim(case, head_dim):
     """A case of GPU_CASES, TAIL_CASES or VARLEN_CASES at another head dim."""
     return (case[0], head_dim, *case[2:])

@@ -69,6 +69,7 @@ import triton
 from flashkit.ops.params import AttentionParams
 from flashkit.ops.triton.common import (
     LOG2E,
+    SOFTCAP_FAST,
     alibi_args,
     alibi_bias,
     batch_strides,
@@ -103,6 +104,12 @@ except ImportError:  # a Triton without Gluon: the Triton kernel does everything
 BLOCK_M = 64  # query rows per consumer warpgroup (the wgmma M of one warpgroup)
 PRODUCER_REGS = 24  # registers per thread of the producer warp (the least setmaxnreg allows)
 FORWARD_HEAD_DIMS = (64, 128, 256)  # this forward's; the backward's stay gluon_supported's
+# SOFTCAP value of a softcap whose scores are bounded tightly enough for a fixed row max
+# (softcap_mode): SOFTCAP_FAST's tanh, no running max, no rescaling of O.
+SOFTCAP_BOUNDED = 3
+# (how wide 2 c log2(e) may be, the fixed max's offset below c log2(e)) per P dtype; see
+# softcap_mode.
+BOUNDED_RANGE = {torch.bfloat16: (100.0, 0.0), torch.float16: (15.0, 15.0)}
 
 
 if gluon is not None:
@@ -115,6 +122,29 @@ if gluon is not None:
     PRODUCER_QK = gl.constexpr(-2)  # SPLIT_LOADS: a producer warp for Q and K
     PRODUCER_V = gl.constexpr(-3)  # and one for V
     PRODUCER_REGS_GL = gl.constexpr(PRODUCER_REGS)
+    SOFTCAP_FAST_GL = gl.constexpr(SOFTCAP_FAST)
+    SOFTCAP_BOUNDED_GL = gl.constexpr(SOFTCAP_BOUNDED)
+    FP16_MAX_OFFSET = gl.constexpr(BOUNDED_RANGE[torch.float16][1])
+    # PTX of 2^x for FMA_EXP2_EVERY registers ($4 .. $7 into $0 .. $3): the first by a degree-3
+    # polynomial on the FMA pipe (x = j + f, j = round(x) by the 1.5 * 2^23 shifter, 2^f on
+    # [-0.5, 0.5] with relative error 7.5e-5, j added to the exponent), the others on MUFU.
+    FMA_EXP2_EVERY = gl.constexpr(4)
+    FMA_EXP2_ASM = gl.constexpr(
+        "{ .reg .f32 j, f, p; .reg .b32 jb, pb; "
+        "add.rn.f32 j, $4, 0f4B400000; sub.rn.f32 f, j, 0f4B400000; sub.rn.f32 f, $4, f; "
+        "fma.rn.f32 p, f, 0f3D61FB53, 0f3E786EE6; fma.rn.f32 p, p, f, 0f3F31798D; "
+        "fma.rn.f32 p, p, f, 0f3F7FFB4A; "
+        "mov.b32 jb, j; shl.b32 jb, jb, 23; mov.b32 pb, p; add.s32 $0, pb, jb; } "
+        "ex2.approx.ftz.f32 $1, $5; ex2.approx.ftz.f32 $2, $6; ex2.approx.ftz.f32 $3, $7;")
+
+    @gluon.jit
+    def _exp2_fma_share(x):
+        """2^x for x in [-126, 127] (no -inf: unmasked tiles only) with every 4th register on
+        the FMA pipe (FA4's trick; FMA_EXP2_ASM): MUFU is what bounds a bounded softcap's
+        step (64 tanh and 64 exp2 per thread at BLOCK_N 128). Every 4th measured 1.5-3%
+        faster, every 2nd slower (benchmarks/NOTES_triton.md)."""
+        return gl.inline_asm_elementwise(FMA_EXP2_ASM, "=r,=r,=r,=r,r,r,r,r", [x],
+                                         dtype=gl.float32, is_pure=True, pack=FMA_EXP2_EVERY)
 
     @gluon.jit
     def _tile_rows(keys, tile, BLOCK_N: gl.constexpr, ROWS: gl.constexpr):
@@ -227,12 +257,17 @@ if gluon is not None:
         on one side of every row's diagonal (ALIBI_SIDE +1: j <= i + shift, -1: j >= i + shift)
         it is side * slope ((i + shift - col0) - (j - col0)): a row term, which joins the row
         max after the reduction and the exp2's subtrahend, and a column term that is the same
-        for every tile (alibi[1]), so the tile costs one add per element more than plain."""
+        for every tile (alibi[1]), so the tile costs one add per element more than plain.
+
+        SOFTCAP_BOUNDED: m_i is a fixed bound of the row's scores (_consumer, softcap_mode), so
+        there is no row max and alpha is 1 (the caller skips rescaling O)."""
         seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale = geo
         alibi_log2, alibi_cols = alibi
         row_bias = gl.zeros_like(m_i)  # subtracted from each row after the max (side tiles)
+        BOUNDED: gl.constexpr = SOFTCAP == SOFTCAP_BOUNDED_GL
         if SOFTCAP and not ALIBI:  # tanh(scale qk / c), scaled by qk_scale as plain qk
-            s = scores(qk, 1.0, softcap_scale, SOFTCAP)
+            TANH: gl.constexpr = SOFTCAP_FAST_GL if BOUNDED else SOFTCAP
+            s = scores(qk, 1.0, softcap_scale, TANH)
             scale = qk_scale
         elif ALIBI:
             s = scores(qk, qk_scale, softcap_scale, SOFTCAP)
@@ -250,13 +285,23 @@ if gluon is not None:
             keep = visible(rows, cols, seqlen_q, seqlen_k, window_left, window_right, HAS_LEFT,
                            HAS_RIGHT)
             s = gl.where(keep, s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 1) * scale - row_bias)
-        m_use = m_new
-        if MASK:
-            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p = gl.exp2(s * scale - gl.expand_dims(m_use + row_bias, 1))
-        alpha = gl.exp2(m_i - m_use)
-        l_new = l_i * alpha + gl.sum(p, 1)
+        if BOUNDED:
+            m_new = m_i
+            alpha = gl.full_like(m_i, 1.0)
+            x = s * scale - gl.expand_dims(m_i, 1)
+            if MASK:
+                p = gl.exp2(x)
+            else:  # x in [-100, 15] (softcap_mode)
+                p = _exp2_fma_share(x)
+            l_new = l_i + gl.sum(p, 1)
+        else:
+            m_new = gl.maximum(m_i, gl.max(s, 1) * scale - row_bias)
+            m_use = m_new
+            if MASK:
+                m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+            p = gl.exp2(s * scale - gl.expand_dims(m_use + row_bias, 1))
+            alpha = gl.exp2(m_i - m_use)
+            l_new = l_i * alpha + gl.sum(p, 1)
         return p, alpha, m_new, l_new
 
     @gluon.jit
@@ -341,9 +386,13 @@ if gluon is not None:
                                    p_layout)
         # The softmax results pass through the wait so that the compiler cannot sink the softmax
         # below it (which would serialise it after the P V matmul again).
-        acc, p_op, p_next, alpha, l_i = warpgroup_mma_wait(
-            num_outstanding=0, deps=(o_tok, p_op, p_next, alpha, l_i))
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+        if SOFTCAP == SOFTCAP_BOUNDED_GL:  # a fixed row max: O keeps its scale
+            acc, p_op, p_next, l_i = warpgroup_mma_wait(num_outstanding=0,
+                                                        deps=(o_tok, p_op, p_next, l_i))
+        else:
+            acc, p_op, p_next, alpha, l_i = warpgroup_mma_wait(
+                num_outstanding=0, deps=(o_tok, p_op, p_next, alpha, l_i))
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
         _release_v((descs[1], descs[2]), smem, bars, tile - 1, ring, n_tiles, key0, kv_col,
                    BLOCK_N, NUM_STAGES, SPECIALIZED)
         return acc, p_next, m_i, l_i
@@ -402,6 +451,9 @@ if gluon is not None:
         ) * alibi_log2
         alibi = (alibi_log2, alibi_cols)
         m_i = gl.full([BM], float("-inf"), gl.float32, row_layout)
+        if SOFTCAP == SOFTCAP_BOUNDED_GL:  # c log2(e) bounds every score (see softcap_mode)
+            offset: gl.constexpr = FP16_MAX_OFFSET if dtype == gl.float16 else 0.0
+            m_i = gl.full([BM], 0.0, gl.float32, row_layout) + (qk_scale - offset)
         l_i = gl.zeros([BM], gl.float32, row_layout)
         if SINK:  # the sink logit joins every row's denominator: start from (m, l) = (sink, 1)
             m_i = gl.full([BM], 0.0, gl.float32, row_layout) + gl.load(Sink + off_h) * LOG2E_GL
@@ -872,6 +924,21 @@ def eligible(q, k, v, params: AttentionParams, out, lse, tile) -> bool:
             and (out is None or out.stride(-1) == 1) and (lse is None or lse.stride(-1) == 1))
 
 
+def softcap_mode(params: AttentionParams, dtype, qk_scale, softcap) -> int:
+    """SOFTCAP_BOUNDED for a SOFTCAP_FAST softcap (qk_scale = c log2(e)) without ALiBi or a
+    sink whose scores s in [-c log2(e), c log2(e)] (log2 units) fit P's dtype under a fixed row
+    max m = c log2(e) - offset (BOUNDED_RANGE), else `softcap` (the running max). P = 2^(s - m):
+    bf16 (offset 0) keeps P <= 1 like the running max and needs 2 c log2(e) <= 100 (c <= 34.6),
+    so a row's largest P is >= 2^-100 and whatever fp32's flush to zero below 2^-126 drops is
+    < 2^-26 of it; fp16 (offset 15) keeps P <= 2^15 (< 65504) and a row's largest P >= 1, as
+    the running max's, with 2 c log2(e) <= 15 (c <= 5.2)."""
+    width, _ = BOUNDED_RANGE.get(dtype, (0.0, 0.0))
+    if (softcap == SOFTCAP_FAST and params.alibi_slopes is None and params.sink is None
+            and 2 * qk_scale <= width):
+        return SOFTCAP_BOUNDED
+    return softcap
+
+
 def launch_config(tile) -> dict:
     """num_warps, maxnreg and the consumer workers' registers of a tile (BLOCK_N, NUM_STAGES,
     CONSUMERS, SPECIALIZED, PINGPONG, PERSISTENT). Specialized programs have CONSUMERS + 1
@@ -928,6 +995,7 @@ def attention_forward(q, k, v, params: AttentionParams, out=None, lse=None, tile
 
     window_left, window_right, has_left, has_right = window_args(params)
     qk_scale, softcap_scale, softcap = score_args(params, q.dtype)
+    softcap = softcap_mode(params, q.dtype, qk_scale, softcap)
     alibi, alibi_strides, has_alibi = alibi_args(params, lse)
     sink = lse if params.sink is None else params.sink.to(torch.float32)
     seed_lo, seed_hi, threshold, dropout_scale, dropout = dropout_args(params.dropout_p,
