@@ -134,6 +134,10 @@ FOLD_MAX_SPLITS = 16
 # splits 104-110 with 8, up to 110 and 16 bytes of stack with 16, 128-188 with 32 (188 leave
 # two programs per SM instead of three).
 FOLD_ELEMENTS_PER_THREAD = 8
+# ... and folds only where that takes at most this many chunks (16 columns of d128 per chunk
+# at 8 elements and 8 splits): an unrolled load per chunk, latency the merge kernel hides
+# behind more programs. The prefill tile (many rows) leaves merging to the merge kernel.
+FOLD_MAX_CHUNKS = 16
 # Folding counters: int32 per (batch row, kv head, row block), zero between launches; at least
 # this many per buffer (64 KB), so one buffer serves every shape up to 16k programs.
 MIN_FOLD_COUNTERS = 2**14
@@ -586,6 +590,15 @@ def _launch_facts(device: torch.device) -> tuple[int, bool]:
     return sms, has_pdl and LAUNCH_PDL
 
 
+def folds(packed_rows: int, tile: Tile, num_splits: int, block_dv: int) -> bool:
+    """Whether the decode kernel merges its num_splits splits itself (module docstring): up to
+    FOLD_MAX_SPLITS splits, with the decode tile, in at most FOLD_MAX_CHUNKS column chunks."""
+    table = INTERPRETER if interpreting() else HOPPER
+    block_s = triton.next_power_of_2(num_splits)
+    return (1 < num_splits <= FOLD_MAX_SPLITS and packed_rows <= table["decode"].block_m
+            and block_dv <= FOLD_MAX_CHUNKS * fold_block_dv(block_dv, tile, block_s))
+
+
 def fold_block_dv(block_dv: int, tile: Tile, block_s: int) -> int:
     """Columns per chunk of a folding program's merge: FOLD_ELEMENTS_PER_THREAD elements of
     [block_s, BLOCK_M, chunk] per thread, a power of two up to block_dv."""
@@ -705,7 +718,7 @@ def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, bloc
     tile, per_tile, m_blocks, num_splits = launch_shape(q, nheads_k, page_size, num_splits,
                                                         max_seqlen_k)
     _, use_pdl = _launch_facts(q.device)
-    fold = 1 < num_splits <= FOLD_MAX_SPLITS
+    fold = folds(seqlen_q * group, tile, num_splits, padded_head_dim(head_dim_v))
     if step is not None and m_blocks != 1:
         raise ValueError("decode.forward: a step needs one program per kv head (takes_step)")
 
