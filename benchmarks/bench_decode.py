@@ -712,24 +712,27 @@ def study_fold() -> dict:
     rows = []
     default = decode.FOLD_MAX_SPLITS, decode.FOLD_ELEMENTS_PER_THREAD
     for batch, seqlen_k, nheads_k, page_size in SMALL_GRAPH_CELLS:
-        _, k_cache, v_cache, step = decode_step(batch, seqlen_k, nheads_k, page_size)
+        q, k_cache, v_cache, step = decode_step(batch, seqlen_k, nheads_k, page_size)
+        tile, _, _, splits = decode.launch_shape(q, nheads_k, page_size or 0, 0, seqlen_k)
         row = {"batch": batch, "seqlen_k": seqlen_k, "nheads_k": nheads_k,
-               "page_size": page_size, "splits": auto_splits(batch, seqlen_k, nheads_k,
-                                                             page_size)}
+               "page_size": page_size, "splits": splits}
         for name, (fold_max, per_thread) in FOLD_VARIANTS.items():
             decode.FOLD_MAX_SPLITS, decode.FOLD_ELEMENTS_PER_THREAD = fold_max, per_thread
+            row[f"{name}_folds"] = decode.folds(NHEADS // nheads_k, tile, splits, HEAD_DIM)
             row[f"{name}_ms"] = bench_graph(step)
         decode.FOLD_MAX_SPLITS, decode.FOLD_ELEMENTS_PER_THREAD = default
         rows.append(row)
         print("fold", json.dumps(row), flush=True)
         del k_cache, v_cache
         torch.cuda.empty_cache()
-    folding = [r for r in rows if r["splits"] > 1]
+    folding = [r for r in rows if r["fold8_folds"] or r["fold16_folds"]]
     geomean = {n: math.exp(sum(math.log(r[f"fold{n}_ms"]) for r in folding) / len(folding))
                for n in (8, 16)}
     per_thread = pick(geomean, default[1])
     fold_max = 1
     for row in sorted(folding, key=lambda r: r["splits"]):
+        if not row[f"fold{per_thread}_folds"]:
+            continue
         if row[f"fold{per_thread}_ms"] > 1.01 * row["merge_kernel_ms"]:
             break
         fold_max = row["splits"]
