@@ -29,8 +29,7 @@ the public API); the run stops if it fails. Then, bf16, d128, 32 query heads:
   paging   (stage paging) page-256 decode with the block-table entry read per key row or per
            key tile, and the paged extra stages; sets decode.PAGE_TILE_LOOKUP and the stages.
   fold     (stage fold) the small graph cells' captured step with the split merge in the merge
-           kernel or folded into the decode kernel; sets decode.FOLD_MAX_SPLITS and
-           decode.FOLD_ELEMENTS_PER_THREAD.
+           kernel or folded into the decode kernel; sets decode.FOLD_MAX_SPLITS.
   api      the public function per call: host time (CPU wall clock of back-to-back calls, no
            sync inside) and eager time (stage profile: cProfile of the call), with an append
            (and rotary) into a paged or contiguous cache; with --before, the same for the
@@ -699,46 +698,35 @@ def decode_step(batch, seqlen_k, nheads_k, page_size):
     return q, k_cache, v_cache, step
 
 
-FOLD_VARIANTS = {"merge_kernel": (0, 8), "fold8": (128, 8), "fold16": (128, 16)}
-
-
 def study_fold() -> dict:
     """The captured decoding step of the SMALL_GRAPH_CELLS (CUDA-graph GPU time) with the split
-    merge in the merge kernel at every split count (FOLD_VARIANTS: FOLD_MAX_SPLITS,
-    FOLD_ELEMENTS_PER_THREAD), or in the decode kernel at every split count with 8 or 16
-    elements per thread. Chooses FOLD_ELEMENTS_PER_THREAD by the geomean over the folding
-    cells (8 unless 16 is 2% faster), then FOLD_MAX_SPLITS as the most splits up to which
-    folding is never more than 1% slower than the merge kernel; the rest of the run uses them."""
+    merge in the merge kernel (FOLD_MAX_SPLITS 0) or folded into the decode kernel at every
+    split count (decode.folds). Chooses FOLD_MAX_SPLITS as the most splits up to which folding
+    is never more than 1% slower than the merge kernel (1: never fold); the rest of the run
+    uses it."""
     rows = []
-    default = decode.FOLD_MAX_SPLITS, decode.FOLD_ELEMENTS_PER_THREAD
+    default = decode.FOLD_MAX_SPLITS
     for batch, seqlen_k, nheads_k, page_size in SMALL_GRAPH_CELLS:
         q, k_cache, v_cache, step = decode_step(batch, seqlen_k, nheads_k, page_size)
-        tile, _, _, splits = decode.launch_shape(q, nheads_k, page_size or 0, 0, seqlen_k)
+        splits = decode.launch_shape(q, nheads_k, page_size or 0, 0, seqlen_k)[3]
         row = {"batch": batch, "seqlen_k": seqlen_k, "nheads_k": nheads_k,
                "page_size": page_size, "splits": splits}
-        for name, (fold_max, per_thread) in FOLD_VARIANTS.items():
-            decode.FOLD_MAX_SPLITS, decode.FOLD_ELEMENTS_PER_THREAD = fold_max, per_thread
-            row[f"{name}_folds"] = decode.folds(NHEADS // nheads_k, tile, splits, HEAD_DIM)
+        for name, fold_max in (("merge_kernel", 0), ("fold", 128)):
+            decode.FOLD_MAX_SPLITS = fold_max
+            row[f"{name}_folds"] = decode.folds(NHEADS // nheads_k, splits)
             row[f"{name}_ms"] = bench_graph(step)
-        decode.FOLD_MAX_SPLITS, decode.FOLD_ELEMENTS_PER_THREAD = default
+        decode.FOLD_MAX_SPLITS = default
         rows.append(row)
         print("fold", json.dumps(row), flush=True)
         del k_cache, v_cache
         torch.cuda.empty_cache()
-    folding = [r for r in rows if r["fold8_folds"] or r["fold16_folds"]]
-    geomean = {n: math.exp(sum(math.log(r[f"fold{n}_ms"]) for r in folding) / len(folding))
-               for n in (8, 16)}
-    per_thread = pick(geomean, default[1])
     fold_max = 1
-    for row in sorted(folding, key=lambda r: r["splits"]):
-        if not row[f"fold{per_thread}_folds"]:
-            continue
-        if row[f"fold{per_thread}_ms"] > 1.01 * row["merge_kernel_ms"]:
+    for row in sorted((r for r in rows if r["fold_folds"]), key=lambda r: r["splits"]):
+        if row["fold_ms"] > 1.01 * row["merge_kernel_ms"]:
             break
         fold_max = row["splits"]
-    decode.FOLD_MAX_SPLITS, decode.FOLD_ELEMENTS_PER_THREAD = fold_max, per_thread
-    return {"rows": rows, "geomean_fold_ms_by_elements_per_thread": geomean,
-            "chosen_elements_per_thread": per_thread, "chosen_fold_max_splits": fold_max}
+    decode.FOLD_MAX_SPLITS = fold_max
+    return {"rows": rows, "chosen_fold_max_splits": fold_max}
 
 
 def captured(fn):
@@ -871,8 +859,7 @@ def main():
     save("chosen", {"tiles": tiles(), "launch_pdl": decode.LAUNCH_PDL,
                     "page_tile_lookup": decode.PAGE_TILE_LOOKUP,
                     "page_tile_extra_stages": decode.PAGE_TILE_EXTRA_STAGES,
-                    "fold_max_splits": decode.FOLD_MAX_SPLITS,
-                    "fold_elements_per_thread": decode.FOLD_ELEMENTS_PER_THREAD})
+                    "fold_max_splits": decode.FOLD_MAX_SPLITS})
     print("chosen", json.dumps(result["chosen"]), flush=True)
     if "prefill" in stages:
         save("prefill", run_prefill(args.quick))

@@ -502,7 +502,6 @@ def check_split_counts(device, fold_max, monkeypatch, **kw):
     from flashkit.ops.triton import decode
 
     monkeypatch.setattr(decode, "FOLD_MAX_SPLITS", fold_max)
-    monkeypatch.setattr(decode, "FOLD_ELEMENTS_PER_THREAD", kw.pop("per_thread", 8))
     for num_splits in kw.pop("splits"):
         case = Case(seqlen_new=0, num_splits=num_splits, **kw)
         for _ in range(2):
@@ -660,14 +659,13 @@ def test_triton_writes_every_output_element_on_gpu(num_splits):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fold_max, per_thread", [(0, 8), (16, 8), (16, 16)])
-def test_triton_split_counts_fold_or_merge_on_gpu(fold_max, per_thread, monkeypatch):
-    """bf16 d128 GQA 8:1 over 1000 keys in 64-key tiles: 2 and 5 splits fold (with fold_max 16),
-    16 too with 16 elements per thread, 17 and 64 take the merge kernel; 64 leaves splits
-    empty."""
+@pytest.mark.parametrize("fold_max", [0, 16, 64])
+def test_triton_split_counts_fold_or_merge_on_gpu(fold_max, monkeypatch):
+    """bf16 d128 GQA 8:1 over 1000 keys in 64-key tiles: up to fold_max splits fold, more take
+    the merge kernel; 17 and 64 leave splits empty."""
     check_split_counts("cuda", fold_max, monkeypatch, splits=(2, 5, 16, 17, 64), batch=3,
-                       per_thread=per_thread, nheads=16, nheads_k=2, d=128, capacity=1024,
-                       dtype=torch.bfloat16, causal=True)
+                       nheads=16, nheads_k=2, d=128, capacity=1024, dtype=torch.bfloat16,
+                       causal=True)
 
 
 @pytest.mark.gpu
@@ -771,8 +769,8 @@ def test_decoding_step_launches_only_its_kernels_on_gpu(layout, num_splits, seql
         torch.cuda.synchronize()
     names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     kernels = [name for name in names if not name.startswith("Memcpy")]  # case.call's copies
-    tile, _, _, splits = decode.launch_shape(case.q.cuda(), 2, 0, num_splits, 1024)
-    assert num_splits == 1 or decode.folds(8, tile, splits, 128)  # auto: 4 splits
+    splits = decode.launch_shape(case.q.cuda(), 2, 0, num_splits, 1024)[3]  # auto: 4
+    assert num_splits == 1 or decode.folds(8, splits)
     assert kernels == ["_decode_kernel"], names
 
 

@@ -128,16 +128,9 @@ MERGE_BLOCK_DV = 32
 # block, module docstring): no merge launch. Beyond, the merge kernel's many programs read the
 # partials faster than one program per row block.
 FOLD_MAX_SPLITS = 16
-# A folding program reads its partials in column chunks of at most this many float32 elements
-# per thread ([splits, BLOCK_M, chunk] at once). sm_90 build of the q-length-1 GQA 8:1 decode
-# tile (benchmarks/sm90_probe.py's fake driver): without folding 109 registers; folding 2-16
-# splits 104-110 with 8, up to 110 and 16 bytes of stack with 16, 128-188 with 32 (188 leave
-# two programs per SM instead of three).
-FOLD_ELEMENTS_PER_THREAD = 8
-# ... and folds only where that takes at most this many chunks (16 columns of d128 per chunk
-# at 8 elements and 8 splits): an unrolled load per chunk, latency the merge kernel hides
-# behind more programs. The prefill tile (many rows) leaves merging to the merge kernel.
-FOLD_MAX_CHUNKS = 16
+# ... with at most this many packed query rows per kv head (the smallest tile: a folding
+# program reads each split's [16, dv] partial, 16 float32 per thread at d128).
+FOLD_MAX_ROWS = 16
 # Folding counters: int32 per (batch row, kv head, row block), zero between launches; at least
 # this many per buffer (64 KB), so one buffer serves every shape up to 16k programs.
 MIN_FOLD_COUNTERS = 2**14
@@ -321,8 +314,7 @@ def _decode_kernel(Q, K, V, Out, Lse, BlockTable, CacheBatchIdx, Leftpad, Seqlen
                    USE_PDL: tl.constexpr, PRECISION: tl.constexpr, STEP: tl.constexpr,
                    SEQLENS_TENSOR: tl.constexpr, ROTARY_HALF: tl.constexpr,
                    INTERLEAVED: tl.constexpr, BLOCK_NEW: tl.constexpr,
-                   TABLE_CHUNK: tl.constexpr, FOLD: tl.constexpr, FOLD_BLOCK_S: tl.constexpr,
-                   FOLD_BLOCK_DV: tl.constexpr):
+                   TABLE_CHUNK: tl.constexpr, FOLD: tl.constexpr, FOLD_BLOCK_S: tl.constexpr):
     if USE_PDL:  # the merge kernel may be scheduled now; it waits for this grid's results
         gdc_launch_dependents()
     pid_split = tl.program_id(0)
@@ -452,45 +444,51 @@ def _decode_kernel(Q, K, V, Out, Lse, BlockTable, CacheBatchIdx, Leftpad, Seqlen
         counter = Counters + pid_bhk * tl.num_programs(2) + tl.program_id(2)
         if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
             tl.store(counter, 0)  # zero again for the next launch or graph replay
-            for c in tl.static_range(0, BLOCK_DV, FOLD_BLOCK_DV):
-                offs_c = c + tl.arange(0, FOLD_BLOCK_DV)
-                col_ok = offs_c < HEAD_DIM_V
-                rows = off_b64 * stride_ob + offs_t * stride_os + offs_h * stride_oh
-                out_m, lse_m = _merge_splits(
-                    Out + rows[:, None] + offs_c[None, :] * stride_od,
-                    Lse + off_b64 * stride_lb + offs_h * stride_lh + offs_t * stride_ls,
-                    stride_osplit, stride_lsplit, num_splits, row_ok, col_ok, FOLD_BLOCK_S)
-                f_rows = off_b64 * stride_fb + offs_t * stride_fs + offs_h * stride_fh
-                tl.store(Final + f_rows[:, None] + offs_c[None, :] * stride_fd,
-                         out_m.to(Final.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
-                if c == 0:
-                    tl.store(FinalLse + off_b64 * stride_flb + offs_h * stride_flh
-                             + offs_t * stride_fls, lse_m, mask=row_ok)
+            col_ok = offs_dv < HEAD_DIM_V
+            out_m, lse_m = _merge_splits(
+                Out + (off_b64 * stride_ob + offs_t * stride_os + offs_h * stride_oh)[:, None]
+                + offs_dv[None, :] * stride_od,
+                Lse + off_b64 * stride_lb + offs_h * stride_lh + offs_t * stride_ls,
+                stride_osplit, stride_lsplit, num_splits, row_ok, col_ok, FOLD_BLOCK_S, 1)
+            f_rows = off_b64 * stride_fb + offs_t * stride_fs + offs_h * stride_fh
+            tl.store(Final + f_rows[:, None] + offs_dv[None, :] * stride_fd,
+                     out_m.to(Final.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+            tl.store(FinalLse + off_b64 * stride_flb + offs_h * stride_flh + offs_t * stride_fls,
+                     lse_m, mask=row_ok)
 
 
 @triton.jit
 def _merge_splits(o_ptrs, l_ptrs, stride_psplit, stride_lpsplit, num_splits, row_ok, col_ok,
-                  BLOCK_S: tl.constexpr):
+                  BLOCK_S: tl.constexpr, SPLITS_PER_LOAD: tl.constexpr):
     """The splits' partial results folded by their lse: lse = log sum_s exp(lse_s), out =
     sum_s exp(lse_s - lse) out_s, for R rows and C columns of split 0's out_part at o_ptrs
     [R, C] and lse_part at l_ptrs [R] (split s at + s * stride); returns out [R, C] and lse [R]
-    in float32. Splits without mass (lse -inf) weigh 0; a row without any gives out 0, lse
-    -inf."""
-    offs_s = tl.arange(0, BLOCK_S)
-    split_ok = offs_s < num_splits
-    # [BLOCK_S, R]
-    lse_s = tl.load(l_ptrs[None, :] + offs_s[:, None] * stride_lpsplit,
-                    mask=split_ok[:, None] & row_ok[None, :], other=float("-inf"))
-    lse_max = tl.max(lse_s, 0)
-    lse_ref = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    w = tl.math.exp2((lse_s - lse_ref[None, :]) * LOG2E_JIT)  # 0 for empty splits
-    w_sum = tl.sum(w, 0)
-    # [BLOCK_S, R, C]
-    o_part = tl.load(o_ptrs[None, :, :] + offs_s[:, None, None] * stride_psplit,
-                     mask=(split_ok[:, None, None] & row_ok[None, :, None]
-                           & col_ok[None, None, :]), other=0.0)
-    out = tl.sum(w[:, :, None] * o_part, 0) / tl.where(w_sum > 0.0, w_sum, 1.0)[:, None]
-    lse = tl.where(w_sum > 0.0, lse_ref + tl.math.log2(w_sum) * LN2_JIT, float("-inf"))
+    in float32. SPLITS_PER_LOAD splits are loaded at once, rescaled online as the softmax is
+    (no store in between, so every load can be in flight together). Splits without mass (lse
+    -inf) weigh 0; a row without any gives out 0, lse -inf."""
+    m_i = tl.full([o_ptrs.shape[0]], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([o_ptrs.shape[0]], dtype=tl.float32)
+    acc = tl.zeros(o_ptrs.shape, dtype=tl.float32)
+    m_ref = l_i
+    for s0 in tl.static_range(0, BLOCK_S, SPLITS_PER_LOAD):
+        offs_s = s0 + tl.arange(0, SPLITS_PER_LOAD)
+        split_ok = offs_s < num_splits
+        # [SPLITS_PER_LOAD, R]
+        lse_s = tl.load(l_ptrs[None, :] + offs_s[:, None] * stride_lpsplit,
+                        mask=split_ok[:, None] & row_ok[None, :], other=float("-inf"))
+        # [SPLITS_PER_LOAD, R, C]
+        o_part = tl.load(o_ptrs[None, :, :] + offs_s[:, None, None] * stride_psplit,
+                         mask=(split_ok[:, None, None] & row_ok[None, :, None]
+                               & col_ok[None, None, :]), other=0.0)
+        m_new = tl.maximum(m_i, tl.max(lse_s, 0))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2((m_i - m_ref) * LOG2E_JIT)
+        w = tl.math.exp2((lse_s - m_ref[None, :]) * LOG2E_JIT)  # 0 for empty splits
+        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o_part, 0)
+        l_i = l_i * alpha + tl.sum(w, 0)
+        m_i = m_new
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    lse = tl.where(l_i > 0.0, m_ref + tl.math.log2(l_i) * LN2_JIT, float("-inf"))
     return out, lse
 
 
@@ -518,7 +516,8 @@ def _merge_kernel(OutPart, LsePart, Out, Lse,
         OutPart + off_b * stride_pb + off_t * stride_ps + off_h * stride_ph
         + offs_row[:, None] + offs_dv[None, :] * stride_pd,
         LsePart + off_b * stride_lpb + off_h * stride_lph + off_t * stride_lps + offs_row,
-        stride_psplit, stride_lpsplit, num_splits, offs_row == 0, offs_dv < HEAD_DIM_V, BLOCK_S)
+        stride_psplit, stride_lpsplit, num_splits, offs_row == 0, offs_dv < HEAD_DIM_V, BLOCK_S,
+        BLOCK_S)
     o_ptrs = (Out + off_b * stride_ob + off_t * stride_os + off_h * stride_oh + offs_row[:, None]
               + offs_dv[None, :] * stride_od)
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=(offs_dv < HEAD_DIM_V)[None, :])
@@ -590,20 +589,10 @@ def _launch_facts(device: torch.device) -> tuple[int, bool]:
     return sms, has_pdl and LAUNCH_PDL
 
 
-def folds(packed_rows: int, tile: Tile, num_splits: int, block_dv: int) -> bool:
+def folds(packed_rows: int, num_splits: int) -> bool:
     """Whether the decode kernel merges its num_splits splits itself (module docstring): up to
-    FOLD_MAX_SPLITS splits, with the decode tile, in at most FOLD_MAX_CHUNKS column chunks."""
-    table = INTERPRETER if interpreting() else HOPPER
-    block_s = triton.next_power_of_2(num_splits)
-    return (1 < num_splits <= FOLD_MAX_SPLITS and packed_rows <= table["decode"].block_m
-            and block_dv <= FOLD_MAX_CHUNKS * fold_block_dv(block_dv, tile, block_s))
-
-
-def fold_block_dv(block_dv: int, tile: Tile, block_s: int) -> int:
-    """Columns per chunk of a folding program's merge: FOLD_ELEMENTS_PER_THREAD elements of
-    [block_s, BLOCK_M, chunk] per thread, a power of two up to block_dv."""
-    budget = FOLD_ELEMENTS_PER_THREAD * 32 * tile.num_warps // (block_s * tile.block_m)
-    return min(block_dv, 1 << max(0, budget.bit_length() - 1))
+    FOLD_MAX_SPLITS splits, at most FOLD_MAX_ROWS packed query rows per kv head."""
+    return 1 < num_splits <= FOLD_MAX_SPLITS and packed_rows <= FOLD_MAX_ROWS
 
 
 _counters: dict = {}  # (device, stream) -> int32 folding counters, zero between launches
@@ -718,7 +707,7 @@ def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, bloc
     tile, per_tile, m_blocks, num_splits = launch_shape(q, nheads_k, page_size, num_splits,
                                                         max_seqlen_k)
     _, use_pdl = _launch_facts(q.device)
-    fold = folds(seqlen_q * group, tile, num_splits, padded_head_dim(head_dim_v))
+    fold = folds(seqlen_q * group, num_splits)
     if step is not None and m_blocks != 1:
         raise ValueError("decode.forward: a step needs one program per kv head (takes_step)")
 
@@ -752,7 +741,6 @@ def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, bloc
     # arguments (never read)
     dummy = q if seqlens_k is None else seqlens_k
     counters = fold_counters(q.device, batch * nheads_k * m_blocks) if fold else dummy
-    block_s = triton.next_power_of_2(num_splits)
     launch(_decode_kernel, (num_splits, batch * nheads_k, m_blocks), (
         q, k_cache, v_cache, out_part, lse_part,
         dummy if block_table is None else block_table,
@@ -782,8 +770,7 @@ def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, bloc
         ROTARY_HALF=0 if cos is None else cos.shape[1],
         INTERLEAVED=step is not None and step.interleaved,
         BLOCK_NEW=max(1, triton.next_power_of_2(seqlen_new)), TABLE_CHUNK=TABLE_CHUNK,
-        FOLD=fold, FOLD_BLOCK_S=block_s, FOLD_BLOCK_DV=fold_block_dv(
-            padded_head_dim(head_dim_v), tile, block_s)),
+        FOLD=fold, FOLD_BLOCK_S=triton.next_power_of_2(num_splits)),
         num_warps=tile.num_warps, num_stages=tile.num_stages, **checks)
     if num_splits > 1 and not fold:
         merge(out_part, lse_part, out, lse, use_pdl)
