@@ -1,8 +1,7 @@
 """Decode and prefill speed of the Triton KV-cache kernels (flashkit.ops.triton.decode).
 
     PYTHONPATH=src python3 benchmarks/bench_decode.py --out DIR [--quick] [--no-fa2]
-        [--stages api,profile,study,paging,fold,prefill,graph,decode,sweep]
-        [--before OLD_KVCACHE_PY]
+        [--stages api,profile,study,paging,prefill,graph,decode,sweep] [--before OLD_KVCACHE_PY]
 
 First a correctness gate on the GPU (poisoned outputs, bf16 against the float64 oracle by the
 DESIGN section 5 rule, contiguous and paged, splits 1 and auto, with an append and rotary through
@@ -28,8 +27,6 @@ the public API); the run stops if it fails. Then, bf16, d128, 32 query heads:
   sweep    (stage sweep) candidate decode tiles at three shapes, to choose decode.HOPPER.
   paging   (stage paging) page-256 decode with the block-table entry read per key row or per
            key tile, and the paged extra stages; sets decode.PAGE_TILE_LOOKUP and the stages.
-  fold     (stage fold) the small graph cells' captured step with the split merge in the merge
-           kernel or folded into the decode kernel; sets decode.FOLD_MAX_SPLITS.
   api      the public function per call: host time (CPU wall clock of back-to-back calls, no
            sync inside) and eager time (stage profile: cProfile of the call), with an append
            (and rotary) into a paged or contiguous cache; with --before, the same for the
@@ -661,7 +658,15 @@ def run_graph_steps(copy_bw: float, quick: bool, cells: str = "grid") -> list[di
     cells = {"small": SMALL_GRAPH_CELLS, "large": LARGE_GRAPH_CELLS}.get(
         cells, GRAPH_CELLS[::3] if quick else GRAPH_CELLS)
     for batch, seqlen_k, nheads_k, page_size in cells:
-        q, k_cache, v_cache, step = decode_step(batch, seqlen_k, nheads_k, page_size)
+        k_cache, v_cache, table = make_cache(batch, seqlen_k, nheads_k, page_size)
+        q = torch.randn(batch, 1, NHEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+        k_new, v_new = (torch.randn(batch, 1, nheads_k, HEAD_DIM, dtype=DTYPE, device="cuda")
+                        for _ in "kv")
+        angles = torch.rand(seqlen_k, HEAD_DIM // 2, device="cuda")
+        cos, sin = angles.cos().to(DTYPE), angles.sin().to(DTYPE)
+        seqlens = torch.full((batch,), seqlen_k - 1, dtype=torch.int32, device="cuda")
+        step = functools.partial(flash_attn_with_kvcache, q, k_cache, v_cache, k_new, v_new,
+                                 cos, sin, seqlens, block_table=table, causal=True)
         kv_bytes = kv_bytes_of(batch, seqlen_k, nheads_k)
         row = {"batch": batch, "seqlen_k": seqlen_k, "nheads_k": nheads_k,
                "page_size": page_size, "kv_bytes": kv_bytes,
@@ -682,51 +687,6 @@ def run_graph_steps(copy_bw: float, quick: bool, cells: str = "grid") -> list[di
         del k_cache, v_cache
         torch.cuda.empty_cache()
     return rows
-
-
-def decode_step(batch, seqlen_k, nheads_k, page_size):
-    """(q, k_cache, v_cache, step): the public call as one decoding step over seqlen_k keys."""
-    k_cache, v_cache, table = make_cache(batch, seqlen_k, nheads_k, page_size)
-    q = torch.randn(batch, 1, NHEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
-    k_new, v_new = (torch.randn(batch, 1, nheads_k, HEAD_DIM, dtype=DTYPE, device="cuda")
-                    for _ in "kv")
-    angles = torch.rand(seqlen_k, HEAD_DIM // 2, device="cuda")
-    cos, sin = angles.cos().to(DTYPE), angles.sin().to(DTYPE)
-    seqlens = torch.full((batch,), seqlen_k - 1, dtype=torch.int32, device="cuda")
-    step = functools.partial(flash_attn_with_kvcache, q, k_cache, v_cache, k_new, v_new, cos,
-                             sin, seqlens, block_table=table, causal=True)
-    return q, k_cache, v_cache, step
-
-
-def study_fold() -> dict:
-    """The captured decoding step of the SMALL_GRAPH_CELLS (CUDA-graph GPU time) with the split
-    merge in the merge kernel (FOLD_MAX_SPLITS 0) or folded into the decode kernel at every
-    split count (decode.folds). Chooses FOLD_MAX_SPLITS as the most splits up to which folding
-    is never more than 1% slower than the merge kernel (1: never fold); the rest of the run
-    uses it."""
-    rows = []
-    default = decode.FOLD_MAX_SPLITS
-    for batch, seqlen_k, nheads_k, page_size in SMALL_GRAPH_CELLS:
-        q, k_cache, v_cache, step = decode_step(batch, seqlen_k, nheads_k, page_size)
-        splits = decode.launch_shape(q, nheads_k, page_size or 0, 0, seqlen_k)[3]
-        row = {"batch": batch, "seqlen_k": seqlen_k, "nheads_k": nheads_k,
-               "page_size": page_size, "splits": splits}
-        for name, fold_max in (("merge_kernel", 0), ("fold", 128)):
-            decode.FOLD_MAX_SPLITS = fold_max
-            row[f"{name}_folds"] = decode.folds(NHEADS // nheads_k, splits)
-            row[f"{name}_ms"] = bench_graph(step)
-        decode.FOLD_MAX_SPLITS = default
-        rows.append(row)
-        print("fold", json.dumps(row), flush=True)
-        del k_cache, v_cache
-        torch.cuda.empty_cache()
-    fold_max = 1
-    for row in sorted((r for r in rows if r["fold_folds"]), key=lambda r: r["splits"]):
-        if row["fold_ms"] > 1.01 * row["merge_kernel_ms"]:
-            break
-        fold_max = row["splits"]
-    decode.FOLD_MAX_SPLITS = fold_max
-    return {"rows": rows, "chosen_fold_max_splits": fold_max}
 
 
 def captured(fn):
@@ -790,7 +750,7 @@ def run_sweep(copy_bw: float) -> list[dict]:
     return rows
 
 
-STAGES = ["api", "profile", "study", "paging", "fold", "prefill", "graph", "decode", "sweep"]
+STAGES = ["api", "profile", "study", "paging", "prefill", "graph", "decode", "sweep"]
 
 
 def main():
@@ -821,8 +781,7 @@ def main():
                          "min_keys_per_split": decode.MIN_KEYS_PER_SPLIT,
                          "paged_extra_stages": decode.PAGED_EXTRA_STAGES,
                          "launch_pdl": decode.LAUNCH_PDL,
-                         "step_max_new": getattr(decode, "STEP_MAX_NEW", None),
-                         "fold_max_splits": decode.FOLD_MAX_SPLITS}}
+                         "step_max_new": getattr(decode, "STEP_MAX_NEW", None)}}
 
     def save(key, value):
         result[key] = value
@@ -854,12 +813,9 @@ def main():
         save("prefill_study", study_prefill())
     if "paging" in stages:
         save("paging_study", study_paging(copy_bw))
-    if "fold" in stages:
-        save("fold_study", study_fold())
     save("chosen", {"tiles": tiles(), "launch_pdl": decode.LAUNCH_PDL,
                     "page_tile_lookup": decode.PAGE_TILE_LOOKUP,
-                    "page_tile_extra_stages": decode.PAGE_TILE_EXTRA_STAGES,
-                    "fold_max_splits": decode.FOLD_MAX_SPLITS})
+                    "page_tile_extra_stages": decode.PAGE_TILE_EXTRA_STAGES})
     print("chosen", json.dumps(result["chosen"]), flush=True)
     if "prefill" in stages:
         save("prefill", run_prefill(args.quick))

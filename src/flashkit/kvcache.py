@@ -24,9 +24,8 @@ caching allocator, and auto num_splits depends on shapes alone (the cache capaci
 step can be captured in torch.cuda.graph and replayed with new values copied into the captured
 q, k, v and cache_seqlens tensors (an int cache_seqlens is frozen into the graph); tests/
 test_kvcache.py checks replays against eager calls and the oracle. Such a step (a few new keys,
-a few query rows per kv head) is the decode kernel, which appends the new keys itself and
-merges its splits (beyond decode.FOLD_MAX_SPLITS splits the merge kernel does): one graph node
-(two).
+a few query rows per kv head) is the decode kernel, which appends the new keys itself, and,
+with more than one split, the merge kernel: at most two graph nodes.
 """
 
 from __future__ import annotations

@@ -1,5 +1,4 @@
-"""Split-KV attention over a (paged) KV cache in Triton: a decode kernel that merges its splits
-itself, and an lse merge kernel for many splits.
+"""Split-KV attention over a (paged) KV cache in Triton: a decode kernel and an lse merge kernel.
 
 Notation as in common.py, plus:
     b, hk        the batch row and kv head of a program
@@ -13,7 +12,7 @@ Notation as in common.py, plus:
                  paged caches page BlockTable[b, j // PAGE_SIZE], slot j % PAGE_SIZE, looked up
                  per key row, so a key tile may span pages (any page size, any BLOCK_N)
     split        program axis 0: keys [split * chunk, (split + 1) * chunk), chunk a multiple of
-                 BLOCK_N; each split writes a partial (out, lse), merged (_merge_splits) into
+                 BLOCK_N; each split writes a partial (out, lse) that _merge_kernel combines:
                  lse = log sum_s exp(lse_s), out = sum_s exp(lse_s - lse) out_s
     tiles        a program's key tiles in three loops as in forward.py: masked tiles left of
                  the part every row sees whole (a left window), the unmasked middle, masked tiles
@@ -23,34 +22,23 @@ Notation as in common.py, plus:
 Layouts: q (b, sq, h, d); caches (rows | pages, slots, hk, d); out (b, sq, h, dv); lse (b, h, sq)
 float32. Partial results (num_splits > 1): out_part (S, b, sq, h, dv), lse_part (S, b, h, sq)
 float32. Only key slots below L_b are read, so block_table entries past a sequence's last page
-are never touched.
+are never touched. On Hopper the merge kernel is launched programmatically dependent (PDL): it
+is scheduled while the decode kernel runs and waits for its results (griddepcontrol.wait)
+instead of paying a launch after it.
 
-Merging the splits. Up to FOLD_MAX_SPLITS splits the decode kernel merges them ("last program
-merges", no second launch): each split program stores its partial, then (a CTA barrier, so
-every thread's stores precede it) increments its row block's counter with an acq_rel atomic;
-the program that sees num_splits - 1 has every other split's partial visible (acquire), merges
-them all into out and lse, and sets the counter back to 0, so the counters (fold_counters: one
-zeroed buffer per stream, kept) are ready for the next launch or CUDA-graph replay without a
-memset. The interpreter runs programs one after another, so there the last program merges too.
-Beyond FOLD_MAX_SPLITS, _merge_kernel's many small programs read the partials faster than one
-program per row block; on Hopper it is launched programmatically dependent (PDL): it is
-scheduled while the decode kernel runs and waits for its results (griddepcontrol.wait) instead
-of paying a launch after it.
-
-A decoding step (Step, flash_attn_with_kvcache with up to STEP_MAX_NEW new keys and the decode
-tile) is this kernel alone (and the merge kernel beyond FOLD_MAX_SPLITS splits), as flash-attn's
-Append_KV: the decode kernel checks the indices it uses as the append kernel does (append.py:
-the scalars, and every block-table entry of the pages of its split's keys; a failed check fails
-a device-side assertion that stops the stream, and the interpreter, which skips assertions,
-marks the program's out and lse NaN for tests), rotates q, and the program whose split holds
-positions cache_seqlens[b] .. + seqlen_new rotates the new keys and writes them and the new
-values into the cache (a slot only if its sequence's scalars and page pass), then reads them
-back from there after a barrier: no other program reads those slots, so there is no race and no
-append launch. Before the assertion can stop anything the reads stay in bounds (a sequence with
-a bad scalar reads no key, block-table entries are clamped into the cache). Sequences sharing a
-cache row through a duplicated cache_batch_idx may see each other's appended keys or not
-(flash-attn has the same race). Longer appends and wider query tiles take the append kernel
-first.
+A decoding step (Step, flash_attn_with_kvcache with up to STEP_MAX_NEW new keys and the
+decode tile) is this kernel and the merge alone, as flash-attn's Append_KV: the decode kernel
+checks the indices it uses as the append kernel does (append.py: the scalars, and every
+block-table entry of the pages of its split's keys; a failed check fails a device-side assertion
+that stops the stream, and the interpreter, which skips assertions, marks the program's out and
+lse NaN for tests), rotates q, and the program whose split holds positions cache_seqlens[b] ..
++ seqlen_new rotates the new keys and writes them and the new values into the cache (a slot only
+if its sequence's scalars and page pass), then reads them back from there after a barrier: no
+other program reads those slots, so there is no race and no append launch. Before the
+assertion can stop anything the reads stay in bounds (a sequence with a bad scalar reads no key,
+block-table entries are clamped into the cache). Sequences sharing a cache row through a
+duplicated cache_batch_idx may see each other's appended keys or not (flash-attn has the same
+race). Longer appends and wider query tiles take the append kernel first.
 """
 
 from __future__ import annotations
@@ -120,20 +108,18 @@ PAGED_EXTRA_STAGES = 2
 PAGE_TILE_LOOKUP = True
 PAGE_TILE_EXTRA_STAGES = 2
 LAUNCH_PDL = True  # merge kernel as a programmatic dependent launch where the GPU has it
+# The merge stays a second (PDL) launch: folding it into this kernel ("last program merges":
+# split partials, an acq_rel counter per row block, the last arrival merges and resets it;
+# branch h71-decode-merge, commit 4e038e6) was slower on the H200 at every split count, as the
+# fence, the atomic's round trip and the merging program's loads cost more than the PDL merge,
+# whose programs are resident and waiting: captured step, GPU us, merge kernel -> folded, 4
+# splits b1 1k GQA 8:1 8.6 -> 9.9, MHA 9.4 -> 10.2; 8 splits b8 16k GQA 68.7 -> 69.1; 16
+# splits b4 4k GQA 14.2 -> 16.9; 64 splits b1 16k 14.4 -> 33.2
+# (benchmarks/results/decode_20261121T113441_merge_fold_onepass.json).
 STEP_MAX_NEW = 16  # a step's decode kernel appends up to this many new keys per sequence
 # Output columns per merge program: the merge is latency bound. H200, b1, 16k-128k keys, 29-64
 # splits, the merge alone: 3.7-3.9 us with whole 128-column rows per program, 2.6 us with 32.
 MERGE_BLOCK_DV = 32
-# Up to this many splits the decode kernel merges them itself (its last split program of a row
-# block, module docstring): no merge launch. Beyond, the merge kernel's many programs read the
-# partials faster than one program per row block.
-FOLD_MAX_SPLITS = 16
-# ... with at most this many packed query rows per kv head (the smallest tile: a folding
-# program reads each split's [16, dv] partial, 16 float32 per thread at d128).
-FOLD_MAX_ROWS = 16
-# Folding counters: int32 per (batch row, kv head, row block), zero between launches; at least
-# this many per buffer (64 KB), so one buffer serves every shape up to 16k programs.
-MIN_FOLD_COUNTERS = 2**14
 # auto_num_splits takes the fewest splits within this fraction of the best wave efficiency
 # (flash-attn: 0.85). Memory-bound decoding wants the slots full: at b1 64k GQA 8:1 the H200
 # study timed 57 splits (0.86 of the 264 slots) at 81% of copy bandwidth, 66 (all) at 83%.
@@ -292,7 +278,7 @@ def _pages_ok(table_row, lo, hi, num_pages, PAGE_SIZE: tl.constexpr, TABLE_CHUNK
 
 @triton.jit
 def _decode_kernel(Q, K, V, Out, Lse, BlockTable, CacheBatchIdx, Leftpad, SeqlensK, Slopes, Sink,
-                   Cos, Sin, KNew, VNew, Counters, Final, FinalLse,
+                   Cos, Sin, KNew, VNew,
                    stride_qb, stride_qs, stride_qh, stride_qd,
                    stride_kb, stride_ks, stride_kh, stride_kd,
                    stride_vb, stride_vs, stride_vh, stride_vd,
@@ -301,7 +287,6 @@ def _decode_kernel(Q, K, V, Out, Lse, BlockTable, CacheBatchIdx, Leftpad, Seqlen
                    stride_bt, stride_slopes_b, stride_cs, stride_cd,
                    stride_nkb, stride_nks, stride_nkh, stride_nkd,
                    stride_nvb, stride_nvs, stride_nvh, stride_nvd,
-                   stride_fb, stride_fs, stride_fh, stride_fd, stride_flb, stride_flh, stride_fls,
                    nheads_k, group, seqlen_q, num_splits, window_left, window_right, qk_scale,
                    softcap_scale, seqlen_fixed, seqlen_new, q_rows, capacity, cache_rows,
                    seqlen_ro,
@@ -314,7 +299,7 @@ def _decode_kernel(Q, K, V, Out, Lse, BlockTable, CacheBatchIdx, Leftpad, Seqlen
                    USE_PDL: tl.constexpr, PRECISION: tl.constexpr, STEP: tl.constexpr,
                    SEQLENS_TENSOR: tl.constexpr, ROTARY_HALF: tl.constexpr,
                    INTERLEAVED: tl.constexpr, BLOCK_NEW: tl.constexpr,
-                   TABLE_CHUNK: tl.constexpr, FOLD: tl.constexpr, FOLD_BLOCK_S: tl.constexpr):
+                   TABLE_CHUNK: tl.constexpr):
     if USE_PDL:  # the merge kernel may be scheduled now; it waits for this grid's results
         gdc_launch_dependents()
     pid_split = tl.program_id(0)
@@ -439,57 +424,6 @@ def _decode_kernel(Q, K, V, Out, Lse, BlockTable, CacheBatchIdx, Leftpad, Seqlen
     l_ptrs = (Lse + pid_split * stride_lsplit + off_b64 * stride_lb + offs_h * stride_lh
               + offs_t * stride_ls)
     tl.store(l_ptrs, lse, mask=row_ok)
-    if FOLD:  # the last of the row block's split programs merges them (module docstring)
-        tl.debug_barrier()  # every thread's partial is stored before the release below
-        counter = Counters + pid_bhk * tl.num_programs(2) + tl.program_id(2)
-        if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
-            tl.store(counter, 0)  # zero again for the next launch or graph replay
-            col_ok = offs_dv < HEAD_DIM_V
-            out_m, lse_m = _merge_splits(
-                Out + (off_b64 * stride_ob + offs_t * stride_os + offs_h * stride_oh)[:, None]
-                + offs_dv[None, :] * stride_od,
-                Lse + off_b64 * stride_lb + offs_h * stride_lh + offs_t * stride_ls,
-                stride_osplit, stride_lsplit, num_splits, row_ok, col_ok, FOLD_BLOCK_S, 1)
-            f_rows = off_b64 * stride_fb + offs_t * stride_fs + offs_h * stride_fh
-            tl.store(Final + f_rows[:, None] + offs_dv[None, :] * stride_fd,
-                     out_m.to(Final.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
-            tl.store(FinalLse + off_b64 * stride_flb + offs_h * stride_flh + offs_t * stride_fls,
-                     lse_m, mask=row_ok)
-
-
-@triton.jit
-def _merge_splits(o_ptrs, l_ptrs, stride_psplit, stride_lpsplit, num_splits, row_ok, col_ok,
-                  BLOCK_S: tl.constexpr, SPLITS_PER_LOAD: tl.constexpr):
-    """The splits' partial results folded by their lse: lse = log sum_s exp(lse_s), out =
-    sum_s exp(lse_s - lse) out_s, for R rows and C columns of split 0's out_part at o_ptrs
-    [R, C] and lse_part at l_ptrs [R] (split s at + s * stride); returns out [R, C] and lse [R]
-    in float32. SPLITS_PER_LOAD splits are loaded at once, rescaled online as the softmax is
-    (no store in between, so every load can be in flight together). Splits without mass (lse
-    -inf) weigh 0; a row without any gives out 0, lse -inf."""
-    m_i = tl.full([o_ptrs.shape[0]], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([o_ptrs.shape[0]], dtype=tl.float32)
-    acc = tl.zeros(o_ptrs.shape, dtype=tl.float32)
-    m_ref = l_i
-    for s0 in tl.static_range(0, BLOCK_S, SPLITS_PER_LOAD):
-        offs_s = s0 + tl.arange(0, SPLITS_PER_LOAD)
-        split_ok = offs_s < num_splits
-        # [SPLITS_PER_LOAD, R]
-        lse_s = tl.load(l_ptrs[None, :] + offs_s[:, None] * stride_lpsplit,
-                        mask=split_ok[:, None] & row_ok[None, :], other=float("-inf"))
-        # [SPLITS_PER_LOAD, R, C]
-        o_part = tl.load(o_ptrs[None, :, :] + offs_s[:, None, None] * stride_psplit,
-                         mask=(split_ok[:, None, None] & row_ok[None, :, None]
-                               & col_ok[None, None, :]), other=0.0)
-        m_new = tl.maximum(m_i, tl.max(lse_s, 0))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.math.exp2((m_i - m_ref) * LOG2E_JIT)
-        w = tl.math.exp2((lse_s - m_ref[None, :]) * LOG2E_JIT)  # 0 for empty splits
-        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o_part, 0)
-        l_i = l_i * alpha + tl.sum(w, 0)
-        m_i = m_new
-    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    lse = tl.where(l_i > 0.0, m_ref + tl.math.log2(l_i) * LN2_JIT, float("-inf"))
-    return out, lse
 
 
 @triton.jit
@@ -510,19 +444,24 @@ def _merge_kernel(OutPart, LsePart, Out, Lse,
     off_h = row % nheads
     off_t = (row // nheads) % seqlen_q
     off_b = (row // (nheads * seqlen_q)).to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
     offs_dv = pid_dv * BLOCK_DV + tl.arange(0, BLOCK_DV)
-    offs_row = tl.zeros([1], dtype=tl.int32)  # the program's one row, as a tile of 1
-    out, lse = _merge_splits(
-        OutPart + off_b * stride_pb + off_t * stride_ps + off_h * stride_ph
-        + offs_row[:, None] + offs_dv[None, :] * stride_pd,
-        LsePart + off_b * stride_lpb + off_h * stride_lph + off_t * stride_lps + offs_row,
-        stride_psplit, stride_lpsplit, num_splits, offs_row == 0, offs_dv < HEAD_DIM_V, BLOCK_S,
-        BLOCK_S)
-    o_ptrs = (Out + off_b * stride_ob + off_t * stride_os + off_h * stride_oh + offs_row[:, None]
-              + offs_dv[None, :] * stride_od)
-    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=(offs_dv < HEAD_DIM_V)[None, :])
-    tl.store(Lse + off_b * stride_lb + off_h * stride_lh + off_t * stride_ls + offs_row, lse,
-             mask=(offs_row == 0) & (pid_dv == 0))
+    lse_s = tl.load(LsePart + offs_s * stride_lpsplit + off_b * stride_lpb + off_h * stride_lph
+                    + off_t * stride_lps, mask=offs_s < num_splits, other=float("-inf"))
+    lse_max = tl.max(lse_s, 0)
+    lse_ref = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    w = tl.math.exp2((lse_s - lse_ref) * LOG2E_JIT)  # [BLOCK_S], 0 for empty splits
+    w_sum = tl.sum(w, 0)
+    o_part = tl.load(OutPart + offs_s[:, None] * stride_psplit + off_b * stride_pb
+                     + off_t * stride_ps + off_h * stride_ph + offs_dv[None, :] * stride_pd,
+                     mask=(offs_s[:, None] < num_splits) & (offs_dv[None, :] < HEAD_DIM_V),
+                     other=0.0)
+    out = tl.sum(w[:, None] * o_part, 0) / tl.where(w_sum > 0.0, w_sum, 1.0)
+    lse = tl.where(w_sum > 0.0, lse_ref + tl.math.log2(w_sum) * LN2_JIT, float("-inf"))
+    tl.store(Out + off_b * stride_ob + off_t * stride_os + off_h * stride_oh
+             + offs_dv * stride_od, out.to(Out.dtype.element_ty), mask=offs_dv < HEAD_DIM_V)
+    tl.store(Lse + off_b * stride_lb + off_h * stride_lh + off_t * stride_ls, lse,
+             mask=pid_dv == 0)
 
 
 def tile_config(packed_rows: int, page_size: int) -> tuple[Tile, bool]:
@@ -587,55 +526,6 @@ def _launch_facts(device: torch.device) -> tuple[int, bool]:
     """(SM count, whether to launch with PDL) for a launch on `device`."""
     sms, has_pdl = device_facts(device)
     return sms, has_pdl and LAUNCH_PDL
-
-
-def folds(packed_rows: int, num_splits: int) -> bool:
-    """Whether the decode kernel merges its num_splits splits itself (module docstring): up to
-    FOLD_MAX_SPLITS splits, at most FOLD_MAX_ROWS packed query rows per kv head."""
-    return 1 < num_splits <= FOLD_MAX_SPLITS and packed_rows <= FOLD_MAX_ROWS
-
-
-_counters: dict = {}  # (device, stream) -> int32 folding counters, zero between launches
-_spares: dict = {}  # device -> zeroed counters for the next stream first seen under capture
-_retired: list = []  # replaced buffers: CUDA graphs captured with them may still use them
-
-
-def fold_counters(device: torch.device, count: int) -> torch.Tensor:
-    """At least `count` int32 counters, zero between launches, for folding launches on the
-    current stream of `device`.
-
-    Each split program increments its row block's counter and the last one resets it, so a
-    buffer is zeroed once and serves every later launch, eager or replayed from a CUDA graph.
-    Launches that may run at once must not share counters, so there is one buffer per stream
-    (kernels on one stream run in order). A graph captured on a stream keeps that stream's
-    buffer: graphs captured on one stream share it and must be replayed one at a time (as on
-    one stream), graphs captured on different streams may run concurrently. Buffers are made
-    outside captures (a capture cannot zero one without a memset node in the graph): a stream
-    first seen under capture takes the device's spare, made zeroed by the eager calls before
-    (warm-up); only without one (or one too small) does the capture allocate and zero its own,
-    a memset node per replay. Buffers are never freed (a graph may use them); a buffer outgrown
-    by an eager call is replaced, the old one kept."""
-    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda"
-           else None)
-    size = max(MIN_FOLD_COUNTERS, triton.next_power_of_2(count))
-    buffer = _counters.get(key)
-    if capturing:
-        if buffer is None:
-            spare = _spares.get(device)
-            if spare is not None and spare.numel() >= count:
-                buffer = _counters[key] = _spares.pop(device)
-        if buffer is None or buffer.numel() < count:
-            return torch.zeros(count, dtype=torch.int32, device=device)
-        return buffer
-    if buffer is None or buffer.numel() < count:
-        if buffer is not None:
-            _retired.append(buffer)
-        buffer = _counters[key] = torch.zeros(size, dtype=torch.int32, device=device)
-    spare = _spares.get(device)
-    if device.type == "cuda" and (spare is None or spare.numel() < count):
-        _spares[device] = torch.zeros(size, dtype=torch.int32, device=device)
-    return buffer
 
 
 def merge(out_part, lse_part, out, lse, use_pdl: bool = False) -> None:
@@ -707,7 +597,6 @@ def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, bloc
     tile, per_tile, m_blocks, num_splits = launch_shape(q, nheads_k, page_size, num_splits,
                                                         max_seqlen_k)
     _, use_pdl = _launch_facts(q.device)
-    fold = folds(seqlen_q * group, num_splits)
     if step is not None and m_blocks != 1:
         raise ValueError("decode.forward: a step needs one program per kv head (takes_step)")
 
@@ -740,7 +629,6 @@ def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, bloc
     # seqlens_k, or q where a step takes an int cache_seqlens: stands in for absent pointer
     # arguments (never read)
     dummy = q if seqlens_k is None else seqlens_k
-    counters = fold_counters(q.device, batch * nheads_k * m_blocks) if fold else dummy
     launch(_decode_kernel, (num_splits, batch * nheads_k, m_blocks), (
         q, k_cache, v_cache, out_part, lse_part,
         dummy if block_table is None else block_table,
@@ -748,30 +636,27 @@ def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, bloc
         dummy if cache_leftpad is None else cache_leftpad, dummy,
         dummy if slopes is None else slopes,
         dummy if params.sink is None else params.sink, dummy if cos is None else cos,
-        dummy if sin is None else sin, k_new, v_new, counters, out, lse), (
+        dummy if sin is None else sin, k_new, v_new), (
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out_part.stride(),
         *lse_part.stride(), 0 if block_table is None else block_table.stride(0),
         slopes.stride(0) if slopes is not None and slopes.dim() == 2 else 0,
         *((0, 0) if cos is None else cos.stride()), *k_new.stride(), *v_new.stride(),
-        *out.stride(), *lse.stride(), nheads_k, group, seqlen_q, num_splits, window_left,
-        window_right, qk_scale, softcap_scale,
-        0 if step is None or seqlens_tensor else int(step.cache_seqlens), seqlen_new,
-        1 if step is None else step.q_rows, capacity, k_cache.shape[0],
-        0 if cos is None else cos.shape[0]), dict(
+        nheads_k, group, seqlen_q, num_splits, window_left, window_right, qk_scale,
+        softcap_scale, 0 if step is None or seqlens_tensor else int(step.cache_seqlens),
+        seqlen_new, 1 if step is None else step.q_rows, capacity,
+        k_cache.shape[0], 0 if cos is None else cos.shape[0]), dict(
         HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=padded_head_dim(head_dim),
         BLOCK_DV=padded_head_dim(head_dim_v), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
         PAGE_SIZE=page_size, PAGE_PER_TILE=per_tile,
         HAS_BATCH_IDX=cache_batch_idx is not None, HAS_LEFTPAD=cache_leftpad is not None,
         HAS_LEFT=has_left, HAS_RIGHT=has_right, SOFTCAP=softcap,
         ALIBI=slopes is not None, HAS_SINK=params.sink is not None,
-        USE_PDL=use_pdl and num_splits > 1 and not fold, PRECISION=DOT_PRECISION,
-        STEP=step is not None,
+        USE_PDL=use_pdl and num_splits > 1, PRECISION=DOT_PRECISION, STEP=step is not None,
         SEQLENS_TENSOR=step is None or seqlens_tensor,
         ROTARY_HALF=0 if cos is None else cos.shape[1],
         INTERLEAVED=step is not None and step.interleaved,
-        BLOCK_NEW=max(1, triton.next_power_of_2(seqlen_new)), TABLE_CHUNK=TABLE_CHUNK,
-        FOLD=fold, FOLD_BLOCK_S=triton.next_power_of_2(num_splits)),
+        BLOCK_NEW=max(1, triton.next_power_of_2(seqlen_new)), TABLE_CHUNK=TABLE_CHUNK),
         num_warps=tile.num_warps, num_stages=tile.num_stages, **checks)
-    if num_splits > 1 and not fold:
+    if num_splits > 1:
         merge(out_part, lse_part, out, lse, use_pdl)
     return out, lse
