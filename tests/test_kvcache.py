@@ -487,6 +487,23 @@ def test_triton_writes_every_output_element():
         assert not out.isnan().any() and not lse.isnan().any()
 
 
+def check_split_counts(device, splits, **kw):
+    """A step without new keys (the same call twice has the same result) at forced split
+    counts, each call made twice and checked against the oracle: the split partials and their
+    merge leave no state behind between calls."""
+    for num_splits in splits:
+        case = Case(seqlen_new=0, num_splits=num_splits, **kw)
+        for _ in range(2):
+            case.check("triton", device)
+
+
+@interpreted
+def test_triton_split_counts_twice():
+    """96 keys in 32-key tiles: 2 and 3 splits share them, 7 leave splits empty."""
+    check_split_counts("cpu", (2, 3, 7), d=16, capacity=96, seqlen_q=2, nheads=8, nheads_k=2,
+                       page_size=16, causal=True)
+
+
 # The checks of the Triton append kernel (CUDA calls check index values there, without a sync:
 # a bad one fails a device-side assertion, which the interpreter skips; the kernel also marks
 # the sequence's seqlens_k -1, checked here). Same cases as test_errors', plus an int
@@ -626,6 +643,14 @@ def test_triton_writes_every_output_element_on_gpu(num_splits):
                    zeros, zeros, case.block_table.cuda(), AttentionParams(0.1, None, 0),
                    num_splits, out=out, lse=lse)
     assert not out.isnan().any() and not lse.isnan().any()
+
+
+@pytest.mark.gpu
+def test_triton_split_counts_twice_on_gpu():
+    """bf16 d128 GQA 8:1 over up to 1024 keys in 64-key tiles: 17 and 64 splits leave splits
+    empty."""
+    check_split_counts("cuda", (2, 5, 16, 17, 64), batch=3, nheads=16, nheads_k=2, d=128,
+                       capacity=1024, dtype=torch.bfloat16, causal=True)
 
 
 @pytest.mark.gpu

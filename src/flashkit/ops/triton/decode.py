@@ -108,6 +108,14 @@ PAGED_EXTRA_STAGES = 2
 PAGE_TILE_LOOKUP = True
 PAGE_TILE_EXTRA_STAGES = 2
 LAUNCH_PDL = True  # merge kernel as a programmatic dependent launch where the GPU has it
+# The merge stays a second (PDL) launch: folding it into this kernel ("last program merges":
+# split partials, an acq_rel counter per row block, the last arrival merges and resets it;
+# branch h71-decode-merge, commit 4e038e6) was slower on the H200 at every split count, as the
+# fence, the atomic's round trip and the merging program's loads cost more than the PDL merge,
+# whose programs are resident and waiting: captured step, GPU us, merge kernel -> folded, 4
+# splits b1 1k GQA 8:1 8.6 -> 9.9, MHA 9.4 -> 10.2; 8 splits b8 16k GQA 68.7 -> 69.1; 16
+# splits b4 4k GQA 14.2 -> 16.9; 64 splits b1 16k 14.4 -> 33.2
+# (benchmarks/results/decode_20261121T113441_merge_fold_onepass.json).
 STEP_MAX_NEW = 16  # a step's decode kernel appends up to this many new keys per sequence
 # Output columns per merge program: the merge is latency bound. H200, b1, 16k-128k keys, 29-64
 # splits, the merge alone: 3.7-3.9 us with whole 128-column rows per program, 2.6 us with 32.
