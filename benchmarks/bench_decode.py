@@ -23,7 +23,8 @@ the public API); the run stops if it fails. Then, bf16, d128, 32 query heads:
            TFLOP/s over visible pairs; the public call with the route forced on and off (tensor
            cache_seqlens) and as configured (int cache_seqlens), to set its thresholds.
   graph    the public call as a decoding step (append + rotary + attention) captured in a CUDA
-           graph and replayed back to back, against eager calls and cuDNN SDPA (b1/b4, 1k..16k).
+           graph and replayed back to back, against eager calls, cuDNN SDPA (b1/b4, 1k..16k)
+           and the read floor (one kernel that only reads the same K and V bytes, replayed).
   sweep    (stage sweep) candidate decode tiles at three shapes, to choose decode.HOPPER.
   paging   (stage paging) page-256 decode with the block-table entry read per key row or per
            key tile, and the paged extra stages; sets decode.PAGE_TILE_LOOKUP and the stages.
@@ -53,6 +54,7 @@ import time
 
 import torch
 import triton
+import triton.language as tl
 from triton.testing import do_bench, do_bench_cudagraph
 
 import flashkit
@@ -98,6 +100,28 @@ def copy_bandwidth() -> float:
     dst = torch.empty_like(src)
     ms = bench(lambda: dst.copy_(src))
     return 2 * 2**30 / (ms * 1e-3)
+
+
+@triton.jit
+def _read_kernel(K, V, Partial, n, BLOCK: tl.constexpr):
+    """Reads K[:n] and V[:n] (BLOCK elements of each per program) and writes one float per
+    program: what one kernel must at least do to read a decode step's K and V bytes."""
+    pid = tl.program_id(0)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    k = tl.load(K + offs, mask=offs < n, other=0.0).to(tl.float32)
+    v = tl.load(V + offs, mask=offs < n, other=0.0).to(tl.float32)
+    tl.store(Partial + pid, tl.sum(k + v))
+
+
+READ_BLOCK = 4096  # elements of K and of V per program of the read floor
+
+
+def read_floor_fn(k_cache, v_cache, kv_bytes):
+    """One launch reading kv_bytes of the caches (half from each, the first elements of their
+    storage: the same bytes as the step's keys and values, contiguous or paged)."""
+    n = kv_bytes // 2 // k_cache.element_size()
+    partial = torch.empty(triton.cdiv(n, READ_BLOCK), dtype=torch.float32, device="cuda")
+    return lambda: _read_kernel[(partial.numel(),)](k_cache, v_cache, partial, n, READ_BLOCK)
 
 
 def make_cache(batch, seqlen_k, nheads_k, page_size):
@@ -653,7 +677,9 @@ def run_graph_steps(copy_bw: float, quick: bool, cells: str = "grid") -> list[di
     attend causally over L keys, auto splits): per-step time of back-to-back eager calls and of
     back-to-back replays of the captured step (wall clock, what a decoding loop sees), the
     captured step's GPU time, and cuDNN SDPA on the same attention (no append) eager and
-    replayed; bandwidth = K+V bytes / time as % of the copy."""
+    replayed; bandwidth = K+V bytes / time as % of the copy. The read floor: one kernel that
+    only reads the same bytes (_read_kernel), replayed: no step of one launch can beat it, so it
+    says how much of the copy's bandwidth a cell's bytes allow at all."""
     rows = []
     cells = {"small": SMALL_GRAPH_CELLS, "large": LARGE_GRAPH_CELLS}.get(
         cells, GRAPH_CELLS[::3] if quick else GRAPH_CELLS)
@@ -673,7 +699,9 @@ def run_graph_steps(copy_bw: float, quick: bool, cells: str = "grid") -> list[di
                "auto_splits": auto_splits(batch, seqlen_k, nheads_k, page_size),
                "nodes": graph_nodes(step), "eager_kernels": eager_kernels(step),
                "eager_loop_ms": loop_ms(step), "graph_loop_ms": loop_ms(captured(step)),
-               "graph_gpu_ms": bench_graph(step)}
+               "graph_gpu_ms": bench_graph(step),
+               "read_floor_graph_gpu_ms": bench_graph(read_floor_fn(k_cache, v_cache,
+                                                                    kv_bytes))}
         if page_size is None:
             fn = sdpa_fn(q, k_cache, v_cache, "CUDNN_ATTENTION")
             row["cudnn_eager_loop_ms"] = loop_ms(fn)
