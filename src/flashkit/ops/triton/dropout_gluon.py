@@ -116,49 +116,39 @@ if gluon is not None:
         return philox_calls(seed_lo, seed_hi, off_b, off_h, row_ids, calls)
 
     @gluon.jit
-    def _compare_words(words, threshold):
-        """Each of `words` (the tile's words of its calls, dropout.tile_words of _tile_calls)
-        compared four bytes per instruction (dropout.bytes_ge), as [64, CHUNKS, 1, 8] in
-        draw_layout: bit 8 c + 7 of word w's result says byte 4 w + c of the call is kept."""
-        compared = ()
-        for w in gl.static_range(len(words)):
-            compared = compared + (gl.expand_dims(bytes_ge(words[w], threshold), 2), )
-        return compared
-
-    @gluon.jit
-    def select_ge(compared, BLOCK_N: gl.constexpr):
-        """(ge, byte) from _compare_words' compared words, as [64, CHUNKS, BYTES, 8] in
-        draw_layout: ge holds, for each score, its call's compared word byte // 4, so the score
-        (row, 128 chunk + 8 byte + g) is kept iff bit 8 (byte % 4) + 7 of ge is set; byte
-        [1, 1, BYTES, 1]. Which word a register takes is known per register: no instructions."""
+    def _compare_words(words, threshold, BLOCK_N: gl.constexpr):
+        """(ge, byte) from `words`, the tile's words of its calls (dropout.tile_words of
+        _tile_calls), as [64, CHUNKS, BYTES, 8] in draw_layout: ge holds, for each score, the
+        word of its call (word byte // 4) compared four bytes per instruction (dropout.
+        bytes_ge), so the score (row, 128 chunk + 8 byte + g) is kept iff bit 8 (byte % 4) + 7
+        of ge is set; byte [1, 1, BYTES, 1]."""
         gl.static_assert(BLOCK_N >= 32, "tile_words: whole words")
         L4: gl.constexpr = draw_layout(BLOCK_N)  # [64, CHUNKS, BYTES, 8]
         BYTES: gl.constexpr = BLOCK_N // 8 if BLOCK_N < 128 else 16
         byte = gl.arange(0, BYTES, layout=gl.SliceLayout(1, gl.SliceLayout(0, gl.SliceLayout(
             0, L4))))
         byte = gl.expand_dims(gl.expand_dims(gl.expand_dims(byte, 1), 0), 0)  # [1, 1, BYTES, 1]
-        ge = compared[0]  # [64, CHUNKS, 1, 8]
-        for w in gl.static_range(1, len(compared)):
-            ge = gl.where(byte // 4 == w, compared[w], ge)
+        ge = gl.expand_dims(bytes_ge(words[0], threshold), 2)  # [64, CHUNKS, 1, 8]
+        for w in gl.static_range(1, len(words)):  # byte b's word, b // 4: known per register
+            ge = gl.where(byte // 4 == w, gl.expand_dims(bytes_ge(words[w], threshold), 2), ge)
         return ge, byte
 
     @gluon.jit
     def _keep_from_words(words, threshold, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
         """[64, BLOCK_N] bool in s_layout from the tile's words (_compare_words), an element
         testing one bit of its word."""
-        ge, byte = select_ge(_compare_words(words, threshold), BLOCK_N)
+        ge, byte = _compare_words(words, threshold, BLOCK_N)
         keep = ge & (0x80 << (8 * (byte % 4))).to(gl.uint32)  # [64, CHUNKS, BYTES, 8]
         return gl.convert_layout(gl.reshape(keep, [64, BLOCK_N]), s_layout) != 0
 
     @gluon.jit
     def keep_words(drop, start_m, start_n, BLOCK_N: gl.constexpr):
-        """The compared words (_compare_words; select_ge makes each score's word of them) of
-        dropout.dropout_keep's mask of query rows start_m + [0, 64) and keys start_n +
-        [0, BLOCK_N) (start_n a multiple of BLOCK_N), one Philox call per (row, chunk, g) of
-        the thread's own scores: only the words the tile uses are drawn and compared (the
-        forward masks P pairs with them directly)."""
+        """_compare_words' (ge, byte) of dropout.dropout_keep's mask of query rows start_m +
+        [0, 64) and keys start_n + [0, BLOCK_N) (start_n a multiple of BLOCK_N), one Philox
+        call per (row, chunk, g) of the thread's own scores: only the words the tile uses are
+        drawn and compared (the forward masks P pairs with them directly)."""
         words = tile_words(_tile_calls(drop, start_m, start_n, BLOCK_N), start_n, BLOCK_N)
-        return _compare_words(words, drop[2])
+        return _compare_words(words, drop[2], BLOCK_N)
 
     @gluon.jit
     def keep_tile(drop, start_m, start_n, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):

@@ -113,7 +113,7 @@ BOUNDED_RANGE = {torch.bfloat16: (100.0, 0.0), torch.float16: (15.0, 15.0)}
 
 
 if gluon is not None:
-    from flashkit.ops.triton.dropout_gluon import keep_words, select_ge
+    from flashkit.ops.triton.dropout_gluon import keep_words
 
     LN2 = gl.constexpr(0.6931471805599453)
     LOG2E_GL = gl.constexpr(LOG2E)
@@ -215,42 +215,30 @@ if gluon is not None:
             gl.thread_barrier()
 
     @gluon.jit
-    def _p_carry(p, kept, dtype: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr,
-                 DROPOUT: gl.constexpr):
-        """What a step hands the next one for its P V wgmma (_pv_operand): P [BLOCK_M, BLOCK_N]
-        float32 in dtype (fp16/bf16) in the A operand's layout, and with DROPOUT the tuple
-        (P in s_layout, kept), kept: dropout_gluon.keep_words' compared words of P's tile (P
-        still unmasked)."""
+    def _p_operand(p, kept, dtype: gl.constexpr, s_layout: gl.constexpr,
+                   DROPOUT: gl.constexpr):
+        """P [BLOCK_M, BLOCK_N] float32 in dtype (fp16/bf16) as the P V wgmma's A operand, and
+        with DROPOUT zero where the keep-mask drops (kept: dropout_gluon.keep_words' (ge,
+        byte), drawn for this tile). The two scores of a register pair (columns 2c, 2c + 1:
+        the same byte of two Philox calls, the wgmma layout's first register basis) are
+        converted into one 32-bit register and masked with one PRMT and one AND: PRMT's
+        sign-replicating selector copies bit 8 (byte % 4) + 7 of each call's ge word into its
+        half (0xFFFF or 0), so the mask costs one instruction per score, the conversion
+        none more."""
         if DROPOUT:
-            carry = (gl.convert_layout(p.to(dtype), s_layout), kept)
-        else:
-            carry = gl.convert_layout(p.to(dtype), p_layout)
-        return carry
-
-    @gluon.jit
-    def _pv_operand(carry, s_layout: gl.constexpr, p_layout: gl.constexpr,
-                    DROPOUT: gl.constexpr):
-        """The P V wgmma's A operand from _p_carry's carry: P, with DROPOUT zero where the
-        keep-mask drops. The two scores of a register (columns 2c, 2c + 1: the same byte of two
-        Philox calls, the wgmma layout's first register basis) are masked with one PRMT and
-        one AND: PRMT's sign-replicating selector copies bit 8 (byte % 4) + 7 of each call's
-        ge word (dropout_gluon.select_ge) into its half (0xFFFF or 0). Masked here, right
-        before the step's wgmmas: a masked pair carried through the loop's phi cost a register
-        copy (PRMT) per pair, where the unmasked P is converted in place as plain's."""
-        if DROPOUT:
-            p, kept = carry
+            ge, byte = kept
             BLOCK_N: gl.constexpr = p.shape[1]
-            ge, byte = select_ge(kept, BLOCK_N)
             # selector nibbles 8 | c, 8 | c (ge_lo's byte c), 8 | 4 + c twice (ge_hi's)
             ge, sel = gl.broadcast(ge, (0xCC88 + 0x1111 * (byte % 4)).to(gl.uint32))
             ge = gl.convert_layout(gl.reshape(ge, [BM, BLOCK_N]), s_layout)
             sel = gl.convert_layout(gl.reshape(sel, [BM, BLOCK_N]), s_layout)
+            CVT: gl.constexpr = "cvt.rn.bf16x2.f32" if dtype == gl.bfloat16 else "cvt.rn.f16x2.f32"
             op = gl.inline_asm_elementwise(
-                "{ .reg .b32 m; prmt.b32 m, $2, $3, $4; and.b32 $0, $1, m; }",
-                "=r,r,r,r,r,r", [p, ge, sel], dtype=p.dtype, is_pure=True, pack=2)
-            op = gl.convert_layout(op, p_layout)
+                "{ .reg .b32 m, t; prmt.b32 m, $3, $4, $5; " + CVT
+                + " t, $2, $1; and.b32 $0, t, m; }",
+                "=r,r,r,r,r,r,r", [p, ge, sel], dtype=dtype.value, is_pure=True, pack=2)
         else:
-            op = carry
+            op = p.to(dtype)
         return op
 
     @gluon.jit
@@ -369,10 +357,7 @@ if gluon is not None:
         pre-dropout)."""
         (descs, smem, bars, q_tile, row0, rows, n_tiles, key0, key_start, kv_col, geo, alibi,
          drop, ring, turn0) = ctx
-        acc, carry, m_i, l_i = state
-        # Before the S wgmma's issue: issued between the two wgmmas, ptxas copied 24 of P's
-        # registers around the mask (instructions per step at d128: 681 here, 705 there)
-        p_op = _pv_operand(carry, s_layout, p_layout, DROPOUT)
+        acc, p_op, m_i, l_i = state
         q_smem, k_smem, v_smem = smem
         q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, turns = bars
         stage = (ring + tile) % NUM_STAGES
@@ -397,9 +382,8 @@ if gluon is not None:
         p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, rows, gl.expand_dims(cols, 0), col0,
                                            geo, alibi, MASK, HAS_LEFT, HAS_RIGHT, SOFTCAP,
                                            ALIBI, ALIBI_SIDE)
-        p_next = _p_carry(p, kept, q_tile.dtype, s_layout, p_layout, DROPOUT)
-        if DROPOUT:  # P alone passes through the wait (the words are not the softmax's)
-            p_next, kept = p_next
+        p_next = gl.convert_layout(_p_operand(p, kept, q_tile.dtype, s_layout, DROPOUT),
+                                   p_layout)
         # The softmax results pass through the wait so that the compiler cannot sink the softmax
         # below it (which would serialise it after the P V matmul again).
         if SOFTCAP == SOFTCAP_BOUNDED_GL:  # a fixed row max: O keeps its scale
@@ -411,8 +395,6 @@ if gluon is not None:
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
         _release_v((descs[1], descs[2]), smem, bars, tile - 1, ring, n_tiles, key0, kv_col,
                    BLOCK_N, NUM_STAGES, SPECIALIZED)
-        if DROPOUT:
-            p_next = (p_next, kept)
         return acc, p_next, m_i, l_i
 
     @gluon.jit
@@ -506,7 +488,8 @@ if gluon is not None:
             p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, rows, gl.expand_dims(cols, 0), lo,
                                                geo, alibi, True, HAS_LEFT, HAS_RIGHT, SOFTCAP,
                                                ALIBI, 0)
-            state = (acc, _p_carry(p, kept, dtype, s_layout, p_layout, DROPOUT), m_i, l_i)
+            state = (acc, gl.convert_layout(_p_operand(p, kept, dtype, s_layout, DROPOUT),
+                                            p_layout), m_i, l_i)
 
             if HAS_LEFT:  # masked tiles left of the visible middle
                 state = _steps(ctx, state, 1, t_lo, BLOCK_N, NUM_STAGES, SPECIALIZED, CONSUMER,
@@ -536,7 +519,7 @@ if gluon is not None:
             state = _steps(ctx, state, t_hi, n_tiles, BLOCK_N, NUM_STAGES, SPECIALIZED,
                            CONSUMER, CONSUMERS, PINGPONG, True, HAS_LEFT, HAS_RIGHT, SOFTCAP,
                            ALIBI, 0, DROPOUT, s_layout, o_layout, p_layout)
-            acc, carry, m_i, l_i = state
+            acc, p_op, m_i, l_i = state
             if SPECIALIZED:  # every S wgmma of this item completed: Q's buffer is free
                 mbarrier.arrive(q_empty.index(CONSUMER), count=1)
 
@@ -546,7 +529,6 @@ if gluon is not None:
                 _zero_key_tail(v_smem.index(last), seqlen_k - lo - (n_tiles - 1) * BLOCK_N,
                                BLOCK_N, HEAD_DIM)
             _take_turn(turns, turn0 + n_tiles, CONSUMER, PINGPONG)
-            p_op = _pv_operand(carry, s_layout, p_layout, DROPOUT)
             o_tok = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
             _pass_turn(turns, CONSUMER, CONSUMERS, PINGPONG)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, ))
