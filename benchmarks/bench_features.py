@@ -41,6 +41,7 @@ import datetime
 import json
 import multiprocessing
 import os
+from statistics import median
 
 import torch
 from bench_triton import anchor_flex_compiled, bench, environment
@@ -291,10 +292,6 @@ VARLEN_LAYOUTS = ("dense", "varlen", "varlen_triton", "cudnn")
 def ratio(ms, base_ms):
     """ms / base_ms, None where either was not timed (--forward-only leaves bwd_ms None)."""
     return None if ms is None or base_ms is None else ms / base_ms
-
-
-def median(values):
-    return sorted(values)[len(values) // 2]
 
 
 def cases(parts=PARTS, names=None):

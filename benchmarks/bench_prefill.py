@@ -23,17 +23,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
 import math
-import platform
 
 import torch
 import torch.nn.functional as F
-import triton
-from bench_decode import gluon_prefill_thresholds, host_ms, paged_copy
+from bench_decode import bench, environment, gluon_prefill_thresholds, host_ms, paged_copy
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from triton.testing import do_bench
 
 import flashkit
 from flashkit import kvcache
@@ -42,10 +38,6 @@ from flashkit.kvcache import flash_attn_with_kvcache
 
 NHEADS, HEAD_DIM, DTYPE = 32, 128, torch.bfloat16
 QUERIES, CACHED, KV_HEADS, PAGES = (128, 256, 512, 2048), (4096, 16384), (4, 32), (16, 32, 64, 256)
-
-
-def bench(fn) -> float:
-    return do_bench(fn, warmup=10, rep=40, return_mode="median")
 
 
 def route(on: bool | None):
@@ -143,11 +135,8 @@ def main():
     args = parser.parse_args()
     ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
     result = {"env": {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-        "triton": triton.__version__, "cuda": torch.version.cuda,
-        "cudnn": torch.backends.cudnn.version(), "python": platform.python_version(),
-        "flashkit": flashkit.__file__, "label": args.label,
+        **environment(), "cudnn": torch.backends.cudnn.version(),
+        "flashkit_path": flashkit.__file__, "label": args.label,
         "thresholds": [kvcache.GLUON_PREFILL_MIN_QUERIES, kvcache.GLUON_PREFILL_MIN_WORK]}}
     if not args.no_host:
         result["host"] = host_times()
