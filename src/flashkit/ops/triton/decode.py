@@ -255,12 +255,14 @@ def _append_keys(KNew, VNew, k_base, v_base, Cos, Sin, j_lo, j_hi, first_new, ok
         cos = tl.load(Cos + table_offs, mask=mask & rotated_2d, other=1.0)
         sin = tl.load(Sin + table_offs, mask=mask & rotated_2d, other=0.0)
         k_new = rotate(k_new, k_partner, cos, sin, first[None, :], rotated_2d)
-    tl.store(k_base + k_rows[:, None] + offs_d[None, :] * stride_kd,
-             k_new.to(k_base.dtype.element_ty), mask=mask)
+    # v is loaded before k is stored: the compiler keeps a load after a store it cannot prove
+    # disjoint, which made the v load a third dependent round trip ahead of the K/V tiles
     offs_dv = tl.arange(0, BLOCK_DV)
     mask_v = write[:, None] & (offs_dv < HEAD_DIM_V)[None, :]
     v_new = tl.load(VNew + offs_i[:, None] * stride_nvs + offs_dv[None, :] * stride_nvd,
                     mask=mask_v, other=0.0)
+    tl.store(k_base + k_rows[:, None] + offs_d[None, :] * stride_kd,
+             k_new.to(k_base.dtype.element_ty), mask=mask)
     tl.store(v_base + v_rows[:, None] + offs_dv[None, :] * stride_vd, v_new, mask=mask_v)
 
 
