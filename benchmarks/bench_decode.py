@@ -291,7 +291,8 @@ def decode_row(batch, seqlen_k, nheads_k, page_size, params, copy_bw, fa2=True) 
 SPLIT_SHAPES = [  # (batch, seqlen_k, nheads_k, page_size): where splitting decides the speed
     (1, 4096, 4, None), (1, 16384, 4, None), (1, 65536, 4, None), (1, 131072, 4, None),
     (4, 16384, 4, None), (4, 65536, 4, None), (16, 16384, 4, None), (1, 16384, 32, None),
-    (1, 65536, 32, None), (4, 4096, 32, None), (1, 65536, 4, 256), (8, 32768, 4, 16)]
+    (1, 65536, 32, None), (4, 4096, 32, None), (1, 65536, 4, 256), (8, 32768, 4, 16),
+    (1, 1024, 4, None), (1, 1024, 32, None), (8, 16384, 4, None), (16, 65536, 4, None)]
 SPLIT_CURVES = {(1, 4096, 4, None): [1, 4, 8, 16, 32, 64],
                 (1, 65536, 4, None): [16, 33, 44, 57, 66, 86, 99, 128],
                 (4, 16384, 4, None): [4, 8, 11, 14, 16, 22, 26, 32]}
@@ -395,7 +396,8 @@ def pdl_replay_equal(params) -> bool:
     return bool(torch.equal(out, expected))
 
 
-PREFILL_TILES = [(128, 128, 8, 3, 1), (128, 64, 8, 3, 1), (128, 64, 8, 4, 1), (64, 64, 4, 3, 2)]
+PREFILL_TILES = [(128, 128, 8, 3, 1, 1), (128, 64, 8, 3, 1, 1), (128, 64, 8, 4, 1, 1),
+                 (64, 64, 4, 3, 2, 3)]  # decode.Tile fields
 
 
 def study_prefill() -> dict:
@@ -853,7 +855,7 @@ def main():
     result = {"env": environment(),
               "config": {"dtype": str(DTYPE), "nheads": NHEADS, "head_dim": HEAD_DIM,
                          "quick": args.quick, "stages": sorted(stages), "tiles": tiles(),
-                         "min_keys_per_split": decode.MIN_KEYS_PER_SPLIT,
+                         "max_splits": decode.MAX_SPLITS,
                          "paged_extra_stages": decode.PAGED_EXTRA_STAGES,
                          "launch_pdl": decode.LAUNCH_PDL,
                          "step_max_new": getattr(decode, "STEP_MAX_NEW", None)}}
