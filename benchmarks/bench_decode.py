@@ -1,7 +1,8 @@
 """Decode and prefill speed of the Triton KV-cache kernels (flashkit.ops.triton.decode).
 
     PYTHONPATH=src python3 benchmarks/bench_decode.py --out DIR [--quick] [--no-fa2]
-        [--stages api,profile,study,paging,prefill,graph,decode,sweep] [--before OLD_KVCACHE_PY]
+        [--stages api,profile,study,paging,prefill,graph,splits,decode,sweep]
+        [--before OLD_KVCACHE_PY]
 
 First a correctness gate on the GPU (poisoned outputs, bf16 against the float64 oracle by the
 DESIGN section 5 rule, contiguous and paged, splits 1 and auto, with an append and rotary through
@@ -25,6 +26,9 @@ the public API); the run stops if it fails. Then, bf16, d128, 32 query heads:
   graph    the public call as a decoding step (append + rotary + attention) captured in a CUDA
            graph and replayed back to back, against eager calls, cuDNN SDPA (b1/b4, 1k..16k)
            and the read floor (one kernel that only reads the same K and V bytes, replayed).
+  splits   (stage splits) the graph step at forced split counts on the short-context cells,
+           and with one more pipeline stage: how the step time depends on the key tiles per
+           program (it sets nothing).
   sweep    (stage sweep) candidate decode tiles at three shapes, to choose decode.HOPPER.
   paging   (stage paging) page-256 decode with the block-table entry read per key row or per
            key tile, and the paged extra stages; sets decode.PAGE_TILE_LOOKUP and the stages.
@@ -287,7 +291,8 @@ def decode_row(batch, seqlen_k, nheads_k, page_size, params, copy_bw, fa2=True) 
 SPLIT_SHAPES = [  # (batch, seqlen_k, nheads_k, page_size): where splitting decides the speed
     (1, 4096, 4, None), (1, 16384, 4, None), (1, 65536, 4, None), (1, 131072, 4, None),
     (4, 16384, 4, None), (4, 65536, 4, None), (16, 16384, 4, None), (1, 16384, 32, None),
-    (1, 65536, 32, None), (4, 4096, 32, None), (1, 65536, 4, 256), (8, 32768, 4, 16)]
+    (1, 65536, 32, None), (4, 4096, 32, None), (1, 65536, 4, 256), (8, 32768, 4, 16),
+    (1, 1024, 4, None), (1, 1024, 32, None), (8, 16384, 4, None), (16, 65536, 4, None)]
 SPLIT_CURVES = {(1, 4096, 4, None): [1, 4, 8, 16, 32, 64],
                 (1, 65536, 4, None): [16, 33, 44, 57, 66, 86, 99, 128],
                 (4, 16384, 4, None): [4, 8, 11, 14, 16, 22, 26, 32]}
@@ -391,7 +396,8 @@ def pdl_replay_equal(params) -> bool:
     return bool(torch.equal(out, expected))
 
 
-PREFILL_TILES = [(128, 128, 8, 3, 1), (128, 64, 8, 3, 1), (128, 64, 8, 4, 1), (64, 64, 4, 3, 2)]
+PREFILL_TILES = [(128, 128, 8, 3, 1, 1), (128, 64, 8, 3, 1, 1), (128, 64, 8, 4, 1, 1),
+                 (64, 64, 4, 3, 2, 3)]  # decode.Tile fields
 
 
 def study_prefill() -> dict:
@@ -684,15 +690,7 @@ def run_graph_steps(copy_bw: float, quick: bool, cells: str = "grid") -> list[di
     cells = {"small": SMALL_GRAPH_CELLS, "large": LARGE_GRAPH_CELLS}.get(
         cells, GRAPH_CELLS[::3] if quick else GRAPH_CELLS)
     for batch, seqlen_k, nheads_k, page_size in cells:
-        k_cache, v_cache, table = make_cache(batch, seqlen_k, nheads_k, page_size)
-        q = torch.randn(batch, 1, NHEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
-        k_new, v_new = (torch.randn(batch, 1, nheads_k, HEAD_DIM, dtype=DTYPE, device="cuda")
-                        for _ in "kv")
-        angles = torch.rand(seqlen_k, HEAD_DIM // 2, device="cuda")
-        cos, sin = angles.cos().to(DTYPE), angles.sin().to(DTYPE)
-        seqlens = torch.full((batch,), seqlen_k - 1, dtype=torch.int32, device="cuda")
-        step = functools.partial(flash_attn_with_kvcache, q, k_cache, v_cache, k_new, v_new,
-                                 cos, sin, seqlens, block_table=table, causal=True)
+        step, q, k_cache, v_cache = decoding_step(batch, seqlen_k, nheads_k, page_size)
         kv_bytes = kv_bytes_of(batch, seqlen_k, nheads_k)
         row = {"batch": batch, "seqlen_k": seqlen_k, "nheads_k": nheads_k,
                "page_size": page_size, "kv_bytes": kv_bytes,
@@ -713,6 +711,57 @@ def run_graph_steps(copy_bw: float, quick: bool, cells: str = "grid") -> list[di
         rows.append(row)
         print("graph", json.dumps(row), flush=True)
         del k_cache, v_cache
+        torch.cuda.empty_cache()
+    return rows
+
+
+def decoding_step(batch, seqlen_k, nheads_k, page_size):
+    """(step, q, k_cache, v_cache): the public call appending one token with rotary at
+    cache_seqlens = seqlen_k - 1 and attending causally over seqlen_k keys (auto splits; a
+    num_splits keyword to step overrides that)."""
+    k_cache, v_cache, table = make_cache(batch, seqlen_k, nheads_k, page_size)
+    q = torch.randn(batch, 1, NHEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+    k_new, v_new = (torch.randn(batch, 1, nheads_k, HEAD_DIM, dtype=DTYPE, device="cuda")
+                    for _ in "kv")
+    angles = torch.rand(seqlen_k, HEAD_DIM // 2, device="cuda")
+    cos, sin = angles.cos().to(DTYPE), angles.sin().to(DTYPE)
+    seqlens = torch.full((batch,), seqlen_k - 1, dtype=torch.int32, device="cuda")
+    step = functools.partial(flash_attn_with_kvcache, q, k_cache, v_cache, k_new, v_new, cos,
+                             sin, seqlens, block_table=table, causal=True)
+    return step, q, k_cache, v_cache
+
+
+# --splits: issue 5's latency-bound cells, and where their split counts lead (b1 4k, b2 16k,
+# b1 64k); forced split counts from STEP_SPLITS up to one 64-key tile per split
+STEP_SPLIT_CELLS = [(1, 1024, 4, None), (1, 1024, 32, None), (1, 4096, 4, None),
+                    (1, 16384, 4, None), (4, 4096, 4, None), (1, 16384, 4, 256),
+                    (2, 16384, 4, None), (1, 65536, 4, None)]
+STEP_SPLITS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+
+
+def study_step_splits() -> list[dict]:
+    """Graph-replayed decoding step (decoding_step) GPU us at forced num_splits, and at the auto
+    and best counts with the decode tile's num_stages + 1 (3 K/V tiles in flight instead of 2;
+    104 KB of shared memory, 2 programs per SM): how much of a short-context step is the
+    per-program chain of key tiles (decode_NOTES.md, "Where a latency-bound step goes")."""
+    rows, default = [], decode.HOPPER["decode"]
+    for batch, seqlen_k, nheads_k, page_size in STEP_SPLIT_CELLS:
+        auto = auto_splits(batch, seqlen_k, nheads_k, page_size)
+        step = decoding_step(batch, seqlen_k, nheads_k, page_size)[0]
+        us = {s: round(1e3 * bench_graph(functools.partial(step, num_splits=s)), 2)
+              for s in sorted({s for s in STEP_SPLITS if s <= seqlen_k // 64} | {auto})}
+        best = min(us, key=us.get)
+        set_decode_tile(num_stages=default.num_stages + 1)
+        try:
+            deeper = {s: round(1e3 * bench_graph(functools.partial(step, num_splits=s)), 2)
+                      for s in sorted({auto, best})}
+        finally:
+            decode.HOPPER["decode"] = default
+        rows.append({"batch": batch, "seqlen_k": seqlen_k, "nheads_k": nheads_k,
+                     "page_size": page_size, "auto": auto, "best": best, "us": us,
+                     "one_more_stage_us": deeper})
+        print("step splits", json.dumps(rows[-1]), flush=True)
+        del step
         torch.cuda.empty_cache()
     return rows
 
@@ -778,7 +827,7 @@ def run_sweep(copy_bw: float) -> list[dict]:
     return rows
 
 
-STAGES = ["api", "profile", "study", "paging", "prefill", "graph", "decode", "sweep"]
+STAGES = ["api", "profile", "study", "paging", "prefill", "graph", "splits", "decode", "sweep"]
 
 
 def main():
@@ -806,7 +855,7 @@ def main():
     result = {"env": environment(),
               "config": {"dtype": str(DTYPE), "nheads": NHEADS, "head_dim": HEAD_DIM,
                          "quick": args.quick, "stages": sorted(stages), "tiles": tiles(),
-                         "min_keys_per_split": decode.MIN_KEYS_PER_SPLIT,
+                         "max_splits": decode.MAX_SPLITS,
                          "paged_extra_stages": decode.PAGED_EXTRA_STAGES,
                          "launch_pdl": decode.LAUNCH_PDL,
                          "step_max_new": getattr(decode, "STEP_MAX_NEW", None)}}
@@ -849,6 +898,8 @@ def main():
         save("prefill", run_prefill(args.quick))
     if "graph" in stages:
         save("graph", run_graph_steps(copy_bw, args.quick, args.graph_cells))
+    if "splits" in stages:
+        save("step_splits", study_step_splits())
     if "decode" in stages:
         save("decode", run_decode(copy_bw, args.quick, not args.no_fa2))
     print_summary(result)

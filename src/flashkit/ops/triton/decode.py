@@ -94,7 +94,15 @@ class Tile(NamedTuple):
 # 32 keys span two 16-slot pages.
 HOPPER = {"decode": Tile(64, 64, 4, 3, 2, 3), "prefill": Tile(128, 128, 8, 3, 1, 1)}
 INTERPRETER = {"decode": Tile(16, 32, 1, 1, 2, 3), "prefill": Tile(16, 16, 1, 1, 1, 1)}
-MIN_KEYS_PER_SPLIT = 256  # auto num_splits never makes a split shorter than this
+# Auto num_splits makes splits as short as one key tile, at most MAX_SPLITS (the merge reads all
+# splits of a row at once). It fills per_sm programs per SM, or one per SM where per_sm would cut
+# the keys into splits of fewer than SHORT_SPLIT_TILES tiles: such programs are latency bound,
+# and fewer of them make a cheaper merge. H200 graph replays, forced split counts (us; per_sm 2 ->
+# this rule; decode_20261121T130011.json): b1 4k GQA 8:1 64 -> 32 splits 8.1 -> 7.1, b1 16k 64 ->
+# 32 12.3 -> 12.2, b1 1k MHA 8 -> 4 8.3 -> 8.1; splits of >= 16 tiles (b1 64k: 61, b4 16k: 16, b16
+# 16k: 4) were as fast or faster at 2 per SM (paged b1 64k 39.8 vs 43.2 at one per SM).
+MAX_SPLITS = 128
+SHORT_SPLIT_TILES = 16
 # Paged caches: the block-table load that feeds the K/V addresses is one more level of Triton's
 # software pipeline. Triton 3.6 double-buffers K/V behind it only from num_stages + 2 (sm_90
 # TTGIR of the decode tile: one K/V buffer and no overlap at 3-4 stages, two buffers at 5), so
@@ -255,12 +263,14 @@ def _append_keys(KNew, VNew, k_base, v_base, Cos, Sin, j_lo, j_hi, first_new, ok
         cos = tl.load(Cos + table_offs, mask=mask & rotated_2d, other=1.0)
         sin = tl.load(Sin + table_offs, mask=mask & rotated_2d, other=0.0)
         k_new = rotate(k_new, k_partner, cos, sin, first[None, :], rotated_2d)
-    tl.store(k_base + k_rows[:, None] + offs_d[None, :] * stride_kd,
-             k_new.to(k_base.dtype.element_ty), mask=mask)
+    # v is loaded before k is stored: the compiler keeps a load after a store it cannot prove
+    # disjoint, which made the v load a third dependent round trip ahead of the K/V tiles
     offs_dv = tl.arange(0, BLOCK_DV)
     mask_v = write[:, None] & (offs_dv < HEAD_DIM_V)[None, :]
     v_new = tl.load(VNew + offs_i[:, None] * stride_nvs + offs_dv[None, :] * stride_nvd,
                     mask=mask_v, other=0.0)
+    tl.store(k_base + k_rows[:, None] + offs_d[None, :] * stride_kd,
+             k_new.to(k_base.dtype.element_ty), mask=mask)
     tl.store(v_base + v_rows[:, None] + offs_dv[None, :] * stride_vd, v_new, mask=mask_v)
 
 
@@ -395,14 +405,18 @@ def _decode_kernel(Q, K, V, Out, Lse, BlockTable, CacheBatchIdx, Leftpad, Seqlen
                      INTERLEAVED)
         tl.debug_barrier()  # the CTA's writes are visible to its loads
     bounds = (lo, mid_lo, mid_hi, hi)
-    for segment in tl.static_range(3):  # masked edge, unmasked middle, masked edge
-        acc, m_i, l_i = _key_tiles(
-            acc, m_i, l_i, q_tile, bounds[segment], bounds[segment + 1], hi, k_base, v_base,
-            slot0, table_row, cache_rows, stride_kb, stride_ks, stride_kd, stride_vb,
-            stride_vs, stride_vd,
-            offs_t, offs_d, offs_dv, alibi_log2, seqlen_q, seqlen_k, window_left, window_right,
-            qk_scale, softcap_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, PAGE_SIZE,
-            PAGE_PER_TILE, segment != 1, HAS_LEFT, HAS_RIGHT, STEP, SOFTCAP, ALIBI, PRECISION)
+    # Masked edge, unmasked middle, masked edge. Without a left window the left edge is empty
+    # (lo is a multiple of BLOCK_N and mid_lo = lo) and not compiled: its loop's pipeline
+    # prologue alone was ~215 sm_90 instructions per program.
+    for segment in tl.static_range(3):
+        if segment != 0 or HAS_LEFT:
+            acc, m_i, l_i = _key_tiles(
+                acc, m_i, l_i, q_tile, bounds[segment], bounds[segment + 1], hi, k_base,
+                v_base, slot0, table_row, cache_rows, stride_kb, stride_ks, stride_kd,
+                stride_vb, stride_vs, stride_vd, offs_t, offs_d, offs_dv, alibi_log2, seqlen_q,
+                seqlen_k, window_left, window_right, qk_scale, softcap_scale, HEAD_DIM,
+                HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, PAGE_SIZE, PAGE_PER_TILE, segment != 1,
+                HAS_LEFT, HAS_RIGHT, STEP, SOFTCAP, ALIBI, PRECISION)
 
     # A row with no mass (no visible key in this split, no sink) gives out 0 and lse -inf.
     has_mass = l_i > 0.0
@@ -549,10 +563,12 @@ def launch_shape(q, nheads_k: int, page_size: int, num_splits: int,
     m_blocks = triton.cdiv(packed_rows, tile.block_m)
     if num_splits == 0:
         sms, _ = _launch_facts(q.device)
-        num_splits = auto_num_splits(batch * nheads_k * m_blocks,
-                                     triton.cdiv(max_seqlen_k, tile.block_n),
-                                     min(128, max(1, max_seqlen_k // MIN_KEYS_PER_SPLIT)),
-                                     sms * tile.per_sm, sms * tile.resident)
+        key_blocks = triton.cdiv(max_seqlen_k, tile.block_n)
+        auto = functools.partial(auto_num_splits, batch * nheads_k * m_blocks, key_blocks,
+                                 MAX_SPLITS, resident=sms * tile.resident)
+        num_splits = auto(sms * tile.per_sm)
+        if key_blocks < SHORT_SPLIT_TILES * num_splits:
+            num_splits = auto(sms)
     return tile, per_tile, m_blocks, num_splits
 
 
