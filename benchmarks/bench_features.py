@@ -8,10 +8,16 @@ Six parts, bf16, head dim 128, times from triton.testing.do_bench medians (bench
     costs    each feature against the plain kernel at seqlen 8k (batch 2, 16 heads), forward
              and backward: window (a causal-sized band through the HAS_LEFT path) against causal;
              ALiBi, softcap, sink, dropout 0.1 against full; dropout and every feature at once
-             against causal. cuDNN (SDPA) full and causal at the same shape as the anchor. On
-             sm_90 the plain case (and the features the Gluon kernels take) runs Gluon kernels;
-             the *_triton cases force the Triton kernels (a tile override), so the Triton
-             feature costs are also given against the plain Triton kernel.
+             against causal. On sm_90 the plain case (and the features the Gluon kernels take)
+             runs Gluon kernels; the *_triton cases force the Triton kernels (a tile override),
+             so the Triton feature costs are also given against the plain Triton kernel; the
+             *_atomic cases compute dQ inside the dK/dV kernel (dropout then draws its mask
+             once in the backward, not twice). Anchors at the same shape, each feature against
+             its own plain kernel: SDPA's cuDNN (full, causal, dropout 0.1, and 0.125 in case
+             torch refuses cuDNN dropouts off 1/16 steps, pytorch#174245) and FLASH (FA2: full,
+             dropout 0.1) backends, FlexAttention compiled (full, softcap 30 and ALiBi
+             score_mods). A case that cannot run (SDPA refusing cuDNN dropout) is recorded with
+             the reason (exception and warnings, first lines), not timed.
     costs_ab the costs cases again, each round timing every case in turn (AB_ROUNDS rounds):
              a feature's ratio to its base is taken within a round, then the median, so the
              clock's drift between cases timed minutes apart (5-9% on the plain forward, more
@@ -41,6 +47,7 @@ import datetime
 import json
 import multiprocessing
 import os
+import warnings
 from statistics import median
 
 import torch
@@ -86,10 +93,24 @@ def feature_params(name: str, batch: int) -> AttentionParams:
     }[name]
 
 
+# The anchors' costs cases: name -> (SDPA backend, causal, dropout_p) ...
+SDPA_CASES = {"cudnn_full": ("cudnn", False, 0.0), "cudnn_causal": ("cudnn", True, 0.0),
+              "cudnn_dropout": ("cudnn", False, 0.1), "cudnn_dropout_0125": ("cudnn", False, 0.125),
+              "fa2_full": ("flash", False, 0.0), "fa2_dropout": ("flash", False, 0.1)}
+# ... and name -> the feature of feature_params that FlexAttention's score_mod computes
+FLEX_CASES = {"flex_full": "full", "flex_softcap": "softcap", "flex_alibi": "alibi"}
+# every costs case (the keys; --cases picks among them) -> the case its cost is taken against
 COST_BASE = {"full": None, "causal": None, "window": "causal", "alibi": "full",
              "softcap": "full", "sink": "full", "dropout": "full", "dropout_causal": "causal",
              "all_causal": "causal", "full_triton": None, "softcap_triton": "full_triton",
-             "dropout_triton": "full_triton"}
+             "dropout_triton": "full_triton", "full_atomic": "full", "dropout_atomic": "full",
+             "cudnn_full": None, "cudnn_causal": None, "cudnn_dropout": "cudnn_full",
+             "cudnn_dropout_0125": "cudnn_full", "fa2_full": None, "fa2_dropout": "fa2_full",
+             "flex_full": None, "flex_softcap": "flex_full", "flex_alibi": "flex_full"}
+# further ratios costs_ab reports (keyed name_over_base): atomic dropout against atomic plain,
+# our plain kernels against the anchors' plain kernels
+COST_PAIRS = (("dropout_atomic", "full_atomic"), ("full", "cudnn_full"),
+              ("causal", "cudnn_causal"), ("full", "fa2_full"), ("full", "flex_full"))
 
 
 def triton_tiles():
@@ -98,36 +119,67 @@ def triton_tiles():
             {name: tile_config(name, HEAD_DIM, 2, False) for name in ("dkdv", "dq")})
 
 
-def ours_calls(q, k, v, dout, params, triton_only=False):
+def ours_calls(q, k, v, dout, params, triton_only=False, atomic_dq=None):
     """(forward, backward) closures of the launchers, the backward (None under --forward-only)
     on the forward's saved (out, lse); triton_only forces the Triton kernels where a Gluon
-    kernel would run."""
+    kernel would run; atomic_dq as attention_backward's (None: configs.py's choice)."""
     tile, tiles = triton_tiles() if triton_only else (None, None)
     out, lse = attention_forward(q, k, v, params, tile=tile)
     fwd = lambda: attention_forward(q, k, v, params, tile=tile)  # noqa: E731
     if FORWARD_ONLY:
         return fwd, None
-    return fwd, lambda: attention_backward(dout, q, k, v, out, lse, params, tiles=tiles)
+    return fwd, lambda: attention_backward(dout, q, k, v, out, lse, params, tiles=tiles,
+                                           atomic_dq=atomic_dq)
 
 
-def sdpa_calls(q, k, v, dout, causal, backend="cudnn"):
-    """(forward, backward) closures of SDPA on (b, h, s, d) copies."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    from torch.nn.functional import scaled_dot_product_attention as sdpa
-
-    kind = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[backend]
+def autograd_calls(run, q, k, v, dout):
+    """(forward, backward) closures of an anchor `run(q, k, v) -> out` on (b, h, s, d) copies:
+    the backward is autograd.grad on a retained graph (None under --forward-only)."""
     qh, kh, vh, douth = (x.transpose(1, 2).contiguous() for x in (q, k, v, dout))
-
-    def run(*t):
-        with sdpa_kernel(kind):
-            return sdpa(*t, is_causal=causal)
-
     fwd = lambda: run(qh, kh, vh)  # noqa: E731
     if FORWARD_ONLY:
         return fwd, None
     leaves = [x.requires_grad_() for x in (qh, kh, vh)]
     out = run(*leaves)
     return fwd, lambda: torch.autograd.grad(out, leaves, douth, retain_graph=True)
+
+
+def sdpa_calls(q, k, v, dout, causal, backend="cudnn", dropout_p=0.0):
+    """(forward, backward) closures of SDPA's `backend` alone; with dropout_p SDPA draws its own
+    mask (a new one per call, the backward regenerating the forward's)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    kind = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[backend]
+
+    def run(*t):
+        with sdpa_kernel(kind):
+            return sdpa(*t, dropout_p=dropout_p, is_causal=causal)
+
+    return autograd_calls(run, q, k, v, dout)
+
+
+def flex_calls(q, k, v, dout, score_mod=None, block_mask=None):
+    """(forward, backward) closures of FlexAttention compiled (bench_triton's, once per
+    score_mod / mask), score_mod(score, b, h, q_idx, kv_idx) -> score."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    flex = anchor_flex_compiled(flex_attention)
+    return autograd_calls(lambda *t: flex(*t, score_mod=score_mod, block_mask=block_mask),
+                          q, k, v, dout)
+
+
+def flex_score_mod(params):
+    """FlexAttention's score_mod of feature_params' softcap or ALiBi (None for neither): the
+    score comes scaled, as ours is before the softcap; ALiBi subtracts slope_h |i - j|
+    (reference.alibi_distance, seqlen_q == seqlen_k)."""
+    if params.softcap:
+        cap = params.softcap
+        return lambda score, b, h, q_idx, kv_idx: cap * torch.tanh(score / cap)
+    if params.alibi_slopes is not None:
+        slopes = params.alibi_slopes  # (nheads,) fp32, captured by the compiled kernels
+        return lambda score, b, h, q_idx, kv_idx: score - slopes[h] * (q_idx - kv_idx).abs()
+    return None
 
 
 def measure(calls, timed=True):
@@ -152,20 +204,13 @@ def time_sdpa(q, k, v, dout, causal, backend="cudnn", timed=True):
 
 
 def time_flex_window(q, k, v, dout, timed=True):
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    """FlexAttention with the sliding-window block mask, built once outside the timing."""
+    from torch.nn.attention.flex_attention import create_block_mask
 
-    flex = anchor_flex_compiled(flex_attention)
     seqlen = q.shape[1]
     mask = create_block_mask(lambda b, h, i, j: (j <= i) & (i - j < WINDOW), None, None, seqlen,
                              seqlen)
-    qh, kh, vh, douth = (x.transpose(1, 2).contiguous() for x in (q, k, v, dout))
-    leaves = [x.requires_grad_() for x in (qh, kh, vh)]
-    out = flex(*leaves, block_mask=mask)
-    torch.autograd.grad(out, leaves, douth, retain_graph=True)
-    if not timed:
-        return None, None
-    return (bench(lambda: flex(qh, kh, vh, block_mask=mask)),
-            bench(lambda: torch.autograd.grad(out, leaves, douth, retain_graph=True)))
+    return measure(flex_calls(q, k, v, dout, block_mask=mask), timed)
 
 
 def flops(pairs, nheads=NHEADS, head_dim=HEAD_DIM):
@@ -181,30 +226,61 @@ def tflops(fl, ms):
 # ---- the cases, each a function of `timed` (so --compile-only can run them in processes) -----
 
 def cost_calls(name):
-    """(forward, backward) closures of one costs case on inputs of its own: a COST_BASE key or
-    cudnn_full / cudnn_causal (SDPA's cuDNN backend, the anchor)."""
+    """(forward, backward) closures of one costs case (a COST_BASE key) on inputs of its own:
+    ours (feature_params' feature, *_triton: the Triton kernels, *_atomic: dQ by atomics in the
+    dK/dV kernel), SDPA_CASES or FLEX_CASES."""
     batch, seqlen = 2, 8192
     torch.manual_seed(0)
     q, k, v, dout = (randn(batch, seqlen, NHEADS, HEAD_DIM) for _ in range(4))
-    if name.startswith("cudnn_"):
-        return sdpa_calls(q, k, v, dout, causal=name == "cudnn_causal")
-    feature = name.removesuffix("_triton")
-    return ours_calls(q, k, v, dout, feature_params(feature, batch), triton_only=feature != name)
+    if name in SDPA_CASES:
+        backend, causal, dropout_p = SDPA_CASES[name]
+        return sdpa_calls(q, k, v, dout, causal, backend, dropout_p)
+    if name in FLEX_CASES:
+        return flex_calls(q, k, v, dout, flex_score_mod(feature_params(FLEX_CASES[name], batch)))
+    feature = name.removesuffix("_triton").removesuffix("_atomic")
+    return ours_calls(q, k, v, dout, feature_params(feature, batch),
+                      triton_only=name.endswith("_triton"),
+                      atomic_dq=True if name.endswith("_atomic") else None)
+
+
+def checked_cost_calls(name):
+    """cost_calls(name), run once, or why the case cannot run: the exception's first line and
+    those of the warnings it raised (SDPA refusing a backend raises 'No available kernel' and
+    warns the reasons; shown as usual when the case runs)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            calls = cost_calls(name)
+            measure(calls, timed=False)
+        except Exception as error:
+            lines = [repr(error), *(str(w.message) for w in caught)]
+            firsts = (line.strip().splitlines()[0].split(" (Triggered internally")[0]
+                      for line in lines if line.strip())
+            return "; ".join(dict.fromkeys(firsts))  # in order, each once
+    for w in caught:
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return calls
 
 
 def case_cost(name, timed=True):
-    fwd, bwd = measure(cost_calls(name), timed)
+    calls = checked_cost_calls(name)
+    if isinstance(calls, str):
+        return dict(part="costs", case=name, fwd_ms=None, bwd_ms=None, unsupported=calls)
+    fwd, bwd = measure(calls) if timed else (None, None)  # (checked_cost_calls ran it once)
     return dict(part="costs", case=name, fwd_ms=fwd, bwd_ms=bwd)
 
 
 def case_costs_ab(names, timed=True):
     """Every costs case of `names` timed in turn, AB_ROUNDS rounds: summarize takes a feature's
     ratio to its base within each round, so the clock's drift between cases minutes apart
-    (5-9% on the plain forward) cancels."""
-    calls = {name: cost_calls(name) for name in names}
-    rounds = [{name: measure(c, timed) for name, c in calls.items()}
-              for _ in range(AB_ROUNDS if timed else 1)]
-    return dict(part="costs_ab", case="rounds", rounds=rounds) if timed else {}
+    (5-9% on the plain forward) cancels. Cases that cannot run go to `unsupported`."""
+    calls = {name: checked_cost_calls(name) for name in names}
+    if not timed:
+        return {}
+    unsupported = {name: c for name, c in calls.items() if isinstance(c, str)}
+    runnable = {name: c for name, c in calls.items() if name not in unsupported}
+    rounds = [{name: measure(c) for name, c in runnable.items()} for _ in range(AB_ROUNDS)]
+    return dict(part="costs_ab", case="rounds", rounds=rounds, unsupported=unsupported)
 
 
 def case_window(impl, timed=True):
@@ -296,9 +372,8 @@ def ratio(ms, base_ms):
 
 def cases(parts=PARTS, names=None):
     """(label, function, args) of every measurement of `parts`, in the order they are timed;
-    names (a set of COST_BASE keys and cudnn_full / cudnn_causal) keeps only those costs."""
-    cost_names = [n for n in (*COST_BASE, "cudnn_full", "cudnn_causal")
-                  if names is None or n in names]
+    names (a set of COST_BASE keys) keeps only those costs cases."""
+    cost_names = [n for n in COST_BASE if names is None or n in names]
     out = {"costs": [(f"costs {n}", case_cost, (n,)) for n in cost_names],
            "costs_ab": [("costs_ab", case_costs_ab, (tuple(cost_names),))],
            "window": [(f"window {i}", case_window, (i,)) for i in
@@ -318,8 +393,8 @@ def _compile(i, parts, forward_only, names):
     global FORWARD_ONLY
     FORWARD_ONLY = forward_only
     label, fn, args = cases(parts, names)[i]
-    fn(*args, timed=False)
-    return label
+    row = fn(*args, timed=False)
+    return label + (f" UNSUPPORTED {row['unsupported']}" if "unsupported" in row else "")
 
 
 def summarize(rows):
@@ -329,6 +404,9 @@ def summarize(rows):
     for name, base in COST_BASE.items():
         if base and ("costs", name) in by and ("costs", base) in by:
             r, b = by[("costs", name)], by[("costs", base)]
+            if "unsupported" in r:
+                costs[name] = dict(vs=base, unsupported=r["unsupported"])
+                continue
             costs[name] = dict(vs=base, fwd=ratio(r["fwd_ms"], b["fwd_ms"]),
                                bwd=ratio(r["bwd_ms"], b["bwd_ms"]))
             anchor = by.get(("costs", "cudnn_" + ("causal" if "causal" in base else "full")))
@@ -341,10 +419,15 @@ def summarize(rows):
             costs[f"plain_{name}_vs_cudnn"] = dict(fwd=ratio(a["fwd_ms"], r["fwd_ms"]),
                                                    bwd=ratio(a["bwd_ms"], r["bwd_ms"]))
     alternated = {}
-    rounds = next((r["rounds"] for r in rows if r.get("part") == "costs_ab"), [])
-    for name, base in (*COST_BASE.items(), ("full", "cudnn_full"), ("causal", "cudnn_causal")):
-        if rounds and base in rounds[0] and name in rounds[0]:
-            alternated[name] = dict(vs=base, **{
+    ab = next((r for r in rows if r.get("part") == "costs_ab"), dict(rounds=[]))
+    rounds, unsupported = ab["rounds"], ab.get("unsupported", {})
+    pairs = [(name, base, name) for name, base in COST_BASE.items() if base]
+    for name, base, key in (*pairs, *((n, b, f"{n}_over_{b}") for n, b in COST_PAIRS)):
+        if name in unsupported or base in unsupported:
+            reason = unsupported.get(name) or unsupported[base]
+            alternated[key] = dict(vs=base, unsupported=reason)
+        elif rounds and base in rounds[0] and name in rounds[0]:
+            alternated[key] = dict(vs=base, **{
                 way: median([ratio(r[name][i], r[base][i]) for r in rounds])
                 for i, way in enumerate(("fwd", "bwd")) if rounds[0][name][i] is not None})
     varlen = {}
@@ -372,10 +455,12 @@ def main():
     ap.add_argument("--parts", default=",".join(PARTS))
     ap.add_argument("--forward-only", action="store_true")
     ap.add_argument("--cases", default=None,
-                    help="comma list: only these costs cases (COST_BASE keys, cudnn_full, ...)")
+                    help="comma list: only these costs cases (COST_BASE keys)")
     ap.add_argument("--tag", default="", help="appended to the result file's name")
     args = ap.parse_args()
     names = set(args.cases.split(",")) if args.cases else None
+    if names and names - set(COST_BASE):
+        ap.error(f"unknown --cases {sorted(names - set(COST_BASE))}; known: {list(COST_BASE)}")
     global FORWARD_ONLY
     FORWARD_ONLY = args.forward_only
     parts = tuple(args.parts.split(","))
@@ -402,7 +487,8 @@ def main():
             continue
         rows.append(row)
         print(label, {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
-                      if k.endswith(("ms", "tflops", "per_s", "over_dense"))}, flush=True)
+                      if k.endswith(("ms", "tflops", "per_s", "over_dense", "unsupported"))},
+              flush=True)
         json.dump({"env": env, "config": dict(head_dim=HEAD_DIM, nheads=NHEADS, dtype=str(DTYPE)),
                    "rows": rows, "summary": summarize(rows)}, open(path, "w"), indent=1)
     print(json.dumps(summarize(rows), indent=1))
