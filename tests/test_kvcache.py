@@ -504,6 +504,27 @@ def test_triton_split_counts_twice():
                        page_size=16, causal=True)
 
 
+# Auto num_splits on the H200's tile and 132 SMs, q length 1, 32 query heads, d128: (batch, cache
+# length, kv heads) -> splits. One-tile splits at short caches, one program per SM where two would
+# cut the keys into splits of under SHORT_SPLIT_TILES tiles, two per SM for long splits, whole
+# rounds of resident programs between one and two rounds (b16 1k MHA: 512 programs, 396 places).
+H200_AUTO_SPLITS = {(1, 1024, 4): 16, (1, 4096, 4): 32, (1, 16384, 4): 32, (1, 65536, 4): 61,
+                    (4, 4096, 4): 8, (4, 16384, 4): 16, (16, 16384, 4): 4, (1, 1024, 32): 4,
+                    (1, 16384, 32): 8, (16, 1024, 32): 3, (8, 16384, 32): 1, (64, 1024, 32): 1}
+
+
+def test_auto_num_splits_on_the_h200_tile(monkeypatch):
+    from flashkit.ops.triton import decode
+
+    monkeypatch.setattr(decode, "interpreting", lambda: False)
+    monkeypatch.setattr(decode, "_launch_facts", lambda device: (132, True))
+    for (batch, seqlen_k, nheads_k), expected in H200_AUTO_SPLITS.items():
+        q = torch.empty(batch, 1, 32, 128, device="meta")
+        tile, _, _, splits = decode.launch_shape(q, nheads_k, 0, 0, seqlen_k)
+        assert splits == expected, (batch, seqlen_k, nheads_k, splits)
+        assert splits <= min(decode.MAX_SPLITS, -(-seqlen_k // tile.block_n))
+
+
 # The checks of the Triton append kernel (CUDA calls check index values there, without a sync:
 # a bad one fails a device-side assertion, which the interpreter skips; the kernel also marks
 # the sequence's seqlens_k -1, checked here). Same cases as test_errors', plus an int
