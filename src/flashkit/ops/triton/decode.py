@@ -90,7 +90,8 @@ class Tile(NamedTuple):
 # benchmarks/results/decode_20261121T022233.json (85-110% of copy bandwidth at b16/16k GQA 8:1
 # and b64/8k MHA); per_sm and the prefill tile by the studies of decode_20261121T041637.json
 # (per_sm 1/2/3: geomean 60.5/57.1/59.0 us over 12 small-batch shapes; again 50.4/49.7/50.7 over
-# 16 with one-tile splits, session 8; the prefill tile within 2% of (64, 64, 4, 3)); resident: 70-72 KB of shared memory (3 per SM), the prefill tile 224 KB.
+# 16 with one-tile splits, session 8; the prefill tile within 2% of (64, 64, 4, 3)); resident:
+# 70-72 KB of shared memory (3 per SM), the prefill tile 224 KB.
 # INTERPRETER: tiny tiles so CPU tests at ~50 keys cross tiles and splits, and decode tiles of
 # 32 keys span two 16-slot pages.
 HOPPER = {"decode": Tile(64, 64, 4, 3, 2, 3), "prefill": Tile(128, 128, 8, 3, 1, 1)}
@@ -98,10 +99,11 @@ INTERPRETER = {"decode": Tile(16, 32, 1, 1, 2, 3), "prefill": Tile(16, 16, 1, 1,
 # Auto num_splits makes splits as short as one key tile, at most MAX_SPLITS (the merge reads all
 # splits of a row at once). It fills per_sm programs per SM, or one per SM where per_sm would cut
 # the keys into splits of fewer than SHORT_SPLIT_TILES tiles: such programs are latency bound,
-# and fewer of them make a cheaper merge. H200 graph replays, forced split counts (us; per_sm 2 ->
-# this rule; decode_20261121T130011_study_short_splits.json): b1 4k GQA 8:1 64 -> 32 splits 8.1 -> 7.1, b1 16k 64 ->
-# 32 12.3 -> 12.2, b1 1k MHA 8 -> 4 8.3 -> 8.1; splits of >= 16 tiles (b1 64k: 61, b4 16k: 16, b16
-# 16k: 4) were as fast or faster at 2 per SM (paged b1 64k 39.8 vs 43.2 at one per SM).
+# and fewer of them make a cheaper merge. H200 graph replays at forced split counts (us, per_sm
+# 2 -> this rule; decode_20261121T130011_study_short_splits.json): b1 4k GQA 8:1 64 -> 32 splits
+# 8.1 -> 7.1, b1 16k 64 -> 32 12.3 -> 12.2, b1 1k MHA 8 -> 4 8.3 -> 8.1; splits of >= 16 tiles
+# (b1 64k: 61, b4 16k: 16, b16 16k: 4) were as fast or faster at 2 per SM (paged b1 64k 39.8 vs
+# 43.2 us at one per SM).
 MAX_SPLITS = 128
 SHORT_SPLIT_TILES = 16
 # Paged caches: the block-table load that feeds the K/V addresses is one more level of Triton's
