@@ -731,7 +731,7 @@ def decoding_step(batch, seqlen_k, nheads_k, page_size):
     return step, q, k_cache, v_cache
 
 
-# --splits: issue 5's latency-bound cells, and where their split counts lead (b1 4k, b2 16k,
+# stage splits: issue 5's latency-bound cells, and where their split counts lead (b1 4k, b2 16k,
 # b1 64k); forced split counts from STEP_SPLITS up to one 64-key tile per split
 STEP_SPLIT_CELLS = [(1, 1024, 4, None), (1, 1024, 32, None), (1, 4096, 4, None),
                     (1, 16384, 4, None), (4, 4096, 4, None), (1, 16384, 4, 256),
@@ -856,6 +856,7 @@ def main():
               "config": {"dtype": str(DTYPE), "nheads": NHEADS, "head_dim": HEAD_DIM,
                          "quick": args.quick, "stages": sorted(stages), "tiles": tiles(),
                          "max_splits": decode.MAX_SPLITS,
+                         "short_split_tiles": decode.SHORT_SPLIT_TILES,
                          "paged_extra_stages": decode.PAGED_EXTRA_STAGES,
                          "launch_pdl": decode.LAUNCH_PDL,
                          "step_max_new": getattr(decode, "STEP_MAX_NEW", None)}}
