@@ -888,12 +888,14 @@ def test_launch_key_determines_tritons_specialisation():
 
 
 def test_launched_kernels_take_their_constexprs_last():
-    """launch passes the runtime arguments and then the constexprs in signature order."""
+    """launch passes the runtime arguments and then the constexprs in signature order (the
+    Gluon forward's too)."""
     import inspect
 
-    from flashkit.ops.triton import append, decode
+    from flashkit.ops.triton import append, decode, forward_hopper
 
-    for kernel in (append._append_kernel, decode._decode_kernel, decode._merge_kernel):
+    for kernel in (append._append_kernel, decode._decode_kernel, decode._merge_kernel,
+                   forward_hopper._fwd_hopper_kernel):
         kinds = ["constexpr" in str(p.annotation)
                  for p in inspect.signature(kernel.fn).parameters.values()]
         assert kinds == sorted(kinds), kernel.fn.__name__

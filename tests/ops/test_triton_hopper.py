@@ -102,6 +102,28 @@ def test_launch_config_fits_the_register_file():
                     <= config["maxnreg"] * warpgroups)
 
 
+def test_launch_key_of_descriptors_determines_tritons_specialisation():
+    """launch's key of a TMA descriptor argument (launch.tensor_key) determines Triton's
+    specialisation of it (so equal keys launch the same compiled kernel): descriptors over views
+    of several lengths, head counts, head dims, dtypes and boxes, as flash_descriptor makes."""
+    import itertools
+
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    from flashkit.ops.triton.launch import tensor_key
+
+    spec = lambda a: native_specialize_impl(BaseBackend, a, False, True, True)  # noqa: E731
+    descriptors = [hopper.flash_descriptor(torch.empty(1, tokens, heads, d, dtype=dtype), rows,
+                                           box)
+                   for tokens, heads in ((64, 1), (200, 3), (4096, 16))
+                   for d in (64, 128) for dtype in (torch.float16, torch.bfloat16)
+                   for rows, box in ((64, None), (128, None), (128, 16))]
+    for a, b in itertools.combinations(descriptors, 2):
+        assert (tensor_key(a) == tensor_key(b)) <= (spec(a) == spec(b)), (tensor_key(a), spec(a))
+    assert len({tensor_key(a) for a in descriptors}) == len({spec(a) for a in descriptors})
+
+
 def _params(head_dim, window, features, nheads, device, batch=2, **varlen):
     left, right = window
     gen = torch.Generator(device="cpu").manual_seed(head_dim + nheads)

@@ -86,6 +86,7 @@ from flashkit.ops.triton.common import (
 )
 from flashkit.ops.triton.configs import GLUON_FORWARD, gluon_forward_tile
 from flashkit.ops.triton.dropout import dropout_args
+from flashkit.ops.triton.launch import launch
 
 try:
     from triton.experimental import gluon
@@ -726,11 +727,11 @@ if gluon is not None:
 
     @gluon.jit(do_not_specialize=["seed_lo", "seed_hi", "dropout_threshold", "n_items"])
     def _fwd_hopper_kernel(q_desc, k_desc, v_desc, Out, Lse, Alibi, Sink, Cu_q, Cu_k, Used_k,
-                           stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ab,
-                           stride_ah, nheads, group, seqlen_q, seqlen_k, window_left,
+                           Table, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
+                           stride_ab, stride_ah, nheads, group, seqlen_q, seqlen_k, window_left,
                            window_right, qk_scale, softcap_scale, seed_lo, seed_hi,
-                           dropout_threshold, dropout_scale, n_items, Table, stride_table,
-                           page_shift, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                           dropout_threshold, dropout_scale, n_items, stride_table, page_shift,
+                           HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                            NUM_STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
                            SPECIALIZED: gl.constexpr, PINGPONG: gl.constexpr,
                            PERSISTENT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
@@ -1007,22 +1008,24 @@ def attention_forward(q, k, v, params: AttentionParams, out=None, lse=None, tile
     n_items = n_m * batch * nheads
     grid = (min(n_items, _programs_per_device(q.device, consumers)), ) if persistent else (
         n_m, batch * nheads)
-    box_rows, paging = None, (lse, 0, 0)
+    box_rows, table, paging = None, lse, (0, 0)
     if paged:
         box_rows = min(page_size, block_n)
-        paging = (block_table, block_table.stride(0), page_size.bit_length() - 1)
-    _fwd_hopper_kernel[grid](
+        table, paging = block_table, (block_table.stride(0), page_size.bit_length() - 1)
+    config = launch_config(tile)
+    launch(_fwd_hopper_kernel, grid, (
         flash_descriptor(q, BLOCK_M), flash_descriptor(k, block_n, box_rows),
-        flash_descriptor(v, block_n, box_rows),
-        out, lse, alibi, sink, cu_q, cu_k, lse if seqused_k is None else seqused_k,
-        stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
-        *alibi_strides, nheads, nheads // nheads_k, seqlen_q, seqlen_k, window_left,
-        window_right, qk_scale, softcap_scale, seed_lo, seed_hi, threshold, dropout_scale,
-        n_items, *paging, HEAD_DIM=head_dim, BLOCK_N=block_n, NUM_STAGES=num_stages,
-        CONSUMERS=consumers, SPECIALIZED=specialized, PINGPONG=pingpong and consumers >= 2,
-        PERSISTENT=persistent, HAS_LEFT=has_left, HAS_RIGHT=has_right, SOFTCAP=softcap,
-        ALIBI=has_alibi, SINK=params.sink is not None, DROPOUT=dropout, VARLEN=varlen,
-        SEQUSED_K=seqused_k is not None, KEY_TAIL=varlen or seqlen_k % block_n != 0,
-        PAGED=paged, SPLIT_LOADS=paged and specialized and consumers == 2,
-        **launch_config(tile))
+        flash_descriptor(v, block_n, box_rows), out, lse, alibi, sink, cu_q, cu_k,
+        lse if seqused_k is None else seqused_k, table), (
+        stride_ob, stride_os, stride_oh, stride_lb, stride_lh, *alibi_strides, nheads,
+        nheads // nheads_k, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
+        softcap_scale, seed_lo, seed_hi, threshold, dropout_scale, n_items, *paging), dict(
+        HEAD_DIM=head_dim, BLOCK_N=block_n, NUM_STAGES=num_stages, CONSUMERS=consumers,
+        SPECIALIZED=specialized, PINGPONG=pingpong and consumers >= 2, PERSISTENT=persistent,
+        CONSUMER_REGS=config.pop("CONSUMER_REGS"), HAS_LEFT=has_left, HAS_RIGHT=has_right,
+        SOFTCAP=softcap, ALIBI=has_alibi, SINK=params.sink is not None, DROPOUT=dropout,
+        VARLEN=varlen, SEQUSED_K=seqused_k is not None,
+        KEY_TAIL=varlen or seqlen_k % block_n != 0, PAGED=paged,
+        SPLIT_LOADS=paged and specialized and consumers == 2,
+        num_warps=config.pop("num_warps")), **config)
     return out, lse

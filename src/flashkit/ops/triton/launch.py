@@ -1,14 +1,16 @@
-"""Launch a Triton kernel again without its JIT entry's per-call work, where that provably
-launches the same compiled kernel.
+"""Launch a Triton or Gluon kernel again without its JIT entry's per-call work, where that
+provably launches the same compiled kernel.
 
 `kernel[grid](*args, **kwargs)` binds and specialises every argument in Triton's binder, turns
 the options into a string for its cache key, then launches; on an H200 host that costs 15-23 us
 per launch against 6.5-9.2 us for launching the compiled kernel it returns
-(benchmarks/results/decode_20261121T064932.json and _081334.json, launch_study). A decoding
-call makes three launches. `launch` keeps the compiled kernel under a key that determines
-Triton's own cache key (`JITFunction.run`: the specialisation of every argument and the
+(benchmarks/results/decode_20261121T064932.json and _081334.json, launch_study); the Gluon
+forward's binder (three TMA descriptors, 34 runtime arguments) costs more. A decoding call makes
+three launches, a Gluon forward call one. `launch` keeps the compiled kernel under a key that
+determines Triton's own cache key (`JITFunction.run`: the specialisation of every argument and the
 options) and launches it directly when the key is seen again:
-    tensors  each one's dtype and whether data_ptr() % 16 == 0 (Triton's "D" alignment mark)
+    tensors  each one's dtype and whether data_ptr() % 16 == 0 (Triton's "D" alignment mark);
+             a Gluon TensorDescriptor's dtype, block shape, layout and padding
     scalars  their values and types (int, float, bool or None), of which Triton's marks are a
              function (int == 1 becomes a constexpr, % 16 == 0 "D", int32/int64/uint64 by
              range)
@@ -18,7 +20,8 @@ Keying scalars by value is finer than Triton's key (more entries, each launched 
 the first time) and costs one C-level tuple hash instead of a Python call per argument.
 Anything else (a registered launch hook, the interpreter, a scalar of another type) takes
 Triton's entry. Equal keys imply equal Triton keys, so the kernel launched is the one Triton
-would launch; tests/test_kvcache.py checks the tensor key against Triton's specialiser.
+would launch; tests/test_kvcache.py checks the tensor and descriptor keys against Triton's
+specialiser.
 """
 
 from __future__ import annotations
@@ -36,9 +39,13 @@ _SCALAR_TYPES = (int, float, bool, type(None))
 _compiled: dict = {}  # key -> Triton's compiled kernel
 
 
-def tensor_key(t: torch.Tensor) -> tuple:
-    """What Triton's specialisation of a tensor argument depends on."""
-    return t.dtype, t.data_ptr() % 16 == 0
+def tensor_key(t) -> tuple:
+    """What Triton's specialisation of a tensor argument depends on: a torch tensor's dtype and
+    alignment, a Gluon TMA descriptor's dtype, block, shared layout and padding (its shape and
+    strides are runtime arguments; its base is 16-byte aligned by construction)."""
+    if isinstance(t, torch.Tensor):
+        return t.dtype, t.data_ptr() % 16 == 0
+    return t.base.dtype, tuple(t.block_shape), t.layout, t.padding
 
 
 def launch(kernel, grid: tuple, tensors: tuple, scalars: tuple, constexprs: dict,

@@ -1,0 +1,108 @@
+"""Host (CPU) time per call of the Gluon forward's paths, offline: sm90_probe's fake driver
+compiles for sm_90 and every launch becomes a no-op, so what is timed is the Python work of a
+call (arguments, checks, descriptors, Triton's binder or launch.py's key) without the driver's
+launch, cuTensorMapEncode or CUDA allocations. CPU tensors stand in for CUDA ones (is_cuda and
+the device queries are patched), so torch ops are CPU ones.
+
+    PYTHONPATH=src python benchmarks/host_overhead_probe.py [--calls 300] [--profile PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import pstats
+import sys
+import time
+import types
+
+import torch
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+import sm90_probe as probe  # noqa: E402
+
+
+def _fake_cuda():
+    probe._install()
+    compile_only = probe.JITFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):  # a launch of the compiled kernel: a no-op
+        kernel = compile_only(self, *args, grid=grid, warmup=warmup, **kwargs)
+        kernel._run = _noop
+        probe.COMPILED.clear()
+        return kernel
+
+    probe.JITFunction.run = run
+    torch.cuda.current_device = lambda: 0
+    torch.cuda.get_device_capability = lambda device=None: (9, 0)
+    torch.cuda.get_device_properties = lambda device=None: types.SimpleNamespace(
+        multi_processor_count=132, major=9)
+    torch.cuda.device = lambda device: contextlib.nullcontext()
+    torch.cuda.is_current_stream_capturing = lambda: False
+    torch.Tensor.is_cuda = property(lambda self: True)
+    import flashkit.api as api
+    import flashkit.kvcache as kvcache
+    api.require_available = kvcache.require_available = lambda name, device: None
+
+
+def _noop(*args):
+    return None
+
+
+def per_call_us(fn, calls):
+    for _ in range(20):
+        fn()
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best * 1e6
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--profile", default=None, help="cProfile stats of each path to PATH.<name>")
+    args = ap.parse_args()
+    _fake_cuda()
+    from flashkit import flash_attn_func, flash_attn_with_kvcache
+    from flashkit.kvcache import _gluon_prefill
+    from flashkit.ops.params import AttentionParams
+    from flashkit.ops.triton import append, forward_hopper
+
+    bf = torch.bfloat16
+    q, k, v = (torch.randn(1, 512, 32, 128, dtype=bf) for _ in range(3))
+    kv_shape = (1, 8192, 8, 128)  # 512 x 8k: over the route's work threshold
+    k_cache, v_cache = torch.zeros(kv_shape, dtype=bf), torch.zeros(kv_shape, dtype=bf)
+    lens = torch.full((1,), 7680, dtype=torch.int32)
+    params = AttentionParams(128 ** -0.5, None, 0)
+    out, lse = torch.empty_like(q), torch.empty(1, 32, 512)
+
+    def prefill_route():  # what the kvcache route runs after its argument checks
+        qq, seqlens_k = append.append(q, k_cache, v_cache, None, None, None, None, lens, None,
+                                      None, None, 512, True)
+        return _gluon_prefill(qq, k_cache, v_cache, seqlens_k, 8192, None, None, None, params)
+
+    paths = {
+        "forward_hopper.attention_forward": lambda: forward_hopper.attention_forward(
+            q, k, v, params, out=out, lse=lse),
+        "flash_attn_func": lambda: flash_attn_func(q, k, v, causal=True, backend="triton"),
+        "kvcache route (append + _gluon_prefill)": prefill_route,
+        "flash_attn_with_kvcache (host checks)": lambda: flash_attn_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens=lens, causal=True, backend="triton"),
+    }
+    assert prefill_route() is not None, "the route must take the Gluon forward"
+    for name, fn in paths.items():
+        print(f"{name:45s} {per_call_us(fn, args.calls):7.1f} us per call", flush=True)
+        if args.profile:
+            prof = cProfile.Profile()
+            prof.runcall(per_call_us, fn, args.calls)
+            stats = pstats.Stats(prof)
+            stats.dump_stats(f"{args.profile}.{name.split()[0]}")
+
+
+if __name__ == "__main__":
+    main()
