@@ -887,6 +887,30 @@ def test_launch_key_determines_tritons_specialisation():
     assert marks[int, 1] != marks[bool, True] and marks[int, 1] != marks[float, 1.0]
 
 
+def test_launch_sees_a_changed_global():
+    """launch's check of a kernel's globals (Triton's: a changed one raises on the next launch)
+    still sees a new value after it has passed once, and takes an equal new object."""
+    import copy
+
+    import triton.language as tl
+
+    from flashkit.ops.triton.launch import _globals_changed
+
+    class Kernel:  # what _globals_changed reads of a JITFunction
+        def __init__(self, scope):
+            self.used_global_vals = {("A", id(scope)): (copy.deepcopy(scope["A"]), scope)}
+
+    scope = {"A": tl.constexpr(1)}
+    kernel = Kernel(scope)
+    assert not _globals_changed(kernel) and not _globals_changed(kernel)
+    scope["A"] = tl.constexpr(2)
+    assert _globals_changed(kernel)
+    scope["A"] = tl.constexpr(1)
+    assert not _globals_changed(kernel)
+    del scope["A"]
+    assert _globals_changed(kernel)
+
+
 def test_launched_kernels_take_their_constexprs_last():
     """launch passes the runtime arguments and then the constexprs in signature order (the
     Gluon forward's too)."""

@@ -27,6 +27,7 @@ specialiser.
 from __future__ import annotations
 
 import functools
+import operator
 
 import torch
 import triton
@@ -37,6 +38,8 @@ from flashkit.ops.triton.common import interpreting
 MAX_ENTRIES = 4096  # forget every entry beyond this (scalars that change every call)
 _SCALAR_TYPES = (int, float, bool, type(None))
 _compiled: dict = {}  # key -> Triton's compiled kernel
+_globals_seen: dict = {}  # kernel -> the objects its globals were when last found unchanged
+_MISSING = object()
 
 
 def tensor_key(t) -> tuple:
@@ -101,7 +104,18 @@ def _hooked() -> bool:
 
 
 def _globals_changed(kernel) -> bool:
-    """Triton's check that the globals a compiled kernel used still hold their values."""
-    missing = object()
-    return any(scope.get(name, missing) != value
-               for (name, _), (value, scope) in kernel.used_global_vals.items())
+    """Triton's check that the globals a compiled kernel used still hold their values, made
+    again only when one of them is another object than at the last check that passed (Triton
+    compares deep copies by value: 6.4 us a launch for the Gluon forward's nine gl.constexpr
+    globals, whose != builds new constexprs). A global mutated in place (a list) would go
+    unseen; the kernels' globals are constexprs."""
+    current = [scope.get(name, _MISSING) for (name, _), (_, scope) in
+               kernel.used_global_vals.items()]
+    seen = _globals_seen.get(kernel)
+    if seen is not None and len(seen) == len(current) and all(map(operator.is_, seen, current)):
+        return False
+    values = [value for value, _ in kernel.used_global_vals.values()]
+    if any(now != value for now, value in zip(current, values, strict=True)):
+        return True
+    _globals_seen[kernel] = current  # holds the objects, so an identity cannot be reused
+    return False
