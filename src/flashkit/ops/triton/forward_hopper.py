@@ -908,7 +908,7 @@ def gluon_supported(q, k, v, params: AttentionParams, varlen: bool = False,
     if params.is_varlen and not varlen:
         return False
     supported = params.attn_bias is None and params.softmax_scale > 0
-    if not (supported and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9):
+    if not (supported and q.is_cuda and _capability(q.device)[0] == 9):
         return False
     head_dim = q.shape[-1]
     tokens = 0 if params.is_varlen else 1  # varlen (total, h, d), dense (b, seqlen, h, d)
@@ -916,6 +916,12 @@ def gluon_supported(q, k, v, params: AttentionParams, varlen: bool = False,
             and q.dtype in (torch.float16, torch.bfloat16) and q.dtype == k.dtype == v.dtype
             and min(q.shape[tokens], k.shape[tokens]) > 0
             and all(flash_layout_2d(x) for x in (q, k, v)))
+
+
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    """torch.cuda.get_device_capability, asked once per device (a few us per call otherwise)."""
+    return torch.cuda.get_device_capability(device)
 
 
 def eligible(q, k, v, params: AttentionParams, out, lse, tile) -> bool:
