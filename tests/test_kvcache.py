@@ -887,6 +887,18 @@ def test_launch_key_determines_tritons_specialisation():
     assert marks[int, 1] != marks[bool, True] and marks[int, 1] != marks[float, 1.0]
 
 
+def test_host_cdiv_and_next_power_of_2_match_tritons():
+    """common's host cdiv / next_power_of_2 (the launchers' grids and blocks) are Triton's."""
+    import triton
+
+    from flashkit.ops.triton.common import cdiv, next_power_of_2
+
+    for n in [*range(0, 1100), 2**31 - 1, 2**31, 2**31 + 1, 2**40 + 3]:
+        assert next_power_of_2(n) == triton.next_power_of_2(n), n
+        for d in (1, 3, 16, 64, 128):
+            assert cdiv(n, d) == triton.cdiv(n, d), (n, d)
+
+
 def test_launch_sees_a_changed_global():
     """launch's check of a kernel's globals (Triton's: a changed one raises on the next launch)
     still sees a new value after it has passed once, and takes an equal new object."""

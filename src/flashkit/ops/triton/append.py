@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from flashkit.ops.triton.common import next_power_of_2
 from flashkit.ops.triton.configs import padded_head_dim
 from flashkit.ops.triton.launch import launch
 
@@ -212,4 +213,4 @@ def append(q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, cache_batch_idx, 
 
 
 def _block_heads(nheads: int, block_d: int) -> int:
-    return min(triton.next_power_of_2(nheads), max(1, ROW_ELEMENTS // block_d))
+    return min(next_power_of_2(nheads), max(1, ROW_ELEMENTS // block_d))

@@ -59,8 +59,10 @@ from flashkit.ops.triton.common import (
     LN2_JIT,
     LOG2E_JIT,
     alibi_bias,
+    cdiv,
     interpreting,
     load_tile,
+    next_power_of_2,
     online_softmax_update,
     score_args,
     scores,
@@ -491,7 +493,7 @@ def tile_config(packed_rows: int, page_size: int) -> tuple[Tile, bool]:
     if packed_rows > tile.block_m:
         tile = table["prefill"]
     else:
-        tile = tile._replace(block_m=max(16, triton.next_power_of_2(packed_rows)))
+        tile = tile._replace(block_m=max(16, next_power_of_2(packed_rows)))
     if page_size == 0:
         return tile, False
     per_tile = PAGE_TILE_LOOKUP and page_size % tile.block_n == 0
@@ -549,10 +551,10 @@ def merge(out_part, lse_part, out, lse, use_pdl: bool = False) -> None:
     """out, lse from the splits' partial results (layouts in the module docstring)."""
     num_splits, batch, seqlen_q, nheads, head_dim_v = out_part.shape
     block_dv = min(MERGE_BLOCK_DV, padded_head_dim(head_dim_v))
-    launch(_merge_kernel, (batch * seqlen_q * nheads, triton.cdiv(head_dim_v, block_dv)), (
+    launch(_merge_kernel, (batch * seqlen_q * nheads, cdiv(head_dim_v, block_dv)), (
         out_part, lse_part, out, lse), (*out_part.stride(), *lse_part.stride(),
         *out.stride(), *lse.stride(), nheads, seqlen_q, num_splits), dict(
-        HEAD_DIM_V=head_dim_v, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+        HEAD_DIM_V=head_dim_v, BLOCK_S=max(2, next_power_of_2(num_splits)),
         BLOCK_DV=block_dv, USE_PDL=use_pdl), num_warps=4, launch_pdl=use_pdl)
 
 
@@ -563,10 +565,10 @@ def launch_shape(q, nheads_k: int, page_size: int, num_splits: int,
     batch, seqlen_q, nheads = q.shape[:3]
     packed_rows = seqlen_q * (nheads // nheads_k)
     tile, per_tile = tile_config(packed_rows, page_size)
-    m_blocks = triton.cdiv(packed_rows, tile.block_m)
+    m_blocks = cdiv(packed_rows, tile.block_m)
     if num_splits == 0:
         sms, _ = _launch_facts(q.device)
-        key_blocks = triton.cdiv(max_seqlen_k, tile.block_n)
+        key_blocks = cdiv(max_seqlen_k, tile.block_n)
         auto = functools.partial(auto_num_splits, batch * nheads_k * m_blocks, key_blocks,
                                  MAX_SPLITS, resident=sms * tile.resident)
         num_splits = auto(sms * tile.per_sm)
@@ -674,7 +676,7 @@ def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, bloc
         SEQLENS_TENSOR=step is None or seqlens_tensor,
         ROTARY_HALF=0 if cos is None else cos.shape[1],
         INTERLEAVED=step is not None and step.interleaved,
-        BLOCK_NEW=max(1, triton.next_power_of_2(seqlen_new)), TABLE_CHUNK=TABLE_CHUNK),
+        BLOCK_NEW=max(1, next_power_of_2(seqlen_new)), TABLE_CHUNK=TABLE_CHUNK),
         num_warps=tile.num_warps, num_stages=tile.num_stages, **checks)
     if num_splits > 1:
         merge(out_part, lse_part, out, lse, use_pdl)

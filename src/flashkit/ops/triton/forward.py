@@ -31,6 +31,7 @@ from flashkit.ops.triton.common import (
     alibi_args,
     alibi_bias,
     batch_strides,
+    cdiv,
     head_ptr,
     interpreting,
     key_tile_ranges,
@@ -229,7 +230,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     k_desc = kv_descriptor(k, block_n, block_d) if use_tma else None
     v_desc = kv_descriptor(v, block_n, block_dv) if use_tma else None
     use_tma = use_tma and k_desc is not None and v_desc is not None
-    grid = (triton.cdiv(seqlen_q, block_m), batch * nheads)
+    grid = (cdiv(seqlen_q, block_m), batch * nheads)
     _fwd_kernel[grid](
         q, k_desc if use_tma else k, v_desc if use_tma else v, out, lse,
         *batch_strides(q, params), *batch_strides(k, params), *batch_strides(v, params),

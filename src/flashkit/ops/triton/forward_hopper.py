@@ -64,7 +64,6 @@ from __future__ import annotations
 import functools
 
 import torch
-import triton
 
 from flashkit.ops.params import AttentionParams
 from flashkit.ops.triton.common import (
@@ -73,6 +72,7 @@ from flashkit.ops.triton.common import (
     alibi_args,
     alibi_bias,
     batch_strides,
+    cdiv,
     interpreting,
     key_tile_ranges,
     load_alibi_log2,
@@ -1010,7 +1010,7 @@ def attention_forward(q, k, v, params: AttentionParams, out=None, lse=None, tile
     cu_q, cu_k, varlen = varlen_args(params, lse)
     stride_ob, stride_os, stride_oh, _ = batch_strides(out, params)
     stride_lb, stride_lh, _ = batch_strides(lse, params)
-    n_m = triton.cdiv(seqlen_q, BLOCK_M * consumers)
+    n_m = cdiv(seqlen_q, BLOCK_M * consumers)
     n_items = n_m * batch * nheads
     grid = (min(n_items, _programs_per_device(q.device, consumers)), ) if persistent else (
         n_m, batch * nheads)
