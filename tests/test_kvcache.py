@@ -863,28 +863,141 @@ def test_prefill_poisoned_spare_cache_does_not_leak_on_gpu(mask, monkeypatch):
 
 # --- the launch cache (flashkit.ops.triton.launch) -----------------------------------------------
 
-def test_launch_key_determines_tritons_specialisation():
-    """Equal launch keys imply equal Triton specialisations (the launch cache's premise):
-    tensors of several dtypes at aligned and misaligned addresses by tensor_key; scalars are
-    keyed by type and value, of which Triton's marks are a function (sampled at every boundary
-    it marks: == 1, % 16, int32/int64/uint64)."""
+def _triton_spec(a, specialize=True, align=True):
+    """Triton 3.6's specialisation of one argument (its binder's call), on the CPU."""
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import BaseBackend
 
-    from flashkit.ops.triton.launch import tensor_key
+    return native_specialize_impl(BaseBackend, a, False, specialize, align)
 
-    spec = lambda a: native_specialize_impl(BaseBackend, a, False, True, True)  # noqa: E731
+
+_INTS = [0, 1, 2, 15, 16, 17, -1, -16, -17, 2**31 - 16, 2**31 - 1, 2**31, -2**31, -2**31 - 1,
+         2**32, 2**63 - 16, 2**63 - 1, 2**63, -2**63, 2**64 - 16, 2**64 - 1]
+_OTHER_SCALARS = [True, False, 0.0, 1.0, 16.0, 0.5, -2.5, 1e300, float("inf"), None]
+
+
+def test_launch_key_determines_tritons_specialisation():
+    """Equal launch keys imply equal Triton specialisations (the launch cache's premise):
+    tensors of several dtypes at aligned and misaligned addresses by tensor_key; scalars by
+    type and code, under each pair of do_not_specialize flags, with floats and bools equal to
+    ints looked up first; two ints share a code exactly when Triton marks them alike."""
+    from flashkit.ops.triton.launch import _Codes, scalar_code, tensor_key
+
     base = [torch.zeros(64, dtype=dtype) for dtype in (torch.float32, torch.bfloat16,
                                                         torch.int32)]
     tensors = [t[offset:] for t in base for offset in (0, 1, 4, 8, 16)]
     for a, b in itertools.combinations(tensors, 2):
         if tensor_key(a) == tensor_key(b):
-            assert spec(a) == spec(b), (tensor_key(a), spec(a), spec(b))
-    scalars = [0, 1, 2, 15, 16, 17, -1, -16, -17, 2**31 - 16, 2**31 - 1, 2**31, 2**32,
-               2**63 - 16, 2**63, 2**64 - 16, True, False, 0.5, 1.0, None]
-    marks = {(type(a), a): spec(a) for a in scalars}
-    assert all(spec(a) == marks[type(a), a] for a in scalars)  # a function of (type, value)
-    assert marks[int, 1] != marks[bool, True] and marks[int, 1] != marks[float, 1.0]
+            assert _triton_spec(a) == _triton_spec(b), (tensor_key(a), a, b)
+    for specialize, align in itertools.product((True, False), repeat=2):
+        codes = _Codes(specialize, align)
+        keyed = [(a, (type(a), codes[a])) for a in _OTHER_SCALARS]
+        keyed += [(a, (type(a), codes[a])) for a in _INTS]  # ints after floats and bools
+        for (a, key_a), (b, key_b) in itertools.combinations(keyed, 2):
+            spec_a, spec_b = (_triton_spec(x, specialize, align) for x in (a, b))
+            if key_a == key_b:
+                assert spec_a == spec_b, (a, b, specialize, align)
+            if type(a) is type(b) is int:
+                assert (key_a == key_b) == (spec_a == spec_b), (a, b, specialize, align)
+        for too_large in (2**64, -2**63 - 1):  # Triton refuses them; never a valid int's code
+            with pytest.raises(OverflowError):
+                _triton_spec(too_large, specialize, align)
+            assert scalar_code(too_large, specialize, align) not in {codes[a] for a in _INTS}
+
+
+class _StandInKernel:
+    """A JITFunction as launch sees it: its params, and kernel[grid](...) specialising the
+    arguments with Triton's own binder and returning one compiled stand-in per
+    specialisation; every launch records (the specialisation its kernel was compiled for,
+    that of its arguments)."""
+
+    def __init__(self, fn, **flags):
+        from triton.backends.compiler import BaseBackend
+        from triton.runtime.jit import JITFunction, create_function_from_signature
+
+        jit = JITFunction(fn, **flags)
+        self.__name__, self.params, self.arg_names = fn.__name__, jit.params, jit.arg_names
+        self.used_global_vals = {}
+        self._binder = create_function_from_signature(jit.signature, jit.params, BaseBackend)
+        self.compiled, self.launches, self.through_triton = {}, [], 0
+
+    def spec(self, *args, **kwargs):
+        return tuple(self._binder(*args, **kwargs)[1])
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.through_triton += 1
+            spec = self.spec(*args, **kwargs)
+            self.launches.append((spec, spec))
+            return self.compiled.setdefault(spec, _StandInCompiled(self, spec))
+        return run
+
+
+class _StandInCompiled:
+    function = packed_metadata = None
+
+    def __init__(self, kernel, spec):
+        self.kernel, self.spec = kernel, spec
+
+    def run(self, *args):  # grid (3), stream, function, metadata, 3 hooks, kernel arguments
+        self.kernel.launches.append((self.spec, self.kernel.spec(*args[9:])))
+
+
+def _stand_in_fn(x_ptr, a, b, seed, scale, flag, N: tl.constexpr):  # noqa: F821
+    pass
+
+
+@pytest.fixture
+def direct_launch(monkeypatch):
+    """launch as on a GPU (no interpreter, a stream from a stand-in driver), empty caches."""
+    import triton
+
+    from flashkit.ops.triton import launch
+
+    monkeypatch.setattr(launch, "interpreting", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(triton.runtime.driver, "_active",
+                        type("Driver", (), {"get_current_stream": lambda self, device: 0})())
+    for cache in ("_compiled", "_by_value", "_plans"):
+        monkeypatch.setattr(launch, cache, {})
+    return launch
+
+
+def test_launch_takes_the_kernel_triton_would(direct_launch):
+    """Through launch's caches, every launch runs the kernel compiled for its arguments'
+    Triton specialisation, and Triton compiles each specialisation once (bools, keyed as the
+    ints 0 and 1, twice): values of one class share an entry. b is not specialised on
+    alignment, seed not at all (as the kernels' dropout seeds)."""
+    import random
+
+    kernel = _StandInKernel(_stand_in_fn, do_not_specialize=["seed"],
+                            do_not_specialize_on_alignment=["b"])
+    rng = random.Random(0)
+    x = torch.zeros(64)
+    classes = set()  # (Triton's specialisation, the bool)
+    for _ in range(300):
+        scalars = (rng.choice(_INTS), rng.choice(_INTS), rng.randrange(-2**31, 2**31),
+                   rng.choice([0.5, -2.5, 1e-3]), rng.random() < 0.5)
+        direct_launch.launch(kernel, (1,), (x,), scalars, dict(N=16))
+        classes.add((kernel.spec(x, *scalars, N=16), scalars[-1]))
+    assert len(kernel.launches) == 300
+    assert all(compiled == spec for compiled, spec in kernel.launches)
+    assert kernel.through_triton == len(direct_launch._compiled) == len(classes) < 150
+
+
+def test_launch_cache_does_not_grow_with_a_new_seed_each_call(direct_launch):
+    """A dropout-like call with a new seed every time reuses one compiled kernel: one call
+    through Triton, one entry."""
+    import random
+
+    kernel = _StandInKernel(_stand_in_fn, do_not_specialize=["seed"])
+    rng = random.Random(1)
+    x = torch.zeros(64)
+    for _ in range(2 * direct_launch.MAX_ENTRIES + 10):
+        direct_launch.launch(kernel, (1,), (x,), (64, 7, rng.randrange(-2**31, 2**31), 0.5,
+                                                  True), dict(N=16))
+    assert kernel.through_triton == 1 and len(direct_launch._compiled) == 1
+    assert all(compiled == spec for compiled, spec in kernel.launches)
 
 
 def test_host_cdiv_and_next_power_of_2_match_tritons():

@@ -11,17 +11,20 @@ determines Triton's own cache key (`JITFunction.run`: the specialisation of ever
 options) and launches it directly when the key is seen again:
     tensors  each one's dtype and whether data_ptr() % 16 == 0 (Triton's "D" alignment mark);
              a Gluon TensorDescriptor's dtype, block shape, layout and padding
-    scalars  their values and types (int, float, bool or None), of which Triton's marks are a
-             function (int == 1 becomes a constexpr, % 16 == 0 "D", int32/int64/uint64 by
-             range)
+    scalars  their types (int, float, bool or None) and, for each, a code of what Triton's mark
+             of it depends on (`scalar_code`: an int's == 1, % 16 == 0 and int32/int64/uint64
+             range, as far as the parameter's do_not_specialize flags let Triton look; nothing
+             of a float's, bool's or None's value)
     rest     the constexpr values, the launch options, the device, and the runtime knobs that
              Triton adds to the options (debug, instrumentation mode)
-Keying scalars by value is finer than Triton's key (more entries, each launched through Triton
-the first time) and costs one C-level tuple hash instead of a Python call per argument.
-Anything else (a registered launch hook, the interpreter, a scalar of another type) takes
-Triton's entry. Equal keys imply equal Triton keys, so the kernel launched is the one Triton
-would launch; tests/test_kvcache.py checks the tensor and descriptor keys against Triton's
-specialiser.
+Equal keys imply equal Triton keys, so the kernel launched is the one Triton would launch, and a
+scalar that changes every call (a dropout seed, a decoding step's int length) reuses one entry.
+Computing the codes costs a C-level dict lookup per scalar, so a second dict keeps the kernel
+under the scalars' values as well: a call whose values were seen before costs one tuple hash
+(the decoding and forward calls), one with new values the codes' lookups, and only one with
+a new code Triton's entry. Anything else (a registered launch hook, the interpreter, a scalar of
+another type) takes Triton's entry. tests/test_kvcache.py checks the keys against Triton's
+specialiser and launches a stand-in kernel through both caches.
 """
 
 from __future__ import annotations
@@ -35,9 +38,11 @@ from triton import knobs
 
 from flashkit.ops.triton.common import interpreting
 
-MAX_ENTRIES = 4096  # forget every entry beyond this (scalars that change every call)
-_SCALAR_TYPES = (int, float, bool, type(None))
-_compiled: dict = {}  # key -> Triton's compiled kernel
+MAX_ENTRIES = 4096  # forget every entry of a dict beyond this (a safety bound)
+_SCALAR_TYPES = frozenset((int, float, bool, type(None)))
+_compiled: dict = {}  # key (scalars by code) -> Triton's compiled kernel
+_by_value: dict = {}  # the same key with the scalars' values instead of their codes -> kernel
+_plans: dict = {}  # (id(kernel), number of tensors) -> each scalar parameter's codes
 _globals_seen: dict = {}  # kernel -> the objects its globals were when last found unchanged
 _MISSING = object()
 
@@ -49,6 +54,42 @@ def tensor_key(t) -> tuple:
     if isinstance(t, torch.Tensor):
         return t.dtype, t.data_ptr() % 16 == 0
     return t.base.dtype, tuple(t.block_shape), t.layout, t.padding
+
+
+def scalar_code(value, specialize: bool = True, align: bool = True) -> int:
+    """What Triton 3.6's specialisation of an int depends on (native_specialize_impl's
+    handle_long_type), as a small int: 1 for == 1 (a constexpr), unless the parameter is in
+    do_not_specialize (specialize=False); else its range (int32, int64, uint64, or too large,
+    which Triton refuses) and, unless do_not_specialize or do_not_specialize_on_alignment
+    (align=False), whether % 16 == 0 (the "D" mark). Triton marks a float fp32, a bool u1 and
+    None a constexpr whatever the value: -1, except that a float or bool equal to an int (2.0,
+    True) gets that int's code, as a dict lookup cannot tell them apart."""
+    if value is None or (type(value) is float and not value.is_integer()):
+        return -1
+    value = int(value)
+    if specialize and value == 1:
+        return 1
+    width = (0 if -2**31 <= value < 2**31 else 1 if -2**63 <= value < 2**63 else
+             2 if 0 <= value < 2**64 else 3)
+    return 2 + 2 * width + (specialize and align and value % 16 == 0)
+
+
+class _Codes(dict):
+    """value -> scalar_code(value, specialize, align), computed on a value's first lookup."""
+
+    def __init__(self, specialize: bool, align: bool):
+        super().__init__()
+        self.specialize, self.align = specialize, align
+
+    def __missing__(self, value) -> int:
+        if len(self) >= MAX_ENTRIES:  # seeds and lengths that change every call
+            self.clear()
+        code = self[value] = scalar_code(value, self.specialize, self.align)
+        return code
+
+
+_CODES = {(specialize, align): _Codes(specialize, align)
+          for specialize in (False, True) for align in (False, True)}
 
 
 def launch(kernel, grid: tuple, tensors: tuple, scalars: tuple, constexprs: dict,
@@ -63,7 +104,12 @@ def launch(kernel, grid: tuple, tensors: tuple, scalars: tuple, constexprs: dict
     key = (id(kernel), device, tuple([tensor_key(t) for t in tensors]), scalars,
            tuple(map(type, scalars)), tuple(constexprs.values()), tuple(options.items()),
            knobs.runtime.debug, knobs.compilation.instrumentation_mode)
-    compiled = _compiled.get(key)
+    compiled = _by_value.get(key)
+    if compiled is None:  # new values: look their codes up
+        coded = _coded_key(kernel, len(tensors), key)
+        compiled = _compiled.get(coded)
+        if compiled is not None:
+            _remember(_by_value, key, compiled)
     if compiled is None or _globals_changed(kernel):
         compiled = kernel[grid](*tensors, *scalars, **constexprs, **options)
         if hasattr(compiled, "result"):  # asynchronous compilation
@@ -71,15 +117,35 @@ def launch(kernel, grid: tuple, tensors: tuple, scalars: tuple, constexprs: dict
         if kernel.arg_names[len(tensors) + len(scalars):] != list(constexprs):
             raise ValueError(f"launch: {kernel.__name__}'s constexprs must follow its runtime "
                              "arguments in the signature, in order")
-        if all(type(a) in _SCALAR_TYPES for a in scalars):
-            if len(_compiled) >= MAX_ENTRIES:
-                _compiled.clear()
-            _compiled[key] = compiled
+        coded = _coded_key(kernel, len(tensors), key)
+        if coded is not None:
+            _remember(_compiled, coded, compiled)
+            _remember(_by_value, key, compiled)
         return
     grid = tuple(grid) + (1,) * (3 - len(grid))
     stream = triton.runtime.driver.active.get_current_stream(device)
     compiled.run(*grid, stream, compiled.function, compiled.packed_metadata, None, None, None,
                  *tensors, *scalars, *constexprs.values())
+
+
+def _coded_key(kernel, n_tensors: int, key: tuple) -> tuple | None:
+    """launch's key with each scalar's code in place of its value; None where a scalar is of
+    another type than int, float, bool or None."""
+    scalars, types = key[3], key[4]
+    if not _SCALAR_TYPES.issuperset(types):
+        return None
+    plan = _plans.get((id(kernel), n_tensors))
+    if plan is None:
+        plan = _plans[id(kernel), n_tensors] = tuple(
+            _CODES[not p.do_not_specialize, not p.do_not_specialize_on_alignment]
+            for p in kernel.params[n_tensors:])
+    return key[:3] + (tuple(map(operator.getitem, plan, scalars)),) + key[4:]
+
+
+def _remember(cache: dict, key: tuple, compiled) -> None:
+    if len(cache) >= MAX_ENTRIES:
+        cache.clear()
+    cache[key] = compiled
 
 
 @functools.lru_cache
