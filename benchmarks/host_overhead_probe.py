@@ -8,7 +8,9 @@ the device queries are patched), so torch ops are CPU ones.
         [--out x.json]
 
 Shapes: bf16 d128, 32 query heads; dense 512 x 512 causal; the kvcache route 512 queries over a
-contiguous 8k cache (7.7k filled, GQA 8:1), over its work threshold.
+contiguous 8k cache (7.7k filled, GQA 8:1), over its work threshold; a decoding step appends
+one token to that cache (its lengths a tensor, or an int that changes every call); the
+dropout forward draws with a new seed every call.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import dataclasses
+import itertools
 import json
 import platform
 import pstats
@@ -93,13 +97,26 @@ def main():
                                       None, None, 512, True)
         return _gluon_prefill(qq, k_cache, v_cache, seqlens_k, 8192, None, None, None, params)
 
+    seeds, steps = itertools.count(1), itertools.count()
+    q1, k1, v1 = q[:, :1], k[:, :1, :8], v[:, :1, :8]
+
+    def decode_step(int_lengths):  # one new token appended, then decoded
+        lengths = 4096 + next(steps) % 2048 if int_lengths else lens
+        return flash_attn_with_kvcache(q1, k_cache, v_cache, k1, v1, cache_seqlens=lengths,
+                                       causal=True, backend="triton")
+
     paths = {
         "forward_hopper.attention_forward": lambda: forward_hopper.attention_forward(
             q, k, v, params, out=out, lse=lse),
+        "forward_hopper, dropout (a new seed each call)": lambda: forward_hopper.attention_forward(
+            q, k, v, dataclasses.replace(params, dropout_p=0.1, dropout_seed=next(seeds)),
+            out=out, lse=lse),
         "flash_attn_func": lambda: flash_attn_func(q, k, v, causal=True, backend="triton"),
         "kvcache route (append + _gluon_prefill)": prefill_route,
         "flash_attn_with_kvcache (host checks)": lambda: flash_attn_with_kvcache(
             q, k_cache, v_cache, cache_seqlens=lens, causal=True, backend="triton"),
+        "decode step (tensor cache_seqlens)": lambda: decode_step(False),
+        "decode step (int cache_seqlens, a new one each call)": lambda: decode_step(True),
     }
     assert prefill_route() is not None, "the route must take the Gluon forward"
     import triton
@@ -111,7 +128,7 @@ def main():
                       "flashkit_path": flashkit.__file__}, "host_us": {}}
     for name, fn in paths.items():
         result["host_us"][name] = per_call_us(fn, args.calls)
-        print(f"{name:45s} {result['host_us'][name]:7.1f} us per call", flush=True)
+        print(f"{name:55s} {result['host_us'][name]:7.1f} us per call", flush=True)
         if args.profile:
             prof = cProfile.Profile()
             prof.runcall(per_call_us, fn, args.calls)
