@@ -353,8 +353,8 @@ if gluon is not None:
                         o_layout: gl.constexpr, p_layout: gl.constexpr):
         """S_tile and P_{tile-1} V_{tile-1} in flight together, softmax of S_tile meant to run
         under the second (see the wait below); state (acc, P, m, l) -> (acc rescaled to
-        m_tile, P_tile as the next A operand, m, l). ctx: see _consumer. DROPOUT zeroes dropped P after l summed it (lse and l stay
-        pre-dropout)."""
+        m_tile, P_tile as the next A operand, m, l). ctx: see _consumer. DROPOUT zeroes
+        dropped P after l summed it (lse and l stay pre-dropout)."""
         (descs, smem, bars, q_tile, row0, rows, n_tiles, key0, key_start, kv_col, geo, alibi,
          drop, ring, turn0) = ctx
         acc, p_op, m_i, l_i = state
