@@ -83,6 +83,7 @@ def cell(seqlen_q, cached, nheads_k, force: bool, pages=PAGES, rounds=ROUNDS) ->
              "dense_full": lambda: flash_attn_func(q, k, v)}
     qt, kt, vt = (x.transpose(1, 2).repeat_interleave(NHEADS // x.shape[2], 1)
                   for x in (q, k, v))  # SDPA (b, h, s, d), GQA as repeated heads
+
     def cudnn_full():
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             return F.scaled_dot_product_attention(qt, kt, vt)
@@ -100,7 +101,7 @@ def cell(seqlen_q, cached, nheads_k, force: bool, pages=PAGES, rounds=ROUNDS) ->
     for name, (kc, vc, table) in layouts.items():
         modes = (("", None), ("_route", True), ("_decode", False)) if force else (("", None),)
         for suffix, on in modes:
-            def call(kc=kc, vc=vc, table=table, on=on):
+            def call(kc=kc, vc=vc, table=table, on=on):  # route() costs ~1 us of host time
                 with route(on):
                     return flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens,
                                                    block_table=table, causal=True)
