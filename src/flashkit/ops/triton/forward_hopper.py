@@ -579,7 +579,7 @@ if gluon is not None:
                 next_rows = _tile_rows(keys, tile + 1, BLOCK_N, ROWS)
                 _produce_tile(descs, smem, bars, ring + tile, rows, kv_col, NUM_STAGES, ROLE)
                 rows = next_rows
-        else:
+        else:  # contiguous rows are arithmetic: nothing to fetch ahead
             for tile in range(n_tiles):
                 _produce_tile(descs, smem, bars, ring + tile,
                               _tile_rows(keys, tile, BLOCK_N, ROWS), kv_col, NUM_STAGES, ROLE)
