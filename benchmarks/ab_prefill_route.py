@@ -23,7 +23,7 @@ import json
 import statistics
 
 import torch
-from bench_decode import bench, environment, gluon_prefill_thresholds
+from bench_decode import bench_rotating, environment, gluon_prefill_thresholds
 
 from flashkit.api import flash_attn_func
 from flashkit.kvcache import flash_attn_with_kvcache
@@ -63,12 +63,7 @@ def variants(seqlen_k: int, nheads_k: int) -> dict:
 
 
 def cell(seqlen_k: int, nheads_k: int, rounds: int) -> dict:
-    calls = variants(seqlen_k, nheads_k)
-    names = list(calls)
-    times = {name: [] for name in names}
-    for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            times[name].append(bench(calls[name]))
+    times = bench_rotating(variants(seqlen_k, nheads_k), rounds)
     row = {"seqlen_q": SEQLEN_Q, "seqlen_k": seqlen_k, "nheads_k": nheads_k, "ms": times}
     med = {name: statistics.median(t) for name, t in times.items()}
     row["median_ms"] = med

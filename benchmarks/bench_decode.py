@@ -89,6 +89,17 @@ def bench(fn) -> float:
     return do_bench(fn, warmup=10, rep=40, return_mode="median")
 
 
+def bench_rotating(calls: dict, rounds: int) -> dict:
+    """name -> [ms per round] of bench() over calls {name: fn}, each timed once per round in an
+    order rotated by one each round: the GPU's clock drifts within a cell, and a fixed order
+    made whatever ran later look up to 17% slower (decode_NOTES.md, session 8)."""
+    names, times = list(calls), {name: [] for name in calls}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            times[name].append(bench(calls[name]))
+    return times
+
+
 def bench_graph(fn) -> float:
     """Median ms per call replayed from a CUDA graph: the GPU time alone, as a decoding loop
     under graphs sees it. No L2 flush: a problem smaller than L2 (60 MB) reads from it.

@@ -7,7 +7,9 @@ keys) against the dense forward on the same q, k, v: flashkit's flash_attn_func 
 
 bf16, d128, 32 query heads, GQA 8:1 and 1:1, batch 1, causal (bottom-right aligned: the
 queries are the sequence's last positions), the whole cache attended (no append; cache_seqlens
-a tensor). Per cell, eager ms (triton's do_bench, median, L2 flushed between calls):
+a tensor). Per cell, eager ms (triton's do_bench, median, L2 flushed between calls; every call
+of the cell timed once per round for ROUNDS rounds in an order rotated by one each round, the
+median over rounds; a fixed order made the later calls up to 17% slower):
   dense_ms        flash_attn_func(q, k, v, causal=True), k/v the cache's seqlen_k keys
   dense_full_ms   the same without the mask, and cudnn_full_ms (SDPA, cuDNN backend) on it:
                   SDPA's causal mask is top-left aligned, other work, so it anchors the full one
@@ -25,10 +27,18 @@ import argparse
 import contextlib
 import json
 import math
+from statistics import median
 
 import torch
 import torch.nn.functional as F
-from bench_decode import bench, environment, gluon_prefill_thresholds, host_ms, paged_copy
+from bench_decode import (
+    bench,
+    bench_rotating,
+    environment,
+    gluon_prefill_thresholds,
+    host_ms,
+    paged_copy,
+)
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashkit
@@ -38,6 +48,7 @@ from flashkit.kvcache import flash_attn_with_kvcache
 
 NHEADS, HEAD_DIM, DTYPE = 32, 128, torch.bfloat16
 QUERIES, CACHED, KV_HEADS, PAGES = (128, 256, 512, 2048), (4096, 16384), (4, 32), (16, 32, 64, 256)
+ROUNDS = 3  # each cell's calls timed in rotating order (bench_decode.bench_rotating)
 
 
 def route(on: bool | None):
@@ -62,39 +73,52 @@ def host_us(call) -> float:
     return 1e3 * host_ms(call)
 
 
-def cell(seqlen_q, cached, nheads_k, force: bool, pages=PAGES) -> dict:
+def cell(seqlen_q, cached, nheads_k, force: bool, pages=PAGES, rounds=ROUNDS) -> dict:
     seqlen_k = cached + seqlen_q
     q = torch.randn(1, seqlen_q, NHEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
     k, v = (torch.randn(1, seqlen_k, nheads_k, HEAD_DIM, dtype=DTYPE, device="cuda")
             for _ in range(2))
     row = {"seqlen_q": seqlen_q, "cached": cached, "seqlen_k": seqlen_k, "nheads_k": nheads_k}
-    row["dense_ms"] = bench(lambda: flash_attn_func(q, k, v, causal=True))
-    row["dense_full_ms"] = bench(lambda: flash_attn_func(q, k, v))
+    calls = {"dense": lambda: flash_attn_func(q, k, v, causal=True),
+             "dense_full": lambda: flash_attn_func(q, k, v)}
     qt, kt, vt = (x.transpose(1, 2).repeat_interleave(NHEADS // x.shape[2], 1)
                   for x in (q, k, v))  # SDPA (b, h, s, d), GQA as repeated heads
-    try:
+
+    def cudnn_full():
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            row["cudnn_full_ms"] = bench(lambda: F.scaled_dot_product_attention(qt, kt, vt))
+            return F.scaled_dot_product_attention(qt, kt, vt)
+
+    try:
+        cudnn_full()
+        calls["cudnn_full"] = cudnn_full
     except RuntimeError as error:  # no cuDNN attention for this shape / build
-        row["cudnn_full_ms"], row["cudnn_error"] = None, str(error)[:200]
-    row["ratio_cudnn_full"] = row["cudnn_full_ms"] and row["cudnn_full_ms"] / row["dense_full_ms"]
+        row["cudnn_error"] = str(error)[:200]
     lens = torch.full((1,), seqlen_k, dtype=torch.int32, device="cuda")
     layouts = {"contiguous": (k, v, None)}
     for page_size in pages:
         kp, table = paged(k, page_size)
         layouts[f"paged{page_size}"] = (kp, paged_copy(v, table, page_size), table)
     for name, (kc, vc, table) in layouts.items():
-        def call(kc=kc, vc=vc, table=table):
-            return flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, block_table=table,
-                                           causal=True)
         modes = (("", None), ("_route", True), ("_decode", False)) if force else (("", None),)
         for suffix, on in modes:
-            with route(on):
-                row[f"{name}{suffix}_ms"] = bench(call)
-                row[f"ratio_{name}{suffix}"] = row["dense_ms"] / row[f"{name}{suffix}_ms"]
+            def call(kc=kc, vc=vc, table=table, on=on):  # route() costs ~1 us of host time
+                with route(on):
+                    return flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens,
+                                                   block_table=table, causal=True)
+            calls[f"{name}{suffix}"] = call
+    times = bench_rotating(calls, rounds)
+    for name, ms in times.items():
+        row[f"{name}_ms"] = median(ms)
+        row[f"{name}_rounds_ms"] = ms
+    row.setdefault("cudnn_full_ms", None)
+    row["ratio_cudnn_full"] = row["cudnn_full_ms"] and row["cudnn_full_ms"] / row["dense_full_ms"]
+    for name in calls:
+        if name.startswith(("contiguous", "paged")):
+            row[f"ratio_{name}"] = row["dense_ms"] / row[f"{name}_ms"]
     print("prefill", " ".join(f"{key.replace('_ms', '')}={value:.3f}" if isinstance(value, float)
                               else f"{key}={value}" for key, value in row.items()
-                              if "ratio" in key or not isinstance(value, float)), flush=True)
+                              if "ratio" in key or not isinstance(value, (float, list))),
+          flush=True)
     return row
 
 

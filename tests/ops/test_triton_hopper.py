@@ -16,6 +16,7 @@ import torch
 from tests.ops.test_triton import DEVICE, make_inputs
 
 from flashkit.ops.params import AttentionParams
+from flashkit.ops.triton.common import LOG2E
 from flashkit.ops.triton.configs import (
     GLUON_FORWARD_TILES,
     gluon_forward_tile,
@@ -236,9 +237,9 @@ def test_softcap_mode_bounds_the_row_max_where_the_dtype_holds_it():
                                       (torch.bfloat16, 3.0, dict(alibi_slopes=slopes), False),
                                       (torch.bfloat16, 3.0, dict(sink=slopes), False)):
         params = AttentionParams(0.125, softcap=c, **features)
-        mode = hopper.softcap_mode(params, dtype, c * 1.4426950408889634, fast)
+        mode = hopper.softcap_mode(params, dtype, c * LOG2E, fast)
         assert mode == (hopper.SOFTCAP_BOUNDED if taken else fast), (dtype, c, features)
-        assert hopper.softcap_mode(params, dtype, c * 1.4426950408889634, exact) == exact
+        assert hopper.softcap_mode(params, dtype, c * LOG2E, exact) == exact
 
 
 # (dtype, head_dim, softcap, window): at each dtype's bound for the fixed row max and past it

@@ -352,10 +352,10 @@ if gluon is not None:
                         SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, ALIBI_SIDE: gl.constexpr,
                         DROPOUT: gl.constexpr, s_layout: gl.constexpr,
                         o_layout: gl.constexpr, p_layout: gl.constexpr):
-        """S_tile and P_{tile-1} V_{tile-1} in flight together, softmax of S_tile under the
-        second; state (acc, P, m, l) -> (acc rescaled to m_tile, P_tile as the next A operand,
-        m, l). ctx: see _consumer. DROPOUT zeroes dropped P after l summed it (lse and l stay
-        pre-dropout)."""
+        """S_tile and P_{tile-1} V_{tile-1} in flight together, softmax of S_tile meant to run
+        under the second (see the wait below); state (acc, P, m, l) -> (acc rescaled to
+        m_tile, P_tile as the next A operand, m, l). ctx: see _consumer. DROPOUT zeroes
+        dropped P after l summed it (lse and l stay pre-dropout)."""
         (descs, smem, bars, q_tile, row0, rows, n_tiles, key0, key_start, kv_col, geo, alibi,
          drop, ring, turn0) = ctx
         acc, p_op, m_i, l_i = state
@@ -386,7 +386,9 @@ if gluon is not None:
         p_next = gl.convert_layout(_p_operand(p, kept, q_tile.dtype, s_layout, DROPOUT),
                                    p_layout)
         # The softmax results pass through the wait so that the compiler cannot sink the softmax
-        # below it (which would serialise it after the P V matmul again).
+        # below it in the PTX. ptxas still hoists the wait's DEPBAR above most of the softmax
+        # (p_next gets p_op's registers, which the P V wgmma reads until it completes), so the
+        # overlap comes from the other consumer (benchmarks/NOTES_triton.md, session 8).
         if SOFTCAP == SOFTCAP_BOUNDED_GL:  # a fixed row max: O keeps its scale
             acc, p_op, p_next, l_i = warpgroup_mma_wait(num_outstanding=0,
                                                         deps=(o_tok, p_op, p_next, l_i))
@@ -578,7 +580,7 @@ if gluon is not None:
                 next_rows = _tile_rows(keys, tile + 1, BLOCK_N, ROWS)
                 _produce_tile(descs, smem, bars, ring + tile, rows, kv_col, NUM_STAGES, ROLE)
                 rows = next_rows
-        else:
+        else:  # contiguous rows are arithmetic: nothing to fetch ahead
             for tile in range(n_tiles):
                 _produce_tile(descs, smem, bars, ring + tile,
                               _tile_rows(keys, tile, BLOCK_N, ROWS), kv_col, NUM_STAGES, ROLE)
