@@ -45,7 +45,6 @@ def _fake_cuda():
 
     probe.JITFunction.run = run
     torch.cuda.current_device = lambda: 0
-    torch.cuda.get_device_capability = lambda device=None: (9, 0)
     torch.cuda.get_device_properties = lambda device=None: types.SimpleNamespace(
         multi_processor_count=132, major=9)
     torch.cuda.device = lambda device: contextlib.nullcontext()

@@ -86,7 +86,7 @@ from flashkit.ops.triton.common import (
 )
 from flashkit.ops.triton.configs import GLUON_FORWARD, gluon_forward_tile
 from flashkit.ops.triton.dropout import dropout_args
-from flashkit.ops.triton.launch import launch
+from flashkit.ops.triton.launch import device_properties, launch
 
 try:
     from triton.experimental import gluon
@@ -910,7 +910,7 @@ def gluon_supported(q, k, v, params: AttentionParams, varlen: bool = False,
     if params.is_varlen and not varlen:
         return False
     supported = params.attn_bias is None and params.softmax_scale > 0
-    if not (supported and q.is_cuda and _capability(q.device)[0] == 9):
+    if not (supported and q.is_cuda and device_properties(q.device).major == 9):
         return False
     head_dim = q.shape[-1]
     tokens = 0 if params.is_varlen else 1  # varlen (total, h, d), dense (b, seqlen, h, d)
@@ -918,12 +918,6 @@ def gluon_supported(q, k, v, params: AttentionParams, varlen: bool = False,
             and q.dtype in (torch.float16, torch.bfloat16) and q.dtype == k.dtype == v.dtype
             and min(q.shape[tokens], k.shape[tokens]) > 0
             and all(flash_layout_2d(x) for x in (q, k, v)))
-
-
-@functools.cache
-def _capability(device: torch.device) -> tuple[int, int]:
-    """torch.cuda.get_device_capability, asked once per device (a few us per call otherwise)."""
-    return torch.cuda.get_device_capability(device)
 
 
 def eligible(q, k, v, params: AttentionParams, out, lse, tile) -> bool:
@@ -966,7 +960,7 @@ def launch_config(tile) -> dict:
 def _programs_per_device(device, consumers) -> int:
     """A persistent grid: one specialized program per SM (two at one consumer)."""
     programs = 2 if consumers == 1 else 1
-    return programs * torch.cuda.get_device_properties(device).multi_processor_count
+    return programs * device_properties(device).multi_processor_count
 
 
 def attention_forward(q, k, v, params: AttentionParams, out=None, lse=None, tile=None,

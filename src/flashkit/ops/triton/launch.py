@@ -149,9 +149,14 @@ def _remember(cache: dict, key: tuple, compiled) -> None:
 
 
 @functools.lru_cache
-def _device_facts(index: int) -> tuple[int, bool]:
-    props = torch.cuda.get_device_properties(index)
-    return props.multi_processor_count, props.major >= 9
+def _properties(index: int):
+    return torch.cuda.get_device_properties(index)
+
+
+def device_properties(device: torch.device):
+    """torch.cuda.get_device_properties of a CUDA device, asked once per device (a few us a
+    call otherwise, on every launch's host path)."""
+    return _properties(torch.cuda.current_device() if device.index is None else device.index)
 
 
 def device_facts(device: torch.device) -> tuple[int, bool]:
@@ -159,7 +164,8 @@ def device_facts(device: torch.device) -> tuple[int, bool]:
     for kernels on `device`; (4, False) under the interpreter."""
     if device.type != "cuda" or interpreting():
         return 4, False
-    return _device_facts(torch.cuda.current_device() if device.index is None else device.index)
+    props = device_properties(device)
+    return props.multi_processor_count, props.major >= 9
 
 
 def _hooked() -> bool:
