@@ -78,7 +78,8 @@ class Tile(NamedTuple):
     that would make short splits: SHORT_SPLIT_TILES); resident: programs per SM that fit at once
     (shared memory and registers of the sm_90 build of the q-length-1, d128 tile), for whole
     waves once the programs exceed one round of them. subtiles: key sub-tiles per key tile, each
-    with its own running softmax (_key_subtiles), one per warp on the GPU; 1: _key_tiles."""
+    with its own running softmax (_key_subtiles), one per warp on the GPU; 1: _key_tiles.
+    subtiled_from: splits of fewer key tiles keep subtiles 1 (launch_shape)."""
     block_m: int
     block_n: int
     num_warps: int
@@ -86,6 +87,7 @@ class Tile(NamedTuple):
     per_sm: int
     resident: int
     subtiles: int = 1
+    subtiled_from: int = 1
 
 
 # "decode": up to DECODE max BLOCK_M packed rows (q length 1-8 at GQA 8:1), BLOCK_M fitted to
@@ -103,8 +105,12 @@ class Tile(NamedTuple):
 # the 4 running states are folded once per program (_fold_subtiles). With one 64-key tile over 4
 # warps (subtiles 1) each tile crossed warps through shared memory 4 times (row max, row sum, P):
 # sm_90 SASS per 64-key tile 275 instructions and 9 barriers against 251 and 2 (h88 notes).
-HOPPER = {"decode": Tile(64, 64, 4, 3, 2, 3, 4), "prefill": Tile(128, 128, 8, 3, 1, 1)}
-INTERPRETER = {"decode": Tile(16, 32, 1, 1, 2, 3, 2), "prefill": Tile(16, 16, 1, 1, 1, 1)}
+# The fold is a fixed cost: splits of 1-2 tiles were 3-7% slower sub-tiled (H200 graph replays,
+# b1 1k/4k GQA 8:1, 16/32 splits: 5.45 vs 5.17 us, 7.44 vs 7.09), splits of 4-16 tiles 4-21%
+# faster (b1 16k GQA 12.2 -> 10.9, b4 4k GQA 11.7 -> 9.9, b1 1k MHA 8.0 -> 7.5), hence
+# subtiled_from 4. The interpreter's 2 runs both loops in CPU tests (one-tile splits: _key_tiles).
+HOPPER = {"decode": Tile(64, 64, 4, 3, 2, 3, 4, 4), "prefill": Tile(128, 128, 8, 3, 1, 1)}
+INTERPRETER = {"decode": Tile(16, 32, 1, 1, 2, 3, 2, 2), "prefill": Tile(16, 16, 1, 1, 1, 1)}
 # Auto num_splits makes splits as short as one key tile, at most MAX_SPLITS (the merge reads all
 # splits of a row at once). It fills per_sm programs per SM, or one per SM where per_sm would cut
 # the keys into splits of fewer than SHORT_SPLIT_TILES tiles: such programs are latency bound,
@@ -685,19 +691,22 @@ def merge(out_part, lse_part, out, lse, use_pdl: bool = False) -> None:
 def launch_shape(q, nheads_k: int, page_size: int, num_splits: int,
                  max_seqlen_k: int) -> tuple[Tile, bool, int, int]:
     """(tile, page per tile, query row blocks, num_splits) of a launch (page_size 0:
-    contiguous); num_splits 0 = auto_num_splits over the longest sequence's max_seqlen_k keys."""
+    contiguous); num_splits 0 = auto_num_splits over the longest sequence's max_seqlen_k keys
+    (None: unknown, then the tile keeps its sub-tiles)."""
     batch, seqlen_q, nheads = q.shape[:3]
     packed_rows = seqlen_q * (nheads // nheads_k)
     tile, per_tile = tile_config(packed_rows, page_size)
     m_blocks = cdiv(packed_rows, tile.block_m)
+    key_blocks = None if max_seqlen_k is None else cdiv(max_seqlen_k, tile.block_n)
     if num_splits == 0:
         sms, _ = _launch_facts(q.device)
-        key_blocks = cdiv(max_seqlen_k, tile.block_n)
         auto = functools.partial(auto_num_splits, batch * nheads_k * m_blocks, key_blocks,
                                  MAX_SPLITS, resident=sms * tile.resident)
         num_splits = auto(sms * tile.per_sm)
         if key_blocks < SHORT_SPLIT_TILES * num_splits:
             num_splits = auto(sms)
+    if key_blocks is not None and key_blocks < tile.subtiled_from * num_splits:
+        tile = tile._replace(subtiles=1)
     return tile, per_tile, m_blocks, num_splits
 
 
