@@ -30,11 +30,12 @@ interpreted = pytest.mark.skipif(not INTERPRET, reason="CPU tensors: needs TRITO
 
 @pytest.fixture(params=["key_tiles", "key_subtiles"])
 def decode_loop(request, monkeypatch):
-    """Run a Triton test on each loop of the decode kernel, whatever the split lengths:
-    _key_tiles (subtiles 1) and _key_subtiles (the tile's sub-tiles for splits of any length;
-    a step with interleaved rotary still takes _key_tiles)."""
+    """Run a Triton test on each loop of the decode kernel, whatever the split lengths and
+    pages: _key_tiles (subtiles 1) and _key_subtiles (the tile's sub-tiles for splits of any
+    length and pages of any size; a step with interleaved rotary still takes _key_tiles)."""
     from flashkit.ops.triton import decode
 
+    monkeypatch.setattr(decode, "SUBTILE_ROW_PAGES", request.param == "key_subtiles")
     for table in (decode.INTERPRETER, decode.HOPPER):
         tile = table["decode"]
         monkeypatch.setitem(table, "decode", tile._replace(subtiles=1) if request.param ==
@@ -548,6 +549,9 @@ def test_auto_num_splits_on_the_h200_tile(monkeypatch):
     assert decode.launch_shape(q, 4, 0, 2, 512)[0].subtiles == 4
     assert decode.launch_shape(q, 4, 0, 3, 512)[0].subtiles == 1
     assert decode.launch_shape(q, 4, 0, 3, None)[0].subtiles == 4
+    # Pages looked up per key row (smaller than the 64-key tile) keep subtiles 1
+    assert [decode.launch_shape(q, 4, page, 2, 512)[0].subtiles
+            for page in (16, 32, 64, 256)] == [1, 1, 4, 4]
 
 
 # The checks of the Triton append kernel (CUDA calls check index values there, without a sync:

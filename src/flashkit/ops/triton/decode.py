@@ -105,10 +105,11 @@ class Tile(NamedTuple):
 # the 4 running states are folded once per program (_fold_subtiles). With one 64-key tile over 4
 # warps (subtiles 1) each tile crossed warps through shared memory 4 times (row max, row sum, P):
 # sm_90 SASS per 64-key tile 275 instructions and 9 barriers against 251 and 2 (h88 notes).
-# The fold is a fixed cost: splits of 1-2 tiles were 3-7% slower sub-tiled (H200 graph replays,
-# b1 1k/4k GQA 8:1, 16/32 splits: 5.45 vs 5.17 us, 7.44 vs 7.09), splits of 4-16 tiles 4-21%
-# faster (b1 16k GQA 12.2 -> 10.9, b4 4k GQA 11.7 -> 9.9, b1 1k MHA 8.0 -> 7.5), hence
-# subtiled_from 4. The interpreter's 2 runs both loops in CPU tests (one-tile splits: _key_tiles).
+# The fold is a fixed cost: splits of 1-2 tiles were 3-7% slower sub-tiled (H200 graph replays
+# of the public call, b1 1k GQA 8:1, 16 one-tile splits: 5.71 vs 5.40 us), splits of 4-16 tiles
+# 10-15% faster (decode grid, same run as main: b1 16k GQA 12.24 -> 10.81, b4 4k GQA 11.73 ->
+# 9.92, b16 1k GQA 13.11 -> 11.39, b1 1k MHA 8.12 -> 7.27), hence subtiled_from 4; long splits
+# within 1%. The interpreter's 2 runs both loops in CPU tests (one-tile splits: _key_tiles).
 HOPPER = {"decode": Tile(64, 64, 4, 3, 2, 3, 4, 4), "prefill": Tile(128, 128, 8, 3, 1, 1)}
 INTERPRETER = {"decode": Tile(16, 32, 1, 1, 2, 3, 2, 2), "prefill": Tile(16, 16, 1, 1, 1, 1)}
 # Auto num_splits makes splits as short as one key tile, at most MAX_SPLITS (the merge reads all
@@ -133,6 +134,12 @@ PAGED_EXTRA_STAGES = 2
 # extra stages lost 5-15 points at 16k-64k keys.
 PAGE_TILE_LOOKUP = True
 PAGE_TILE_EXTRA_STAGES = 2
+# Key sub-tiles where the page is looked up per key row (pages smaller than BLOCK_N): off. H200
+# graph replays, sub-tiled vs not (us): long or many splits lost 2.3-4% (b8 32k GQA page 16:
+# 136.0 vs 132.4, page 32: 135.2 vs 132.1, b16 1k MHA page 16: 87.6 vs 84.4; contiguous b8 32k
+# equal), small cells won 6-9% (b4 4k GQA page 16 15.7 vs 17.0, b1 4k MHA 24.9 vs 27.0). Paged
+# serving at such pages is mostly the large, bandwidth-bound batches.
+SUBTILE_ROW_PAGES = False
 LAUNCH_PDL = True  # merge kernel as a programmatic dependent launch where the GPU has it
 # The merge stays a second (PDL) launch: folding it into this kernel ("last program merges":
 # split partials, an acq_rel counter per row block, the last arrival merges and resets it;
@@ -692,7 +699,7 @@ def launch_shape(q, nheads_k: int, page_size: int, num_splits: int,
                  max_seqlen_k: int) -> tuple[Tile, bool, int, int]:
     """(tile, page per tile, query row blocks, num_splits) of a launch (page_size 0:
     contiguous); num_splits 0 = auto_num_splits over the longest sequence's max_seqlen_k keys
-    (None: unknown, then the tile keeps its sub-tiles)."""
+    (None: unknown, then the split length does not take the sub-tiles away)."""
     batch, seqlen_q, nheads = q.shape[:3]
     packed_rows = seqlen_q * (nheads // nheads_k)
     tile, per_tile = tile_config(packed_rows, page_size)
@@ -705,7 +712,8 @@ def launch_shape(q, nheads_k: int, page_size: int, num_splits: int,
         num_splits = auto(sms * tile.per_sm)
         if key_blocks < SHORT_SPLIT_TILES * num_splits:
             num_splits = auto(sms)
-    if key_blocks is not None and key_blocks < tile.subtiled_from * num_splits:
+    short_splits = key_blocks is not None and key_blocks < tile.subtiled_from * num_splits
+    if short_splits or (page_size and not per_tile and not SUBTILE_ROW_PAGES):
         tile = tile._replace(subtiles=1)
     return tile, per_tile, m_blocks, num_splits
 
