@@ -28,6 +28,20 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 interpreted = pytest.mark.skipif(not INTERPRET, reason="CPU tensors: needs TRITON_INTERPRET=1")
 
 
+@pytest.fixture(params=["key_tiles", "key_subtiles"])
+def decode_loop(request, monkeypatch):
+    """Run a Triton test on each loop of the decode kernel, whatever the split lengths and
+    pages: _key_tiles (subtiles 1) and _key_subtiles (the tile's sub-tiles for splits of any
+    length and pages of any size; a step with interleaved rotary still takes _key_tiles)."""
+    from flashkit.ops.triton import decode
+
+    monkeypatch.setattr(decode, "SUBTILE_ROW_PAGES", request.param == "key_subtiles")
+    for table in (decode.INTERPRETER, decode.HOPPER):
+        tile = table["decode"]
+        monkeypatch.setitem(table, "decode", tile._replace(subtiles=1) if request.param ==
+                            "key_tiles" else tile._replace(subtiled_from=0))
+
+
 def rotate_half_reference(x, cos, sin, positions, interleaved):
     """flash-attn's apply_rotary_emb_torch: x * cos + rotate_half(x) * sin on the first dims."""
     ro = 2 * cos.shape[1]
@@ -427,6 +441,7 @@ def _combos():
 
 @interpreted
 @pytest.mark.parametrize("layout, mask, rotary, num_splits, nheads_k", list(_combos()))
+@pytest.mark.usefixtures("decode_loop")
 def test_triton_matches_oracle(layout, mask, rotary, num_splits, nheads_k):
     Case(page_size=LAYOUTS[layout], rotary=rotary, nheads_k=nheads_k, num_splits=num_splits,
          d=16, capacity=64, **MASKS[mask]).check("triton")
@@ -435,6 +450,7 @@ def test_triton_matches_oracle(layout, mask, rotary, num_splits, nheads_k):
 @interpreted
 @pytest.mark.parametrize("feature", ["softcap", "alibi_batch", "sink", "leftpad", "prefill",
                                      "fp16", "headdim_40", "auto_splits", "page24"])
+@pytest.mark.usefixtures("decode_loop")
 def test_triton_features(feature):
     kw = {"softcap": {"softcap": 3.0, "num_splits": 3},
           "alibi_batch": {"alibi_slopes": torch.rand(3, 4), "num_splits": 2},
@@ -473,6 +489,7 @@ def test_triton_refuses_float64_before_touching_the_cache():
 
 
 @interpreted
+@pytest.mark.usefixtures("decode_loop")
 def test_triton_writes_every_output_element():
     """Poisoned out/lse buffers: any row the kernels skip stays NaN and fails."""
     from flashkit.ops.triton import decode
@@ -498,6 +515,7 @@ def check_split_counts(device, splits, **kw):
 
 
 @interpreted
+@pytest.mark.usefixtures("decode_loop")
 def test_triton_split_counts_twice():
     """96 keys in 32-key tiles: 2 and 3 splits share them, 7 leave splits empty."""
     check_split_counts("cpu", (2, 3, 7), d=16, capacity=96, seqlen_q=2, nheads=8, nheads_k=2,
@@ -505,12 +523,15 @@ def test_triton_split_counts_twice():
 
 
 # Auto num_splits on the H200's tile and 132 SMs, q length 1, 32 query heads, d128: (batch, cache
-# length, kv heads) -> splits. One-tile splits at short caches, one program per SM where two would
-# cut the keys into splits of under SHORT_SPLIT_TILES tiles, two per SM for long splits, whole
-# rounds of resident programs between one and two rounds (b16 1k MHA: 512 programs, 396 places).
-H200_AUTO_SPLITS = {(1, 1024, 4): 16, (1, 4096, 4): 32, (1, 16384, 4): 32, (1, 65536, 4): 61,
-                    (4, 4096, 4): 8, (4, 16384, 4): 16, (16, 16384, 4): 4, (1, 1024, 32): 4,
-                    (1, 16384, 32): 8, (16, 1024, 32): 3, (8, 16384, 32): 1, (64, 1024, 32): 1}
+# length, kv heads) -> (splits, key sub-tiles). One-tile splits at short caches, one program per
+# SM where two would cut the keys into splits of under SHORT_SPLIT_TILES tiles, two per SM for
+# long splits, whole rounds of resident programs between one and two rounds (b16 1k MHA: 512
+# programs, 396 places); sub-tiles only for splits of at least 4 key tiles.
+H200_AUTO_SPLITS = {(1, 1024, 4): (16, 1), (1, 4096, 4): (32, 1), (1, 16384, 4): (32, 4),
+                    (1, 65536, 4): (61, 4), (4, 1024, 4): (8, 1), (4, 4096, 4): (8, 4),
+                    (4, 16384, 4): (16, 4), (16, 16384, 4): (4, 4), (1, 1024, 32): (4, 4),
+                    (1, 16384, 32): (8, 4), (16, 1024, 32): (3, 4), (8, 16384, 32): (1, 4),
+                    (64, 1024, 32): (1, 4)}
 
 
 def test_auto_num_splits_on_the_h200_tile(monkeypatch):
@@ -521,8 +542,16 @@ def test_auto_num_splits_on_the_h200_tile(monkeypatch):
     for (batch, seqlen_k, nheads_k), expected in H200_AUTO_SPLITS.items():
         q = torch.empty(batch, 1, 32, 128, device="meta")
         tile, _, _, splits = decode.launch_shape(q, nheads_k, 0, 0, seqlen_k)
-        assert splits == expected, (batch, seqlen_k, nheads_k, splits)
+        assert (splits, tile.subtiles) == expected, (batch, seqlen_k, nheads_k, splits)
         assert splits <= min(decode.MAX_SPLITS, -(-seqlen_k // tile.block_n))
+    # Explicit splits: the same rule; an unknown length keeps the sub-tiles
+    q = torch.empty(1, 1, 32, 128, device="meta")
+    assert decode.launch_shape(q, 4, 0, 2, 512)[0].subtiles == 4
+    assert decode.launch_shape(q, 4, 0, 3, 512)[0].subtiles == 1
+    assert decode.launch_shape(q, 4, 0, 3, None)[0].subtiles == 4
+    # Pages looked up per key row (smaller than the 64-key tile) keep subtiles 1
+    assert [decode.launch_shape(q, 4, page, 2, 512)[0].subtiles
+            for page in (16, 32, 64, 256)] == [1, 1, 4, 4]
 
 
 # The checks of the Triton append kernel (CUDA calls check index values there, without a sync:
@@ -630,6 +659,7 @@ def _gpu_combos():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout, seqlen_q, mask, num_splits, rotary", list(_gpu_combos()))
+@pytest.mark.usefixtures("decode_loop")
 def test_triton_on_gpu(layout, seqlen_q, mask, num_splits, rotary):
     """bf16, d128, 1000 cached keys: key tiles cross pages, splits and the masked/unmasked
     boundaries; appends at ragged lengths."""
@@ -640,6 +670,7 @@ def test_triton_on_gpu(layout, seqlen_q, mask, num_splits, rotary):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("feature", ["softcap", "alibi_batch", "sink", "leftpad"])
+@pytest.mark.usefixtures("decode_loop")
 def test_triton_features_on_gpu(feature):
     kw = {"softcap": {"softcap": 3.0},
           "alibi_batch": {"alibi_slopes": torch.rand(3, 16)},
@@ -652,6 +683,7 @@ def test_triton_features_on_gpu(feature):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_splits", [1, 5])
+@pytest.mark.usefixtures("decode_loop")
 def test_triton_writes_every_output_element_on_gpu(num_splits):
     from flashkit.ops.triton import decode
 
@@ -667,6 +699,7 @@ def test_triton_writes_every_output_element_on_gpu(num_splits):
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("decode_loop")
 def test_triton_split_counts_twice_on_gpu():
     """bf16 d128 GQA 8:1 over up to 1024 keys in 64-key tiles: 17 and 64 splits leave splits
     empty."""
