@@ -629,13 +629,13 @@ def tile_config(packed_rows: int, page_size: int) -> tuple[Tile, bool]:
     return tile._replace(num_stages=tile.num_stages + extra), per_tile
 
 
-def register_cap(tile: Tile) -> dict:
-    """{"maxnreg": registers per thread} that keep `tile.resident` sub-tiled programs on an SM
-    (sm_90: 64K registers, allocated per warp in units of 8 per thread); left to ptxas, the
-    sub-tiled decode tile took 250-255 (2 per SM). {} otherwise and under the interpreter."""
-    if tile.subtiles == 1 or interpreting():
+def register_cap(tile: Tile, per_sm: int) -> dict:
+    """{"maxnreg": registers per thread} that keep `per_sm` sub-tiled programs on an SM (sm_90:
+    64K registers, allocated per warp in units of 8 per thread; 3: 168). {} for up to 2 (left
+    to ptxas, the sub-tiled decode tile takes 250-255), subtiles 1 and under the interpreter."""
+    if tile.subtiles == 1 or per_sm <= 2 or interpreting():
         return {}
-    return {"maxnreg": 65536 // (tile.resident * tile.num_warps * 32) // 8 * 8}
+    return {"maxnreg": 65536 // (per_sm * tile.num_warps * 32) // 8 * 8}
 
 
 @functools.lru_cache(maxsize=4096)
@@ -758,12 +758,15 @@ def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, bloc
         max_seqlen_k = int(seqlens_k.max())
     tile, per_tile, m_blocks, num_splits = launch_shape(q, nheads_k, page_size, num_splits,
                                                         max_seqlen_k)
-    _, use_pdl = _launch_facts(q.device)
+    sms, use_pdl = _launch_facts(q.device)
     if step is not None and m_blocks != 1:
         raise ValueError("decode.forward: a step needs one program per kv head (takes_step)")
-    if step is not None and step.cos is not None and step.interleaved:
-        # Interleaved rotary of q (pairs 2f, 2f + 1) under the sub-tiles' 168-register cap: 22
-        # spills and a loop that keeps one LDSM in flight, +1.5-4 us per H200 step (session 10)
+    # Sub-tiled programs per SM for the register cap: tile.resident only where the launch has
+    # more than two per SM; with fewer, the cap would only cost registers.
+    per_sm = min(tile.resident, cdiv(batch * nheads_k * m_blocks * num_splits, sms))
+    if step is not None and step.cos is not None and step.interleaved and per_sm > 2:
+        # Interleaved rotary of q (pairs 2f, 2f + 1) under the 168-register cap: 22 spills and a
+        # loop that keeps one LDSM in flight, +1.5-4 us per H200 step (session 10); none at 255
         tile = tile._replace(subtiles=1)
 
     if out is None:
@@ -823,7 +826,7 @@ def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, bloc
         INTERLEAVED=step is not None and step.interleaved,
         BLOCK_NEW=max(1, next_power_of_2(seqlen_new)), TABLE_CHUNK=TABLE_CHUNK),
         num_warps=tile.num_warps, num_stages=tile.num_stages, **checks,
-        **register_cap(tile))
+        **register_cap(tile, per_sm))
     if num_splits > 1:
         merge(out_part, lse_part, out, lse, use_pdl)
     return out, lse
