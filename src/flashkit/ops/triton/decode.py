@@ -632,7 +632,11 @@ def tile_config(packed_rows: int, page_size: int) -> tuple[Tile, bool]:
 def register_cap(tile: Tile, per_sm: int) -> dict:
     """{"maxnreg": registers per thread} that keep `per_sm` sub-tiled programs on an SM (sm_90:
     64K registers, allocated per warp in units of 8 per thread; 3: 168). {} for up to 2 (left
-    to ptxas, the sub-tiled decode tile takes 250-255), subtiles 1 and under the interpreter."""
+    to ptxas, the sub-tiled decode tile takes 250-255), subtiles 1 and under the interpreter.
+    H200, uncapped against 168 where launches have <= 2 programs per SM, decode grid
+    (decode_20261121T2042_regcap_grid.json): contiguous GQA 8:1 b1 16k, b4 4k, b16 1k 2.5-4.5%
+    faster, paged (page 256) b1 16k, b4 4k, b16 1k, b1 1k MHA 7-11% slower, b1 1k MHA 5%
+    slower: the cap stays but for the interleaved-rotary step (forward)."""
     if tile.subtiles == 1 or per_sm <= 2 or interpreting():
         return {}
     return {"maxnreg": 65536 // (per_sm * tile.num_warps * 32) // 8 * 8}
@@ -761,13 +765,16 @@ def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, bloc
     sms, use_pdl = _launch_facts(q.device)
     if step is not None and m_blocks != 1:
         raise ValueError("decode.forward: a step needs one program per kv head (takes_step)")
-    # Sub-tiled programs per SM for the register cap: tile.resident only where the launch has
-    # more than two per SM; with fewer, the cap would only cost registers.
-    per_sm = min(tile.resident, cdiv(batch * nheads_k * m_blocks * num_splits, sms))
-    if step is not None and step.cos is not None and step.interleaved and per_sm > 2:
-        # Interleaved rotary of q (pairs 2f, 2f + 1) under the 168-register cap: 22 spills and a
-        # loop that keeps one LDSM in flight, +1.5-4 us per H200 step (session 10); none at 255
-        tile = tile._replace(subtiles=1)
+    per_sm = tile.resident  # programs per SM that the sub-tiles' register cap keeps
+    if step is not None and step.cos is not None and step.interleaved:
+        # Interleaved rotary of q (pairs 2f, 2f + 1) under the 168-register cap of 3 programs
+        # per SM: 22 spills and a loop that keeps one LDSM in flight, +1.5-4 us per H200 step
+        # (session 10); uncapped (254 registers, 2 per SM) no spills. So launches of up to 2
+        # programs per SM lift the cap (H200 steps: b4 4k GQA 13.6 -> 11.5 us, b1 16k GQA 13.7
+        # -> 12.4, decode_20261121T2045_regcap_steps.json), larger ones drop the sub-tiles.
+        per_sm = min(per_sm, cdiv(batch * nheads_k * num_splits, sms))
+        if per_sm > 2:
+            tile = tile._replace(subtiles=1)
 
     if out is None:
         out = torch.empty(batch, seqlen_q, nheads, head_dim_v, dtype=q.dtype, device=q.device)
