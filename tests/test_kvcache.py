@@ -32,7 +32,8 @@ interpreted = pytest.mark.skipif(not INTERPRET, reason="CPU tensors: needs TRITO
 def decode_loop(request, monkeypatch):
     """Run a Triton test on each loop of the decode kernel, whatever the split lengths and
     pages: _key_tiles (subtiles 1) and _key_subtiles (the tile's sub-tiles for splits of any
-    length and pages of any size; a step with interleaved rotary still takes _key_tiles)."""
+    length and pages of any size; a step with interleaved rotary on more than 2 programs per
+    SM still takes _key_tiles)."""
     from flashkit.ops.triton import decode
 
     monkeypatch.setattr(decode, "SUBTILE_ROW_PAGES", request.param == "key_subtiles")

@@ -629,13 +629,17 @@ def tile_config(packed_rows: int, page_size: int) -> tuple[Tile, bool]:
     return tile._replace(num_stages=tile.num_stages + extra), per_tile
 
 
-def register_cap(tile: Tile) -> dict:
-    """{"maxnreg": registers per thread} that keep `tile.resident` sub-tiled programs on an SM
-    (sm_90: 64K registers, allocated per warp in units of 8 per thread); left to ptxas, the
-    sub-tiled decode tile took 250-255 (2 per SM). {} otherwise and under the interpreter."""
-    if tile.subtiles == 1 or interpreting():
+def register_cap(tile: Tile, per_sm: int) -> dict:
+    """{"maxnreg": registers per thread} that keep `per_sm` sub-tiled programs on an SM (sm_90:
+    64K registers, allocated per warp in units of 8 per thread; 3: 168). {} for up to 2 (left
+    to ptxas, the sub-tiled decode tile takes 250-255), subtiles 1 and under the interpreter.
+    H200, uncapped against 168 where launches have <= 2 programs per SM, decode grid
+    (decode_20261121T2042_regcap_grid.json): contiguous GQA 8:1 b1 16k, b4 4k, b16 1k 2.5-4.5%
+    faster, paged (page 256) b1 16k, b4 4k, b16 1k, b1 1k MHA 7-11% slower, b1 1k MHA 5%
+    slower: the cap stays but for the interleaved-rotary step (forward)."""
+    if tile.subtiles == 1 or per_sm <= 2 or interpreting():
         return {}
-    return {"maxnreg": 65536 // (tile.resident * tile.num_warps * 32) // 8 * 8}
+    return {"maxnreg": 65536 // (per_sm * tile.num_warps * 32) // 8 * 8}
 
 
 @functools.lru_cache(maxsize=4096)
@@ -758,13 +762,19 @@ def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, bloc
         max_seqlen_k = int(seqlens_k.max())
     tile, per_tile, m_blocks, num_splits = launch_shape(q, nheads_k, page_size, num_splits,
                                                         max_seqlen_k)
-    _, use_pdl = _launch_facts(q.device)
+    sms, use_pdl = _launch_facts(q.device)
     if step is not None and m_blocks != 1:
         raise ValueError("decode.forward: a step needs one program per kv head (takes_step)")
+    per_sm = tile.resident  # programs per SM that the sub-tiles' register cap keeps
     if step is not None and step.cos is not None and step.interleaved:
-        # Interleaved rotary of q (pairs 2f, 2f + 1) under the sub-tiles' 168-register cap: 22
-        # spills and a loop that keeps one LDSM in flight, +1.5-4 us per H200 step (session 10)
-        tile = tile._replace(subtiles=1)
+        # Interleaved rotary of q (pairs 2f, 2f + 1) under the 168-register cap of 3 programs
+        # per SM: 22 spills and a loop that keeps one LDSM in flight, +1.5-4 us per H200 step
+        # (session 10); uncapped (254 registers, 2 per SM) no spills. So launches of up to 2
+        # programs per SM lift the cap (H200 steps: b4 4k GQA 13.6 -> 11.5 us, b1 16k GQA 13.7
+        # -> 12.4, decode_20261121T2045_regcap_steps.json), larger ones drop the sub-tiles.
+        per_sm = min(per_sm, cdiv(batch * nheads_k * num_splits, sms))
+        if per_sm > 2:
+            tile = tile._replace(subtiles=1)
 
     if out is None:
         out = torch.empty(batch, seqlen_q, nheads, head_dim_v, dtype=q.dtype, device=q.device)
@@ -823,7 +833,7 @@ def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, bloc
         INTERLEAVED=step is not None and step.interleaved,
         BLOCK_NEW=max(1, next_power_of_2(seqlen_new)), TABLE_CHUNK=TABLE_CHUNK),
         num_warps=tile.num_warps, num_stages=tile.num_stages, **checks,
-        **register_cap(tile))
+        **register_cap(tile, per_sm))
     if num_splits > 1:
         merge(out_part, lse_part, out, lse, use_pdl)
     return out, lse
