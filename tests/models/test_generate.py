@@ -68,6 +68,22 @@ def test_triton_backend_in_float32():
     torch.testing.assert_close(logits, expected_logits, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size, num_splits", [(16, 0), (64, 1)])
+def test_triton_backend_on_gpu(page_size, num_splits):
+    """The compiled decode kernel (fp32 inputs, IEEE dots) drives the same greedy continuation
+    as recomputation: head dim 64, up to 259 keys (one split of 5 key tiles takes the decode
+    tile's sub-tiles)."""
+    config = GPTConfig(vocab_size=37, block_size=320, n_layer=2, n_head=4, n_embd=256)
+    model = GPT(config, attention="naive").cuda().eval()
+    idx = torch.randint(0, 37, (3, 200), device="cuda")
+    tokens, logits = generate(model, idx, 60, backend="triton", page_size=page_size,
+                              num_splits=num_splits, return_logits=True)
+    expected, expected_logits = _recompute(model, idx, 60, lambda l: l.argmax(-1, keepdim=True))
+    assert torch.equal(tokens, expected)
+    torch.testing.assert_close(logits, expected_logits, rtol=1e-4, atol=1e-5)
+
+
 def test_pages_are_not_contiguous_per_sequence():
     cache = PagedKVCache.allocate(1, batch=3, capacity=40, n_head=2, head_dim=8, page_size=16,
                                   dtype=torch.float32, device="cpu")
