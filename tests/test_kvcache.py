@@ -30,13 +30,13 @@ interpreted = pytest.mark.skipif(not INTERPRET, reason="CPU tensors: needs TRITO
 
 @pytest.fixture(params=["key_tiles", "key_subtiles"])
 def decode_loop(request, monkeypatch):
-    """Run a Triton test on each loop of the decode kernel, whatever the split lengths and
-    pages: _key_tiles (subtiles 1) and _key_subtiles (the tile's sub-tiles for splits of any
-    length and pages of any size; a step with interleaved rotary on more than 2 programs per
-    SM still takes _key_tiles)."""
+    """Run a Triton test on each loop of the decode kernel, whatever the split lengths, pages,
+    rotary and programs per SM: _key_tiles (subtiles 1) and _key_subtiles (the tile's
+    sub-tiles everywhere)."""
     from flashkit.ops.triton import decode
 
-    monkeypatch.setattr(decode, "SUBTILE_ROW_PAGES", request.param == "key_subtiles")
+    if request.param == "key_subtiles":
+        monkeypatch.setattr(decode, "CAP_LIFT_PER_SM", 1 << 30)
     for table in (decode.INTERPRETER, decode.HOPPER):
         tile = table["decode"]
         monkeypatch.setitem(table, "decode", tile._replace(subtiles=1) if request.param ==
@@ -550,9 +550,24 @@ def test_auto_num_splits_on_the_h200_tile(monkeypatch):
     assert decode.launch_shape(q, 4, 0, 2, 512)[0].subtiles == 4
     assert decode.launch_shape(q, 4, 0, 3, 512)[0].subtiles == 1
     assert decode.launch_shape(q, 4, 0, 3, None)[0].subtiles == 4
-    # Pages looked up per key row (smaller than the 64-key tile) keep subtiles 1
-    assert [decode.launch_shape(q, 4, page, 2, 512)[0].subtiles
-            for page in (16, 32, 64, 256)] == [1, 1, 4, 4]
+
+
+def test_spill_free_lifts_the_register_cap_or_drops_the_subtiles(monkeypatch):
+    """A build that spills under the 168-register cap (3 programs per SM) runs uncapped on
+    launches of up to 2 programs per SM and without sub-tiles on larger ones; others keep the
+    cap, and a tile without sub-tiles keeps what it has."""
+    from flashkit.ops.triton import decode
+
+    monkeypatch.setattr(decode, "interpreting", lambda: False)
+    tile = decode.HOPPER["decode"]
+    for programs, spills, expected in [(128, True, (4, 1)), (264, True, (4, 2)),
+                                       (265, True, (1, 3)), (128, False, (4, 3)),
+                                       (1536, False, (4, 3))]:
+        got, per_sm = decode.spill_free(tile, programs, 132, spills)
+        assert (got.subtiles, per_sm) == expected, (programs, spills)
+    assert decode.register_cap(tile, 3) == {"maxnreg": 168}
+    assert decode.register_cap(tile, 2) == {} and decode.register_cap(tile, 1) == {}
+    assert decode.spill_free(tile._replace(subtiles=1), 128, 132, True)[0].subtiles == 1
 
 
 # The checks of the Triton append kernel (CUDA calls check index values there, without a sync:

@@ -134,12 +134,13 @@ PAGED_EXTRA_STAGES = 2
 # extra stages lost 5-15 points at 16k-64k keys.
 PAGE_TILE_LOOKUP = True
 PAGE_TILE_EXTRA_STAGES = 2
-# Key sub-tiles where the page is looked up per key row (pages smaller than BLOCK_N): off. H200
-# graph replays, sub-tiled vs not (us): long or many splits lost 2.3-4% (b8 32k GQA page 16:
-# 136.0 vs 132.4, page 32: 135.2 vs 132.1, b16 1k MHA page 16: 87.6 vs 84.4; contiguous b8 32k
-# equal), small cells won 6-9% (b4 4k GQA page 16 15.7 vs 17.0, b1 4k MHA 24.9 vs 27.0). Paged
-# serving at such pages is mostly the large, bandwidth-bound batches.
-SUBTILE_ROW_PAGES = False
+# Two sub-tiled builds spill under the register cap of 3 programs per SM (register_cap; sm_90,
+# 168 registers): an interleaved-rotary step (q's pair rotation: 22 spills) and per-row page
+# lookups (pages smaller than BLOCK_N: 67 spills; ncu, b8 32k GQA page 16: 536k local memory
+# requests). Uncapped (251-254 registers, 2 per SM) neither spills. So launches of up to
+# CAP_LIFT_PER_SM programs per SM lift the cap for them (what auto splitting gives every
+# latency-bound cell), and larger launches take subtiles 1 (spill_free).
+CAP_LIFT_PER_SM = 2
 LAUNCH_PDL = True  # merge kernel as a programmatic dependent launch where the GPU has it
 # The merge stays a second (PDL) launch: folding it into this kernel ("last program merges":
 # split partials, an acq_rel counter per row block, the last arrival merges and resets it;
@@ -629,6 +630,18 @@ def tile_config(packed_rows: int, page_size: int) -> tuple[Tile, bool]:
     return tile._replace(num_stages=tile.num_stages + extra), per_tile
 
 
+def spill_free(tile: Tile, programs: int, sms: int, spills_capped: bool) -> tuple[Tile, int]:
+    """(tile, programs per SM for register_cap) of a launch of `programs` programs on `sms` SMs:
+    tile.resident, or for a build that spills under that cap (CAP_LIFT_PER_SM) the programs per
+    SM the launch has if at most CAP_LIFT_PER_SM, else the tile without sub-tiles."""
+    if tile.subtiles == 1 or not spills_capped:
+        return tile, tile.resident
+    per_sm = min(tile.resident, cdiv(programs, sms))
+    if per_sm > CAP_LIFT_PER_SM:
+        return tile._replace(subtiles=1), tile.resident
+    return tile, per_sm
+
+
 def register_cap(tile: Tile, per_sm: int) -> dict:
     """{"maxnreg": registers per thread} that keep `per_sm` sub-tiled programs on an SM (sm_90:
     64K registers, allocated per warp in units of 8 per thread; 3: 168). {} for up to 2 (left
@@ -636,7 +649,7 @@ def register_cap(tile: Tile, per_sm: int) -> dict:
     H200, uncapped against 168 where launches have <= 2 programs per SM, decode grid
     (decode_20261121T2042_regcap_grid.json): contiguous GQA 8:1 b1 16k, b4 4k, b16 1k 2.5-4.5%
     faster, paged (page 256) b1 16k, b4 4k, b16 1k, b1 1k MHA 7-11% slower, b1 1k MHA 5%
-    slower: the cap stays but for the interleaved-rotary step (forward)."""
+    slower: the cap stays but for builds that spill under it (spill_free)."""
     if tile.subtiles == 1 or per_sm <= 2 or interpreting():
         return {}
     return {"maxnreg": 65536 // (per_sm * tile.num_warps * 32) // 8 * 8}
@@ -716,8 +729,7 @@ def launch_shape(q, nheads_k: int, page_size: int, num_splits: int,
         num_splits = auto(sms * tile.per_sm)
         if key_blocks < SHORT_SPLIT_TILES * num_splits:
             num_splits = auto(sms)
-    short_splits = key_blocks is not None and key_blocks < tile.subtiled_from * num_splits
-    if short_splits or (page_size and not per_tile and not SUBTILE_ROW_PAGES):
+    if key_blocks is not None and key_blocks < tile.subtiled_from * num_splits:
         tile = tile._replace(subtiles=1)
     return tile, per_tile, m_blocks, num_splits
 
@@ -765,16 +777,9 @@ def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, bloc
     sms, use_pdl = _launch_facts(q.device)
     if step is not None and m_blocks != 1:
         raise ValueError("decode.forward: a step needs one program per kv head (takes_step)")
-    per_sm = tile.resident  # programs per SM that the sub-tiles' register cap keeps
-    if step is not None and step.cos is not None and step.interleaved:
-        # Interleaved rotary of q (pairs 2f, 2f + 1) under the 168-register cap of 3 programs
-        # per SM: 22 spills and a loop that keeps one LDSM in flight, +1.5-4 us per H200 step
-        # (session 10); uncapped (254 registers, 2 per SM) no spills. So launches of up to 2
-        # programs per SM lift the cap (H200 steps: b4 4k GQA 13.6 -> 11.5 us, b1 16k GQA 13.7
-        # -> 12.4, decode_20261121T2045_regcap_steps.json), larger ones drop the sub-tiles.
-        per_sm = min(per_sm, cdiv(batch * nheads_k * num_splits, sms))
-        if per_sm > 2:
-            tile = tile._replace(subtiles=1)
+    interleaved = step is not None and step.cos is not None and step.interleaved
+    tile, per_sm = spill_free(tile, batch * nheads_k * m_blocks * num_splits, sms,
+                              interleaved or (page_size > 0 and not per_tile))
 
     if out is None:
         out = torch.empty(batch, seqlen_q, nheads, head_dim_v, dtype=q.dtype, device=q.device)
