@@ -244,19 +244,21 @@ def query_tile_ranges(start_n, seqlen_q, seqlen_k, window_left, window_right,
 
 @triton.jit
 def online_softmax_update(m_i, l_i, s, MASKED: tl.constexpr):
-    """One step of the online softmax over a [BLOCK_M, BLOCK_N] score tile s (log2 units).
+    """One step of the online softmax over a [..., BLOCK_M, BLOCK_N] score tile s (log2 units)
+    along its last axis; m_i, l_i: [..., BLOCK_M].
 
     Returns (p, alpha, m_new, l_new): p = exp2(s - m_new) and alpha = exp2(m_i - m_new), the
     factor that rescales what was accumulated before. With MASKED a row may have seen only -inf
     so far; it then subtracts 0 instead of -inf so p = 0 and nothing becomes NaN.
     """
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+    axis: tl.constexpr = len(s.shape) - 1
+    m_new = tl.maximum(m_i, tl.max(s, axis))
     m_use = m_new
     if MASKED:
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(s - m_use[:, None])
+    p = tl.math.exp2(s - tl.expand_dims(m_use, axis))
     alpha = tl.math.exp2(m_i - m_use)
-    l_new = l_i * alpha + tl.sum(p, 1)
+    l_new = l_i * alpha + tl.sum(p, axis)
     return p, alpha, m_new, l_new
 
 
@@ -320,13 +322,14 @@ def softcap_grad(s, qk_scale, SOFTCAP: tl.constexpr = SOFTCAP_EXACT_JIT):
 @triton.jit
 def load_tile(ptrs, rows, n_rows, cols, n_cols, CHECK_ROWS: tl.constexpr,
               CHECK_COLS: tl.constexpr):
-    """Load a [R, C] tile, masking rows >= n_rows and columns >= n_cols only where asked."""
+    """Load a [..., R, C] tile (rows [..., R], cols [C]), masking rows >= n_rows and columns >=
+    n_cols only where asked."""
     if CHECK_ROWS:
+        row_ok = tl.expand_dims(rows, len(rows.shape)) < n_rows
         if CHECK_COLS:
-            tile = tl.load(ptrs, mask=(rows[:, None] < n_rows) & (cols[None, :] < n_cols),
-                           other=0.0)
+            tile = tl.load(ptrs, mask=row_ok & (cols[None, :] < n_cols), other=0.0)
         else:
-            tile = tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
+            tile = tl.load(ptrs, mask=row_ok, other=0.0)
     else:
         if CHECK_COLS:
             tile = tl.load(ptrs, mask=cols[None, :] < n_cols, other=0.0)

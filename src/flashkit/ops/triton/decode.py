@@ -251,9 +251,8 @@ def _key_subtiles(acc, m_i, l_i, q_tile, start, end, hi, k_base, v_base, slot0, 
         k_rows, v_rows = _cache_rows(start_n, offs_n, hi, stride_kb, stride_ks, stride_vb,
                                      stride_vs, slot0, table_row, num_pages, PAGE_SIZE,
                                      PAGE_PER_TILE, MASKED, CLAMP_PAGES)
-        key_ok = (offs_n < hi)[:, :, None]
-        k_tile = _load_subtile(k_base + k_rows[:, :, None] + offs_d[None, None, :] * stride_kd,
-                               key_ok, offs_d, HEAD_DIM, MASKED, HEAD_DIM != BLOCK_D)
+        k_tile = load_tile(k_base + k_rows[:, :, None] + offs_d[None, None, :] * stride_kd,
+                           offs_n, hi, offs_d, HEAD_DIM, MASKED, HEAD_DIM != BLOCK_D)
         # [W, BLOCK_M, SUB_N] = [W, BLOCK_M, BLOCK_D] @ [W, BLOCK_D, SUB_N]
         s = scores(tl.dot(q_tile, tl.trans(k_tile, (0, 2, 1)), input_precision=PRECISION),
                    qk_scale, softcap_scale, SOFTCAP)
@@ -265,38 +264,13 @@ def _key_subtiles(acc, m_i, l_i, q_tile, start, end, hi, k_base, v_base, slot0, 
                            window_left, window_right, HAS_LEFT, HAS_RIGHT)
             keep = keep & (offs_n < hi)[:, None, :]
             s = tl.where(keep, s, float("-inf"))
-        # online_softmax_update over the last axis
-        m_new = tl.maximum(m_i, tl.max(s, 2))
-        m_use = m_new
-        if MASKED:
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_use[:, :, None])
-        alpha = tl.math.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 2)
-        m_i = m_new
-        v_tile = _load_subtile(v_base + v_rows[:, :, None] + offs_dv[None, None, :] * stride_vd,
-                               key_ok, offs_dv, HEAD_DIM_V, MASKED, HEAD_DIM_V != BLOCK_DV)
+        p, alpha, m_i, l_i = online_softmax_update(m_i, l_i, s, MASKED)
+        v_tile = load_tile(v_base + v_rows[:, :, None] + offs_dv[None, None, :] * stride_vd,
+                           offs_n, hi, offs_dv, HEAD_DIM_V, MASKED, HEAD_DIM_V != BLOCK_DV)
         # [W, BLOCK_M, BLOCK_DV] = [W, BLOCK_M, SUB_N] @ [W, SUB_N, BLOCK_DV]
         acc = tl.dot(p.to(v_tile.dtype), v_tile, acc * alpha[:, :, None],
                      input_precision=PRECISION)
     return acc, m_i, l_i
-
-
-@triton.jit
-def _load_subtile(ptrs, key_ok, cols, n_cols, CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.constexpr):
-    """Load a [W, SUB_N, C] tile, masking keys where not key_ok ([W, SUB_N, 1]) and columns >=
-    n_cols only where asked."""
-    if CHECK_ROWS:
-        if CHECK_COLS:
-            tile = tl.load(ptrs, mask=key_ok & (cols < n_cols)[None, None, :], other=0.0)
-        else:
-            tile = tl.load(ptrs, mask=key_ok, other=0.0)
-    else:
-        if CHECK_COLS:
-            tile = tl.load(ptrs, mask=(cols < n_cols)[None, None, :], other=0.0)
-        else:
-            tile = tl.load(ptrs)
-    return tile
 
 
 @triton.jit
