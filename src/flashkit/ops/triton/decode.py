@@ -119,8 +119,8 @@ INTERPRETER = {"decode": Tile(16, 32, 1, 1, 2, 3, 2, 2), "prefill": Tile(16, 16,
 # 2 -> this rule; decode_20261121T130011_study_short_splits.json): b1 4k GQA 8:1 64 -> 32 splits
 # 8.1 -> 7.1, b1 16k 64 -> 32 12.3 -> 12.2, b1 1k MHA 8 -> 4 8.3 -> 8.1. With the key sub-tiles
 # a program's tiles got cheaper and the merge did not, so 32 (was 16): decode grid against 16 in
-# one lease (decode_20261121T2139_short_splits_32.json), b1 64k GQA 61 -> 31 splits 39.2 -> 38.1
-# us (page 256 40.1 -> 39.3), b4 16k GQA 16 -> 8 38.4 -> 36.6, b16 4k GQA 4 -> 2 38.7 -> 37.8.
+# one lease (decode_20261121T2128_short_splits_32.json), b1 64k GQA 61 -> 31 splits 39.1 -> 38.4
+# us (page 256 40.0 -> 38.9), b4 16k GQA 16 -> 8 38.2 -> 36.7, b16 4k GQA 4 -> 2 38.6 -> 37.9.
 MAX_SPLITS = 128
 SHORT_SPLIT_TILES = 32
 # Paged caches: the block-table load that feeds the K/V addresses is one more level of Triton's
