@@ -117,11 +117,12 @@ INTERPRETER = {"decode": Tile(16, 32, 1, 1, 2, 3, 2, 2), "prefill": Tile(16, 16,
 # the keys into splits of fewer than SHORT_SPLIT_TILES tiles: such programs are latency bound,
 # and fewer of them make a cheaper merge. H200 graph replays at forced split counts (us, per_sm
 # 2 -> this rule; decode_20261121T130011_study_short_splits.json): b1 4k GQA 8:1 64 -> 32 splits
-# 8.1 -> 7.1, b1 16k 64 -> 32 12.3 -> 12.2, b1 1k MHA 8 -> 4 8.3 -> 8.1; splits of >= 16 tiles
-# (b1 64k: 61, b4 16k: 16, b16 16k: 4) were as fast or faster at 2 per SM (paged b1 64k 39.8 vs
-# 43.2 us at one per SM).
+# 8.1 -> 7.1, b1 16k 64 -> 32 12.3 -> 12.2, b1 1k MHA 8 -> 4 8.3 -> 8.1. With the key sub-tiles
+# a program's tiles got cheaper and the merge did not, so 32 (was 16): decode grid against 16 in
+# one lease (decode_20261121T2128_short_splits_32.json), b1 64k GQA 61 -> 31 splits 39.1 -> 38.4
+# us (page 256 40.0 -> 38.9), b4 16k GQA 16 -> 8 38.2 -> 36.7, b16 4k GQA 4 -> 2 38.6 -> 37.9.
 MAX_SPLITS = 128
-SHORT_SPLIT_TILES = 16
+SHORT_SPLIT_TILES = 32
 # Paged caches: the block-table load that feeds the K/V addresses is one more level of Triton's
 # software pipeline. Triton 3.6 double-buffers K/V behind it only from num_stages + 2 (sm_90
 # TTGIR of the decode tile: one K/V buffer and no overlap at 3-4 stages, two buffers at 5), so
