@@ -835,7 +835,7 @@ def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, bloc
         USE_PDL=use_pdl and num_splits > 1, PRECISION=DOT_PRECISION, STEP=step is not None,
         SEQLENS_TENSOR=step is None or seqlens_tensor,
         ROTARY_HALF=0 if cos is None else cos.shape[1],
-        INTERLEAVED=step is not None and step.interleaved,
+        INTERLEAVED=interleaved,
         BLOCK_NEW=max(1, next_power_of_2(seqlen_new)), TABLE_CHUNK=TABLE_CHUNK),
         num_warps=tile.num_warps, num_stages=tile.num_stages, **checks,
         **register_cap(tile, per_sm))
