@@ -137,8 +137,10 @@ PAGE_TILE_LOOKUP = True
 PAGE_TILE_EXTRA_STAGES = 2
 # Two sub-tiled builds spill under the register cap of 3 programs per SM (register_cap; sm_90,
 # 168 registers): an interleaved-rotary step (q's pair rotation: 22 spills) and per-row page
-# lookups (pages smaller than BLOCK_N: 67 spills; ncu, b8 32k GQA page 16: 536k local memory
-# requests). Uncapped (251-254 registers, 2 per SM) neither spills. So launches of up to
+# lookups (pages that neither BLOCK_N nor a sub-tile's keys divide, such as 24; page 16 looked
+# up per row spilled 67: ncu, b8 32k GQA, 536k local memory requests, before _key_subtiles
+# looked pages of 16 and 32 up once per sub-tile). Uncapped (251-254 registers, 2 per SM)
+# neither spills. So launches of up to
 # CAP_LIFT_PER_SM programs per SM lift the cap for them (what auto splitting gives every
 # latency-bound cell), and larger launches take subtiles 1 (spill_free).
 CAP_LIFT_PER_SM = 2
@@ -184,13 +186,20 @@ def _cache_rows(start_n, offs_n, hi, stride_kb, stride_ks, stride_vb, stride_vs,
             page = tl.load(table_row + offs_n // PAGE_SIZE, mask=offs_n < hi, other=0)
         else:
             page = tl.load(table_row + offs_n // PAGE_SIZE)
-        if CLAMP_PAGES:
-            page = tl.minimum(tl.maximum(page, 0), num_pages - 1)
-        page = page.to(tl.int64)
-        slots = offs_n % PAGE_SIZE
-        k_rows = page * stride_kb + slots * stride_ks
-        v_rows = page * stride_vb + slots * stride_vs
+        k_rows, v_rows = _paged_rows(page, offs_n, stride_kb, stride_ks, stride_vb, stride_vs,
+                                     num_pages, PAGE_SIZE, CLAMP_PAGES)
     return k_rows, v_rows
+
+
+@triton.jit
+def _paged_rows(page, offs_n, stride_kb, stride_ks, stride_vb, stride_vs, num_pages,
+                PAGE_SIZE: tl.constexpr, CLAMP_PAGES: tl.constexpr):
+    """_cache_rows' paged offsets of keys offs_n from their pages' block-table entries."""
+    if CLAMP_PAGES:
+        page = tl.minimum(tl.maximum(page, 0), num_pages - 1)
+    page = page.to(tl.int64)
+    slots = offs_n % PAGE_SIZE
+    return page * stride_kb + slots * stride_ks, page * stride_vb + slots * stride_vs
 
 
 @triton.jit
@@ -247,11 +256,24 @@ def _key_subtiles(acc, m_i, l_i, q_tile, start, end, hi, k_base, v_base, slot0, 
     SUB_N: tl.constexpr = BLOCK_N // SUBTILES
     # [W, SUB_N]: key j of sub-tile w is start_n + w * SUB_N + j
     offs_wn = tl.arange(0, SUBTILES)[:, None] * SUB_N + tl.arange(0, SUB_N)[None, :]
+    # Pages smaller than the tile that SUB_N divides: one block-table entry per sub-tile (each
+    # lies in one page) instead of one per key row.
+    PAGE_PER_SUBTILE: tl.constexpr = (PAGE_SIZE > 0 and not PAGE_PER_TILE
+                                      and PAGE_SIZE % SUB_N == 0)
     for start_n in tl.range(start, end, BLOCK_N):
         offs_n = start_n + offs_wn
-        k_rows, v_rows = _cache_rows(start_n, offs_n, hi, stride_kb, stride_ks, stride_vb,
-                                     stride_vs, slot0, table_row, num_pages, PAGE_SIZE,
-                                     PAGE_PER_TILE, MASKED, CLAMP_PAGES)
+        if PAGE_PER_SUBTILE:
+            first = start_n + tl.arange(0, SUBTILES)[:, None] * SUB_N  # [W, 1]
+            if MASKED:  # a sub-tile at or past hi reads no entry
+                page = tl.load(table_row + first // PAGE_SIZE, mask=first < hi, other=0)
+            else:
+                page = tl.load(table_row + first // PAGE_SIZE)
+            k_rows, v_rows = _paged_rows(page, offs_n, stride_kb, stride_ks, stride_vb,
+                                         stride_vs, num_pages, PAGE_SIZE, CLAMP_PAGES)
+        else:
+            k_rows, v_rows = _cache_rows(start_n, offs_n, hi, stride_kb, stride_ks, stride_vb,
+                                         stride_vs, slot0, table_row, num_pages, PAGE_SIZE,
+                                         PAGE_PER_TILE, MASKED, CLAMP_PAGES)
         k_tile = load_tile(k_base + k_rows[:, :, None] + offs_d[None, None, :] * stride_kd,
                            offs_n, hi, offs_d, HEAD_DIM, MASKED, HEAD_DIM != BLOCK_D)
         # [W, BLOCK_M, SUB_N] = [W, BLOCK_M, BLOCK_D] @ [W, BLOCK_D, SUB_N]
@@ -753,8 +775,11 @@ def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, bloc
     if step is not None and m_blocks != 1:
         raise ValueError("decode.forward: a step needs one program per kv head (takes_step)")
     interleaved = step is not None and step.cos is not None and step.interleaved
+    # Pages looked up per key row: neither a tile nor a sub-tile lies in one page
+    row_pages = (page_size > 0 and not per_tile
+                 and page_size % (tile.block_n // tile.subtiles) != 0)
     tile, per_sm = spill_free(tile, batch * nheads_k * m_blocks * num_splits, sms,
-                              interleaved or (page_size > 0 and not per_tile))
+                              interleaved or row_pages)
 
     if out is None:
         out = torch.empty(batch, seqlen_q, nheads, head_dim_v, dtype=q.dtype, device=q.device)
