@@ -526,13 +526,15 @@ def test_triton_split_counts_twice():
 # Auto num_splits on the H200's tile and 132 SMs, q length 1, 32 query heads, d128: (batch, cache
 # length, kv heads) -> (splits, key sub-tiles). One-tile splits at short caches, one program per
 # SM where two would cut the keys into splits of under SHORT_SPLIT_TILES tiles, two per SM for
-# long splits, whole rounds of resident programs between one and two rounds (b16 1k MHA: 512
-# programs, 396 places); sub-tiles only for splits of at least 4 key tiles.
+# long splits, none from 0.8 x 132 programs (b4 MHA, b32 GQA: 128), whole rounds of resident
+# programs between one and two rounds (b16 MHA: 512 programs, 396 places) in splits of at least
+# ROUND_SPLIT_TILES tiles (none at 1k keys); sub-tiles only for splits of at least 4 key tiles.
 H200_AUTO_SPLITS = {(1, 1024, 4): (16, 1), (1, 4096, 4): (32, 1), (1, 16384, 4): (32, 4),
                     (1, 65536, 4): (31, 4), (4, 1024, 4): (8, 1), (4, 4096, 4): (8, 4),
                     (4, 16384, 4): (8, 4), (16, 16384, 4): (4, 4), (1, 1024, 32): (4, 4),
-                    (1, 16384, 32): (8, 4), (16, 1024, 32): (3, 4), (8, 16384, 32): (1, 4),
-                    (64, 1024, 32): (1, 4)}
+                    (1, 16384, 32): (8, 4), (3, 4096, 32): (4, 4), (4, 4096, 32): (1, 4),
+                    (32, 4096, 4): (1, 4), (16, 1024, 32): (1, 4), (16, 2048, 32): (2, 4),
+                    (16, 4096, 32): (3, 4), (8, 16384, 32): (1, 4), (64, 1024, 32): (1, 4)}
 
 
 def test_auto_num_splits_on_the_h200_tile(monkeypatch):

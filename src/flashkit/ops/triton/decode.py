@@ -123,6 +123,15 @@ INTERPRETER = {"decode": Tile(16, 32, 1, 1, 2, 3, 2, 2), "prefill": Tile(16, 16,
 # us (page 256 40.0 -> 38.9), b4 16k GQA 16 -> 8 38.2 -> 36.7, b16 4k GQA 4 -> 2 38.6 -> 37.9.
 MAX_SPLITS = 128
 SHORT_SPLIT_TILES = 32
+# No splits once the programs cover FULL_SMS of the SMs (flash-attn's 0.8), where this rule
+# filled per_sm programs per SM before: H200, 128 programs at 4k-16k keys, kernel alone
+# (decode_20261121T2240_split_study_full_sms.json), 1 split against the 2 it took, us: b4 MHA
+# 62.0 / 65.3 and 235.1 / 240.4, b32 GQA 8:1 64.1 / 68.9 and 238.0 / 242.8, page 256 alike.
+FULL_SMS = 0.8
+# Whole rounds make splits of at least ROUND_SPLIT_TILES key tiles: at b16 1k MHA (16 tiles, 512
+# programs on 396 places) 1 split took 66.4 us, 2-4 splits 68.8-69.9; at 2k 127.6-128.1 for
+# 1-4; at 4k 3 splits 244.6, 1 split 258.4 (same JSON).
+ROUND_SPLIT_TILES = 16
 # Paged caches: the block-table load that feeds the K/V addresses is one more level of Triton's
 # software pipeline. Triton 3.6 double-buffers K/V behind it only from num_stages + 2 (sm_90
 # TTGIR of the decode tile: one K/V buffer and no overlap at 3-4 stages, two buffers at 5), so
@@ -653,31 +662,43 @@ def register_cap(tile: Tile, per_sm: int) -> dict:
 
 
 @functools.lru_cache(maxsize=4096)
-def auto_num_splits(programs: int, key_blocks: int, max_splits: int, slots: int,
+def auto_num_splits(programs: int, key_blocks: int, max_splits: int, sms: int, per_sm: int,
                     resident: int) -> int:
-    """Key-length splits for `programs` programs without splitting.
+    """Key-length splits for `programs` programs without splitting, on `sms` SMs.
 
-    Few programs (under 80% of `slots`, SMs x per_sm): flash-attn's num_splits_heuristic, the
-    fewest splits whose programs fill `slots` in whole waves to within FILL_EFFICIENCY of the
-    best choice. Between one and two rounds of `resident` (SMs x programs per SM at once): a
-    partial second round runs at a fraction of the bandwidth (b16 MHA decode: 512 programs on
-    396 places gave 88-92% of copy bandwidth), so up to 4 splits that make the rounds whole.
-    Else 1.
+    - Programs on at least FULL_SMS of the SMs: 1 (flash-attn's num_splits_heuristic starts the
+      same way). A program per SM streams its keys at copy bandwidth, and splits add a merge.
+    - Fewer: flash-attn's heuristic, the fewest splits whose programs fill per_sm programs per
+      SM in whole waves to within FILL_EFFICIENCY of the best choice; one per SM where per_sm
+      would cut the keys into splits of fewer than SHORT_SPLIT_TILES tiles.
+    - Between one and two rounds of `resident` programs per SM (all that fit at once): a partial
+      second round runs at a fraction of the bandwidth (b16 MHA decode: 512 programs on 396
+      places gave 88-92% of copy bandwidth), so up to 4 splits of at least ROUND_SPLIT_TILES
+      tiles that make the rounds whole.
+    - Else 1.
 
     key_blocks: the longest sequence's key tiles; a split count is eligible only if it changes
     the tiles per split (with 64 tiles, 11 and 12 splits both give 6 tiles per split).
     """
-    if programs < 0.8 * slots:
-        limit, target = min(max_splits, key_blocks, slots), slots
-    elif resident < programs < 2 * resident:
-        limit, target = min(max_splits, key_blocks, 4), resident
-    else:
-        return 1
+    if programs < FULL_SMS * sms:
+        splits = _whole_waves(programs, key_blocks, min(max_splits, key_blocks), sms * per_sm)
+        if key_blocks < SHORT_SPLIT_TILES * splits:
+            splits = _whole_waves(programs, key_blocks, min(max_splits, key_blocks), sms)
+        return splits
+    if sms * resident < programs < 2 * sms * resident:
+        limit = min(max_splits, key_blocks // ROUND_SPLIT_TILES, 4)
+        return _whole_waves(programs, key_blocks, limit, sms * resident)
+    return 1
+
+
+def _whole_waves(programs: int, key_blocks: int, limit: int, slots: int) -> int:
+    """The fewest splits (up to limit) whose programs fill `slots` in whole waves to within
+    FILL_EFFICIENCY of the best count."""
     efficiency = {}
     for splits in range(1, max(1, limit) + 1):
         if splits > 1 and -(-key_blocks // splits) == -(-key_blocks // (splits - 1)):
             continue
-        waves = programs * splits / target
+        waves = programs * splits / slots
         efficiency[splits] = waves / math.ceil(waves)
     best = max(efficiency.values())
     return min(s for s, e in efficiency.items() if e >= FILL_EFFICIENCY * best)
@@ -721,11 +742,8 @@ def launch_shape(q, nheads_k: int, page_size: int, num_splits: int,
     key_blocks = None if max_seqlen_k is None else cdiv(max_seqlen_k, tile.block_n)
     if num_splits == 0:
         sms, _ = _launch_facts(q.device)
-        auto = functools.partial(auto_num_splits, batch * nheads_k * m_blocks, key_blocks,
-                                 MAX_SPLITS, resident=sms * tile.resident)
-        num_splits = auto(sms * tile.per_sm)
-        if key_blocks < SHORT_SPLIT_TILES * num_splits:
-            num_splits = auto(sms)
+        num_splits = auto_num_splits(batch * nheads_k * m_blocks, key_blocks, MAX_SPLITS, sms,
+                                     tile.per_sm, tile.resident)
     if key_blocks is not None and key_blocks < tile.subtiled_from * num_splits:
         tile = tile._replace(subtiles=1)
     return tile, per_tile, m_blocks, num_splits
