@@ -14,6 +14,9 @@ settings.load_profile("flashkit")
 # Must be set before triton.jit decorates any kernel: without a GPU, kernels are interpreted.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# JAX would take 75% of the GPU's memory at its first use, which starves the torch tests of the
+# same process and of other xdist workers (an H200 run of `-m gpu -n 12` ran out of memory).
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 
 def pytest_collection_modifyitems(config, items):
