@@ -528,7 +528,7 @@ def test_triton_split_counts_twice():
 # SM where two would cut the keys into splits of under SHORT_SPLIT_TILES tiles, two per SM for
 # long splits, none from 0.8 x 132 programs (b4 MHA, b32 GQA: 128), whole rounds of resident
 # programs between one and two rounds (b16 MHA: 512 programs, 396 places) in splits of at least
-# ROUND_SPLIT_TILES tiles (none at 1k keys); sub-tiles only for splits of at least 4 key tiles.
+# round_split_tiles = 16 tiles (none at 1k keys); sub-tiles only for splits of at least 4 key tiles.
 H200_AUTO_SPLITS = {(1, 1024, 4): (16, 1), (1, 4096, 4): (32, 1), (1, 16384, 4): (32, 4),
                     (1, 65536, 4): (31, 4), (4, 1024, 4): (8, 1), (4, 4096, 4): (8, 4),
                     (4, 16384, 4): (8, 4), (16, 16384, 4): (4, 4), (1, 1024, 32): (4, 4),
@@ -547,6 +547,10 @@ def test_auto_num_splits_on_the_h200_tile(monkeypatch):
         tile, _, _, splits = decode.launch_shape(q, nheads_k, 0, 0, seqlen_k)
         assert (splits, tile.subtiles) == expected, (batch, seqlen_k, nheads_k, splits)
         assert splits <= min(decode.MAX_SPLITS, -(-seqlen_k // tile.block_n))
+    # The prefill tile (128 queries of 8 heads per kv head, 160 programs) splits for whole
+    # rounds at any length: the decode tile's round_split_tiles is not its rule
+    q = torch.empty(5, 128, 32, 128, device="meta")
+    assert [decode.launch_shape(q, 4, 0, 0, n)[3] for n in (1024, 4096)] == [4, 4]
     # Explicit splits: the same rule; an unknown length keeps the sub-tiles
     q = torch.empty(1, 1, 32, 128, device="meta")
     assert decode.launch_shape(q, 4, 0, 2, 512)[0].subtiles == 4

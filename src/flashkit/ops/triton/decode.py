@@ -79,7 +79,8 @@ class Tile(NamedTuple):
     (shared memory and registers of the sm_90 build of the q-length-1, d128 tile), for whole
     waves once the programs exceed one round of them. subtiles: key sub-tiles per key tile, each
     with its own running softmax (_key_subtiles), one per warp on the GPU; 1: _key_tiles.
-    subtiled_from: splits of fewer key tiles keep subtiles 1 (launch_shape)."""
+    subtiled_from: splits of fewer key tiles keep subtiles 1 (launch_shape). round_split_tiles:
+    the fewest key tiles per split when splitting for whole rounds (auto_num_splits)."""
     block_m: int
     block_n: int
     num_warps: int
@@ -88,6 +89,7 @@ class Tile(NamedTuple):
     resident: int
     subtiles: int = 1
     subtiled_from: int = 1
+    round_split_tiles: int = 1
 
 
 # "decode": up to DECODE max BLOCK_M packed rows (q length 1-8 at GQA 8:1), BLOCK_M fitted to
@@ -110,7 +112,11 @@ class Tile(NamedTuple):
 # 10-15% faster (decode grid, same run as main: b1 16k GQA 12.24 -> 10.81, b4 4k GQA 11.73 ->
 # 9.92, b16 1k GQA 13.11 -> 11.39, b1 1k MHA 8.12 -> 7.27), hence subtiled_from 4; long splits
 # within 1%. The interpreter's 2 runs both loops in CPU tests (one-tile splits: _key_tiles).
-HOPPER = {"decode": Tile(64, 64, 4, 3, 2, 3, 4, 4), "prefill": Tile(128, 128, 8, 3, 1, 1)}
+# Decode round_split_tiles 16: at b16 1k MHA (16 tiles, 512 programs on 396 places) 1 split took
+# 66.4 us, 2-4 splits 68.8-69.9; at 2k 127.6-128.1 for 1-4; at 4k 3 splits 244.6, 1 split 258.4
+# (decode_20261121T2240_split_study_full_sms.json). The prefill tile's programs are compute
+# bound, 16x the work per key: unmeasured, so no bound (1).
+HOPPER = {"decode": Tile(64, 64, 4, 3, 2, 3, 4, 4, 16), "prefill": Tile(128, 128, 8, 3, 1, 1)}
 INTERPRETER = {"decode": Tile(16, 32, 1, 1, 2, 3, 2, 2), "prefill": Tile(16, 16, 1, 1, 1, 1)}
 # Auto num_splits makes splits as short as one key tile, at most MAX_SPLITS (the merge reads all
 # splits of a row at once). It fills per_sm programs per SM, or one per SM where per_sm would cut
@@ -128,10 +134,6 @@ SHORT_SPLIT_TILES = 32
 # (decode_20261121T2240_split_study_full_sms.json), 1 split against the 2 it took, us: b4 MHA
 # 62.0 / 65.3 and 235.1 / 240.4, b32 GQA 8:1 64.1 / 68.9 and 238.0 / 242.8, page 256 alike.
 FULL_SMS = 0.8
-# Whole rounds make splits of at least ROUND_SPLIT_TILES key tiles: at b16 1k MHA (16 tiles, 512
-# programs on 396 places) 1 split took 66.4 us, 2-4 splits 68.8-69.9; at 2k 127.6-128.1 for
-# 1-4; at 4k 3 splits 244.6, 1 split 258.4 (same JSON).
-ROUND_SPLIT_TILES = 16
 # Paged caches: the block-table load that feeds the K/V addresses is one more level of Triton's
 # software pipeline. Triton 3.6 double-buffers K/V behind it only from num_stages + 2 (sm_90
 # TTGIR of the decode tile: one K/V buffer and no overlap at 3-4 stages, two buffers at 5), so
@@ -662,32 +664,32 @@ def register_cap(tile: Tile, per_sm: int) -> dict:
 
 
 @functools.lru_cache(maxsize=4096)
-def auto_num_splits(programs: int, key_blocks: int, max_splits: int, sms: int, per_sm: int,
-                    resident: int) -> int:
-    """Key-length splits for `programs` programs without splitting, on `sms` SMs.
+def auto_num_splits(programs: int, key_blocks: int, max_splits: int, sms: int, tile: Tile) -> int:
+    """Key-length splits for `programs` programs of `tile` without splitting, on `sms` SMs.
 
     - Programs on at least FULL_SMS of the SMs: 1 (flash-attn's num_splits_heuristic starts the
       same way). A program per SM streams its keys at copy bandwidth, and splits add a merge.
-    - Fewer: flash-attn's heuristic, the fewest splits whose programs fill per_sm programs per
-      SM in whole waves to within FILL_EFFICIENCY of the best choice; one per SM where per_sm
-      would cut the keys into splits of fewer than SHORT_SPLIT_TILES tiles.
-    - Between one and two rounds of `resident` programs per SM (all that fit at once): a partial
-      second round runs at a fraction of the bandwidth (b16 MHA decode: 512 programs on 396
-      places gave 88-92% of copy bandwidth), so up to 4 splits of at least ROUND_SPLIT_TILES
-      tiles that make the rounds whole.
+    - Fewer: flash-attn's heuristic, the fewest splits whose programs fill tile.per_sm programs
+      per SM in whole waves to within FILL_EFFICIENCY of the best choice; one per SM where
+      per_sm would cut the keys into splits of fewer than SHORT_SPLIT_TILES tiles.
+    - Between one and two rounds of tile.resident programs per SM (all that fit at once): a
+      partial second round runs at a fraction of the bandwidth (b16 MHA decode: 512 programs on
+      396 places gave 88-92% of copy bandwidth), so up to 4 splits of at least
+      tile.round_split_tiles tiles that make the rounds whole.
     - Else 1.
 
     key_blocks: the longest sequence's key tiles; a split count is eligible only if it changes
     the tiles per split (with 64 tiles, 11 and 12 splits both give 6 tiles per split).
     """
     if programs < FULL_SMS * sms:
-        splits = _whole_waves(programs, key_blocks, min(max_splits, key_blocks), sms * per_sm)
+        splits = _whole_waves(programs, key_blocks, min(max_splits, key_blocks),
+                              sms * tile.per_sm)
         if key_blocks < SHORT_SPLIT_TILES * splits:
             splits = _whole_waves(programs, key_blocks, min(max_splits, key_blocks), sms)
         return splits
-    if sms * resident < programs < 2 * sms * resident:
-        limit = min(max_splits, key_blocks // ROUND_SPLIT_TILES, 4)
-        return _whole_waves(programs, key_blocks, limit, sms * resident)
+    if sms * tile.resident < programs < 2 * sms * tile.resident:
+        limit = min(max_splits, key_blocks // tile.round_split_tiles, 4)
+        return _whole_waves(programs, key_blocks, limit, sms * tile.resident)
     return 1
 
 
@@ -743,7 +745,7 @@ def launch_shape(q, nheads_k: int, page_size: int, num_splits: int,
     if num_splits == 0:
         sms, _ = _launch_facts(q.device)
         num_splits = auto_num_splits(batch * nheads_k * m_blocks, key_blocks, MAX_SPLITS, sms,
-                                     tile.per_sm, tile.resident)
+                                     tile)
     if key_blocks is not None and key_blocks < tile.subtiled_from * num_splits:
         tile = tile._replace(subtiles=1)
     return tile, per_tile, m_blocks, num_splits
