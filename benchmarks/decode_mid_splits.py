@@ -15,9 +15,9 @@ import argparse
 import json
 import os
 
+import bench_decode as bd
 import torch
 
-import bench_decode as bd
 from flashkit.ops.params import AttentionParams
 from flashkit.ops.triton import decode
 
@@ -48,7 +48,7 @@ def main():
         q = torch.randn(batch, 1, bd.NHEADS, bd.HEAD_DIM, dtype=bd.DTYPE, device="cuda")
         kv = bd.kv_bytes_of(batch, seqlen_k, nheads_k)
 
-        def pct(ms):
+        def pct(ms, kv=kv):
             return round(100 * kv / (ms * 1e-3) / copy_bw, 1)
 
         auto = bd.auto_splits(batch, seqlen_k, nheads_k, None)
