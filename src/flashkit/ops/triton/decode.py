@@ -175,42 +175,34 @@ FILL_EFFICIENCY = 0.95
 
 
 @triton.jit
-def _cache_rows(start_n, offs_n, hi, stride_kb, stride_ks, stride_vb, stride_vs, slot0,
-                table_row, num_pages, PAGE_SIZE: tl.constexpr, PAGE_PER_TILE: tl.constexpr,
-                MASKED: tl.constexpr, CLAMP_PAGES: tl.constexpr):
+def _cache_rows(page_keys, offs_n, hi, stride_kb, stride_ks, stride_vb, stride_vs, slot0,
+                table_row, num_pages, PAGE_SIZE: tl.constexpr, MASK_ENTRIES: tl.constexpr,
+                CLAMP_PAGES: tl.constexpr):
     """Element offsets of keys offs_n's K and V rows from the program's k_base / v_base.
 
     Contiguous: (slot0 + j) * stride_s. Paged: page(j) * stride_b + (j % PAGE_SIZE) * stride_s,
-    page(j) read from the block table per key row (entries of keys >= hi are never read), or
-    once per tile with PAGE_PER_TILE (the tile lies in one page: BLOCK_N divides PAGE_SIZE and
-    tiles start at multiples of BLOCK_N; start_n < hi, so the entry is a used one).
-    CLAMP_PAGES: entries clamped to [0, num_pages) (a step reads before the append kernel's
-    check of the table has finished)."""
+    page(j) read from the block table at page_keys, which broadcast against offs_n and name one
+    key of each run of keys that lies in one page: offs_n itself (one entry per key row), each
+    sub-tile's first key, or the tile's start (pages that BLOCK_N divides). MASK_ENTRIES: some
+    page_keys may be >= hi, whose entries are not read (a tile's start never is). CLAMP_PAGES:
+    entries clamped to [0, num_pages) (a step reads before the append kernel's check of the
+    table has finished)."""
     if PAGE_SIZE == 0:
         slots = slot0 + offs_n
         k_rows = slots * stride_ks
         v_rows = slots * stride_vs
     else:
-        if PAGE_PER_TILE:
-            page = tl.load(table_row + start_n // PAGE_SIZE)
-        elif MASKED:
-            page = tl.load(table_row + offs_n // PAGE_SIZE, mask=offs_n < hi, other=0)
+        if MASK_ENTRIES:
+            page = tl.load(table_row + page_keys // PAGE_SIZE, mask=page_keys < hi, other=0)
         else:
-            page = tl.load(table_row + offs_n // PAGE_SIZE)
-        k_rows, v_rows = _paged_rows(page, offs_n, stride_kb, stride_ks, stride_vb, stride_vs,
-                                     num_pages, PAGE_SIZE, CLAMP_PAGES)
+            page = tl.load(table_row + page_keys // PAGE_SIZE)
+        if CLAMP_PAGES:
+            page = tl.minimum(tl.maximum(page, 0), num_pages - 1)
+        page = page.to(tl.int64)
+        slots = offs_n % PAGE_SIZE
+        k_rows = page * stride_kb + slots * stride_ks
+        v_rows = page * stride_vb + slots * stride_vs
     return k_rows, v_rows
-
-
-@triton.jit
-def _paged_rows(page, offs_n, stride_kb, stride_ks, stride_vb, stride_vs, num_pages,
-                PAGE_SIZE: tl.constexpr, CLAMP_PAGES: tl.constexpr):
-    """_cache_rows' paged offsets of keys offs_n from their pages' block-table entries."""
-    if CLAMP_PAGES:
-        page = tl.minimum(tl.maximum(page, 0), num_pages - 1)
-    page = page.to(tl.int64)
-    slots = offs_n % PAGE_SIZE
-    return page * stride_kb + slots * stride_ks, page * stride_vb + slots * stride_vs
 
 
 @triton.jit
@@ -227,9 +219,10 @@ def _key_tiles(acc, m_i, l_i, q_tile, start, end, hi, k_base, v_base, slot0, tab
     row's band are masked; without it every key is in bounds and visible from every row."""
     for start_n in tl.range(start, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k_rows, v_rows = _cache_rows(start_n, offs_n, hi, stride_kb, stride_ks, stride_vb,
+        page_keys = start_n if PAGE_PER_TILE else offs_n
+        k_rows, v_rows = _cache_rows(page_keys, offs_n, hi, stride_kb, stride_ks, stride_vb,
                                      stride_vs, slot0, table_row, num_pages, PAGE_SIZE,
-                                     PAGE_PER_TILE, MASKED, CLAMP_PAGES)
+                                     MASKED and not PAGE_PER_TILE, CLAMP_PAGES)
         k_tile = load_tile(k_base + k_rows[:, None] + offs_d[None, :] * stride_kd, offs_n, hi,
                            offs_d, HEAD_DIM, MASKED, HEAD_DIM != BLOCK_D)
         # [BLOCK_M, BLOCK_N] = [BLOCK_M, BLOCK_D] @ [BLOCK_D, BLOCK_N]
@@ -267,24 +260,19 @@ def _key_subtiles(acc, m_i, l_i, q_tile, start, end, hi, k_base, v_base, slot0, 
     SUB_N: tl.constexpr = BLOCK_N // SUBTILES
     # [W, SUB_N]: key j of sub-tile w is start_n + w * SUB_N + j
     offs_wn = tl.arange(0, SUBTILES)[:, None] * SUB_N + tl.arange(0, SUB_N)[None, :]
-    # Pages smaller than the tile that SUB_N divides: one block-table entry per sub-tile (each
-    # lies in one page) instead of one per key row.
-    PAGE_PER_SUBTILE: tl.constexpr = (PAGE_SIZE > 0 and not PAGE_PER_TILE
-                                      and PAGE_SIZE % SUB_N == 0)
     for start_n in tl.range(start, end, BLOCK_N):
         offs_n = start_n + offs_wn
-        if PAGE_PER_SUBTILE:
-            first = start_n + tl.arange(0, SUBTILES)[:, None] * SUB_N  # [W, 1]
-            if MASKED:  # a sub-tile at or past hi reads no entry
-                page = tl.load(table_row + first // PAGE_SIZE, mask=first < hi, other=0)
-            else:
-                page = tl.load(table_row + first // PAGE_SIZE)
-            k_rows, v_rows = _paged_rows(page, offs_n, stride_kb, stride_ks, stride_vb,
-                                         stride_vs, num_pages, PAGE_SIZE, CLAMP_PAGES)
+        # One block-table entry per tile, or per sub-tile where SUB_N divides the page (a
+        # sub-tile lies in one page), else one per key row
+        if PAGE_PER_TILE:
+            page_keys = start_n
+        elif PAGE_SIZE % SUB_N == 0:
+            page_keys = start_n + tl.arange(0, SUBTILES)[:, None] * SUB_N  # [W, 1]
         else:
-            k_rows, v_rows = _cache_rows(start_n, offs_n, hi, stride_kb, stride_ks, stride_vb,
-                                         stride_vs, slot0, table_row, num_pages, PAGE_SIZE,
-                                         PAGE_PER_TILE, MASKED, CLAMP_PAGES)
+            page_keys = offs_n
+        k_rows, v_rows = _cache_rows(page_keys, offs_n, hi, stride_kb, stride_ks, stride_vb,
+                                     stride_vs, slot0, table_row, num_pages, PAGE_SIZE,
+                                     MASKED and not PAGE_PER_TILE, CLAMP_PAGES)
         k_tile = load_tile(k_base + k_rows[:, :, None] + offs_d[None, None, :] * stride_kd,
                            offs_n, hi, offs_d, HEAD_DIM, MASKED, HEAD_DIM != BLOCK_D)
         # [W, BLOCK_M, SUB_N] = [W, BLOCK_M, BLOCK_D] @ [W, BLOCK_D, SUB_N]
