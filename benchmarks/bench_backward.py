@@ -9,9 +9,7 @@ the grid.
                                                         [--varlen-sets 2x8k,8x2k,ragged16]
 
 Variants: gluon (the default path: Gluon dK/dV and dQ kernels), gluon_best (each kernel's
-fastest tile of this run's sweep), gluon_atomic (dQ by bulk TMA reduce-adds from the dK/dV kernel
-into an fp32 accumulator, then a conversion), gluon_atomic_best (its fastest dK/dV tile of
-this run's --atomic-sweep over ATOMIC_CANDIDATES), triton
+fastest tile of this run's sweep), triton
 (Gluon off: backward.py's kernels), and the anchors of bench_triton.anchor (cudnn, flash = FA2,
 flex = FlexAttention compiled). Times are the backward alone on saved (out, lse), bf16, 16k
 tokens, nheads * headdim = 2048. Writes DIR/backward_<date>.json.
@@ -41,7 +39,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from bench_triton import anchor, bench, environment, flops, inputs  # noqa: E402
 
 from flashkit.ops.params import AttentionParams  # noqa: E402
-from flashkit.ops.triton.configs import HOPPER  # noqa: E402
+from flashkit.ops.triton import configs  # noqa: E402
+from flashkit.ops.triton.configs import SM90  # noqa: E402
 
 fwd_mod = importlib.import_module("flashkit.ops.triton.forward")
 bwd_mod = importlib.import_module("flashkit.ops.triton.backward")
@@ -52,16 +51,11 @@ CANDIDATES = {64: [{"hopper": (64, 64, 4, 2)}, {"hopper": (128, 64, 4, 2)},
                    {"hopper_dq": (64, 64, 4, 2)}, {"hopper_dq": (128, 64, 8, 2)},
                    {"hopper_dq": (128, 128, 8, 2)}],
               128: [{"hopper_dq": (64, 64, 4, 2)}, {"hopper_dq": (128, 64, 8, 2)}]}
-# dK/dV tiles of the reduce-add dQ path (its only kernel besides preprocess and conversion)
-ATOMIC_CANDIDATES = {64: [{"hopper": (128, 64, 4, 2)}, {"hopper": (64, 64, 4, 2)},
-                          {"hopper": (64, 128, 8, 2)}],
-                     128: [{"hopper": (64, 64, 4, 2)}, {"hopper": (64, 128, 8, 2)},
-                           {"hopper": (64, 128, 8, 3)}]}
 
 
 def saved_forward(q, k, v, params):
     """(out, lse) from the Triton forward kernel (tile given: independent of the Gluon one)."""
-    return fwd_mod.attention_forward(q, k, v, params, tile=HOPPER["forward"][q.shape[-1]])
+    return fwd_mod.attention_forward(q, k, v, params, tile=SM90["forward"][q.shape[-1]])
 
 
 def backward(variant, dout, q, k, v, out, lse, params, tiles=None):
@@ -72,8 +66,7 @@ def backward(variant, dout, q, k, v, out, lse, params, tiles=None):
             return bwd_mod.attention_backward(dout, q, k, v, out, lse, params)
         finally:
             hop_mod.GLUON_BACKWARD = True
-    return bwd_mod.attention_backward(dout, q, k, v, out, lse, params, tiles=tiles,
-                                      atomic_dq=variant.startswith("gluon_atomic"))
+    return bwd_mod.attention_backward(dout, q, k, v, out, lse, params, tiles=tiles)
 
 
 def reference_grads(q, k, v, dout, causal):
@@ -192,9 +185,6 @@ def grid(log, seqlens, rows, deadline, variants, best):
                 for name in ("flash", "flex", "triton"):
                     if name in row["ms"] and "gluon" in row["ms"]:
                         row[f"gluon_vs_{name}"] = row["ms"][name] / row["ms"]["gluon"]
-                for name in ("gluon_atomic", "gluon_atomic_best"):
-                    if name in row["ms"] and "gluon" in row["ms"]:
-                        row[f"{name}_vs_gluon"] = row["ms"]["gluon"] / row["ms"][name]
                 rows.append(row)
                 log(f"grid s{seqlen} d{head_dim} {'causal' if causal else 'full'}: "
                     + " ".join(f"{n} {t:.0f}" for n, t in row["tflops"].items())
@@ -281,9 +271,7 @@ def main():
     ap.add_argument("--seqlens", default="1024,2048,4096,8192,16384")
     ap.add_argument("--skip-sweep", action="store_true")
     ap.add_argument("--variants", default="gluon,triton,cudnn,flash,flex")
-    ap.add_argument("--check-variants", default="gluon,gluon_atomic")
-    ap.add_argument("--atomic-sweep", action="store_true",
-                    help="check and sweep ATOMIC_CANDIDATES on the reduce-add dQ path")
+    ap.add_argument("--check-variants", default="gluon")
     ap.add_argument("--budget", type=float, default=200.0, help="seconds before the grid stops")
     ap.add_argument("--parts", default="check,sweep,grid")
     ap.add_argument("--varlen-head-dims", default="128")
@@ -296,23 +284,14 @@ def main():
     def log(msg):
         print(f"[{time.time() - start:6.1f}s] {msg}", flush=True)
 
-    result = dict(env=environment(), hopper_backward=hop_mod.HOPPER_BACKWARD,
-                  hopper_backward_dq=hop_mod.HOPPER_BACKWARD_DQ, sweep=[], grid=[], varlen=[])
+    result = dict(env=environment(), hopper_backward=configs.GLUON_BACKWARD_DKDV,
+                  hopper_backward_dq=configs.GLUON_BACKWARD_DQ, sweep=[], grid=[], varlen=[])
     verdict = (check(log, args.check_variants.split(","))
                if "check" in parts and args.check_variants else {})
     result["check"] = [dict(head_dim=d, block=b, ok=ok) for (d, b), ok in verdict.items()]
     if "sweep" in parts and not args.skip_sweep:
         sweep(log, verdict, result["sweep"])
     best = {"gluon_best": best_tiles(result["sweep"])}
-    if args.atomic_sweep:
-        atomic_verdict = check(log, ["gluon_atomic"], ATOMIC_CANDIDATES)
-        result["check"] += [dict(head_dim=d, block=b, ok=ok, variant="gluon_atomic")
-                            for (d, b), ok in atomic_verdict.items()]
-        atomic_rows = []
-        sweep(log, atomic_verdict, atomic_rows, candidates=ATOMIC_CANDIDATES,
-              variant="gluon_atomic")
-        result["sweep"] += atomic_rows
-        best["gluon_atomic_best"] = best_tiles(atomic_rows)
     result["best_tiles"] = {v: {str(d): t for d, t in b.items()} for v, b in best.items()}
     if "grid" in parts:
         log(f"best tiles {best}")

@@ -10,9 +10,8 @@ Six parts, bf16, head dim 128, times from triton.testing.do_bench medians (bench
              ALiBi, softcap, sink, dropout 0.1 against full; dropout and every feature at once
              against causal. On sm_90 the plain case (and the features the Gluon kernels take)
              runs Gluon kernels; the *_triton cases force the Triton kernels (a tile override),
-             so the Triton feature costs are also given against the plain Triton kernel; the
-             *_atomic cases compute dQ inside the dK/dV kernel (dropout then draws its mask
-             once in the backward, not twice). Anchors at the same shape, each feature against
+             so the Triton feature costs are also given against the plain Triton kernel.
+             Anchors at the same shape, each feature against
              its own plain kernel: SDPA's cuDNN (full, causal, dropout 0.1) and FLASH (FA2: full,
              dropout 0.1) backends, FlexAttention compiled (full, softcap 30 and ALiBi
              score_mods). A case that cannot run (SDPA refusing cuDNN dropout) is recorded with
@@ -102,13 +101,13 @@ FLEX_CASES = {"flex_full": "full", "flex_softcap": "softcap", "flex_alibi": "ali
 COST_BASE = {"full": None, "causal": None, "window": "causal", "alibi": "full",
              "softcap": "full", "sink": "full", "dropout": "full", "dropout_causal": "causal",
              "all_causal": "causal", "full_triton": None, "softcap_triton": "full_triton",
-             "dropout_triton": "full_triton", "full_atomic": "full", "dropout_atomic": "full",
+             "dropout_triton": "full_triton",
              "cudnn_full": None, "cudnn_causal": None, "cudnn_dropout": "cudnn_full",
              "fa2_full": None, "fa2_dropout": "fa2_full",
              "flex_full": None, "flex_softcap": "flex_full", "flex_alibi": "flex_full"}
-# further ratios costs_ab reports (keyed name_over_base): atomic dropout against atomic plain,
-# our plain kernels against the anchors' plain kernels
-COST_PAIRS = (("dropout_atomic", "full_atomic"), ("full", "cudnn_full"),
+# further ratios costs_ab reports (keyed name_over_base): our plain kernels against the anchors'
+# plain kernels
+COST_PAIRS = (("full", "cudnn_full"),
               ("causal", "cudnn_causal"), ("full", "fa2_full"), ("full", "flex_full"))
 
 
@@ -118,17 +117,16 @@ def triton_tiles():
             {name: tile_config(name, HEAD_DIM, 2, False) for name in ("dkdv", "dq")})
 
 
-def ours_calls(q, k, v, dout, params, triton_only=False, atomic_dq=None):
+def ours_calls(q, k, v, dout, params, triton_only=False):
     """(forward, backward) closures of the launchers, the backward (None under --forward-only)
     on the forward's saved (out, lse); triton_only forces the Triton kernels where a Gluon
-    kernel would run; atomic_dq as attention_backward's (None: configs.py's choice)."""
+    kernel would run."""
     tile, tiles = triton_tiles() if triton_only else (None, None)
     out, lse = attention_forward(q, k, v, params, tile=tile)
     fwd = lambda: attention_forward(q, k, v, params, tile=tile)  # noqa: E731
     if FORWARD_ONLY:
         return fwd, None
-    return fwd, lambda: attention_backward(dout, q, k, v, out, lse, params, tiles=tiles,
-                                           atomic_dq=atomic_dq)
+    return fwd, lambda: attention_backward(dout, q, k, v, out, lse, params, tiles=tiles)
 
 
 def autograd_calls(run, q, k, v, dout):
@@ -226,8 +224,7 @@ def tflops(fl, ms):
 
 def cost_calls(name):
     """(forward, backward) closures of one costs case (a COST_BASE key) on inputs of its own:
-    ours (feature_params' feature, *_triton: the Triton kernels, *_atomic: dQ by atomics in the
-    dK/dV kernel), SDPA_CASES or FLEX_CASES."""
+    ours (feature_params' feature, *_triton: the Triton kernels), SDPA_CASES or FLEX_CASES."""
     batch, seqlen = 2, 8192
     torch.manual_seed(0)
     q, k, v, dout = (randn(batch, seqlen, NHEADS, HEAD_DIM) for _ in range(4))
@@ -236,10 +233,9 @@ def cost_calls(name):
         return sdpa_calls(q, k, v, dout, causal, backend, dropout_p)
     if name in FLEX_CASES:
         return flex_calls(q, k, v, dout, flex_score_mod(feature_params(FLEX_CASES[name], batch)))
-    feature = name.removesuffix("_triton").removesuffix("_atomic")
+    feature = name.removesuffix("_triton")
     return ours_calls(q, k, v, dout, feature_params(feature, batch),
-                      triton_only=name.endswith("_triton"),
-                      atomic_dq=True if name.endswith("_atomic") else None)
+                      triton_only=name.endswith("_triton"))
 
 
 def checked_cost_calls(name):

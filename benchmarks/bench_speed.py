@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from bench_triton import anchor_flex_compiled, bench, environment, flops, inputs  # noqa: E402
 
 from flashkit.ops.params import AttentionParams  # noqa: E402
-from flashkit.ops.triton.configs import HOPPER, gluon_forward_tile  # noqa: E402
+from flashkit.ops.triton.configs import SM90, gluon_forward_tile  # noqa: E402
 
 fwd_mod = importlib.import_module("flashkit.ops.triton.forward")
 hop_mod = importlib.import_module("flashkit.ops.triton.forward_hopper")
@@ -83,7 +83,7 @@ def _compile_one(job):
     try:
         hop_mod.attention_forward(q, k, v, params_for(head_dim, causal), tile=tile)
         fwd_mod.attention_forward(q, k, v, params_for(head_dim, causal),
-                                  tile=HOPPER["forward"][head_dim])
+                                  tile=SM90["forward"][head_dim])
         torch.cuda.synchronize()
         return None
     except Exception as e:  # reported again (and logged) by the grid
@@ -111,7 +111,7 @@ def grid(log, rows, head_dims, seqlens, anchors, modes=(False, True)):
                 params = params_for(head_dim, causal)
                 f = flops(q.shape[0], q.shape[2], seqlen, head_dim, causal, "fwd")
                 ref, _ = fwd_mod.attention_forward(q, k, v, params,
-                                                   tile=HOPPER["forward"][head_dim])
+                                                   tile=SM90["forward"][head_dim])
                 configured = gluon_forward_tile(head_dim, seqlen, causal)
                 variants = {"ours": configured}
                 for tile in CANDIDATES[head_dim]:
@@ -166,7 +166,7 @@ def features(log, rows, seqlen=8192, head_dim=128):
         params = AttentionParams(head_dim ** -0.5, **extra)
         if name.endswith("_triton"):
             run = partial(fwd_mod.attention_forward, q, k, v, params,
-                          tile=HOPPER["forward"][head_dim])
+                          tile=SM90["forward"][head_dim])
         else:
             assert hop_mod.eligible(q, k, v, params, None, None, None), name
             tile = (64, 3, 1, False, False, False) if name.endswith("_one_warpgroup") else None

@@ -9,7 +9,7 @@ PyTorch SDPA with the FLASH_ATTENTION (FA2), CUDNN_ATTENTION and EFFICIENT_ATTEN
 and FlexAttention under torch.compile. Times are triton.testing.do_bench medians; TFLOP/s count
 4 b h sq sk d visible pairs forward (half of it causal) and 2.5x that backward. Backward times
 the backward alone: ours is the launcher on saved (out, lse), the anchors are autograd.grad on a
-retained graph. --sweep times the candidate tiles of configs.py's HOPPER table instead.
+retained graph. --sweep times the candidate tiles of configs.SM90 table instead.
 Results go to DIR/triton_*.json with date, device, versions and config.
 """
 
@@ -64,17 +64,13 @@ def inputs(seqlen, head_dim, dtype):
     return q, k, v, dout
 
 
-def ours(q, k, v, dout, causal, atomic_dq=None, fused=None):
-    """(fwd ms, bwd ms) with configs.py's defaults; atomic_dq picks the backward's dQ path,
-    fused whether dK/dV and dQ share one launch."""
-    from flashkit.ops.triton.configs import FUSED_BWD
-
-    fused = FUSED_BWD if fused is None else fused
-    params = AttentionParams(q.shape[-1] ** -0.5, None, 0 if causal else None)
+def ours(q, k, v, dout, causal, deterministic=False):
+    """(fwd ms, bwd ms) with the configured tiles."""
+    params = AttentionParams(q.shape[-1] ** -0.5, None, 0 if causal else None,
+                             deterministic=deterministic)
     out, lse = fwd_mod.attention_forward(q, k, v, params)
     t_fwd = bench(lambda: fwd_mod.attention_forward(q, k, v, params))
-    t_bwd = bench(lambda: bwd_mod.attention_backward(dout, q, k, v, out, lse, params,
-                                                     atomic_dq=atomic_dq, fused=fused))
+    t_bwd = bench(lambda: bwd_mod.attention_backward(dout, q, k, v, out, lse, params))
     return t_fwd, t_bwd
 
 
@@ -169,7 +165,7 @@ GRIDS = {
 }
 
 
-def run_grid(grid, anchors, out_path, env, ours_variants=("ours", "ours_atomic")):
+def run_grid(grid, anchors, out_path, env, ours_variants=("ours",)):
     rows = []
     g = GRIDS[grid]
     for dtype in g["dtypes"]:
@@ -185,10 +181,7 @@ def run_grid(grid, anchors, out_path, env, ours_variants=("ours", "ours_atomic")
                     for impl in impls:
                         try:
                             if impl.startswith("ours"):
-                                atomic, fused = {"ours": (None, None), "ours_det": (False, None),
-                                                 "ours_atomic": (True, None),
-                                                 "ours_split": (None, False)}[impl]
-                                times = ours(q, k, v, dout, causal, atomic, fused)
+                                times = ours(q, k, v, dout, causal, impl == "ours_det")
                             else:
                                 times = anchor(impl, q, k, v, dout, causal)
                         except Exception as e:  # an anchor that lacks this case is recorded
@@ -222,14 +215,10 @@ def print_row(row, impls):
 
 
 SWEEP = {  # candidate (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel
-    "forward_pointers": [(128, 128, 8, 3), (128, 64, 4, 3)],
     "forward": [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2),
                 (64, 64, 4, 3), (128, 64, 8, 4), (64, 128, 4, 3)],
     "dkdv": [(32, 128, 4, 3), (32, 128, 8, 3), (64, 128, 8, 3), (64, 128, 8, 2),
              (32, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2)],
-    "dkdv_atomic": [(64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3),
-                    (32, 128, 8, 3), (32, 64, 4, 3), (64, 64, 4, 2), (128, 128, 8, 1),
-                    (64, 128, 8, 1)],
     "dq": [(128, 32, 4, 3), (128, 32, 8, 3), (128, 64, 8, 3), (128, 64, 8, 2),
            (64, 32, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2)],
 }
@@ -246,7 +235,7 @@ SWEEP_D256 = {  # head dim 256 needs smaller tiles: shared memory and registers
 
 
 def run_sweep(out_path, env, head_dims=(64, 128), seqlen=4096, kernels=tuple(SWEEP)):
-    from flashkit.ops.triton.configs import HOPPER, padded_head_dim
+    from flashkit.ops.triton.configs import SM90, padded_head_dim
 
     results = []
     for head_dim in head_dims:
@@ -255,17 +244,16 @@ def run_sweep(out_path, env, head_dims=(64, 128), seqlen=4096, kernels=tuple(SWE
             params = AttentionParams(head_dim ** -0.5, None, 0 if causal else None)
             out, lse = fwd_mod.attention_forward(q, k, v, params)
             row = padded_head_dim(head_dim)
-            base = {"dkdv": HOPPER["dkdv"][row], "dq": HOPPER["dq"][row]}
+            base = {"dkdv": SM90["dkdv"][row], "dq": SM90["dq"][row]}
 
             def time_tile(kernel, tile, q=q, k=k, v=v, dout=dout, out=out, lse=lse,
                           params=params, base=base):
                 if kernel.startswith("forward"):
                     return bench(lambda: fwd_mod.attention_forward(
-                        q, k, v, params, tile=tile, use_tma=kernel == "forward"))
+                        q, k, v, params, tile=tile))
                 tiles = dict(base, **{kernel: tile})
                 return bench(lambda: bwd_mod.attention_backward(
-                    dout, q, k, v, out, lse, params, tiles=tiles,
-                    atomic_dq=kernel == "dkdv_atomic"))
+                    dout, q, k, v, out, lse, params, tiles=tiles))
 
             for kernel in kernels:
                 candidates = (SWEEP_D256 if head_dim == 256 else SWEEP)[kernel]
@@ -300,9 +288,8 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     ap.add_argument("--grid", choices=sorted(GRIDS), default=None)
     ap.add_argument("--anchors", default="cudnn,flash,flex")
-    ap.add_argument("--ours", default="ours,ours_atomic",
-                    help="ours (configs.py defaults), ours_det, ours_atomic (dQ path forced), "
-                         "ours_split (dK/dV and dQ as two launches)")
+    ap.add_argument("--ours", default="ours",
+                    help="ours (configured tiles), ours_det (deterministic=True)")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--sweep-head-dims", default="64,128")
     ap.add_argument("--sweep-kernels", default=",".join(SWEEP))

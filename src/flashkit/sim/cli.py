@@ -202,8 +202,8 @@ def _hbm(args: argparse.Namespace) -> int:
     print(format_sram_sweep(args.ns[-1], args.d, [sram // 4, sram // 2, sram, sram * 2],
                             args.dtype_bytes))
     print()
-    # flashkit's own forward tile for this head dim (ops/triton/configs.py, chosen on the H200).
-    ours = configs.HOPPER["forward"][configs.padded_head_dim(args.head_dim)][:2]
+    # flashkit's own forward tile for this head dim (ops/triton/configs, chosen on the H200).
+    ours = configs.SM90["forward"][configs.padded_head_dim(args.head_dim)][:2]
     tiles = args.tiles if ours in args.tiles else [ours, *args.tiles]
     print(format_triton_configs(args.seqlen, args.head_dim, tiles, args.causal,
                                 args.dtype_bytes, args.batch, args.nheads))

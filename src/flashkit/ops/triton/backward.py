@@ -10,22 +10,19 @@ The kernels:
                              over the query heads of its GQA group and the query tiles that see
                              the block, so dK/dV are reduced over the group in registers
     _bwd_dq_kernel           one program per BLOCK_M query rows, looping over key tiles
-    _bwd_dq_convert_kernel   (atomic path) dQ = scale * the fp32 accumulator, in q's dtype
 Features as in forward.py: DROPOUT regenerates the forward's keep-mask tile by tile
 (dropout.dropout_keep) in both kernels: dV = (P o Z)^T dO and dP = Z o (dO V^T) with
 Z = keep / (1 - p), while dS = P o (dP - delta) keeps the pre-dropout P. VARLEN: each program
 reads its sequence's rows and lengths from cu_seqlens; blocks past its end return at once (an
 early return: clamping the loop ranges instead cost the dQ kernel 30 registers, measured by
 ptxas on sm_90).
-dQ two ways: the deterministic path (always under params.deterministic) sums every gradient
-element in one program in a fixed order, so gradients are bitwise reproducible; the atomic path
-(configs.ATOMIC_DQ) lets the dK/dV kernel also add dS K into an fp32 dQ accumulator with atomics,
-saving the dQ kernel's two recomputed matmuls (5 instead of 7) at the price of a run-to-run order.
+dQ is summed by one program per query tile in a fixed order, so gradients are bitwise
+reproducible.
 Transposed tiles carry a _t suffix: s_t is [BLOCK_N, BLOCK_M] = s^T.
 On sm_90 dK/dV and dQ run the Gluon kernels of backward_hopper.py instead (configs.GLUON_BACKWARD;
 every feature, varlen included, see backward_hopper.eligible; dense calls whose lengths are
-not tile multiples run there as varlen with equal lengths, _dense_as_varlen); the preprocess,
-dsink (and on the atomic path the dQ conversion) here serve both.
+not tile multiples run there as varlen with equal lengths, _dense_as_varlen); the preprocess
+and dsink here serve both.
 """
 
 from __future__ import annotations
@@ -41,7 +38,6 @@ from flashkit.ops.triton import backward_hopper
 from flashkit.ops.triton.common import (
     DOT_PRECISION,
     LOG2E_JIT,
-    accumulator_descriptor,
     alibi_args,
     alibi_bias,
     batch_strides,
@@ -62,13 +58,7 @@ from flashkit.ops.triton.common import (
     visible,
     window_args,
 )
-from flashkit.ops.triton.configs import (
-    ATOMIC_DQ,
-    FUSED_BWD,
-    GLUON_BACKWARD_ATOMIC_DQ,
-    padded_head_dim,
-    tile_config,
-)
+from flashkit.ops.triton.configs import padded_head_dim, tile_config
 from flashkit.ops.triton.dropout import dropout_args, dropout_keep, dropout_keep_t
 
 
@@ -112,8 +102,7 @@ def _load_lse2(lse_ptrs, offs_m, seqlen_q, MASKED: tl.constexpr = True):
 
 
 @triton.jit
-def _bwd_dkdv_tiles(dk, dv, k_tile, v_tile, q_base, do_base, lse_base, delta_base, dqacc_src,
-                    dqacc_bh,
+def _bwd_dkdv_tiles(dk, dv, k_tile, v_tile, q_base, do_base, lse_base, delta_base,
                     stride_qs, stride_qd, stride_dos, stride_dod, stride_ls, stride_deltas,
                     start, end, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, window_left,
                     window_right, qk_scale, softcap_scale, alibi_log2, off_b, off_h, start_n,
@@ -122,12 +111,8 @@ def _bwd_dkdv_tiles(dk, dv, k_tile, v_tile, q_base, do_base, lse_base, delta_bas
                     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-                    ATOMIC_DQ: tl.constexpr,
-                    DQ_TMA: tl.constexpr, PRECISION: tl.constexpr):
-    """Accumulate dK, dV of one key block over query tiles [start, end); with ATOMIC_DQ also
-    add this block's share of dQ / scale into the fp32 accumulator (b * h, seqlen_q, BLOCK_D):
-    one bulk reduce-add of the tile through its TMA descriptor when DQ_TMA (rows past seqlen_q
-    clipped by the copy engine), else element atomics at dqacc_src, this (batch, head)'s rows."""
+                    PRECISION: tl.constexpr):
+    """Accumulate dK, dV of one key block over query tiles [start, end)."""
     for start_m in tl.range(start, end, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         q_tile = load_tile(tile_ptrs(q_base, offs_m, offs_d, stride_qs, stride_qd), offs_m,
@@ -169,24 +154,11 @@ def _bwd_dkdv_tiles(dk, dv, k_tile, v_tile, q_base, do_base, lse_base, delta_bas
             ds_t = ds_t * dcap_t
         # [BLOCK_N, BLOCK_D] = [BLOCK_N, BLOCK_M] @ [BLOCK_M, BLOCK_D]
         dk = tl.dot(ds_t.to(q_tile.dtype), q_tile, dk, input_precision=PRECISION)
-        if ATOMIC_DQ:
-            # [BLOCK_M, BLOCK_D] = [BLOCK_M, BLOCK_N] @ [BLOCK_N, BLOCK_D]
-            dq_part = tl.dot(tl.trans(ds_t).to(k_tile.dtype), k_tile, input_precision=PRECISION)
-            if DQ_TMA:
-                dqacc_src.atomic_add([dqacc_bh.to(tl.int32), start_m, 0],
-                                     dq_part.reshape(1, BLOCK_M, BLOCK_D))
-            else:
-                dqacc_ptrs = dqacc_src + offs_m[:, None] * BLOCK_D + offs_d[None, :]
-                if MASKED:
-                    tl.atomic_add(dqacc_ptrs, dq_part, mask=offs_m[:, None] < seqlen_q,
-                                  sem="relaxed")
-                else:
-                    tl.atomic_add(dqacc_ptrs, dq_part, sem="relaxed")
     return dk, dv
 
 
 @triton.jit
-def _bwd_dkdv_program(pid_n, pid_bh, Q, K, V, DO, Lse, Delta, DK, DV, DQAcc,
+def _bwd_dkdv_program(pid_n, pid_bh, Q, K, V, DO, Lse, Delta, DK, DV,
                      stride_qb, stride_qs, stride_qh, stride_qd,
                      stride_kb, stride_ks, stride_kh, stride_kd,
                      stride_vb, stride_vs, stride_vh, stride_vd,
@@ -203,10 +175,8 @@ def _bwd_dkdv_program(pid_n, pid_bh, Q, K, V, DO, Lse, Delta, DK, DV, DQAcc,
                      BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                      ALIBI: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr,
-                     EVEN_N: tl.constexpr,
-                     ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr, PRECISION: tl.constexpr):
-    """dK, dV of key block pid_n of (batch, kv head) pid_bh. DQAcc is the fp32 dQ accumulator
-    (ATOMIC_DQ), a TMA descriptor over it when DQ_TMA."""
+                     EVEN_N: tl.constexpr, PRECISION: tl.constexpr):
+    """dK, dV of key block pid_n of (batch, kv head) pid_bh."""
     off_b = (pid_bh // nheads_k).to(tl.int64)
     off_hk = (pid_bh % nheads_k).to(tl.int64)
     q_start, k_start, seqlen_q, seqlen_k = sequence(off_b, seqlen_q, seqlen_k, Cu_q, Cu_k,
@@ -239,22 +209,16 @@ def _bwd_dkdv_program(pid_n, pid_bh, Q, K, V, DO, Lse, Delta, DK, DV, DQAcc,
         lse_base = head_ptr(Lse, off_b, off_h, q_start, stride_lb, stride_lh, stride_ls)
         delta_base = head_ptr(Delta, off_b, off_h, q_start, stride_deltab, stride_deltah,
                               stride_deltas)
-        dqacc_bh = (off_b * nheads_k + off_hk) * group + g  # = batch * nheads + query head
-        if DQ_TMA:
-            dqacc_src = DQAcc
-        else:
-            dqacc_src = DQAcc + dqacc_bh * seqlen_q * BLOCK_D
         bounds = (lo, mid_lo, mid_hi, hi)
         for segment in tl.static_range(3):  # masked edge, unmasked middle, masked edge
             dk, dv = _bwd_dkdv_tiles(
-                dk, dv, k_tile, v_tile, q_base, do_base, lse_base, delta_base, dqacc_src,
-                dqacc_bh, stride_qs, stride_qd, stride_dos, stride_dod, stride_ls,
-                stride_deltas, bounds[segment], bounds[segment + 1], offs_n, offs_d, offs_dv,
-                seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale,
-                alibi_log2, off_b, off_h, start_n, seed_lo, seed_hi, dropout_threshold,
-                dropout_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N,
-                segment != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, ATOMIC_DQ, DQ_TMA,
-                PRECISION)
+                dk, dv, k_tile, v_tile, q_base, do_base, lse_base, delta_base, stride_qs,
+                stride_qd, stride_dos, stride_dod, stride_ls, stride_deltas, bounds[segment],
+                bounds[segment + 1], offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, window_left,
+                window_right, qk_scale, softcap_scale, alibi_log2, off_b, off_h, start_n,
+                seed_lo, seed_hi, dropout_threshold, dropout_scale, HEAD_DIM, HEAD_DIM_V,
+                BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, segment != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+                ALIBI, DROPOUT, PRECISION)
 
     dk_ptrs = tile_ptrs(head_ptr(DK, off_b, off_hk, k_start, stride_dkb, stride_dkh, stride_dks),
                         offs_n, offs_d, stride_dks, stride_dkd)
@@ -380,7 +344,7 @@ def _bwd_dq_program(pid_m, pid_bh, Q, K, V, DO, Lse, Delta, DQ,
 
 
 @triton.jit(do_not_specialize=["seed_lo", "seed_hi", "dropout_threshold"])
-def _bwd_kernel(Q, K, V, DO, Lse, Delta, DQ, DK, DV, DQAcc,
+def _bwd_kernel(Q, K, V, DO, Lse, Delta, DQ, DK, DV,
                 stride_qb, stride_qs, stride_qh, stride_qd,
                 stride_kb, stride_ks, stride_kh, stride_kd,
                 stride_vb, stride_vs, stride_vh, stride_vd,
@@ -399,20 +363,18 @@ def _bwd_kernel(Q, K, V, DO, Lse, Delta, DQ, DK, DV, DQAcc,
                 BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr, HAS_LEFT: tl.constexpr,
                 HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
                 DROPOUT: tl.constexpr, VARLEN: tl.constexpr, EVEN_M: tl.constexpr,
-                EVEN_N: tl.constexpr,
-                DO_DKDV: tl.constexpr, DO_DQ: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-                DQ_TMA: tl.constexpr, PRECISION: tl.constexpr):
-    """One launch for the dK/dV programs (axis 0 < num_kv_blocks when DO_DKDV) and/or the dQ
-    programs (the rest when DO_DQ, heaviest query block first); axis 1 is batch * nheads, of which
-    the dK/dV programs use the first batch * nheads_k. Launching both kinds together lets the
-    scheduler fill the machine with either (FlexAttention's backward does the same)."""
+                EVEN_N: tl.constexpr, DO_DKDV: tl.constexpr, DO_DQ: tl.constexpr,
+                PRECISION: tl.constexpr):
+    """The dK/dV programs (DO_DKDV: axis 0 < num_kv_blocks) or the dQ programs (DO_DQ, heaviest
+    query block first), launched one after the other; axis 1 is batch * nheads, of which the
+    dK/dV programs use the first batch * nheads_k."""
     pid = tl.program_id(0)
     pid_bh = tl.program_id(1)
     group = nheads // nheads_k
     is_dkdv = pid < num_kv_blocks if DO_DKDV else False
     if is_dkdv:
         if pid_bh < batch * nheads_k:
-            _bwd_dkdv_program(pid, pid_bh, Q, K, V, DO, Lse, Delta, DK, DV, DQAcc,
+            _bwd_dkdv_program(pid, pid_bh, Q, K, V, DO, Lse, Delta, DK, DV,
                               stride_qb, stride_qs, stride_qh, stride_qd,
                               stride_kb, stride_ks, stride_kh, stride_kd,
                               stride_vb, stride_vs, stride_vh, stride_vd,
@@ -426,7 +388,7 @@ def _bwd_kernel(Q, K, V, DO, Lse, Delta, DQ, DK, DV, DQAcc,
                               seed_lo, seed_hi, dropout_threshold, dropout_scale, Cu_q, Cu_k,
                               HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M1, BLOCK_N1,
                               HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, VARLEN, EVEN_N,
-                              ATOMIC_DQ, DQ_TMA, PRECISION)
+                              PRECISION)
     elif DO_DQ:
         pid_m = num_q_blocks - 1 - (pid - num_kv_blocks if DO_DKDV else pid)
         _bwd_dq_program(pid_m, pid_bh, Q, K, V, DO, Lse, Delta, DQ,
@@ -442,25 +404,6 @@ def _bwd_kernel(Q, K, V, DO, Lse, Delta, DQ, DK, DV, DQAcc,
                         softmax_scale, seed_lo, seed_hi, dropout_threshold, dropout_scale, Cu_q,
                         Cu_k, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M2, BLOCK_N2,
                         HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, VARLEN, EVEN_M, PRECISION)
-
-
-@triton.jit
-def _bwd_dq_convert_kernel(DQAcc, DQ, stride_dqb, stride_dqs, stride_dqh, stride_dqd,
-                           nheads, seqlen_q, softmax_scale,
-                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
-    """dQ = scale * the fp32 accumulator (b, h, seqlen_q, BLOCK_D), in q's dtype and layout."""
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1).to(tl.int64)
-    off_b = pid_bh // nheads
-    off_h = pid_bh % nheads
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    acc_ptrs = DQAcc + pid_bh * seqlen_q * BLOCK_D + offs_m[:, None] * BLOCK_D + offs_d[None, :]
-    dq = tl.load(acc_ptrs, mask=offs_m[:, None] < seqlen_q, other=0.0)
-    dq_ptrs = tile_ptrs(head_ptr(DQ, off_b, off_h, 0, stride_dqb, stride_dqh, stride_dqs),
-                        offs_m, offs_d, stride_dqs, stride_dqd)
-    store_tile(dq_ptrs, (dq * softmax_scale).to(DQ.dtype.element_ty), offs_m, seqlen_q, offs_d,
-               HEAD_DIM, True, HEAD_DIM != BLOCK_D)
 
 
 def _dense_as_varlen(dout, q, k, v, out, lse, params: AttentionParams, dq, dk, dv, tiles,
@@ -495,21 +438,15 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                        out: torch.Tensor, lse: torch.Tensor, params: AttentionParams,
                        dq: torch.Tensor | None = None, dk: torch.Tensor | None = None,
                        dv: torch.Tensor | None = None, tiles: dict | None = None,
-                       atomic_dq: bool | None = None, fused: bool = FUSED_BWD,
                        dlse: torch.Tensor | None = None):
     """Launch preprocess, dK/dV and dQ. Returns (dq, dk, dv, dsink), dsink None without a sink;
     dq/dk/dv may be preallocated. dlse, a gradient on the lse output, enters as D - dlse
     (d lse_i / d s_ij = P_ij, the same shape of term as D).
 
-    dQ comes from its own kernel (deterministic) or, when atomic_dq, from fp32 atomic adds in
-    the dK/dV kernel plus a conversion (fewer matmuls, order of the adds not fixed). atomic_dq
-    None picks configs.ATOMIC_DQ (configs.GLUON_BACKWARD_ATOMIC_DQ where the Gluon kernel runs)
-    unless params.deterministic; varlen always takes the deterministic path (the accumulator is
-    laid out per dense batch entry). fused launches the dK/dV and dQ programs together
-    (configs.FUSED_BWD), else one after the other. tiles = {"dkdv": (BLOCK_M, BLOCK_N,
-    num_warps, num_stages), "dq": ...} overrides configs.py and keeps the Triton kernels (the
-    tuning sweep); tiles = {"hopper": ..., "hopper_dq": ...} override backward_hopper's
-    HOPPER_BACKWARD and HOPPER_BACKWARD_DQ.
+    tiles = {"dkdv": (BLOCK_M, BLOCK_N,
+    num_warps, num_stages), "dq": ...} overrides configs.SM90 and keeps the Triton kernels (the
+    tuning sweep); tiles = {"hopper": ..., "hopper_dq": ...} override configs.GLUON_BACKWARD_DKDV
+    and configs.GLUON_BACKWARD_DQ.
     """
     tiles = tiles or {}
     batch, seqlen_q, seqlen_k, nheads, nheads_k = varlen_shape(q, v, params)
@@ -517,8 +454,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     dq = torch.empty_like(q) if dq is None else dq
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
-    # (varlen never takes atomics: a call that asks for them keeps backward.py's kernels)
-    if not atomic_dq and backward_hopper.dense_as_varlen(q, k, v, dout, lse, params, dq, dk,
+    if backward_hopper.dense_as_varlen(q, k, v, dout, lse, params, dq, dk,
                                                          dv, tiles):
         return _dense_as_varlen(dout, q, k, v, out, lse, params, dq, dk, dv, tiles, dlse)
     hopper = backward_hopper.eligible(q, k, v, dout, lse, params, dq, dk, dv, tiles)
@@ -526,9 +462,6 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     window_left, window_right, has_left, has_right = window_args(params)
     block_d, block_dv = padded_head_dim(head_dim), padded_head_dim(head_dim_v)
     d_max = max(head_dim, head_dim_v)
-    if atomic_dq is None:
-        atomic_dq = (GLUON_BACKWARD_ATOMIC_DQ if hopper else ATOMIC_DQ) and not params.deterministic
-    atomic_dq = atomic_dq and not params.is_varlen
     qk_scale, softcap_scale, softcap = score_args(params, q.dtype)
     alibi, alibi_strides, has_alibi = alibi_args(params, lse)
     seed_lo, seed_hi, dropout_threshold, dropout_scale, dropout = dropout_args(
@@ -550,42 +483,29 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     if dlse is not None:
         delta -= dlse
 
-    kernel = "dkdv_atomic" if atomic_dq else "dkdv"
-    block_m1, block_n1, num_warps, num_stages = tiles.get(kernel) or tile_config(
-        kernel, d_max, q.element_size(), interpreting())
+    block_m1, block_n1, num_warps, num_stages = tiles.get("dkdv") or tile_config(
+        "dkdv", d_max, q.element_size(), interpreting())
     block_m2, block_n2, dq_warps, dq_stages = tiles.get("dq") or tile_config(
         "dq", d_max, q.element_size(), interpreting())
-    dq_acc = (torch.zeros((batch * nheads, seqlen_q, block_d), dtype=torch.float32,
-                          device=q.device) if atomic_dq else delta)
-    dq_acc_desc = accumulator_descriptor(dq_acc, block_m1) if atomic_dq and not hopper else None
     num_kv_blocks, num_q_blocks = triton.cdiv(seqlen_k, block_n1), triton.cdiv(seqlen_q, block_m2)
-    args = (q, k, v, dout, lse, delta, dq, dk, dv,
-            dq_acc if dq_acc_desc is None else dq_acc_desc,
-            *common_strides, *batch_strides(dq, params), *batch_strides(dk, params),
-            *batch_strides(dv, params),
+    args = (q, k, v, dout, lse, delta, dq, dk, dv, *common_strides, *batch_strides(dq, params),
+            *batch_strides(dk, params), *batch_strides(dv, params),
             batch, nheads, nheads_k, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
             softcap_scale, alibi, *alibi_strides,
             params.softmax_scale, seed_lo, seed_hi, dropout_threshold, dropout_scale, cu_q, cu_k,
             num_kv_blocks, num_q_blocks)
     meta = dict(**dims, BLOCK_M1=block_m1, BLOCK_N1=block_n1, BLOCK_M2=block_m2,
                 BLOCK_N2=block_n2, **band, EVEN_M=not varlen and seqlen_q % block_m2 == 0,
-                EVEN_N=not varlen and seqlen_k % block_n1 == 0, ATOMIC_DQ=atomic_dq,
-                DQ_TMA=dq_acc_desc is not None)
+                EVEN_N=not varlen and seqlen_k % block_n1 == 0)
     if hopper:
         backward_hopper.attention_backward_dkdv(dout, q, k, v, lse, delta, params, dk, dv,
-                                                dq_acc if atomic_dq else None,
                                                 block=tiles.get("hopper"))
-    elif fused and not atomic_dq:  # one launch, the dK/dV kernel's warps and stages
-        _bwd_kernel[(num_kv_blocks + num_q_blocks, batch * nheads)](
-            *args, **meta, DO_DKDV=True, DO_DQ=True, num_warps=num_warps, num_stages=num_stages)
+        backward_hopper.attention_backward_dq(dout, q, k, v, lse, delta, params, dq,
+                                              block=tiles.get("hopper_dq"))
     else:
         _bwd_kernel[(num_kv_blocks, batch * nheads)](
             *args, **meta, DO_DKDV=True, DO_DQ=False, num_warps=num_warps,
             num_stages=num_stages)
-    if hopper and not atomic_dq:
-        backward_hopper.attention_backward_dq(dout, q, k, v, lse, delta, params, dq,
-                                              block=tiles.get("hopper_dq"))
-    elif not atomic_dq and not fused:
         _bwd_kernel[(num_q_blocks, batch * nheads)](
             *args, **meta, DO_DKDV=False, DO_DQ=True, num_warps=dq_warps, num_stages=dq_stages)
 
@@ -597,9 +517,4 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         row_share = torch.exp(params.sink.to(torch.float32)[:, None] - lse) * delta
         dsink = (-row_share.sum(-1).reshape(-1, nheads).sum(0)).to(params.sink.dtype)
 
-    if atomic_dq:
-        convert_block_m = 64
-        _bwd_dq_convert_kernel[(triton.cdiv(seqlen_q, convert_block_m), batch * nheads)](
-            dq_acc, dq, *dq.stride(), nheads, seqlen_q, params.softmax_scale,
-            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=convert_block_m)
     return dq, dk, dv, dsink

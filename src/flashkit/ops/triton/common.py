@@ -52,35 +52,6 @@ def next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
-def kv_descriptor(x, block_n: int, block_d: int):
-    """A TMA descriptor over x (batch, seqlen, nheads, d) viewed as (batch, seqlen, nheads * d),
-    or None where the copy engine cannot read it in place (interpreter, head dim not a power of
-    two, last-dim stride not 1, heads not adjacent, addresses or strides not 16-byte aligned)."""
-    if interpreting() or not x.is_cuda:
-        return None
-    batch, seqlen, nheads, d = x.shape
-    strides_bytes = [s * x.element_size() for s in x.stride()[:2]]
-    if (d != block_d or x.stride(3) != 1 or x.stride(2) != d or x.data_ptr() % 16
-            or any(s % 16 for s in strides_bytes)):
-        return None
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    return TensorDescriptor(x, shape=[batch, seqlen, nheads * d],
-                            strides=[x.stride(0), x.stride(1), 1],
-                            block_shape=[1, block_n, block_d])
-
-
-def accumulator_descriptor(acc, block_m: int):
-    """A TMA descriptor over the fp32 accumulator acc (b * h, seqlen, BLOCK_D) for bulk
-    reduce-adds of [1, block_m, BLOCK_D] tiles, or None in the interpreter / off CUDA."""
-    if interpreting() or not acc.is_cuda:
-        return None
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    return TensorDescriptor(acc, shape=list(acc.shape), strides=list(acc.stride()),
-                            block_shape=[1, block_m, acc.shape[2]])
-
-
 SOFTCAP_EXACT, SOFTCAP_FAST = 1, 2  # values of the SOFTCAP flag (0: no softcap)
 SOFTCAP_EXACT_JIT = tl.constexpr(SOFTCAP_EXACT)
 SOFTCAP_FAST_JIT = tl.constexpr(SOFTCAP_FAST)
@@ -335,22 +306,6 @@ def load_tile(ptrs, rows, n_rows, cols, n_cols, CHECK_ROWS: tl.constexpr,
             tile = tl.load(ptrs, mask=cols[None, :] < n_cols, other=0.0)
         else:
             tile = tl.load(ptrs)
-    return tile
-
-
-@triton.jit
-def load_kv_tile(src, off_b, off_hk, start_n, offs_n, n_rows, offs_d, stride_s, stride_d,
-                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                 CHECK_ROWS: tl.constexpr, USE_TMA: tl.constexpr):
-    """A [BLOCK_N, BLOCK_D] key or value tile. USE_TMA: src is a tensor descriptor over
-    (batch, seqlen_k, nheads_k * HEAD_DIM) with HEAD_DIM == BLOCK_D, so the copy engine loads the
-    tile and zero-fills rows past seqlen_k; else src points at this (batch, head)."""
-    if USE_TMA:
-        coords = [off_b.to(tl.int32), start_n, (off_hk * HEAD_DIM).to(tl.int32)]
-        tile = src.load(coords).reshape(BLOCK_N, BLOCK_D)
-    else:
-        ptrs = src + offs_n[:, None] * stride_s + offs_d[None, :] * stride_d
-        tile = load_tile(ptrs, offs_n, n_rows, offs_d, HEAD_DIM, CHECK_ROWS, HEAD_DIM != BLOCK_D)
     return tile
 
 

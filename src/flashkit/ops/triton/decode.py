@@ -98,7 +98,7 @@ class Tile(NamedTuple):
 # benchmarks/results/decode_20261121T022233.json (85-110% of copy bandwidth at b16/16k GQA 8:1
 # and b64/8k MHA); per_sm and the prefill tile by the studies of decode_20261121T041637.json
 # (per_sm 1/2/3: geomean 60.5/57.1/59.0 us over 12 small-batch shapes; again 50.4/49.7/50.7 over
-# 16 with one-tile splits, session 8; the prefill tile within 2% of (64, 64, 4, 3)); resident:
+# 16 with one-tile splits; the prefill tile within 2% of (64, 64, 4, 3)); resident:
 # 70-72 KB of shared memory (3 per SM), the prefill tile 224 KB.
 # INTERPRETER: tiny tiles so CPU tests at ~50 keys cross tiles and splits, and decode tiles of
 # 32 keys span two 16-slot pages.
@@ -106,7 +106,7 @@ class Tile(NamedTuple):
 # splits the keys over its warps): a warp's scores, softmax and P @ V stay in its registers, and
 # the 4 running states are folded once per program (_fold_subtiles). With one 64-key tile over 4
 # warps (subtiles 1) each tile crossed warps through shared memory 4 times (row max, row sum, P):
-# sm_90 SASS per 64-key tile 275 instructions and 9 barriers against 251 and 2 (h88 notes).
+# sm_90 SASS per 64-key tile 275 instructions and 9 barriers against 251 and 2.
 # The fold is a fixed cost: splits of 1-2 tiles were 3-7% slower sub-tiled (H200 graph replays
 # of the public call, b1 1k GQA 8:1, 16 one-tile splits: 5.71 vs 5.40 us), splits of 4-16 tiles
 # 10-15% faster (decode grid, same run as main: b1 16k GQA 12.24 -> 10.81, b4 4k GQA 11.73 ->
@@ -158,7 +158,7 @@ CAP_LIFT_PER_SM = 2
 LAUNCH_PDL = True  # merge kernel as a programmatic dependent launch where the GPU has it
 # The merge stays a second (PDL) launch: folding it into this kernel ("last program merges":
 # split partials, an acq_rel counter per row block, the last arrival merges and resets it;
-# branch h71-decode-merge, commit 4e038e6) was slower on the H200 at every split count, as the
+# tried in commit 4e038e6) was slower on the H200 at every split count, as the
 # fence, the atomic's round trip and the merging program's loads cost more than the PDL merge,
 # whose programs are resident and waiting: captured step, GPU us, merge kernel -> folded, 4
 # splits b1 1k GQA 8:1 8.6 -> 9.9, MHA 9.4 -> 10.2; 8 splits b8 16k GQA 68.7 -> 69.1; 16

@@ -35,9 +35,7 @@ from flashkit.ops.triton.common import (
     head_ptr,
     interpreting,
     key_tile_ranges,
-    kv_descriptor,
     load_alibi_log2,
-    load_kv_tile,
     load_tile,
     online_softmax_update,
     score_args,
@@ -50,27 +48,25 @@ from flashkit.ops.triton.common import (
     visible,
     window_args,
 )
-from flashkit.ops.triton.configs import USE_TMA, padded_head_dim, tile_config
+from flashkit.ops.triton.configs import padded_head_dim, tile_config
 from flashkit.ops.triton.dropout import dropout_args, dropout_keep
 
 
 @triton.jit
-def _fwd_tiles(acc, m_i, l_i, q_tile, k_src, v_src, off_b, off_hk, stride_ks, stride_kd,
+def _fwd_tiles(acc, m_i, l_i, q_tile, k_base, v_base, off_b, stride_ks, stride_kd,
                stride_vs, stride_vd, start, end, offs_m, offs_d, offs_dv, seqlen_q, seqlen_k,
                window_left, window_right, qk_scale, softcap_scale, alibi_log2, off_h, seed_lo,
                seed_hi, dropout_threshold,
                HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-               ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-               USE_TMA: tl.constexpr,
-               PRECISION: tl.constexpr):
+               ALIBI: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
     """Stream key tiles [start, end) into (acc, m_i, l_i); MASKED applies the band predicate.
     DROPOUT: l sums every probability, acc only the kept ones (the 1 / (1 - p) comes last)."""
     for start_n in tl.range(start, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k_tile = load_kv_tile(k_src, off_b, off_hk, start_n, offs_n, seqlen_k, offs_d,
-                              stride_ks, stride_kd, HEAD_DIM, BLOCK_N, BLOCK_D, MASKED, USE_TMA)
+        k_tile = load_tile(tile_ptrs(k_base, offs_n, offs_d, stride_ks, stride_kd), offs_n,
+                           seqlen_k, offs_d, HEAD_DIM, MASKED, HEAD_DIM != BLOCK_D)
         # [BLOCK_M, BLOCK_N] = [BLOCK_M, BLOCK_D] @ [BLOCK_D, BLOCK_N]
         qk = tl.dot(q_tile, tl.trans(k_tile), input_precision=PRECISION)
         s = scores(qk, qk_scale, softcap_scale, SOFTCAP)
@@ -84,9 +80,8 @@ def _fwd_tiles(acc, m_i, l_i, q_tile, k_src, v_src, off_b, off_hk, stride_ks, st
         if DROPOUT:
             p = tl.where(dropout_keep(seed_lo, seed_hi, off_b, off_h, offs_m, start_n,
                                       dropout_threshold, BLOCK_N), p, 0.0)
-        v_tile = load_kv_tile(v_src, off_b, off_hk, start_n, offs_n, seqlen_k, offs_dv,
-                              stride_vs, stride_vd, HEAD_DIM_V, BLOCK_N, BLOCK_DV, MASKED,
-                              USE_TMA)
+        v_tile = load_tile(tile_ptrs(v_base, offs_n, offs_dv, stride_vs, stride_vd), offs_n,
+                           seqlen_k, offs_dv, HEAD_DIM_V, MASKED, HEAD_DIM_V != BLOCK_DV)
         # [BLOCK_M, BLOCK_DV] = [BLOCK_M, BLOCK_N] @ [BLOCK_N, BLOCK_DV]
         acc = tl.dot(p.to(v_tile.dtype), v_tile, acc * alpha[:, None], input_precision=PRECISION)
     return acc, m_i, l_i
@@ -106,10 +101,8 @@ def _fwd_kernel(Q, K, V, Out, Lse,
                 BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                 ALIBI: tl.constexpr, SINK: tl.constexpr, DROPOUT: tl.constexpr,
-                VARLEN: tl.constexpr, EVEN_M: tl.constexpr,
-                USE_TMA: tl.constexpr, PRECISION: tl.constexpr):
-    """K and V are tensor descriptors when USE_TMA (see common.kv_descriptor), else pointers.
-    SINK: Sink holds one logit per query head that joins every row's denominator: the online
+                VARLEN: tl.constexpr, EVEN_M: tl.constexpr, PRECISION: tl.constexpr):
+    """SINK: Sink holds one logit per query head that joins every row's denominator: the online
     softmax starts from it (m = sink, l = 1) instead of from nothing (m = -inf, l = 0).
     VARLEN: the grid covers the longest sequence; blocks past a shorter one's end return."""
     # Heaviest query tiles first: under a causal band the last rows see the most keys.
@@ -132,12 +125,8 @@ def _fwd_kernel(Q, K, V, Out, Lse,
                        offs_m, offs_d, stride_qs, stride_qd)
     q_tile = load_tile(q_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, not EVEN_M,
                        HEAD_DIM != BLOCK_D)
-    if USE_TMA:
-        k_src = K
-        v_src = V
-    else:
-        k_src = head_ptr(K, off_b, off_hk, k_start, stride_kb, stride_kh, stride_ks)
-        v_src = head_ptr(V, off_b, off_hk, k_start, stride_vb, stride_vh, stride_vs)
+    k_base = head_ptr(K, off_b, off_hk, k_start, stride_kb, stride_kh, stride_ks)
+    v_base = head_ptr(V, off_b, off_hk, k_start, stride_vb, stride_vh, stride_vs)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -150,27 +139,15 @@ def _fwd_kernel(Q, K, V, Out, Lse,
     lo, mid_lo, mid_hi, hi = key_tile_ranges(start_m, seqlen_q, seqlen_k, window_left,
                                              window_right, BLOCK_M, BLOCK_N, HAS_LEFT,
                                              HAS_RIGHT)
-    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q_tile, k_src, v_src, off_b, off_hk,
-                               stride_ks, stride_kd, stride_vs, stride_vd, lo, mid_lo, offs_m,
-                               offs_d, offs_dv, seqlen_q, seqlen_k, window_left, window_right,
-                               qk_scale, softcap_scale, alibi_log2, off_h, seed_lo, seed_hi,
-                               dropout_threshold,
-                               HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True,
-                               HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, USE_TMA, PRECISION)
-    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q_tile, k_src, v_src, off_b, off_hk,
-                               stride_ks, stride_kd, stride_vs, stride_vd, mid_lo, mid_hi, offs_m,
-                               offs_d, offs_dv, seqlen_q, seqlen_k, window_left, window_right,
-                               qk_scale, softcap_scale, alibi_log2, off_h, seed_lo, seed_hi,
-                               dropout_threshold,
-                               HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, False,
-                               HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, USE_TMA, PRECISION)
-    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q_tile, k_src, v_src, off_b, off_hk,
-                               stride_ks, stride_kd, stride_vs, stride_vd, mid_hi, hi, offs_m,
-                               offs_d, offs_dv, seqlen_q, seqlen_k, window_left, window_right,
-                               qk_scale, softcap_scale, alibi_log2, off_h, seed_lo, seed_hi,
-                               dropout_threshold,
-                               HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True,
-                               HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, USE_TMA, PRECISION)
+    bounds = (lo, mid_lo, mid_hi, hi)
+    for segment in tl.static_range(3):  # masked edge, unmasked middle, masked edge
+        acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q_tile, k_base, v_base, off_b, stride_ks,
+                                   stride_kd, stride_vs, stride_vd, bounds[segment],
+                                   bounds[segment + 1], offs_m, offs_d, offs_dv, seqlen_q,
+                                   seqlen_k, window_left, window_right, qk_scale, softcap_scale,
+                                   alibi_log2, off_h, seed_lo, seed_hi, dropout_threshold,
+                                   HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, segment != 1,
+                                   HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, PRECISION)
 
     # A row that saw no key (and no sink) has l = 0: out = 0 (acc is 0) and lse = -inf, never
     # NaN; with a sink it has l = 1 and lse = sink.
@@ -196,13 +173,11 @@ def _fwd_kernel(Q, K, V, Out, Lse,
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       params: AttentionParams, out: torch.Tensor | None = None,
                       lse: torch.Tensor | None = None,
-                      tile: tuple[int, int, int, int] | None = None, use_tma: bool = USE_TMA
+                      tile: tuple[int, int, int, int] | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernel. Returns (out, lse); out/lse may be given preallocated.
 
-    tile = (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides configs.py (the tuning sweep);
-    use_tma=False keeps K/V loads on pointers even where a TMA descriptor would do (varlen always
-    does: a descriptor would read across sequences).
+    tile = (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides configs.SM90 (the tuning sweep).
     """
     if forward_hopper.eligible(q, k, v, params, out, lse, tile):  # the plain case on sm_90
         return forward_hopper.attention_forward(q, k, v, params, out=out, lse=lse)
@@ -226,13 +201,9 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         params.dropout_p, params.dropout_seed)
     cu_q, cu_k, varlen = varlen_args(params, lse)
     block_d, block_dv = padded_head_dim(head_dim), padded_head_dim(head_dim_v)
-    use_tma = use_tma and not varlen
-    k_desc = kv_descriptor(k, block_n, block_d) if use_tma else None
-    v_desc = kv_descriptor(v, block_n, block_dv) if use_tma else None
-    use_tma = use_tma and k_desc is not None and v_desc is not None
     grid = (cdiv(seqlen_q, block_m), batch * nheads)
     _fwd_kernel[grid](
-        q, k_desc if use_tma else k, v_desc if use_tma else v, out, lse,
+        q, k, v, out, lse,
         *batch_strides(q, params), *batch_strides(k, params), *batch_strides(v, params),
         *batch_strides(out, params), *batch_strides(lse, params),
         nheads, nheads // nheads_k, seqlen_q, seqlen_k, window_left, window_right,
@@ -241,6 +212,6 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
         BLOCK_M=block_m, BLOCK_N=block_n, HAS_LEFT=has_left, HAS_RIGHT=has_right,
         SOFTCAP=softcap, ALIBI=has_alibi, SINK=params.sink is not None, DROPOUT=dropout,
-        VARLEN=varlen, EVEN_M=not varlen and seqlen_q % block_m == 0, USE_TMA=use_tma,
-        PRECISION=DOT_PRECISION, num_warps=num_warps, num_stages=num_stages)
+        VARLEN=varlen, EVEN_M=not varlen and seqlen_q % block_m == 0, PRECISION=DOT_PRECISION,
+        num_warps=num_warps, num_stages=num_stages)
     return out, lse

@@ -46,7 +46,7 @@ buffers, and with two consumers (SPLIT_LOADS) a second producer warp issues V's 
 of 16-key pages is 8 table loads and 32 TMA instructions (two per piece at d128), ~400
 instructions per tile from one warp on a scheduler it shares with two consumer warps
 (d128 bf16 page 16, 2k x 18.4k: 0.94-0.96 ms, as a contiguous cache, against 1.01-1.04 with one
-producer warp and no look-ahead; prefill_20261121_1135_h72_ab.json).
+producer warp and no look-ahead; benchmarks/NOTES_triton.md).
 
 Dropout draws dropout.py's keep-mask bit for bit (dropout_gluon.keep_words, through dropout.py's
 own Philox core), so either backward regenerates what this forward dropped.
@@ -388,7 +388,7 @@ if gluon is not None:
         # The softmax results pass through the wait so that the compiler cannot sink the softmax
         # below it in the PTX. ptxas still hoists the wait's DEPBAR above most of the softmax
         # (p_next gets p_op's registers, which the P V wgmma reads until it completes), so the
-        # overlap comes from the other consumer (benchmarks/NOTES_triton.md, session 8).
+        # overlap comes from the other consumer (benchmarks/NOTES_triton.md: the P V wait).
         if SOFTCAP == SOFTCAP_BOUNDED_GL:  # a fixed row max: O keeps its scale
             acc, p_op, p_next, l_i = warpgroup_mma_wait(num_outstanding=0,
                                                         deps=(o_tok, p_op, p_next, l_i))
