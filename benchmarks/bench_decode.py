@@ -29,7 +29,7 @@ the public API); the run stops if it fails. Then, bf16, d128, 32 query heads:
   splits   (stage splits) the graph step at forced split counts on the short-context cells,
            and with one more pipeline stage: how the step time depends on the key tiles per
            program (it sets nothing).
-  sweep    (stage sweep) candidate decode tiles at three shapes, to choose decode.HOPPER.
+  sweep    (stage sweep) candidate decode tiles at three shapes, to choose decode.DECODE_SM90.
   paging   (stage paging) page-256 decode with the block-table entry read per key row or per
            key tile, and the paged extra stages; sets decode.PAGE_TILE_LOOKUP and the stages.
   api      the public function per call: host time (CPU wall clock of back-to-back calls, no
@@ -310,7 +310,7 @@ SPLIT_CURVES = {(1, 4096, 4, None): [1, 4, 8, 16, 32, 64],
 
 
 def set_decode_tile(**changes) -> None:
-    decode.HOPPER["decode"] = decode.HOPPER["decode"]._replace(**changes)
+    decode.DECODE_SM90["decode"] = decode.DECODE_SM90["decode"]._replace(**changes)
 
 
 def study_splits(copy_bw: float) -> dict:
@@ -318,7 +318,7 @@ def study_splits(copy_bw: float) -> dict:
     along SPLIT_CURVES), the merge kernel alone, and the merge without PDL. Chooses per_sm and
     LAUNCH_PDL by the geometric mean over SPLIT_SHAPES."""
     params = AttentionParams(HEAD_DIM ** -0.5)
-    default_per_sm, rows = decode.HOPPER["decode"].per_sm, []
+    default_per_sm, rows = decode.DECODE_SM90["decode"].per_sm, []
     log_ms = {per_sm: 0.0 for per_sm in (1, 2, 3)}
     log_pdl = {True: 0.0, False: 0.0}
     pdl_on = decode.LAUNCH_PDL  # else pdl_check turned it off
@@ -414,9 +414,9 @@ PREFILL_TILES = [(128, 128, 8, 3, 1, 1), (128, 64, 8, 3, 1, 1), (128, 64, 8, 4, 
 def study_prefill() -> dict:
     """Candidate prefill tiles on four prefill shapes (eager, as the prefill table); chooses the
     one with the least total time."""
-    default, rows, total = decode.HOPPER["prefill"], [], {}
+    default, rows, total = decode.DECODE_SM90["prefill"], [], {}
     for tile in PREFILL_TILES:
-        decode.HOPPER["prefill"] = decode.Tile(*tile)
+        decode.DECODE_SM90["prefill"] = decode.Tile(*tile)
         for seqlen_q in (512, 2048):
             for nheads_k in (4, 32):
                 times = prefill_ms(seqlen_q, 4096 + seqlen_q, nheads_k)
@@ -426,7 +426,7 @@ def study_prefill() -> dict:
                 total[tile] = total.get(tile, 0.0) + t_kv
                 print("prefill tile", json.dumps(rows[-1]), flush=True)
     best = pick(total, tuple(default))
-    decode.HOPPER["prefill"] = decode.Tile(*best)
+    decode.DECODE_SM90["prefill"] = decode.Tile(*best)
     return {"rows": rows, "total_ms": {str(k): v for k, v in total.items()},
             "chosen": best}
 
@@ -755,7 +755,7 @@ def study_step_splits() -> list[dict]:
     and best counts with the decode tile's num_stages + 1 (3 K/V tiles in flight instead of 2;
     104 KB of shared memory, 2 programs per SM): how much of a short-context step is the
     per-program chain of key tiles (decode_NOTES.md, "Where a latency-bound step goes")."""
-    rows, default = [], decode.HOPPER["decode"]
+    rows, default = [], decode.DECODE_SM90["decode"]
     for batch, seqlen_k, nheads_k, page_size in STEP_SPLIT_CELLS:
         auto = auto_splits(batch, seqlen_k, nheads_k, page_size)
         step = decoding_step(batch, seqlen_k, nheads_k, page_size)[0]
@@ -767,7 +767,7 @@ def study_step_splits() -> list[dict]:
             deeper = {s: round(1e3 * bench_graph(functools.partial(step, num_splits=s)), 2)
                       for s in sorted({auto, best})}
         finally:
-            decode.HOPPER["decode"] = default
+            decode.DECODE_SM90["decode"] = default
         rows.append({"batch": batch, "seqlen_k": seqlen_k, "nheads_k": nheads_k,
                      "page_size": page_size, "auto": auto, "best": best, "us": us,
                      "one_more_stage_us": deeper})
@@ -817,7 +817,7 @@ def loop_ms(call, calls: int = 300) -> float:
 # --- tile sweep ---------------------------------------------------------------------------------
 
 def run_sweep(copy_bw: float) -> list[dict]:
-    rows, default = [], decode.HOPPER["decode"]
+    rows, default = [], decode.DECODE_SM90["decode"]
     params = AttentionParams(HEAD_DIM ** -0.5)
     for batch, seqlen_k, nheads_k in ((1, 32768, 4), (64, 8192, 32), (16, 16384, 4)):
         k_cache, v_cache, _ = make_cache(batch, seqlen_k, nheads_k, None)
@@ -834,7 +834,7 @@ def run_sweep(copy_bw: float) -> list[dict]:
                          "block_n": block_n, "warps": warps, "stages": stages, "ms": ms,
                          "pct_copy": 100 * kv_bytes / (ms * 1e-3) / copy_bw})
             print(json.dumps(rows[-1]), flush=True)
-        decode.HOPPER["decode"] = default
+        decode.DECODE_SM90["decode"] = default
     return rows
 
 
@@ -952,7 +952,7 @@ def print_summary(result: dict) -> None:
 
 
 def tiles() -> dict:
-    return {name: tile._asdict() for name, tile in decode.HOPPER.items()}
+    return {name: tile._asdict() for name, tile in decode.DECODE_SM90.items()}
 
 
 if __name__ == "__main__":

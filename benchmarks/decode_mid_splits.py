@@ -5,7 +5,7 @@ same work.
 
     PYTHONPATH=../src:. python3 decode_mid_splits.py [--subtiles 4,1] [--out DIR]
 
---subtiles: values of decode.HOPPER["decode"].subtiles to time, alternating per split count
+--subtiles: values of decode.DECODE_SM90["decode"].subtiles to time, alternating per split count
 (a tree without the field times its own tile once: pass --subtiles 0).
 """
 
@@ -30,7 +30,7 @@ SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 def use_subtiles(subtiles: int) -> None:
     """Decode launches from now on with this many key sub-tiles (0: leave the tree's tile)."""
     if subtiles:
-        decode.HOPPER["decode"] = decode.HOPPER["decode"]._replace(subtiles=subtiles)
+        decode.DECODE_SM90["decode"] = decode.DECODE_SM90["decode"]._replace(subtiles=subtiles)
 
 
 def main():

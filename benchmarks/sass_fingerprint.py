@@ -74,7 +74,10 @@ def _install() -> None:
 _OPCODE = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;", re.M)
 
 
-def fingerprint(name: str, kernel) -> dict:
+DUMP_DIR = None  # --dump: write each build's SASS (kernel name masked) here, for diffs
+
+
+def fingerprint(name: str, kernel, label: str = "") -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, "k.cubin")
         with open(cubin, "wb") as f:
@@ -86,6 +89,10 @@ def fingerprint(name: str, kernel) -> dict:
     instructions = [m.group(1).replace(name, "KERNEL") for m in _OPCODE.finditer(sass)]
     operands = [re.sub(r"c\[0x0\]\[0x[0-9a-f]+\]", "c[0x0][*]", i) for i in instructions]
     opcodes = [re.sub(r"^(@!?U?P\w+\s+)?(\S+).*$", r"\1\2", i) for i in instructions]
+    if DUMP_DIR:
+        stem = re.sub(r"[^\w]+", "_", f"{label} {name}").strip("_")
+        with open(os.path.join(DUMP_DIR, stem + ".sass"), "w") as f:
+            f.write("\n".join(operands) + "\n")
     ops = collections.Counter(o.split()[-1].split(".")[0] for o in opcodes)
 
     def digest(lines):
@@ -273,7 +280,7 @@ def run(only: str | None) -> dict:
         for name, kernel in COMPILED:
             seen[name] += 1
             key = name if seen[name] == 1 else f"{name}#{seen[name]}"
-            entries[key] = fingerprint(name, kernel)
+            entries[key] = fingerprint(name, kernel, f"{label} {key}")
         results[label] = entries
         print(label, {k: (v["sass"], v["regs"], v["instructions"]) for k, v in entries.items()},
               flush=True)
@@ -313,7 +320,12 @@ def main() -> None:
     ap.add_argument("--out", help="write the fingerprints as JSON here")
     ap.add_argument("--only", help="comma-separated words; only builds whose label has one")
     ap.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"))
+    ap.add_argument("--dump", help="write each build's SASS here (constant offsets masked)")
     args = ap.parse_args()
+    if args.dump:
+        global DUMP_DIR
+        DUMP_DIR = args.dump
+        os.makedirs(DUMP_DIR, exist_ok=True)
     if args.compare:
         with open(args.compare[0]) as f, open(args.compare[1]) as g:
             sys.exit(1 if compare(json.load(f), json.load(g)) else 0)

@@ -38,8 +38,8 @@ from flashkit.ops.triton import backward_hopper
 from flashkit.ops.triton.common import (
     DOT_PRECISION,
     LOG2E_JIT,
+    SCORE_GRAD_FROM_S_JIT,
     alibi_args,
-    alibi_bias,
     batch_strides,
     head_ptr,
     interpreting,
@@ -48,9 +48,8 @@ from flashkit.ops.triton.common import (
     load_tile,
     query_tile_ranges,
     score_args,
-    scores,
+    score_mod,
     sequence,
-    softcap_grad,
     store_tile,
     tile_ptrs,
     varlen_args,
@@ -102,17 +101,22 @@ def _load_lse2(lse_ptrs, offs_m, seqlen_q, MASKED: tl.constexpr = True):
 
 
 @triton.jit
-def _bwd_dkdv_tiles(dk, dv, k_tile, v_tile, q_base, do_base, lse_base, delta_base,
-                    stride_qs, stride_qd, stride_dos, stride_dod, stride_ls, stride_deltas,
-                    start, end, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, window_left,
-                    window_right, qk_scale, softcap_scale, alibi_log2, off_b, off_h, start_n,
-                    seed_lo, seed_hi, dropout_threshold, dropout_scale,
+def _bwd_dkdv_tiles(dk, dv, k_tile, v_tile, rows, start, end, offs, band, mods, drop,
                     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
                     PRECISION: tl.constexpr):
-    """Accumulate dK, dV of one key block over query tiles [start, end)."""
+    """Accumulate dK, dV of one key block over query tiles [start, end). rows = (q_base,
+    do_base, lse_base, delta_base, stride_qs, stride_qd, stride_dos, stride_dod, stride_ls,
+    stride_deltas) of this query head; offs = (offs_n, offs_d, offs_dv); band and mods as
+    common.score_mod; drop = (seed_lo, seed_hi, threshold, dropout_scale, off_b, off_h,
+    start_n) of the keep-mask."""
+    (q_base, do_base, lse_base, delta_base, stride_qs, stride_qd, stride_dos, stride_dod,
+     stride_ls, stride_deltas) = rows
+    offs_n, offs_d, offs_dv = offs
+    seqlen_q, seqlen_k, window_left, window_right = band
+    seed_lo, seed_hi, dropout_threshold, dropout_scale, off_b, off_h, start_n = drop
     for start_m in tl.range(start, end, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         q_tile = load_tile(tile_ptrs(q_base, offs_m, offs_d, stride_qs, stride_qd), offs_m,
@@ -120,12 +124,8 @@ def _bwd_dkdv_tiles(dk, dv, k_tile, v_tile, q_base, do_base, lse_base, delta_bas
         lse2 = _load_lse2(lse_base + offs_m * stride_ls, offs_m, seqlen_q, MASKED)
         # [BLOCK_N, BLOCK_M] = [BLOCK_N, BLOCK_D] @ [BLOCK_D, BLOCK_M]
         qk_t = tl.dot(k_tile, tl.trans(q_tile), input_precision=PRECISION)
-        s_t = scores(qk_t, qk_scale, softcap_scale, SOFTCAP)
-        if SOFTCAP:
-            dcap_t = softcap_grad(s_t, qk_scale, SOFTCAP)
-        if ALIBI:
-            s_t = s_t - alibi_bias(offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k,
-                                   alibi_log2)
+        s_t, dcap_t = score_mod(qk_t, offs_m[None, :], offs_n[:, None], band, mods, SOFTCAP,
+                                ALIBI, SCORE_GRAD_FROM_S_JIT)
         p_t = tl.math.exp2(s_t - lse2[None, :])
         if MASKED:
             keep_t = visible(offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k, window_left,
@@ -171,7 +171,7 @@ def _bwd_dkdv_program(pid_n, pid_bh, Q, K, V, DO, Lse, Delta, DK, DV,
                      softcap_scale, Alibi, stride_ab, stride_ah,
                      softmax_scale, seed_lo, seed_hi, dropout_threshold, dropout_scale, Cu_q,
                      Cu_k,
-                     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
+                      HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                      BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                      ALIBI: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr,
@@ -210,15 +210,16 @@ def _bwd_dkdv_program(pid_n, pid_bh, Q, K, V, DO, Lse, Delta, DK, DV,
         delta_base = head_ptr(Delta, off_b, off_h, q_start, stride_deltab, stride_deltah,
                               stride_deltas)
         bounds = (lo, mid_lo, mid_hi, hi)
+        band = (seqlen_q, seqlen_k, window_left, window_right)
         for segment in tl.static_range(3):  # masked edge, unmasked middle, masked edge
+            rows = (q_base, do_base, lse_base, delta_base, stride_qs, stride_qd, stride_dos,
+                    stride_dod, stride_ls, stride_deltas)
             dk, dv = _bwd_dkdv_tiles(
-                dk, dv, k_tile, v_tile, q_base, do_base, lse_base, delta_base, stride_qs,
-                stride_qd, stride_dos, stride_dod, stride_ls, stride_deltas, bounds[segment],
-                bounds[segment + 1], offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, window_left,
-                window_right, qk_scale, softcap_scale, alibi_log2, off_b, off_h, start_n,
-                seed_lo, seed_hi, dropout_threshold, dropout_scale, HEAD_DIM, HEAD_DIM_V,
-                BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, segment != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-                ALIBI, DROPOUT, PRECISION)
+                dk, dv, k_tile, v_tile, rows, bounds[segment], bounds[segment + 1],
+                (offs_n, offs_d, offs_dv), band, (qk_scale, softcap_scale, alibi_log2),
+                (seed_lo, seed_hi, dropout_threshold, dropout_scale, off_b, off_h, start_n),
+                HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, segment != 1,
+                HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, PRECISION)
 
     dk_ptrs = tile_ptrs(head_ptr(DK, off_b, off_hk, k_start, stride_dkb, stride_dkh, stride_dks),
                         offs_n, offs_d, stride_dks, stride_dkd)
@@ -231,16 +232,19 @@ def _bwd_dkdv_program(pid_n, pid_bh, Q, K, V, DO, Lse, Delta, DK, DV,
 
 
 @triton.jit
-def _bwd_dq_tiles(dq, q_tile, do_tile, lse2, delta, k_base, v_base, stride_ks, stride_kd,
-                  stride_vs, stride_vd, start, end, offs_m, offs_d, offs_dv, seqlen_q,
-                  seqlen_k, window_left, window_right, qk_scale, softcap_scale, alibi_log2,
-                  off_b, off_h, seed_lo, seed_hi, dropout_threshold, dropout_scale,
+def _bwd_dq_tiles(dq, q_tile, do_tile, lse2, delta, kv, start, end, offs, band, mods, drop,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                   HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                   ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
                   PRECISION: tl.constexpr):
-    """Accumulate dQ of one query block over key tiles [start, end)."""
+    """Accumulate dQ of one query block over key tiles [start, end). kv = (k_base, v_base,
+    stride_ks, stride_kd, stride_vs, stride_vd); offs = (offs_m, offs_d, offs_dv); band and mods
+    as common.score_mod; drop = (seed_lo, seed_hi, threshold, dropout_scale, off_b, off_h)."""
+    k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd = kv
+    offs_m, offs_d, offs_dv = offs
+    seqlen_q, seqlen_k, window_left, window_right = band
+    seed_lo, seed_hi, dropout_threshold, dropout_scale, off_b, off_h = drop
     for start_n in tl.range(start, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k_tile = load_tile(tile_ptrs(k_base, offs_n, offs_d, stride_ks, stride_kd), offs_n,
@@ -249,11 +253,8 @@ def _bwd_dq_tiles(dq, q_tile, do_tile, lse2, delta, k_base, v_base, stride_ks, s
                            seqlen_k, offs_dv, HEAD_DIM_V, MASKED, HEAD_DIM_V != BLOCK_DV)
         # [BLOCK_M, BLOCK_N] = [BLOCK_M, BLOCK_D] @ [BLOCK_D, BLOCK_N]
         qk = tl.dot(q_tile, tl.trans(k_tile), input_precision=PRECISION)
-        s = scores(qk, qk_scale, softcap_scale, SOFTCAP)
-        if SOFTCAP:
-            dcap = softcap_grad(s, qk_scale, SOFTCAP)
-        if ALIBI:
-            s = s - alibi_bias(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, alibi_log2)
+        s, dcap = score_mod(qk, offs_m[:, None], offs_n[None, :], band, mods, SOFTCAP, ALIBI,
+                            SCORE_GRAD_FROM_S_JIT)
         p = tl.math.exp2(s - lse2[:, None])
         if MASKED:
             keep = visible(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, window_left,
@@ -285,7 +286,7 @@ def _bwd_dq_program(pid_m, pid_bh, Q, K, V, DO, Lse, Delta, DQ,
                    nheads, group, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
                    softcap_scale, Alibi, stride_ab, stride_ah,
                    softmax_scale, seed_lo, seed_hi, dropout_threshold, dropout_scale, Cu_q, Cu_k,
-                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                    ALIBI: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr,
@@ -327,14 +328,15 @@ def _bwd_dq_program(pid_m, pid_bh, Q, K, V, DO, Lse, Delta, DQ,
                                              window_right, BLOCK_M, BLOCK_N, HAS_LEFT,
                                              HAS_RIGHT)
     bounds = (lo, mid_lo, mid_hi, hi)
+    kv = (k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd)
+    band = (seqlen_q, seqlen_k, window_left, window_right)
+    drop = (seed_lo, seed_hi, dropout_threshold, dropout_scale, off_b, off_h)
     for segment in tl.static_range(3):  # masked edge, unmasked middle, masked edge
-        dq = _bwd_dq_tiles(dq, q_tile, do_tile, lse2, delta, k_base, v_base, stride_ks,
-                           stride_kd, stride_vs, stride_vd, bounds[segment],
-                           bounds[segment + 1], offs_m, offs_d, offs_dv, seqlen_q, seqlen_k,
-                           window_left, window_right, qk_scale, softcap_scale, alibi_log2,
-                           off_b, off_h, seed_lo, seed_hi, dropout_threshold, dropout_scale,
-                           HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, segment != 1,
-                           HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, PRECISION)
+        dq = _bwd_dq_tiles(dq, q_tile, do_tile, lse2, delta, kv, bounds[segment],
+                           bounds[segment + 1], (offs_m, offs_d, offs_dv), band,
+                           (qk_scale, softcap_scale, alibi_log2), drop, HEAD_DIM, HEAD_DIM_V,
+                           BLOCK_D, BLOCK_DV, BLOCK_N, segment != 1, HAS_LEFT, HAS_RIGHT,
+                           SOFTCAP, ALIBI, DROPOUT, PRECISION)
 
     dq_ptrs = tile_ptrs(head_ptr(DQ, off_b, off_h, q_start, stride_dqb, stride_dqh, stride_dqs),
                         offs_m, offs_d, stride_dqs, stride_dqd)

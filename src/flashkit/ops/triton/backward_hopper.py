@@ -60,16 +60,15 @@ import triton.language as tl
 from flashkit.ops.params import AttentionParams
 from flashkit.ops.triton.common import (
     LOG2E,
+    SCORE_GRAD_FROM_TANH_JIT,
     alibi_args,
-    alibi_bias,
     batch_strides,
     key_tile_ranges,
     load_alibi_log2,
     query_tile_ranges,
     score_args,
-    scores,
+    score_mod,
     sequence,
-    softcap_grad,
     varlen_args,
     varlen_shape,
     visible,
@@ -77,7 +76,8 @@ from flashkit.ops.triton.common import (
 )
 from flashkit.ops.triton.configs import GLUON_BACKWARD, GLUON_BACKWARD_DKDV, GLUON_BACKWARD_DQ
 from flashkit.ops.triton.dropout import dropout_args
-from flashkit.ops.triton.forward_hopper import flash_descriptor, flash_layout_2d, gluon_supported
+from flashkit.ops.triton.forward_hopper import gluon_supported
+from flashkit.ops.triton.hopper_common import flash_descriptor, flash_layout_2d
 
 try:
     from triton.experimental import gluon
@@ -91,7 +91,7 @@ try:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 except ImportError:  # a Triton without Gluon: the Triton kernels do everything
     gluon = None
-if gluon is not None:  # the forward's K/V ring fill serves the dQ kernel as it is
+if gluon is not None:  # the forward's K/V ring fill (hopper_common) serves the dQ kernel
     from flashkit.ops.triton.dropout_gluon import (
         keep_bits_t,
         keep_half_tiles,
@@ -99,27 +99,8 @@ if gluon is not None:  # the forward's K/V ring fill serves the dQ kernel as it 
         no_upper_words,
         unpack_keep_t,
     )
-    from flashkit.ops.triton.forward_hopper import _issue_kv_load, _zero_key_tail
+    from flashkit.ops.triton.hopper_common import issue_kv_load, zero_tile_tail
 
-
-
-@triton.jit
-def _scores_and_softcap_grad(qk, qk_scale, softcap_scale, SOFTCAP: tl.constexpr):
-    """(s, dcap): common.scores' log2 scores and, with SOFTCAP, 1 - tanh^2 (common.softcap_grad)
-    taken from the tanh itself (scores at qk_scale 1) rather than from s / qk_scale, with
-    s = qk_scale * tanh left to fuse into exp2's subtraction, and dcap kept in fp32: the Gluon
-    kernels issue more instructions than the tensor cores wait for, and here (unlike in
-    backward.py's kernels) an fp16 dcap saves no spills (sm_90 SASS, d128 dK/dV: 7 spill loads
-    either way, 1408 -> 1360 instructions per tile; dQ 1080 -> 952 in all). dcap is 1.0
-    (unused) without SOFTCAP."""
-    dcap = 1.0
-    if SOFTCAP:
-        t = scores(qk, 1.0, softcap_scale, SOFTCAP)
-        s = t * qk_scale
-        dcap = softcap_grad(t, 1.0)  # SOFTCAP_EXACT's fp32 (no fp16 round trip)
-    else:
-        s = scores(qk, qk_scale, softcap_scale, SOFTCAP)
-    return s, dcap
 
 
 @triton.jit
@@ -196,31 +177,34 @@ if gluon is not None:
                                         pred=valid)
 
     @gluon.jit
-    def _query_tile_step(dk, dv, job, m, k_smem, v_smem, q_smem, do_smem, lse_smem,
-                         delta_smem, q_bars, do_bars, q_desc, do_desc, lse_desc,
-                         delta_desc, n_jobs, jobs_per_head, m_first, q_row, q_col, lse_row,
-                         lse_stride_h, start_n, geo, alibi_log2, drop,
+    def _query_tile_step(dk, dv, job, m, smem, bars, descs, ring, geo, alibi_log2, drop,
                          HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                          NUM_STAGES: gl.constexpr, MASK: gl.constexpr, HAS_LEFT: gl.constexpr,
                          HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
                          DROPOUT: gl.constexpr, VARLEN: gl.constexpr,
                          st_layout: gl.constexpr, kv_layout: gl.constexpr,
                          op_layout: gl.constexpr):
-        """Add query tile m (ring job `job`) to dK, dV; MASK applies the
-        band predicate (common.visible), with VARLEN also to the query rows: those past seqlen_q
-        are the next sequence's (TMA reads on), their P and dS columns must be exactly 0 (key rows
-        past seqlen_k need no mask: they only reach dK/dV rows that are never stored). Since
-        0 * NaN/inf is NaN, the tile that crosses the end also zeroes its Q and dO rows past it
-        in shared memory (forward_hopper._zero_key_tail: they feed dK += dS^T Q, dV += P^T dO
-        and dP^T) and its delta there, so rows of a neighbour holding NaN/inf weigh exactly 0.
-        geo = (seqlen_q, seqlen_k, window_left, window_right,
-        qk_scale, softcap_scale, dropout_scale); alibi_log2 is this query head's slope * log2(e)
-        (ALIBI); drop = (seed_lo, seed_hi, threshold, batch, query head) of the keep-mask
-        (DROPOUT: dV = (P o Z)^T dO, dP = Z o (dO V^T) with Z = keep / (1 - p), dS = P o (dP -
-        delta) with the pre-dropout P; the tile computes dS and P o Z over 1 / (1 - p), a select
-        per element instead of a select and a multiply, and the kernel scales dK and dV (dQ's
-        once). Returns (dk, dv)."""
+        """Add query tile m (ring job `job`) to dK, dV; MASK applies the band predicate
+        (common.visible), with VARLEN also to the query rows: those past seqlen_q are the next
+        sequence's (TMA reads on), their P and dS columns must be exactly 0 (key rows past seqlen_k
+        need no mask: they only reach dK/dV rows that are never stored). Since 0 * NaN/inf is NaN,
+        the tile that crosses the end also zeroes its Q and dO rows past it in shared memory
+        (hopper_common.zero_tile_tail: they feed dK += dS^T Q, dV += P^T dO and dP^T) and its delta
+        there, so rows of a neighbour holding NaN/inf weigh exactly 0. geo = (seqlen_q, seqlen_k,
+        window_left, window_right, qk_scale, softcap_scale, dropout_scale); alibi_log2 is this
+        query head's slope * log2(e) (ALIBI); drop = (seed_lo, seed_hi, threshold, batch, query
+        head) of the keep-mask (DROPOUT: dV = (P o Z)^T dO, dP = Z o (dO V^T) with Z = keep / (1 -
+        p), dS = P o (dP - delta) with the pre-dropout P; the tile computes dS and P o Z over 1 /
+        (1 - p), a select per element instead of a select and a multiply, and the kernel scales dK
+        and dV once). smem = (k, v, q ring, dO ring, lse ring, delta ring), bars = (q, dO) ring
+        barriers, descs = (q, dO, lse, delta) descriptors, ring = (n_jobs, jobs_per_head, m_first,
+        q_row, q_col, lse_row, lse_stride_h, start_n) as _issue_q_do_load takes them (start_n: the
+        key block's first key). Returns (dk, dv)."""
         seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale, dropout_scale = geo
+        k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem = smem
+        q_bars, do_bars = bars
+        q_desc, do_desc, lse_desc, delta_desc = descs
+        n_jobs, jobs_per_head, m_first, q_row, q_col, lse_row, lse_stride_h, start_n = ring
         stage = job % NUM_STAGES
         phase = (job // NUM_STAGES) & 1
         start_m = m * BLOCK_M
@@ -233,13 +217,13 @@ if gluon is not None:
 
         mbarrier.wait(q_bars.index(stage), phase)
         if MASK and VARLEN:  # the tile that crosses the sequence's end: its Q rows past it
-            _zero_key_tail(q_buf, seqlen_q - start_m, BLOCK_M, HEAD_DIM)
+            zero_tile_tail(q_buf, seqlen_q - start_m, BLOCK_M, HEAD_DIM)
         # [BLOCK_N, BLOCK_M] = [BLOCK_N, D] @ [D, BLOCK_M]
         s_tok = warpgroup_mma(k_smem, q_buf.permute((1, 0)), zero_st, use_acc=False,
                               is_async=True)
         mbarrier.wait(do_bars.index(stage), phase)
         if MASK and VARLEN:  # and its dO rows
-            _zero_key_tail(do_buf, seqlen_q - start_m, BLOCK_M, HEAD_DIM)
+            zero_tile_tail(do_buf, seqlen_q - start_m, BLOCK_M, HEAD_DIM)
         # [BLOCK_N, BLOCK_M] = [BLOCK_N, D] @ [D, BLOCK_M]
         dp_tok = warpgroup_mma(v_smem, do_buf.permute((1, 0)), zero_st, use_acc=False,
                                is_async=True)
@@ -249,13 +233,13 @@ if gluon is not None:
         # lse and delta are read from shared memory at their use: as per-column vectors of the
         # wgmma layout they would hold 2 * BLOCK_M / 4 registers across the matmuls.
         lse2 = lse_smem.index(stage).load(col_layout) * LOG2E_G
-        s_t, dcap_t = _scores_and_softcap_grad(s_t, qk_scale, softcap_scale, SOFTCAP)
         # query i along the columns, key j along the rows: [1, BLOCK_M] and [BLOCK_N, 1]
         i_t = gl.expand_dims(start_m + gl.arange(0, BLOCK_M, layout=col_layout), 0)
         j_t = gl.expand_dims(start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout)),
                              1)
-        if ALIBI:
-            s_t = s_t - alibi_bias(i_t, j_t, seqlen_q, seqlen_k, alibi_log2)
+        s_t, dcap_t = score_mod(s_t, i_t, j_t, (seqlen_q, seqlen_k, window_left, window_right),
+                                (qk_scale, softcap_scale, alibi_log2), SOFTCAP, ALIBI,
+                                SCORE_GRAD_FROM_TANH_JIT)
         # A row with no visible key has lse -inf: its P is inf before the mask, 0 after (such a
         # row only meets masked tiles).
         p_t = gl.exp2(s_t - gl.expand_dims(lse2, 0))
@@ -401,6 +385,10 @@ if gluon is not None:
 
         dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
         dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
+        smem = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem)
+        bars = (q_bars, do_bars)
+        descs = (q_desc, do_desc, lse_desc, delta_desc)
+        ring = (n_jobs, jobs_per_head, m_first, q_row, q_col, lse_row, stride_lh, start_n)
         job = 0
         for g in range(group):  # the query heads that share this kv head, in a fixed order
             off_h = off_hk * group + g
@@ -415,10 +403,8 @@ if gluon is not None:
                         or (segment == 2 and (HAS_LEFT or VARLEN))):
                     for m in range(bounds[segment], bounds[segment + 1]):
                         dk, dv = _query_tile_step(
-                            dk, dv, job, m, k_smem, v_smem, q_smem, do_smem, lse_smem,
-                            delta_smem, q_bars, do_bars, q_desc, do_desc, lse_desc,
-                            delta_desc, n_jobs, jobs_per_head, m_first, q_row, q_col, lse_row,
-                            stride_lh, start_n, geo, alibi_log2, drop, HEAD_DIM, BLOCK_M,
+                            dk, dv, job, m, smem, bars, descs, ring, geo, alibi_log2, drop,
+                            HEAD_DIM, BLOCK_M,
                             BLOCK_N, NUM_STAGES, segment != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP,
                             ALIBI, DROPOUT, VARLEN, st_layout, kv_layout, op_layout)
                         job += 1
@@ -446,8 +432,7 @@ if gluon is not None:
 
 
     @gluon.jit
-    def _key_tile_dq_step(dq, upper, tile, q_smem, do_smem, k_smem, v_smem, k_bars, v_bars, k_desc,
-                          v_desc, lse2, delta, n_tiles, key0, kv_col, start_m, key_lo, geo,
+    def _key_tile_dq_step(dq, upper, tile, smem, bars, descs, lse2, delta, ring, geo,
                           alibi_log2, drop, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                           NUM_STAGES: gl.constexpr, MASK: gl.constexpr, HAS_LEFT: gl.constexpr,
                           HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
@@ -460,8 +445,14 @@ if gluon is not None:
         from tile to tile); with DROPOUT, delta comes as (1 - p) delta and dQ is left over
         1 / (1 - p). Returns (dq, upper). VARLEN: the (last) tile that crosses the sequence's
         keys zeroes the next sequence's K and V rows it holds before the wgmmas read them (0 *
-        NaN/inf in dS K or in dP = dO V^T would be NaN; their P is masked to 0)."""
+        NaN/inf in dS K or in dP = dO V^T would be NaN; their P is masked to 0). smem = (q, dO,
+        K ring, V ring), bars = (K, V) ring barriers, descs = (K, V) descriptors, ring =
+        (n_tiles, key0, kv_col, start_m, key_lo)."""
         seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale, dropout_scale = geo
+        q_smem, do_smem, k_smem, v_smem = smem
+        k_bars, v_bars = bars
+        k_desc, v_desc = descs
+        n_tiles, key0, kv_col, start_m, key_lo = ring
         stage = tile % NUM_STAGES
         phase = (tile // NUM_STAGES) & 1
         k_buf = k_smem.index(stage)
@@ -470,13 +461,13 @@ if gluon is not None:
         zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
         mbarrier.wait(k_bars.index(stage), phase)
         if MASK and VARLEN:  # never refilled: the crossing tile is the program's last
-            _zero_key_tail(k_buf, seqlen_k - start_n, BLOCK_N, k_buf.shape[1])
+            zero_tile_tail(k_buf, seqlen_k - start_n, BLOCK_N, k_buf.shape[1])
         # [BLOCK_M, BLOCK_N] = [BLOCK_M, D] @ [D, BLOCK_N]
         s_tok = warpgroup_mma(q_smem, k_buf.permute((1, 0)), zero_s, use_acc=False,
                               is_async=True)
         mbarrier.wait(v_bars.index(stage), phase)
         if MASK and VARLEN:
-            _zero_key_tail(v_buf, seqlen_k - start_n, BLOCK_N, v_buf.shape[1])
+            zero_tile_tail(v_buf, seqlen_k - start_n, BLOCK_N, v_buf.shape[1])
         # [BLOCK_M, BLOCK_N] = [BLOCK_M, D] @ [D, BLOCK_N]
         dp_tok = warpgroup_mma(do_smem, v_buf.permute((1, 0)), zero_s, use_acc=False,
                                is_async=True)
@@ -486,11 +477,11 @@ if gluon is not None:
             else:
                 kept = keep_tile(drop, start_m, start_n, BLOCK_N, s_layout)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
-        s, dcap = _scores_and_softcap_grad(s, qk_scale, softcap_scale, SOFTCAP)
         i = gl.expand_dims(start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout)), 1)
         j = gl.expand_dims(start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)), 0)
-        if ALIBI:
-            s = s - alibi_bias(i, j, seqlen_q, seqlen_k, alibi_log2)
+        s, dcap = score_mod(s, i, j, (seqlen_q, seqlen_k, window_left, window_right),
+                            (qk_scale, softcap_scale, alibi_log2), SOFTCAP, ALIBI,
+                            SCORE_GRAD_FROM_TANH_JIT)
         p = gl.exp2(s - gl.expand_dims(lse2, 1))  # lse -inf (no visible key): masked below
         if MASK:
             p = gl.where(visible(i, j, seqlen_q, seqlen_k, window_left, window_right, HAS_LEFT,
@@ -506,7 +497,7 @@ if gluon is not None:
         dq_tok = warpgroup_mma(gl.convert_layout(ds, op_layout), k_buf, dq, is_async=True)
         dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq_tok, ))
         gl.thread_barrier()  # every warp's reads of this buffer are done: refill it
-        _issue_kv_load(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, tile + NUM_STAGES,
+        issue_kv_load(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, tile + NUM_STAGES,
                         n_tiles, key0, kv_col, BLOCK_N, NUM_STAGES)
         return dq, upper
 
@@ -586,7 +577,7 @@ if gluon is not None:
         tma.async_copy_global_to_shared(q_desc, [q_row, off_h * HEAD_DIM], q_bar, q_smem)
         tma.async_copy_global_to_shared(do_desc, [q_row, off_h * HEAD_DIM], q_bar, do_smem)
         for i in gl.static_range(NUM_STAGES):
-            _issue_kv_load(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, i, n_tiles, key0,
+            issue_kv_load(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, i, n_tiles, key0,
                             kv_col, BLOCK_N, NUM_STAGES)
         rows = start_m + gl.arange(0, BLOCK_M, layout=row_layout)
         row_mask = None
@@ -612,10 +603,10 @@ if gluon is not None:
                     or (segment == 2 and (HAS_RIGHT or VARLEN))):
                 for tile in range(bounds[segment], bounds[segment + 1]):
                     dq, upper = _key_tile_dq_step(
-                        dq, upper, tile, q_smem, do_smem, k_smem, v_smem, k_bars, v_bars, k_desc,
-                        v_desc, lse2, delta, n_tiles, key0, kv_col, start_m, lo, geo, alibi_log2,
-                        drop, BLOCK_M, BLOCK_N, NUM_STAGES, segment != 1, HAS_LEFT, HAS_RIGHT,
-                        SOFTCAP, ALIBI, DROPOUT, VARLEN, s_layout, op_layout)
+                        dq, upper, tile, (q_smem, do_smem, k_smem, v_smem), (k_bars, v_bars),
+                        (k_desc, v_desc), lse2, delta, (n_tiles, key0, kv_col, start_m, lo), geo,
+                        alibi_log2, drop, BLOCK_M, BLOCK_N, NUM_STAGES, segment != 1, HAS_LEFT,
+                        HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, VARLEN, s_layout, op_layout)
 
         mbarrier.invalidate(q_bar)
         for i in gl.static_range(NUM_STAGES):

@@ -268,6 +268,67 @@ def alibi_bias(i, j, seqlen_q, seqlen_k, alibi_log2):
     return alibi_log2 * tl.abs(diag - j.to(tl.float32))
 
 
+SCORE_GRAD_NONE, SCORE_GRAD_FROM_S, SCORE_GRAD_FROM_TANH = 0, 1, 2  # values of score_mod's DCAP
+SCORE_GRAD_FROM_S_JIT = tl.constexpr(SCORE_GRAD_FROM_S)
+SCORE_GRAD_FROM_TANH_JIT = tl.constexpr(SCORE_GRAD_FROM_TANH)
+
+
+@triton.jit
+def score_mod(qk, i, j, band, mods, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+              DCAP: tl.constexpr = 0):
+    """The score modification, once for every kernel: raw q . k -> log2-unit scores, in the
+    order scale -> softcap -> ALiBi (the mask predicate `visible` comes after, applied by each
+    kernel in its own way: -inf on s forward, 0 on P backward). Returns (s, dcap).
+
+    band = (seqlen_q, seqlen_k, window_left, window_right); mods = (qk_scale, softcap_scale,
+    alibi_log2) as score_args and load_alibi_log2 give them. i and j broadcast against each
+    other as in `visible`. dcap, d(softcapped score) / d(scale * qk) for the backward, is 1.0
+    unless SOFTCAP and DCAP: SCORE_GRAD_FROM_S takes it from s (softcap_grad: fp16 for
+    SOFTCAP_FAST, fewer registers across the portable backward's matmuls), SCORE_GRAD_FROM_TANH
+    from the tanh itself in fp32, with s = qk_scale * tanh left to fuse into exp2's subtraction
+    (the Gluon backward: there an fp16 dcap saves no spills and costs instructions)."""
+    qk_scale, softcap_scale, alibi_log2 = mods
+    dcap = 1.0
+    if SOFTCAP and DCAP == SCORE_GRAD_FROM_S_JIT:
+        s = scores(qk, qk_scale, softcap_scale, SOFTCAP)
+        dcap = softcap_grad(s, qk_scale, SOFTCAP)
+    elif SOFTCAP and DCAP:
+        t = scores(qk, 1.0, softcap_scale, SOFTCAP)
+        s = t * qk_scale
+        dcap = softcap_grad(t, 1.0)  # SOFTCAP_EXACT's fp32 (no fp16 round trip)
+    else:
+        s = scores(qk, qk_scale, softcap_scale, SOFTCAP)
+    if ALIBI:
+        seqlen_q, seqlen_k, _, _ = band
+        s = s - alibi_bias(i, j, seqlen_q, seqlen_k, alibi_log2)
+    return s, dcap
+
+
+@triton.jit
+def softmax_start(m_i, l_i, sink_log2):
+    """The online softmax's start state with a sink (a logit per query head that joins every
+    row's denominator, in log2 units): (m, l) = (sink, 1) instead of (-inf, 0). m_i, l_i: the
+    empty state."""
+    return tl.maximum(m_i, sink_log2), l_i + 1.0
+
+
+@triton.jit
+def softmax_denominator(l_i):
+    """What the final online-softmax state's accumulator is divided by: out = acc / l_safe. A
+    row with no mass (no visible key and no sink: l = 0) divides by 1, so its out is 0 (acc is
+    0), never NaN."""
+    return tl.where(l_i > 0.0, l_i, 1.0)
+
+
+@triton.jit
+def softmax_lse(m_i, has_mass, l_safe):
+    """The natural-log log-sum-exp of the final state (m_i in log2 units, has_mass = l > 0,
+    l_safe from softmax_denominator); -inf for a row with no mass. Kernels compute has_mass
+    before the output and this after it: in other orders (or with has_mass computed in here) the
+    sm_90 schedules of the forward and decode kernels change."""
+    return tl.where(has_mass, (m_i + tl.math.log2(l_safe)) * LN2_JIT, float("-inf"))
+
+
 @triton.jit
 def load_alibi_log2(Alibi, off_b, off_h, stride_ab, stride_ah, ALIBI: tl.constexpr):
     """slope * log2(e) of (batch, head) when ALIBI, else 0 (unused)."""

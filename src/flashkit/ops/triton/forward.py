@@ -26,10 +26,8 @@ from flashkit.ops.params import AttentionParams
 from flashkit.ops.triton import forward_hopper
 from flashkit.ops.triton.common import (
     DOT_PRECISION,
-    LN2_JIT,
     LOG2E_JIT,
     alibi_args,
-    alibi_bias,
     batch_strides,
     cdiv,
     head_ptr,
@@ -39,8 +37,11 @@ from flashkit.ops.triton.common import (
     load_tile,
     online_softmax_update,
     score_args,
-    scores,
+    score_mod,
     sequence,
+    softmax_denominator,
+    softmax_lse,
+    softmax_start,
     store_tile,
     tile_ptrs,
     varlen_args,
@@ -53,25 +54,27 @@ from flashkit.ops.triton.dropout import dropout_args, dropout_keep
 
 
 @triton.jit
-def _fwd_tiles(acc, m_i, l_i, q_tile, k_base, v_base, off_b, stride_ks, stride_kd,
-               stride_vs, stride_vd, start, end, offs_m, offs_d, offs_dv, seqlen_q, seqlen_k,
-               window_left, window_right, qk_scale, softcap_scale, alibi_log2, off_h, seed_lo,
-               seed_hi, dropout_threshold,
+def _fwd_tiles(acc, m_i, l_i, q_tile, kv, start, end, offs, band, mods, drop,
                HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                ALIBI: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
     """Stream key tiles [start, end) into (acc, m_i, l_i); MASKED applies the band predicate.
-    DROPOUT: l sums every probability, acc only the kept ones (the 1 / (1 - p) comes last)."""
+    kv = (k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd) of this (batch, kv head);
+    offs = (offs_m, offs_d, offs_dv); band and mods as common.score_mod; drop = (seed_lo,
+    seed_hi, threshold, off_b, off_h) of the keep-mask. DROPOUT: l sums every probability, acc
+    only the kept ones (the 1 / (1 - p) comes last)."""
+    k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd = kv
+    offs_m, offs_d, offs_dv = offs
+    seqlen_q, seqlen_k, window_left, window_right = band
+    seed_lo, seed_hi, dropout_threshold, off_b, off_h = drop
     for start_n in tl.range(start, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k_tile = load_tile(tile_ptrs(k_base, offs_n, offs_d, stride_ks, stride_kd), offs_n,
                            seqlen_k, offs_d, HEAD_DIM, MASKED, HEAD_DIM != BLOCK_D)
         # [BLOCK_M, BLOCK_N] = [BLOCK_M, BLOCK_D] @ [BLOCK_D, BLOCK_N]
         qk = tl.dot(q_tile, tl.trans(k_tile), input_precision=PRECISION)
-        s = scores(qk, qk_scale, softcap_scale, SOFTCAP)
-        if ALIBI:
-            s = s - alibi_bias(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, alibi_log2)
+        s, _ = score_mod(qk, offs_m[:, None], offs_n[None, :], band, mods, SOFTCAP, ALIBI)
         if MASKED:
             keep = visible(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, window_left,
                            window_right, HAS_LEFT, HAS_RIGHT)
@@ -102,9 +105,9 @@ def _fwd_kernel(Q, K, V, Out, Lse,
                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                 ALIBI: tl.constexpr, SINK: tl.constexpr, DROPOUT: tl.constexpr,
                 VARLEN: tl.constexpr, EVEN_M: tl.constexpr, PRECISION: tl.constexpr):
-    """SINK: Sink holds one logit per query head that joins every row's denominator: the online
-    softmax starts from it (m = sink, l = 1) instead of from nothing (m = -inf, l = 0).
-    VARLEN: the grid covers the longest sequence; blocks past a shorter one's end return."""
+    """SINK: Sink holds one logit per query head that joins every row's denominator
+    (common.softmax_start). VARLEN: the grid covers the longest sequence; blocks past a shorter
+    one's end return."""
     # Heaviest query tiles first: under a causal band the last rows see the most keys.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -131,8 +134,7 @@ def _fwd_kernel(Q, K, V, Out, Lse,
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     if SINK:
-        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(Sink + off_h) * LOG2E_JIT
-        l_i = l_i + 1.0
+        m_i, l_i = softmax_start(m_i, l_i, tl.load(Sink + off_h) * LOG2E_JIT)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     alibi_log2 = load_alibi_log2(Alibi, off_b, off_h, stride_ab, stride_ah, ALIBI)
 
@@ -140,23 +142,23 @@ def _fwd_kernel(Q, K, V, Out, Lse,
                                              window_right, BLOCK_M, BLOCK_N, HAS_LEFT,
                                              HAS_RIGHT)
     bounds = (lo, mid_lo, mid_hi, hi)
+    kv = (k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd)
+    band = (seqlen_q, seqlen_k, window_left, window_right)
+    mods = (qk_scale, softcap_scale, alibi_log2)
+    drop = (seed_lo, seed_hi, dropout_threshold, off_b, off_h)
     for segment in tl.static_range(3):  # masked edge, unmasked middle, masked edge
-        acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q_tile, k_base, v_base, off_b, stride_ks,
-                                   stride_kd, stride_vs, stride_vd, bounds[segment],
-                                   bounds[segment + 1], offs_m, offs_d, offs_dv, seqlen_q,
-                                   seqlen_k, window_left, window_right, qk_scale, softcap_scale,
-                                   alibi_log2, off_h, seed_lo, seed_hi, dropout_threshold,
-                                   HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, segment != 1,
-                                   HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, PRECISION)
+        acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q_tile, kv, bounds[segment],
+                                   bounds[segment + 1], (offs_m, offs_d, offs_dv), band, mods,
+                                   drop, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
+                                   segment != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT,
+                                   PRECISION)
 
-    # A row that saw no key (and no sink) has l = 0: out = 0 (acc is 0) and lse = -inf, never
-    # NaN; with a sink it has l = 1 and lse = sink.
     has_mass = l_i > 0.0
-    l_safe = tl.where(has_mass, l_i, 1.0)
+    l_safe = softmax_denominator(l_i)
     if DROPOUT:
         acc = acc * dropout_scale
     out_tile = acc / l_safe[:, None]
-    lse = tl.where(has_mass, (m_i + tl.math.log2(l_safe)) * LN2_JIT, float("-inf"))
+    lse = softmax_lse(m_i, has_mass, l_safe)
 
     o_ptrs = tile_ptrs(head_ptr(Out, off_b, off_h, q_start, stride_ob, stride_oh, stride_os),
                        offs_m, offs_dv, stride_os, stride_od)
