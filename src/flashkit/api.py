@@ -23,7 +23,8 @@ __all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-                    return_attn_probs=False, *, sink=None, backend=None):
+                    return_attn_probs=False, *, sink=None, backend=None,
+                    return_softmax_lse=False):
     """Exact attention of q (batch, seqlen_q, nheads, d) over k, v (batch, seqlen_k, nheads_k, d).
 
     causal/window_size are bottom-right aligned when seqlen_q != seqlen_k; window_size=(left,
@@ -31,18 +32,19 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     (nheads,) or (batch, nheads); softcap > 0 applies cap * tanh(s / cap); sink (nheads,) adds
     one value-less logit to every row's softmax. Returns out (batch, seqlen_q, nheads, d_v), or
     (out, lse (batch, nheads, seqlen_q), probs (batch, nheads, seqlen_q, seqlen_k)) when
-    return_attn_probs (probs materialise the whole matrix: for testing at small sizes).
+    return_attn_probs (probs materialise the whole matrix: for testing at small sizes), or
+    (out, lse) with return_softmax_lse alone (nothing materialised).
     """
     checks.dense_qkv(q, k, v)
     params = build_params(q, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                      deterministic, sink, batch=q.shape[0])
-    return _run(q, k, v, params, backend, return_attn_probs)
+    return _run(q, k, v, params, backend, return_attn_probs, return_softmax_lse)
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
                               window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                               deterministic=False, return_attn_probs=False, *, sink=None,
-                              backend=None):
+                              backend=None, return_softmax_lse=False):
     """flash_attn_func on qkv (batch, seqlen, 3, nheads, headdim); gradients flow to qkv."""
     checks.tensor("qkv", qkv, "(batch, seqlen, 3, nheads, headdim)")
     if qkv.shape[2] != 3:
@@ -50,13 +52,13 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
     q, k, v = qkv.unbind(2)
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                            alibi_slopes, deterministic, return_attn_probs, sink=sink,
-                           backend=backend)
+                           backend=backend, return_softmax_lse=return_softmax_lse)
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                              deterministic=False, return_attn_probs=False, *, sink=None,
-                             backend=None):
+                             backend=None, return_softmax_lse=False):
     """flash_attn_func on q and kv (batch, seqlen_k, 2, nheads_k, headdim)."""
     checks.tensor("kv", kv, "(batch, seqlen_k, 2, nheads_k, headdim)")
     if kv.shape[2] != 2:
@@ -64,13 +66,14 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
     k, v = kv.unbind(2)
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                            alibi_slopes, deterministic, return_attn_probs, sink=sink,
-                           backend=backend)
+                           backend=backend, return_softmax_lse=return_softmax_lse)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                            softcap=0.0, alibi_slopes=None, deterministic=False,
-                           return_attn_probs=False, *, sink=None, backend=None):
+                           return_attn_probs=False, *, sink=None, backend=None,
+                           return_softmax_lse=False):
     """Attention over sequences packed without padding: q (total_q, nheads, d), k/v (total_k,
     nheads_k, d), sequence b spanning rows cu_seqlens[b]:cu_seqlens[b + 1] (int32, batch + 1).
     Masks align per sequence. lse is (nheads, total_q); probs a list of per-sequence matrices.
@@ -80,7 +83,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                      deterministic, sink, batch=batch, nheads=q.shape[1],
                      cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                      max_seqlen_q=int(max_seqlen_q), max_seqlen_k=int(max_seqlen_k))
-    return _run(q, k, v, params, backend, return_attn_probs)
+    return _run(q, k, v, params, backend, return_attn_probs, return_softmax_lse)
 
 
 def build_params(q, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
@@ -104,8 +107,9 @@ def draw_dropout_seed() -> int:
     return int(torch.randint(0, 2**62, (), device="cpu"))
 
 
-def _run(q, k, v, params: AttentionParams, backend, return_attn_probs):
-    """Dispatch to a backend; returns out or (out, lse, probs)."""
+def _run(q, k, v, params: AttentionParams, backend, return_attn_probs, return_softmax_lse):
+    """Dispatch to a backend; returns out, (out, lse, probs), or (out, lse) with
+    return_softmax_lse alone."""
     name = checks.backend(backend, q.device)
     if name == "reference":  # the oracle: materialised, differentiated by autograd
         if params.dropout_p > 0:
@@ -115,7 +119,9 @@ def _run(q, k, v, params: AttentionParams, backend, return_attn_probs):
         out, lse, *probs = reference.attention_with_params(q, k, v, params,
                                                            return_probs=return_attn_probs)
         lse = lse.to(accumulation_dtype(q.dtype))
-        return (out, lse, probs[0]) if return_attn_probs else out
+        if return_attn_probs:
+            return out, lse, probs[0]
+        return (out, lse) if return_softmax_lse else out
     for arg, t in (("attn_mask", params.attn_bias), ("alibi_slopes", params.alibi_slopes)):
         if t is not None and t.requires_grad:
             raise NotImplementedError(f"{arg}: backend {name!r} computes no gradient for it; "
@@ -128,7 +134,7 @@ def _run(q, k, v, params: AttentionParams, backend, return_attn_probs):
     out, lse = custom_op.attention(q, k, v, params, name)
     out = out.to(q.dtype)
     if not return_attn_probs:
-        return out
+        return (out, lse) if return_softmax_lse else out
     probs = custom_op.backend_module(name).attention_probs(q, k, v, lse, params)
     return out, lse, probs
 
