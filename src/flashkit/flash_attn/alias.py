@@ -33,8 +33,9 @@ def install_alias() -> None:
     current = sys.modules.get("flash_attn")
     if current is not None and current.__name__ == MODULES["flash_attn"]:
         return
-    if current is not None or importlib.util.find_spec("flash_attn") is not None:
-        where = getattr(current, "__file__", None) or importlib.util.find_spec("flash_attn").origin
+    spec = None if current is not None else importlib.util.find_spec("flash_attn")
+    if current is not None or spec is not None:
+        where = getattr(current, "__file__", None) or getattr(spec, "origin", None)
         raise RuntimeError(f"install_alias: a real flash-attn is installed ({where}); flashkit "
                            "will not shadow it. Import flashkit.flash_attn directly instead, or "
                            "uninstall flash-attn")
