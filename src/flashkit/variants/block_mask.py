@@ -9,8 +9,8 @@ nK = ceil(KV_LEN / BLOCK_SIZE[1]), B and H either the call's or 1 (broadcast):
     q_num_blocks, full_q_num_blocks      int32 (B, H, nK)      the transpose, for the backward
     q_indices, full_q_indices            int32 (B, H, nK, nQ)
 
-A key block that runs past KV_LEN is never full (its missing keys are masked), so a full tile
-needs neither the mask nor a bounds check.
+A block that runs past KV_LEN or Q_LEN is never full (its missing keys or queries are masked),
+so a full tile needs neither the mask nor a bounds check, forward or backward.
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ def create_block_mask(mask_mod, B, H, Q_LEN: int, KV_LEN: int, device="cuda",
         keep = torch.broadcast_to(keep, (B, H, i.numel(), j.numel()))
         blocks = (B, H, r1 - r0, bs_q, n_k, bs_k)
         seen = (keep & row_ok[:, None] & col_ok[None, :]).view(blocks).any(5).any(3)
-        every = ((keep | ~row_ok[:, None]) & col_ok[None, :]).view(blocks).all(5).all(3)
+        every = (keep & row_ok[:, None] & col_ok[None, :]).view(blocks).all(5).all(3)
         full.append(every)
         partial.append(seen & ~every)
     partial, full = torch.cat(partial, 2), torch.cat(full, 2)  # (B, H, nQ, nK)
