@@ -52,8 +52,7 @@ class BlockMask:
         for num, idx, value in ((self.kv_num_blocks, self.kv_indices, 1),
                                 (self.full_kv_num_blocks, self.full_kv_indices, 2)):
             listed = torch.arange(n_k, device=idx.device) < num[..., None]
-            dense.scatter_(-1, idx.long(), torch.where(listed, value, 0).to(torch.int8),
-                           reduce="add")
+            dense.scatter_add_(-1, idx.long(), torch.where(listed, value, 0).to(torch.int8))
         return dense
 
     def sparsity(self) -> float:
