@@ -172,12 +172,19 @@ def _add_break_it(subparsers) -> None:
     parser.add_argument("--headdim", type=int, default=64, help="default: 64")
     parser.add_argument("--block", type=int, default=64,
                         help="tile edge: block query rows x block keys (default: 64)")
+    parser.add_argument("--train-steps", type=int,
+                        help="train the GPT this many steps with each causal break (tiles of "
+                             "seqlen/4; the model and sizes of `flashkit train`); 0 skips it "
+                             f"(default: {train.CPU_DEFAULTS.steps} on the CPU, "
+                             f"{train.GPU_DEFAULTS.steps} on the GPU)")
     parser.set_defaults(func=_run_break_it)
 
 
 def _run_break_it(args) -> int:
+    device = _device(args)
+    config = train.configs(device, steps=args.train_steps)[0]
     break_it.run(args.out, args.logit_stds, args.seqlen, args.nheads, args.headdim, args.block,
-                 _device(args))
+                 device, config if config.steps > 0 else None)
     return 0
 
 
