@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from flashkit.experiments import bench, break_it, demo, memory, train
+from flashkit.experiments import bench, break_it, crossover, demo, memory, train
 from flashkit.experiments.attention_methods import DTYPES, METHODS
 
 
@@ -142,11 +142,24 @@ def _add_bench(subparsers) -> None:
     parser.add_argument("--headdims", type=ints_arg, help="override the grid's head dims")
     parser.add_argument("--directions", type=choices_arg(("fwd", "bwd")),
                         help="fwd, bwd or fwd,bwd (default: both)")
+    parser.add_argument("--compare", type=choices_arg(crossover.METHODS),
+                        help="instead: forward time of these methods (naive,tiled,triton) and "
+                             "where one overtakes another (Under the Hood, chapter 8, Step 7); "
+                             "--seqlens sets the sizes (default: 256..2k on the CPU, 1k..32k "
+                             "on the GPU)")
+    parser.add_argument("--max-seconds", type=float, default=10.0,
+                        help="--compare: skip a method's larger sizes once a call is predicted "
+                             "to take longer than this (default: 10)")
     parser.set_defaults(func=_run_bench)
 
 
 def _run_bench(args) -> int:
     device = _device(args)
+    if args.compare:
+        problem = dataclasses.replace(crossover.default_problem(device, args.seqlens),
+                                      max_seconds=args.max_seconds)
+        crossover.run(problem, args.compare, args.out)
+        return 0
     gpu = device.startswith("cuda")
     grid = bench.gpu_grid(args.full) if gpu else bench.cpu_grid()
     overrides = {"seqlens": args.seqlens, "headdims": args.headdims,
