@@ -147,6 +147,10 @@ def _add_bench(subparsers) -> None:
                              "where one overtakes another (Under the Hood, chapter 8, Step 7); "
                              "--seqlens sets the sizes (default: 256..2k on the CPU, 1k..32k "
                              "on the GPU)")
+    parser.add_argument("--jax-baselines", action="store_true",
+                        help="instead: the JAX/TPU write-up's nojit, unfused, fused and flash "
+                             "(fori, vmap) baselines on one causal float32 head, beside its TPU "
+                             "ratios; --seqlens sets n (default: 512..4k)")
     parser.add_argument("--max-seconds", type=float, default=10.0,
                         help="--compare: skip a method's larger sizes once a call is predicted "
                              "to take longer than this (default: 10)")
@@ -155,6 +159,10 @@ def _add_bench(subparsers) -> None:
 
 def _run_bench(args) -> int:
     device = _device(args)
+    if args.jax_baselines:
+        from flashkit.experiments import jax_baselines  # jax is imported only when asked for
+        jax_baselines.run(args.seqlens or [512, 1024, 2048, 4096], args.out)
+        return 0
     if args.compare:
         problem = dataclasses.replace(crossover.default_problem(device, args.seqlens),
                                       max_seconds=args.max_seconds)

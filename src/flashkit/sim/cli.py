@@ -17,7 +17,12 @@ from flashkit.sim.machine import run
 from flashkit.sim.machine_tables import cost_tables, format_counts, format_trace
 from flashkit.sim.programs import PROGRAM_NAMES, example_program
 from flashkit.sim.systolic import format_stagger, systolic_matmul
-from flashkit.sim.tpu import compare_attention, format_comparison, format_vpu_breakdown
+from flashkit.sim.tpu import (
+    compare_attention,
+    format_comparison,
+    format_vmem_table,
+    format_vpu_breakdown,
+)
 
 __all__ = ["register"]
 
@@ -159,6 +164,9 @@ cell of an M x N grid accumulates one C[i, j] while A and B stream past.""",
 # -- tpu ----------------------------------------------------------------------------------------
 
 def _tpu(args: argparse.Namespace) -> int:
+    if args.memory_table:
+        print(format_vmem_table(d=args.d, element_bytes=4))
+        return 0
     runs = compare_attention(n=args.n, d=args.d, blocks=args.blocks, causal=not args.no_causal,
                              seed=args.seed)
     kind = "non-causal" if args.no_causal else "causal"
@@ -186,6 +194,10 @@ The defaults reproduce seed 003's table.""", [
                         help="square tile sizes for flash attention (default 64 128)")
     parser.add_argument("--no-causal", action="store_true", help="attend to every key")
     parser.add_argument("--breakdown", action="store_true", help="VPU cycles per operation")
+    parser.add_argument("--memory-table", action="store_true",
+                        help="instead: the float32 score matrix against the output in MiB for "
+                             "n = 512..32k at head dim --d, and where the scores stop fitting "
+                             "128 MiB of VMEM")
     parser.add_argument("--seed", type=int, default=0, help="random inputs' seed (default 0)")
 
 
