@@ -68,3 +68,17 @@ def test_learn_backward_prints_the_tables(capsys):
     text = capsys.readouterr().out
     assert "2 inner, 1 outer" in text and "1 inner, 2 outer" in text
     assert "inner product, 6 registers" in text and "FLOPs / byte" in text
+
+
+def test_hbm_states_where_nine_times_is_reached_and_the_block_size_example(capsys):
+    from flashkit import cli
+    assert cli.main(["simulate", "hbm"]) == 0
+    text = capsys.readouterr().out
+    assert "with 192 KiB of SRAM, the most is 7.6x; with 228 KiB (a Hopper SM) it is 9.1x" in text
+    assert "B_c = ceil(59 / 12) = 5, B_r = 3" in text
+
+
+def test_chapter_score_tensor_is_half_a_gigabyte():
+    from flashkit.experiments import crossover
+    note = crossover.score_tensor_note(crossover.default_problem("cuda"))
+    assert "0.54 GB each at N = 4096" in note and "0.50 GiB" in note

@@ -68,6 +68,17 @@ def default_problem(device: str, seqlens=None, rounds: int | None = None) -> Pro
                    rounds or 3, 20.0, 10.0)
 
 
+def score_tensor_note(problem: Problem, seqlen: int = 4096) -> str:
+    """How big one of naive's (batch, nheads, seqlen, seqlen) tensors is; the chapter says 1 GB
+    for batch 2, 8 heads, 4096 tokens in fp16, which is 0.54 GB (0.5 GiB)."""
+    size = problem.batch * problem.nheads * seqlen * seqlen * DTYPES[problem.dtype].itemsize
+    chapter = 2 * 8 * 4096 * 4096 * 2
+    return (f"naive keeps two ({problem.batch}, {problem.nheads}, N, N) {problem.dtype} tensors "
+            f"alive: {size / 1e9:.2f} GB each at N = {seqlen}. (Under the Hood, chapter 8, "
+            f"Step 1 says 1 GB per tensor for (2, 8, 4096) in fp16: it is {chapter / 1e9:.2f} GB, "
+            f"{chapter / 2**30:.2f} GiB.)")
+
+
 def naive_attention(q, k, v):
     """The chapter's Step 1 attention on (batch, nheads, seqlen, d), in the input dtype."""
     scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5  # (B, H, N, N)
@@ -253,6 +264,7 @@ def run(problem: Problem, methods, out: Path) -> dict:
     methods = list(methods)
     print(f"forward time, batch {problem.batch} x {problem.nheads} heads x d{problem.headdim}, "
           f"{problem.dtype}, {problem.device}; min over {problem.rounds} interleaved rounds:")
+    print(score_tensor_note(problem))
     points = measure(problem, methods)
     header, rows = table(points, methods)
     print("\n" + results.text_table(header, rows))
