@@ -379,10 +379,17 @@ def main() -> None:
     ap.add_argument("--triton-bwd", action="store_true",
                     help="--mosaic-bwd: also time the Triton-lowered backward")
     ap.add_argument("--domain", action="store_true")
+    ap.add_argument("--baselines", action="store_true",
+                    help="the JAX/TPU write-up's nojit/unfused/fused/fori/vmap baselines "
+                         "(flashkit.experiments.jax_baselines) at --seqlens, beside its ratios")
     ap.add_argument("--cells", default="", help="--domain: labels separated by ';'")
     ap.add_argument("--sweep-seqlen", type=int, default=8192)
     ap.add_argument("--budget", type=float, default=float("inf"))
     args = ap.parse_args()
+    if args.baselines:
+        from flashkit.experiments import jax_baselines
+        jax_baselines.run([int(n) for n in args.seqlens.split(",")], args.out)
+        return
     head_dims = [int(x) for x in args.head_dims.split(",")]
     args.started = time.time()
     record = {**environment(), "dtype": "bfloat16", "tokens": args.tokens, "width": WIDTH,
