@@ -123,18 +123,25 @@ def _bwd_dkdv_tiles(dk, dv, k_tile, v_tile, q_base, do_base, lse_base, delta_bas
                     start, end, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, window_left,
                     window_right, qk_scale, softcap_scale, alibi_log2, off_b, off_h, start_n,
                     seed_lo, seed_hi, dropout_threshold, dropout_scale, score_args, mask_args,
+                    Blocks,
                     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
                     ATOMIC_DQ: tl.constexpr,
                     DQ_TMA: tl.constexpr, PRECISION: tl.constexpr, SCORE_MOD: tl.constexpr,
-                    SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr):
+                    SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr,
+                    LISTED: tl.constexpr = False, SPAN: tl.constexpr = 1):
     """Accumulate dK, dV of one key block over query tiles [start, end); with ATOMIC_DQ also
     add this block's share of dQ / scale into the fp32 accumulator (b * h, seqlen_q, BLOCK_D):
     one bulk reduce-add of the tile through its TMA descriptor when DQ_TMA (rows past seqlen_q
-    clipped by the copy engine), else element atomics at dqacc_src, this (batch, head)'s rows."""
-    for start_m in tl.range(start, end, BLOCK_M):
+    clipped by the copy engine), else element atomics at dqacc_src, this (batch, head)'s rows.
+    LISTED: [start, end) counts query rows of the SPAN-row blocks listed at Blocks, as the
+    forward's _fwd_tiles counts keys."""
+    for pos in tl.range(start, end, BLOCK_M):
+        start_m = pos
+        if LISTED:
+            start_m = tl.load(Blocks + pos // SPAN) * SPAN + pos % SPAN
         offs_m = start_m + tl.arange(0, BLOCK_M)
         q_tile = load_tile(tile_ptrs(q_base, offs_m, offs_d, stride_qs, stride_qd), offs_m,
                            seqlen_q, offs_d, HEAD_DIM, MASKED, HEAD_DIM != BLOCK_D)
@@ -270,18 +277,16 @@ def _bwd_dkdv_program(pid_n, pid_bh, Q, K, V, DO, Lse, Delta, DK, DV, DQAcc,
             for listed in tl.static_range(2):  # partial query blocks (masked), then full ones
                 Num = QNum if listed == 0 else FullQNum
                 Idx = QIdx if listed == 0 else FullQIdx
-                for t in range(tl.load(Num + row)):
-                    q_lo = tl.load(Idx + row * n_q_blocks + t) * SPARSE_Q
-                    dk, dv = _bwd_dkdv_tiles(
-                        dk, dv, k_tile, v_tile, q_base, do_base, lse_base, delta_base,
-                        dqacc_src, dqacc_bh, stride_qs, stride_qd, stride_dos, stride_dod,
-                        stride_ls, stride_deltas, q_lo, tl.minimum(q_lo + SPARSE_Q, seqlen_q),
-                        offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, window_left, window_right,
-                        qk_scale, softcap_scale, alibi_log2, off_b, off_h, start_n, seed_lo,
-                        seed_hi, dropout_threshold, dropout_scale, score_args, mask_args,
-                        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, listed == 0,
-                        HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, ATOMIC_DQ, DQ_TMA,
-                        PRECISION, SCORE_MOD, SCORE_GRAD, MASK_MOD)
+                dk, dv = _bwd_dkdv_tiles(
+                    dk, dv, k_tile, v_tile, q_base, do_base, lse_base, delta_base, dqacc_src,
+                    dqacc_bh, stride_qs, stride_qd, stride_dos, stride_dod, stride_ls,
+                    stride_deltas, 0, tl.load(Num + row) * SPARSE_Q, offs_n, offs_d, offs_dv,
+                    seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale,
+                    alibi_log2, off_b, off_h, start_n, seed_lo, seed_hi, dropout_threshold,
+                    dropout_scale, score_args, mask_args, Idx + row * n_q_blocks, HEAD_DIM,
+                    HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, listed == 0, HAS_LEFT,
+                    HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, ATOMIC_DQ, DQ_TMA, PRECISION,
+                    SCORE_MOD, SCORE_GRAD, MASK_MOD, True, SPARSE_Q)
             bounds = (0, 0, 0, 0)
         for segment in tl.static_range(3):  # masked edge, unmasked middle, masked edge
             dk, dv = _bwd_dkdv_tiles(
@@ -290,10 +295,10 @@ def _bwd_dkdv_program(pid_n, pid_bh, Q, K, V, DO, Lse, Delta, DK, DV, DQAcc,
                 stride_deltas, bounds[segment], bounds[segment + 1], offs_n, offs_d, offs_dv,
                 seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale,
                 alibi_log2, off_b, off_h, start_n, seed_lo, seed_hi, dropout_threshold,
-                dropout_scale, score_args, mask_args, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
-                BLOCK_M, BLOCK_N, segment != 1 or MASK_MOD is not None, HAS_LEFT, HAS_RIGHT,
-                SOFTCAP, ALIBI, DROPOUT, ATOMIC_DQ, DQ_TMA, PRECISION, SCORE_MOD, SCORE_GRAD,
-                MASK_MOD)
+                dropout_scale, score_args, mask_args, QIdx, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
+                BLOCK_DV, BLOCK_M, BLOCK_N, segment != 1 or MASK_MOD is not None, HAS_LEFT,
+                HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, ATOMIC_DQ, DQ_TMA, PRECISION, SCORE_MOD,
+                SCORE_GRAD, MASK_MOD)
 
     dk_ptrs = tile_ptrs(head_ptr(DK, off_b, off_hk, k_start, stride_dkb, stride_dkh, stride_dks),
                         offs_n, offs_d, stride_dks, stride_dkd)
@@ -310,15 +315,19 @@ def _bwd_dq_tiles(dq, q_tile, do_tile, lse2, delta, k_base, v_base, stride_ks, s
                   stride_vs, stride_vd, start, end, offs_m, offs_d, offs_dv, seqlen_q,
                   seqlen_k, window_left, window_right, qk_scale, softcap_scale, alibi_log2,
                   off_b, off_h, seed_lo, seed_hi, dropout_threshold, dropout_scale, score_args,
-                  mask_args,
+                  mask_args, Blocks,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                   HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                   ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
                   PRECISION: tl.constexpr, SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr,
-                  MASK_MOD: tl.constexpr):
-    """Accumulate dQ of one query block over key tiles [start, end)."""
-    for start_n in tl.range(start, end, BLOCK_N):
+                  MASK_MOD: tl.constexpr, LISTED: tl.constexpr = False, SPAN: tl.constexpr = 1):
+    """Accumulate dQ of one query block over key tiles [start, end); LISTED as the forward's
+    _fwd_tiles."""
+    for pos in tl.range(start, end, BLOCK_N):
+        start_n = pos
+        if LISTED:
+            start_n = tl.load(Blocks + pos // SPAN) * SPAN + pos % SPAN
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k_tile = load_tile(tile_ptrs(k_base, offs_n, offs_d, stride_ks, stride_kd), offs_n,
                            seqlen_k, offs_d, HEAD_DIM, MASKED, HEAD_DIM != BLOCK_D)
@@ -423,17 +432,16 @@ def _bwd_dq_program(pid_m, pid_bh, Q, K, V, DO, Lse, Delta, DQ,
         for listed in tl.static_range(2):  # partial key blocks (masked), then full ones
             Num = KvNum if listed == 0 else FullNum
             Idx = KvIdx if listed == 0 else FullIdx
-            for t in range(tl.load(Num + row)):
-                kv_lo = tl.load(Idx + row * n_kv_blocks + t) * SPARSE_KV
-                dq = _bwd_dq_tiles(dq, q_tile, do_tile, lse2, delta, k_base, v_base, stride_ks,
-                                   stride_kd, stride_vs, stride_vd, kv_lo,
-                                   tl.minimum(kv_lo + SPARSE_KV, seqlen_k), offs_m, offs_d,
-                                   offs_dv, seqlen_q, seqlen_k, window_left, window_right,
-                                   qk_scale, softcap_scale, alibi_log2, off_b, off_h, seed_lo,
-                                   seed_hi, dropout_threshold, dropout_scale, score_args,
-                                   mask_args, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
-                                   listed == 0, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT,
-                                   PRECISION, SCORE_MOD, SCORE_GRAD, MASK_MOD)
+            dq = _bwd_dq_tiles(dq, q_tile, do_tile, lse2, delta, k_base, v_base, stride_ks,
+                               stride_kd, stride_vs, stride_vd, 0,
+                               tl.load(Num + row) * SPARSE_KV, offs_m, offs_d, offs_dv,
+                               seqlen_q, seqlen_k, window_left, window_right, qk_scale,
+                               softcap_scale, alibi_log2, off_b, off_h, seed_lo, seed_hi,
+                               dropout_threshold, dropout_scale, score_args, mask_args,
+                               Idx + row * n_kv_blocks, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
+                               BLOCK_N, listed == 0, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI,
+                               DROPOUT, PRECISION, SCORE_MOD, SCORE_GRAD, MASK_MOD, True,
+                               SPARSE_KV)
         bounds = (0, 0, 0, 0)
     for segment in tl.static_range(3):  # masked edge, unmasked middle, masked edge
         dq = _bwd_dq_tiles(dq, q_tile, do_tile, lse2, delta, k_base, v_base, stride_ks,
@@ -441,9 +449,10 @@ def _bwd_dq_program(pid_m, pid_bh, Q, K, V, DO, Lse, Delta, DQ,
                            bounds[segment + 1], offs_m, offs_d, offs_dv, seqlen_q, seqlen_k,
                            window_left, window_right, qk_scale, softcap_scale, alibi_log2,
                            off_b, off_h, seed_lo, seed_hi, dropout_threshold, dropout_scale,
-                           score_args, mask_args, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
-                           BLOCK_N, segment != 1 or MASK_MOD is not None, HAS_LEFT, HAS_RIGHT,
-                           SOFTCAP, ALIBI, DROPOUT, PRECISION, SCORE_MOD, SCORE_GRAD, MASK_MOD)
+                           score_args, mask_args, KvIdx, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
+                           BLOCK_DV, BLOCK_N, segment != 1 or MASK_MOD is not None, HAS_LEFT,
+                           HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, PRECISION, SCORE_MOD, SCORE_GRAD,
+                           MASK_MOD)
 
     dq_ptrs = tile_ptrs(head_ptr(DQ, off_b, off_h, q_start, stride_dqb, stride_dqh, stride_dqs),
                         offs_m, offs_d, stride_dqs, stride_dqd)

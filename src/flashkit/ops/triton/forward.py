@@ -62,17 +62,23 @@ from flashkit.ops.triton.dropout import dropout_args, dropout_keep
 def _fwd_tiles(acc, m_i, l_i, q_tile, k_src, v_src, off_b, off_hk, stride_ks, stride_kd,
                stride_vs, stride_vd, start, end, offs_m, offs_d, offs_dv, seqlen_q, seqlen_k,
                window_left, window_right, qk_scale, softcap_scale, alibi_log2, off_h, seed_lo,
-               seed_hi, dropout_threshold, score_args, mask_args,
+               seed_hi, dropout_threshold, score_args, mask_args, Blocks,
                HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
                USE_TMA: tl.constexpr,
-               PRECISION: tl.constexpr, SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr):
+               PRECISION: tl.constexpr, SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr,
+               LISTED: tl.constexpr = False, SPAN: tl.constexpr = 1):
     """Stream key tiles [start, end) into (acc, m_i, l_i); MASKED applies the band predicate
     and MASK_MOD. DROPOUT: l sums every probability, acc only the kept ones (the 1 / (1 - p)
-    comes last)."""
-    for start_n in tl.range(start, end, BLOCK_N):
+    comes last). LISTED: [start, end) counts keys of the SPAN-key blocks listed at Blocks
+    (a block mask's), position t being key Blocks[t // SPAN] * SPAN + t % SPAN: one loop over
+    every listed block, so the software pipeline runs across them."""
+    for pos in tl.range(start, end, BLOCK_N):
+        start_n = pos
+        if LISTED:
+            start_n = tl.load(Blocks + pos // SPAN) * SPAN + pos % SPAN
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k_tile = load_kv_tile(k_src, off_b, off_hk, start_n, offs_n, seqlen_k, offs_d,
                               stride_ks, stride_kd, HEAD_DIM, BLOCK_N, BLOCK_D, MASKED, USE_TMA)
@@ -173,22 +179,20 @@ def _fwd_kernel(Q, K, V, Out, Lse,
         for listed in tl.static_range(2):  # partial key blocks (masked), then full ones
             Num = KvNum if listed == 0 else FullNum
             Idx = KvIdx if listed == 0 else FullIdx
-            for t in range(tl.load(Num + row)):
-                kv_lo = tl.load(Idx + row * n_kv_blocks + t) * SPARSE_KV
-                acc, m_i, l_i = _fwd_tiles(
-                    acc, m_i, l_i, q_tile, k_src, v_src, off_b, off_hk, stride_ks, stride_kd,
-                    stride_vs, stride_vd, kv_lo, tl.minimum(kv_lo + SPARSE_KV, seqlen_k),
-                    offs_m, offs_d, offs_dv, seqlen_q, seqlen_k, window_left, window_right,
-                    qk_scale, softcap_scale, alibi_log2, off_h, seed_lo, seed_hi,
-                    dropout_threshold, score_args, mask_args, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
-                    BLOCK_DV, BLOCK_N, listed == 0, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI,
-                    DROPOUT, USE_TMA, PRECISION, SCORE_MOD, MASK_MOD)
+            acc, m_i, l_i = _fwd_tiles(
+                acc, m_i, l_i, q_tile, k_src, v_src, off_b, off_hk, stride_ks, stride_kd,
+                stride_vs, stride_vd, 0, tl.load(Num + row) * SPARSE_KV, offs_m, offs_d,
+                offs_dv, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
+                softcap_scale, alibi_log2, off_h, seed_lo, seed_hi, dropout_threshold,
+                score_args, mask_args, Idx + row * n_kv_blocks, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
+                BLOCK_DV, BLOCK_N, listed == 0, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT,
+                USE_TMA, PRECISION, SCORE_MOD, MASK_MOD, True, SPARSE_KV)
         lo, mid_lo, mid_hi, hi = 0, 0, 0, 0
     acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q_tile, k_src, v_src, off_b, off_hk,
                                stride_ks, stride_kd, stride_vs, stride_vd, lo, mid_lo, offs_m,
                                offs_d, offs_dv, seqlen_q, seqlen_k, window_left, window_right,
                                qk_scale, softcap_scale, alibi_log2, off_h, seed_lo, seed_hi,
-                               dropout_threshold, score_args, mask_args,
+                               dropout_threshold, score_args, mask_args, KvIdx,
                                HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True,
                                HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, USE_TMA, PRECISION,
                                SCORE_MOD, MASK_MOD)
@@ -196,7 +200,7 @@ def _fwd_kernel(Q, K, V, Out, Lse,
                                stride_ks, stride_kd, stride_vs, stride_vd, mid_lo, mid_hi, offs_m,
                                offs_d, offs_dv, seqlen_q, seqlen_k, window_left, window_right,
                                qk_scale, softcap_scale, alibi_log2, off_h, seed_lo, seed_hi,
-                               dropout_threshold, score_args, mask_args,
+                               dropout_threshold, score_args, mask_args, KvIdx,
                                HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
                                MASK_MOD is not None, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI,
                                DROPOUT, USE_TMA, PRECISION, SCORE_MOD, MASK_MOD)
@@ -204,7 +208,7 @@ def _fwd_kernel(Q, K, V, Out, Lse,
                                stride_ks, stride_kd, stride_vs, stride_vd, mid_hi, hi, offs_m,
                                offs_d, offs_dv, seqlen_q, seqlen_k, window_left, window_right,
                                qk_scale, softcap_scale, alibi_log2, off_h, seed_lo, seed_hi,
-                               dropout_threshold, score_args, mask_args,
+                               dropout_threshold, score_args, mask_args, KvIdx,
                                HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True,
                                HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, USE_TMA, PRECISION,
                                SCORE_MOD, MASK_MOD)
