@@ -1,6 +1,6 @@
-"""User variants (score_mod / mask_mod / block_mask) against FlexAttention, on the GPU.
+"""variants: user score_mod / mask_mod / block_mask against FlexAttention, on the GPU.
 
-    PYTHONPATH=src python3 benchmarks/suites/variants.py --out DIR [--lengths 2048,8192]
+    PYTHONPATH=src python3 benchmarks/run.py variants [--out DIR] [--lengths 2048,8192]
         [--parts examples,builtins,first_call]
 
 bf16, head dim 128, 16 heads, batch = 16k tokens / seqlen, public APIs as users call them:
@@ -21,47 +21,28 @@ Parts:
     first_call  time to the first result (forward + backward) of a variant never seen before
                 (new source, so no disk cache holds it): flashkit's Triton compile against
                 Flex's torch.compile (dynamo reset first)
-Results: DIR/variants_<date>.json and DIR/variants_<date>.md (written after every case, so an
+Results: DIR/<date>_<device>.json and .md (common.Result: rewritten after every case, so an
 interrupted run keeps what it measured), with date, device and versions.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
+import sys
 import tempfile
 import time
 
-import torch
-import triton
-from triton.testing import do_bench
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch  # noqa: E402
+from common import Result, add_out_argument, anchor_flex_compiled, bench, log, table  # noqa: E402
 
-import flashkit
-from flashkit import variants
+import flashkit  # noqa: E402
+from flashkit import variants  # noqa: E402
 
 HEAD_DIM, NHEADS, TOKENS, DTYPE = 128, 16, 16384, torch.bfloat16
 WINDOW, CAP = 1024, 30.0
 EXAMPLES = ("document", "prefix_lm", "alibi", "softcap", "relative_bias", "window_globals")
-
-
-def environment() -> dict:
-    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "triton": triton.__version__, "cuda": torch.version.cuda,
-            "python": platform.python_version()}
-
-
-def flex():
-    """flex_attention compiled (one graph per shape and modifier; limits raised so a long grid
-    never falls back to the unfused path)."""
-    from torch.nn.attention.flex_attention import flex_attention
-    for name in ("cache_size_limit", "recompile_limit"):
-        if hasattr(torch._dynamo.config, name):
-            setattr(torch._dynamo.config, name, 256)
-    return torch.compile(flex_attention, dynamic=False)
 
 
 def problem(seqlen: int) -> dict:
@@ -133,12 +114,10 @@ def flex_mods(name: str, p: dict) -> dict:
 def timed(run, q, k, v, dout) -> tuple[float, float]:
     """(forward ms, backward ms) of run(q, k, v) -> out."""
     with torch.no_grad():
-        fwd = do_bench(lambda: run(q, k, v), warmup=25, rep=100, return_mode="median")
+        fwd = bench(lambda: run(q, k, v))
     leaves = [x.detach().requires_grad_() for x in (q, k, v)]
     out = run(*leaves)
-    bwd = do_bench(lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True),
-                   warmup=25, rep=100, return_mode="median")
-    return fwd, bwd
+    return fwd, bench(lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True))
 
 
 def time_ours(p: dict, **kwargs) -> tuple[float, float]:
@@ -205,8 +184,9 @@ def part_first_call(p: dict, record) -> None:
     ours = time.perf_counter() - start
     os.unlink(f.name)
 
-    torch._dynamo.reset()
-    compiled = flex()
+    torch._dynamo.reset()  # a fresh compile, as for a new variant in a new process
+    from torch.nn.attention.flex_attention import flex_attention
+    compiled = torch.compile(flex_attention, dynamic=False)
     slope = float(c)
     heads_first = [p[n].transpose(1, 2).contiguous() for n in ("q", "k", "v", "dout")]
     leaves = [x.requires_grad_() for x in heads_first[:3]]
@@ -219,47 +199,38 @@ def part_first_call(p: dict, record) -> None:
                               flex_s=time.perf_counter() - start))
 
 
-def markdown(results: dict) -> str:
-    lines = [f"# Variants vs FlexAttention ({results['env']['device']}, "
-             f"{results['env']['date']})", ""]
-    for part, rows in results["parts"].items():
-        if not rows:
-            continue
-        keys = list(rows[0])
-        lines += [f"## {part}", "", "| " + " | ".join(keys) + " |",
-                  "|" + "---|" * len(keys)]
-        lines += ["| " + " | ".join(f"{r[k]:.3f}" if isinstance(r[k], float) else str(r[k])
-                                    for k in keys) + " |" for r in rows]
-        lines.append("")
-    return "\n".join(lines)
+COLUMNS = {
+    "examples": ["example", "seqlen", "flashkit_fwd_ms", "flex_fwd_ms", "speedup_fwd",
+                 "flashkit_bwd_ms", "flex_bwd_ms", "speedup_bwd"],
+    "builtins": ["feature", "seqlen", "builtin_fwd_ms", "mod_fwd_ms", "ratio_fwd",
+                 "builtin_bwd_ms", "mod_bwd_ms", "ratio_bwd"],
+    "first_call": ["seqlen", "flashkit_s", "flex_s"],
+}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=os.environ.get("OUT", "."), help="results directory")
+    add_out_argument(ap, "variants")
     ap.add_argument("--lengths", default="2048,8192", help="comma-separated sequence lengths")
     ap.add_argument("--parts", default="examples,builtins,first_call",
                     help="comma-separated: examples, builtins, first_call")
     args = ap.parse_args()
     parts = args.parts.split(",")
-    os.makedirs(args.out, exist_ok=True)
-    stamp = datetime.datetime.now().strftime("%Y%m%d_%H%M")
-    results = {"env": environment(), "config": dict(head_dim=HEAD_DIM, nheads=NHEADS,
-                                                    tokens=TOKENS, dtype=str(DTYPE)),
-               "parts": {part: [] for part in parts}}
+    result = Result("variants", args.out, config=dict(head_dim=HEAD_DIM, nheads=NHEADS,
+                                                      tokens=TOKENS, dtype=str(DTYPE)))
+    rows = {part: [] for part in parts}
 
     def record(part: str, row: dict) -> None:
-        results["parts"][part].append(row)
-        print(part, json.dumps(row), flush=True)
-        with open(os.path.join(args.out, f"variants_{stamp}.json"), "w") as f:
-            json.dump(results, f, indent=1)
-        with open(os.path.join(args.out, f"variants_{stamp}.md"), "w") as f:
-            f.write(markdown(results))
+        rows[part].append(row)
+        log(f"{part} {row}")
+        result.save(part, rows[part])
+        result.markdown("\n".join(f"## {name}\n\n" + table(r, COLUMNS[name])
+                                  for name, r in rows.items() if r))
 
-    compiled = flex()
     lengths = [int(s) for s in args.lengths.split(",")]
     if "first_call" in parts:  # first, before this process has compiled anything
         part_first_call(problem(lengths[0]), record)
+    compiled = anchor_flex_compiled()
     for seqlen in lengths:
         p = problem(seqlen)
         if "examples" in parts:
