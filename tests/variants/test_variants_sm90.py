@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 import torch
-import triton  # noqa: E402
-from triton import compiler  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
+import triton
+from triton import compiler
+from triton.backends.compiler import GPUTarget
 
 import flashkit
 from flashkit import variants
