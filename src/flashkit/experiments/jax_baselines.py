@@ -20,7 +20,7 @@ HBM (only the softmax is fused), and fusion buys much less. Per-op dispatch also
 tens of microseconds, not the TPU's ~0.3 ms, so nojit hurts less at small n. The flash ports
 are XLA loops over tiles, not fused kernels, on either machine.
 
-    PYTHONPATH=src python3 benchmarks/bench_jax.py --baselines --out DIR
+    PYTHONPATH=src python3 benchmarks/run.py jax --baselines --out DIR
     flashkit bench --jax-baselines --seqlens 512,1k,2k,4k,8k,16k
 """
 
