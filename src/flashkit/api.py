@@ -13,9 +13,11 @@ import os
 
 import torch
 
-from flashkit import checks, reference
+from flashkit import checks, fp8, reference
 from flashkit.ops import custom_op
 from flashkit.ops.params import AttentionParams, accumulation_dtype
+from flashkit.variants import autograd as variant_autograd
+from flashkit.variants import mods as variant_mods
 
 __all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
            "flash_attn_varlen_func"]
@@ -23,8 +25,9 @@ __all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-                    return_attn_probs=False, *, sink=None, backend=None,
-                    return_softmax_lse=False):
+                    return_attn_probs=False, *, sink=None, backend=None, q_descale=None,
+                    k_descale=None, v_descale=None, score_mod=None, mask_mod=None,
+                    block_mask=None, return_softmax_lse=False):
     """Exact attention of q (batch, seqlen_q, nheads, d) over k, v (batch, seqlen_k, nheads_k, d).
 
     causal/window_size are bottom-right aligned when seqlen_q != seqlen_k; window_size=(left,
@@ -34,10 +37,23 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     (out, lse (batch, nheads, seqlen_q), probs (batch, nheads, seqlen_q, seqlen_k)) when
     return_attn_probs (probs materialise the whole matrix: for testing at small sizes), or
     (out, lse) with return_softmax_lse alone (nothing materialised).
+    float8 q, k, v (forward only, bf16 out) take float32 q/k/v_descale, (1,) or (batch,
+    nheads_k): see flashkit.fp8.
+    score_mod, mask_mod, block_mask: user variants, FlexAttention's meaning (docs/variants.md).
     """
-    checks.dense_qkv(q, k, v)
+    checks.dense_qkv(q, k, v, checks.DTYPES + checks.FLOAT8_DTYPES)
+    float8 = checks.descales(q, k, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
     params = build_params(q, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                      deterministic, sink, batch=q.shape[0])
+    params = variant_mods.attach(params, q, score_mod, mask_mod, block_mask, q.shape[0],
+                                 q.shape[2], q.shape[1], k.shape[1])
+    if float8:
+        if params.variant is not None:
+            raise NotImplementedError("score_mod/mask_mod/block_mask: float8 inputs take none")
+        if return_softmax_lse:
+            raise NotImplementedError("return_softmax_lse: not offered for float8 inputs")
+        return fp8.attention(q, k, v, params, q_descale, k_descale, v_descale,
+                             checks.backend(backend, q.device), return_attn_probs)
     return _run(q, k, v, params, backend, return_attn_probs, return_softmax_lse)
 
 
@@ -73,6 +89,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                            softcap=0.0, alibi_slopes=None, deterministic=False,
                            return_attn_probs=False, *, sink=None, backend=None,
+                           score_mod=None, mask_mod=None, block_mask=None,
                            return_softmax_lse=False):
     """Attention over sequences packed without padding: q (total_q, nheads, d), k/v (total_k,
     nheads_k, d), sequence b spanning rows cu_seqlens[b]:cu_seqlens[b + 1] (int32, batch + 1).
@@ -83,6 +100,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                      deterministic, sink, batch=batch, nheads=q.shape[1],
                      cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                      max_seqlen_q=int(max_seqlen_q), max_seqlen_k=int(max_seqlen_k))
+    params = variant_mods.attach(params, q, score_mod, mask_mod, block_mask, batch, q.shape[1],
+                                 int(max_seqlen_q), int(max_seqlen_k))
     return _run(q, k, v, params, backend, return_attn_probs, return_softmax_lse)
 
 
@@ -131,7 +150,10 @@ def _run(q, k, v, params: AttentionParams, backend, return_attn_probs, return_so
         t is not None and t.requires_grad for t in (q, k, v, params.sink))
     if needs_grad and q.dtype in (torch.float16, torch.bfloat16):
         params = dataclasses.replace(params, fp32_out=True)  # see AttentionParams.fp32_out
-    out, lse = custom_op.attention(q, k, v, params, name)
+    if params.variant is not None:  # Python modifiers: not custom-op arguments
+        out, lse = variant_autograd.attention(q, k, v, params, name)
+    else:
+        out, lse = custom_op.attention(q, k, v, params, name)
     out = out.to(q.dtype)
     if not return_attn_probs:
         return (out, lse) if return_softmax_lse else out
