@@ -41,6 +41,7 @@ from flashkit.ops.triton.common import (
     SCORE_GRAD_FROM_S_JIT,
     alibi_args,
     batch_strides,
+    block_args,
     head_ptr,
     interpreting,
     key_tile_ranges,
@@ -52,6 +53,10 @@ from flashkit.ops.triton.common import (
     sequence,
     store_tile,
     tile_ptrs,
+    user_score,
+    user_score_grad,
+    user_visible,
+    variant_args,
     varlen_args,
     varlen_shape,
     visible,
@@ -101,23 +106,32 @@ def _load_lse2(lse_ptrs, offs_m, seqlen_q, MASKED: tl.constexpr = True):
 
 
 @triton.jit
-def _bwd_dkdv_tiles(dk, dv, k_tile, v_tile, rows, start, end, offs, band, mods, drop,
+def _bwd_dkdv_tiles(dk, dv, k_tile, v_tile, rows, start, end, offs, band, mods, drop, variant,
                     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-                    PRECISION: tl.constexpr):
+                    PRECISION: tl.constexpr,
+                    SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr,
+                    LISTED: tl.constexpr = False, SPAN: tl.constexpr = 1):
     """Accumulate dK, dV of one key block over query tiles [start, end). rows = (q_base,
     do_base, lse_base, delta_base, stride_qs, stride_qd, stride_dos, stride_dod, stride_ls,
     stride_deltas) of this query head; offs = (offs_n, offs_d, offs_dv); band and mods as
     common.score_mod; drop = (seed_lo, seed_hi, threshold, dropout_scale, off_b, off_h,
-    start_n) of the keep-mask."""
+    start_n) of the keep-mask; variant = (score_args, mask_args, Blocks) of a user score_mod /
+    mask_mod (SCORE_MOD with its derivative SCORE_GRAD, MASK_MOD) and a block mask: LISTED,
+    [start, end) counts query rows of the SPAN-row blocks listed at Blocks, as the forward's
+    _fwd_tiles counts keys."""
     (q_base, do_base, lse_base, delta_base, stride_qs, stride_qd, stride_dos, stride_dod,
      stride_ls, stride_deltas) = rows
     offs_n, offs_d, offs_dv = offs
     seqlen_q, seqlen_k, window_left, window_right = band
     seed_lo, seed_hi, dropout_threshold, dropout_scale, off_b, off_h, start_n = drop
-    for start_m in tl.range(start, end, BLOCK_M):
+    score_args, mask_args, Blocks = variant
+    for pos in tl.range(start, end, BLOCK_M):
+        start_m = pos
+        if LISTED:
+            start_m = tl.load(Blocks + pos // SPAN) * SPAN + pos % SPAN
         offs_m = start_m + tl.arange(0, BLOCK_M)
         q_tile = load_tile(tile_ptrs(q_base, offs_m, offs_d, stride_qs, stride_qd), offs_m,
                            seqlen_q, offs_d, HEAD_DIM, MASKED, HEAD_DIM != BLOCK_D)
@@ -126,10 +140,18 @@ def _bwd_dkdv_tiles(dk, dv, k_tile, v_tile, rows, start, end, offs, band, mods, 
         qk_t = tl.dot(k_tile, tl.trans(q_tile), input_precision=PRECISION)
         s_t, dcap_t = score_mod(qk_t, offs_m[None, :], offs_n[:, None], band, mods, SOFTCAP,
                                 ALIBI, SCORE_GRAD_FROM_S_JIT)
+        if SCORE_MOD is not None:  # d score_mod / d score, then the modified score
+            dmod_t = user_score_grad(s_t, off_b, off_h, offs_m[None, :], offs_n[:, None],
+                                     seqlen_q, seqlen_k, SCORE_GRAD, score_args)
+            s_t = user_score(s_t, off_b, off_h, offs_m[None, :], offs_n[:, None], seqlen_q,
+                             seqlen_k, SCORE_MOD, score_args)
         p_t = tl.math.exp2(s_t - lse2[None, :])
         if MASKED:
             keep_t = visible(offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k, window_left,
                              window_right, HAS_LEFT, HAS_RIGHT)
+            if MASK_MOD is not None:
+                keep_t = user_visible(keep_t, off_b, off_h, offs_m[None, :], offs_n[:, None],
+                                      seqlen_q, seqlen_k, MASK_MOD, mask_args)
             p_t = tl.where(keep_t, p_t, 0.0)
         do_tile = load_tile(tile_ptrs(do_base, offs_m, offs_dv, stride_dos, stride_dod), offs_m,
                             seqlen_q, offs_dv, HEAD_DIM_V, MASKED, HEAD_DIM_V != BLOCK_DV)
@@ -150,6 +172,8 @@ def _bwd_dkdv_tiles(dk, dv, k_tile, v_tile, rows, start, end, offs, band, mods, 
         else:
             delta = tl.load(delta_base + offs_m * stride_deltas)
         ds_t = p_t * (dp_t - delta[None, :])
+        if SCORE_MOD is not None:
+            ds_t = ds_t * dmod_t
         if SOFTCAP:
             ds_t = ds_t * dcap_t
         # [BLOCK_N, BLOCK_D] = [BLOCK_N, BLOCK_M] @ [BLOCK_M, BLOCK_D]
@@ -170,13 +194,17 @@ def _bwd_dkdv_program(pid_n, pid_bh, Q, K, V, DO, Lse, Delta, DK, DV,
                      nheads_k, group, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
                      softcap_scale, Alibi, stride_ab, stride_ah,
                      softmax_scale, seed_lo, seed_hi, dropout_threshold, dropout_scale, Cu_q,
-                     Cu_k,
-                      HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
+                     Cu_k, score_args, mask_args, QNum, QIdx, FullQNum, FullQIdx, stride_tb,
+                     stride_th, n_q_blocks,
+                     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                      BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                      ALIBI: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr,
-                     EVEN_N: tl.constexpr, PRECISION: tl.constexpr):
-    """dK, dV of key block pid_n of (batch, kv head) pid_bh."""
+                     EVEN_N: tl.constexpr, PRECISION: tl.constexpr, SCORE_MOD: tl.constexpr,
+                     SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr, SPARSE: tl.constexpr,
+                     SPARSE_Q: tl.constexpr, SPARSE_KV: tl.constexpr):
+    """dK, dV of key block pid_n of (batch, kv head) pid_bh. SPARSE: the query blocks come from
+    the block mask's transposed lists (row start_n // SPARSE_KV of each query head)."""
     off_b = (pid_bh // nheads_k).to(tl.int64)
     off_hk = (pid_bh % nheads_k).to(tl.int64)
     q_start, k_start, seqlen_q, seqlen_k = sequence(off_b, seqlen_q, seqlen_k, Cu_q, Cu_k,
@@ -211,15 +239,29 @@ def _bwd_dkdv_program(pid_n, pid_bh, Q, K, V, DO, Lse, Delta, DK, DV,
                               stride_deltas)
         bounds = (lo, mid_lo, mid_hi, hi)
         band = (seqlen_q, seqlen_k, window_left, window_right)
+        rows = (q_base, do_base, lse_base, delta_base, stride_qs, stride_qd, stride_dos,
+                stride_dod, stride_ls, stride_deltas)
+        offs = (offs_n, offs_d, offs_dv)
+        mods = (qk_scale, softcap_scale, alibi_log2)
+        drop = (seed_lo, seed_hi, dropout_threshold, dropout_scale, off_b, off_h, start_n)
+        if SPARSE:  # the block mask's lists replace the band's ranges
+            row = off_b * stride_tb + off_h * stride_th + start_n // SPARSE_KV
+            for listed in tl.static_range(2):  # partial query blocks (masked), then full ones
+                Num = QNum if listed == 0 else FullQNum
+                Idx = QIdx if listed == 0 else FullQIdx
+                dk, dv = _bwd_dkdv_tiles(
+                    dk, dv, k_tile, v_tile, rows, 0, tl.load(Num + row) * SPARSE_Q, offs, band,
+                    mods, drop, (score_args, mask_args, Idx + row * n_q_blocks), HEAD_DIM,
+                    HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, listed == 0, HAS_LEFT,
+                    HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, PRECISION, SCORE_MOD, SCORE_GRAD,
+                    MASK_MOD, True, SPARSE_Q)
+            bounds = (0, 0, 0, 0)
         for segment in tl.static_range(3):  # masked edge, unmasked middle, masked edge
-            rows = (q_base, do_base, lse_base, delta_base, stride_qs, stride_qd, stride_dos,
-                    stride_dod, stride_ls, stride_deltas)
             dk, dv = _bwd_dkdv_tiles(
-                dk, dv, k_tile, v_tile, rows, bounds[segment], bounds[segment + 1],
-                (offs_n, offs_d, offs_dv), band, (qk_scale, softcap_scale, alibi_log2),
-                (seed_lo, seed_hi, dropout_threshold, dropout_scale, off_b, off_h, start_n),
-                HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, segment != 1,
-                HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, PRECISION)
+                dk, dv, k_tile, v_tile, rows, bounds[segment], bounds[segment + 1], offs, band,
+                mods, drop, (score_args, mask_args, QIdx), HEAD_DIM, HEAD_DIM_V, BLOCK_D,
+                BLOCK_DV, BLOCK_M, BLOCK_N, segment != 1 or MASK_MOD is not None, HAS_LEFT,
+                HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, PRECISION, SCORE_MOD, SCORE_GRAD, MASK_MOD)
 
     dk_ptrs = tile_ptrs(head_ptr(DK, off_b, off_hk, k_start, stride_dkb, stride_dkh, stride_dks),
                         offs_n, offs_d, stride_dks, stride_dkd)
@@ -233,19 +275,25 @@ def _bwd_dkdv_program(pid_n, pid_bh, Q, K, V, DO, Lse, Delta, DK, DV,
 
 @triton.jit
 def _bwd_dq_tiles(dq, q_tile, do_tile, lse2, delta, kv, start, end, offs, band, mods, drop,
-                  HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
+                  variant, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                   HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                   ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-                  PRECISION: tl.constexpr):
+                  PRECISION: tl.constexpr, SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr,
+                  MASK_MOD: tl.constexpr, LISTED: tl.constexpr = False, SPAN: tl.constexpr = 1):
     """Accumulate dQ of one query block over key tiles [start, end). kv = (k_base, v_base,
     stride_ks, stride_kd, stride_vs, stride_vd); offs = (offs_m, offs_d, offs_dv); band and mods
-    as common.score_mod; drop = (seed_lo, seed_hi, threshold, dropout_scale, off_b, off_h)."""
+    as common.score_mod; drop = (seed_lo, seed_hi, threshold, dropout_scale, off_b, off_h);
+    variant and LISTED as the forward's _fwd_tiles."""
     k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd = kv
     offs_m, offs_d, offs_dv = offs
     seqlen_q, seqlen_k, window_left, window_right = band
     seed_lo, seed_hi, dropout_threshold, dropout_scale, off_b, off_h = drop
-    for start_n in tl.range(start, end, BLOCK_N):
+    score_args, mask_args, Blocks = variant
+    for pos in tl.range(start, end, BLOCK_N):
+        start_n = pos
+        if LISTED:
+            start_n = tl.load(Blocks + pos // SPAN) * SPAN + pos % SPAN
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k_tile = load_tile(tile_ptrs(k_base, offs_n, offs_d, stride_ks, stride_kd), offs_n,
                            seqlen_k, offs_d, HEAD_DIM, MASKED, HEAD_DIM != BLOCK_D)
@@ -255,10 +303,18 @@ def _bwd_dq_tiles(dq, q_tile, do_tile, lse2, delta, kv, start, end, offs, band, 
         qk = tl.dot(q_tile, tl.trans(k_tile), input_precision=PRECISION)
         s, dcap = score_mod(qk, offs_m[:, None], offs_n[None, :], band, mods, SOFTCAP, ALIBI,
                             SCORE_GRAD_FROM_S_JIT)
+        if SCORE_MOD is not None:  # d score_mod / d score, then the modified score
+            dmod = user_score_grad(s, off_b, off_h, offs_m[:, None], offs_n[None, :], seqlen_q,
+                                   seqlen_k, SCORE_GRAD, score_args)
+            s = user_score(s, off_b, off_h, offs_m[:, None], offs_n[None, :], seqlen_q,
+                           seqlen_k, SCORE_MOD, score_args)
         p = tl.math.exp2(s - lse2[:, None])
         if MASKED:
             keep = visible(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, window_left,
                            window_right, HAS_LEFT, HAS_RIGHT)
+            if MASK_MOD is not None:
+                keep = user_visible(keep, off_b, off_h, offs_m[:, None], offs_n[None, :],
+                                    seqlen_q, seqlen_k, MASK_MOD, mask_args)
             p = tl.where(keep, p, 0.0)
         # [BLOCK_M, BLOCK_N] = [BLOCK_M, BLOCK_DV] @ [BLOCK_DV, BLOCK_N]
         dp = tl.dot(do_tile, tl.trans(v_tile), input_precision=PRECISION)
@@ -267,6 +323,8 @@ def _bwd_dq_tiles(dq, q_tile, do_tile, lse2, delta, kv, start, end, offs, band, 
                                 dropout_threshold, BLOCK_N)
             dp = tl.where(kept, dp * dropout_scale, 0.0)
         ds = p * (dp - delta[:, None])
+        if SCORE_MOD is not None:
+            ds = ds * dmod
         if SOFTCAP:
             ds = ds * dcap
         # [BLOCK_M, BLOCK_D] = [BLOCK_M, BLOCK_N] @ [BLOCK_N, BLOCK_D]
@@ -286,13 +344,16 @@ def _bwd_dq_program(pid_m, pid_bh, Q, K, V, DO, Lse, Delta, DQ,
                    nheads, group, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
                    softcap_scale, Alibi, stride_ab, stride_ah,
                    softmax_scale, seed_lo, seed_hi, dropout_threshold, dropout_scale, Cu_q, Cu_k,
-                    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
+                   score_args, mask_args, KvNum, KvIdx, FullNum, FullIdx, stride_sb, stride_sh,
+                   n_kv_blocks,
+                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                    ALIBI: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr,
-                   EVEN_M: tl.constexpr,
-                   PRECISION: tl.constexpr):
-    """dQ of query block pid_m of (batch, head) pid_bh."""
+                   EVEN_M: tl.constexpr, PRECISION: tl.constexpr, SCORE_MOD: tl.constexpr,
+                   SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr, SPARSE: tl.constexpr,
+                   SPARSE_Q: tl.constexpr, SPARSE_KV: tl.constexpr):
+    """dQ of query block pid_m of (batch, head) pid_bh; SPARSE as the forward kernel's."""
     off_b = (pid_bh // nheads).to(tl.int64)
     off_h = (pid_bh % nheads).to(tl.int64)
     off_hk = off_h // group
@@ -329,14 +390,29 @@ def _bwd_dq_program(pid_m, pid_bh, Q, K, V, DO, Lse, Delta, DQ,
                                              HAS_RIGHT)
     bounds = (lo, mid_lo, mid_hi, hi)
     kv = (k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd)
+    offs = (offs_m, offs_d, offs_dv)
     band = (seqlen_q, seqlen_k, window_left, window_right)
+    mods = (qk_scale, softcap_scale, alibi_log2)
     drop = (seed_lo, seed_hi, dropout_threshold, dropout_scale, off_b, off_h)
+    if SPARSE:  # the block mask's lists replace the band's ranges
+        row = off_b * stride_sb + off_h * stride_sh + start_m // SPARSE_Q
+        for listed in tl.static_range(2):  # partial key blocks (masked), then full ones
+            Num = KvNum if listed == 0 else FullNum
+            Idx = KvIdx if listed == 0 else FullIdx
+            dq = _bwd_dq_tiles(dq, q_tile, do_tile, lse2, delta, kv, 0,
+                               tl.load(Num + row) * SPARSE_KV, offs, band, mods, drop,
+                               (score_args, mask_args, Idx + row * n_kv_blocks), HEAD_DIM,
+                               HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, listed == 0, HAS_LEFT,
+                               HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, PRECISION, SCORE_MOD,
+                               SCORE_GRAD, MASK_MOD, True, SPARSE_KV)
+        bounds = (0, 0, 0, 0)
     for segment in tl.static_range(3):  # masked edge, unmasked middle, masked edge
         dq = _bwd_dq_tiles(dq, q_tile, do_tile, lse2, delta, kv, bounds[segment],
-                           bounds[segment + 1], (offs_m, offs_d, offs_dv), band,
-                           (qk_scale, softcap_scale, alibi_log2), drop, HEAD_DIM, HEAD_DIM_V,
-                           BLOCK_D, BLOCK_DV, BLOCK_N, segment != 1, HAS_LEFT, HAS_RIGHT,
-                           SOFTCAP, ALIBI, DROPOUT, PRECISION)
+                           bounds[segment + 1], offs, band, mods, drop,
+                           (score_args, mask_args, KvIdx), HEAD_DIM, HEAD_DIM_V, BLOCK_D,
+                           BLOCK_DV, BLOCK_N, segment != 1 or MASK_MOD is not None, HAS_LEFT,
+                           HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, PRECISION, SCORE_MOD, SCORE_GRAD,
+                           MASK_MOD)
 
     dq_ptrs = tile_ptrs(head_ptr(DQ, off_b, off_h, q_start, stride_dqb, stride_dqh, stride_dqs),
                         offs_m, offs_d, stride_dqs, stride_dqd)
@@ -359,14 +435,18 @@ def _bwd_kernel(Q, K, V, DO, Lse, Delta, DQ, DK, DV,
                 batch, nheads, nheads_k, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
                 softcap_scale, Alibi, stride_ab, stride_ah,
                 softmax_scale, seed_lo, seed_hi, dropout_threshold, dropout_scale, Cu_q, Cu_k,
-                num_kv_blocks, num_q_blocks,
+                num_kv_blocks, num_q_blocks, score_args, mask_args, KvNum, KvIdx, FullNum,
+                FullIdx, stride_sb, stride_sh, n_kv_blocks, QNum, QIdx, FullQNum, FullQIdx,
+                stride_tb, stride_th, n_q_blocks,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_DV: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
                 BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr, HAS_LEFT: tl.constexpr,
                 HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
                 DROPOUT: tl.constexpr, VARLEN: tl.constexpr, EVEN_M: tl.constexpr,
                 EVEN_N: tl.constexpr, DO_DKDV: tl.constexpr, DO_DQ: tl.constexpr,
-                PRECISION: tl.constexpr):
+                PRECISION: tl.constexpr, SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr,
+                MASK_MOD: tl.constexpr, SPARSE: tl.constexpr, SPARSE_Q: tl.constexpr,
+                SPARSE_KV: tl.constexpr):
     """The dK/dV programs (DO_DKDV: axis 0 < num_kv_blocks) or the dQ programs (DO_DQ, heaviest
     query block first), launched one after the other; axis 1 is batch * nheads, of which the
     dK/dV programs use the first batch * nheads_k."""
@@ -388,9 +468,12 @@ def _bwd_kernel(Q, K, V, DO, Lse, Delta, DQ, DK, DV,
                               nheads_k, group, seqlen_q, seqlen_k, window_left, window_right,
                               qk_scale, softcap_scale, Alibi, stride_ab, stride_ah, softmax_scale,
                               seed_lo, seed_hi, dropout_threshold, dropout_scale, Cu_q, Cu_k,
+                              score_args, mask_args, QNum, QIdx, FullQNum, FullQIdx, stride_tb,
+                              stride_th, n_q_blocks,
                               HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M1, BLOCK_N1,
                               HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, VARLEN, EVEN_N,
-                              PRECISION)
+                              PRECISION, SCORE_MOD, SCORE_GRAD, MASK_MOD, SPARSE, SPARSE_Q,
+                              SPARSE_KV)
     elif DO_DQ:
         pid_m = num_q_blocks - 1 - (pid - num_kv_blocks if DO_DKDV else pid)
         _bwd_dq_program(pid_m, pid_bh, Q, K, V, DO, Lse, Delta, DQ,
@@ -404,8 +487,10 @@ def _bwd_kernel(Q, K, V, DO, Lse, Delta, DQ, DK, DV,
                         nheads, group, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
                         softcap_scale, Alibi, stride_ab, stride_ah,
                         softmax_scale, seed_lo, seed_hi, dropout_threshold, dropout_scale, Cu_q,
-                        Cu_k, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M2, BLOCK_N2,
-                        HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, VARLEN, EVEN_M, PRECISION)
+                        Cu_k, score_args, mask_args, KvNum, KvIdx, FullNum, FullIdx, stride_sb,
+                        stride_sh, n_kv_blocks, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M2,
+                        BLOCK_N2, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, VARLEN, EVEN_M,
+                        PRECISION, SCORE_MOD, SCORE_GRAD, MASK_MOD, SPARSE, SPARSE_Q, SPARSE_KV)
 
 
 def _dense_as_varlen(dout, q, k, v, out, lse, params: AttentionParams, dq, dk, dv, tiles,
@@ -489,16 +574,22 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         "dkdv", d_max, q.element_size(), interpreting())
     block_m2, block_n2, dq_warps, dq_stages = tiles.get("dq") or tile_config(
         "dq", d_max, q.element_size(), interpreting())
+    score_mod_args, mask_mod_args, variant = variant_args(params)
+    kv_blocks, sparse = block_args(params, lse)
+    q_blocks, _ = block_args(params, lse, transposed=True)
+    if sparse["SPARSE"]:  # the kernels' tiles must divide the block mask's
+        block_m1, block_m2 = (min(b, sparse["SPARSE_Q"]) for b in (block_m1, block_m2))
+        block_n1, block_n2 = (min(b, sparse["SPARSE_KV"]) for b in (block_n1, block_n2))
     num_kv_blocks, num_q_blocks = triton.cdiv(seqlen_k, block_n1), triton.cdiv(seqlen_q, block_m2)
     args = (q, k, v, dout, lse, delta, dq, dk, dv, *common_strides, *batch_strides(dq, params),
             *batch_strides(dk, params), *batch_strides(dv, params),
             batch, nheads, nheads_k, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
             softcap_scale, alibi, *alibi_strides,
             params.softmax_scale, seed_lo, seed_hi, dropout_threshold, dropout_scale, cu_q, cu_k,
-            num_kv_blocks, num_q_blocks)
+            num_kv_blocks, num_q_blocks, score_mod_args, mask_mod_args, *kv_blocks, *q_blocks)
     meta = dict(**dims, BLOCK_M1=block_m1, BLOCK_N1=block_n1, BLOCK_M2=block_m2,
                 BLOCK_N2=block_n2, **band, EVEN_M=not varlen and seqlen_q % block_m2 == 0,
-                EVEN_N=not varlen and seqlen_k % block_n1 == 0)
+                EVEN_N=not varlen and seqlen_k % block_n1 == 0, **variant, **sparse)
     if hopper:
         backward_hopper.attention_backward_dkdv(dout, q, k, v, lse, delta, params, dk, dv,
                                                 block=tiles.get("hopper"))

@@ -29,6 +29,7 @@ from flashkit.ops.triton.common import (
     LOG2E_JIT,
     alibi_args,
     batch_strides,
+    block_args,
     cdiv,
     head_ptr,
     interpreting,
@@ -44,6 +45,9 @@ from flashkit.ops.triton.common import (
     softmax_start,
     store_tile,
     tile_ptrs,
+    user_score,
+    user_visible,
+    variant_args,
     varlen_args,
     varlen_shape,
     visible,
@@ -54,30 +58,46 @@ from flashkit.ops.triton.dropout import dropout_args, dropout_keep
 
 
 @triton.jit
-def _fwd_tiles(acc, m_i, l_i, q_tile, kv, start, end, offs, band, mods, drop,
+def _fwd_tiles(acc, m_i, l_i, q_tile, kv, start, end, offs, band, mods, drop, variant,
                HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-               ALIBI: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
+               ALIBI: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
+               SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, LISTED: tl.constexpr = False,
+               SPAN: tl.constexpr = 1):
     """Stream key tiles [start, end) into (acc, m_i, l_i); MASKED applies the band predicate.
     kv = (k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd) of this (batch, kv head);
     offs = (offs_m, offs_d, offs_dv); band and mods as common.score_mod; drop = (seed_lo,
     seed_hi, threshold, off_b, off_h) of the keep-mask. DROPOUT: l sums every probability, acc
-    only the kept ones (the 1 / (1 - p) comes last)."""
+    only the kept ones (the 1 / (1 - p) comes last). variant = (score_args, mask_args, Blocks)
+    of a user score_mod / mask_mod (SCORE_MOD, MASK_MOD; MASKED applies MASK_MOD too) and a
+    block mask: LISTED, [start, end) counts keys of the SPAN-key blocks listed at Blocks,
+    position t being key Blocks[t // SPAN] * SPAN + t % SPAN, one loop over every listed block
+    so the software pipeline runs across them."""
     k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd = kv
     offs_m, offs_d, offs_dv = offs
     seqlen_q, seqlen_k, window_left, window_right = band
     seed_lo, seed_hi, dropout_threshold, off_b, off_h = drop
-    for start_n in tl.range(start, end, BLOCK_N):
+    score_args, mask_args, Blocks = variant
+    for pos in tl.range(start, end, BLOCK_N):
+        start_n = pos
+        if LISTED:
+            start_n = tl.load(Blocks + pos // SPAN) * SPAN + pos % SPAN
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k_tile = load_tile(tile_ptrs(k_base, offs_n, offs_d, stride_ks, stride_kd), offs_n,
                            seqlen_k, offs_d, HEAD_DIM, MASKED, HEAD_DIM != BLOCK_D)
         # [BLOCK_M, BLOCK_N] = [BLOCK_M, BLOCK_D] @ [BLOCK_D, BLOCK_N]
         qk = tl.dot(q_tile, tl.trans(k_tile), input_precision=PRECISION)
         s, _ = score_mod(qk, offs_m[:, None], offs_n[None, :], band, mods, SOFTCAP, ALIBI)
+        if SCORE_MOD is not None:
+            s = user_score(s, off_b, off_h, offs_m[:, None], offs_n[None, :], seqlen_q,
+                           seqlen_k, SCORE_MOD, score_args)
         if MASKED:
             keep = visible(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, window_left,
                            window_right, HAS_LEFT, HAS_RIGHT)
+            if MASK_MOD is not None:
+                keep = user_visible(keep, off_b, off_h, offs_m[:, None], offs_n[None, :],
+                                    seqlen_q, seqlen_k, MASK_MOD, mask_args)
             s = tl.where(keep, s, float("-inf"))
         p, alpha, m_i, l_i = online_softmax_update(m_i, l_i, s, MASKED)
         if DROPOUT:
@@ -99,15 +119,22 @@ def _fwd_kernel(Q, K, V, Out, Lse,
                 stride_lb, stride_lh, stride_ls,
                 nheads, group, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
                 softcap_scale, Alibi, stride_ab, stride_ah, Sink, seed_lo, seed_hi,
-                dropout_threshold, dropout_scale, Cu_q, Cu_k,
+                dropout_threshold, dropout_scale, Cu_q, Cu_k, score_args, mask_args,
+                KvNum, KvIdx, FullNum, FullIdx, stride_sb, stride_sh, n_kv_blocks,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                 ALIBI: tl.constexpr, SINK: tl.constexpr, DROPOUT: tl.constexpr,
-                VARLEN: tl.constexpr, EVEN_M: tl.constexpr, PRECISION: tl.constexpr):
+                VARLEN: tl.constexpr, EVEN_M: tl.constexpr, PRECISION: tl.constexpr,
+                SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr,
+                SPARSE: tl.constexpr, SPARSE_Q: tl.constexpr, SPARSE_KV: tl.constexpr):
     """SINK: Sink holds one logit per query head that joins every row's denominator
     (common.softmax_start). VARLEN: the grid covers the longest sequence; blocks past a shorter
-    one's end return."""
+    one's end return. SCORE_MOD / MASK_MOD: user modifiers (common.user_score / user_visible);
+    a MASK_MOD masks every tile. SPARSE: the key blocks come from a block mask
+    (flashkit.variants.BlockMask): the row of query block start_m // SPARSE_Q lists its partial
+    blocks (masked) and its full blocks (no mask at all); causal/window never come with one.
+    SCORE_GRAD is unused here."""
     # Heaviest query tiles first: under a causal band the last rows see the most keys.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -141,17 +168,30 @@ def _fwd_kernel(Q, K, V, Out, Lse,
     lo, mid_lo, mid_hi, hi = key_tile_ranges(start_m, seqlen_q, seqlen_k, window_left,
                                              window_right, BLOCK_M, BLOCK_N, HAS_LEFT,
                                              HAS_RIGHT)
-    bounds = (lo, mid_lo, mid_hi, hi)
     kv = (k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd)
+    offs = (offs_m, offs_d, offs_dv)
     band = (seqlen_q, seqlen_k, window_left, window_right)
     mods = (qk_scale, softcap_scale, alibi_log2)
     drop = (seed_lo, seed_hi, dropout_threshold, off_b, off_h)
+    if SPARSE:  # the block mask's lists replace the band's ranges
+        row = off_b * stride_sb + off_h * stride_sh + start_m // SPARSE_Q
+        for listed in tl.static_range(2):  # partial key blocks (masked), then full ones
+            Num = KvNum if listed == 0 else FullNum
+            Idx = KvIdx if listed == 0 else FullIdx
+            acc, m_i, l_i = _fwd_tiles(
+                acc, m_i, l_i, q_tile, kv, 0, tl.load(Num + row) * SPARSE_KV, offs, band, mods,
+                drop, (score_args, mask_args, Idx + row * n_kv_blocks), HEAD_DIM, HEAD_DIM_V,
+                BLOCK_D, BLOCK_DV, BLOCK_N, listed == 0, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI,
+                DROPOUT, PRECISION, SCORE_MOD, MASK_MOD, True, SPARSE_KV)
+        lo, mid_lo, mid_hi, hi = 0, 0, 0, 0
+    bounds = (lo, mid_lo, mid_hi, hi)
     for segment in tl.static_range(3):  # masked edge, unmasked middle, masked edge
         acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q_tile, kv, bounds[segment],
-                                   bounds[segment + 1], (offs_m, offs_d, offs_dv), band, mods,
-                                   drop, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
-                                   segment != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT,
-                                   PRECISION)
+                                   bounds[segment + 1], offs, band, mods, drop,
+                                   (score_args, mask_args, KvIdx), HEAD_DIM, HEAD_DIM_V,
+                                   BLOCK_D, BLOCK_DV, BLOCK_N,
+                                   segment != 1 or MASK_MOD is not None, HAS_LEFT, HAS_RIGHT,
+                                   SOFTCAP, ALIBI, DROPOUT, PRECISION, SCORE_MOD, MASK_MOD)
 
     has_mass = l_i > 0.0
     l_safe = softmax_denominator(l_i)
@@ -195,6 +235,10 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     # needs no shared memory (sm90 probe: 229376 bytes at d128, as without dropout)
     block_m, block_n, num_warps, num_stages = tile or tile_config(
         "forward", max(head_dim, head_dim_v), q.element_size(), interpreting())
+    score_mod_args, mask_mod_args, variant = variant_args(params)
+    blocks, sparse = block_args(params, lse)
+    if sparse["SPARSE"]:  # the kernel's tiles must divide the block mask's
+        block_m, block_n = min(block_m, sparse["SPARSE_Q"]), min(block_n, sparse["SPARSE_KV"])
     window_left, window_right, has_left, has_right = window_args(params)
     qk_scale, softcap_scale, softcap = score_args(params, q.dtype)
     alibi, alibi_strides, has_alibi = alibi_args(params, lse)
@@ -210,10 +254,10 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         *batch_strides(out, params), *batch_strides(lse, params),
         nheads, nheads // nheads_k, seqlen_q, seqlen_k, window_left, window_right,
         qk_scale, softcap_scale, alibi, *alibi_strides, sink, seed_lo, seed_hi,
-        dropout_threshold, dropout_scale, cu_q, cu_k,
+        dropout_threshold, dropout_scale, cu_q, cu_k, score_mod_args, mask_mod_args, *blocks,
         HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
         BLOCK_M=block_m, BLOCK_N=block_n, HAS_LEFT=has_left, HAS_RIGHT=has_right,
         SOFTCAP=softcap, ALIBI=has_alibi, SINK=params.sink is not None, DROPOUT=dropout,
         VARLEN=varlen, EVEN_M=not varlen and seqlen_q % block_m == 0, PRECISION=DOT_PRECISION,
-        num_warps=num_warps, num_stages=num_stages)
+        **variant, **sparse, num_warps=num_warps, num_stages=num_stages)
     return out, lse
