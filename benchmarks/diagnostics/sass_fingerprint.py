@@ -27,13 +27,11 @@ import subprocess
 import sys
 import tempfile
 
-os.environ.pop("TRITON_INTERPRET", None)  # compile for the GPU, not the CPU interpreter
-
-import torch  # noqa: E402
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.runtime import driver as driver_config  # noqa: E402
-from triton.runtime.jit import JITFunction  # noqa: E402
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.runtime import driver as driver_config
+from triton.runtime.jit import JITFunction
 
 TOOLS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
@@ -55,6 +53,9 @@ COMPILED: list = []
 
 
 def _install() -> None:
+    """Compile-only launches for sm_90. Call before flashkit's Triton modules are imported (some
+    read TRITON_INTERPRET at import time)."""
+    os.environ.pop("TRITON_INTERPRET", None)  # compile for the GPU, not the CPU interpreter
     driver_config.set_active(_Sm90Driver())
     original = JITFunction.run
 
