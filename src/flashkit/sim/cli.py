@@ -7,10 +7,10 @@ handler prints its tables and returns an exit code.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 
 import numpy as np
 
-from flashkit.ops.triton import configs
 from flashkit.sim.hbm import format_io_sweep, format_sram_sweep, format_triton_configs
 from flashkit.sim.loop_orders import format_loop_orders
 from flashkit.sim.machine import run
@@ -202,13 +202,25 @@ def _hbm(args: argparse.Namespace) -> int:
     print(format_sram_sweep(args.ns[-1], args.d, [sram // 4, sram // 2, sram, sram * 2],
                             args.dtype_bytes))
     print()
-    # flashkit's own forward tile for this head dim (ops/triton/configs.py, chosen on the H200).
-    ours = configs.HOPPER["forward"][configs.padded_head_dim(args.head_dim)][:2]
-    tiles = args.tiles if ours in args.tiles else [ours, *args.tiles]
+    ours = _triton_forward_tile(args.head_dim)
+    tiles = args.tiles if ours is None or ours in args.tiles else [ours, *args.tiles]
     print(format_triton_configs(args.seqlen, args.head_dim, tiles, args.causal,
                                 args.dtype_bytes, args.batch, args.nheads))
-    print(f"flashkit's Triton forward uses {ours[0]}x{ours[1]} at head dim {args.head_dim}.")
+    if ours is None:
+        print("(flashkit's own Triton tile is listed when triton is installed: "
+              "pip install triton==3.6.0)")
+    else:
+        print(f"flashkit's Triton forward uses {ours[0]}x{ours[1]} at head dim {args.head_dim}.")
     return 0
+
+
+def _triton_forward_tile(head_dim: int) -> tuple[int, int] | None:
+    """flashkit's own Hopper forward tile (BLOCK_M, BLOCK_N) for this head dim, or None without
+    triton: the tile tables live in the Triton backend, which imports triton."""
+    if importlib.util.find_spec("triton") is None:
+        return None
+    from flashkit.ops.triton import configs
+    return configs.HOPPER["forward"][configs.padded_head_dim(head_dim)][:2]
 
 
 def _add_hbm(machines) -> None:
