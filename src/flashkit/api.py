@@ -139,7 +139,7 @@ def require_available(name: str, device: torch.device) -> None:
         return
     if importlib.util.find_spec("triton") is None:
         raise ImportError("backend 'triton' needs the triton package: pip install "
-                          "'flashkit[gpu]', or pass backend='torch'")
+                          "'flashkit-attn[gpu]', or pass backend='torch'")
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"backend 'triton' runs on CUDA tensors (got {device}); set "
                          "TRITON_INTERPRET=1 to run its kernels in the interpreter, or pass "

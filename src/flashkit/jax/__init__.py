@@ -35,8 +35,8 @@ import functools
 try:
     import jax
 except ImportError as err:  # say what to install instead of a bare "No module named 'jax'"
-    raise ImportError("flashkit.jax needs JAX: pip install 'flashkit[jax]' (or jax[cuda12] "
-                      "for GPUs)") from err
+    raise ImportError("flashkit.jax needs JAX: pip install 'flashkit-attn[jax]' (or "
+                      "jax[cuda12] for GPUs)") from err
 from flashkit.jax import _layout, pallas, xla
 from flashkit.jax._checks import AttentionConfig, check_inputs
 from flashkit.jax._tile import backward_rows
