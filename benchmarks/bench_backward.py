@@ -1,7 +1,7 @@
 """Backward speed of the Gluon kernels (ops/triton/backward_hopper.py) against the Triton kernels
-and the anchors, in one process (DESIGN section 6): a correctness check of every candidate tile
-against an fp32 reference (the Triton kernels' error as the yardstick), a tile sweep at 4k, then
-the grid.
+and the anchors, in one process (docs/design.md section 6): a correctness check of every
+candidate tile against an fp32 reference (the Triton kernels' error as the yardstick), a tile
+sweep at 4k, then the grid.
 
     PYTHONPATH=src python3 benchmarks/bench_backward.py --out DIR [--seqlens 1024,4096,16384]
                                                         [--skip-sweep] [--budget SECONDS]

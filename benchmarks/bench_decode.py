@@ -5,8 +5,8 @@
         [--before OLD_KVCACHE_PY]
 
 First a correctness gate on the GPU (poisoned outputs, bf16 against the float64 oracle by the
-DESIGN section 5 rule, contiguous and paged, splits 1 and auto, with an append and rotary through
-the public API); the run stops if it fails. Then, bf16, d128, 32 query heads:
+docs/design.md section 5 rule, contiguous and paged, splits 1 and auto, with an append and
+rotary through the public API); the run stops if it fails. Then, bf16, d128, 32 query heads:
   studies  (stage study; they set the settings the rest of the run uses, reported in the
            JSON's "chosen"): split counts at small batches (what auto_num_splits picks for 1, 2
            and 3 programs per SM, plus a curve at two shapes), the merge kernel alone, the merge

@@ -213,7 +213,8 @@ def time_flex_window(q, k, v, dout, timed=True):
 
 
 def flops(pairs, nheads=NHEADS, head_dim=HEAD_DIM):
-    """(fwd, bwd) FLOPs over `pairs` visible (query, key) pairs per head (DESIGN section 6)."""
+    """(fwd, bwd) FLOPs over `pairs` visible (query, key) pairs per head (docs/design.md
+    section 6)."""
     f = 4 * pairs * nheads * head_dim
     return f, 2.5 * f
 

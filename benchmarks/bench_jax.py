@@ -1,4 +1,4 @@
-"""Speed of flashkit.jax against jax.nn.dot_product_attention (DESIGN section 6).
+"""Speed of flashkit.jax against jax.nn.dot_product_attention (docs/design.md section 6).
 
     PYTHONPATH=src python3 benchmarks/bench_jax.py --out DIR [--seqlens 1024,4096,16384]
         [--head-dims 64,128] [--causal 0,1] [--sweep] [--budget SECONDS]

@@ -1,4 +1,5 @@
-"""Speed and memory of the Triton backend against PyTorch's attention kernels (DESIGN section 6).
+"""Speed and memory of the Triton backend against PyTorch's attention kernels
+(docs/design.md section 6).
 
     PYTHONPATH=src python3 benchmarks/bench_triton.py --out DIR [--grid main|full|quick]
                                                       [--sweep] [--anchors flash,cudnn,...]

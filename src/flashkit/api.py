@@ -2,7 +2,7 @@
 
 Signatures and return values follow flash-attn 2 (`out`, or `(out, softmax_lse, attn_probs)` with
 return_attn_probs=True), plus two keyword-only additions: `sink` (a learnable per-head logit,
-DESIGN section 1) and `backend` (None, "torch", "triton" or "reference").
+docs/design.md section 1) and `backend` (None, "torch", "triton" or "reference").
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """`flashkit bench`: attention throughput (TFLOP/s) of flashkit and the anchors, in one run.
 
-The method of DESIGN section 6: FLOPs are 4 * batch * nheads * seqlen^2 * headdim for the
+The method of docs/design.md section 6: FLOPs are 4 * batch * nheads * seqlen^2 * headdim for the
 forward (half of it when causal), 2.5 times that for the backward; times are medians after
 warm-up (triton.testing.do_bench on CUDA). batch = tokens / seqlen and nheads = head_budget /
 headdim keep the work per point comparable across the grid.
@@ -11,7 +11,7 @@ headdim keep the work per point comparable across the grid.
 
     flashkit bench                          # CPU: seqlen 256..1k, a minute
     flashkit bench --device cuda            # GPU: bf16, d 64/128, seqlen 1k/4k/16k
-    flashkit bench --device cuda --full     # GPU: the whole grid of DESIGN section 6
+    flashkit bench --device cuda --full     # GPU: the whole grid of docs/design.md section 6
     flashkit bench --device cuda --methods flashkit,sdpa-cudnn --headdims 128 --directions fwd
 """
 
@@ -46,7 +46,7 @@ class Grid:
 
 
 def gpu_grid(full: bool) -> Grid:
-    """DESIGN section 6's grid (full) or its quick subset (bf16, d 64/128, 1k/4k/16k)."""
+    """docs/design.md section 6's grid (full) or its quick subset (bf16, d 64/128, 1k/4k/16k)."""
     if full:
         return Grid(["bfloat16", "float16"], [64, 128, 256], [512 * 2**i for i in range(6)],
                     [False, True], ["fwd", "bwd"], 16384, 2048)
@@ -204,7 +204,8 @@ def run_grid(grid: Grid, methods: list[str], device: str) -> list[Result]:
 
 
 def reference_method(device: str) -> str:
-    """What every ratio is to: cuDNN on the GPU (DESIGN section 6), torch's SDPA on the CPU."""
+    """What every ratio is to: cuDNN on the GPU (docs/design.md section 6), torch's SDPA on
+    the CPU."""
     return "sdpa-cudnn" if device.startswith("cuda") else "sdpa"
 
 

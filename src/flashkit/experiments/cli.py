@@ -132,8 +132,9 @@ def _add_bench(subparsers) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter, description=bench.__doc__)
     _common(parser, "flashkit-results")
     parser.add_argument("--full", action="store_true",
-                        help="GPU: DESIGN section 6's whole grid (bf16 and fp16, d 64/128/256, "
-                             "seqlen 512..16k); default: bf16, d 64/128, seqlen 1k/4k/16k")
+                        help="GPU: the whole grid of docs/design.md section 6 (bf16 and fp16, "
+                             "d 64/128/256, seqlen 512..16k); default: bf16, d 64/128, seqlen "
+                             "1k/4k/16k")
     parser.add_argument("--methods", type=choices_arg(dict.fromkeys(bench.GPU_METHODS
                                                                     + bench.CPU_METHODS)),
                         help=f"comma-separated subset (GPU: {','.join(bench.GPU_METHODS)}; "

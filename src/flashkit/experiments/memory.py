@@ -282,7 +282,7 @@ def default_problem(device: str, batch: int = 1, nheads: int | None = None,
                     headdim: int | None = None, dtype: str | None = None,
                     causal: bool = False) -> Problem:
     """The probe's shape, with the device's defaults for what is None: 4 heads x 64 in float32
-    on the CPU; 16 heads x 128 in bfloat16 on the GPU (DESIGN section 6's memory wall)."""
+    on the CPU; 16 heads x 128 in bfloat16 on the GPU (docs/design.md section 6's memory wall)."""
     gpu = device.startswith("cuda")
     return Problem(batch, nheads or (16 if gpu else 4), headdim or (128 if gpu else 64),
                    dtype or ("bfloat16" if gpu else "float32"), causal, device)

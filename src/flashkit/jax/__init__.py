@@ -4,8 +4,8 @@
     out = flash_attention(q, k, v, causal=True)                 # (batch, seqlen, nheads, d)
     out, lse = flash_attention(q, k, v, return_lse=True)         # lse (batch, nheads, seqlen_q)
 
-Implementations (same math, DESIGN section 1: bottom-right aligned causal/window, GQA, rows that
-see no key give 0 and lse -inf):
+Implementations (same math, docs/design.md section 1: bottom-right aligned causal/window, GQA,
+rows that see no key give 0 and lse -inf):
     "pallas"         Pallas kernels for NVIDIA GPUs, forward and backward: on a Hopper GPU the
                      Mosaic GPU kernels (`mosaic.py` forward, `mosaic_backward.py` dK/dV and dQ:
                      TMA, wgmma, warp specialisation) where they cover the problem, else the
