@@ -29,7 +29,7 @@ import torch
 from flashkit.experiments import corpus, plotting, results
 from flashkit.experiments.memory import is_out_of_memory
 from flashkit.experiments.progress import track
-from flashkit.models.gpt import ATTENTION, GPT, GPTConfig, flashkit_attention
+from flashkit.models.gpt import ATTENTION, GPT, Attend, GPTConfig, flashkit_attention
 
 
 @dataclass(frozen=True)
@@ -92,14 +92,16 @@ class Run:
     oom: str = ""  # the out-of-memory error, when this run could not train at all
 
 
-def _model(attention: str, config: TrainConfig, vocab_size: int):
-    """A GPT initialised from config.seed with attention "naive" or "flashkit", and its
-    optimizer."""
+def _model(attention: str, config: TrainConfig, vocab_size: int,
+           attend: Attend | None = None):
+    """A GPT initialised from config.seed with attention "naive" or "flashkit", or with `attend`
+    (any causal attention on (batch, seqlen, nheads, headdim)), and its optimizer."""
     torch.manual_seed(config.seed)
     model_config = GPTConfig(vocab_size, config.seqlen, config.n_layer, config.n_head,
                              config.n_embd)
-    attend = (ATTENTION[attention] if attention == "naive"
-              else functools.partial(flashkit_attention, backend=config.backend))
+    if attend is None:
+        attend = (ATTENTION[attention] if attention == "naive"
+                  else functools.partial(flashkit_attention, backend=config.backend))
     model = GPT(model_config, attend).to(config.device)
     return model, torch.optim.AdamW(model.parameters(), lr=config.lr)
 
@@ -118,10 +120,11 @@ def _step(model, optimizer, x, y, config: TrainConfig) -> tuple[float, float]:
 
 
 def train_once(attention: str, config: TrainConfig, tokens: torch.Tensor,
-               vocab_size: int) -> Run:
-    """Train from config.seed with attention "naive" or "flashkit"; batches come from a generator
-    seeded the same way, so two calls differ only in the attention implementation."""
-    model, optimizer = _model(attention, config, vocab_size)
+               vocab_size: int, attend: Attend | None = None) -> Run:
+    """Train from config.seed with attention "naive" or "flashkit", or with `attend` (any causal
+    attention on (batch, seqlen, nheads, headdim), `attention` then only names the run); batches
+    come from a generator seeded the same way, so two calls differ only in the attention."""
+    model, optimizer = _model(attention, config, vocab_size, attend)
     batches = torch.Generator().manual_seed(config.seed)
     cuda = config.device.startswith("cuda")
     if cuda:
