@@ -9,7 +9,7 @@ import sys
 # Modules with a register(subparsers) function, in the order `flashkit --help` lists them.
 COMMAND_MODULES = [
     "flashkit.experiments.cli",  # demo, memory, bench, break-it, train
-    "flashkit.algorithms.cli",  # learn: the seed algorithms, worked
+    "flashkit.algorithms.cli",  # learn: the algorithms behind FlashAttention
     "flashkit.sim.cli",  # simulate: register machine, systolic array, TPU, HBM IO
 ]
 

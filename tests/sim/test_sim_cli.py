@@ -1,4 +1,4 @@
-"""``flashkit simulate ...`` through our own argparse parser (the lead wires register() in)."""
+"""``flashkit simulate ...`` through its own argparse parser."""
 
 import argparse
 

@@ -152,7 +152,7 @@ def _break_it(sizes: Sizes, out: Path, report: Report) -> None:
     summary = break_it.run(out, logit_stds=(1.0, 4.0, 25.0), seqlen=sizes.break_it_seqlen,
                            device=sizes.memory.device)
     report.add("BREAK IT: both moves of the streaming softmax are load-bearing",
-               "The seed's tiled loop with one move removed, on scores drawn with the standard "
+               "The chapter's tiled loop with one move removed, on scores drawn with the standard "
                "deviation shown (std 1: a fresh model; std 4 and 25: sharp, trained heads). "
                "Without the max subtraction exp(s) overflows (fp16 above s = 11.1, fp32 above "
                "88.7) and the output turns to NaN/inf; without the rescaling nothing overflows "

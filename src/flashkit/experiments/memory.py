@@ -1,7 +1,8 @@
 """`flashkit memory`: peak memory of one attention forward pass against sequence length.
 
-The probe of the seed chapter, made honest on both kinds of machine. What is reported is the
-*extra* memory a forward pass needs on top of its inputs (q, k, v already allocated):
+The memory probe of Under the Hood, chapter 8, made honest on both kinds of machine. What is
+reported is the *extra* memory a forward pass needs on top of its inputs (q, k, v already
+allocated):
 
 - GPU: in this process, torch.cuda.max_memory_allocated() after reset_peak_memory_stats(), minus
   what was allocated before the call. An allocation that does not fit is reported as OOM.

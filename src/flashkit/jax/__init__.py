@@ -15,8 +15,8 @@ rows that see no key give 0 and lse -inf):
     "pallas_mosaic"  the Mosaic GPU kernels only (Hopper only; NotImplementedError where they do
                      not cover the problem: bf16/fp16, d = dv = 128 at any lengths, causal
                      and windows; d = dv = 64 on whole blocks without a window)
-    "xla"            seed 003's vmap-over-query-blocks port, tiled in plain JAX
-    "fori"           seed 003's first port, a fori_loop over query blocks (kept to show the
+    "xla"            the TPU post's vmap-over-query-blocks port, tiled in plain JAX
+    "fori"           the TPU post's first port, a fori_loop over query blocks (kept to show the
                      difference)
 
 Gradients come from one `jax.custom_vjp` for all of them: the forward saves (q, k, v, out, lse),
