@@ -92,7 +92,9 @@ def heads(nheads: int, nheads_k: int, k, v, dim: int, names=("q", "k", "v")) -> 
 def softmax_scale(scale, head_dim: int, name: str = "softmax_scale") -> float:
     if scale is None:
         return head_dim ** -0.5
-    if not isinstance(scale, numbers.Real) or not math.isfinite(scale) or scale <= 0:
+    # Comparisons, not math.isfinite: under torch.compile(dynamic=True) the scale can be a
+    # symbolic float, which compares (and is guarded on) but has no isfinite. NaN fails both.
+    if not isinstance(scale, numbers.Real) or not 0 < scale < math.inf:
         raise ValueError(f"{name}: expected a finite positive number, got {scale!r}")
     return float(scale)
 
@@ -104,7 +106,7 @@ def dropout_p(p) -> float:
 
 
 def softcap(cap) -> float:
-    if not isinstance(cap, numbers.Real) or not math.isfinite(cap) or cap < 0:
+    if not isinstance(cap, numbers.Real) or not 0 <= cap < math.inf:  # see softmax_scale
         raise ValueError(f"softcap: expected a finite number >= 0 (0 = off), got {cap!r}")
     return float(cap)
 
