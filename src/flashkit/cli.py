@@ -31,6 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     if not hasattr(args, "func"):
         parser.print_help()
         return 0
+    problem = args.check(args) if hasattr(args, "check") else None
+    if problem:
+        parser.error(problem)  # exit status 2, as for any bad argument
     return args.func(args)
 
 

@@ -53,8 +53,20 @@ def _add(machines, name: str, summary: str, description: str, examples: list[str
         epilog="examples:\n" + "\n".join(f"  flashkit simulate {name} {e}".rstrip()
                                          for e in examples),
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.set_defaults(func=handler)
+    parser.set_defaults(func=_usage_errors(parser, handler))
     return parser
+
+
+def _usage_errors(parser: argparse.ArgumentParser, handler):
+    """The handler, with the machines' ValueErrors (arguments that fit each alone but not
+    together, such as too few --registers for a --program) reported as argparse errors: the
+    message and exit status 2, not a traceback."""
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return handler(args)
+        except ValueError as error:
+            parser.error(str(error))
+    return run
 
 
 # -- machine ------------------------------------------------------------------------------------
