@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 
 import torch
 
@@ -177,6 +178,22 @@ def cu_seqlens(name: str, cu, total: int, max_seqlen, max_name: str, device) -> 
         raise ValueError(f"{max_name}: expected an int >= the longest sequence "
                          f"({max(lengths)}), got {max_seqlen!r}")
     return len(values) - 1
+
+
+def warn_if_sdpa_layout(q, k) -> None:
+    """Warn when (batch, seqlen, nheads, d) inputs look like SDPA's (batch, nheads, seqlen, d):
+    both q and k with fewer positions than heads, and at least 128 query heads (few models have
+    that many, and those attend over more keys than heads). Shape comparisons only; skipped
+    while torch.compile traces."""
+    if torch.compiler.is_compiling():
+        return
+    (seqlen_q, nheads), (seqlen_k, nheads_k) = q.shape[1:3], k.shape[1:3]
+    if seqlen_q < nheads and seqlen_k < nheads_k and nheads >= 128:
+        warnings.warn(
+            f"q: {nheads} heads of {seqlen_q} positions, k: {nheads_k} heads of {seqlen_k}. "
+            "flash_attn_func takes (batch, seqlen, nheads, headdim); tensors in PyTorch SDPA's "
+            "(batch, nheads, seqlen, headdim) layout need .transpose(1, 2), or call "
+            "flashkit.scaled_dot_product_attention", UserWarning, stacklevel=3)
 
 
 def backend(name, device) -> str:
