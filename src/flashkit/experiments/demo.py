@@ -1,6 +1,6 @@
 """`flashkit demo`: every experiment gathered into one report folder.
 
-    flashkit demo                      # CPU: quick sizes, well under a minute on two cores
+    flashkit demo                      # CPU: quick sizes, about a minute on two idle cores
     flashkit demo --device cuda        # GPU: the same steps, GPU-sized where it stays quick
     flashkit demo --full               # each step at its subcommand's default sizes (on the
                                        # GPU: memory up to 256k tokens, 200 training steps at
@@ -10,8 +10,9 @@ writes flashkit-report/README.md (open it in any Markdown viewer) with the PNGs,
 next to it:
 1. every backend against the float64 oracle, 2. measured peak memory, naive vs tiled (and Triton
 and SDPA on the GPU), 3. BREAK IT, 4. naive vs flashkit GPT training from the same seed,
-5. throughput against torch's own kernels. A step that fails is reported as failed in the page
-and the demo goes on with the next one (and exits with status 1).
+5. throughput against torch's own kernels. The page ends with what the demo skipped and why (a
+backend this machine cannot run, a size that would not fit). A step that fails is reported as
+failed in the page and the demo goes on with the next one (and exits with status 1).
 """
 
 from __future__ import annotations
