@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from flashkit import checks, reference
+from flashkit import checks, fp8, reference
 from flashkit.ops import custom_op
 from flashkit.ops.params import AttentionParams, accumulation_dtype
 
@@ -23,7 +23,8 @@ __all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-                    return_attn_probs=False, *, sink=None, backend=None):
+                    return_attn_probs=False, *, sink=None, backend=None, q_descale=None,
+                    k_descale=None, v_descale=None):
     """Exact attention, flash-attn 2's `flash_attn_func` (same arguments, same results).
 
     out[b, i, h] = sum_j softmax_j(s_ij) v[b, j, h // (nheads // nheads_k)], computed tile by tile
@@ -31,7 +32,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
 
     Args:
         q: (batch, seqlen_q, nheads, headdim). float16, bfloat16, float32 (or float64 on the
-            torch and reference backends); headdim up to 256. Note the layout: PyTorch's SDPA
+            torch and reference backends; float8 on Hopper GPUs, see q_descale); headdim up to
+            256. Note the layout: PyTorch's SDPA
             uses (batch, nheads, seqlen, headdim) instead (see `scaled_dot_product_attention`);
             a UserWarning is raised when q and k both have fewer positions than heads and at
             least 128 heads, the usual sign of SDPA-layout tensors passed here.
@@ -65,9 +67,13 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
             backend otherwise; "triton", "torch" or "reference" (the materialised float64-able
             oracle) force one. A feature a backend cannot do raises NotImplementedError; there
             is no silent fallback.
+        q_descale, k_descale, v_descale: for float8 (e4m3 / e5m2) q, k, v only (forward only,
+            bfloat16 out): float32 factors, (1,) or (batch, nheads_k) (q_descale also (batch,
+            nheads)), that undo each input's quantisation scale; see flashkit.fp8.
 
     Returns:
-        out (batch, seqlen_q, nheads, headdim_v) in q's dtype; with return_attn_probs,
+        out (batch, seqlen_q, nheads, headdim_v) in q's dtype (bfloat16 for float8 q); with
+        return_attn_probs,
         (out, lse, probs): lse (batch, nheads, seqlen_q) float32, the log-sum-exp of each row's
         scores before dropout (-inf for a row that sees no key, whose out is 0), and probs
         (batch, nheads, seqlen_q, seqlen_k).
@@ -76,10 +82,14 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
         ValueError / TypeError naming the argument, before any kernel runs, for a wrong rank,
         shape, dtype or device, a bad scale, window, dropout_p or softcap.
     """
-    checks.dense_qkv(q, k, v)
+    checks.dense_qkv(q, k, v, checks.DTYPES + checks.FLOAT8_DTYPES)
     checks.warn_if_sdpa_layout(q, k)
+    float8 = checks.descales(q, k, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
     params = build_params(q, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                      deterministic, sink, batch=q.shape[0])
+    if float8:
+        return fp8.attention(q, k, v, params, q_descale, k_descale, v_descale,
+                             checks.backend(backend, q.device), return_attn_probs)
     return _run(q, k, v, params, backend, return_attn_probs)
 
 
