@@ -89,8 +89,10 @@ def test_what_needs_triton_or_jax_says_how_to_install_it(tmp_path):
     out = check(run_without_triton_and_jax(
         "import torch, flashkit\n"
         "q = torch.randn(1, 4, 1, 8)\n"
+        "import flashkit.variants\n"
         "for attempt in (lambda: flashkit.flash_attn_func(q, q, q, backend='triton'),\n"
-        "                lambda: __import__('flashkit.jax')):\n"
+        "                lambda: __import__('flashkit.jax'),\n"
+        "                lambda: flashkit.variants.document_mask):\n"
         "    try:\n"
         "        attempt()\n"
         "    except ImportError as error:\n"
@@ -99,4 +101,5 @@ def test_what_needs_triton_or_jax_says_how_to_install_it(tmp_path):
     lines = out.splitlines()
     assert "pip install" in lines[0] and "triton" in lines[0]
     assert "pip install" in lines[1] and "jax" in lines[1].lower()
-    assert lines[2] == "torch.Size([1, 4, 1, 8])"
+    assert "pip install" in lines[2] and "Triton" in lines[2]
+    assert lines[3] == "torch.Size([1, 4, 1, 8])"

@@ -16,6 +16,8 @@ import torch
 from flashkit import checks, fp8, reference
 from flashkit.ops import custom_op
 from flashkit.ops.params import AttentionParams, accumulation_dtype
+from flashkit.variants import autograd as variant_autograd
+from flashkit.variants import mods as variant_mods
 
 __all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
            "flash_attn_varlen_func"]
@@ -24,7 +26,8 @@ __all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
                     return_attn_probs=False, *, sink=None, backend=None, q_descale=None,
-                    k_descale=None, v_descale=None):
+                    k_descale=None, v_descale=None, score_mod=None, mask_mod=None,
+                    block_mask=None):
     """Exact attention, flash-attn 2's `flash_attn_func` (same arguments, same results).
 
     out[b, i, h] = sum_j softmax_j(s_ij) v[b, j, h // (nheads // nheads_k)], computed tile by tile
@@ -33,10 +36,10 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     Args:
         q: (batch, seqlen_q, nheads, headdim). float16, bfloat16, float32 (or float64 on the
             torch and reference backends; float8 on Hopper GPUs, see q_descale); headdim up to
-            256. Note the layout: PyTorch's SDPA
-            uses (batch, nheads, seqlen, headdim) instead (see `scaled_dot_product_attention`);
-            a UserWarning is raised when q and k both have fewer positions than heads and at
-            least 128 heads, the usual sign of SDPA-layout tensors passed here.
+            256. Note the layout: PyTorch's SDPA uses (batch, nheads, seqlen, headdim) instead
+            (see `scaled_dot_product_attention`); a UserWarning is raised when q and k both have
+            fewer positions than heads and at least 128 heads, the usual sign of SDPA-layout
+            tensors passed here.
         k: (batch, seqlen_k, nheads_k, headdim), nheads_k dividing nheads (GQA/MQA: query head
             h reads kv head h // (nheads // nheads_k)).
         v: (batch, seqlen_k, nheads_k, headdim_v); headdim_v may differ from headdim.
@@ -70,13 +73,16 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
         q_descale, k_descale, v_descale: for float8 (e4m3 / e5m2) q, k, v only (forward only,
             bfloat16 out): float32 factors, (1,) or (batch, nheads_k) (q_descale also (batch,
             nheads)), that undo each input's quantisation scale; see flashkit.fp8.
+        score_mod, mask_mod, block_mask: a user-defined variant, with FlexAttention's meaning:
+            score_mod(score, b, h, q_idx, kv_idx) rewrites each scaled score, mask_mod(b, h,
+            q_idx, kv_idx) says which keys a query sees, and a block mask (create_block_mask)
+            lets the kernels skip empty tiles; see docs/variants.md.
 
     Returns:
         out (batch, seqlen_q, nheads, headdim_v) in q's dtype (bfloat16 for float8 q); with
-        return_attn_probs,
-        (out, lse, probs): lse (batch, nheads, seqlen_q) float32, the log-sum-exp of each row's
-        scores before dropout (-inf for a row that sees no key, whose out is 0), and probs
-        (batch, nheads, seqlen_q, seqlen_k).
+        return_attn_probs, (out, lse, probs): lse (batch, nheads, seqlen_q) float32, the
+        log-sum-exp of each row's scores before dropout (-inf for a row that sees no key, whose
+        out is 0), and probs (batch, nheads, seqlen_q, seqlen_k).
 
     Raises:
         ValueError / TypeError naming the argument, before any kernel runs, for a wrong rank,
@@ -87,7 +93,11 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     float8 = checks.descales(q, k, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
     params = build_params(q, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                      deterministic, sink, batch=q.shape[0])
+    params = variant_mods.attach(params, q, score_mod, mask_mod, block_mask, q.shape[0],
+                                 q.shape[2], q.shape[1], k.shape[1])
     if float8:
+        if params.variant is not None:
+            raise NotImplementedError("score_mod/mask_mod/block_mask: float8 inputs take none")
         return fp8.attention(q, k, v, params, q_descale, k_descale, v_descale,
                              checks.backend(backend, q.device), return_attn_probs)
     return _run(q, k, v, params, backend, return_attn_probs)
@@ -124,7 +134,8 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                            softcap=0.0, alibi_slopes=None, deterministic=False,
-                           return_attn_probs=False, *, sink=None, backend=None):
+                           return_attn_probs=False, *, sink=None, backend=None,
+                           score_mod=None, mask_mod=None, block_mask=None):
     """Attention over sequences packed without padding: q (total_q, nheads, d), k/v (total_k,
     nheads_k, d), sequence b spanning rows cu_seqlens[b]:cu_seqlens[b + 1] (int32, batch + 1).
     Masks align per sequence. lse is (nheads, total_q); probs a list of per-sequence matrices.
@@ -134,6 +145,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                      deterministic, sink, batch=batch, nheads=q.shape[1],
                      cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                      max_seqlen_q=int(max_seqlen_q), max_seqlen_k=int(max_seqlen_k))
+    params = variant_mods.attach(params, q, score_mod, mask_mod, block_mask, batch, q.shape[1],
+                                 int(max_seqlen_q), int(max_seqlen_k))
     return _run(q, k, v, params, backend, return_attn_probs)
 
 
@@ -179,7 +192,10 @@ def _run(q, k, v, params: AttentionParams, backend, return_attn_probs):
         t is not None and t.requires_grad for t in (q, k, v, params.sink))
     if needs_grad and q.dtype in (torch.float16, torch.bfloat16):
         params = dataclasses.replace(params, fp32_out=True)  # see AttentionParams.fp32_out
-    out, lse = custom_op.attention(q, k, v, params, name)
+    if params.variant is not None:  # Python modifiers: not custom-op arguments
+        out, lse = variant_autograd.attention(q, k, v, params, name)
+    else:
+        out, lse = custom_op.attention(q, k, v, params, name)
     out = out.to(q.dtype)
     if not return_attn_probs:
         return out
