@@ -287,7 +287,10 @@ def run(grid: Grid, methods: list[str], device: str, out: Path) -> dict:
     errors = sorted({f"{r.method}: {r.error}" for r in rows if r.error})
     for line in errors:
         print("  " + line)
-    data = {"environment": results.environment(device), "grid": asdict(grid),
+    env = results.environment(device)
+    if results.busy_cpu_note(env) and not device.startswith("cuda"):
+        print(f"note: {results.busy_cpu_note(env)}")
+    data = {"environment": env, "grid": asdict(grid),
             "results": [asdict(r) for r in rows]}
     files = [results.write_json(out / "bench.json", data),
              results.write_csv(out / "bench.csv", [asdict(r) for r in rows])]

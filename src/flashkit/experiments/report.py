@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from flashkit.experiments import results
+
 
 @dataclass
 class Report:
@@ -37,5 +39,8 @@ class Report:
                  f"{env['python']}, torch {env['torch']}, triton {triton}, "
                  f"flashkit {env['flashkit']}.", ""]
         skipped = ["## Skipped", "", *(self.skipped or ["Nothing: every step ran in full."]), ""]
+        busy = results.busy_cpu_note(env)
+        if busy and not env["device"].startswith("cuda"):
+            lines += [f"**Note:** {busy}.", ""]
         path.write_text("\n".join(lines + self.sections + skipped))
         return path

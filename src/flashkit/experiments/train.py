@@ -80,7 +80,7 @@ def configs(device: str, seed: int = 0, backend: str | None = None,
             for n in chosen.seqlens]
 
 
-TIMED_REPEATS = 5  # interleaved timed steps per side, after training
+TIMED_REPEATS = 10  # interleaved timed steps per side, after training
 
 
 @dataclass
@@ -282,7 +282,10 @@ def run(configs: list[TrainConfig], out: Path) -> dict:
     print(f"\n{configs[0].steps} steps, same seed and batches; model {configs[0].n_layer} "
           f"layers x {configs[0].n_head} heads x {configs[0].n_embd}, {configs[0].device}:")
     print(results.text_table(header, rows))
-    data = {"environment": results.environment(configs[0].device),
+    env = results.environment(configs[0].device)
+    if results.busy_cpu_note(env) and not configs[0].device.startswith("cuda"):
+        print(f"note: {results.busy_cpu_note(env)}")
+    data = {"environment": env,
             "configs": [asdict(c) for c in configs], "comparisons": comparisons,
             "runs": [asdict(r) for pair in pairs for r in pair]}
     files = [results.write_json(out / "train.json", data)]
