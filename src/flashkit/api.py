@@ -27,7 +27,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
                     return_attn_probs=False, *, sink=None, backend=None, q_descale=None,
                     k_descale=None, v_descale=None, score_mod=None, mask_mod=None,
-                    block_mask=None):
+                    block_mask=None, return_softmax_lse=False):
     """Exact attention, flash-attn 2's `flash_attn_func` (same arguments, same results).
 
     out[b, i, h] = sum_j softmax_j(s_ij) v[b, j, h // (nheads // nheads_k)], computed tile by tile
@@ -77,12 +77,15 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
             score_mod(score, b, h, q_idx, kv_idx) rewrites each scaled score, mask_mod(b, h,
             q_idx, kv_idx) says which keys a query sees, and a block mask (create_block_mask)
             lets the kernels skip empty tiles; see docs/variants.md.
+        return_softmax_lse: return (out, lse) without materialising the probabilities;
+            return_attn_probs takes precedence.
 
     Returns:
         out (batch, seqlen_q, nheads, headdim_v) in q's dtype (bfloat16 for float8 q); with
         return_attn_probs, (out, lse, probs): lse (batch, nheads, seqlen_q) float32, the
         log-sum-exp of each row's scores before dropout (-inf for a row that sees no key, whose
-        out is 0), and probs (batch, nheads, seqlen_q, seqlen_k).
+        out is 0), and probs (batch, nheads, seqlen_q, seqlen_k); with return_softmax_lse
+        alone, (out, lse).
 
     Raises:
         ValueError / TypeError naming the argument, before any kernel runs, for a wrong rank,
@@ -98,15 +101,17 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     if float8:
         if params.variant is not None:
             raise NotImplementedError("score_mod/mask_mod/block_mask: float8 inputs take none")
+        if return_softmax_lse:
+            raise NotImplementedError("return_softmax_lse: not offered for float8 inputs")
         return fp8.attention(q, k, v, params, q_descale, k_descale, v_descale,
                              checks.backend(backend, q.device), return_attn_probs)
-    return _run(q, k, v, params, backend, return_attn_probs)
+    return _run(q, k, v, params, backend, return_attn_probs, return_softmax_lse)
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
                               window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                               deterministic=False, return_attn_probs=False, *, sink=None,
-                              backend=None):
+                              backend=None, return_softmax_lse=False):
     """flash_attn_func on qkv (batch, seqlen, 3, nheads, headdim); gradients flow to qkv."""
     checks.tensor("qkv", qkv, "(batch, seqlen, 3, nheads, headdim)")
     if qkv.shape[2] != 3:
@@ -114,13 +119,13 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
     q, k, v = qkv.unbind(2)
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                            alibi_slopes, deterministic, return_attn_probs, sink=sink,
-                           backend=backend)
+                           backend=backend, return_softmax_lse=return_softmax_lse)
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                              deterministic=False, return_attn_probs=False, *, sink=None,
-                             backend=None):
+                             backend=None, return_softmax_lse=False):
     """flash_attn_func on q and kv (batch, seqlen_k, 2, nheads_k, headdim)."""
     checks.tensor("kv", kv, "(batch, seqlen_k, 2, nheads_k, headdim)")
     if kv.shape[2] != 2:
@@ -128,14 +133,15 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
     k, v = kv.unbind(2)
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                            alibi_slopes, deterministic, return_attn_probs, sink=sink,
-                           backend=backend)
+                           backend=backend, return_softmax_lse=return_softmax_lse)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                            softcap=0.0, alibi_slopes=None, deterministic=False,
                            return_attn_probs=False, *, sink=None, backend=None,
-                           score_mod=None, mask_mod=None, block_mask=None):
+                           score_mod=None, mask_mod=None, block_mask=None,
+                           return_softmax_lse=False):
     """Attention over sequences packed without padding: q (total_q, nheads, d), k/v (total_k,
     nheads_k, d), sequence b spanning rows cu_seqlens[b]:cu_seqlens[b + 1] (int32, batch + 1).
     Masks align per sequence. lse is (nheads, total_q); probs a list of per-sequence matrices.
@@ -147,7 +153,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                      max_seqlen_q=int(max_seqlen_q), max_seqlen_k=int(max_seqlen_k))
     params = variant_mods.attach(params, q, score_mod, mask_mod, block_mask, batch, q.shape[1],
                                  int(max_seqlen_q), int(max_seqlen_k))
-    return _run(q, k, v, params, backend, return_attn_probs)
+    return _run(q, k, v, params, backend, return_attn_probs, return_softmax_lse)
 
 
 def build_params(q, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
@@ -171,8 +177,9 @@ def draw_dropout_seed() -> int:
     return int(torch.randint(0, 2**62, (), device="cpu"))
 
 
-def _run(q, k, v, params: AttentionParams, backend, return_attn_probs):
-    """Dispatch to a backend; returns out or (out, lse, probs)."""
+def _run(q, k, v, params: AttentionParams, backend, return_attn_probs, return_softmax_lse):
+    """Dispatch to a backend; returns out, (out, lse, probs), or (out, lse) with
+    return_softmax_lse alone."""
     name = checks.backend(backend, q.device)
     if name == "reference":  # the oracle: materialised, differentiated by autograd
         if params.dropout_p > 0:
@@ -182,7 +189,9 @@ def _run(q, k, v, params: AttentionParams, backend, return_attn_probs):
         out, lse, *probs = reference.attention_with_params(q, k, v, params,
                                                            return_probs=return_attn_probs)
         lse = lse.to(accumulation_dtype(q.dtype))
-        return (out, lse, probs[0]) if return_attn_probs else out
+        if return_attn_probs:
+            return out, lse, probs[0]
+        return (out, lse) if return_softmax_lse else out
     for arg, t in (("attn_mask", params.attn_bias), ("alibi_slopes", params.alibi_slopes)):
         if t is not None and t.requires_grad:
             raise NotImplementedError(f"{arg}: backend {name!r} computes no gradient for it; "
@@ -198,7 +207,7 @@ def _run(q, k, v, params: AttentionParams, backend, return_attn_probs):
         out, lse = custom_op.attention(q, k, v, params, name)
     out = out.to(q.dtype)
     if not return_attn_probs:
-        return out
+        return (out, lse) if return_softmax_lse else out
     probs = custom_op.backend_module(name).attention_probs(q, k, v, lse, params)
     return out, lse, probs
 
