@@ -56,9 +56,12 @@ HOPPER = {
 # [BLOCK_M, BLOCK_N] fp32 gather that Triton's pipeliner buffers in shared memory per stage,
 # so HOPPER's d128 forward (128, 128, 8, 3) needs 360448 bytes with relative_bias (232448 on
 # sm_90) and 230400 with the document mask; and the modifier's code adds registers, so the
-# d128 forward spilled 300-1384 bytes there and dK/dV 228-344 with alibi / softcap. The
-# forward's (128, 64, 8, 2) compiles every built-in without spills in 98-131 KB (and in half
-# the compile time); speed candidates: benchmarks/suites/variants.py --parts configs.
+# d128 forward spilled 300-1384 bytes there and dK/dV 228-344 with alibi / softcap. At d128
+# the forward's (128, 64, 8, 2) compiles every built-in without spills in 98-131 KB (and in
+# half the compile time), dK/dV's (32, 128, 8, 2) without spills except relative_bias (144
+# bytes; (64, 64, 8, 2): 84-216, (64, 64, 4, 2): 312-1172), dQ's (128, 32, 8, 2) without.
+# d64 / d256 rows: checked for shared memory only. Speed of the candidates:
+# benchmarks/suites/variants.py --parts configs.
 VARIANT = {
     "forward": {
         16: (128, 64, 4, 2),
@@ -71,7 +74,7 @@ VARIANT = {
         16: (32, 128, 4, 2),
         32: (32, 128, 4, 2),
         64: (32, 128, 4, 2),
-        128: (64, 64, 4, 2),
+        128: (32, 128, 8, 2),
         256: (64, 64, 8, 1),
     },
     "dq": {
