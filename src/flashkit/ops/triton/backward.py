@@ -570,10 +570,11 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     if dlse is not None:
         delta -= dlse
 
+    has_variant = params.variant is not None
     block_m1, block_n1, num_warps, num_stages = tiles.get("dkdv") or tile_config(
-        "dkdv", d_max, q.element_size(), interpreting())
+        "dkdv", d_max, q.element_size(), interpreting(), has_variant)
     block_m2, block_n2, dq_warps, dq_stages = tiles.get("dq") or tile_config(
-        "dq", d_max, q.element_size(), interpreting())
+        "dq", d_max, q.element_size(), interpreting(), has_variant)
     score_mod_args, mask_mod_args, variant = variant_args(params)
     kv_blocks, sparse = block_args(params, lse)
     q_blocks, _ = block_args(params, lse, transposed=True)

@@ -21,10 +21,11 @@ from flashkit.ops.triton.configs.portable import (
     FP32,
     INTERPRETER,
     SM90,
+    VARIANT,
     padded_head_dim,
     tile_config,
 )
 
 __all__ = ["FP32", "GLUON_BACKWARD", "GLUON_BACKWARD_DKDV", "GLUON_BACKWARD_DQ", "GLUON_FORWARD",
-           "GLUON_FORWARD_TILES", "INTERPRETER", "SM90", "gluon_forward_tile", "padded_head_dim",
-           "tile_config"]
+           "GLUON_FORWARD_TILES", "INTERPRETER", "SM90", "VARIANT", "gluon_forward_tile",
+           "padded_head_dim", "tile_config"]

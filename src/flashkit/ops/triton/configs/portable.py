@@ -36,6 +36,36 @@ SM90 = {
     },
 }
 
+# Calls with a score_mod / mask_mod / block mask (flashkit.variants; the Gluon kernels decline
+# them): a modifier's table read is an elementwise fp32 gather that the pipeliner buffers in
+# shared memory per stage, and its code adds registers, so SM90's d128 tiles overflow or spill
+# there. Chosen offline (sm_90 compiles of every built-in variant, ptxas counts; checked by
+# tests/variants/test_variants_sm90.py), d64 / d256 for shared memory only; speed:
+# benchmarks/suites/variants.py --parts configs, numbers in benchmarks/notes/kernel-choices.md.
+VARIANT = {
+    "forward": {
+        16: (128, 64, 4, 2),  # as d64
+        32: (128, 64, 4, 2),  # as d64
+        64: (128, 64, 4, 2),  # fits shared memory with every built-in
+        128: (128, 64, 8, 2),  # no spills, 98-131 KB (SM90's row: 232448 B, 300-1384 B spills)
+        256: (64, 64, 8, 2),  # fits shared memory
+    },
+    "dkdv": {
+        16: (32, 128, 4, 2),  # as d64
+        32: (32, 128, 4, 2),  # as d64
+        64: (32, 128, 4, 2),  # fits shared memory
+        128: (32, 128, 8, 2),  # fewest spills: 0, relative_bias 144 B ((64, 64, 8, 2): 84-216)
+        256: (64, 64, 8, 1),  # fits shared memory
+    },
+    "dq": {
+        16: (128, 64, 8, 2),  # as d64
+        32: (128, 64, 8, 2),  # as d64
+        64: (128, 64, 8, 2),  # fits shared memory
+        128: (128, 32, 8, 2),  # no spills with any built-in
+        256: (64, 16, 4, 2),  # fits shared memory
+    },
+}
+
 # fp32 inputs (a correctness path, IEEE dots): one small single-stage tile for every head dim,
 # so head dim 256 fits in shared memory (dq: 64x256 Q and dO plus 32x256 K and V, 192 KiB).
 FP32 = {
@@ -59,11 +89,14 @@ def padded_head_dim(d: int) -> int:
     return max(16, 1 << (d - 1).bit_length())
 
 
-def tile_config(kernel: str, head_dim: int, element_size: int,
-                interpreter: bool) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for `kernel` at a head dim and element size."""
+def tile_config(kernel: str, head_dim: int, element_size: int, interpreter: bool,
+                variant: bool = False) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for `kernel` at a head dim and element size;
+    variant: the call has a score_mod, mask_mod or block mask (the VARIANT table)."""
     if interpreter:
         return INTERPRETER[kernel]
     if element_size > 2:
         return FP32[kernel]
+    if variant:
+        return VARIANT[kernel][padded_head_dim(head_dim)]
     return SM90[kernel][padded_head_dim(head_dim)]
