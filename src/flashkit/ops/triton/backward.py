@@ -523,7 +523,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         return _dense_as_varlen(dout, q, k, v, out, lse, params, dq, dk, dv, tiles, dlse)
     hopper = backward_hopper.eligible(q, k, v, dout, lse, params, dq, dk, dv, tiles)
     delta = torch.empty(lse.shape, dtype=torch.float32, device=q.device)  # laid out like lse
-    window_left, window_right, has_left, has_right = window_args(params)
+    window_left, window_right, has_left, has_right = window_args(params, seqlen_q, seqlen_k)
     block_d, block_dv = padded_head_dim(head_dim), padded_head_dim(head_dim_v)
     d_max = max(head_dim, head_dim_v)
     if atomic_dq is None:

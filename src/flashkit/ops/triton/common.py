@@ -134,9 +134,21 @@ def varlen_args(params, placeholder):
     return placeholder, placeholder, False
 
 
-def window_args(params) -> tuple[int, int, bool, bool]:
-    """(window_left, window_right, HAS_LEFT, HAS_RIGHT) as the kernels take them."""
+def window_args(params, seqlen_q: int, seqlen_k: int) -> tuple[int, int, bool, bool]:
+    """(window_left, window_right, HAS_LEFT, HAS_RIGHT) as the kernels take them.
+
+    seqlen_q, seqlen_k: bounds on every sequence's lengths (the dense lengths, varlen's
+    max_seqlen, a cache's capacity). A side that reaches every key from every row is passed as
+    unbounded: left >= seqlen_k - 1 puts i + shift - left <= 0, right >= seqlen_q - 1 puts
+    i + shift + right >= seqlen_k - 1. The same visible set, and the kernels' band-edge sums
+    (start + BLOCK + shift + window, int32) stay far from overflow: window_size=(-1, 2**31 - 1),
+    a common spelling of "unbounded", is then exactly unbounded.
+    """
     left, right = params.window_left, params.window_right
+    if left is not None and left >= seqlen_k - 1:
+        left = None
+    if right is not None and right >= seqlen_q - 1:
+        right = None
     return (0 if left is None else left, 0 if right is None else right,
             left is not None, right is not None)
 

@@ -813,7 +813,7 @@ def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, bloc
     # is off (index arithmetic as compiled without it).
     checks = {} if step is None else dict(debug=True, sanitize_overflow=False)
     capacity = k_cache.shape[1] if block_table is None else block_table.shape[1] * page_size
-    window_left, window_right, has_left, has_right = window_args(params)
+    window_left, window_right, has_left, has_right = window_args(params, seqlen_q, capacity)
     qk_scale, softcap_scale, softcap = score_args(params)
     # seqlens_k, or q where a step takes an int cache_seqlens: stands in for absent pointer
     # arguments (never read)

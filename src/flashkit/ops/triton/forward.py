@@ -218,7 +218,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     # needs no shared memory (sm90 probe: 229376 bytes at d128, as without dropout)
     block_m, block_n, num_warps, num_stages = tile or tile_config(
         "forward", max(head_dim, head_dim_v), q.element_size(), interpreting())
-    window_left, window_right, has_left, has_right = window_args(params)
+    window_left, window_right, has_left, has_right = window_args(params, seqlen_q, seqlen_k)
     qk_scale, softcap_scale, softcap = score_args(params, q.dtype)
     alibi, alibi_strides, has_alibi = alibi_args(params, lse)
     sink = lse if params.sink is None else params.sink.to(torch.float32)
