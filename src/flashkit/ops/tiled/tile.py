@@ -90,8 +90,21 @@ def online_update(m, l, acc, s, v_t, dropout=None):
     l = l * alpha + p.sum(-1)
     if dropout is not None:
         p = p * dropout
-    acc = acc * alpha[..., None] + p @ v_t  # [BM, dv] = [BM, BN] @ [BN, dv]
+    acc = acc * alpha[..., None] + values_product(p, s, v_t)
     return m_new, l, acc
+
+
+def values_product(p, s, v_t):
+    """p @ v_t ([BM, dv] = [BM, BN] @ [BN, dv]) where a key a row cannot see (s = -inf, so
+    p = 0) adds nothing even if its value is NaN or inf: 0 * NaN would otherwise reach every
+    row of the tile. A row that sees a non-finite value gets NaN in that column, as the math
+    gives NaN or inf there. Values are scanned first, so finite tiles pay one isfinite."""
+    bad = ~torch.isfinite(v_t)
+    if not bad.any():
+        return p @ v_t
+    seen = (s > -math.inf).to(p.dtype)
+    hit = (seen @ bad.to(p.dtype)) > 0  # (..., BM, dv): a visible key has a non-finite value
+    return (p @ v_t.masked_fill(bad, 0.0)).masked_fill(hit, math.nan)
 
 
 def merge_by_lse(out_parts, lse_parts):

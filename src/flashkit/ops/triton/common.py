@@ -275,6 +275,26 @@ def online_softmax_update(m_i, l_i, s, MASKED: tl.constexpr):
 
 
 @triton.jit
+def masked_values_product(acc, p, s, v_tile, PRECISION: tl.constexpr):
+    """acc + p @ v_tile for a masked tile ([BLOCK_M, BLOCK_N] @ [BLOCK_N, BLOCK_DV]) in which a
+    key a row cannot see (s = -inf, p = 0) adds nothing even if its value is NaN or inf (0 * NaN
+    would reach every row of the tile). A row that sees a non-finite value gets NaN in that
+    column, as the math gives NaN or inf there. Finite tiles pay one compare and a reduction;
+    unmasked tiles need none of this (every row sees every key)."""
+    bad = ~(tl.abs(v_tile.to(tl.float32)) < float("inf"))  # NaN compares false
+    if tl.max(bad.to(tl.int32)) > 0:
+        seen = tl.where(s > float("-inf"), 1.0, 0.0).to(v_tile.dtype)
+        # [BLOCK_M, BLOCK_DV]: how many visible keys of the row hold a non-finite value
+        hits = tl.dot(seen, bad.to(v_tile.dtype), input_precision=PRECISION)
+        clean = tl.where(bad, 0.0, v_tile).to(v_tile.dtype)
+        acc = tl.dot(p.to(v_tile.dtype), clean, acc, input_precision=PRECISION)
+        acc = tl.where(hits > 0, float("nan"), acc)
+    else:
+        acc = tl.dot(p.to(v_tile.dtype), v_tile, acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
 def scores(qk, qk_scale, softcap_scale, SOFTCAP: tl.constexpr):
     """Scores in log2 units from raw q . k, once for every kernel.
 

@@ -39,6 +39,7 @@ from flashkit.ops.triton.common import (
     load_alibi_log2,
     load_kv_tile,
     load_tile,
+    masked_values_product,
     online_softmax_update,
     score_args,
     scores,
@@ -87,8 +88,12 @@ def _fwd_tiles(acc, m_i, l_i, q_tile, k_src, v_src, off_b, off_hk, stride_ks, st
         v_tile = load_kv_tile(v_src, off_b, off_hk, start_n, offs_n, seqlen_k, offs_dv,
                               stride_vs, stride_vd, HEAD_DIM_V, BLOCK_N, BLOCK_DV, MASKED,
                               USE_TMA)
-        # [BLOCK_M, BLOCK_DV] = [BLOCK_M, BLOCK_N] @ [BLOCK_N, BLOCK_DV]
-        acc = tl.dot(p.to(v_tile.dtype), v_tile, acc * alpha[:, None], input_precision=PRECISION)
+        acc = acc * alpha[:, None]
+        if MASKED:
+            acc = masked_values_product(acc, p, s, v_tile, PRECISION)
+        else:
+            # [BLOCK_M, BLOCK_DV] = [BLOCK_M, BLOCK_N] @ [BLOCK_N, BLOCK_DV]
+            acc = tl.dot(p.to(v_tile.dtype), v_tile, acc, input_precision=PRECISION)
     return acc, m_i, l_i
 
 
