@@ -177,8 +177,10 @@ def head_ptr(X, off_b, off_h, start, stride_b, stride_h, stride_s):
 
 @triton.jit
 def tile_ptrs(base, rows, cols, stride_r, stride_c):
-    """[R, C] pointers base + rows * stride_r + cols * stride_c."""
-    return base + rows[:, None] * stride_r + cols[None, :] * stride_c
+    """[R, C] pointers base + rows * stride_r + cols * stride_c. The row offsets are int64: a
+    row index times its stride passes 2^31 in a long sequence (2^24 rows of 8 heads x 16 dims),
+    and sign-extended int32 factors make it one wide multiply, as the int32 product was."""
+    return base + rows[:, None].to(tl.int64) * stride_r + cols[None, :] * stride_c
 
 
 @triton.jit
@@ -381,7 +383,7 @@ def load_kv_tile(src, off_b, off_hk, start_n, offs_n, n_rows, offs_d, stride_s, 
         coords = [off_b.to(tl.int32), start_n, (off_hk * HEAD_DIM).to(tl.int32)]
         tile = src.load(coords).reshape(BLOCK_N, BLOCK_D)
     else:
-        ptrs = src + offs_n[:, None] * stride_s + offs_d[None, :] * stride_d
+        ptrs = tile_ptrs(src, offs_n, offs_d, stride_s, stride_d)
         tile = load_tile(ptrs, offs_n, n_rows, offs_d, HEAD_DIM, CHECK_ROWS, HEAD_DIM != BLOCK_D)
     return tile
 

@@ -188,7 +188,7 @@ def _cache_rows(page_keys, offs_n, hi, stride_kb, stride_ks, stride_vb, stride_v
     entries clamped to [0, num_pages) (a step reads before the append kernel's check of the
     table has finished)."""
     if PAGE_SIZE == 0:
-        slots = slot0 + offs_n
+        slots = (slot0 + offs_n).to(tl.int64)  # slot * stride_s passes 2^31 in long caches
         k_rows = slots * stride_ks
         v_rows = slots * stride_vs
     else:
