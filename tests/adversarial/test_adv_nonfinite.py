@@ -67,3 +67,21 @@ def test_nan_sink_and_slopes_reach_only_their_head(backend):
     slopes = torch.tensor([0.25, math.nan], device=DEVICE)
     out = flashkit.flash_attn_func(q, k, v, alibi_slopes=slopes, backend=backend)
     assert torch.isfinite(out[:, :, 0]).all() and out[:, :, 1].isnan().all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_masked_value_changes_no_gradient_of_rows_that_cannot_see_it(backend):
+    q, k, v = qkv(seqlen_q=7, seqlen_k=5)
+    dout = torch.randn_like(q)
+
+    def grads(v_in):
+        ins = [t.clone().requires_grad_() for t in (q, k, v_in)]
+        flashkit.flash_attn_func(*ins, causal=True, backend=backend).backward(dout)
+        return [t.grad for t in ins]
+    clean = grads(v)
+    poisoned = v.clone()
+    poisoned[0, 4, 0, 3] = math.nan  # key 4 of head 0: seen by row 6 only
+    got = grads(poisoned)
+    assert torch.equal(got[0][:, :6], clean[0][:, :6])  # dq of the rows that cannot see it
+    assert torch.equal(got[0][:, :, 1], clean[0][:, :, 1])  # the other head
+    assert torch.equal(got[2], clean[2])  # dv = P^T dO does not read v

@@ -14,7 +14,8 @@ from flashkit.checks import MAX_SOFTMAX_SCALE
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kwargs, arg", [
     (dict(softmax_scale=0.0), "softmax_scale"), (dict(softmax_scale=-1.0), "softmax_scale"),
-    (dict(softmax_scale=math.nan), "softmax_scale"), (dict(softmax_scale=math.inf), "softmax_scale"),
+    (dict(softmax_scale=math.nan), "softmax_scale"),
+    (dict(softmax_scale=math.inf), "softmax_scale"),
     (dict(softmax_scale=1e38), "softmax_scale"), (dict(softmax_scale="1"), "softmax_scale"),
     (dict(dropout_p=-0.1), "dropout_p"), (dict(dropout_p=1.0), "dropout_p"),
     (dict(dropout_p=math.nan), "dropout_p"), (dict(softcap=-1.0), "softcap"),

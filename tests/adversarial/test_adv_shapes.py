@@ -30,8 +30,8 @@ def test_dense_shape_mismatch(backend, case, arg):
         q, k, v = qkv(headdim=257)
     elif case == "headdim_zero":
         q, k, v = qkv(headdim=0)
-    rejects((ValueError, TypeError), arg, lambda: flashkit.flash_attn_func(q, k, v, backend=backend),
-            q, k, v)
+    rejects((ValueError, TypeError), arg,
+            lambda: flashkit.flash_attn_func(q, k, v, backend=backend), q, k, v)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -165,6 +165,8 @@ def _bwd_dkdv_tiles(dk, dv, k_tile, v_tile, q_base, do_base, lse_base, delta_bas
         else:
             delta = tl.load(delta_base + offs_m * stride_deltas)
         ds_t = p_t * (dp_t - delta[None, :])
+        if MASKED:  # a pair the row cannot see gives 0, even if that key's value made dp NaN
+            ds_t = tl.where(keep_t, ds_t, 0.0)
         if SOFTCAP:
             ds_t = ds_t * dcap_t
         # [BLOCK_N, BLOCK_D] = [BLOCK_N, BLOCK_M] @ [BLOCK_M, BLOCK_D]
@@ -302,6 +304,8 @@ def _bwd_dq_tiles(dq, q_tile, do_tile, lse2, delta, k_base, v_base, stride_ks, s
                                 dropout_threshold, BLOCK_N)
             dp = tl.where(kept, dp * dropout_scale, 0.0)
         ds = p * (dp - delta[:, None])
+        if MASKED:  # a pair the row cannot see gives 0, even if that key's value made dp NaN
+            ds = tl.where(keep, ds, 0.0)
         if SOFTCAP:
             ds = ds * dcap
         # [BLOCK_M, BLOCK_D] = [BLOCK_M, BLOCK_N] @ [BLOCK_N, BLOCK_D]
