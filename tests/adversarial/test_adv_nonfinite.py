@@ -85,3 +85,30 @@ def test_masked_value_changes_no_gradient_of_rows_that_cannot_see_it(backend):
     assert torch.equal(got[0][:, :6], clean[0][:, :6])  # dq of the rows that cannot see it
     assert torch.equal(got[0][:, :, 1], clean[0][:, :, 1])  # the other head
     assert torch.equal(got[2], clean[2])  # dv = P^T dO does not read v
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("paged", [False, True])
+def test_kvcache_masked_key_changes_nothing(backend, paged):
+    """Three causal query rows over the cache: the last cached key is seen by the last row
+    only; NaN in its value reaches no other row."""
+    with torch.no_grad():
+        shape = (4, 16, 2, 16) if paged else (2, 64, 2, 16)
+        kc, vc = randn(*shape), randn(*shape)
+        table = torch.tensor([[2, 0], [1, 3]], dtype=torch.int32, device=DEVICE) if paged \
+            else None
+        q = randn(2, 3, 4, 16)
+        seqlens = torch.tensor([10, 20], dtype=torch.int32, device=DEVICE)
+
+        def run():
+            return flashkit.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens,
+                                                    block_table=table, causal=True,
+                                                    backend=backend)
+        clean = run()
+        if paged:
+            vc[2, 9, 0] = math.nan  # sequence 0's key 9: page 2, slot 9
+        else:
+            vc[0, 9, 0] = math.nan
+        out = run()
+    assert torch.equal(out[0, :2], clean[0, :2]) and torch.equal(out[1], clean[1])
+    assert out[0, 2, :2].isnan().all()  # heads 0, 1 read kv head 0

@@ -62,3 +62,22 @@ def test_kvcache_window_limits(backend, window, same):
                 q, kc, vc, randn(2, 1, 2, 16), randn(2, 1, 2, 16), cache_seqlens=seqlens,
                 window_size=w, backend=backend))
     assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("window, seqlen_k", [((0, 0), 9), ((-1, -1), 1), ((3, 0), 9)])
+def test_rows_with_one_key_get_exact_zero_gradients(backend, dtype, window, seqlen_k):
+    """A row that sees one key (and no sink) has softmax 1 whatever its score: dq of the row
+    and its share of dk are exactly 0 (window (3, 0): row 0 only; the rest see more)."""
+    q, k, v = qkv(seqlen_q=9, seqlen_k=seqlen_k, dtype=dtype)
+    dq, dk, dv = _grads(lambda *x: flashkit.flash_attn_func(
+        *x, window_size=window, backend=backend), q * 3, k * 3, v)[1:]
+    if window == (3, 0):
+        assert (dq[:, 0] == 0).all() and (dq[:, 1:] != 0).any()
+    else:
+        assert (dq == 0).all() and (dk == 0).all() and (dv != 0).any()
+    sink = torch.zeros(2, device=DEVICE)  # a sink makes two logits: gradients again
+    dq_sink = _grads(lambda *x: flashkit.flash_attn_func(
+        *x, window_size=window, sink=sink, backend=backend), q * 3, k * 3, v)[1]
+    assert (dq_sink != 0).any()

@@ -82,9 +82,8 @@ def backward_dense(dout, q, k, v, out, lse, params: AttentionParams, alibi_slope
             dp = do_t @ v_t.transpose(-1, -2)  # [BM, BN] = [BM, dv] @ [dv, BN]
             if drop is not None:
                 dp = dp * drop
-            # masked pairs (s = -inf) give exactly 0, even where dp is NaN from a value the
-            # row cannot see (p * NaN would be NaN)
-            ds = torch.where(s == -math.inf, 0.0, p * (dp - delta[..., i0:i1, None]))
+            ds = torch.where(tile.gradient_pairs(s, i0, i1, seqlen_k, shift, params),
+                             p * (dp - delta[..., i0:i1, None]), 0.0)
             if tanh is not None:
                 ds = ds * (1 - tanh * tanh)  # d(cap * tanh(x / cap))/dx
             dq_acc[..., i0:i1, :] += scale * (ds @ k_t)  # [BM, d] = [BM, BN] @ [BN, d]

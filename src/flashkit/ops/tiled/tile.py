@@ -50,6 +50,23 @@ def band_mask(i0, i1, j0, j1, shift, params: AttentionParams, device):
     return keep
 
 
+def gradient_pairs(s, i0, i1, seqlen_k, shift, params: AttentionParams):
+    """(.., BM, BN) bool: where dS = P (dP - D) may be nonzero in a tile of scores s. Masked
+    pairs (s = -inf) are out, so a NaN dP from a value the row cannot see stays out of dS; so
+    are rows that see exactly one key and no sink: their softmax is the constant 1, and
+    computing P (dP - D) would leave the rounding of two differently ordered dot products
+    (dP = dO . v_j, D = dO . O with O = v_j) in dq and dk."""
+    pairs = s > -math.inf
+    if params.sink is None:
+        i = torch.arange(i0, i1, device=s.device)[:, None] + shift  # (BM, 1) the diagonal
+        first = torch.zeros_like(i) if params.window_left is None else (
+            i - params.window_left).clamp(min=0)
+        last = torch.full_like(i, seqlen_k - 1) if params.window_right is None else (
+            i + params.window_right).clamp(max=seqlen_k - 1)
+        pairs = pairs & (first != last)
+    return pairs
+
+
 def scores(q_t, k_t, i0, i1, j0, j1, shift, params: AttentionParams, slopes, bias):
     """Masked scores of one tile and, with softcap, tanh(raw / cap) for the backward pass.
 

@@ -200,6 +200,30 @@ def visible(i, j, seqlen_q, seqlen_k, window_left, window_right,
 
 
 @triton.jit
+def gradient_pairs(keep, i, seqlen_q, seqlen_k, window_left, window_right,
+                   HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SINK: tl.constexpr):
+    """Where a masked tile's dS may be nonzero: keep (the visible pairs, as `visible` gives
+    them) less the rows that see exactly one key and no sink. Such a row's softmax is the
+    constant 1, so its scores get no gradient at all; computed, dS = P (dP - D) leaves the
+    rounding of two dot products of different order (dP = dO . v_j, D = dO . O with O = v_j)
+    in dq and dk. Selecting on keep also keeps a NaN dP from a value the row cannot see out of
+    dS. Unmasked tiles need neither: there every row sees every key of the tile (>= 16).
+    i: the rows, broadcasting like `visible`'s."""
+    if SINK:
+        pairs = keep
+    else:
+        diag = i + (seqlen_k - seqlen_q)
+        first = tl.zeros_like(i)
+        last = tl.zeros_like(i) + seqlen_k - 1
+        if HAS_LEFT:
+            first = tl.maximum(diag - window_left, 0)
+        if HAS_RIGHT:
+            last = tl.minimum(diag + window_right, seqlen_k - 1)
+        pairs = keep & (first != last)
+    return pairs
+
+
+@triton.jit
 def key_tile_ranges(start_m, seqlen_q, seqlen_k, window_left, window_right,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
@@ -278,15 +302,15 @@ def online_softmax_update(m_i, l_i, s, MASKED: tl.constexpr):
 
 @triton.jit
 def masked_values_product(acc, p, s, v_tile, PRECISION: tl.constexpr):
-    """acc + p @ v_tile for a masked tile ([BLOCK_M, BLOCK_N] @ [BLOCK_N, BLOCK_DV]) in which a
-    key a row cannot see (s = -inf, p = 0) adds nothing even if its value is NaN or inf (0 * NaN
-    would reach every row of the tile). A row that sees a non-finite value gets NaN in that
-    column, as the math gives NaN or inf there. Finite tiles pay one compare and a reduction;
-    unmasked tiles need none of this (every row sees every key)."""
+    """acc + p @ v_tile for a masked tile ([.., BLOCK_M, BLOCK_N] @ [.., BLOCK_N, BLOCK_DV]) in
+    which a key a row cannot see (s = -inf, p = 0) adds nothing even if its value is NaN or inf
+    (0 * NaN would reach every row of the tile). A row that sees a non-finite value gets NaN in
+    that column, as the math gives NaN or inf there. Finite tiles pay one compare and a
+    reduction; unmasked tiles need none of this (every row sees every key)."""
     bad = ~(tl.abs(v_tile.to(tl.float32)) < float("inf"))  # NaN compares false
     if tl.max(bad.to(tl.int32)) > 0:
         seen = tl.where(s > float("-inf"), 1.0, 0.0).to(v_tile.dtype)
-        # [BLOCK_M, BLOCK_DV]: how many visible keys of the row hold a non-finite value
+        # [.., BLOCK_M, BLOCK_DV]: how many visible keys of the row hold a non-finite value
         hits = tl.dot(seen, bad.to(v_tile.dtype), input_precision=PRECISION)
         clean = tl.where(bad, 0.0, v_tile).to(v_tile.dtype)
         acc = tl.dot(p.to(v_tile.dtype), clean, acc, input_precision=PRECISION)
