@@ -45,6 +45,7 @@ from flashkit.ops.triton.common import (
     alibi_args,
     alibi_bias,
     batch_strides,
+    exp_units,
     gradient_pairs,
     head_ptr,
     interpreting,
@@ -101,7 +102,8 @@ def _bwd_preprocess_kernel(Out, DO, Delta,
 
 
 @triton.jit
-def _load_lse2(lse_ptrs, offs_m, seqlen_q, MASKED: tl.constexpr = True):
+def _load_lse2(lse_ptrs, offs_m, seqlen_q, MASKED: tl.constexpr = True,
+               NATURAL: tl.constexpr = False):
     """lse in log2 units; a row that saw no key (lse = -inf) and rows past seqlen_q read +inf,
     so P = exp2(s - lse2) = 0 for them. MASKED=False: every row is in bounds (the unmasked
     tiles), no mask (with seqlen_q of unknown divisibility, varlen, the mask cost registers)."""
@@ -109,7 +111,9 @@ def _load_lse2(lse_ptrs, offs_m, seqlen_q, MASKED: tl.constexpr = True):
         lse = tl.load(lse_ptrs, mask=offs_m < seqlen_q, other=float("-inf"))
     else:
         lse = tl.load(lse_ptrs)
-    return tl.where(lse == float("-inf"), float("inf"), lse * LOG2E_JIT)
+    if not NATURAL:  # NATURAL (fp32): lse stays in the scores' natural units
+        lse = lse * LOG2E_JIT
+    return tl.where(lse == float("-inf"), float("inf"), lse)
 
 
 @triton.jit
@@ -133,7 +137,8 @@ def _bwd_dkdv_tiles(dk, dv, k_tile, v_tile, q_base, do_base, lse_base, delta_bas
         offs_m = start_m + tl.arange(0, BLOCK_M)
         q_tile = load_tile(tile_ptrs(q_base, offs_m, offs_d, stride_qs, stride_qd), offs_m,
                            seqlen_q, offs_d, HEAD_DIM, MASKED, HEAD_DIM != BLOCK_D)
-        lse2 = _load_lse2(lse_base + offs_m * stride_ls, offs_m, seqlen_q, MASKED)
+        lse2 = _load_lse2(lse_base + offs_m * stride_ls, offs_m, seqlen_q, MASKED,
+                          q_tile.dtype == tl.float32)
         # [BLOCK_N, BLOCK_M] = [BLOCK_N, BLOCK_D] @ [BLOCK_D, BLOCK_M]
         qk_t = tl.dot(k_tile, tl.trans(q_tile), input_precision=PRECISION)
         s_t = scores(qk_t, qk_scale, softcap_scale, SOFTCAP)
@@ -142,7 +147,7 @@ def _bwd_dkdv_tiles(dk, dv, k_tile, v_tile, q_base, do_base, lse_base, delta_bas
         if ALIBI:
             s_t = s_t - alibi_bias(offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k,
                                    alibi_log2)
-        p_t = tl.math.exp2(s_t - lse2[None, :])
+        p_t = exp_units(s_t - lse2[None, :], q_tile.dtype == tl.float32)
         if MASKED:
             keep_t = visible(offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k, window_left,
                              window_right, HAS_LEFT, HAS_RIGHT)
@@ -238,7 +243,8 @@ def _bwd_dkdv_program(pid_n, pid_bh, Q, K, V, DO, Lse, Delta, DK, DV, DQAcc,
                                                HAS_RIGHT)
     for g in range(group):  # the query heads that share this kv head, in a fixed order
         off_h = off_hk * group + g
-        alibi_log2 = load_alibi_log2(Alibi, off_b, off_h, stride_ab, stride_ah, ALIBI)
+        alibi_log2 = load_alibi_log2(Alibi, off_b, off_h, stride_ab, stride_ah, ALIBI,
+                                 Q.dtype.element_ty == tl.float32)
         q_base = head_ptr(Q, off_b, off_h, q_start, stride_qb, stride_qh, stride_qs)
         do_base = head_ptr(DO, off_b, off_h, q_start, stride_dob, stride_doh, stride_dos)
         lse_base = head_ptr(Lse, off_b, off_h, q_start, stride_lb, stride_lh, stride_ls)
@@ -295,7 +301,7 @@ def _bwd_dq_tiles(dq, q_tile, do_tile, lse2, delta, k_base, v_base, stride_ks, s
             dcap = softcap_grad(s, qk_scale, SOFTCAP)
         if ALIBI:
             s = s - alibi_bias(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, alibi_log2)
-        p = tl.math.exp2(s - lse2[:, None])
+        p = exp_units(s - lse2[:, None], q_tile.dtype == tl.float32)
         if MASKED:
             keep = visible(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, window_left,
                            window_right, HAS_LEFT, HAS_RIGHT)
@@ -358,14 +364,15 @@ def _bwd_dq_program(pid_m, pid_bh, Q, K, V, DO, Lse, Delta, DQ,
     do_tile = load_tile(do_ptrs, offs_m, seqlen_q, offs_dv, HEAD_DIM_V, not EVEN_M,
                         HEAD_DIM_V != BLOCK_DV)
     lse2 = _load_lse2(head_ptr(Lse, off_b, off_h, q_start, stride_lb, stride_lh, stride_ls)
-                      + offs_m * stride_ls, offs_m, seqlen_q)
+                      + offs_m * stride_ls, offs_m, seqlen_q, True, q_tile.dtype == tl.float32)
     delta = tl.load(head_ptr(Delta, off_b, off_h, q_start, stride_deltab, stride_deltah,
                              stride_deltas) + offs_m * stride_deltas,
                     mask=offs_m < seqlen_q, other=0.0)
     k_base = head_ptr(K, off_b, off_hk, k_start, stride_kb, stride_kh, stride_ks)
     v_base = head_ptr(V, off_b, off_hk, k_start, stride_vb, stride_vh, stride_vs)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    alibi_log2 = load_alibi_log2(Alibi, off_b, off_h, stride_ab, stride_ah, ALIBI)
+    alibi_log2 = load_alibi_log2(Alibi, off_b, off_h, stride_ab, stride_ah, ALIBI,
+                                 Q.dtype.element_ty == tl.float32)
 
     lo, mid_lo, mid_hi, hi = key_tile_ranges(start_m, seqlen_q, seqlen_k, window_left,
                                              window_right, BLOCK_M, BLOCK_N, HAS_LEFT,

@@ -7,7 +7,13 @@ Notation (every kernel file of this backend uses it):
                       i + shift - window_left <= j <= i + shift + window_right
                   HAS_LEFT / HAS_RIGHT say whether each side is bounded (causal: right = 0)
     s             scores in log2 units: s = (scale * log2(e)) * q . k, so exp(x) = exp2(x log2 e);
-                  SOFTCAP: log2(e) c tanh(scale q . k / c); ALIBI: minus log2(e) slope |i+shift-j|
+                  SOFTCAP: log2(e) c tanh(scale q . k / c); ALIBI: minus log2(e) slope |i+shift-j|.
+                  fp32 inputs keep s in natural units (NATURAL: no log2(e) in the scale, sink or
+                  slope; exp2((s - m) log2 e), one multiply more per score): the saved natural
+                  lse then matches s as the forward rounded it, where a log2-unit lse would
+                  round twice more on its way through natural units (at sharp softmax 4-7x the
+                  torch backend's error in P and dV). Host: natural_units(dtype); kernels:
+                  NATURAL = (the q tile's dtype is fp32).
     features      compile-time flags (SOFTCAP, ALIBI, SINK, DROPOUT, VARLEN; HAS_LEFT/HAS_RIGHT
                   for the band): a kernel compiled without one is the same code as before the
                   feature existed
@@ -86,6 +92,12 @@ SOFTCAP_EXACT_JIT = tl.constexpr(SOFTCAP_EXACT)
 SOFTCAP_FAST_JIT = tl.constexpr(SOFTCAP_FAST)
 
 
+def natural_units(dtype: torch.dtype | None) -> bool:
+    """Whether kernels for inputs of `dtype` keep scores in natural units (fp32; see NATURAL in
+    the notation above)."""
+    return dtype == torch.float32
+
+
 def score_args(params, dtype: torch.dtype | None = None) -> tuple[float, float, int]:
     """(qk_scale, softcap_scale, SOFTCAP) for `scores`, from the softmax scale and softcap.
 
@@ -93,11 +105,12 @@ def score_args(params, dtype: torch.dtype | None = None) -> tuple[float, float, 
     tanh.approx.f32: one MUFU op instead of an exp2 and a reciprocal, relative error 2^-11,
     below the inputs' own rounding), else SOFTCAP_EXACT (fp32, the interpreter, or no dtype).
     """
+    units = 1.0 if natural_units(dtype) else LOG2E
     if params.softcap > 0:
         fast = dtype in (torch.float16, torch.bfloat16) and not interpreting()
-        return (params.softcap * LOG2E, params.softmax_scale / params.softcap,
+        return (params.softcap * units, params.softmax_scale / params.softcap,
                 SOFTCAP_FAST if fast else SOFTCAP_EXACT)
-    return params.softmax_scale * LOG2E, 1.0, 0
+    return params.softmax_scale * units, 1.0, 0
 
 
 def alibi_args(params, placeholder):
@@ -281,7 +294,25 @@ def query_tile_ranges(start_n, seqlen_q, seqlen_k, window_left, window_right,
 
 
 @triton.jit
-def online_softmax_update(m_i, l_i, s, MASKED: tl.constexpr):
+def exp_units(x, NATURAL: tl.constexpr):
+    """exp of a score difference x: exp2(x) in log2 units, exp2(x log2 e) with NATURAL."""
+    if NATURAL:
+        x = x * LOG2E_JIT
+    return tl.math.exp2(x)
+
+
+@triton.jit
+def row_lse(m_i, l_safe, NATURAL: tl.constexpr):
+    """The natural log-sum-exp m + log l of the running state, in either unit of m."""
+    if NATURAL:
+        lse = m_i + tl.math.log2(l_safe) * LN2_JIT
+    else:
+        lse = (m_i + tl.math.log2(l_safe)) * LN2_JIT
+    return lse
+
+
+@triton.jit
+def online_softmax_update(m_i, l_i, s, MASKED: tl.constexpr, NATURAL: tl.constexpr = False):
     """One step of the online softmax over a [..., BLOCK_M, BLOCK_N] score tile s (log2 units)
     along its last axis; m_i, l_i: [..., BLOCK_M].
 
@@ -294,8 +325,8 @@ def online_softmax_update(m_i, l_i, s, MASKED: tl.constexpr):
     m_use = m_new
     if MASKED:
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(s - tl.expand_dims(m_use, axis))
-    alpha = tl.math.exp2(m_i - m_use)
+    p = exp_units(s - tl.expand_dims(m_use, axis), NATURAL)
+    alpha = exp_units(m_i - m_use, NATURAL)
     l_new = l_i * alpha + tl.sum(p, axis)
     return p, alpha, m_new, l_new
 
@@ -356,11 +387,15 @@ def alibi_bias(i, j, seqlen_q, seqlen_k, alibi_log2):
 
 
 @triton.jit
-def load_alibi_log2(Alibi, off_b, off_h, stride_ab, stride_ah, ALIBI: tl.constexpr):
-    """slope * log2(e) of (batch, head) when ALIBI, else 0 (unused)."""
+def load_alibi_log2(Alibi, off_b, off_h, stride_ab, stride_ah, ALIBI: tl.constexpr,
+                    NATURAL: tl.constexpr = False):
+    """slope * log2(e) of (batch, head) when ALIBI (the slope itself with NATURAL), else 0
+    (unused)."""
     alibi_log2 = 0.0
     if ALIBI:
-        alibi_log2 = tl.load(Alibi + off_b * stride_ab + off_h * stride_ah) * LOG2E_JIT
+        alibi_log2 = tl.load(Alibi + off_b * stride_ab + off_h * stride_ah)
+        if not NATURAL:
+            alibi_log2 = alibi_log2 * LOG2E_JIT
     return alibi_log2
 
 

@@ -26,7 +26,6 @@ from flashkit.ops.params import AttentionParams
 from flashkit.ops.triton import forward_hopper
 from flashkit.ops.triton.common import (
     DOT_PRECISION,
-    LN2_JIT,
     LOG2E_JIT,
     alibi_args,
     alibi_bias,
@@ -41,6 +40,7 @@ from flashkit.ops.triton.common import (
     load_tile,
     masked_values_product,
     online_softmax_update,
+    row_lse,
     score_args,
     scores,
     sequence,
@@ -81,7 +81,8 @@ def _fwd_tiles(acc, m_i, l_i, q_tile, k_src, v_src, off_b, off_hk, stride_ks, st
             keep = visible(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, window_left,
                            window_right, HAS_LEFT, HAS_RIGHT)
             s = tl.where(keep, s, float("-inf"))
-        p, alpha, m_i, l_i = online_softmax_update(m_i, l_i, s, MASKED)
+        p, alpha, m_i, l_i = online_softmax_update(m_i, l_i, s, MASKED,
+                                                   q_tile.dtype == tl.float32)
         if DROPOUT:
             p = tl.where(dropout_keep(seed_lo, seed_hi, off_b, off_h, offs_m, start_n,
                                       dropout_threshold, BLOCK_N), p, 0.0)
@@ -125,6 +126,7 @@ def _fwd_kernel(Q, K, V, Out, Lse,
     off_hk = off_h // group  # GQA: query head h reads kv head h // group
     q_start, k_start, seqlen_q, seqlen_k = sequence(off_b, seqlen_q, seqlen_k, Cu_q, Cu_k,
                                                     VARLEN)
+    NATURAL: tl.constexpr = Q.dtype.element_ty == tl.float32  # common.natural_units
     start_m = pid_m * BLOCK_M
     if VARLEN:
         if start_m >= seqlen_q:
@@ -147,10 +149,12 @@ def _fwd_kernel(Q, K, V, Out, Lse,
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     if SINK:
-        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(Sink + off_h) * LOG2E_JIT
+        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(Sink + off_h)
+        if not NATURAL:
+            m_i = m_i * LOG2E_JIT
         l_i = l_i + 1.0
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    alibi_log2 = load_alibi_log2(Alibi, off_b, off_h, stride_ab, stride_ah, ALIBI)
+    alibi_log2 = load_alibi_log2(Alibi, off_b, off_h, stride_ab, stride_ah, ALIBI, NATURAL)
 
     lo, mid_lo, mid_hi, hi = key_tile_ranges(start_m, seqlen_q, seqlen_k, window_left,
                                              window_right, BLOCK_M, BLOCK_N, HAS_LEFT,
@@ -184,7 +188,7 @@ def _fwd_kernel(Q, K, V, Out, Lse,
     if DROPOUT:
         acc = acc * dropout_scale
     out_tile = acc / l_safe[:, None]
-    lse = tl.where(has_mass, (m_i + tl.math.log2(l_safe)) * LN2_JIT, float("-inf"))
+    lse = tl.where(has_mass, row_lse(m_i, l_safe, NATURAL), float("-inf"))
 
     o_ptrs = tile_ptrs(head_ptr(Out, off_b, off_h, q_start, stride_ob, stride_oh, stride_os),
                        offs_m, offs_dv, stride_os, stride_od)
