@@ -82,7 +82,8 @@ def backward_dense(dout, q, k, v, out, lse, params: AttentionParams, alibi_slope
             dp = do_t @ v_t.transpose(-1, -2)  # [BM, BN] = [BM, dv] @ [dv, BN]
             if drop is not None:
                 dp = dp * drop
-            ds = torch.where(tile.gradient_pairs(s, i0, i1, seqlen_k, shift, params),
+            ds = torch.where(tile.gradient_pairs(s, i0, i1, seqlen_k, shift, params,
+                                                 dlse is not None),
                              p * (dp - delta[..., i0:i1, None]), 0.0)
             if tanh is not None:
                 ds = ds * (1 - tanh * tanh)  # d(cap * tanh(x / cap))/dx

@@ -50,14 +50,15 @@ def band_mask(i0, i1, j0, j1, shift, params: AttentionParams, device):
     return keep
 
 
-def gradient_pairs(s, i0, i1, seqlen_k, shift, params: AttentionParams):
+def gradient_pairs(s, i0, i1, seqlen_k, shift, params: AttentionParams, lse_grad: bool):
     """(.., BM, BN) bool: where dS = P (dP - D) may be nonzero in a tile of scores s. Masked
     pairs (s = -inf) are out, so a NaN dP from a value the row cannot see stays out of dS; so
-    are rows that see exactly one key and no sink: their softmax is the constant 1, and
+    are rows that see exactly one key, without a sink and without a gradient on lse (lse_grad;
+    either makes the row depend on its one score): their softmax is the constant 1, and
     computing P (dP - D) would leave the rounding of two differently ordered dot products
     (dP = dO . v_j, D = dO . O with O = v_j) in dq and dk."""
     pairs = s > -math.inf
-    if params.sink is None:
+    if params.sink is None and not lse_grad:
         i = torch.arange(i0, i1, device=s.device)[:, None] + shift  # (BM, 1) the diagonal
         first = torch.zeros_like(i) if params.window_left is None else (
             i - params.window_left).clamp(min=0)

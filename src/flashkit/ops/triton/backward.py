@@ -127,7 +127,7 @@ def _bwd_dkdv_tiles(dk, dv, k_tile, v_tile, q_base, do_base, lse_base, delta_bas
                     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-                    SINK: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+                    ONE_KEY_ZERO: tl.constexpr, ATOMIC_DQ: tl.constexpr,
                     DQ_TMA: tl.constexpr, PRECISION: tl.constexpr):
     """Accumulate dK, dV of one key block over query tiles [start, end); with ATOMIC_DQ also
     add this block's share of dQ / scale into the fp32 accumulator (b * h, seqlen_q, BLOCK_D):
@@ -173,8 +173,8 @@ def _bwd_dkdv_tiles(dk, dv, k_tile, v_tile, q_base, do_base, lse_base, delta_bas
         ds_t = p_t * (dp_t - delta[None, :])
         if MASKED:  # see gradient_pairs
             ds_t = tl.where(gradient_pairs(keep_t, offs_m[None, :], seqlen_q, seqlen_k,
-                                           window_left, window_right, HAS_LEFT, HAS_RIGHT, SINK),
-                            ds_t, 0.0)
+                                           window_left, window_right, HAS_LEFT, HAS_RIGHT,
+                                           ONE_KEY_ZERO), ds_t, 0.0)
         if SOFTCAP:
             ds_t = ds_t * dcap_t
         # [BLOCK_N, BLOCK_D] = [BLOCK_N, BLOCK_M] @ [BLOCK_M, BLOCK_D]
@@ -212,7 +212,7 @@ def _bwd_dkdv_program(pid_n, pid_bh, Q, K, V, DO, Lse, Delta, DK, DV, DQAcc,
                      HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                      BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-                     ALIBI: tl.constexpr, DROPOUT: tl.constexpr, SINK: tl.constexpr,
+                     ALIBI: tl.constexpr, DROPOUT: tl.constexpr, ONE_KEY_ZERO: tl.constexpr,
                      VARLEN: tl.constexpr, EVEN_N: tl.constexpr,
                      ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr, PRECISION: tl.constexpr):
     """dK, dV of key block pid_n of (batch, kv head) pid_bh. DQAcc is the fp32 dQ accumulator
@@ -264,7 +264,7 @@ def _bwd_dkdv_program(pid_n, pid_bh, Q, K, V, DO, Lse, Delta, DK, DV, DQAcc,
                 seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale,
                 alibi_log2, off_b, off_h, start_n, seed_lo, seed_hi, dropout_threshold,
                 dropout_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N,
-                segment != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, SINK, ATOMIC_DQ,
+                segment != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, ONE_KEY_ZERO, ATOMIC_DQ,
                 DQ_TMA, PRECISION)
 
     dk_ptrs = tile_ptrs(head_ptr(DK, off_b, off_hk, k_start, stride_dkb, stride_dkh, stride_dks),
@@ -285,7 +285,7 @@ def _bwd_dq_tiles(dq, q_tile, do_tile, lse2, delta, k_base, v_base, stride_ks, s
                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                   HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-                  ALIBI: tl.constexpr, DROPOUT: tl.constexpr, SINK: tl.constexpr,
+                  ALIBI: tl.constexpr, DROPOUT: tl.constexpr, ONE_KEY_ZERO: tl.constexpr,
                   PRECISION: tl.constexpr):
     """Accumulate dQ of one query block over key tiles [start, end)."""
     for start_n in tl.range(start, end, BLOCK_N):
@@ -315,7 +315,7 @@ def _bwd_dq_tiles(dq, q_tile, do_tile, lse2, delta, k_base, v_base, stride_ks, s
         ds = p * (dp - delta[:, None])
         if MASKED:  # see gradient_pairs
             ds = tl.where(gradient_pairs(keep, offs_m[:, None], seqlen_q, seqlen_k, window_left,
-                                         window_right, HAS_LEFT, HAS_RIGHT, SINK), ds, 0.0)
+                                         window_right, HAS_LEFT, HAS_RIGHT, ONE_KEY_ZERO), ds, 0.0)
         if SOFTCAP:
             ds = ds * dcap
         # [BLOCK_M, BLOCK_D] = [BLOCK_M, BLOCK_N] @ [BLOCK_N, BLOCK_D]
@@ -338,7 +338,7 @@ def _bwd_dq_program(pid_m, pid_bh, Q, K, V, DO, Lse, Delta, DQ,
                    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-                   ALIBI: tl.constexpr, DROPOUT: tl.constexpr, SINK: tl.constexpr,
+                   ALIBI: tl.constexpr, DROPOUT: tl.constexpr, ONE_KEY_ZERO: tl.constexpr,
                    VARLEN: tl.constexpr, EVEN_M: tl.constexpr,
                    PRECISION: tl.constexpr):
     """dQ of query block pid_m of (batch, head) pid_bh."""
@@ -385,7 +385,7 @@ def _bwd_dq_program(pid_m, pid_bh, Q, K, V, DO, Lse, Delta, DQ,
                            window_left, window_right, qk_scale, softcap_scale, alibi_log2,
                            off_b, off_h, seed_lo, seed_hi, dropout_threshold, dropout_scale,
                            HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, segment != 1,
-                           HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, SINK, PRECISION)
+                           HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, ONE_KEY_ZERO, PRECISION)
 
     dq_ptrs = tile_ptrs(head_ptr(DQ, off_b, off_h, q_start, stride_dqb, stride_dqh, stride_dqs),
                         offs_m, offs_d, stride_dqs, stride_dqd)
@@ -413,7 +413,7 @@ def _bwd_kernel(Q, K, V, DO, Lse, Delta, DQ, DK, DV, DQAcc,
                 BLOCK_DV: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
                 BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr, HAS_LEFT: tl.constexpr,
                 HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-                DROPOUT: tl.constexpr, SINK: tl.constexpr, VARLEN: tl.constexpr,
+                DROPOUT: tl.constexpr, ONE_KEY_ZERO: tl.constexpr, VARLEN: tl.constexpr,
                 EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
                 DO_DKDV: tl.constexpr, DO_DQ: tl.constexpr, ATOMIC_DQ: tl.constexpr,
                 DQ_TMA: tl.constexpr, PRECISION: tl.constexpr):
@@ -440,7 +440,7 @@ def _bwd_kernel(Q, K, V, DO, Lse, Delta, DQ, DK, DV, DQAcc,
                               qk_scale, softcap_scale, Alibi, stride_ab, stride_ah, softmax_scale,
                               seed_lo, seed_hi, dropout_threshold, dropout_scale, Cu_q, Cu_k,
                               HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M1, BLOCK_N1,
-                              HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, SINK, VARLEN,
+                              HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, ONE_KEY_ZERO, VARLEN,
                               EVEN_N, ATOMIC_DQ, DQ_TMA, PRECISION)
     elif DO_DQ:
         pid_m = num_q_blocks - 1 - (pid - num_kv_blocks if DO_DKDV else pid)
@@ -456,7 +456,7 @@ def _bwd_kernel(Q, K, V, DO, Lse, Delta, DQ, DK, DV, DQAcc,
                         softcap_scale, Alibi, stride_ab, stride_ah,
                         softmax_scale, seed_lo, seed_hi, dropout_threshold, dropout_scale, Cu_q,
                         Cu_k, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M2, BLOCK_N2,
-                        HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, SINK, VARLEN, EVEN_M,
+                        HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, ONE_KEY_ZERO, VARLEN, EVEN_M,
                         PRECISION)
 
 
@@ -586,7 +586,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     meta = dict(**dims, BLOCK_M1=block_m1, BLOCK_N1=block_n1, BLOCK_M2=block_m2,
                 BLOCK_N2=block_n2, **band, EVEN_M=not varlen and seqlen_q % block_m2 == 0,
                 EVEN_N=not varlen and seqlen_k % block_n1 == 0, ATOMIC_DQ=atomic_dq,
-                DQ_TMA=dq_acc_desc is not None, SINK=params.sink is not None)
+                DQ_TMA=dq_acc_desc is not None, ONE_KEY_ZERO=params.sink is None and dlse is None)
     if hopper:
         backward_hopper.attention_backward_dkdv(dout, q, k, v, lse, delta, params, dk, dv,
                                                 dq_acc if atomic_dq else None,

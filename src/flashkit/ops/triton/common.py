@@ -214,15 +214,16 @@ def visible(i, j, seqlen_q, seqlen_k, window_left, window_right,
 
 @triton.jit
 def gradient_pairs(keep, i, seqlen_q, seqlen_k, window_left, window_right,
-                   HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SINK: tl.constexpr):
+                   HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, ONE_KEY_ZERO: tl.constexpr):
     """Where a masked tile's dS may be nonzero: keep (the visible pairs, as `visible` gives
-    them) less the rows that see exactly one key and no sink. Such a row's softmax is the
-    constant 1, so its scores get no gradient at all; computed, dS = P (dP - D) leaves the
-    rounding of two dot products of different order (dP = dO . v_j, D = dO . O with O = v_j)
-    in dq and dk. Selecting on keep also keeps a NaN dP from a value the row cannot see out of
-    dS. Unmasked tiles need neither: there every row sees every key of the tile (>= 16).
-    i: the rows, broadcasting like `visible`'s."""
-    if SINK:
+    them), less, with ONE_KEY_ZERO (no sink and no gradient on lse, either of which makes a
+    row's result depend on its one score), the rows that see exactly one key. Such a row's
+    softmax is the constant 1, so its scores get no gradient at all; computed, dS = P (dP - D)
+    leaves the rounding of two dot products of different order (dP = dO . v_j, D = dO . O with
+    O = v_j) in dq and dk. Selecting on keep also keeps a NaN dP from a value the row cannot
+    see out of dS. Unmasked tiles need neither: there every row sees every key of the tile
+    (>= 16). i: the rows, broadcasting like `visible`'s."""
+    if not ONE_KEY_ZERO:
         pairs = keep
     else:
         diag = i + (seqlen_k - seqlen_q)
