@@ -71,9 +71,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     k, v (batch, seqlen_new, nheads_k, d): written into the cache at slots cache_seqlens ..
     cache_seqlens + seqlen_new - 1 before attention; this is the only in-place mutation. With
     duplicate cache_batch_idx the cache keeps one of the writes.
-    rotary_cos/sin (seqlen_ro, rotary_dim / 2) (needs k, v): the new k is rotated at positions
-    cache_seqlens - cache_leftpad + [0, seqlen_new); q at cache_seqlens - cache_leftpad +
-    [0, seqlen_q) when causal or local, else every query row at cache_seqlens - cache_leftpad.
+    rotary_cos/sin (seqlen_ro, rotary_dim / 2) (needs k, v): the new k is rotated at its
+    absolute slots cache_seqlens + [0, seqlen_new) (as flash-attn, also with cache_leftpad); q at
+    cache_seqlens + [0, seqlen_q) when causal or local, else every query row at cache_seqlens.
     rotary_interleaved pairs dims (0, 1), (2, 3)... (GPT-J), else (i, i + rotary_dim / 2).
     The keys of sequence b are its slots [leftpad, cache_seqlens + seqlen_new); causal and
     window_size are bottom-right aligned to them, so the query rows are the sequence's last
@@ -181,9 +181,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         cache_batch_idx = torch.arange(batch, dtype=torch.int32, device=device)
     if cache_leftpad is None:
         cache_leftpad = torch.zeros(batch, dtype=torch.int32, device=device)
-    positions = cache_seqlens - cache_leftpad  # (b,) position of the first new token
-    if rotary:
-        first = positions.long()[:, None]
+    if rotary:  # rotary positions are absolute slots (flash-attn), whatever the leftpad
+        first = cache_seqlens.long()[:, None]
         q_pos = first + torch.arange(q.shape[1], device=device).clamp(max=q_rows - 1)
         k_pos = first + torch.arange(seqlen_new, device=device)
         q = tiled_kvcache.rotary(q, rotary_cos, rotary_sin, q_pos, rotary_interleaved)
@@ -191,7 +190,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if k is not None:
         tiled_kvcache.append(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
                              block_table)
-    seqlens_k = positions + seqlen_new
+    seqlens_k = cache_seqlens - cache_leftpad + seqlen_new
     out, lse = _run(name, q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad,
                     block_table, params, num_splits)
     return (out, lse) if return_softmax_lse else out
@@ -444,9 +443,9 @@ def _check_values(cache_seqlens, seqlen_new, capacity, cache_batch_idx, cache_le
         raise ValueError(f"cache_leftpad: entries must be in [0, cache_seqlens]; sequence "
                          f"{bad[0]} has {leftpad[bad[0]]} > {seqlens[bad[0]]}")
     positions = [n - p for n, p in zip(seqlens, leftpad, strict=True)]
-    if seqlen_ro is not None and max(positions) + max(seqlen_new, q_rows) > seqlen_ro:
+    if seqlen_ro is not None and max(seqlens) + max(seqlen_new, q_rows) > seqlen_ro:
         raise ValueError(f"rotary_cos: {seqlen_ro} positions (seqlen_ro), but positions up to "
-                         f"{max(positions) + max(seqlen_new, q_rows) - 1} are rotated")
+                         f"{max(seqlens) + max(seqlen_new, q_rows) - 1} are rotated")
     if block_table is not None:
         table = block_table.tolist()
         used = [table[b][:-(-(n + seqlen_new) // page_size)] for b, n in enumerate(seqlens)]

@@ -51,6 +51,9 @@ class AttentionParams:
     # output instead of a rounded one: with P near 1 (a sink, a short row) dP - D cancels, and a
     # rounded O costs dq many ulps. The API sets it when gradients are needed, then casts out.
     fp32_out: bool = False
+    # flashkit.variants.mods.Variant: user score/mask modifiers and a block mask, or None. Not a
+    # custom-op argument (Python functions): calls with one take flashkit.variants.autograd.
+    variant: object | None = None
 
     @property
     def causal(self) -> bool:

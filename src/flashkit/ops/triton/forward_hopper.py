@@ -909,7 +909,8 @@ def gluon_supported(q, k, v, params: AttentionParams, varlen: bool = False,
         return False
     if params.is_varlen and not varlen:
         return False
-    supported = params.attn_bias is None and params.softmax_scale > 0
+    supported = (params.attn_bias is None and params.variant is None
+                 and params.softmax_scale > 0)
     if not (supported and q.is_cuda and device_properties(q.device).major == 9):
         return False
     head_dim = q.shape[-1]
