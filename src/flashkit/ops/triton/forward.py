@@ -3,7 +3,8 @@
 Notation as in common.py. One program owns BLOCK_M query rows of one (batch, head) and streams
 the key/value tiles its band reaches: first the masked tiles left of the fully visible middle
 (a bounded left window only), then the unmasked middle (FA2's off-diagonal tiles), then the
-masked tiles on and right of the diagonal. Scores live in log2 units so the softmax is exp2.
+masked tiles on and right of the diagonal. Scores live in log2 units (fp32: natural, see
+common.py) so the softmax is exp2.
 
 Layouts (flash-attn): q (b, sq, h, d), k (b, sk, hk, d), v (b, sk, hk, dv), out (b, sq, h, dv),
 lse (b, h, sq) float32, natural log. Every stride is passed, so strided views cost no copy
