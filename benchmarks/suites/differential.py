@@ -1,9 +1,8 @@
-"""Randomised differential run: the Triton backend against the float64 oracle on thousands of
-random cases, every feature, with the tolerance rule of docs/design.md section 5.
+"""differential: the Triton backend against the float64 oracle on 2,400 random cases (GPU).
 
-    PYTHONPATH=src python3 benchmarks/suites/differential.py --out "$OUT"     # GPU, < 6 min
-    TRITON_INTERPRET=1 PYTHONPATH=src python3 benchmarks/suites/differential.py --cases 12 \
-        --out /tmp/diff                                                       # CPU smoke run
+    PYTHONPATH=src python3 benchmarks/run.py differential [--out DIR]          # GPU, < 6 min
+    PYTHONPATH=src python3 benchmarks/suites/differential.py --cases 12 --variants 12 \
+        --out /tmp/diff                                      # CPU smoke run (the interpreter)
 
 Cases are drawn (seeded) from a fixed set of variants, each a shape bucket with the flags the
 kernels compile on (dtype, head dims, window kind, softcap, ALiBi, sink, dropout, varlen; for
@@ -16,27 +15,28 @@ output and gradient,
 
 with factor 2 for out / lse (and the appended cache) and 3 for dq, dk, dv, dsink; the oracle is
 flashkit.reference in float64, torch_in_t the same materialised math in the inputs' dtype, and
-problems with at most 256 output elements add flash-attn's rounding term. Dropout cases hand the
-oracle the keep-mask the kernels drew. Writes differential.json (counts per feature, every
-failure with its case) to --out.
+problems with at most 256 output elements add flash-attn's rounding term (docs/design.md
+section 5). Dropout cases hand the oracle the keep-mask the kernels drew. Results: DIR/<date>_
+<device>.json (counts per feature, every failure with its case; common.Result) and .md.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
-import platform
 import random
 import sys
 import time
 from collections import Counter
 
-import torch
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():  # before any kernel is decorated: the interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from common import Result, add_out_argument, log, table  # noqa: E402
 
 import flashkit
 from flashkit import reference
@@ -262,11 +262,10 @@ def features(v: dict) -> list[str]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default=os.environ.get("OUT", "."),
-                        help="directory for differential.json (default: $OUT or .)")
+    add_out_argument(parser, "differential")
     parser.add_argument("--cases", type=int, default=2400, help="cases to draw (default 2400)")
-    parser.add_argument("--variants", type=int, default=64,
-                        help="compiled configurations the cases share (default 64)")
+    parser.add_argument("--variants", type=int, default=32,
+                        help="compiled configurations the cases share (default 32)")
     parser.add_argument("--budget", type=float, default=330.0,
                         help="stop drawing cases after this many seconds (default 330)")
     parser.add_argument("--seed", type=int, default=0)
@@ -274,8 +273,11 @@ def main(argv=None) -> int:
     smoke = DEVICE == "cpu"
     rng = random.Random(args.seed)
     variants = make_variants(rng, args.variants, smoke)
+    result = Result("differential", args.out, config=dict(
+        cases=args.cases, variants=args.variants, budget=args.budget, seed=args.seed,
+        device="cuda" if not smoke else "cpu (interpreter)"))
     counts, passed = Counter(), Counter()
-    failures, errors = [], []
+    failures = []
     start = time.perf_counter()
     ran = 0
     for n in range(args.cases):
@@ -283,10 +285,9 @@ def main(argv=None) -> int:
             break
         v = variants[n % len(variants)]
         case_seed = args.seed * 1_000_003 + n
-        case_rng = random.Random(case_seed)
         try:
             fails = (kvcache_case if v["kind"] == "kvcache" else attention_case)(
-                v, case_rng, case_seed)
+                v, random.Random(case_seed), case_seed)
         except Exception as e:  # a crash is a failure of the case, recorded with its variant
             fails = [f"raised {type(e).__name__}: {str(e)[:300]}"]
         ran += 1
@@ -295,32 +296,18 @@ def main(argv=None) -> int:
             passed[tag] += not fails
         if fails:
             failures.append(dict(case=n, seed=case_seed, variant=describe(v), failures=fails))
+            log(f"case {n} {features(v)}: {fails[0]}")
     elapsed = time.perf_counter() - start
-    report = dict(
-        suite="differential", date=time.strftime("%Y-%m-%d %H:%M:%S"),
-        device=torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (interpreter)",
-        versions=dict(python=platform.python_version(), torch=torch.__version__,
-                      triton=_version("triton")),
-        cases_requested=args.cases, cases_run=ran, failed=len(failures), seconds=elapsed,
-        variants=len(variants), per_feature={t: dict(cases=c, passed=passed[t])
-                                             for t, c in sorted(counts.items())},
-        failures=failures[:200], errors=errors)
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "differential.json")
-    with open(path, "w") as f:
-        json.dump(report, f, indent=1)
-    print(f"differential: {ran} cases in {elapsed:.0f} s, {len(failures)} failed -> {path}")
-    for fail in failures[:10]:
-        print(" ", fail["case"], features(variants[fail["case"] % len(variants)]),
-              fail["failures"][0])
+    per_feature = [dict(feature=t, cases=c, passed=passed[t]) for t, c in sorted(counts.items())]
+    result.save("summary", dict(cases_run=ran, failed=len(failures), seconds=round(elapsed, 1),
+                                variants=len(variants)))
+    result.save("per_feature", per_feature)
+    result.save("failures", failures[:200])
+    result.markdown(f"# differential\n\n{ran} cases in {elapsed:.0f} s, {len(failures)} "
+                    f"failed\n\n" + table(per_feature, ["feature", "cases", "passed"]))
+    log(f"differential: {ran} cases in {elapsed:.0f} s, {len(failures)} failed -> "
+        f"{result.path}")
     return 0 if not failures and ran >= min(args.cases, 2000) else 1
-
-
-def _version(name: str) -> str:
-    try:
-        return __import__(name).__version__
-    except ImportError:
-        return "missing"
 
 
 if __name__ == "__main__":

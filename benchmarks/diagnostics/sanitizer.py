@@ -1,6 +1,6 @@
 """compute-sanitizer over every kernel family at small shapes (GPU).
 
-    PYTHONPATH=src python3 benchmarks/sanitizer.py --out "$OUT"
+    PYTHONPATH=src python3 benchmarks/diagnostics/sanitizer.py --out "$OUT"
 
 Runs `compute-sanitizer --tool memcheck` on a small driver (this file with --drive FAMILY), one
 process per family: forward, backward, decode (with splits: the merge kernel), append (the
