@@ -297,8 +297,8 @@ def _bwd_dkdv_program(pid_n, pid_bh, Q, K, V, DO, Lse, Delta, DK, DV, DQAcc,
                     alibi_log2, off_b, off_h, start_n, seed_lo, seed_hi, dropout_threshold,
                     dropout_scale, score_args, mask_args, Idx + row * n_q_blocks, HEAD_DIM,
                     HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, listed == 0, HAS_LEFT,
-                    HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, ATOMIC_DQ, DQ_TMA, PRECISION,
-                    SCORE_MOD, SCORE_GRAD, MASK_MOD, True, SPARSE_Q)
+                    HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, ONE_KEY_ZERO, ATOMIC_DQ, DQ_TMA,
+                    PRECISION, SCORE_MOD, SCORE_GRAD, MASK_MOD, True, SPARSE_Q)
             bounds = (0, 0, 0, 0)
         for segment in tl.static_range(3):  # masked edge, unmasked middle, masked edge
             dk, dv = _bwd_dkdv_tiles(
@@ -457,8 +457,8 @@ def _bwd_dq_program(pid_m, pid_bh, Q, K, V, DO, Lse, Delta, DQ,
                                dropout_threshold, dropout_scale, score_args, mask_args,
                                Idx + row * n_kv_blocks, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
                                BLOCK_N, listed == 0, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI,
-                               DROPOUT, PRECISION, SCORE_MOD, SCORE_GRAD, MASK_MOD, True,
-                               SPARSE_KV)
+                               DROPOUT, ONE_KEY_ZERO, PRECISION, SCORE_MOD, SCORE_GRAD,
+                               MASK_MOD, True, SPARSE_KV)
         bounds = (0, 0, 0, 0)
     for segment in tl.static_range(3):  # masked edge, unmasked middle, masked edge
         dq = _bwd_dq_tiles(dq, q_tile, do_tile, lse2, delta, k_base, v_base, stride_ks,
