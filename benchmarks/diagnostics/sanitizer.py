@@ -139,8 +139,10 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--drive", choices=FAMILIES, help="(internal) run one family's kernels")
     parser.add_argument("--families", nargs="*", default=list(FAMILIES), choices=FAMILIES)
-    parser.add_argument("--timeout", type=float, default=150.0,
-                        help="seconds per sanitizer run (default 150)")
+    parser.add_argument("--timeout", type=float, default=90.0,
+                        help="seconds per sanitizer run (default 90)")
+    parser.add_argument("--budget", type=float, default=420.0,
+                        help="seconds for all runs; later runs are skipped (default 420)")
     parser.add_argument("--no-racecheck", action="store_true")
     args = parser.parse_args(argv)
     if args.drive:
@@ -157,8 +159,13 @@ def main(argv=None) -> int:
         runs = [("memcheck", f) for f in args.families]
         if not args.no_racecheck:
             runs += [("racecheck", f) for f in args.families if f in RACECHECK]
+        start = time.perf_counter()
         for tool, family in runs:
-            result = sanitize(tool_path, tool, family, args.timeout)
+            left = args.budget - (time.perf_counter() - start)
+            if left < 10:
+                results.append(dict(family=family, tool=tool, status="not run (budget)"))
+                continue
+            result = sanitize(tool_path, tool, family, min(args.timeout, left))
             results.append(result)
             print(f"{tool:10s} {family:15s} {result['status']:10s} "
                   f"errors={result.get('errors')} {result.get('seconds')} s", flush=True)
