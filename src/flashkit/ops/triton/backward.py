@@ -660,10 +660,11 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         delta -= dlse
 
     kernel = "dkdv_atomic" if atomic_dq else "dkdv"
+    variant = params.variant is not None  # atomic_dq is off for variants
     block_m1, block_n1, num_warps, num_stages = tiles.get(kernel) or tile_config(
-        kernel, d_max, q.element_size(), interpreting())
+        kernel, d_max, q.element_size(), interpreting(), variant)
     block_m2, block_n2, dq_warps, dq_stages = tiles.get("dq") or tile_config(
-        "dq", d_max, q.element_size(), interpreting())
+        "dq", d_max, q.element_size(), interpreting(), variant)
     score_mod_args, mask_mod_args, mods = variant_args(params)
     kv_blocks, sparse = block_args(params, lse)
     q_blocks, _ = block_args(params, lse, transposed=True)
