@@ -24,6 +24,29 @@ def tensor(name: str, t, layout: str) -> None:
         raise ValueError(f"{name}: expected {ndim} dims {layout}, got shape {tuple(t.shape)}")
 
 
+def no_overlap(name: str, t: torch.Tensor) -> None:
+    """t, about to be written in place, gives every element its own memory: no stride 0 of an
+    expanded tensor, no strides that fold one dim onto another. (The dims sorted by stride
+    must each step past everything the smaller ones span; layouts that interleave dims without
+    overlapping fail this too, and none of them is a cache layout.)"""
+    span = 0  # elements covered by the dims already seen, minus one
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride(), strict=True)
+                               if sz > 1):
+        if stride <= span:
+            raise ValueError(f"{name}: is written in place but its elements overlap in memory "
+                             f"(shape {tuple(t.shape)}, strides {t.stride()}, e.g. an expanded "
+                             "tensor); pass a tensor with its own storage (.contiguous())")
+        span += (size - 1) * stride
+
+
+def distinct(names: tuple[str, str], a: torch.Tensor, b: torch.Tensor) -> None:
+    """a and b, both written in place, do not start at one address (the same tensor twice).
+    Interleaved views of one buffer (k and v halves of a packed cache) stay allowed."""
+    if a.numel() and b.numel() and a.data_ptr() == b.data_ptr():
+        raise ValueError(f"{names[1]}: is the same memory as {names[0]}, and both are written "
+                         "in place; pass separate tensors")
+
+
 def same_dtype_and_device(named: dict, dtypes=DTYPES) -> None:
     """All tensors share one supported floating dtype and one device."""
     (first, t0), *rest = named.items()
@@ -91,13 +114,21 @@ def heads(nheads: int, nheads_k: int, k, v, dim: int, names=("q", "k", "v")) -> 
                          f"{nheads} (GQA/MQA groups query heads over kv heads)")
 
 
+# Scores are formed in float32 (scale * log2(e) * q . k in the kernels). Up to this scale
+# they stay finite for every fp16 input (|q . k| <= 256 * 65504^2 ~ 1.1e12) and for any
+# |q . k| < 2^63, so the softmax never sees inf - inf; far above it (1e38) ordinary scores
+# overflow to inf and the row becomes NaN where the float64 math is finite.
+MAX_SOFTMAX_SCALE = 2.0 ** 64
+
+
 def softmax_scale(scale, head_dim: int, name: str = "softmax_scale") -> float:
     if scale is None:
         return head_dim ** -0.5
     # Comparisons, not math.isfinite: under torch.compile(dynamic=True) the scale can be a
     # symbolic float, which compares (and is guarded on) but has no isfinite. NaN fails both.
-    if not isinstance(scale, numbers.Real) or not 0 < scale < math.inf:
-        raise ValueError(f"{name}: expected a finite positive number, got {scale!r}")
+    if not isinstance(scale, numbers.Real) or not 0 < scale <= MAX_SOFTMAX_SCALE:
+        raise ValueError(f"{name}: expected a finite positive number at most 2**64 (scores "
+                         f"are formed in float32), got {scale!r}")
     return float(scale)
 
 

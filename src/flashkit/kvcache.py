@@ -18,6 +18,11 @@ rotary table's length) decide where the kernels read and write, so they are alwa
   assertion error (at the next synchronising call, and it ends the CUDA context), never an
   out-of-bounds read or write. Pass sync_checks=True to learn which argument was wrong. An int
   cache_seqlens is checked on the host at once.
+A page an append writes must appear once among the used block_table entries (pages only read,
+such as a shared prefix, may repeat). The host checks reject a repeated written page; the device
+path does not look for one (it would take a sort of the table on every step, and such writes
+stay in bounds), so there the caller must keep written pages unshared. k_cache and v_cache are
+checked, from their strides alone, to give every slot its own memory when an append writes them.
 
 On CUDA with the Triton backend a call does not synchronise and allocates only through the
 caching allocator, and auto num_splits depends on shapes alone (the cache capacity), so a decoding
@@ -110,6 +115,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                 raise ValueError(f"{name}: expected shape {expected} (batch, seqlen_new, "
                                  f"nheads_k, headdim), got {tuple(t.shape)}")
 
+    if k is not None:  # the append writes the caches: each slot must be its own memory
+        checks.no_overlap("k_cache", k_cache)
+        checks.no_overlap("v_cache", v_cache)
+        checks.distinct(("k_cache", "v_cache"), k_cache, v_cache)
     capacity = _check_paging(block_table, k_cache, batch, device, cache_batch_idx,
                              cache_leftpad)
     cache_batch_idx = _index_vector("cache_batch_idx", cache_batch_idx, batch, device)
@@ -136,12 +145,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         max_seqlen_k = _check_values(cache_seqlens, seqlen_new, capacity, cache_batch_idx,
                                      cache_leftpad, block_table, k_cache,
                                      rotary_cos.shape[0] if rotary else None, q_rows)
+    if batch == 0:  # nothing to append or attend: empty results, as every shape allows
+        return _empty_result(q, v_cache, return_softmax_lse)
     if name == "triton":
         require_available(name, device)
         from flashkit.ops.triton import append, decode
 
         decode.check_supported(q.dtype, params)
-        if decode.takes_step(q, k_cache.shape[2], seqlen_new):  # one kernel (decode.Step)
+        # one kernel (decode.Step); an append without queries takes the append kernel alone
+        if q.shape[1] > 0 and decode.takes_step(q, k_cache.shape[2], seqlen_new):
             step = decode.Step(host_seqlen if cache_seqlens is None else cache_seqlens, k, v,
                                rotary_cos, rotary_sin, rotary_interleaved, q_rows)
             out, lse = decode.forward(q, k_cache, v_cache, None, cache_batch_idx,
@@ -152,6 +164,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         q, seqlens_k = append.append(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
                                      cache_seqlens, cache_batch_idx, cache_leftpad,
                                      block_table, q_rows, rotary_interleaved)
+        if q.shape[1] == 0:  # an append without queries
+            return _empty_result(q, v_cache, return_softmax_lse)
         keys_bound = capacity if host_seqlen is None else host_seqlen + seqlen_new
         prefill = _gluon_prefill(q, k_cache, v_cache, seqlens_k, keys_bound, cache_batch_idx,
                                  cache_leftpad, block_table, params)
@@ -179,6 +193,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     seqlens_k = cache_seqlens - cache_leftpad + seqlen_new
     out, lse = _run(name, q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad,
                     block_table, params, num_splits)
+    return (out, lse) if return_softmax_lse else out
+
+
+def _empty_result(q, v_cache, return_softmax_lse: bool):
+    """out (batch, seqlen_q, nheads, d_v) and lse (batch, nheads, seqlen_q) of a call where
+    one of batch and seqlen_q is 0."""
+    batch, seqlen_q, nheads, _ = q.shape
+    out = q.new_empty(batch, seqlen_q, nheads, v_cache.shape[-1])
+    lse = torch.empty(batch, nheads, seqlen_q, dtype=accumulation_dtype(q.dtype), device=q.device)
     return (out, lse) if return_softmax_lse else out
 
 
@@ -400,6 +423,8 @@ def _check_values(cache_seqlens, seqlen_new, capacity, cache_batch_idx, cache_le
     num_blocks = batch_cache = k_cache.shape[0]
     page_size = k_cache.shape[1]
     seqlens = cache_seqlens.tolist()
+    if not seqlens:  # batch 0
+        return 0
     rows = list(range(len(seqlens))) if cache_batch_idx is None else cache_batch_idx.tolist()
     leftpad = [0] * len(seqlens) if cache_leftpad is None else cache_leftpad.tolist()
     if min(seqlens) < 0:
@@ -422,12 +447,32 @@ def _check_values(cache_seqlens, seqlen_new, capacity, cache_batch_idx, cache_le
                          f"{max(seqlens) + max(seqlen_new, q_rows) - 1} are rotated")
     if block_table is not None:
         table = block_table.tolist()
-        for b, n in enumerate(seqlens):
-            used = table[b][:-(-(n + seqlen_new) // page_size)]
-            if not all(0 <= page < num_blocks for page in used):
-                raise ValueError(f"block_table: sequence {b} uses pages {used}; every entry "
+        used = [table[b][:-(-(n + seqlen_new) // page_size)] for b, n in enumerate(seqlens)]
+        for b, pages in enumerate(used):
+            if not all(0 <= page < num_blocks for page in pages):
+                raise ValueError(f"block_table: sequence {b} uses pages {pages}; every entry "
                                  f"must be in [0, {num_blocks}) (k_cache's num_blocks)")
+        if seqlen_new:
+            _check_written_pages(used, seqlens, seqlen_new, page_size)
     return max(positions) + seqlen_new
+
+
+def _check_written_pages(used, seqlens, seqlen_new, page_size) -> None:
+    """A page the append writes belongs to one sequence, once: shared pages (a common prefix)
+    may be read by many sequences, but a write into one would change what the others read,
+    and two writes to one slot race. used[b]: the pages sequence b reads."""
+    owners = {}
+    for b, pages in enumerate(used):
+        for page in set(pages):
+            owners.setdefault(page, []).append(b)
+    for b, (pages, n) in enumerate(zip(used, seqlens, strict=True)):
+        written = pages[n // page_size:]
+        for page in written:
+            if len(owners[page]) > 1 or pages.count(page) > 1:
+                others = [o for o in owners[page] if o != b] or [b]
+                raise ValueError(f"block_table: sequence {b} appends into page {page}, which "
+                                 f"sequence {others[0]} also uses; a page written by an "
+                                 "append must appear once in the used entries")
 
 
 def _check_rotary(cos, sin, q, k) -> None:

@@ -42,6 +42,8 @@ from flashkit.ops.triton.common import (
     alibi_args,
     batch_strides,
     block_args,
+    exp_units,
+    gradient_pairs,
     head_ptr,
     interpreting,
     key_tile_ranges,
@@ -94,7 +96,8 @@ def _bwd_preprocess_kernel(Out, DO, Delta,
 
 
 @triton.jit
-def _load_lse2(lse_ptrs, offs_m, seqlen_q, MASKED: tl.constexpr = True):
+def _load_lse2(lse_ptrs, offs_m, seqlen_q, MASKED: tl.constexpr = True,
+               NATURAL: tl.constexpr = False):
     """lse in log2 units; a row that saw no key (lse = -inf) and rows past seqlen_q read +inf,
     so P = exp2(s - lse2) = 0 for them. MASKED=False: every row is in bounds (the unmasked
     tiles), no mask (with seqlen_q of unknown divisibility, varlen, the mask cost registers)."""
@@ -102,7 +105,9 @@ def _load_lse2(lse_ptrs, offs_m, seqlen_q, MASKED: tl.constexpr = True):
         lse = tl.load(lse_ptrs, mask=offs_m < seqlen_q, other=float("-inf"))
     else:
         lse = tl.load(lse_ptrs)
-    return tl.where(lse == float("-inf"), float("inf"), lse * LOG2E_JIT)
+    if not NATURAL:  # NATURAL (fp32): lse stays in the scores' natural units
+        lse = lse * LOG2E_JIT
+    return tl.where(lse == float("-inf"), float("inf"), lse)
 
 
 @triton.jit
@@ -111,7 +116,7 @@ def _bwd_dkdv_tiles(dk, dv, k_tile, v_tile, rows, start, end, offs, band, mods, 
                     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-                    PRECISION: tl.constexpr,
+                    ONE_KEY_ZERO: tl.constexpr, PRECISION: tl.constexpr,
                     SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr,
                     LISTED: tl.constexpr = False, SPAN: tl.constexpr = 1):
     """Accumulate dK, dV of one key block over query tiles [start, end). rows = (q_base,
@@ -135,17 +140,19 @@ def _bwd_dkdv_tiles(dk, dv, k_tile, v_tile, rows, start, end, offs, band, mods, 
         offs_m = start_m + tl.arange(0, BLOCK_M)
         q_tile = load_tile(tile_ptrs(q_base, offs_m, offs_d, stride_qs, stride_qd), offs_m,
                            seqlen_q, offs_d, HEAD_DIM, MASKED, HEAD_DIM != BLOCK_D)
-        lse2 = _load_lse2(lse_base + offs_m * stride_ls, offs_m, seqlen_q, MASKED)
+        lse2 = _load_lse2(lse_base + offs_m * stride_ls, offs_m, seqlen_q, MASKED,
+                          q_tile.dtype == tl.float32)
         # [BLOCK_N, BLOCK_M] = [BLOCK_N, BLOCK_D] @ [BLOCK_D, BLOCK_M]
         qk_t = tl.dot(k_tile, tl.trans(q_tile), input_precision=PRECISION)
         s_t, dcap_t = score_mod(qk_t, offs_m[None, :], offs_n[:, None], band, mods, SOFTCAP,
                                 ALIBI, SCORE_GRAD_FROM_S_JIT)
         if SCORE_MOD is not None:  # d score_mod / d score, then the modified score
             dmod_t = user_score_grad(s_t, off_b, off_h, offs_m[None, :], offs_n[:, None],
-                                     seqlen_q, seqlen_k, SCORE_GRAD, score_args)
+                                     seqlen_q, seqlen_k, SCORE_GRAD, score_args,
+                                     q_tile.dtype == tl.float32)
             s_t = user_score(s_t, off_b, off_h, offs_m[None, :], offs_n[:, None], seqlen_q,
-                             seqlen_k, SCORE_MOD, score_args)
-        p_t = tl.math.exp2(s_t - lse2[None, :])
+                             seqlen_k, SCORE_MOD, score_args, q_tile.dtype == tl.float32)
+        p_t = exp_units(s_t - lse2[None, :], q_tile.dtype == tl.float32)
         if MASKED:
             keep_t = visible(offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k, window_left,
                              window_right, HAS_LEFT, HAS_RIGHT)
@@ -172,6 +179,10 @@ def _bwd_dkdv_tiles(dk, dv, k_tile, v_tile, rows, start, end, offs, band, mods, 
         else:
             delta = tl.load(delta_base + offs_m * stride_deltas)
         ds_t = p_t * (dp_t - delta[None, :])
+        if MASKED:  # see gradient_pairs
+            ds_t = tl.where(gradient_pairs(keep_t, offs_m[None, :], seqlen_q, seqlen_k,
+                                           window_left, window_right, HAS_LEFT, HAS_RIGHT,
+                                           ONE_KEY_ZERO), ds_t, 0.0)
         if SCORE_MOD is not None:
             ds_t = ds_t * dmod_t
         if SOFTCAP:
@@ -199,10 +210,10 @@ def _bwd_dkdv_program(pid_n, pid_bh, Q, K, V, DO, Lse, Delta, DK, DV,
                      HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                      BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-                     ALIBI: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr,
-                     EVEN_N: tl.constexpr, PRECISION: tl.constexpr, SCORE_MOD: tl.constexpr,
-                     SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr, SPARSE: tl.constexpr,
-                     SPARSE_Q: tl.constexpr, SPARSE_KV: tl.constexpr):
+                     ALIBI: tl.constexpr, DROPOUT: tl.constexpr, ONE_KEY_ZERO: tl.constexpr,
+                     VARLEN: tl.constexpr, EVEN_N: tl.constexpr, PRECISION: tl.constexpr,
+                     SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr,
+                     SPARSE: tl.constexpr, SPARSE_Q: tl.constexpr, SPARSE_KV: tl.constexpr):
     """dK, dV of key block pid_n of (batch, kv head) pid_bh. SPARSE: the query blocks come from
     the block mask's transposed lists (row start_n // SPARSE_KV of each query head)."""
     off_b = (pid_bh // nheads_k).to(tl.int64)
@@ -231,7 +242,8 @@ def _bwd_dkdv_program(pid_n, pid_bh, Q, K, V, DO, Lse, Delta, DK, DV,
                                                HAS_RIGHT)
     for g in range(group):  # the query heads that share this kv head, in a fixed order
         off_h = off_hk * group + g
-        alibi_log2 = load_alibi_log2(Alibi, off_b, off_h, stride_ab, stride_ah, ALIBI)
+        alibi_log2 = load_alibi_log2(Alibi, off_b, off_h, stride_ab, stride_ah, ALIBI,
+                                 Q.dtype.element_ty == tl.float32)
         q_base = head_ptr(Q, off_b, off_h, q_start, stride_qb, stride_qh, stride_qs)
         do_base = head_ptr(DO, off_b, off_h, q_start, stride_dob, stride_doh, stride_dos)
         lse_base = head_ptr(Lse, off_b, off_h, q_start, stride_lb, stride_lh, stride_ls)
@@ -253,15 +265,16 @@ def _bwd_dkdv_program(pid_n, pid_bh, Q, K, V, DO, Lse, Delta, DK, DV,
                     dk, dv, k_tile, v_tile, rows, 0, tl.load(Num + row) * SPARSE_Q, offs, band,
                     mods, drop, (score_args, mask_args, Idx + row * n_q_blocks), HEAD_DIM,
                     HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, listed == 0, HAS_LEFT,
-                    HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, PRECISION, SCORE_MOD, SCORE_GRAD,
-                    MASK_MOD, True, SPARSE_Q)
+                    HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, ONE_KEY_ZERO, PRECISION, SCORE_MOD,
+                    SCORE_GRAD, MASK_MOD, True, SPARSE_Q)
             bounds = (0, 0, 0, 0)
         for segment in tl.static_range(3):  # masked edge, unmasked middle, masked edge
             dk, dv = _bwd_dkdv_tiles(
                 dk, dv, k_tile, v_tile, rows, bounds[segment], bounds[segment + 1], offs, band,
                 mods, drop, (score_args, mask_args, QIdx), HEAD_DIM, HEAD_DIM_V, BLOCK_D,
                 BLOCK_DV, BLOCK_M, BLOCK_N, segment != 1 or MASK_MOD is not None, HAS_LEFT,
-                HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, PRECISION, SCORE_MOD, SCORE_GRAD, MASK_MOD)
+                HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, ONE_KEY_ZERO, PRECISION, SCORE_MOD, SCORE_GRAD,
+                MASK_MOD)
 
     dk_ptrs = tile_ptrs(head_ptr(DK, off_b, off_hk, k_start, stride_dkb, stride_dkh, stride_dks),
                         offs_n, offs_d, stride_dks, stride_dkd)
@@ -278,7 +291,7 @@ def _bwd_dq_tiles(dq, q_tile, do_tile, lse2, delta, kv, start, end, offs, band, 
                   variant, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                   HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-                  ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
+                  ALIBI: tl.constexpr, DROPOUT: tl.constexpr, ONE_KEY_ZERO: tl.constexpr,
                   PRECISION: tl.constexpr, SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr,
                   MASK_MOD: tl.constexpr, LISTED: tl.constexpr = False, SPAN: tl.constexpr = 1):
     """Accumulate dQ of one query block over key tiles [start, end). kv = (k_base, v_base,
@@ -305,10 +318,10 @@ def _bwd_dq_tiles(dq, q_tile, do_tile, lse2, delta, kv, start, end, offs, band, 
                             SCORE_GRAD_FROM_S_JIT)
         if SCORE_MOD is not None:  # d score_mod / d score, then the modified score
             dmod = user_score_grad(s, off_b, off_h, offs_m[:, None], offs_n[None, :], seqlen_q,
-                                   seqlen_k, SCORE_GRAD, score_args)
+                                   seqlen_k, SCORE_GRAD, score_args, q_tile.dtype == tl.float32)
             s = user_score(s, off_b, off_h, offs_m[:, None], offs_n[None, :], seqlen_q,
-                           seqlen_k, SCORE_MOD, score_args)
-        p = tl.math.exp2(s - lse2[:, None])
+                           seqlen_k, SCORE_MOD, score_args, q_tile.dtype == tl.float32)
+        p = exp_units(s - lse2[:, None], q_tile.dtype == tl.float32)
         if MASKED:
             keep = visible(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, window_left,
                            window_right, HAS_LEFT, HAS_RIGHT)
@@ -323,6 +336,9 @@ def _bwd_dq_tiles(dq, q_tile, do_tile, lse2, delta, kv, start, end, offs, band, 
                                 dropout_threshold, BLOCK_N)
             dp = tl.where(kept, dp * dropout_scale, 0.0)
         ds = p * (dp - delta[:, None])
+        if MASKED:  # see gradient_pairs
+            ds = tl.where(gradient_pairs(keep, offs_m[:, None], seqlen_q, seqlen_k, window_left,
+                                         window_right, HAS_LEFT, HAS_RIGHT, ONE_KEY_ZERO), ds, 0.0)
         if SCORE_MOD is not None:
             ds = ds * dmod
         if SOFTCAP:
@@ -349,10 +365,10 @@ def _bwd_dq_program(pid_m, pid_bh, Q, K, V, DO, Lse, Delta, DQ,
                    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-                   ALIBI: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr,
-                   EVEN_M: tl.constexpr, PRECISION: tl.constexpr, SCORE_MOD: tl.constexpr,
-                   SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr, SPARSE: tl.constexpr,
-                   SPARSE_Q: tl.constexpr, SPARSE_KV: tl.constexpr):
+                   ALIBI: tl.constexpr, DROPOUT: tl.constexpr, ONE_KEY_ZERO: tl.constexpr,
+                   VARLEN: tl.constexpr, EVEN_M: tl.constexpr, PRECISION: tl.constexpr,
+                   SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr,
+                   SPARSE: tl.constexpr, SPARSE_Q: tl.constexpr, SPARSE_KV: tl.constexpr):
     """dQ of query block pid_m of (batch, head) pid_bh; SPARSE as the forward kernel's."""
     off_b = (pid_bh // nheads).to(tl.int64)
     off_h = (pid_bh % nheads).to(tl.int64)
@@ -376,14 +392,15 @@ def _bwd_dq_program(pid_m, pid_bh, Q, K, V, DO, Lse, Delta, DQ,
     do_tile = load_tile(do_ptrs, offs_m, seqlen_q, offs_dv, HEAD_DIM_V, not EVEN_M,
                         HEAD_DIM_V != BLOCK_DV)
     lse2 = _load_lse2(head_ptr(Lse, off_b, off_h, q_start, stride_lb, stride_lh, stride_ls)
-                      + offs_m * stride_ls, offs_m, seqlen_q)
+                      + offs_m * stride_ls, offs_m, seqlen_q, True, q_tile.dtype == tl.float32)
     delta = tl.load(head_ptr(Delta, off_b, off_h, q_start, stride_deltab, stride_deltah,
                              stride_deltas) + offs_m * stride_deltas,
                     mask=offs_m < seqlen_q, other=0.0)
     k_base = head_ptr(K, off_b, off_hk, k_start, stride_kb, stride_kh, stride_ks)
     v_base = head_ptr(V, off_b, off_hk, k_start, stride_vb, stride_vh, stride_vs)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    alibi_log2 = load_alibi_log2(Alibi, off_b, off_h, stride_ab, stride_ah, ALIBI)
+    alibi_log2 = load_alibi_log2(Alibi, off_b, off_h, stride_ab, stride_ah, ALIBI,
+                                 Q.dtype.element_ty == tl.float32)
 
     lo, mid_lo, mid_hi, hi = key_tile_ranges(start_m, seqlen_q, seqlen_k, window_left,
                                              window_right, BLOCK_M, BLOCK_N, HAS_LEFT,
@@ -403,16 +420,16 @@ def _bwd_dq_program(pid_m, pid_bh, Q, K, V, DO, Lse, Delta, DQ,
                                tl.load(Num + row) * SPARSE_KV, offs, band, mods, drop,
                                (score_args, mask_args, Idx + row * n_kv_blocks), HEAD_DIM,
                                HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, listed == 0, HAS_LEFT,
-                               HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, PRECISION, SCORE_MOD,
-                               SCORE_GRAD, MASK_MOD, True, SPARSE_KV)
+                               HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, ONE_KEY_ZERO, PRECISION,
+                               SCORE_MOD, SCORE_GRAD, MASK_MOD, True, SPARSE_KV)
         bounds = (0, 0, 0, 0)
     for segment in tl.static_range(3):  # masked edge, unmasked middle, masked edge
         dq = _bwd_dq_tiles(dq, q_tile, do_tile, lse2, delta, kv, bounds[segment],
                            bounds[segment + 1], offs, band, mods, drop,
                            (score_args, mask_args, KvIdx), HEAD_DIM, HEAD_DIM_V, BLOCK_D,
                            BLOCK_DV, BLOCK_N, segment != 1 or MASK_MOD is not None, HAS_LEFT,
-                           HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, PRECISION, SCORE_MOD, SCORE_GRAD,
-                           MASK_MOD)
+                           HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, ONE_KEY_ZERO, PRECISION, SCORE_MOD,
+                           SCORE_GRAD, MASK_MOD)
 
     dq_ptrs = tile_ptrs(head_ptr(DQ, off_b, off_h, q_start, stride_dqb, stride_dqh, stride_dqs),
                         offs_m, offs_d, stride_dqs, stride_dqd)
@@ -442,11 +459,11 @@ def _bwd_kernel(Q, K, V, DO, Lse, Delta, DQ, DK, DV,
                 BLOCK_DV: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
                 BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr, HAS_LEFT: tl.constexpr,
                 HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-                DROPOUT: tl.constexpr, VARLEN: tl.constexpr, EVEN_M: tl.constexpr,
-                EVEN_N: tl.constexpr, DO_DKDV: tl.constexpr, DO_DQ: tl.constexpr,
-                PRECISION: tl.constexpr, SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr,
-                MASK_MOD: tl.constexpr, SPARSE: tl.constexpr, SPARSE_Q: tl.constexpr,
-                SPARSE_KV: tl.constexpr):
+                DROPOUT: tl.constexpr, ONE_KEY_ZERO: tl.constexpr, VARLEN: tl.constexpr,
+                EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, DO_DKDV: tl.constexpr,
+                DO_DQ: tl.constexpr, PRECISION: tl.constexpr, SCORE_MOD: tl.constexpr,
+                SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr, SPARSE: tl.constexpr,
+                SPARSE_Q: tl.constexpr, SPARSE_KV: tl.constexpr):
     """The dK/dV programs (DO_DKDV: axis 0 < num_kv_blocks) or the dQ programs (DO_DQ, heaviest
     query block first), launched one after the other; axis 1 is batch * nheads, of which the
     dK/dV programs use the first batch * nheads_k."""
@@ -471,9 +488,9 @@ def _bwd_kernel(Q, K, V, DO, Lse, Delta, DQ, DK, DV,
                               score_args, mask_args, QNum, QIdx, FullQNum, FullQIdx, stride_tb,
                               stride_th, n_q_blocks,
                               HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M1, BLOCK_N1,
-                              HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, VARLEN, EVEN_N,
-                              PRECISION, SCORE_MOD, SCORE_GRAD, MASK_MOD, SPARSE, SPARSE_Q,
-                              SPARSE_KV)
+                              HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, ONE_KEY_ZERO, VARLEN,
+                              EVEN_N, PRECISION, SCORE_MOD, SCORE_GRAD, MASK_MOD, SPARSE,
+                              SPARSE_Q, SPARSE_KV)
     elif DO_DQ:
         pid_m = num_q_blocks - 1 - (pid - num_kv_blocks if DO_DKDV else pid)
         _bwd_dq_program(pid_m, pid_bh, Q, K, V, DO, Lse, Delta, DQ,
@@ -489,8 +506,9 @@ def _bwd_kernel(Q, K, V, DO, Lse, Delta, DQ, DK, DV,
                         softmax_scale, seed_lo, seed_hi, dropout_threshold, dropout_scale, Cu_q,
                         Cu_k, score_args, mask_args, KvNum, KvIdx, FullNum, FullIdx, stride_sb,
                         stride_sh, n_kv_blocks, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M2,
-                        BLOCK_N2, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, VARLEN, EVEN_M,
-                        PRECISION, SCORE_MOD, SCORE_GRAD, MASK_MOD, SPARSE, SPARSE_Q, SPARSE_KV)
+                        BLOCK_N2, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, ONE_KEY_ZERO,
+                        VARLEN, EVEN_M, PRECISION, SCORE_MOD, SCORE_GRAD, MASK_MOD, SPARSE,
+                        SPARSE_Q, SPARSE_KV)
 
 
 def _dense_as_varlen(dout, q, k, v, out, lse, params: AttentionParams, dq, dk, dv, tiles,
@@ -546,7 +564,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         return _dense_as_varlen(dout, q, k, v, out, lse, params, dq, dk, dv, tiles, dlse)
     hopper = backward_hopper.eligible(q, k, v, dout, lse, params, dq, dk, dv, tiles)
     delta = torch.empty(lse.shape, dtype=torch.float32, device=q.device)  # laid out like lse
-    window_left, window_right, has_left, has_right = window_args(params)
+    window_left, window_right, has_left, has_right = window_args(params, seqlen_q, seqlen_k)
     block_d, block_dv = padded_head_dim(head_dim), padded_head_dim(head_dim_v)
     d_max = max(head_dim, head_dim_v)
     qk_scale, softcap_scale, softcap = score_args(params, q.dtype)
@@ -590,7 +608,8 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
             num_kv_blocks, num_q_blocks, score_mod_args, mask_mod_args, *kv_blocks, *q_blocks)
     meta = dict(**dims, BLOCK_M1=block_m1, BLOCK_N1=block_n1, BLOCK_M2=block_m2,
                 BLOCK_N2=block_n2, **band, EVEN_M=not varlen and seqlen_q % block_m2 == 0,
-                EVEN_N=not varlen and seqlen_k % block_n1 == 0, **variant, **sparse)
+                EVEN_N=not varlen and seqlen_k % block_n1 == 0,
+                ONE_KEY_ZERO=params.sink is None and dlse is None, **variant, **sparse)
     if hopper:
         backward_hopper.attention_backward_dkdv(dout, q, k, v, lse, delta, params, dk, dv,
                                                 block=tiles.get("hopper"))

@@ -3,7 +3,8 @@
 Notation as in common.py. One program owns BLOCK_M query rows of one (batch, head) and streams
 the key/value tiles its band reaches: first the masked tiles left of the fully visible middle
 (a bounded left window only), then the unmasked middle (FA2's off-diagonal tiles), then the
-masked tiles on and right of the diagonal. Scores live in log2 units so the softmax is exp2.
+masked tiles on and right of the diagonal. Scores live in log2 units (fp32: natural, see
+common.py) so the softmax is exp2.
 
 Layouts (flash-attn): q (b, sq, h, d), k (b, sk, hk, d), v (b, sk, hk, dv), out (b, sq, h, dv),
 lse (b, h, sq) float32, natural log. Every stride is passed, so strided views cost no copy
@@ -36,6 +37,7 @@ from flashkit.ops.triton.common import (
     key_tile_ranges,
     load_alibi_log2,
     load_tile,
+    masked_values_product,
     online_softmax_update,
     score_args,
     score_mod,
@@ -91,7 +93,7 @@ def _fwd_tiles(acc, m_i, l_i, q_tile, kv, start, end, offs, band, mods, drop, va
         s, _ = score_mod(qk, offs_m[:, None], offs_n[None, :], band, mods, SOFTCAP, ALIBI)
         if SCORE_MOD is not None:
             s = user_score(s, off_b, off_h, offs_m[:, None], offs_n[None, :], seqlen_q,
-                           seqlen_k, SCORE_MOD, score_args)
+                           seqlen_k, SCORE_MOD, score_args, q_tile.dtype == tl.float32)
         if MASKED:
             keep = visible(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, window_left,
                            window_right, HAS_LEFT, HAS_RIGHT)
@@ -99,14 +101,19 @@ def _fwd_tiles(acc, m_i, l_i, q_tile, kv, start, end, offs, band, mods, drop, va
                 keep = user_visible(keep, off_b, off_h, offs_m[:, None], offs_n[None, :],
                                     seqlen_q, seqlen_k, MASK_MOD, mask_args)
             s = tl.where(keep, s, float("-inf"))
-        p, alpha, m_i, l_i = online_softmax_update(m_i, l_i, s, MASKED)
+        p, alpha, m_i, l_i = online_softmax_update(m_i, l_i, s, MASKED,
+                                                   q_tile.dtype == tl.float32)
         if DROPOUT:
             p = tl.where(dropout_keep(seed_lo, seed_hi, off_b, off_h, offs_m, start_n,
                                       dropout_threshold, BLOCK_N), p, 0.0)
         v_tile = load_tile(tile_ptrs(v_base, offs_n, offs_dv, stride_vs, stride_vd), offs_n,
                            seqlen_k, offs_dv, HEAD_DIM_V, MASKED, HEAD_DIM_V != BLOCK_DV)
-        # [BLOCK_M, BLOCK_DV] = [BLOCK_M, BLOCK_N] @ [BLOCK_N, BLOCK_DV]
-        acc = tl.dot(p.to(v_tile.dtype), v_tile, acc * alpha[:, None], input_precision=PRECISION)
+        acc = acc * alpha[:, None]
+        if MASKED:
+            acc = masked_values_product(acc, p, s, v_tile, PRECISION)
+        else:
+            # [BLOCK_M, BLOCK_DV] = [BLOCK_M, BLOCK_N] @ [BLOCK_N, BLOCK_DV]
+            acc = tl.dot(p.to(v_tile.dtype), v_tile, acc, input_precision=PRECISION)
     return acc, m_i, l_i
 
 
@@ -143,6 +150,7 @@ def _fwd_kernel(Q, K, V, Out, Lse,
     off_hk = off_h // group  # GQA: query head h reads kv head h // group
     q_start, k_start, seqlen_q, seqlen_k = sequence(off_b, seqlen_q, seqlen_k, Cu_q, Cu_k,
                                                     VARLEN)
+    NATURAL: tl.constexpr = Q.dtype.element_ty == tl.float32  # common.natural_units
     start_m = pid_m * BLOCK_M
     if VARLEN:
         if start_m >= seqlen_q:
@@ -161,9 +169,12 @@ def _fwd_kernel(Q, K, V, Out, Lse,
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     if SINK:
-        m_i, l_i = softmax_start(m_i, l_i, tl.load(Sink + off_h) * LOG2E_JIT)
+        sink = tl.load(Sink + off_h)
+        if not NATURAL:
+            sink = sink * LOG2E_JIT
+        m_i, l_i = softmax_start(m_i, l_i, sink)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    alibi_log2 = load_alibi_log2(Alibi, off_b, off_h, stride_ab, stride_ah, ALIBI)
+    alibi_log2 = load_alibi_log2(Alibi, off_b, off_h, stride_ab, stride_ah, ALIBI, NATURAL)
 
     lo, mid_lo, mid_hi, hi = key_tile_ranges(start_m, seqlen_q, seqlen_k, window_left,
                                              window_right, BLOCK_M, BLOCK_N, HAS_LEFT,
@@ -198,7 +209,7 @@ def _fwd_kernel(Q, K, V, Out, Lse,
     if DROPOUT:
         acc = acc * dropout_scale
     out_tile = acc / l_safe[:, None]
-    lse = softmax_lse(m_i, has_mass, l_safe)
+    lse = softmax_lse(m_i, has_mass, l_safe, NATURAL)
 
     o_ptrs = tile_ptrs(head_ptr(Out, off_b, off_h, q_start, stride_ob, stride_oh, stride_os),
                        offs_m, offs_dv, stride_os, stride_od)
@@ -240,7 +251,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     blocks, sparse = block_args(params, lse)
     if sparse["SPARSE"]:  # the kernel's tiles must divide the block mask's
         block_m, block_n = min(block_m, sparse["SPARSE_Q"]), min(block_n, sparse["SPARSE_KV"])
-    window_left, window_right, has_left, has_right = window_args(params)
+    window_left, window_right, has_left, has_right = window_args(params, seqlen_q, seqlen_k)
     qk_scale, softcap_scale, softcap = score_args(params, q.dtype)
     alibi, alibi_strides, has_alibi = alibi_args(params, lse)
     sink = lse if params.sink is None else params.sink.to(torch.float32)
