@@ -481,7 +481,11 @@ def softmax_lse(m_i, has_mass, l_safe, NATURAL: tl.constexpr = False):
     has_mass = l > 0, l_safe from softmax_denominator); -inf for a row with no mass. Kernels
     compute has_mass before the output and this after it: in other orders (or with has_mass
     computed in here) the sm_90 schedules of the forward and decode kernels change."""
-    return tl.where(has_mass, row_lse(m_i, l_safe, NATURAL), float("-inf"))
+    if NATURAL:
+        lse = m_i + tl.math.log2(l_safe) * LN2_JIT
+    else:
+        lse = (m_i + tl.math.log2(l_safe)) * LN2_JIT
+    return tl.where(has_mass, lse, float("-inf"))
 
 
 @triton.jit
