@@ -291,7 +291,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params:
     q_desc = descale_args(q_descale, nheads, group, one)
     k_desc = descale_args(k_descale, nheads_k, 1, one)
     v_desc = descale_args(v_descale, nheads_k, 1, one)
-    window_left, window_right, has_left, has_right = window_args(params)
+    window_left, window_right, has_left, has_right = window_args(params, seqlen_q, seqlen_k)
     qk_scale, softcap_scale, softcap = score_args(params)  # exact tanh: fp32 scores
     alibi, alibi_strides, has_alibi = alibi_args(params, lse)
     sink = lse if params.sink is None else params.sink.to(torch.float32)
