@@ -51,7 +51,7 @@ def main():
 
     counter = Counter()
     start = time.time()
-    pytest_args = [str(HERE / "test_flash_attn.py"), "-q", "-p", "no:cacheprovider",
+    pytest_args = [str(HERE), "-q", "-p", "no:cacheprovider",
                    "--sample", str(args.sample), "-o", "addopts=", "--tb=line"]
     if args.k:
         pytest_args += ["-k", args.k]
