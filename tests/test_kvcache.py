@@ -37,7 +37,7 @@ def decode_loop(request, monkeypatch):
 
     if request.param == "key_subtiles":
         monkeypatch.setattr(decode, "CAP_LIFT_PER_SM", 1 << 30)
-    for table in (decode.INTERPRETER, decode.HOPPER):
+    for table in (decode.DECODE_INTERPRETER, decode.DECODE_SM90):
         tile = table["decode"]
         monkeypatch.setitem(table, "decode", tile._replace(subtiles=1) if request.param ==
                             "key_tiles" else tile._replace(subtiled_from=0))
@@ -565,7 +565,7 @@ def test_spill_free_lifts_the_register_cap_or_drops_the_subtiles(monkeypatch):
     from flashkit.ops.triton import decode
 
     monkeypatch.setattr(decode, "interpreting", lambda: False)
-    tile = decode.HOPPER["decode"]
+    tile = decode.DECODE_SM90["decode"]
     for programs, spills, expected in [(128, True, (4, 1)), (264, True, (4, 2)),
                                        (265, True, (1, 3)), (128, False, (4, 3)),
                                        (1536, False, (4, 3))]:

@@ -1,9 +1,8 @@
 """The Gluon backward (flashkit.ops.triton.backward_hopper): which calls take it, and its gradients
-against the float64 oracle (docs/design.md section 5) through the public backend, on both dQ
-paths (the
-dQ kernel by default and under deterministic=True, bitwise reproducible; atomics when configured),
-plain and with its features (windows, seqlen_q != seqlen_k, sink, ALiBi, softcap, dropout: the
-oracle drops what the Triton kernels' keep-mask helper drops), dense and varlen (packed sequences
+against the float64 oracle (docs/design.md section 5) through the public backend (dQ from its
+own kernel, bitwise reproducible), plain and with its features (windows, seqlen_q != seqlen_k,
+sink, ALiBi, softcap, dropout: the oracle drops what the Triton kernels' keep-mask helper drops),
+dense and varlen (packed sequences
 of any length, each checked as its own dense problem by the oracle)."""
 
 from __future__ import annotations
@@ -65,12 +64,10 @@ CASES = [  # (dtype, head_dim, seqlen, nheads, nheads_k, causal)
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _on_hopper(), reason="needs an sm_90 GPU")
-@pytest.mark.parametrize("path", ["default", "atomic_dq", "deterministic"])
+@pytest.mark.parametrize("path", ["default", "deterministic"])
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_gpu_gluon_backward_matches_oracle(case, path, monkeypatch):
-    """default: the Gluon dK/dV and dQ kernels; atomic_dq: dQ by atomics in the dK/dV kernel
-    (configs.GLUON_BACKWARD_ATOMIC_DQ on); deterministic=True never takes the atomics."""
-    monkeypatch.setattr(backward, "GLUON_BACKWARD_ATOMIC_DQ", path != "default")
+    """The Gluon dK/dV and dQ kernels, deterministic=False and True alike."""
     deterministic = path == "deterministic"
     dtype, head_dim, seqlen, nheads, nheads_k, causal = case
     q, k, v, dout = make_inputs(2, seqlen, seqlen, nheads, nheads_k, head_dim, head_dim, dtype,
@@ -84,11 +81,8 @@ def test_gpu_gluon_backward_matches_oracle(case, path, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not _on_hopper(), reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("atomic_flag", [False, True])
-def test_gpu_gluon_backward_deterministic_is_bitwise_reproducible(head_dim, atomic_flag,
-                                                                  monkeypatch):
-    """deterministic=True keeps the separate dQ kernel whatever GLUON_BACKWARD_ATOMIC_DQ says."""
-    monkeypatch.setattr(backward, "GLUON_BACKWARD_ATOMIC_DQ", atomic_flag)
+def test_gpu_gluon_backward_deterministic_is_bitwise_reproducible(head_dim):
+    """Repeated backward calls give the same bits (dQ is summed by one program per tile)."""
     q, k, v, dout = make_inputs(2, 1024, 1024, 8, 2, head_dim, head_dim, torch.bfloat16, "cuda")
     params = AttentionParams(head_dim ** -0.5, None, 0, deterministic=True)
     out, lse = triton_backend.forward(q, k, v, params)
@@ -97,74 +91,6 @@ def test_gpu_gluon_backward_deterministic_is_bitwise_reproducible(head_dim, atom
         again = triton_backend.backward(dout, q, k, v, out, lse, params)[:3]
         for name, a, b in zip(("dq", "dk", "dv"), first, again, strict=True):
             assert torch.equal(a, b), name
-    # the atomic path changes dQ's summation order only: dK and dV are the same bits
-    atomic = backward.attention_backward(dout, q, k, v, out, lse,
-                                         dataclasses.replace(params, deterministic=False),
-                                         atomic_dq=True)[:3]
-    assert torch.equal(atomic[1], first[1]) and torch.equal(atomic[2], first[2])
-
-
-ATOMIC_CASES = [  # (dtype, head_dim, seqlen_q, seqlen_k, nheads, nheads_k, causal, tile)
-    # many key blocks reduce-add into the same few query rows
-    (torch.bfloat16, 128, 128, 2048, 4, 2, False, None),
-    (torch.float16, 64, 256, 1536, 8, 1, True, None),  # causal bottom-right, MQA
-    (torch.bfloat16, 64, 640, 128, 4, 4, True, None),  # rows without keys
-    # two warpgroups per program (each stages its own columns of the dQ halves)
-    (torch.bfloat16, 128, 384, 512, 8, 2, True, (64, 128, 8, 2)),
-    (torch.float16, 64, 512, 512, 4, 1, False, (64, 128, 8, 2)),
-    (torch.bfloat16, 64, 384, 384, 2, 2, True, (64, 64, 4, 2)),
-    (torch.float16, 128, 192, 704, 4, 4, False, (64, 64, 4, 3)),
-]
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not _on_hopper(), reason="needs an sm_90 GPU")
-@pytest.mark.parametrize("case", ATOMIC_CASES, ids=str)
-def test_gpu_gluon_backward_tma_reduce_dq_matches_oracle(case):
-    """dQ by bulk TMA reduce-adds from the dK/dV kernel (atomic_dq=True), into NaN-poisoned
-    dq/dk/dv, against the float64 oracle, on default and swept tiles."""
-    dtype, head_dim, seqlen_q, seqlen_k, nheads, nheads_k, causal, tile = case
-    q, k, v, dout = make_inputs(2, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, head_dim,
-                                dtype, "cuda")
-    params = AttentionParams(head_dim ** -0.5, None, 0 if causal else None)
-    tiles = {"hopper": tile} if tile else None
-    assert _eligible(q, k, v, params, tiles)
-    out, lse = triton_backend.forward(q, k, v, params)
-    grads = backward.attention_backward(dout, q, k, v, out, lse, params,
-                                        dq=poison(torch.empty_like(q)),
-                                        dk=poison(torch.empty_like(k)),
-                                        dv=poison(torch.empty_like(v)), tiles=tiles,
-                                        atomic_dq=True)[:3]
-    results = []
-    for t in (torch.float64, dtype):
-        leaves = [x.detach().to(t).requires_grad_() for x in (q, k, v)]
-        ref_out, _ = attention_with_params(*leaves, params)
-        results.append(torch.autograd.grad(ref_out, leaves, dout.to(t)))
-    for name, got, want, base in zip(("dq", "dk", "dv"), grads, *results, strict=True):
-        assert_close_to_oracle(name, got, want, base)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not _on_hopper(), reason="needs an sm_90 GPU")
-def test_gpu_gluon_backward_deterministic_takes_the_dq_kernel(monkeypatch):
-    """With GLUON_BACKWARD_ATOMIC_DQ on, deterministic=False hands the dK/dV kernel a dQ
-    accumulator and skips the dQ kernel; deterministic=True does the opposite."""
-    monkeypatch.setattr(backward, "GLUON_BACKWARD_ATOMIC_DQ", True)
-    calls = []
-    dkdv, dq_kernel = hopper.attention_backward_dkdv, hopper.attention_backward_dq
-    monkeypatch.setattr(hopper, "attention_backward_dkdv", lambda *a, **kw: calls.append(
-        ("dkdv", a[9] if len(a) > 9 else kw.get("dq_acc"))) or dkdv(*a, **kw))
-    monkeypatch.setattr(hopper, "attention_backward_dq",
-                        lambda *a, **kw: calls.append(("dq", None)) or dq_kernel(*a, **kw))
-    q, k, v, dout = make_inputs(1, 256, 256, 4, 2, 128, 128, torch.bfloat16, "cuda")
-    for deterministic in (False, True):
-        params = AttentionParams(0.125, None, 0, deterministic=deterministic)
-        out, lse = triton_backend.forward(q, k, v, params)
-        calls.clear()
-        triton_backend.backward(dout, q, k, v, out, lse, params)
-        kernels = [name for name, _ in calls]
-        assert kernels == (["dkdv", "dq"] if deterministic else ["dkdv"]), kernels
-        assert (calls[0][1] is None) == deterministic
 
 
 FEATURE_CASES = [  # (dtype, head_dim, seqlen_q, seqlen_k, nheads, nheads_k, params keywords)
@@ -195,12 +121,10 @@ def _feature_params(nheads, head_dim, deterministic, window_left=None, window_ri
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _on_hopper(), reason="needs an sm_90 GPU")
-@pytest.mark.parametrize("path", ["default", "atomic_dq"])
 @pytest.mark.parametrize("case", FEATURE_CASES, ids=str)
-def test_gpu_gluon_backward_features_match_oracle(case, path, monkeypatch):
+def test_gpu_gluon_backward_features_match_oracle(case):
     """Each feature flag of both Gluon kernels (and dsink, which backward.py reduces from lse
     and delta) against the oracle, into NaN-poisoned buffers."""
-    monkeypatch.setattr(backward, "GLUON_BACKWARD_ATOMIC_DQ", path != "default")
     dtype, head_dim, seqlen_q, seqlen_k, nheads, nheads_k, features = case
     q, k, v, dout = make_inputs(2, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, head_dim,
                                 dtype, "cuda")
@@ -264,11 +188,9 @@ def _check_dropout(q, k, v, dout, params):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _on_hopper(), reason="needs an sm_90 GPU")
-@pytest.mark.parametrize("path", ["default", "atomic_dq"])
 @pytest.mark.parametrize("case", DROPOUT_CASES, ids=str)
-def test_gpu_gluon_backward_dropout_matches_oracle(case, path, monkeypatch):
+def test_gpu_gluon_backward_dropout_matches_oracle(case):
     """Both Gluon kernels regenerate the forward's keep-mask (the dK/dV kernel transposed)."""
-    monkeypatch.setattr(backward, "GLUON_BACKWARD_ATOMIC_DQ", path != "default")
     dtype, head_dim, seqlen_q, seqlen_k, nheads, nheads_k, window_right, seed = case
     q, k, v, dout = make_inputs(2, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, head_dim,
                                 dtype, "cuda")

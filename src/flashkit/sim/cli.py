@@ -254,7 +254,7 @@ def _triton_forward_tile(head_dim: int) -> tuple[int, int] | None:
     if importlib.util.find_spec("triton") is None:
         return None
     from flashkit.ops.triton import configs
-    return configs.HOPPER["forward"][configs.padded_head_dim(head_dim)][:2]
+    return configs.SM90["forward"][configs.padded_head_dim(head_dim)][:2]
 
 
 def _nine_times_note(ns, d: int, sram: int, dtype_bytes: int) -> str:

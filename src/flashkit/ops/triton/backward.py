@@ -10,22 +10,19 @@ The kernels:
                              over the query heads of its GQA group and the query tiles that see
                              the block, so dK/dV are reduced over the group in registers
     _bwd_dq_kernel           one program per BLOCK_M query rows, looping over key tiles
-    _bwd_dq_convert_kernel   (atomic path) dQ = scale * the fp32 accumulator, in q's dtype
 Features as in forward.py: DROPOUT regenerates the forward's keep-mask tile by tile
 (dropout.dropout_keep) in both kernels: dV = (P o Z)^T dO and dP = Z o (dO V^T) with
 Z = keep / (1 - p), while dS = P o (dP - delta) keeps the pre-dropout P. VARLEN: each program
 reads its sequence's rows and lengths from cu_seqlens; blocks past its end return at once (an
 early return: clamping the loop ranges instead cost the dQ kernel 30 registers, measured by
 ptxas on sm_90).
-dQ two ways: the deterministic path (always under params.deterministic) sums every gradient
-element in one program in a fixed order, so gradients are bitwise reproducible; the atomic path
-(configs.ATOMIC_DQ) lets the dK/dV kernel also add dS K into an fp32 dQ accumulator with atomics,
-saving the dQ kernel's two recomputed matmuls (5 instead of 7) at the price of a run-to-run order.
+dQ is summed by one program per query tile in a fixed order, so gradients are bitwise
+reproducible.
 Transposed tiles carry a _t suffix: s_t is [BLOCK_N, BLOCK_M] = s^T.
 On sm_90 dK/dV and dQ run the Gluon kernels of backward_hopper.py instead (configs.GLUON_BACKWARD;
 every feature, varlen included, see backward_hopper.eligible; dense calls whose lengths are
-not tile multiples run there as varlen with equal lengths, _dense_as_varlen); the preprocess,
-dsink (and on the atomic path the dQ conversion) here serve both.
+not tile multiples run there as varlen with equal lengths, _dense_as_varlen); the preprocess
+and dsink here serve both.
 """
 
 from __future__ import annotations
@@ -41,9 +38,8 @@ from flashkit.ops.triton import backward_hopper
 from flashkit.ops.triton.common import (
     DOT_PRECISION,
     LOG2E_JIT,
-    accumulator_descriptor,
+    SCORE_GRAD_FROM_S_JIT,
     alibi_args,
-    alibi_bias,
     batch_strides,
     block_args,
     exp_units,
@@ -55,9 +51,8 @@ from flashkit.ops.triton.common import (
     load_tile,
     query_tile_ranges,
     score_args,
-    scores,
+    score_mod,
     sequence,
-    softcap_grad,
     store_tile,
     tile_ptrs,
     user_score,
@@ -69,13 +64,7 @@ from flashkit.ops.triton.common import (
     visible,
     window_args,
 )
-from flashkit.ops.triton.configs import (
-    ATOMIC_DQ,
-    FUSED_BWD,
-    GLUON_BACKWARD_ATOMIC_DQ,
-    padded_head_dim,
-    tile_config,
-)
+from flashkit.ops.triton.configs import padded_head_dim, tile_config
 from flashkit.ops.triton.dropout import dropout_args, dropout_keep, dropout_keep_t
 
 
@@ -122,27 +111,28 @@ def _load_lse2(lse_ptrs, offs_m, seqlen_q, MASKED: tl.constexpr = True,
 
 
 @triton.jit
-def _bwd_dkdv_tiles(dk, dv, k_tile, v_tile, q_base, do_base, lse_base, delta_base, dqacc_src,
-                    dqacc_bh,
-                    stride_qs, stride_qd, stride_dos, stride_dod, stride_ls, stride_deltas,
-                    start, end, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, window_left,
-                    window_right, qk_scale, softcap_scale, alibi_log2, off_b, off_h, start_n,
-                    seed_lo, seed_hi, dropout_threshold, dropout_scale, score_args, mask_args,
-                    Blocks,
+def _bwd_dkdv_tiles(dk, dv, k_tile, v_tile, rows, start, end, offs, band, mods, drop, variant,
                     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-                    ONE_KEY_ZERO: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-                    DQ_TMA: tl.constexpr, PRECISION: tl.constexpr, SCORE_MOD: tl.constexpr,
-                    SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr,
+                    ONE_KEY_ZERO: tl.constexpr, PRECISION: tl.constexpr,
+                    SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr,
                     LISTED: tl.constexpr = False, SPAN: tl.constexpr = 1):
-    """Accumulate dK, dV of one key block over query tiles [start, end); with ATOMIC_DQ also
-    add this block's share of dQ / scale into the fp32 accumulator (b * h, seqlen_q, BLOCK_D):
-    one bulk reduce-add of the tile through its TMA descriptor when DQ_TMA (rows past seqlen_q
-    clipped by the copy engine), else element atomics at dqacc_src, this (batch, head)'s rows.
-    LISTED: [start, end) counts query rows of the SPAN-row blocks listed at Blocks, as the
-    forward's _fwd_tiles counts keys."""
+    """Accumulate dK, dV of one key block over query tiles [start, end). rows = (q_base,
+    do_base, lse_base, delta_base, stride_qs, stride_qd, stride_dos, stride_dod, stride_ls,
+    stride_deltas) of this query head; offs = (offs_n, offs_d, offs_dv); band and mods as
+    common.score_mod; drop = (seed_lo, seed_hi, threshold, dropout_scale, off_b, off_h,
+    start_n) of the keep-mask; variant = (score_args, mask_args, Blocks) of a user score_mod /
+    mask_mod (SCORE_MOD with its derivative SCORE_GRAD, MASK_MOD) and a block mask: LISTED,
+    [start, end) counts query rows of the SPAN-row blocks listed at Blocks, as the forward's
+    _fwd_tiles counts keys."""
+    (q_base, do_base, lse_base, delta_base, stride_qs, stride_qd, stride_dos, stride_dod,
+     stride_ls, stride_deltas) = rows
+    offs_n, offs_d, offs_dv = offs
+    seqlen_q, seqlen_k, window_left, window_right = band
+    seed_lo, seed_hi, dropout_threshold, dropout_scale, off_b, off_h, start_n = drop
+    score_args, mask_args, Blocks = variant
     for pos in tl.range(start, end, BLOCK_M):
         start_m = pos
         if LISTED:
@@ -154,12 +144,8 @@ def _bwd_dkdv_tiles(dk, dv, k_tile, v_tile, q_base, do_base, lse_base, delta_bas
                           q_tile.dtype == tl.float32)
         # [BLOCK_N, BLOCK_M] = [BLOCK_N, BLOCK_D] @ [BLOCK_D, BLOCK_M]
         qk_t = tl.dot(k_tile, tl.trans(q_tile), input_precision=PRECISION)
-        s_t = scores(qk_t, qk_scale, softcap_scale, SOFTCAP)
-        if SOFTCAP:
-            dcap_t = softcap_grad(s_t, qk_scale, SOFTCAP)
-        if ALIBI:
-            s_t = s_t - alibi_bias(offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k,
-                                   alibi_log2)
+        s_t, dcap_t = score_mod(qk_t, offs_m[None, :], offs_n[:, None], band, mods, SOFTCAP,
+                                ALIBI, SCORE_GRAD_FROM_S_JIT)
         if SCORE_MOD is not None:  # d score_mod / d score, then the modified score
             dmod_t = user_score_grad(s_t, off_b, off_h, offs_m[None, :], offs_n[:, None],
                                      seqlen_q, seqlen_k, SCORE_GRAD, score_args,
@@ -203,24 +189,11 @@ def _bwd_dkdv_tiles(dk, dv, k_tile, v_tile, q_base, do_base, lse_base, delta_bas
             ds_t = ds_t * dcap_t
         # [BLOCK_N, BLOCK_D] = [BLOCK_N, BLOCK_M] @ [BLOCK_M, BLOCK_D]
         dk = tl.dot(ds_t.to(q_tile.dtype), q_tile, dk, input_precision=PRECISION)
-        if ATOMIC_DQ:
-            # [BLOCK_M, BLOCK_D] = [BLOCK_M, BLOCK_N] @ [BLOCK_N, BLOCK_D]
-            dq_part = tl.dot(tl.trans(ds_t).to(k_tile.dtype), k_tile, input_precision=PRECISION)
-            if DQ_TMA:
-                dqacc_src.atomic_add([dqacc_bh.to(tl.int32), start_m, 0],
-                                     dq_part.reshape(1, BLOCK_M, BLOCK_D))
-            else:
-                dqacc_ptrs = dqacc_src + offs_m[:, None] * BLOCK_D + offs_d[None, :]
-                if MASKED:
-                    tl.atomic_add(dqacc_ptrs, dq_part, mask=offs_m[:, None] < seqlen_q,
-                                  sem="relaxed")
-                else:
-                    tl.atomic_add(dqacc_ptrs, dq_part, sem="relaxed")
     return dk, dv
 
 
 @triton.jit
-def _bwd_dkdv_program(pid_n, pid_bh, Q, K, V, DO, Lse, Delta, DK, DV, DQAcc,
+def _bwd_dkdv_program(pid_n, pid_bh, Q, K, V, DO, Lse, Delta, DK, DV,
                      stride_qb, stride_qs, stride_qh, stride_qd,
                      stride_kb, stride_ks, stride_kh, stride_kd,
                      stride_vb, stride_vs, stride_vh, stride_vd,
@@ -238,13 +211,11 @@ def _bwd_dkdv_program(pid_n, pid_bh, Q, K, V, DO, Lse, Delta, DK, DV, DQAcc,
                      BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                      ALIBI: tl.constexpr, DROPOUT: tl.constexpr, ONE_KEY_ZERO: tl.constexpr,
-                     VARLEN: tl.constexpr, EVEN_N: tl.constexpr,
-                     ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr, PRECISION: tl.constexpr,
+                     VARLEN: tl.constexpr, EVEN_N: tl.constexpr, PRECISION: tl.constexpr,
                      SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr,
                      SPARSE: tl.constexpr, SPARSE_Q: tl.constexpr, SPARSE_KV: tl.constexpr):
-    """dK, dV of key block pid_n of (batch, kv head) pid_bh. DQAcc is the fp32 dQ accumulator
-    (ATOMIC_DQ), a TMA descriptor over it when DQ_TMA. SPARSE: the query blocks come from the
-    block mask's transposed lists (row start_n // SPARSE_KV of each query head)."""
+    """dK, dV of key block pid_n of (batch, kv head) pid_bh. SPARSE: the query blocks come from
+    the block mask's transposed lists (row start_n // SPARSE_KV of each query head)."""
     off_b = (pid_bh // nheads_k).to(tl.int64)
     off_hk = (pid_bh % nheads_k).to(tl.int64)
     q_start, k_start, seqlen_q, seqlen_k = sequence(off_b, seqlen_q, seqlen_k, Cu_q, Cu_k,
@@ -278,40 +249,32 @@ def _bwd_dkdv_program(pid_n, pid_bh, Q, K, V, DO, Lse, Delta, DK, DV, DQAcc,
         lse_base = head_ptr(Lse, off_b, off_h, q_start, stride_lb, stride_lh, stride_ls)
         delta_base = head_ptr(Delta, off_b, off_h, q_start, stride_deltab, stride_deltah,
                               stride_deltas)
-        dqacc_bh = (off_b * nheads_k + off_hk) * group + g  # = batch * nheads + query head
-        if DQ_TMA:
-            dqacc_src = DQAcc
-        else:
-            dqacc_src = DQAcc + dqacc_bh * seqlen_q * BLOCK_D
         bounds = (lo, mid_lo, mid_hi, hi)
+        band = (seqlen_q, seqlen_k, window_left, window_right)
+        rows = (q_base, do_base, lse_base, delta_base, stride_qs, stride_qd, stride_dos,
+                stride_dod, stride_ls, stride_deltas)
+        offs = (offs_n, offs_d, offs_dv)
+        mods = (qk_scale, softcap_scale, alibi_log2)
+        drop = (seed_lo, seed_hi, dropout_threshold, dropout_scale, off_b, off_h, start_n)
         if SPARSE:  # the block mask's lists replace the band's ranges
             row = off_b * stride_tb + off_h * stride_th + start_n // SPARSE_KV
             for listed in tl.static_range(2):  # partial query blocks (masked), then full ones
                 Num = QNum if listed == 0 else FullQNum
                 Idx = QIdx if listed == 0 else FullQIdx
                 dk, dv = _bwd_dkdv_tiles(
-                    dk, dv, k_tile, v_tile, q_base, do_base, lse_base, delta_base, dqacc_src,
-                    dqacc_bh, stride_qs, stride_qd, stride_dos, stride_dod, stride_ls,
-                    stride_deltas, 0, tl.load(Num + row) * SPARSE_Q, offs_n, offs_d, offs_dv,
-                    seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale,
-                    alibi_log2, off_b, off_h, start_n, seed_lo, seed_hi, dropout_threshold,
-                    dropout_scale, score_args, mask_args, Idx + row * n_q_blocks, HEAD_DIM,
+                    dk, dv, k_tile, v_tile, rows, 0, tl.load(Num + row) * SPARSE_Q, offs, band,
+                    mods, drop, (score_args, mask_args, Idx + row * n_q_blocks), HEAD_DIM,
                     HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, listed == 0, HAS_LEFT,
-                    HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, ONE_KEY_ZERO, ATOMIC_DQ, DQ_TMA,
-                    PRECISION, SCORE_MOD, SCORE_GRAD, MASK_MOD, True, SPARSE_Q)
+                    HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, ONE_KEY_ZERO, PRECISION, SCORE_MOD,
+                    SCORE_GRAD, MASK_MOD, True, SPARSE_Q)
             bounds = (0, 0, 0, 0)
         for segment in tl.static_range(3):  # masked edge, unmasked middle, masked edge
             dk, dv = _bwd_dkdv_tiles(
-                dk, dv, k_tile, v_tile, q_base, do_base, lse_base, delta_base, dqacc_src,
-                dqacc_bh, stride_qs, stride_qd, stride_dos, stride_dod, stride_ls,
-                stride_deltas, bounds[segment], bounds[segment + 1], offs_n, offs_d, offs_dv,
-                seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale,
-                alibi_log2, off_b, off_h, start_n, seed_lo, seed_hi, dropout_threshold,
-                dropout_scale, score_args, mask_args, QIdx, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
+                dk, dv, k_tile, v_tile, rows, bounds[segment], bounds[segment + 1], offs, band,
+                mods, drop, (score_args, mask_args, QIdx), HEAD_DIM, HEAD_DIM_V, BLOCK_D,
                 BLOCK_DV, BLOCK_M, BLOCK_N, segment != 1 or MASK_MOD is not None, HAS_LEFT,
-                HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, ONE_KEY_ZERO, ATOMIC_DQ, DQ_TMA, PRECISION,
-                SCORE_MOD,
-                SCORE_GRAD, MASK_MOD)
+                HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, ONE_KEY_ZERO, PRECISION, SCORE_MOD, SCORE_GRAD,
+                MASK_MOD)
 
     dk_ptrs = tile_ptrs(head_ptr(DK, off_b, off_hk, k_start, stride_dkb, stride_dkh, stride_dks),
                         offs_n, offs_d, stride_dks, stride_dkd)
@@ -324,19 +287,22 @@ def _bwd_dkdv_program(pid_n, pid_bh, Q, K, V, DO, Lse, Delta, DK, DV, DQAcc,
 
 
 @triton.jit
-def _bwd_dq_tiles(dq, q_tile, do_tile, lse2, delta, k_base, v_base, stride_ks, stride_kd,
-                  stride_vs, stride_vd, start, end, offs_m, offs_d, offs_dv, seqlen_q,
-                  seqlen_k, window_left, window_right, qk_scale, softcap_scale, alibi_log2,
-                  off_b, off_h, seed_lo, seed_hi, dropout_threshold, dropout_scale, score_args,
-                  mask_args, Blocks,
-                  HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
+def _bwd_dq_tiles(dq, q_tile, do_tile, lse2, delta, kv, start, end, offs, band, mods, drop,
+                  variant, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                   HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                   ALIBI: tl.constexpr, DROPOUT: tl.constexpr, ONE_KEY_ZERO: tl.constexpr,
                   PRECISION: tl.constexpr, SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr,
                   MASK_MOD: tl.constexpr, LISTED: tl.constexpr = False, SPAN: tl.constexpr = 1):
-    """Accumulate dQ of one query block over key tiles [start, end); LISTED as the forward's
-    _fwd_tiles."""
+    """Accumulate dQ of one query block over key tiles [start, end). kv = (k_base, v_base,
+    stride_ks, stride_kd, stride_vs, stride_vd); offs = (offs_m, offs_d, offs_dv); band and mods
+    as common.score_mod; drop = (seed_lo, seed_hi, threshold, dropout_scale, off_b, off_h);
+    variant and LISTED as the forward's _fwd_tiles."""
+    k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd = kv
+    offs_m, offs_d, offs_dv = offs
+    seqlen_q, seqlen_k, window_left, window_right = band
+    seed_lo, seed_hi, dropout_threshold, dropout_scale, off_b, off_h = drop
+    score_args, mask_args, Blocks = variant
     for pos in tl.range(start, end, BLOCK_N):
         start_n = pos
         if LISTED:
@@ -348,11 +314,8 @@ def _bwd_dq_tiles(dq, q_tile, do_tile, lse2, delta, k_base, v_base, stride_ks, s
                            seqlen_k, offs_dv, HEAD_DIM_V, MASKED, HEAD_DIM_V != BLOCK_DV)
         # [BLOCK_M, BLOCK_N] = [BLOCK_M, BLOCK_D] @ [BLOCK_D, BLOCK_N]
         qk = tl.dot(q_tile, tl.trans(k_tile), input_precision=PRECISION)
-        s = scores(qk, qk_scale, softcap_scale, SOFTCAP)
-        if SOFTCAP:
-            dcap = softcap_grad(s, qk_scale, SOFTCAP)
-        if ALIBI:
-            s = s - alibi_bias(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, alibi_log2)
+        s, dcap = score_mod(qk, offs_m[:, None], offs_n[None, :], band, mods, SOFTCAP, ALIBI,
+                            SCORE_GRAD_FROM_S_JIT)
         if SCORE_MOD is not None:  # d score_mod / d score, then the modified score
             dmod = user_score_grad(s, off_b, off_h, offs_m[:, None], offs_n[None, :], seqlen_q,
                                    seqlen_k, SCORE_GRAD, score_args, q_tile.dtype == tl.float32)
@@ -403,10 +366,9 @@ def _bwd_dq_program(pid_m, pid_bh, Q, K, V, DO, Lse, Delta, DQ,
                    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                    ALIBI: tl.constexpr, DROPOUT: tl.constexpr, ONE_KEY_ZERO: tl.constexpr,
-                   VARLEN: tl.constexpr, EVEN_M: tl.constexpr,
-                   PRECISION: tl.constexpr, SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr,
-                   MASK_MOD: tl.constexpr, SPARSE: tl.constexpr, SPARSE_Q: tl.constexpr,
-                   SPARSE_KV: tl.constexpr):
+                   VARLEN: tl.constexpr, EVEN_M: tl.constexpr, PRECISION: tl.constexpr,
+                   SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr,
+                   SPARSE: tl.constexpr, SPARSE_Q: tl.constexpr, SPARSE_KV: tl.constexpr):
     """dQ of query block pid_m of (batch, head) pid_bh; SPARSE as the forward kernel's."""
     off_b = (pid_bh // nheads).to(tl.int64)
     off_h = (pid_bh % nheads).to(tl.int64)
@@ -444,29 +406,27 @@ def _bwd_dq_program(pid_m, pid_bh, Q, K, V, DO, Lse, Delta, DQ,
                                              window_right, BLOCK_M, BLOCK_N, HAS_LEFT,
                                              HAS_RIGHT)
     bounds = (lo, mid_lo, mid_hi, hi)
+    kv = (k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd)
+    offs = (offs_m, offs_d, offs_dv)
+    band = (seqlen_q, seqlen_k, window_left, window_right)
+    mods = (qk_scale, softcap_scale, alibi_log2)
+    drop = (seed_lo, seed_hi, dropout_threshold, dropout_scale, off_b, off_h)
     if SPARSE:  # the block mask's lists replace the band's ranges
         row = off_b * stride_sb + off_h * stride_sh + start_m // SPARSE_Q
         for listed in tl.static_range(2):  # partial key blocks (masked), then full ones
             Num = KvNum if listed == 0 else FullNum
             Idx = KvIdx if listed == 0 else FullIdx
-            dq = _bwd_dq_tiles(dq, q_tile, do_tile, lse2, delta, k_base, v_base, stride_ks,
-                               stride_kd, stride_vs, stride_vd, 0,
-                               tl.load(Num + row) * SPARSE_KV, offs_m, offs_d, offs_dv,
-                               seqlen_q, seqlen_k, window_left, window_right, qk_scale,
-                               softcap_scale, alibi_log2, off_b, off_h, seed_lo, seed_hi,
-                               dropout_threshold, dropout_scale, score_args, mask_args,
-                               Idx + row * n_kv_blocks, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
-                               BLOCK_N, listed == 0, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI,
-                               DROPOUT, ONE_KEY_ZERO, PRECISION, SCORE_MOD, SCORE_GRAD,
-                               MASK_MOD, True, SPARSE_KV)
+            dq = _bwd_dq_tiles(dq, q_tile, do_tile, lse2, delta, kv, 0,
+                               tl.load(Num + row) * SPARSE_KV, offs, band, mods, drop,
+                               (score_args, mask_args, Idx + row * n_kv_blocks), HEAD_DIM,
+                               HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, listed == 0, HAS_LEFT,
+                               HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, ONE_KEY_ZERO, PRECISION,
+                               SCORE_MOD, SCORE_GRAD, MASK_MOD, True, SPARSE_KV)
         bounds = (0, 0, 0, 0)
     for segment in tl.static_range(3):  # masked edge, unmasked middle, masked edge
-        dq = _bwd_dq_tiles(dq, q_tile, do_tile, lse2, delta, k_base, v_base, stride_ks,
-                           stride_kd, stride_vs, stride_vd, bounds[segment],
-                           bounds[segment + 1], offs_m, offs_d, offs_dv, seqlen_q, seqlen_k,
-                           window_left, window_right, qk_scale, softcap_scale, alibi_log2,
-                           off_b, off_h, seed_lo, seed_hi, dropout_threshold, dropout_scale,
-                           score_args, mask_args, KvIdx, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
+        dq = _bwd_dq_tiles(dq, q_tile, do_tile, lse2, delta, kv, bounds[segment],
+                           bounds[segment + 1], offs, band, mods, drop,
+                           (score_args, mask_args, KvIdx), HEAD_DIM, HEAD_DIM_V, BLOCK_D,
                            BLOCK_DV, BLOCK_N, segment != 1 or MASK_MOD is not None, HAS_LEFT,
                            HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, ONE_KEY_ZERO, PRECISION, SCORE_MOD,
                            SCORE_GRAD, MASK_MOD)
@@ -479,7 +439,7 @@ def _bwd_dq_program(pid_m, pid_bh, Q, K, V, DO, Lse, Delta, DQ,
 
 
 @triton.jit(do_not_specialize=["seed_lo", "seed_hi", "dropout_threshold"])
-def _bwd_kernel(Q, K, V, DO, Lse, Delta, DQ, DK, DV, DQAcc,
+def _bwd_kernel(Q, K, V, DO, Lse, Delta, DQ, DK, DV,
                 stride_qb, stride_qs, stride_qh, stride_qd,
                 stride_kb, stride_ks, stride_kh, stride_kd,
                 stride_vb, stride_vs, stride_vh, stride_vd,
@@ -500,22 +460,20 @@ def _bwd_kernel(Q, K, V, DO, Lse, Delta, DQ, DK, DV, DQAcc,
                 BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr, HAS_LEFT: tl.constexpr,
                 HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
                 DROPOUT: tl.constexpr, ONE_KEY_ZERO: tl.constexpr, VARLEN: tl.constexpr,
-                EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
-                DO_DKDV: tl.constexpr, DO_DQ: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-                DQ_TMA: tl.constexpr, PRECISION: tl.constexpr, SCORE_MOD: tl.constexpr,
+                EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, DO_DKDV: tl.constexpr,
+                DO_DQ: tl.constexpr, PRECISION: tl.constexpr, SCORE_MOD: tl.constexpr,
                 SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr, SPARSE: tl.constexpr,
                 SPARSE_Q: tl.constexpr, SPARSE_KV: tl.constexpr):
-    """One launch for the dK/dV programs (axis 0 < num_kv_blocks when DO_DKDV) and/or the dQ
-    programs (the rest when DO_DQ, heaviest query block first); axis 1 is batch * nheads, of which
-    the dK/dV programs use the first batch * nheads_k. Launching both kinds together lets the
-    scheduler fill the machine with either (FlexAttention's backward does the same)."""
+    """The dK/dV programs (DO_DKDV: axis 0 < num_kv_blocks) or the dQ programs (DO_DQ, heaviest
+    query block first), launched one after the other; axis 1 is batch * nheads, of which the
+    dK/dV programs use the first batch * nheads_k."""
     pid = tl.program_id(0)
     pid_bh = tl.program_id(1)
     group = nheads // nheads_k
     is_dkdv = pid < num_kv_blocks if DO_DKDV else False
     if is_dkdv:
         if pid_bh < batch * nheads_k:
-            _bwd_dkdv_program(pid, pid_bh, Q, K, V, DO, Lse, Delta, DK, DV, DQAcc,
+            _bwd_dkdv_program(pid, pid_bh, Q, K, V, DO, Lse, Delta, DK, DV,
                               stride_qb, stride_qs, stride_qh, stride_qd,
                               stride_kb, stride_ks, stride_kh, stride_kd,
                               stride_vb, stride_vs, stride_vh, stride_vd,
@@ -531,8 +489,8 @@ def _bwd_kernel(Q, K, V, DO, Lse, Delta, DQ, DK, DV, DQAcc,
                               stride_th, n_q_blocks,
                               HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M1, BLOCK_N1,
                               HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, ONE_KEY_ZERO, VARLEN,
-                              EVEN_N, ATOMIC_DQ, DQ_TMA, PRECISION, SCORE_MOD, SCORE_GRAD, MASK_MOD,
-                              SPARSE, SPARSE_Q, SPARSE_KV)
+                              EVEN_N, PRECISION, SCORE_MOD, SCORE_GRAD, MASK_MOD, SPARSE,
+                              SPARSE_Q, SPARSE_KV)
     elif DO_DQ:
         pid_m = num_q_blocks - 1 - (pid - num_kv_blocks if DO_DKDV else pid)
         _bwd_dq_program(pid_m, pid_bh, Q, K, V, DO, Lse, Delta, DQ,
@@ -551,25 +509,6 @@ def _bwd_kernel(Q, K, V, DO, Lse, Delta, DQ, DK, DV, DQAcc,
                         BLOCK_N2, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, ONE_KEY_ZERO,
                         VARLEN, EVEN_M, PRECISION, SCORE_MOD, SCORE_GRAD, MASK_MOD, SPARSE,
                         SPARSE_Q, SPARSE_KV)
-
-
-@triton.jit
-def _bwd_dq_convert_kernel(DQAcc, DQ, stride_dqb, stride_dqs, stride_dqh, stride_dqd,
-                           nheads, seqlen_q, softmax_scale,
-                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
-    """dQ = scale * the fp32 accumulator (b, h, seqlen_q, BLOCK_D), in q's dtype and layout."""
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1).to(tl.int64)
-    off_b = pid_bh // nheads
-    off_h = pid_bh % nheads
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    acc_ptrs = DQAcc + pid_bh * seqlen_q * BLOCK_D + offs_m[:, None] * BLOCK_D + offs_d[None, :]
-    dq = tl.load(acc_ptrs, mask=offs_m[:, None] < seqlen_q, other=0.0)
-    dq_ptrs = tile_ptrs(head_ptr(DQ, off_b, off_h, 0, stride_dqb, stride_dqh, stride_dqs),
-                        offs_m, offs_d, stride_dqs, stride_dqd)
-    store_tile(dq_ptrs, (dq * softmax_scale).to(DQ.dtype.element_ty), offs_m, seqlen_q, offs_d,
-               HEAD_DIM, True, HEAD_DIM != BLOCK_D)
 
 
 def _dense_as_varlen(dout, q, k, v, out, lse, params: AttentionParams, dq, dk, dv, tiles,
@@ -604,21 +543,15 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                        out: torch.Tensor, lse: torch.Tensor, params: AttentionParams,
                        dq: torch.Tensor | None = None, dk: torch.Tensor | None = None,
                        dv: torch.Tensor | None = None, tiles: dict | None = None,
-                       atomic_dq: bool | None = None, fused: bool = FUSED_BWD,
                        dlse: torch.Tensor | None = None):
     """Launch preprocess, dK/dV and dQ. Returns (dq, dk, dv, dsink), dsink None without a sink;
     dq/dk/dv may be preallocated. dlse, a gradient on the lse output, enters as D - dlse
     (d lse_i / d s_ij = P_ij, the same shape of term as D).
 
-    dQ comes from its own kernel (deterministic) or, when atomic_dq, from fp32 atomic adds in
-    the dK/dV kernel plus a conversion (fewer matmuls, order of the adds not fixed). atomic_dq
-    None picks configs.ATOMIC_DQ (configs.GLUON_BACKWARD_ATOMIC_DQ where the Gluon kernel runs)
-    unless params.deterministic; varlen always takes the deterministic path (the accumulator is
-    laid out per dense batch entry). fused launches the dK/dV and dQ programs together
-    (configs.FUSED_BWD), else one after the other. tiles = {"dkdv": (BLOCK_M, BLOCK_N,
-    num_warps, num_stages), "dq": ...} overrides configs.py and keeps the Triton kernels (the
-    tuning sweep); tiles = {"hopper": ..., "hopper_dq": ...} override backward_hopper's
-    HOPPER_BACKWARD and HOPPER_BACKWARD_DQ.
+    tiles = {"dkdv": (BLOCK_M, BLOCK_N,
+    num_warps, num_stages), "dq": ...} overrides configs.SM90 and keeps the Triton kernels (the
+    tuning sweep); tiles = {"hopper": ..., "hopper_dq": ...} override configs.GLUON_BACKWARD_DKDV
+    and configs.GLUON_BACKWARD_DQ.
     """
     tiles = tiles or {}
     batch, seqlen_q, seqlen_k, nheads, nheads_k = varlen_shape(q, v, params)
@@ -626,8 +559,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     dq = torch.empty_like(q) if dq is None else dq
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
-    # (varlen never takes atomics: a call that asks for them keeps backward.py's kernels)
-    if not atomic_dq and backward_hopper.dense_as_varlen(q, k, v, dout, lse, params, dq, dk,
+    if backward_hopper.dense_as_varlen(q, k, v, dout, lse, params, dq, dk,
                                                          dv, tiles):
         return _dense_as_varlen(dout, q, k, v, out, lse, params, dq, dk, dv, tiles, dlse)
     hopper = backward_hopper.eligible(q, k, v, dout, lse, params, dq, dk, dv, tiles)
@@ -635,9 +567,6 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     window_left, window_right, has_left, has_right = window_args(params, seqlen_q, seqlen_k)
     block_d, block_dv = padded_head_dim(head_dim), padded_head_dim(head_dim_v)
     d_max = max(head_dim, head_dim_v)
-    if atomic_dq is None:
-        atomic_dq = (GLUON_BACKWARD_ATOMIC_DQ if hopper else ATOMIC_DQ) and not params.deterministic
-    atomic_dq = atomic_dq and not params.is_varlen and params.variant is None
     qk_scale, softcap_scale, softcap = score_args(params, q.dtype)
     alibi, alibi_strides, has_alibi = alibi_args(params, lse)
     seed_lo, seed_hi, dropout_threshold, dropout_scale, dropout = dropout_args(
@@ -659,50 +588,37 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     if dlse is not None:
         delta -= dlse
 
-    kernel = "dkdv_atomic" if atomic_dq else "dkdv"
-    variant = params.variant is not None  # atomic_dq is off for variants
-    block_m1, block_n1, num_warps, num_stages = tiles.get(kernel) or tile_config(
-        kernel, d_max, q.element_size(), interpreting(), variant)
+    has_variant = params.variant is not None
+    block_m1, block_n1, num_warps, num_stages = tiles.get("dkdv") or tile_config(
+        "dkdv", d_max, q.element_size(), interpreting(), has_variant)
     block_m2, block_n2, dq_warps, dq_stages = tiles.get("dq") or tile_config(
-        "dq", d_max, q.element_size(), interpreting(), variant)
-    score_mod_args, mask_mod_args, mods = variant_args(params)
+        "dq", d_max, q.element_size(), interpreting(), has_variant)
+    score_mod_args, mask_mod_args, variant = variant_args(params)
     kv_blocks, sparse = block_args(params, lse)
     q_blocks, _ = block_args(params, lse, transposed=True)
     if sparse["SPARSE"]:  # the kernels' tiles must divide the block mask's
         block_m1, block_m2 = (min(b, sparse["SPARSE_Q"]) for b in (block_m1, block_m2))
         block_n1, block_n2 = (min(b, sparse["SPARSE_KV"]) for b in (block_n1, block_n2))
-    dq_acc = (torch.zeros((batch * nheads, seqlen_q, block_d), dtype=torch.float32,
-                          device=q.device) if atomic_dq else delta)
-    dq_acc_desc = accumulator_descriptor(dq_acc, block_m1) if atomic_dq and not hopper else None
     num_kv_blocks, num_q_blocks = triton.cdiv(seqlen_k, block_n1), triton.cdiv(seqlen_q, block_m2)
-    args = (q, k, v, dout, lse, delta, dq, dk, dv,
-            dq_acc if dq_acc_desc is None else dq_acc_desc,
-            *common_strides, *batch_strides(dq, params), *batch_strides(dk, params),
-            *batch_strides(dv, params),
+    args = (q, k, v, dout, lse, delta, dq, dk, dv, *common_strides, *batch_strides(dq, params),
+            *batch_strides(dk, params), *batch_strides(dv, params),
             batch, nheads, nheads_k, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
             softcap_scale, alibi, *alibi_strides,
             params.softmax_scale, seed_lo, seed_hi, dropout_threshold, dropout_scale, cu_q, cu_k,
             num_kv_blocks, num_q_blocks, score_mod_args, mask_mod_args, *kv_blocks, *q_blocks)
     meta = dict(**dims, BLOCK_M1=block_m1, BLOCK_N1=block_n1, BLOCK_M2=block_m2,
                 BLOCK_N2=block_n2, **band, EVEN_M=not varlen and seqlen_q % block_m2 == 0,
-                EVEN_N=not varlen and seqlen_k % block_n1 == 0, ATOMIC_DQ=atomic_dq,
-                DQ_TMA=dq_acc_desc is not None, ONE_KEY_ZERO=params.sink is None and dlse is None,
-                **mods, **sparse)
+                EVEN_N=not varlen and seqlen_k % block_n1 == 0,
+                ONE_KEY_ZERO=params.sink is None and dlse is None, **variant, **sparse)
     if hopper:
         backward_hopper.attention_backward_dkdv(dout, q, k, v, lse, delta, params, dk, dv,
-                                                dq_acc if atomic_dq else None,
                                                 block=tiles.get("hopper"))
-    elif fused and not atomic_dq:  # one launch, the dK/dV kernel's warps and stages
-        _bwd_kernel[(num_kv_blocks + num_q_blocks, batch * nheads)](
-            *args, **meta, DO_DKDV=True, DO_DQ=True, num_warps=num_warps, num_stages=num_stages)
+        backward_hopper.attention_backward_dq(dout, q, k, v, lse, delta, params, dq,
+                                              block=tiles.get("hopper_dq"))
     else:
         _bwd_kernel[(num_kv_blocks, batch * nheads)](
             *args, **meta, DO_DKDV=True, DO_DQ=False, num_warps=num_warps,
             num_stages=num_stages)
-    if hopper and not atomic_dq:
-        backward_hopper.attention_backward_dq(dout, q, k, v, lse, delta, params, dq,
-                                              block=tiles.get("hopper_dq"))
-    elif not atomic_dq and not fused:
         _bwd_kernel[(num_q_blocks, batch * nheads)](
             *args, **meta, DO_DKDV=False, DO_DQ=True, num_warps=dq_warps, num_stages=dq_stages)
 
@@ -714,9 +630,4 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         row_share = torch.exp(params.sink.to(torch.float32)[:, None] - lse) * delta
         dsink = (-row_share.sum(-1).reshape(-1, nheads).sum(0)).to(params.sink.dtype)
 
-    if atomic_dq:
-        convert_block_m = 64
-        _bwd_dq_convert_kernel[(triton.cdiv(seqlen_q, convert_block_m), batch * nheads)](
-            dq_acc, dq, *dq.stride(), nheads, seqlen_q, params.softmax_scale,
-            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=convert_block_m)
     return dq, dk, dv, dsink

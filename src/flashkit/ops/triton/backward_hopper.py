@@ -14,17 +14,10 @@ query tile, all matmuls are wgmma with B (and for dQ also A) in shared memory:
     dP^T = V dO^T      [BLOCK_N, BLOCK_M]  runs while the tensor cores still work on dP^T
     dV  += P^T dO      [BLOCK_N, D]        P^T and dS^T from registers, both issued once dS
     dK  += dS^T Q      [BLOCK_N, D]        is formed (P, dP, delta die first: register room)
-    dQ_p = dS K        [BLOCK_M, D]        (ATOMIC_DQ) dS^T through shared memory, read as its
-                                           transposed view, in two D/2 halves; each staged in
-                                           fp32 in the Q / dO buffer dK / dV just consumed and
-                                           added to an fp32 accumulator by a bulk TMA
-                                           reduce-add (backward.py scales and converts it); the
-                                           next step refills those buffers after store_wait
-Without ATOMIC_DQ (params.deterministic, or configs.GLUON_BACKWARD_ATOMIC_DQ off, the default)
-the kernel does the first four only and the dQ kernel here sums dQ in a fixed order (bitwise
-reproducible): one program per BLOCK_M query rows, Q and dO resident, K/V tiles through a TMA
-ring, S = Q K^T and dP = dO V^T issued together (P's exp2 under dP), dQ += dS K with dS from
-registers, lse and delta per row in registers (two values per thread in this layout).
+The dQ kernel here sums dQ in a fixed order (bitwise reproducible): one program per BLOCK_M query
+rows, Q and dO resident, K/V tiles through a TMA ring, S = Q K^T and dP = dO V^T issued together
+(P's exp2 under dP), dQ += dS K with dS from registers, lse and delta per row in registers (two
+values per thread in this layout).
 
 Features as compile-time flags through common.py's helpers, as backward.py's kernels use them:
 HAS_LEFT / HAS_RIGHT (any window, causal included, bottom-right aligned for seqlen_q != seqlen_k)
@@ -67,32 +60,29 @@ import triton.language as tl
 from flashkit.ops.params import AttentionParams
 from flashkit.ops.triton.common import (
     LOG2E,
+    SCORE_GRAD_FROM_TANH_JIT,
     alibi_args,
-    alibi_bias,
     batch_strides,
     key_tile_ranges,
     load_alibi_log2,
     query_tile_ranges,
     score_args,
-    scores,
+    score_mod,
     sequence,
-    softcap_grad,
     varlen_args,
     varlen_shape,
     visible,
     window_args,
 )
-from flashkit.ops.triton.configs import GLUON_BACKWARD
+from flashkit.ops.triton.configs import GLUON_BACKWARD, GLUON_BACKWARD_DKDV, GLUON_BACKWARD_DQ
 from flashkit.ops.triton.dropout import dropout_args
-from flashkit.ops.triton.forward_hopper import flash_descriptor, flash_layout_2d, gluon_supported
+from flashkit.ops.triton.forward_hopper import gluon_supported
+from flashkit.ops.triton.hopper_common import flash_descriptor, flash_layout_2d
 
 try:
-    from triton._C.libtriton import ir as triton_ir
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language._core import builtin as gluon_builtin
     from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared,
         mbarrier,
         tma,
         warpgroup_mma,
@@ -101,7 +91,7 @@ try:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 except ImportError:  # a Triton without Gluon: the Triton kernels do everything
     gluon = None
-if gluon is not None:  # the forward's K/V ring fill serves the dQ kernel as it is
+if gluon is not None:  # the forward's K/V ring fill (hopper_common) serves the dQ kernel
     from flashkit.ops.triton.dropout_gluon import (
         keep_bits_t,
         keep_half_tiles,
@@ -109,27 +99,8 @@ if gluon is not None:  # the forward's K/V ring fill serves the dQ kernel as it 
         no_upper_words,
         unpack_keep_t,
     )
-    from flashkit.ops.triton.forward_hopper import _issue_kv_load, _zero_key_tail
+    from flashkit.ops.triton.hopper_common import issue_kv_load, zero_tile_tail
 
-
-
-@triton.jit
-def _scores_and_softcap_grad(qk, qk_scale, softcap_scale, SOFTCAP: tl.constexpr):
-    """(s, dcap): common.scores' log2 scores and, with SOFTCAP, 1 - tanh^2 (common.softcap_grad)
-    taken from the tanh itself (scores at qk_scale 1) rather than from s / qk_scale, with
-    s = qk_scale * tanh left to fuse into exp2's subtraction, and dcap kept in fp32: the Gluon
-    kernels issue more instructions than the tensor cores wait for, and here (unlike in
-    backward.py's kernels) an fp16 dcap saves no spills (sm_90 SASS, d128 dK/dV: 7 spill loads
-    either way, 1408 -> 1360 instructions per tile; dQ 1080 -> 952 in all). dcap is 1.0
-    (unused) without SOFTCAP."""
-    dcap = 1.0
-    if SOFTCAP:
-        t = scores(qk, 1.0, softcap_scale, SOFTCAP)
-        s = t * qk_scale
-        dcap = softcap_grad(t, 1.0)  # SOFTCAP_EXACT's fp32 (no fp16 round trip)
-    else:
-        s = scores(qk, qk_scale, softcap_scale, SOFTCAP)
-    return s, dcap
 
 
 @triton.jit
@@ -176,28 +147,6 @@ def _aligned_lse_delta(lse, delta, params: AttentionParams):
 if gluon is not None:
     LOG2E_G = gl.constexpr(LOG2E)
 
-    @gluon_builtin
-    def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
-        """Add the shared-memory tile src into the global tile of tensor_desc at coord
-        (cp.reduce.async.bulk.tensor .add, element-wise atomic in L2, fp32 here). Asynchronous
-        like tma.async_copy_shared_to_global: one bulk group of the issuing thread, so
-        tma.store_wait(n) (cp.async.bulk.wait_group.read) is what frees src, and src must be
-        written and fenced (fence_async_shared) before. Triton 3.6's Gluon has the builder op
-        but no public wrapper; this one mirrors tma.async_copy_shared_to_global."""
-        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-        _semantic.builder.create_async_tma_reduce(triton_ir.DESCRIPTOR_REDUCE_KIND.ADD,
-                                                  tensor_desc.handle, coord, src.handle)
-
-    @gluon.jit
-    def _stage_and_add(dq, dq_acc, dq_row, col, staging):
-        """Write the fp32 dQ partial dq [BLOCK_M, D / 2] (columns [col, col + D / 2)) to the
-        staging tile and add it into dq_acc's rows [dq_row, dq_row + BLOCK_M) by a bulk
-        reduce-add. staging (a consumed Q or dO ring buffer) is free: see _query_tile_step."""
-        staging.store(dq)
-        fence_async_shared()  # generic-proxy writes before the async proxy reads them
-        gl.thread_barrier()  # every warp's part is written before one thread issues the add
-        _tma_reduce_add(dq_acc, [dq_row, col], staging)
-
     @gluon.jit
     def _issue_q_do_load(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem,
                          delta_smem, q_bars, do_bars, job, n_jobs, jobs_per_head, m_first, q_row,
@@ -228,32 +177,34 @@ if gluon is not None:
                                         pred=valid)
 
     @gluon.jit
-    def _query_tile_step(dk, dv, job, m, dq_base, k_smem, v_smem, q_smem, do_smem, lse_smem,
-                         delta_smem, ds_smem, q_bars, do_bars, q_desc, do_desc, lse_desc,
-                         delta_desc, n_jobs, jobs_per_head, m_first, q_row, q_col, lse_row,
-                         lse_stride_h, start_n, geo, alibi_log2, drop,
+    def _query_tile_step(dk, dv, job, m, smem, bars, descs, ring, geo, alibi_log2, drop,
                          HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                          NUM_STAGES: gl.constexpr, MASK: gl.constexpr, HAS_LEFT: gl.constexpr,
                          HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
-                         DROPOUT: gl.constexpr, VARLEN: gl.constexpr, ATOMIC_DQ: gl.constexpr,
-                         DQ_CHUNK: gl.constexpr,
+                         DROPOUT: gl.constexpr, VARLEN: gl.constexpr,
                          st_layout: gl.constexpr, kv_layout: gl.constexpr,
-                         dq_layout: gl.constexpr, op_layout: gl.constexpr):
-        """Add query tile m (ring job `job`) to dK, dV (and dQ's accumulator); MASK applies the
-        band predicate (common.visible), with VARLEN also to the query rows: those past seqlen_q
-        are the next sequence's (TMA reads on), their P and dS columns must be exactly 0 (key rows
-        past seqlen_k need no mask: they only reach dK/dV rows that are never stored). Since
-        0 * NaN/inf is NaN, the tile that crosses the end also zeroes its Q and dO rows past it
-        in shared memory (forward_hopper._zero_key_tail: they feed dK += dS^T Q, dV += P^T dO
-        and dP^T) and its delta there, so rows of a neighbour holding NaN/inf weigh exactly 0.
-        geo = (seqlen_q, seqlen_k, window_left, window_right,
-        qk_scale, softcap_scale, dropout_scale); alibi_log2 is this query head's slope * log2(e)
-        (ALIBI); drop = (seed_lo, seed_hi, threshold, batch, query head) of the keep-mask
-        (DROPOUT: dV = (P o Z)^T dO, dP = Z o (dO V^T) with Z = keep / (1 - p), dS = P o (dP -
-        delta) with the pre-dropout P; the tile computes dS and P o Z over 1 / (1 - p), a select
-        per element instead of a select and a multiply, and the kernel scales dK and dV (dQ's
-        halves here) once). Returns (dk, dv)."""
+                         op_layout: gl.constexpr):
+        """Add query tile m (ring job `job`) to dK, dV; MASK applies the band predicate
+        (common.visible), with VARLEN also to the query rows: those past seqlen_q are the next
+        sequence's (TMA reads on), their P and dS columns must be exactly 0 (key rows past seqlen_k
+        need no mask: they only reach dK/dV rows that are never stored). Since 0 * NaN/inf is NaN,
+        the tile that crosses the end also zeroes its Q and dO rows past it in shared memory
+        (hopper_common.zero_tile_tail: they feed dK += dS^T Q, dV += P^T dO and dP^T) and its delta
+        there, so rows of a neighbour holding NaN/inf weigh exactly 0. geo = (seqlen_q, seqlen_k,
+        window_left, window_right, qk_scale, softcap_scale, dropout_scale); alibi_log2 is this
+        query head's slope * log2(e) (ALIBI); drop = (seed_lo, seed_hi, threshold, batch, query
+        head) of the keep-mask (DROPOUT: dV = (P o Z)^T dO, dP = Z o (dO V^T) with Z = keep / (1 -
+        p), dS = P o (dP - delta) with the pre-dropout P; the tile computes dS and P o Z over 1 /
+        (1 - p), a select per element instead of a select and a multiply, and the kernel scales dK
+        and dV once). smem = (k, v, q ring, dO ring, lse ring, delta ring), bars = (q, dO) ring
+        barriers, descs = (q, dO, lse, delta) descriptors, ring = (n_jobs, jobs_per_head, m_first,
+        q_row, q_col, lse_row, lse_stride_h, start_n) as _issue_q_do_load takes them (start_n: the
+        key block's first key). Returns (dk, dv)."""
         seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale, dropout_scale = geo
+        k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem = smem
+        q_bars, do_bars = bars
+        q_desc, do_desc, lse_desc, delta_desc = descs
+        n_jobs, jobs_per_head, m_first, q_row, q_col, lse_row, lse_stride_h, start_n = ring
         stage = job % NUM_STAGES
         phase = (job // NUM_STAGES) & 1
         start_m = m * BLOCK_M
@@ -266,39 +217,29 @@ if gluon is not None:
 
         mbarrier.wait(q_bars.index(stage), phase)
         if MASK and VARLEN:  # the tile that crosses the sequence's end: its Q rows past it
-            _zero_key_tail(q_buf, seqlen_q - start_m, BLOCK_M, HEAD_DIM)
+            zero_tile_tail(q_buf, seqlen_q - start_m, BLOCK_M, HEAD_DIM)
         # [BLOCK_N, BLOCK_M] = [BLOCK_N, D] @ [D, BLOCK_M]
         s_tok = warpgroup_mma(k_smem, q_buf.permute((1, 0)), zero_st, use_acc=False,
                               is_async=True)
         mbarrier.wait(do_bars.index(stage), phase)
         if MASK and VARLEN:  # and its dO rows
-            _zero_key_tail(do_buf, seqlen_q - start_m, BLOCK_M, HEAD_DIM)
+            zero_tile_tail(do_buf, seqlen_q - start_m, BLOCK_M, HEAD_DIM)
         # [BLOCK_N, BLOCK_M] = [BLOCK_N, D] @ [D, BLOCK_M]
         dp_tok = warpgroup_mma(v_smem, do_buf.permute((1, 0)), zero_st, use_acc=False,
                                is_async=True)
-        if ATOMIC_DQ:
-            # The previous job's Q and dO buffers staged its dQ halves: refill them (with job
-            # - 1 + NUM_STAGES) once the reduce-adds have read them, under S^T and dP^T here.
-            tma.store_wait(0)
-            gl.thread_barrier()
-            if job > 0:
-                _issue_q_do_load(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem,
-                                 lse_smem, delta_smem, q_bars, do_bars, job - 1 + NUM_STAGES,
-                                 n_jobs, jobs_per_head, m_first, q_row, q_col, lse_row,
-                                 lse_stride_h, BLOCK_M, HEAD_DIM, NUM_STAGES)
         if DROPOUT:  # drawn while the tensor cores work on S^T and dP^T
             bits_t = keep_bits_t(drop, start_m, start_n, BLOCK_M, BLOCK_N, gl.num_warps())
         s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
         # lse and delta are read from shared memory at their use: as per-column vectors of the
         # wgmma layout they would hold 2 * BLOCK_M / 4 registers across the matmuls.
         lse2 = lse_smem.index(stage).load(col_layout) * LOG2E_G
-        s_t, dcap_t = _scores_and_softcap_grad(s_t, qk_scale, softcap_scale, SOFTCAP)
         # query i along the columns, key j along the rows: [1, BLOCK_M] and [BLOCK_N, 1]
         i_t = gl.expand_dims(start_m + gl.arange(0, BLOCK_M, layout=col_layout), 0)
         j_t = gl.expand_dims(start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout)),
                              1)
-        if ALIBI:
-            s_t = s_t - alibi_bias(i_t, j_t, seqlen_q, seqlen_k, alibi_log2)
+        s_t, dcap_t = score_mod(s_t, i_t, j_t, (seqlen_q, seqlen_k, window_left, window_right),
+                                (qk_scale, softcap_scale, alibi_log2), SOFTCAP, ALIBI,
+                                SCORE_GRAD_FROM_TANH_JIT)
         # A row with no visible key has lse -inf: its P is inf before the mask, 0 after (such a
         # row only meets masked tiles).
         p_t = gl.exp2(s_t - gl.expand_dims(lse2, 0))
@@ -341,49 +282,18 @@ if gluon is not None:
                                is_async=True)
         # [BLOCK_N, D] += [BLOCK_N, BLOCK_M] @ [BLOCK_M, D]
         dk_tok = warpgroup_mma(gl.convert_layout(ds_t, op_layout), q_buf, dk, is_async=True)
-        if ATOMIC_DQ:
-            ds_smem.store(ds_t)
-            fence_async_shared()
-            gl.thread_barrier()
-            # dQ = dS K in two DQ_CHUNK = D / 2 column halves (accumulators that fit beside dK
-            # and dV), each staged in fp32 in one of the buffers dK / dV consumed (a [BLOCK_M,
-            # D / 2] fp32 tile is a [BLOCK_M, D] bf16 one) and added into dq_acc
-            # asynchronously: no extra shared memory, two programs per SM as without it.
-            # [BLOCK_M, D / 2] = [BLOCK_M, BLOCK_N] @ [BLOCK_N, D / 2], dS the view of dS^T;
-            # the first half queues behind dV and dK, the second runs under the first's staging.
-            ds = ds_smem.permute((1, 0))
-            zero_dq = gl.zeros([BLOCK_M, DQ_CHUNK], gl.float32, dq_layout)
-            dq_tok = warpgroup_mma(ds, k_smem.slice(0, DQ_CHUNK, dim=1), zero_dq,
-                                   use_acc=False, is_async=True)
-            dv, dk = warpgroup_mma_wait(num_outstanding=1, deps=(dv_tok, dk_tok))
-            gl.thread_barrier()  # every warp's dK / dV wgmma has read q_buf and do_buf
-            dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq_tok, ))
-            dq_tok = warpgroup_mma(ds, k_smem.slice(DQ_CHUNK, DQ_CHUNK, dim=1), zero_dq,
-                                   use_acc=False, is_async=True)
-            dq_acc, dq_row = dq_base
-            stage_layout: gl.constexpr = dq_acc.layout
-            if DROPOUT:  # dS above left out 1 / (1 - p)
-                dq = dq * dropout_scale
-            _stage_and_add(dq, dq_acc, dq_row + start_m, 0,
-                           q_buf._reinterpret(gl.float32, [BLOCK_M, DQ_CHUNK], stage_layout))
-            dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq_tok, ))
-            if DROPOUT:
-                dq = dq * dropout_scale
-            _stage_and_add(dq, dq_acc, dq_row + start_m, DQ_CHUNK,
-                           do_buf._reinterpret(gl.float32, [BLOCK_M, DQ_CHUNK], stage_layout))
-        else:
-            dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok))
-            # Every warp's reads of this buffer are done: refill it.
-            gl.thread_barrier()
-            _issue_q_do_load(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem,
-                             delta_smem, q_bars, do_bars, job + NUM_STAGES, n_jobs,
-                             jobs_per_head, m_first, q_row, q_col, lse_row, lse_stride_h,
-                             BLOCK_M, HEAD_DIM, NUM_STAGES)
+        dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok))
+        # Every warp's reads of this buffer are done: refill it.
+        gl.thread_barrier()
+        _issue_q_do_load(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem,
+                         delta_smem, q_bars, do_bars, job + NUM_STAGES, n_jobs, jobs_per_head,
+                         m_first, q_row, q_col, lse_row, lse_stride_h, BLOCK_M, HEAD_DIM,
+                         NUM_STAGES)
         return dk, dv
 
     @gluon.jit(do_not_specialize=["seed_lo", "seed_hi", "dropout_threshold"])
     def _bwd_dkdv_hopper_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DK, DV,
-                                dq_acc_desc, stride_dkb, stride_dks, stride_dkh,
+                                stride_dkb, stride_dks, stride_dkh,
                                 stride_dvb, stride_dvs, stride_dvh,
                                 Alibi, stride_ab, stride_ah, nheads, nheads_k, seqlen_q,
                                 seqlen_k, window_left, window_right, qk_scale, softcap_scale,
@@ -394,19 +304,14 @@ if gluon is not None:
                                 HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                                 SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
                                 DROPOUT: gl.constexpr, VARLEN: gl.constexpr,
-                                ATOMIC_DQ: gl.constexpr,
-                                DQ_CHUNK: gl.constexpr, DQ_WARPS_M: gl.constexpr,
-                                DS_LAYOUT: gl.constexpr, num_warps: gl.constexpr):
+                                num_warps: gl.constexpr):
         """dK, dV of key block program_id(0) of (batch, kv head) program_id(1), heaviest causal
         blocks first. q/k/v/do descriptors over (batch * seqlen, heads * HEAD_DIM), lse/delta
         descriptors over their flat (batch * nheads * seqlen) rows (varlen: the aligned copies
-        of _aligned_lse_delta), stride_lh rows per head; dq_acc_desc (ATOMIC_DQ) covers the fp32
-        accumulator of dQ / scale as (batch * nheads * seqlen_q, HEAD_DIM) rows in [BLOCK_M,
-        DQ_CHUNK = HEAD_DIM / 2] tiles. VARLEN: batch entry = sequence (common.sequence: first
-        rows from Cu_q/Cu_k, its own lengths; seqlen_q/k arrive as the longest), descriptors over
-        (total, heads * HEAD_DIM), lse/delta (nheads, total_q); blocks past the sequence's end
-        return."""
-        gl.static_assert(not (VARLEN and ATOMIC_DQ), "varlen takes the dQ kernel")
+        of _aligned_lse_delta), stride_lh rows per head. VARLEN: batch entry = sequence
+        (common.sequence: first rows from Cu_q/Cu_k, its own lengths; seqlen_q/k arrive as the
+        longest), descriptors over (total, heads * HEAD_DIM), lse/delta (nheads, total_q); blocks
+        past the sequence's end return."""
         pid_n = gl.program_id(0)
         pid_bh = gl.program_id(1)
         off_b = pid_bh // nheads_k
@@ -429,18 +334,12 @@ if gluon is not None:
         geo = (seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale,
                dropout_scale)
         dtype: gl.constexpr = q_desc.dtype
-        gl.static_assert(not ATOMIC_DQ or (NUM_STAGES >= 2 and 2 * DQ_CHUNK == HEAD_DIM),
-                         "dQ halves are staged in the previous job's buffers")
 
-        # wgmma accumulators: warps stacked along the key rows (dQ: along its query rows, and
-        # across its columns when BLOCK_M has fewer 16-row slices than there are warps).
+        # wgmma accumulators: warps stacked along the key rows.
         st_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_M, 16])
         kv_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM, 16])
-        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[DQ_WARPS_M, num_warps // DQ_WARPS_M],
-            instr_shape=[16, DQ_CHUNK * DQ_WARPS_M // num_warps, 16])
         op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout,
                                                       k_width=2)
 
@@ -453,10 +352,6 @@ if gluon is not None:
                                              lse_desc.layout)
         delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M],
                                                delta_desc.layout)
-        if ATOMIC_DQ:
-            ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], DS_LAYOUT)
-        else:
-            ds_smem = k_smem  # unused
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         q_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         do_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1],
@@ -490,10 +385,13 @@ if gluon is not None:
 
         dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
         dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
+        smem = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem)
+        bars = (q_bars, do_bars)
+        descs = (q_desc, do_desc, lse_desc, delta_desc)
+        ring = (n_jobs, jobs_per_head, m_first, q_row, q_col, lse_row, stride_lh, start_n)
         job = 0
         for g in range(group):  # the query heads that share this kv head, in a fixed order
             off_h = off_hk * group + g
-            dq_base = (dq_acc_desc, (off_b * nheads + off_h) * seqlen_q)  # its first row
             alibi_log2 = load_alibi_log2(Alibi, off_b, off_h, stride_ab, stride_ah, ALIBI)
             drop = (seed_lo, seed_hi, dropout_threshold, off_b, off_h)
             # Masked rows that see part of the block on its right side (HAS_RIGHT), the rows
@@ -505,17 +403,12 @@ if gluon is not None:
                         or (segment == 2 and (HAS_LEFT or VARLEN))):
                     for m in range(bounds[segment], bounds[segment + 1]):
                         dk, dv = _query_tile_step(
-                            dk, dv, job, m, dq_base, k_smem, v_smem, q_smem, do_smem, lse_smem,
-                            delta_smem, ds_smem, q_bars, do_bars, q_desc, do_desc, lse_desc,
-                            delta_desc, n_jobs, jobs_per_head, m_first, q_row, q_col, lse_row,
-                            stride_lh, start_n, geo, alibi_log2, drop, HEAD_DIM, BLOCK_M,
+                            dk, dv, job, m, smem, bars, descs, ring, geo, alibi_log2, drop,
+                            HEAD_DIM, BLOCK_M,
                             BLOCK_N, NUM_STAGES, segment != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-                            ALIBI, DROPOUT, VARLEN, ATOMIC_DQ, DQ_CHUNK, st_layout, kv_layout,
-                            dq_layout, op_layout)
+                            ALIBI, DROPOUT, VARLEN, st_layout, kv_layout, op_layout)
                         job += 1
 
-        if ATOMIC_DQ:  # the last reduce-adds read shared memory until here
-            tma.store_wait(0)
         mbarrier.invalidate(kv_bar)
         for i in gl.static_range(NUM_STAGES):
             mbarrier.invalidate(q_bars.index(i))
@@ -539,8 +432,7 @@ if gluon is not None:
 
 
     @gluon.jit
-    def _key_tile_dq_step(dq, upper, tile, q_smem, do_smem, k_smem, v_smem, k_bars, v_bars, k_desc,
-                          v_desc, lse2, delta, n_tiles, key0, kv_col, start_m, key_lo, geo,
+    def _key_tile_dq_step(dq, upper, tile, smem, bars, descs, lse2, delta, ring, geo,
                           alibi_log2, drop, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                           NUM_STAGES: gl.constexpr, MASK: gl.constexpr, HAS_LEFT: gl.constexpr,
                           HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
@@ -553,8 +445,14 @@ if gluon is not None:
         from tile to tile); with DROPOUT, delta comes as (1 - p) delta and dQ is left over
         1 / (1 - p). Returns (dq, upper). VARLEN: the (last) tile that crosses the sequence's
         keys zeroes the next sequence's K and V rows it holds before the wgmmas read them (0 *
-        NaN/inf in dS K or in dP = dO V^T would be NaN; their P is masked to 0)."""
+        NaN/inf in dS K or in dP = dO V^T would be NaN; their P is masked to 0). smem = (q, dO,
+        K ring, V ring), bars = (K, V) ring barriers, descs = (K, V) descriptors, ring =
+        (n_tiles, key0, kv_col, start_m, key_lo)."""
         seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale, dropout_scale = geo
+        q_smem, do_smem, k_smem, v_smem = smem
+        k_bars, v_bars = bars
+        k_desc, v_desc = descs
+        n_tiles, key0, kv_col, start_m, key_lo = ring
         stage = tile % NUM_STAGES
         phase = (tile // NUM_STAGES) & 1
         k_buf = k_smem.index(stage)
@@ -563,13 +461,13 @@ if gluon is not None:
         zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
         mbarrier.wait(k_bars.index(stage), phase)
         if MASK and VARLEN:  # never refilled: the crossing tile is the program's last
-            _zero_key_tail(k_buf, seqlen_k - start_n, BLOCK_N, k_buf.shape[1])
+            zero_tile_tail(k_buf, seqlen_k - start_n, BLOCK_N, k_buf.shape[1])
         # [BLOCK_M, BLOCK_N] = [BLOCK_M, D] @ [D, BLOCK_N]
         s_tok = warpgroup_mma(q_smem, k_buf.permute((1, 0)), zero_s, use_acc=False,
                               is_async=True)
         mbarrier.wait(v_bars.index(stage), phase)
         if MASK and VARLEN:
-            _zero_key_tail(v_buf, seqlen_k - start_n, BLOCK_N, v_buf.shape[1])
+            zero_tile_tail(v_buf, seqlen_k - start_n, BLOCK_N, v_buf.shape[1])
         # [BLOCK_M, BLOCK_N] = [BLOCK_M, D] @ [D, BLOCK_N]
         dp_tok = warpgroup_mma(do_smem, v_buf.permute((1, 0)), zero_s, use_acc=False,
                                is_async=True)
@@ -579,11 +477,11 @@ if gluon is not None:
             else:
                 kept = keep_tile(drop, start_m, start_n, BLOCK_N, s_layout)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
-        s, dcap = _scores_and_softcap_grad(s, qk_scale, softcap_scale, SOFTCAP)
         i = gl.expand_dims(start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout)), 1)
         j = gl.expand_dims(start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)), 0)
-        if ALIBI:
-            s = s - alibi_bias(i, j, seqlen_q, seqlen_k, alibi_log2)
+        s, dcap = score_mod(s, i, j, (seqlen_q, seqlen_k, window_left, window_right),
+                            (qk_scale, softcap_scale, alibi_log2), SOFTCAP, ALIBI,
+                            SCORE_GRAD_FROM_TANH_JIT)
         p = gl.exp2(s - gl.expand_dims(lse2, 1))  # lse -inf (no visible key): masked below
         if MASK:
             p = gl.where(visible(i, j, seqlen_q, seqlen_k, window_left, window_right, HAS_LEFT,
@@ -599,7 +497,7 @@ if gluon is not None:
         dq_tok = warpgroup_mma(gl.convert_layout(ds, op_layout), k_buf, dq, is_async=True)
         dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq_tok, ))
         gl.thread_barrier()  # every warp's reads of this buffer are done: refill it
-        _issue_kv_load(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, tile + NUM_STAGES,
+        issue_kv_load(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, tile + NUM_STAGES,
                         n_tiles, key0, kv_col, BLOCK_N, NUM_STAGES)
         return dq, upper
 
@@ -679,7 +577,7 @@ if gluon is not None:
         tma.async_copy_global_to_shared(q_desc, [q_row, off_h * HEAD_DIM], q_bar, q_smem)
         tma.async_copy_global_to_shared(do_desc, [q_row, off_h * HEAD_DIM], q_bar, do_smem)
         for i in gl.static_range(NUM_STAGES):
-            _issue_kv_load(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, i, n_tiles, key0,
+            issue_kv_load(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, i, n_tiles, key0,
                             kv_col, BLOCK_N, NUM_STAGES)
         rows = start_m + gl.arange(0, BLOCK_M, layout=row_layout)
         row_mask = None
@@ -705,10 +603,10 @@ if gluon is not None:
                     or (segment == 2 and (HAS_RIGHT or VARLEN))):
                 for tile in range(bounds[segment], bounds[segment + 1]):
                     dq, upper = _key_tile_dq_step(
-                        dq, upper, tile, q_smem, do_smem, k_smem, v_smem, k_bars, v_bars, k_desc,
-                        v_desc, lse2, delta, n_tiles, key0, kv_col, start_m, lo, geo, alibi_log2,
-                        drop, BLOCK_M, BLOCK_N, NUM_STAGES, segment != 1, HAS_LEFT, HAS_RIGHT,
-                        SOFTCAP, ALIBI, DROPOUT, VARLEN, s_layout, op_layout)
+                        dq, upper, tile, (q_smem, do_smem, k_smem, v_smem), (k_bars, v_bars),
+                        (k_desc, v_desc), lse2, delta, (n_tiles, key0, kv_col, start_m, lo), geo,
+                        alibi_log2, drop, BLOCK_M, BLOCK_N, NUM_STAGES, segment != 1, HAS_LEFT,
+                        HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, VARLEN, s_layout, op_layout)
 
         mbarrier.invalidate(q_bar)
         for i in gl.static_range(NUM_STAGES):
@@ -729,32 +627,6 @@ if gluon is not None:
         gl.store(dq_ptrs, (dq * softmax_scale).to(DQ.dtype.element_ty), mask=store_mask)
 
 
-# (BLOCK_M, BLOCK_N, num_warps, NUM_STAGES) per head dim, one warpgroup per program (several
-# programs per SM). dK/dV: dK and dV stay in registers ([BLOCK_N, D] fp32 each), which caps
-# BLOCK_N * D at 64 * 128; 05:15 sweep at 4k (bf16, TFLOP/s of the whole backward with the
-# Triton dQ kernel, full / causal): d64 (64, 64, 4, 2) 390 / 367 vs (64, 64, 4, 3) 385 / 346,
-# 8 warps (64, 128) 348 / 328; d128 (64, 64, 4, 2) 418 / 381 vs 8 warps (64, 128) 411 / 362.
-# 05:38 sweep (with the Gluon dQ kernel): d64 BLOCK_M 128 (S^T tiles [64, 128]: wider wgmma, half
-# the K/V operand reads per flop) 397 / 365 vs (64, 64, 4, 2) 395 / 350.
-HOPPER_BACKWARD = {
-    64: (128, 64, 4, 2),
-    128: (64, 64, 4, 2),
-}
-# With dropout a 64-key block uses half of each Philox call it draws (the neighbouring block
-# draws them again); 128 keys and two warpgroups use all of them (offline sm_90, d128 full,
-# instructions per query tile and thread 713 -> 650) but ran slower on the H200 at d128 8k
-# bf16 (09:48, dK/dV kernel alone: 4.55 ms at (64, 64, 4, 2), 4.65-4.79 at (64, 128, 8, 2)).
-# dQ: Q, dO and the dQ accumulator per program, K/V streamed (the forward's shape). 05:23 sweep
-# at 4k (whole backward, TFLOP/s full / causal): d64 (64, 64, 4, 2) 408 / 357, (64, 128, 4, 2)
-# 382 / 365, (64, 64, 4, 3) 387 / 346; d128 (64, 64, 4, 2) 441 / 391, (64, 128, 4, 2)
-# 404 / 371, (64, 64, 4, 3) 404 / 356; 05:38: two warpgroups sharing K/V (128, 64, 8, 2) d64
-# 387 / 344, d128 427 / 373, (128, 128, 8, 2) d64 372 / 324.
-HOPPER_BACKWARD_DQ = {
-    64: (64, 64, 4, 2),
-    128: (64, 64, 4, 2),
-}
-
-
 def _takes(q, k, v, dout, lse, params: AttentionParams, dq, dk, dv, tiles) -> bool:
     """What the Gluon kernels need whatever the lengths: what the Gluon forward takes
     (forward_hopper.gluon_supported, varlen included), no Triton tile override, dout like q."""
@@ -766,7 +638,7 @@ def _takes(q, k, v, dout, lse, params: AttentionParams, dq, dk, dv, tiles) -> bo
 
 def _whole_tiles(q, k) -> bool:
     """Dense seqlen_q and seqlen_k are multiples of every tile of both kernels."""
-    tile = max(*HOPPER_BACKWARD[q.shape[-1]][:2], *HOPPER_BACKWARD_DQ[q.shape[-1]][:2])
+    tile = max(*GLUON_BACKWARD_DKDV[q.shape[-1]][:2], *GLUON_BACKWARD_DQ[q.shape[-1]][:2])
     return q.shape[1] % tile == 0 and k.shape[1] % tile == 0
 
 
@@ -804,14 +676,12 @@ def _launch_args(q, params: AttentionParams, lse, seqlen_q: int, seqlen_k: int) 
 
 
 def attention_backward_dkdv(dout, q, k, v, lse, delta, params: AttentionParams, dk, dv,
-                            dq_acc=None, block=None):
-    """dK, dV of the eligible case into dk, dv; with dq_acc (fp32 (batch * nheads, seqlen_q, d),
-    zeroed; dense only) also dQ / scale added into it. delta (laid out like lse) comes from
-    backward.py's preprocess; block overrides HOPPER_BACKWARD (the sweep)."""
+                            block=None):
+    """dK, dV of the eligible case into dk, dv. delta (laid out like lse) comes from
+    backward.py's preprocess; block overrides GLUON_BACKWARD_DKDV (the sweep)."""
     batch, seqlen_q, seqlen_k, nheads, nheads_k = varlen_shape(q, v, params)
     head_dim = q.shape[-1]
-    block_m, block_n, num_warps, num_stages = block or HOPPER_BACKWARD[head_dim]
-    gl_dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    block_m, block_n, num_warps, num_stages = block or GLUON_BACKWARD_DKDV[head_dim]
 
     def rows_descriptor(x):  # lse / delta (batch, nheads, seqlen_q), varlen (nheads, rows)
         layout = gl.NVMMASharedLayout.get_default_for([block_m], gl.float32)
@@ -821,33 +691,21 @@ def attention_backward_dkdv(dout, q, k, v, lse, delta, params: AttentionParams, 
     cu_q, cu_k, varlen = varlen_args(params, lse)
     if varlen:
         lse, delta = _aligned_lse_delta(lse, delta, params)
-    atomic_dq = dq_acc is not None
-    if atomic_dq:  # (batch * nheads, seqlen_q, d) as rows, added to in [block_m, d / 2] halves
-        rows = dq_acc.view(-1, head_dim)
-        half = [block_m, head_dim // 2]
-        dq_acc_desc = TensorDescriptor(rows, list(rows.shape), [head_dim, 1], half,
-                                       gl.NVMMASharedLayout.get_default_for(half, gl.float32))
-    else:
-        dq_acc_desc = rows_descriptor(delta)  # unused
     grid = (triton.cdiv(seqlen_k, block_n), batch * nheads_k)
     _bwd_dkdv_hopper_kernel[grid](
         flash_descriptor(q, block_m), flash_descriptor(k, block_n), flash_descriptor(v, block_n),
         flash_descriptor(dout, block_m), rows_descriptor(lse), rows_descriptor(delta), dk, dv,
-        dq_acc_desc,
         *batch_strides(dk, params)[:3], *batch_strides(dv, params)[:3],
         *alibi, nheads, nheads_k, seqlen_q, seqlen_k, *geo, lse.stride(-2), cu_q, cu_k,
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=num_stages, **flags,
-        VARLEN=varlen, ATOMIC_DQ=atomic_dq, DQ_CHUNK=head_dim // 2,
-        DQ_WARPS_M=min(num_warps, block_m // 16),
-        DS_LAYOUT=gl.NVMMASharedLayout.get_default_for([block_n, block_m], gl_dtype),
-        num_warps=num_warps)
+        VARLEN=varlen, num_warps=num_warps)
 
 
 def attention_backward_dq(dout, q, k, v, lse, delta, params: AttentionParams, dq, block=None):
-    """dQ of the eligible case into dq (deterministic); block overrides HOPPER_BACKWARD_DQ."""
+    """dQ of the eligible case into dq (deterministic); block overrides GLUON_BACKWARD_DQ."""
     batch, seqlen_q, seqlen_k, nheads, nheads_k = varlen_shape(q, v, params)
     head_dim = q.shape[-1]
-    block_m, block_n, num_warps, num_stages = block or HOPPER_BACKWARD_DQ[head_dim]
+    block_m, block_n, num_warps, num_stages = block or GLUON_BACKWARD_DQ[head_dim]
     (alibi, *alibi_strides), geo, flags = _launch_args(q, params, lse, seqlen_q, seqlen_k)
     cu_q, cu_k, varlen = varlen_args(params, lse)
     grid = (triton.cdiv(seqlen_q, block_m), batch * nheads)

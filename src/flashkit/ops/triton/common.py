@@ -58,35 +58,6 @@ def next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
-def kv_descriptor(x, block_n: int, block_d: int):
-    """A TMA descriptor over x (batch, seqlen, nheads, d) viewed as (batch, seqlen, nheads * d),
-    or None where the copy engine cannot read it in place (interpreter, head dim not a power of
-    two, last-dim stride not 1, heads not adjacent, addresses or strides not 16-byte aligned)."""
-    if interpreting() or not x.is_cuda:
-        return None
-    batch, seqlen, nheads, d = x.shape
-    strides_bytes = [s * x.element_size() for s in x.stride()[:2]]
-    if (d != block_d or x.stride(3) != 1 or x.stride(2) != d or x.data_ptr() % 16
-            or any(s % 16 for s in strides_bytes)):
-        return None
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    return TensorDescriptor(x, shape=[batch, seqlen, nheads * d],
-                            strides=[x.stride(0), x.stride(1), 1],
-                            block_shape=[1, block_n, block_d])
-
-
-def accumulator_descriptor(acc, block_m: int):
-    """A TMA descriptor over the fp32 accumulator acc (b * h, seqlen, BLOCK_D) for bulk
-    reduce-adds of [1, block_m, BLOCK_D] tiles, or None in the interpreter / off CUDA."""
-    if interpreting() or not acc.is_cuda:
-        return None
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    return TensorDescriptor(acc, shape=list(acc.shape), strides=list(acc.stride()),
-                            block_shape=[1, block_m, acc.shape[2]])
-
-
 SOFTCAP_EXACT, SOFTCAP_FAST = 1, 2  # values of the SOFTCAP flag (0: no softcap)
 SOFTCAP_EXACT_JIT = tl.constexpr(SOFTCAP_EXACT)
 SOFTCAP_FAST_JIT = tl.constexpr(SOFTCAP_FAST)
@@ -452,6 +423,71 @@ def alibi_bias(i, j, seqlen_q, seqlen_k, alibi_log2):
     return alibi_log2 * tl.abs(diag - j.to(tl.float32))
 
 
+SCORE_GRAD_NONE, SCORE_GRAD_FROM_S, SCORE_GRAD_FROM_TANH = 0, 1, 2  # values of score_mod's DCAP
+SCORE_GRAD_FROM_S_JIT = tl.constexpr(SCORE_GRAD_FROM_S)
+SCORE_GRAD_FROM_TANH_JIT = tl.constexpr(SCORE_GRAD_FROM_TANH)
+
+
+@triton.jit
+def score_mod(qk, i, j, band, mods, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+              DCAP: tl.constexpr = 0):
+    """The score modification, once for every kernel: raw q . k -> log2-unit scores, in the
+    order scale -> softcap -> ALiBi (the mask predicate `visible` comes after, applied by each
+    kernel in its own way: -inf on s forward, 0 on P backward). Returns (s, dcap).
+
+    band = (seqlen_q, seqlen_k, window_left, window_right); mods = (qk_scale, softcap_scale,
+    alibi_log2) as score_args and load_alibi_log2 give them. i and j broadcast against each
+    other as in `visible`. dcap, d(softcapped score) / d(scale * qk) for the backward, is 1.0
+    unless SOFTCAP and DCAP: SCORE_GRAD_FROM_S takes it from s (softcap_grad: fp16 for
+    SOFTCAP_FAST, fewer registers across the portable backward's matmuls), SCORE_GRAD_FROM_TANH
+    from the tanh itself in fp32, with s = qk_scale * tanh left to fuse into exp2's subtraction
+    (the Gluon backward: there an fp16 dcap saves no spills and costs instructions)."""
+    qk_scale, softcap_scale, alibi_log2 = mods
+    dcap = 1.0
+    if SOFTCAP and DCAP == SCORE_GRAD_FROM_S_JIT:
+        s = scores(qk, qk_scale, softcap_scale, SOFTCAP)
+        dcap = softcap_grad(s, qk_scale, SOFTCAP)
+    elif SOFTCAP and DCAP:
+        t = scores(qk, 1.0, softcap_scale, SOFTCAP)
+        s = t * qk_scale
+        dcap = softcap_grad(t, 1.0)  # SOFTCAP_EXACT's fp32 (no fp16 round trip)
+    else:
+        s = scores(qk, qk_scale, softcap_scale, SOFTCAP)
+    if ALIBI:
+        seqlen_q, seqlen_k, _, _ = band
+        s = s - alibi_bias(i, j, seqlen_q, seqlen_k, alibi_log2)
+    return s, dcap
+
+
+@triton.jit
+def softmax_start(m_i, l_i, sink_log2):
+    """The online softmax's start state with a sink (a logit per query head that joins every
+    row's denominator, in log2 units): (m, l) = (sink, 1) instead of (-inf, 0). m_i, l_i: the
+    empty state."""
+    return tl.maximum(m_i, sink_log2), l_i + 1.0
+
+
+@triton.jit
+def softmax_denominator(l_i):
+    """What the final online-softmax state's accumulator is divided by: out = acc / l_safe. A
+    row with no mass (no visible key and no sink: l = 0) divides by 1, so its out is 0 (acc is
+    0), never NaN."""
+    return tl.where(l_i > 0.0, l_i, 1.0)
+
+
+@triton.jit
+def softmax_lse(m_i, has_mass, l_safe, NATURAL: tl.constexpr = False):
+    """The natural-log log-sum-exp of the final state (m_i in log2 units, natural with NATURAL;
+    has_mass = l > 0, l_safe from softmax_denominator); -inf for a row with no mass. Kernels
+    compute has_mass before the output and this after it: in other orders (or with has_mass
+    computed in here) the sm_90 schedules of the forward and decode kernels change."""
+    if NATURAL:
+        lse = m_i + tl.math.log2(l_safe) * LN2_JIT
+    else:
+        lse = (m_i + tl.math.log2(l_safe)) * LN2_JIT
+    return tl.where(has_mass, lse, float("-inf"))
+
+
 @triton.jit
 def load_alibi_log2(Alibi, off_b, off_h, stride_ab, stride_ah, ALIBI: tl.constexpr,
                     NATURAL: tl.constexpr = False):
@@ -494,22 +530,6 @@ def load_tile(ptrs, rows, n_rows, cols, n_cols, CHECK_ROWS: tl.constexpr,
             tile = tl.load(ptrs, mask=cols[None, :] < n_cols, other=0.0)
         else:
             tile = tl.load(ptrs)
-    return tile
-
-
-@triton.jit
-def load_kv_tile(src, off_b, off_hk, start_n, offs_n, n_rows, offs_d, stride_s, stride_d,
-                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                 CHECK_ROWS: tl.constexpr, USE_TMA: tl.constexpr):
-    """A [BLOCK_N, BLOCK_D] key or value tile. USE_TMA: src is a tensor descriptor over
-    (batch, seqlen_k, nheads_k * HEAD_DIM) with HEAD_DIM == BLOCK_D, so the copy engine loads the
-    tile and zero-fills rows past seqlen_k; else src points at this (batch, head)."""
-    if USE_TMA:
-        coords = [off_b.to(tl.int32), start_n, (off_hk * HEAD_DIM).to(tl.int32)]
-        tile = src.load(coords).reshape(BLOCK_N, BLOCK_D)
-    else:
-        ptrs = tile_ptrs(src, offs_n, offs_d, stride_s, stride_d)
-        tile = load_tile(ptrs, offs_n, n_rows, offs_d, HEAD_DIM, CHECK_ROWS, HEAD_DIM != BLOCK_D)
     return tile
 
 

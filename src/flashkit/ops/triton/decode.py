@@ -58,7 +58,6 @@ from flashkit.ops.triton.common import (
     DOT_PRECISION,
     LN2_JIT,
     LOG2E_JIT,
-    alibi_bias,
     cdiv,
     interpreting,
     load_tile,
@@ -66,113 +65,29 @@ from flashkit.ops.triton.common import (
     next_power_of_2,
     online_softmax_update,
     score_args,
-    scores,
+    score_mod,
+    softmax_start,
     visible,
     window_args,
 )
 from flashkit.ops.triton.configs import padded_head_dim
+from flashkit.ops.triton.configs.decode import (
+    CAP_LIFT_PER_SM,
+    DECODE_INTERPRETER,
+    DECODE_SM90,
+    FILL_EFFICIENCY,
+    FULL_SMS,
+    LAUNCH_PDL,
+    MAX_SPLITS,
+    MERGE_BLOCK_DV,
+    PAGE_TILE_EXTRA_STAGES,
+    PAGE_TILE_LOOKUP,
+    PAGED_EXTRA_STAGES,
+    SHORT_SPLIT_TILES,
+    STEP_MAX_NEW,
+    Tile,
+)
 from flashkit.ops.triton.launch import device_facts, launch
-
-
-class Tile(NamedTuple):
-    """A launch shape. per_sm: programs per SM that auto splitting fills the GPU with (one where
-    that would make short splits: SHORT_SPLIT_TILES); resident: programs per SM that fit at once
-    (shared memory and registers of the sm_90 build of the q-length-1, d128 tile), for whole
-    waves once the programs exceed one round of them. subtiles: key sub-tiles per key tile, each
-    with its own running softmax (_key_subtiles), one per warp on the GPU; 1: _key_tiles.
-    subtiled_from: splits of fewer key tiles keep subtiles 1 (launch_shape). round_split_tiles:
-    the fewest key tiles per split when splitting for whole rounds (auto_num_splits)."""
-    block_m: int
-    block_n: int
-    num_warps: int
-    num_stages: int
-    per_sm: int
-    resident: int
-    subtiles: int = 1
-    subtiled_from: int = 1
-    round_split_tiles: int = 1
-
-
-# "decode": up to DECODE max BLOCK_M packed rows (q length 1-8 at GQA 8:1), BLOCK_M fitted to
-# the rows; memory bound. "prefill": more rows; compute bound, the dense forward's d128 tile
-# (configs.HOPPER). HOPPER decode: (64, 4, 3) chosen by the 27-tile sweep of
-# benchmarks/results/decode_20261121T022233.json (85-110% of copy bandwidth at b16/16k GQA 8:1
-# and b64/8k MHA); per_sm and the prefill tile by the studies of decode_20261121T041637.json
-# (per_sm 1/2/3: geomean 60.5/57.1/59.0 us over 12 small-batch shapes; again 50.4/49.7/50.7 over
-# 16 with one-tile splits, session 8; the prefill tile within 2% of (64, 64, 4, 3)); resident:
-# 70-72 KB of shared memory (3 per SM), the prefill tile 224 KB.
-# INTERPRETER: tiny tiles so CPU tests at ~50 keys cross tiles and splits, and decode tiles of
-# 32 keys span two 16-slot pages.
-# Decode subtiles: 4, one 16-key sub-tile per warp (as cuDNN's 16x128 decode tile, 1x4x1 warps,
-# splits the keys over its warps): a warp's scores, softmax and P @ V stay in its registers, and
-# the 4 running states are folded once per program (_fold_subtiles). With one 64-key tile over 4
-# warps (subtiles 1) each tile crossed warps through shared memory 4 times (row max, row sum, P):
-# sm_90 SASS per 64-key tile 275 instructions and 9 barriers against 251 and 2 (h88 notes).
-# The fold is a fixed cost: splits of 1-2 tiles were 3-7% slower sub-tiled (H200 graph replays
-# of the public call, b1 1k GQA 8:1, 16 one-tile splits: 5.71 vs 5.40 us), splits of 4-16 tiles
-# 10-15% faster (decode grid, same run as main: b1 16k GQA 12.24 -> 10.81, b4 4k GQA 11.73 ->
-# 9.92, b16 1k GQA 13.11 -> 11.39, b1 1k MHA 8.12 -> 7.27), hence subtiled_from 4; long splits
-# within 1%. The interpreter's 2 runs both loops in CPU tests (one-tile splits: _key_tiles).
-# Decode round_split_tiles 16: at b16 1k MHA (16 tiles, 512 programs on 396 places) 1 split took
-# 66.4 us, 2-4 splits 68.8-69.9; at 2k 127.6-128.1 for 1-4; at 4k 3 splits 244.6, 1 split 258.4
-# (decode_20261121T2240_split_study_full_sms.json). The prefill tile's programs are compute
-# bound, 16x the work per key: unmeasured, so no bound (1).
-HOPPER = {"decode": Tile(64, 64, 4, 3, 2, 3, 4, 4, 16), "prefill": Tile(128, 128, 8, 3, 1, 1)}
-INTERPRETER = {"decode": Tile(16, 32, 1, 1, 2, 3, 2, 2), "prefill": Tile(16, 16, 1, 1, 1, 1)}
-# Auto num_splits makes splits as short as one key tile, at most MAX_SPLITS (the merge reads all
-# splits of a row at once). It fills per_sm programs per SM, or one per SM where per_sm would cut
-# the keys into splits of fewer than SHORT_SPLIT_TILES tiles: such programs are latency bound,
-# and fewer of them make a cheaper merge. H200 graph replays at forced split counts (us, per_sm
-# 2 -> this rule; decode_20261121T130011_study_short_splits.json): b1 4k GQA 8:1 64 -> 32 splits
-# 8.1 -> 7.1, b1 16k 64 -> 32 12.3 -> 12.2, b1 1k MHA 8 -> 4 8.3 -> 8.1. With the key sub-tiles
-# a program's tiles got cheaper and the merge did not, so 32 (was 16): decode grid against 16 in
-# one lease (decode_20261121T2128_short_splits_32.json), b1 64k GQA 61 -> 31 splits 39.1 -> 38.4
-# us (page 256 40.0 -> 38.9), b4 16k GQA 16 -> 8 38.2 -> 36.7, b16 4k GQA 4 -> 2 38.6 -> 37.9.
-MAX_SPLITS = 128
-SHORT_SPLIT_TILES = 32
-# No splits once the programs cover FULL_SMS of the SMs (flash-attn's 0.8), where this rule
-# filled per_sm programs per SM before: H200, 128 programs at 4k-16k keys, kernel alone
-# (decode_20261121T2240_split_study_full_sms.json), 1 split against the 2 it took, us: b4 MHA
-# 62.0 / 65.3 and 235.1 / 240.4, b32 GQA 8:1 64.1 / 68.9 and 238.0 / 242.8, page 256 alike.
-FULL_SMS = 0.8
-# Paged caches: the block-table load that feeds the K/V addresses is one more level of Triton's
-# software pipeline. Triton 3.6 double-buffers K/V behind it only from num_stages + 2 (sm_90
-# TTGIR of the decode tile: one K/V buffer and no overlap at 3-4 stages, two buffers at 5), so
-# paged launches add these stages.
-PAGED_EXTRA_STAGES = 2
-# Paged caches whose page size BLOCK_N divides: one block-table load per key tile instead of one
-# per key row, with PAGE_TILE_EXTRA_STAGES. H200 page-256 study (decode_20261121T050536.json,
-# auto splits, % of copy bandwidth, per row +2 stages -> per tile +2): b1/4k 15 -> 21, b4/4k
-# 44 -> 57, b1/64k 73 -> 80, b16/1k MHA 68 -> 86, b64/1k MHA 92 -> 105; per tile with 0 or 1
-# extra stages lost 5-15 points at 16k-64k keys.
-PAGE_TILE_LOOKUP = True
-PAGE_TILE_EXTRA_STAGES = 2
-# Two sub-tiled builds spill under the register cap of 3 programs per SM (register_cap; sm_90,
-# 168 registers): an interleaved-rotary step (q's pair rotation: 22 spills) and per-row page
-# lookups (pages that neither BLOCK_N nor a sub-tile's keys divide, such as 24; page 16 looked
-# up per row spilled 67: ncu, b8 32k GQA, 536k local memory requests, before _key_subtiles
-# looked pages of 16 and 32 up once per sub-tile). Uncapped (251-254 registers, 2 per SM)
-# neither spills. So launches of up to
-# CAP_LIFT_PER_SM programs per SM lift the cap for them (what auto splitting gives every
-# latency-bound cell), and larger launches take subtiles 1 (spill_free).
-CAP_LIFT_PER_SM = 2
-LAUNCH_PDL = True  # merge kernel as a programmatic dependent launch where the GPU has it
-# The merge stays a second (PDL) launch: folding it into this kernel ("last program merges":
-# split partials, an acq_rel counter per row block, the last arrival merges and resets it;
-# branch h71-decode-merge, commit 4e038e6) was slower on the H200 at every split count, as the
-# fence, the atomic's round trip and the merging program's loads cost more than the PDL merge,
-# whose programs are resident and waiting: captured step, GPU us, merge kernel -> folded, 4
-# splits b1 1k GQA 8:1 8.6 -> 9.9, MHA 9.4 -> 10.2; 8 splits b8 16k GQA 68.7 -> 69.1; 16
-# splits b4 4k GQA 14.2 -> 16.9; 64 splits b1 16k 14.4 -> 33.2
-# (benchmarks/results/decode_20261121T113441_merge_fold_onepass.json).
-STEP_MAX_NEW = 16  # a step's decode kernel appends up to this many new keys per sequence
-# Output columns per merge program: the merge is latency bound. H200, b1, 16k-128k keys, 29-64
-# splits, the merge alone: 3.7-3.9 us with whole 128-column rows per program, 2.6 us with 32.
-MERGE_BLOCK_DV = 32
-# auto_num_splits takes the fewest splits within this fraction of the best wave efficiency
-# (flash-attn: 0.85). Memory-bound decoding wants the slots full: at b1 64k GQA 8:1 the H200
-# study timed 57 splits (0.86 of the 264 slots) at 81% of copy bandwidth, 66 (all) at 83%.
-FILL_EFFICIENCY = 0.95
 
 
 @triton.jit
@@ -207,17 +122,24 @@ def _cache_rows(page_keys, offs_n, hi, stride_kb, stride_ks, stride_vb, stride_v
 
 
 @triton.jit
-def _key_tiles(acc, m_i, l_i, q_tile, start, end, hi, k_base, v_base, slot0, table_row,
-               num_pages, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
-               offs_t, offs_d, offs_dv, alibi_log2, seqlen_q, seqlen_k, window_left,
-               window_right, qk_scale, softcap_scale,
+def _key_tiles(acc, m_i, l_i, q_tile, keys, cache, offs, band, mods,
                HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
                PAGE_PER_TILE: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr,
                HAS_RIGHT: tl.constexpr, CLAMP_PAGES: tl.constexpr,
                SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, PRECISION: tl.constexpr):
-    """Fold key tiles [start, end) into (acc, m_i, l_i). MASKED: keys >= hi and keys outside a
-    row's band are masked; without it every key is in bounds and visible from every row."""
+    """Fold key tiles [start, end) into (acc, m_i, l_i), keys = (start, end, hi). MASKED: keys
+    >= hi and keys outside a row's band are masked; without it every key is in bounds and
+    visible from every row.
+    cache = (k_base, v_base, slot0, table_row, num_pages, stride_kb, stride_ks, stride_kd,
+    stride_vb, stride_vs, stride_vd); offs = (offs_t, offs_d, offs_dv); band and mods as
+    common.score_mod (mods' alibi_log2 per row, [BLOCK_M])."""
+    start, end, hi = keys
+    (k_base, v_base, slot0, table_row, num_pages, stride_kb, stride_ks, stride_kd, stride_vb,
+     stride_vs, stride_vd) = cache
+    offs_t, offs_d, offs_dv = offs
+    seqlen_q, seqlen_k, window_left, window_right = band
+    qk_scale, softcap_scale, alibi_log2 = mods
     for start_n in tl.range(start, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         page_keys = start_n if PAGE_PER_TILE else offs_n
@@ -227,11 +149,9 @@ def _key_tiles(acc, m_i, l_i, q_tile, start, end, hi, k_base, v_base, slot0, tab
         k_tile = load_tile(k_base + k_rows[:, None] + offs_d[None, :] * stride_kd, offs_n, hi,
                            offs_d, HEAD_DIM, MASKED, HEAD_DIM != BLOCK_D)
         # [BLOCK_M, BLOCK_N] = [BLOCK_M, BLOCK_D] @ [BLOCK_D, BLOCK_N]
-        s = scores(tl.dot(q_tile, tl.trans(k_tile), input_precision=PRECISION), qk_scale,
-                   softcap_scale, SOFTCAP)
-        if ALIBI:
-            s = s - alibi_bias(offs_t[:, None], offs_n[None, :], seqlen_q, seqlen_k,
-                               alibi_log2[:, None])
+        s, _ = score_mod(tl.dot(q_tile, tl.trans(k_tile), input_precision=PRECISION),
+                         offs_t[:, None], offs_n[None, :], band,
+                         (qk_scale, softcap_scale, alibi_log2[:, None]), SOFTCAP, ALIBI)
         if MASKED:
             keep = visible(offs_t[:, None], offs_n[None, :], seqlen_q, seqlen_k, window_left,
                            window_right, HAS_LEFT, HAS_RIGHT) & (offs_n < hi)[None, :]
@@ -249,10 +169,7 @@ def _key_tiles(acc, m_i, l_i, q_tile, start, end, hi, k_base, v_base, slot0, tab
 
 
 @triton.jit
-def _key_subtiles(acc, m_i, l_i, q_tile, start, end, hi, k_base, v_base, slot0, table_row,
-                  num_pages, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
-                  offs_t, offs_d, offs_dv, alibi_log2, seqlen_q, seqlen_k, window_left,
-                  window_right, qk_scale, softcap_scale,
+def _key_subtiles(acc, m_i, l_i, q_tile, keys, cache, offs, band, mods,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, SUBTILES: tl.constexpr,
                   PAGE_SIZE: tl.constexpr, PAGE_PER_TILE: tl.constexpr, MASKED: tl.constexpr,
@@ -262,6 +179,12 @@ def _key_subtiles(acc, m_i, l_i, q_tile, start, end, hi, k_base, v_base, slot0, 
     sub-tile w folded into its own running state (acc [W, M, DV], m_i, l_i [W, M]) by a batched
     dot: on the GPU warp w owns sub-tile w, so nothing crosses warps inside the loop.
     q_tile: [W, M, D], the query tile broadcast to every sub-tile."""
+    start, end, hi = keys
+    (k_base, v_base, slot0, table_row, num_pages, stride_kb, stride_ks, stride_kd, stride_vb,
+     stride_vs, stride_vd) = cache
+    offs_t, offs_d, offs_dv = offs
+    seqlen_q, seqlen_k, window_left, window_right = band
+    qk_scale, softcap_scale, alibi_log2 = mods
     SUB_N: tl.constexpr = BLOCK_N // SUBTILES
     # [W, SUB_N]: key j of sub-tile w is start_n + w * SUB_N + j
     offs_wn = tl.arange(0, SUBTILES)[:, None] * SUB_N + tl.arange(0, SUB_N)[None, :]
@@ -281,11 +204,9 @@ def _key_subtiles(acc, m_i, l_i, q_tile, start, end, hi, k_base, v_base, slot0, 
         k_tile = load_tile(k_base + k_rows[:, :, None] + offs_d[None, None, :] * stride_kd,
                            offs_n, hi, offs_d, HEAD_DIM, MASKED, HEAD_DIM != BLOCK_D)
         # [W, BLOCK_M, SUB_N] = [W, BLOCK_M, BLOCK_D] @ [W, BLOCK_D, SUB_N]
-        s = scores(tl.dot(q_tile, tl.trans(k_tile, (0, 2, 1)), input_precision=PRECISION),
-                   qk_scale, softcap_scale, SOFTCAP)
-        if ALIBI:
-            s = s - alibi_bias(offs_t[None, :, None], offs_n[:, None, :], seqlen_q, seqlen_k,
-                               alibi_log2[None, :, None])
+        s, _ = score_mod(tl.dot(q_tile, tl.trans(k_tile, (0, 2, 1)), input_precision=PRECISION),
+                         offs_t[None, :, None], offs_n[:, None, :], band,
+                         (qk_scale, softcap_scale, alibi_log2[None, :, None]), SOFTCAP, ALIBI)
         if MASKED:
             keep = visible(offs_t[None, :, None], offs_n[:, None, :], seqlen_q, seqlen_k,
                            window_left, window_right, HAS_LEFT, HAS_RIGHT)
@@ -354,9 +275,10 @@ def _append_keys(KNew, VNew, k_base, v_base, Cos, Sin, j_lo, j_hi, first_new, ok
                  BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_NEW: tl.constexpr,
                  PAGE_SIZE: tl.constexpr, ROTARY_HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
     """A step's new keys j in [j_lo, j_hi) (new token j - first_new; j_hi - j_lo <= BLOCK_NEW),
-    k rotated at its slot slot0 + j as the append kernel rotates it (float32, rounded once), v copied,
-    into the cache slots of keys j (as _cache_rows); nothing is written unless ok, nor to a
-    page outside the cache. KNew, VNew: the program's (b, kv head) of k, v (b, s_new, hk, d)."""
+    k rotated at its slot slot0 + j as the append kernel rotates it (float32, rounded once), v
+    copied, into the cache slots of keys j (as _cache_rows); nothing is written unless ok, nor
+    to a page outside the cache. KNew, VNew: the program's (b, kv head) of k, v (b, s_new, hk,
+    d)."""
     offs_j = j_lo + tl.arange(0, BLOCK_NEW)
     write = ok & (offs_j < j_hi)
     if PAGE_SIZE == 0:
@@ -425,7 +347,7 @@ def _decode_kernel(Q, K, V, Out, Lse, BlockTable, CacheBatchIdx, Leftpad, Seqlen
                    SUBTILES: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGE_PER_TILE: tl.constexpr,
                    HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
                    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                   SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, HAS_SINK: tl.constexpr,
+                   SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, SINK: tl.constexpr,
                    USE_PDL: tl.constexpr, PRECISION: tl.constexpr, STEP: tl.constexpr,
                    SEQLENS_TENSOR: tl.constexpr, ROTARY_HALF: tl.constexpr,
                    INTERLEAVED: tl.constexpr, BLOCK_NEW: tl.constexpr,
@@ -503,10 +425,11 @@ def _decode_kernel(Q, K, V, Out, Lse, BlockTable, CacheBatchIdx, Leftpad, Seqlen
                              other=0.0) * LOG2E_JIT
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if HAS_SINK:
+    if SINK:  # the first split's programs start from the sink (the merge adds no other)
         if pid_split == 0:
-            m_i = tl.load(Sink + offs_h, mask=row_ok, other=0.0).to(tl.float32) * LOG2E_JIT
-            l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+            m_i, l_i = softmax_start(
+                m_i, l_i, tl.load(Sink + offs_h, mask=row_ok, other=0.0).to(tl.float32)
+                * LOG2E_JIT)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
     # Contiguous: the sequence's cache row and first slot; paged: each key row finds its page.
@@ -527,6 +450,11 @@ def _decode_kernel(Q, K, V, Out, Lse, BlockTable, CacheBatchIdx, Leftpad, Seqlen
                      INTERLEAVED)
         tl.debug_barrier()  # the CTA's writes are visible to its loads
     bounds = (lo, mid_lo, mid_hi, hi)
+    cache = (k_base, v_base, slot0, table_row, cache_rows, stride_kb, stride_ks, stride_kd,
+             stride_vb, stride_vs, stride_vd)
+    offs = (offs_t, offs_d, offs_dv)
+    band = (seqlen_q, seqlen_k, window_left, window_right)
+    mods = (qk_scale, softcap_scale, alibi_log2)
     # Masked edge, unmasked middle, masked edge. Without a left window the left edge is empty
     # (lo is a multiple of BLOCK_N and mid_lo = lo) and not compiled: its loop's pipeline
     # prologue alone was ~215 sm_90 instructions per program.
@@ -534,12 +462,10 @@ def _decode_kernel(Q, K, V, Out, Lse, BlockTable, CacheBatchIdx, Leftpad, Seqlen
         for segment in tl.static_range(3):
             if segment != 0 or HAS_LEFT:
                 acc, m_i, l_i = _key_tiles(
-                    acc, m_i, l_i, q_tile, bounds[segment], bounds[segment + 1], hi, k_base,
-                    v_base, slot0, table_row, cache_rows, stride_kb, stride_ks, stride_kd,
-                    stride_vb, stride_vs, stride_vd, offs_t, offs_d, offs_dv, alibi_log2,
-                    seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale,
-                    HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, PAGE_SIZE, PAGE_PER_TILE,
-                    segment != 1, HAS_LEFT, HAS_RIGHT, STEP, SOFTCAP, ALIBI, PRECISION)
+                    acc, m_i, l_i, q_tile, (bounds[segment], bounds[segment + 1], hi), cache,
+                    offs, band, mods, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
+                    PAGE_SIZE, PAGE_PER_TILE, segment != 1, HAS_LEFT, HAS_RIGHT, STEP, SOFTCAP,
+                    ALIBI, PRECISION)
     else:  # sub-tile 0 starts from the state above (the sink), the others empty
         first = (tl.arange(0, SUBTILES) == 0)[:, None]
         m_sub = tl.where(first, m_i[None, :], float("-inf"))
@@ -549,16 +475,15 @@ def _decode_kernel(Q, K, V, Out, Lse, BlockTable, CacheBatchIdx, Leftpad, Seqlen
         for segment in tl.static_range(3):
             if segment != 0 or HAS_LEFT:
                 acc_sub, m_sub, l_sub = _key_subtiles(
-                    acc_sub, m_sub, l_sub, q_sub, bounds[segment], bounds[segment + 1], hi,
-                    k_base, v_base, slot0, table_row, cache_rows, stride_kb, stride_ks,
-                    stride_kd, stride_vb, stride_vs, stride_vd, offs_t, offs_d, offs_dv,
-                    alibi_log2, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
-                    softcap_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, SUBTILES,
-                    PAGE_SIZE, PAGE_PER_TILE, segment != 1, HAS_LEFT, HAS_RIGHT, STEP, SOFTCAP,
-                    ALIBI, PRECISION)
+                    acc_sub, m_sub, l_sub, q_sub, (bounds[segment], bounds[segment + 1], hi),
+                    cache, offs, band, mods, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
+                    SUBTILES, PAGE_SIZE, PAGE_PER_TILE, segment != 1, HAS_LEFT, HAS_RIGHT, STEP,
+                    SOFTCAP, ALIBI, PRECISION)
         acc, m_i, l_i = _fold_subtiles(acc_sub, m_sub, l_sub, BLOCK_M, BLOCK_DV, SUBTILES)
 
     # A row with no mass (no visible key in this split, no sink) gives out 0 and lse -inf.
+    # common.softmax_denominator / softmax_lse written out: through the helpers ptxas schedules
+    # this kernel differently (same instruction count and registers; offline sm_90 SASS).
     has_mass = l_i > 0.0
     l_safe = tl.where(has_mass, l_i, 1.0)
     out_tile = acc / l_safe[:, None]
@@ -618,12 +543,12 @@ def _merge_kernel(OutPart, LsePart, Out, Lse,
              mask=pid_dv == 0)
 
 
-def tile_config(packed_rows: int, page_size: int) -> tuple[Tile, bool]:
+def decode_tile(packed_rows: int, page_size: int) -> tuple[Tile, bool]:
     """(launch shape, page per tile) for a program's packed query rows: decode (BLOCK_M the rows
     rounded up to a power of two, 16 to the table's BLOCK_M) or prefill; paged caches
     (page_size > 0) add PAGED_EXTRA_STAGES, or PAGE_TILE_EXTRA_STAGES where the page is looked
     up once per key tile."""
-    table = INTERPRETER if interpreting() else HOPPER
+    table = DECODE_INTERPRETER if interpreting() else DECODE_SM90
     tile = table["decode"]
     if packed_rows > tile.block_m:
         tile = table["prefill"]
@@ -653,7 +578,7 @@ def register_cap(tile: Tile, per_sm: int) -> dict:
     64K registers, allocated per warp in units of 8 per thread; 3: 168). {} for up to 2 (left
     to ptxas, the sub-tiled decode tile takes 250-255), subtiles 1 and under the interpreter.
     H200, uncapped against 168 where launches have <= 2 programs per SM, decode grid
-    (decode_20261121T2042_regcap_grid.json): contiguous GQA 8:1 b1 16k, b4 4k, b16 1k 2.5-4.5%
+    (benchmarks/notes/kernel-choices.md): contiguous GQA 8:1 b1 16k, b4 4k, b16 1k 2.5-4.5%
     faster, paged (page 256) b1 16k, b4 4k, b16 1k, b1 1k MHA 7-11% slower, b1 1k MHA 5%
     slower: the cap stays but for builds that spill under it (spill_free)."""
     if tile.subtiles == 1 or per_sm <= 2 or interpreting():
@@ -737,7 +662,7 @@ def launch_shape(q, nheads_k: int, page_size: int, num_splits: int,
     (None: unknown, then the split length does not take the sub-tiles away)."""
     batch, seqlen_q, nheads = q.shape[:3]
     packed_rows = seqlen_q * (nheads // nheads_k)
-    tile, per_tile = tile_config(packed_rows, page_size)
+    tile, per_tile = decode_tile(packed_rows, page_size)
     m_blocks = cdiv(packed_rows, tile.block_m)
     key_blocks = None if max_seqlen_k is None else cdiv(max_seqlen_k, tile.block_n)
     if num_splits == 0:
@@ -765,7 +690,7 @@ class Step(NamedTuple):
 def takes_step(q, nheads_k: int, seqlen_new: int) -> bool:
     """Whether the decode kernel does the decoding step itself (Step): one program of the
     decode tile holds all query rows of a kv head, and at most STEP_MAX_NEW new keys."""
-    table = INTERPRETER if interpreting() else HOPPER
+    table = DECODE_INTERPRETER if interpreting() else DECODE_SM90
     packed_rows = q.shape[1] * (q.shape[2] // nheads_k)
     return packed_rows <= table["decode"].block_m and seqlen_new <= STEP_MAX_NEW
 
@@ -849,7 +774,7 @@ def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, bloc
         SUBTILES=tile.subtiles, PAGE_SIZE=page_size, PAGE_PER_TILE=per_tile,
         HAS_BATCH_IDX=cache_batch_idx is not None, HAS_LEFTPAD=cache_leftpad is not None,
         HAS_LEFT=has_left, HAS_RIGHT=has_right, SOFTCAP=softcap,
-        ALIBI=slopes is not None, HAS_SINK=params.sink is not None,
+        ALIBI=slopes is not None, SINK=params.sink is not None,
         USE_PDL=use_pdl and num_splits > 1, PRECISION=DOT_PRECISION, STEP=step is not None,
         SEQLENS_TENSOR=step is None or seqlens_tensor,
         ROTARY_HALF=0 if cos is None else cos.shape[1],

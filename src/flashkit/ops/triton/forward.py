@@ -29,23 +29,22 @@ from flashkit.ops.triton.common import (
     DOT_PRECISION,
     LOG2E_JIT,
     alibi_args,
-    alibi_bias,
     batch_strides,
     block_args,
     cdiv,
     head_ptr,
     interpreting,
     key_tile_ranges,
-    kv_descriptor,
     load_alibi_log2,
-    load_kv_tile,
     load_tile,
     masked_values_product,
     online_softmax_update,
-    row_lse,
     score_args,
-    scores,
+    score_mod,
     sequence,
+    softmax_denominator,
+    softmax_lse,
+    softmax_start,
     store_tile,
     tile_ptrs,
     user_score,
@@ -56,39 +55,42 @@ from flashkit.ops.triton.common import (
     visible,
     window_args,
 )
-from flashkit.ops.triton.configs import USE_TMA, padded_head_dim, tile_config
+from flashkit.ops.triton.configs import padded_head_dim, tile_config
 from flashkit.ops.triton.dropout import dropout_args, dropout_keep
 
 
 @triton.jit
-def _fwd_tiles(acc, m_i, l_i, q_tile, k_src, v_src, off_b, off_hk, stride_ks, stride_kd,
-               stride_vs, stride_vd, start, end, offs_m, offs_d, offs_dv, seqlen_q, seqlen_k,
-               window_left, window_right, qk_scale, softcap_scale, alibi_log2, off_h, seed_lo,
-               seed_hi, dropout_threshold, score_args, mask_args, Blocks,
+def _fwd_tiles(acc, m_i, l_i, q_tile, kv, start, end, offs, band, mods, drop, variant,
                HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-               ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-               USE_TMA: tl.constexpr,
-               PRECISION: tl.constexpr, SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr,
-               LISTED: tl.constexpr = False, SPAN: tl.constexpr = 1):
-    """Stream key tiles [start, end) into (acc, m_i, l_i); MASKED applies the band predicate
-    and MASK_MOD. DROPOUT: l sums every probability, acc only the kept ones (the 1 / (1 - p)
-    comes last). LISTED: [start, end) counts keys of the SPAN-key blocks listed at Blocks
-    (a block mask's), position t being key Blocks[t // SPAN] * SPAN + t % SPAN: one loop over
-    every listed block, so the software pipeline runs across them."""
+               ALIBI: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
+               SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, LISTED: tl.constexpr = False,
+               SPAN: tl.constexpr = 1):
+    """Stream key tiles [start, end) into (acc, m_i, l_i); MASKED applies the band predicate.
+    kv = (k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd) of this (batch, kv head);
+    offs = (offs_m, offs_d, offs_dv); band and mods as common.score_mod; drop = (seed_lo,
+    seed_hi, threshold, off_b, off_h) of the keep-mask. DROPOUT: l sums every probability, acc
+    only the kept ones (the 1 / (1 - p) comes last). variant = (score_args, mask_args, Blocks)
+    of a user score_mod / mask_mod (SCORE_MOD, MASK_MOD; MASKED applies MASK_MOD too) and a
+    block mask: LISTED, [start, end) counts keys of the SPAN-key blocks listed at Blocks,
+    position t being key Blocks[t // SPAN] * SPAN + t % SPAN, one loop over every listed block
+    so the software pipeline runs across them."""
+    k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd = kv
+    offs_m, offs_d, offs_dv = offs
+    seqlen_q, seqlen_k, window_left, window_right = band
+    seed_lo, seed_hi, dropout_threshold, off_b, off_h = drop
+    score_args, mask_args, Blocks = variant
     for pos in tl.range(start, end, BLOCK_N):
         start_n = pos
         if LISTED:
             start_n = tl.load(Blocks + pos // SPAN) * SPAN + pos % SPAN
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k_tile = load_kv_tile(k_src, off_b, off_hk, start_n, offs_n, seqlen_k, offs_d,
-                              stride_ks, stride_kd, HEAD_DIM, BLOCK_N, BLOCK_D, MASKED, USE_TMA)
+        k_tile = load_tile(tile_ptrs(k_base, offs_n, offs_d, stride_ks, stride_kd), offs_n,
+                           seqlen_k, offs_d, HEAD_DIM, MASKED, HEAD_DIM != BLOCK_D)
         # [BLOCK_M, BLOCK_N] = [BLOCK_M, BLOCK_D] @ [BLOCK_D, BLOCK_N]
         qk = tl.dot(q_tile, tl.trans(k_tile), input_precision=PRECISION)
-        s = scores(qk, qk_scale, softcap_scale, SOFTCAP)
-        if ALIBI:
-            s = s - alibi_bias(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, alibi_log2)
+        s, _ = score_mod(qk, offs_m[:, None], offs_n[None, :], band, mods, SOFTCAP, ALIBI)
         if SCORE_MOD is not None:
             s = user_score(s, off_b, off_h, offs_m[:, None], offs_n[None, :], seqlen_q,
                            seqlen_k, SCORE_MOD, score_args, q_tile.dtype == tl.float32)
@@ -104,9 +106,8 @@ def _fwd_tiles(acc, m_i, l_i, q_tile, k_src, v_src, off_b, off_hk, stride_ks, st
         if DROPOUT:
             p = tl.where(dropout_keep(seed_lo, seed_hi, off_b, off_h, offs_m, start_n,
                                       dropout_threshold, BLOCK_N), p, 0.0)
-        v_tile = load_kv_tile(v_src, off_b, off_hk, start_n, offs_n, seqlen_k, offs_dv,
-                              stride_vs, stride_vd, HEAD_DIM_V, BLOCK_N, BLOCK_DV, MASKED,
-                              USE_TMA)
+        v_tile = load_tile(tile_ptrs(v_base, offs_n, offs_dv, stride_vs, stride_vd), offs_n,
+                           seqlen_k, offs_dv, HEAD_DIM_V, MASKED, HEAD_DIM_V != BLOCK_DV)
         acc = acc * alpha[:, None]
         if MASKED:
             acc = masked_values_product(acc, p, s, v_tile, PRECISION)
@@ -131,18 +132,16 @@ def _fwd_kernel(Q, K, V, Out, Lse,
                 BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                 ALIBI: tl.constexpr, SINK: tl.constexpr, DROPOUT: tl.constexpr,
-                VARLEN: tl.constexpr, EVEN_M: tl.constexpr,
-                USE_TMA: tl.constexpr, PRECISION: tl.constexpr, SCORE_MOD: tl.constexpr,
-                SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr, SPARSE: tl.constexpr,
-                SPARSE_Q: tl.constexpr, SPARSE_KV: tl.constexpr):
-    """K and V are tensor descriptors when USE_TMA (see common.kv_descriptor), else pointers.
-    SINK: Sink holds one logit per query head that joins every row's denominator: the online
-    softmax starts from it (m = sink, l = 1) instead of from nothing (m = -inf, l = 0).
-    VARLEN: the grid covers the longest sequence; blocks past a shorter one's end return.
-    SCORE_MOD / MASK_MOD: user modifiers (common.user_score / user_visible); a MASK_MOD masks
-    every tile. SPARSE: the key blocks come from a block mask (flashkit.variants.BlockMask):
-    the row of query block start_m // SPARSE_Q lists its partial blocks (masked) and its full
-    blocks (no mask at all); causal/window never come with one. SCORE_GRAD is unused here."""
+                VARLEN: tl.constexpr, EVEN_M: tl.constexpr, PRECISION: tl.constexpr,
+                SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr,
+                SPARSE: tl.constexpr, SPARSE_Q: tl.constexpr, SPARSE_KV: tl.constexpr):
+    """SINK: Sink holds one logit per query head that joins every row's denominator
+    (common.softmax_start). VARLEN: the grid covers the longest sequence; blocks past a shorter
+    one's end return. SCORE_MOD / MASK_MOD: user modifiers (common.user_score / user_visible);
+    a MASK_MOD masks every tile. SPARSE: the key blocks come from a block mask
+    (flashkit.variants.BlockMask): the row of query block start_m // SPARSE_Q lists its partial
+    blocks (masked) and its full blocks (no mask at all); causal/window never come with one.
+    SCORE_GRAD is unused here."""
     # Heaviest query tiles first: under a causal band the last rows see the most keys.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -164,73 +163,53 @@ def _fwd_kernel(Q, K, V, Out, Lse,
                        offs_m, offs_d, stride_qs, stride_qd)
     q_tile = load_tile(q_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, not EVEN_M,
                        HEAD_DIM != BLOCK_D)
-    if USE_TMA:
-        k_src = K
-        v_src = V
-    else:
-        k_src = head_ptr(K, off_b, off_hk, k_start, stride_kb, stride_kh, stride_ks)
-        v_src = head_ptr(V, off_b, off_hk, k_start, stride_vb, stride_vh, stride_vs)
+    k_base = head_ptr(K, off_b, off_hk, k_start, stride_kb, stride_kh, stride_ks)
+    v_base = head_ptr(V, off_b, off_hk, k_start, stride_vb, stride_vh, stride_vs)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     if SINK:
-        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(Sink + off_h)
+        sink = tl.load(Sink + off_h)
         if not NATURAL:
-            m_i = m_i * LOG2E_JIT
-        l_i = l_i + 1.0
+            sink = sink * LOG2E_JIT
+        m_i, l_i = softmax_start(m_i, l_i, sink)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     alibi_log2 = load_alibi_log2(Alibi, off_b, off_h, stride_ab, stride_ah, ALIBI, NATURAL)
 
     lo, mid_lo, mid_hi, hi = key_tile_ranges(start_m, seqlen_q, seqlen_k, window_left,
                                              window_right, BLOCK_M, BLOCK_N, HAS_LEFT,
                                              HAS_RIGHT)
+    kv = (k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd)
+    offs = (offs_m, offs_d, offs_dv)
+    band = (seqlen_q, seqlen_k, window_left, window_right)
+    mods = (qk_scale, softcap_scale, alibi_log2)
+    drop = (seed_lo, seed_hi, dropout_threshold, off_b, off_h)
     if SPARSE:  # the block mask's lists replace the band's ranges
         row = off_b * stride_sb + off_h * stride_sh + start_m // SPARSE_Q
         for listed in tl.static_range(2):  # partial key blocks (masked), then full ones
             Num = KvNum if listed == 0 else FullNum
             Idx = KvIdx if listed == 0 else FullIdx
             acc, m_i, l_i = _fwd_tiles(
-                acc, m_i, l_i, q_tile, k_src, v_src, off_b, off_hk, stride_ks, stride_kd,
-                stride_vs, stride_vd, 0, tl.load(Num + row) * SPARSE_KV, offs_m, offs_d,
-                offs_dv, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
-                softcap_scale, alibi_log2, off_h, seed_lo, seed_hi, dropout_threshold,
-                score_args, mask_args, Idx + row * n_kv_blocks, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
-                BLOCK_DV, BLOCK_N, listed == 0, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT,
-                USE_TMA, PRECISION, SCORE_MOD, MASK_MOD, True, SPARSE_KV)
+                acc, m_i, l_i, q_tile, kv, 0, tl.load(Num + row) * SPARSE_KV, offs, band, mods,
+                drop, (score_args, mask_args, Idx + row * n_kv_blocks), HEAD_DIM, HEAD_DIM_V,
+                BLOCK_D, BLOCK_DV, BLOCK_N, listed == 0, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI,
+                DROPOUT, PRECISION, SCORE_MOD, MASK_MOD, True, SPARSE_KV)
         lo, mid_lo, mid_hi, hi = 0, 0, 0, 0
-    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q_tile, k_src, v_src, off_b, off_hk,
-                               stride_ks, stride_kd, stride_vs, stride_vd, lo, mid_lo, offs_m,
-                               offs_d, offs_dv, seqlen_q, seqlen_k, window_left, window_right,
-                               qk_scale, softcap_scale, alibi_log2, off_h, seed_lo, seed_hi,
-                               dropout_threshold, score_args, mask_args, KvIdx,
-                               HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True,
-                               HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, USE_TMA, PRECISION,
-                               SCORE_MOD, MASK_MOD)
-    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q_tile, k_src, v_src, off_b, off_hk,
-                               stride_ks, stride_kd, stride_vs, stride_vd, mid_lo, mid_hi, offs_m,
-                               offs_d, offs_dv, seqlen_q, seqlen_k, window_left, window_right,
-                               qk_scale, softcap_scale, alibi_log2, off_h, seed_lo, seed_hi,
-                               dropout_threshold, score_args, mask_args, KvIdx,
-                               HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
-                               MASK_MOD is not None, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI,
-                               DROPOUT, USE_TMA, PRECISION, SCORE_MOD, MASK_MOD)
-    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q_tile, k_src, v_src, off_b, off_hk,
-                               stride_ks, stride_kd, stride_vs, stride_vd, mid_hi, hi, offs_m,
-                               offs_d, offs_dv, seqlen_q, seqlen_k, window_left, window_right,
-                               qk_scale, softcap_scale, alibi_log2, off_h, seed_lo, seed_hi,
-                               dropout_threshold, score_args, mask_args, KvIdx,
-                               HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True,
-                               HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, USE_TMA, PRECISION,
-                               SCORE_MOD, MASK_MOD)
+    bounds = (lo, mid_lo, mid_hi, hi)
+    for segment in tl.static_range(3):  # masked edge, unmasked middle, masked edge
+        acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q_tile, kv, bounds[segment],
+                                   bounds[segment + 1], offs, band, mods, drop,
+                                   (score_args, mask_args, KvIdx), HEAD_DIM, HEAD_DIM_V,
+                                   BLOCK_D, BLOCK_DV, BLOCK_N,
+                                   segment != 1 or MASK_MOD is not None, HAS_LEFT, HAS_RIGHT,
+                                   SOFTCAP, ALIBI, DROPOUT, PRECISION, SCORE_MOD, MASK_MOD)
 
-    # A row that saw no key (and no sink) has l = 0: out = 0 (acc is 0) and lse = -inf, never
-    # NaN; with a sink it has l = 1 and lse = sink.
     has_mass = l_i > 0.0
-    l_safe = tl.where(has_mass, l_i, 1.0)
+    l_safe = softmax_denominator(l_i)
     if DROPOUT:
         acc = acc * dropout_scale
     out_tile = acc / l_safe[:, None]
-    lse = tl.where(has_mass, row_lse(m_i, l_safe, NATURAL), float("-inf"))
+    lse = softmax_lse(m_i, has_mass, l_safe, NATURAL)
 
     o_ptrs = tile_ptrs(head_ptr(Out, off_b, off_h, q_start, stride_ob, stride_oh, stride_os),
                        offs_m, offs_dv, stride_os, stride_od)
@@ -247,13 +226,11 @@ def _fwd_kernel(Q, K, V, Out, Lse,
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       params: AttentionParams, out: torch.Tensor | None = None,
                       lse: torch.Tensor | None = None,
-                      tile: tuple[int, int, int, int] | None = None, use_tma: bool = USE_TMA
+                      tile: tuple[int, int, int, int] | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernel. Returns (out, lse); out/lse may be given preallocated.
 
-    tile = (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides configs.py (the tuning sweep);
-    use_tma=False keeps K/V loads on pointers even where a TMA descriptor would do (varlen always
-    does: a descriptor would read across sequences).
+    tile = (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides configs.SM90 (the tuning sweep).
     """
     if forward_hopper.eligible(q, k, v, params, out, lse, tile):  # the plain case on sm_90
         return forward_hopper.attention_forward(q, k, v, params, out=out, lse=lse)
@@ -270,7 +247,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     block_m, block_n, num_warps, num_stages = tile or tile_config(
         "forward", max(head_dim, head_dim_v), q.element_size(), interpreting(),
         params.variant is not None)
-    score_mod_args, mask_mod_args, mods = variant_args(params)
+    score_mod_args, mask_mod_args, variant = variant_args(params)
     blocks, sparse = block_args(params, lse)
     if sparse["SPARSE"]:  # the kernel's tiles must divide the block mask's
         block_m, block_n = min(block_m, sparse["SPARSE_Q"]), min(block_n, sparse["SPARSE_KV"])
@@ -282,13 +259,9 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         params.dropout_p, params.dropout_seed)
     cu_q, cu_k, varlen = varlen_args(params, lse)
     block_d, block_dv = padded_head_dim(head_dim), padded_head_dim(head_dim_v)
-    use_tma = use_tma and not varlen
-    k_desc = kv_descriptor(k, block_n, block_d) if use_tma else None
-    v_desc = kv_descriptor(v, block_n, block_dv) if use_tma else None
-    use_tma = use_tma and k_desc is not None and v_desc is not None
     grid = (cdiv(seqlen_q, block_m), batch * nheads)
     _fwd_kernel[grid](
-        q, k_desc if use_tma else k, v_desc if use_tma else v, out, lse,
+        q, k, v, out, lse,
         *batch_strides(q, params), *batch_strides(k, params), *batch_strides(v, params),
         *batch_strides(out, params), *batch_strides(lse, params),
         nheads, nheads // nheads_k, seqlen_q, seqlen_k, window_left, window_right,
@@ -297,6 +270,6 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
         BLOCK_M=block_m, BLOCK_N=block_n, HAS_LEFT=has_left, HAS_RIGHT=has_right,
         SOFTCAP=softcap, ALIBI=has_alibi, SINK=params.sink is not None, DROPOUT=dropout,
-        VARLEN=varlen, EVEN_M=not varlen and seqlen_q % block_m == 0, USE_TMA=use_tma,
-        PRECISION=DOT_PRECISION, **mods, **sparse, num_warps=num_warps, num_stages=num_stages)
+        VARLEN=varlen, EVEN_M=not varlen and seqlen_q % block_m == 0, PRECISION=DOT_PRECISION,
+        **variant, **sparse, num_warps=num_warps, num_stages=num_stages)
     return out, lse

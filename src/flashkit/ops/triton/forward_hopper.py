@@ -31,8 +31,8 @@ Masking: every tile of the program's key range outside a consumer's fully visibl
 a sequence's end reads the next sequence's rows (or zeros past the tensor): their scores are
 masked to -inf, so P is 0 there, and with KEY_TAIL (varlen, or seqlen_k not a multiple of
 BLOCK_N) each consumer zeroes V's rows past the end in that last tile before its P V wgmma
-(_zero_key_tail), so NaN or inf there (0 * NaN) cannot reach the output; query rows past
-seqlen_q are never stored.
+(hopper_common.zero_tile_tail), so NaN or inf there (0 * NaN) cannot reach the output; query
+rows past seqlen_q are never stored.
 
 Varlen (VARLEN): the grid covers the longest sequence; each program reads its sequence's first
 rows and lengths (_sequence_rows) and returns past its end, so the per-sequence masks, band
@@ -41,12 +41,12 @@ sequence, as forward.py's Triton varlen kernel) are the dense ones. A sequence's
 (first row, length) pair, so SEQUSED_K (flash-attn's seqused_k) reads a contiguous KV cache;
 PAGED reads a paged one (power-of-two pages) through its block table: each key tile's rows are
 looked up per page and loaded in page-sized TMA pieces where pages are shorter than the tile
-(_tile_rows, _load_tile). The producer looks tile t + 1's pages up while tile t waits for its
-buffers, and with two consumers (SPLIT_LOADS) a second producer warp issues V's loads: a tile
-of 16-key pages is 8 table loads and 32 TMA instructions (two per piece at d128), ~400
-instructions per tile from one warp on a scheduler it shares with two consumer warps
-(d128 bf16 page 16, 2k x 18.4k: 0.94-0.96 ms, as a contiguous cache, against 1.01-1.04 with one
-producer warp and no look-ahead; prefill_20261121_1135_h72_ab.json).
+(hopper_common.kv_tile_rows, tma_load_tile). The producer looks tile t + 1's pages up while tile t
+waits for its buffers, and with two consumers (SPLIT_LOADS) a second producer warp issues V's
+loads: a tile of 16-key pages is 8 table loads and 32 TMA instructions (two per piece at d128),
+~400 instructions per tile from one warp on a scheduler it shares with two consumer warps (d128
+bf16 page 16, 2k x 18.4k: 0.94-0.96 ms, as a contiguous cache, against 1.01-1.04 with one producer
+warp and no look-ahead; benchmarks/NOTES_triton.md).
 
 Dropout draws dropout.py's keep-mask bit for bit (dropout_gluon.keep_words, through dropout.py's
 own Philox core), so either backward regenerates what this forward dropped.
@@ -79,6 +79,9 @@ from flashkit.ops.triton.common import (
     score_args,
     scores,
     sequence,
+    softmax_denominator,
+    softmax_lse,
+    softmax_start,
     varlen_args,
     varlen_shape,
     visible,
@@ -86,19 +89,18 @@ from flashkit.ops.triton.common import (
 )
 from flashkit.ops.triton.configs import GLUON_FORWARD, gluon_forward_tile
 from flashkit.ops.triton.dropout import dropout_args
+from flashkit.ops.triton.hopper_common import flash_descriptor, flash_layout_2d
 from flashkit.ops.triton.launch import device_properties, launch
 
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared,
         mbarrier,
         tma,
         warpgroup_mma,
         warpgroup_mma_wait,
     )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 except ImportError:  # a Triton without Gluon: the Triton kernel does everything
     gluon = None
 
@@ -115,8 +117,13 @@ BOUNDED_RANGE = {torch.bfloat16: (100.0, 0.0), torch.float16: (15.0, 15.0)}
 
 if gluon is not None:
     from flashkit.ops.triton.dropout_gluon import keep_words
+    from flashkit.ops.triton.hopper_common import (
+        issue_kv_load,
+        kv_tile_rows,
+        tma_load_tile,
+        zero_tile_tail,
+    )
 
-    LN2 = gl.constexpr(0.6931471805599453)
     LOG2E_GL = gl.constexpr(LOG2E)
     BM = gl.constexpr(BLOCK_M)
     PRODUCER = gl.constexpr(-1)  # _partition's role of the producer warp
@@ -146,74 +153,6 @@ if gluon is not None:
         faster, every 2nd slower (benchmarks/NOTES_triton.md)."""
         return gl.inline_asm_elementwise(FMA_EXP2_ASM, "=r,=r,=r,=r,r,r,r,r", [x],
                                          dtype=gl.float32, is_pure=True, pack=FMA_EXP2_EVERY)
-
-    @gluon.jit
-    def _tile_rows(keys, tile, BLOCK_N: gl.constexpr, ROWS: gl.constexpr):
-        """Rows in the 2-D view of key tile `tile`'s ROWS-row pieces (a tuple of BLOCK_N // ROWS).
-        keys: the first key row of the program's range in the 2-D view (one piece), or for a
-        paged cache (num_blocks * page_size rows) the tuple (first key index, the sequence's
-        block_table row, its key count, log2 page_size): piece j's keys key .. key + ROWS - 1
-        (ROWS = min(page_size, BLOCK_N), so they lie in one page) are rows
-        table[key >> shift] * page_size + key % page_size. A piece past the last key reads the
-        last key's page instead (the table may hold padding there; its rows are masked and
-        zeroed as any key tail's), so only table entries of used pages are read."""
-        if isinstance(keys, gl.tuple):
-            key0, table, n_keys, shift = keys
-            last = gl.maximum(n_keys - 1, 0)
-            rows = ()
-            for j in gl.static_range(BLOCK_N // ROWS):
-                key = gl.minimum(key0 + tile * BLOCK_N + j * ROWS, last)
-                page = gl.load(table + (key >> shift))
-                rows = rows + ((page << shift) + (key & ((1 << shift) - 1)), )
-        else:
-            rows = (keys + tile * BLOCK_N, )
-        return rows
-
-    @gluon.jit
-    def _load_tile(desc, bar, buf, rows, kv_col, pred):
-        """TMA the pieces at `rows` (_tile_rows) into consecutive row slices of buf, one
-        transaction count on bar for the whole tile."""
-        ROWS: gl.constexpr = desc.block_type.shape[0]
-        mbarrier.expect(bar, desc.block_type.nbytes * len(rows), pred=pred)
-        if len(rows) == 1:
-            tma.async_copy_global_to_shared(desc, [rows[0], kv_col], bar, buf, pred=pred)
-        else:
-            for j in gl.static_range(len(rows)):
-                tma.async_copy_global_to_shared(desc, [rows[j], kv_col], bar,
-                                                buf.slice(j * ROWS, ROWS), pred=pred)
-
-    @gluon.jit
-    def _issue_kv_load(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, tile, n_tiles, keys,
-                       kv_col, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
-        """TMA K and V tile `tile` (keys: see _tile_rows) into ring buffer tile % NUM_STAGES;
-        skipped past n_tiles."""
-        stage = tile % NUM_STAGES
-        valid = tile < n_tiles
-        rows = _tile_rows(keys, tile, BLOCK_N, k_desc.block_type.shape[0])
-        _load_tile(k_desc, k_bars.index(stage), k_smem.index(stage), rows, kv_col, valid)
-        _load_tile(v_desc, v_bars.index(stage), v_smem.index(stage), rows, kv_col, valid)
-
-    @gluon.jit
-    def _zero_key_tail(v_tile, n_keep, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
-        """Zero rows n_keep.. of a V tile in shared memory (the keys past the sequence's end that
-        TMA read with the tile: the next sequence's rows or spare cache slots). Their P is 0,
-        but 0 * NaN or 0 * inf in P V is NaN, so they must hold zeros. In 16-row slices of a
-        [16, HEAD_DIM] blocked layout (8 registers per thread at d128); then a fence, so the
-        wgmma (async proxy) sees the writes, and a warpgroup barrier. Consumers that share the
-        tile each zero it before their own wgmma reads it: a concurrent write by another stores
-        the same values, and nothing else writes the buffer while consumers hold it."""
-        if n_keep < BLOCK_N:
-            ROWS: gl.constexpr = 16
-            COLS: gl.constexpr = HEAD_DIM // 8  # threads along a row, 8 elements each
-            layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // COLS, COLS], [4, 1], [1, 0])
-            for c in gl.static_range(BLOCK_N // ROWS):
-                if (c + 1) * ROWS > n_keep:
-                    rows = c * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
-                    chunk = v_tile.slice(c * ROWS, ROWS)
-                    x = chunk.load(layout)
-                    chunk.store(gl.where(gl.expand_dims(rows, 1) < n_keep, x, gl.zeros_like(x)))
-            fence_async_shared()
-            gl.thread_barrier()
 
     @gluon.jit
     def _p_operand(p, kept, dtype: gl.constexpr, s_layout: gl.constexpr,
@@ -341,7 +280,7 @@ if gluon is not None:
             mbarrier.arrive(v_empty.index(stage), count=1)
         else:
             gl.thread_barrier()
-            _issue_kv_load(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, tile + NUM_STAGES,
+            issue_kv_load(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, tile + NUM_STAGES,
                            n_tiles, key0, kv_col, BLOCK_N, NUM_STAGES)
 
     @gluon.jit
@@ -388,7 +327,7 @@ if gluon is not None:
         # The softmax results pass through the wait so that the compiler cannot sink the softmax
         # below it in the PTX. ptxas still hoists the wait's DEPBAR above most of the softmax
         # (p_next gets p_op's registers, which the P V wgmma reads until it completes), so the
-        # overlap comes from the other consumer (benchmarks/NOTES_triton.md, session 8).
+        # overlap comes from the other consumer (benchmarks/NOTES_triton.md: the P V wait).
         if SOFTCAP == SOFTCAP_BOUNDED_GL:  # a fixed row max: O keeps its scale
             acc, p_op, p_next, l_i = warpgroup_mma_wait(num_outstanding=0,
                                                         deps=(o_tok, p_op, p_next, l_i))
@@ -458,9 +397,8 @@ if gluon is not None:
             offset: gl.constexpr = FP16_MAX_OFFSET if dtype == gl.float16 else 0.0
             m_i = gl.full([BM], 0.0, gl.float32, row_layout) + (qk_scale - offset)
         l_i = gl.zeros([BM], gl.float32, row_layout)
-        if SINK:  # the sink logit joins every row's denominator: start from (m, l) = (sink, 1)
-            m_i = gl.full([BM], 0.0, gl.float32, row_layout) + gl.load(Sink + off_h) * LOG2E_GL
-            l_i = l_i + 1.0
+        if SINK:  # the sink logit joins every row's denominator
+            m_i, l_i = softmax_start(m_i, l_i, gl.load(Sink + off_h) * LOG2E_GL)
         acc = gl.zeros([BM, HEAD_DIM], gl.float32, o_layout)
 
         # Tiles [t_lo, t_hi) are fully visible from this warpgroup's rows (no mask).
@@ -529,7 +467,7 @@ if gluon is not None:
             last = (ring + n_tiles - 1) % NUM_STAGES
             mbarrier.wait(v_ready.index(last), ((ring + n_tiles - 1) // NUM_STAGES) & 1)
             if KEY_TAIL:  # only the last tile can reach past the sequence's keys
-                _zero_key_tail(v_smem.index(last), seqlen_k - lo - (n_tiles - 1) * BLOCK_N,
+                zero_tile_tail(v_smem.index(last), seqlen_k - lo - (n_tiles - 1) * BLOCK_N,
                                BLOCK_N, HEAD_DIM)
             _take_turn(turns, turn0 + n_tiles, CONSUMER, PINGPONG)
             o_tok = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
@@ -539,8 +477,7 @@ if gluon is not None:
                 mbarrier.arrive(v_empty.index(last), count=1)
 
         # A row with no visible key (and no sink) has l = 0: out 0 (acc is 0), lse -inf.
-        has_mass = l_i > 0.0
-        l_safe = gl.where(has_mass, l_i, 1.0)
+        l_safe = softmax_denominator(l_i)
         if DROPOUT:
             l_safe = l_safe / dropout_scale  # kept P were not scaled by 1 / (1 - p) yet
         out = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout)), 1)
@@ -550,8 +487,7 @@ if gluon is not None:
                   + gl.expand_dims(cols_o, 0))
         gl.store(o_ptrs, out.to(out_base.dtype.element_ty),
                  mask=gl.expand_dims(rows_o, 1) < seqlen_q)
-        lse = gl.where(has_mass, (m_i + gl.log2(gl.where(has_mass, l_i, 1.0))) * LN2,
-                       float("-inf"))
+        lse = softmax_lse(m_i, l_i > 0.0, softmax_denominator(l_i))  # (before the dropout scale)
         gl.store(lse_base + rows_1d, lse, mask=rows_1d < seqlen_q)
 
     @gluon.jit
@@ -559,9 +495,9 @@ if gluon is not None:
                   CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                   ROLE: gl.constexpr):
         """The producer warp, one work item: Q of every consumer once that consumer's last S of
-        the program's previous item completed, then K and V tiles into the ring (positions
-        ring ..) as the consumers free its buffers (a fresh mbarrier passes a wait on phase 1,
-        so the first item's Q and the first NUM_STAGES tiles pass). keys: see _tile_rows. ROLE
+        the program's previous item completed, then K and V tiles into the ring (positions ring ..)
+        as the consumers free its buffers (a fresh mbarrier passes a wait on phase 1, so the first
+        item's Q and the first NUM_STAGES tiles pass). keys: see hopper_common.kv_tile_rows. ROLE
         PRODUCER_QK loads Q and K only, PRODUCER_V V only (SPLIT_LOADS)."""
         q_desc, k_desc, v_desc = descs
         q_smem, k_smem, v_smem = smem
@@ -575,15 +511,15 @@ if gluon is not None:
                                                 pred=n_tiles > 0)
         ROWS: gl.constexpr = k_desc.block_type.shape[0]
         if isinstance(keys, gl.tuple):  # paged: tile t + 1's block_table loads fly while tile
-            rows = _tile_rows(keys, 0, BLOCK_N, ROWS)  # t waits for its buffers
+            rows = kv_tile_rows(keys, 0, BLOCK_N, ROWS)  # t waits for its buffers
             for tile in range(n_tiles):
-                next_rows = _tile_rows(keys, tile + 1, BLOCK_N, ROWS)
+                next_rows = kv_tile_rows(keys, tile + 1, BLOCK_N, ROWS)
                 _produce_tile(descs, smem, bars, ring + tile, rows, kv_col, NUM_STAGES, ROLE)
                 rows = next_rows
         else:  # contiguous rows are arithmetic: nothing to fetch ahead
             for tile in range(n_tiles):
                 _produce_tile(descs, smem, bars, ring + tile,
-                              _tile_rows(keys, tile, BLOCK_N, ROWS), kv_col, NUM_STAGES, ROLE)
+                              kv_tile_rows(keys, tile, BLOCK_N, ROWS), kv_col, NUM_STAGES, ROLE)
 
     @gluon.jit
     def _produce_tile(descs, smem, bars, position, rows, kv_col, NUM_STAGES: gl.constexpr,
@@ -597,10 +533,10 @@ if gluon is not None:
         phase = (position // NUM_STAGES) & 1
         if ROLE != PRODUCER_V:
             mbarrier.wait(k_empty.index(stage), phase ^ 1)
-            _load_tile(k_desc, k_ready.index(stage), k_smem.index(stage), rows, kv_col, True)
+            tma_load_tile(k_desc, k_ready.index(stage), k_smem.index(stage), rows, kv_col, True)
         if ROLE != PRODUCER_QK:
             mbarrier.wait(v_empty.index(stage), phase ^ 1)
-            _load_tile(v_desc, v_ready.index(stage), v_smem.index(stage), rows, kv_col, True)
+            tma_load_tile(v_desc, v_ready.index(stage), v_smem.index(stage), rows, kv_col, True)
 
     @gluon.jit
     def _sequence_rows(off_b, seqlen_q, seqlen_k, Cu_q, Cu_k, Used_k, VARLEN: gl.constexpr,
@@ -629,7 +565,7 @@ if gluon is not None:
                    VARLEN: gl.constexpr, SEQUSED_K: gl.constexpr):
         """Query tile pid_m (BLOCK_Q rows) of (batch, head) pid_bh: _consumer's scalars, the
         producer's loads (n_tiles, key0, kv_col, q_row, q_col) and whether the tile starts
-        inside its sequence (VARLEN: no tiles past the sequence's end). key0 (_tile_rows' keys):
+        inside its sequence (VARLEN: no tiles past the sequence's end). key0 (kv_tile_rows' keys):
         the first key row in the 2-D view, or with paging = (Table, stride_table, page_shift)
         (a paged cache; else ()) the tuple (first key index, block_table row, key count,
         log2 page_size)."""
@@ -753,7 +689,7 @@ if gluon is not None:
         program of one returns at once). PAGED (VARLEN with SEQUSED_K): k_desc/v_desc view a
         paged cache (num_blocks * page_size, hk * HEAD_DIM) in [min(page_size, BLOCK_N),
         HEAD_DIM] boxes, sequence b's key j in page Table[b * stride_table + (j >> page_shift)]
-        (_tile_rows); Cu_k is not read for rows then. SPLIT_LOADS (PAGED, two consumers): two
+        (kv_tile_rows); Cu_k is not read for rows then. SPLIT_LOADS (PAGED, two consumers): two
         producer warps, one loading Q and K, one V."""
         BLOCK_Q: gl.constexpr = CONSUMERS * BM
         paging = ()
@@ -857,7 +793,7 @@ if gluon is not None:
             tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bars.index(0),
                                             q_smem.index(0), pred=n_tiles > 0)
             for i in gl.static_range(NUM_STAGES):
-                _issue_kv_load(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, i, n_tiles,
+                issue_kv_load(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, i, n_tiles,
                                key0, kv_col, BLOCK_N, NUM_STAGES)
             _consumer(descs, smem, bars, scalars, 0, 0, 0, HEAD_DIM, BLOCK_N, NUM_STAGES,
                       CONSUMERS, SPECIALIZED, PINGPONG, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, SINK,
@@ -872,30 +808,6 @@ if gluon is not None:
             mbarrier.invalidate(v_ready.index(i))
             mbarrier.invalidate(k_empty.index(i))
             mbarrier.invalidate(v_empty.index(i))
-
-
-def flash_layout_2d(x: torch.Tensor) -> bool:
-    """x (batch, seqlen, heads, d) or varlen (total, heads, d) is contiguous, so
-    (batch * seqlen or total, heads * d) is a view."""
-    return x.is_contiguous() and x.data_ptr() % 16 == 0
-
-
-def flash_descriptor(x, rows, box_rows=None):
-    """TMA descriptor of [rows, d] tiles over x (batch, seqlen, heads, d) or varlen (total,
-    heads, d) as the 2-D view (tokens, heads * d); box_rows < rows: [box_rows, d] pieces of
-    such a tile (a paged cache's pages), in the tile's shared-memory layout."""
-    heads, head_dim = x.shape[-2:]
-    x2d = x.view(-1, heads * head_dim)
-    return TensorDescriptor(x2d, list(x2d.shape), [heads * head_dim, 1],
-                            [box_rows or rows, head_dim], _tile_layout(rows, head_dim, x.dtype))
-
-
-@functools.cache
-def _tile_layout(rows, head_dim, dtype):
-    """The shared-memory layout of a [rows, head_dim] tile (made once: ~20 us of host time
-    per descriptor otherwise)."""
-    gl_dtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
-    return gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl_dtype)
 
 
 def gluon_supported(q, k, v, params: AttentionParams, varlen: bool = False,
@@ -974,7 +886,7 @@ def attention_forward(q, k, v, params: AttentionParams, out=None, lse=None, tile
     cu_seqlens_k[b + 1], e.g. a contiguous cache (batch, capacity, hk, d) passed as
     k_cache.view(-1, hk, d) with cu_seqlens_k = capacity * arange(batch + 1) (only the starts
     are read, so they may be in any order). Slots past a sequence's keys are read by TMA and
-    weigh exactly 0 whatever they hold (NaN, inf: see _zero_key_tail).
+    weigh exactly 0 whatever they hold (NaN, inf: see hopper_common.zero_tile_tail).
 
     block_table (int32 (batch, max_blocks), with seqused_k): k/v are a paged cache (num_blocks,
     page_size, hk, d) with page_size a power of two >= 16: key j of sequence b

@@ -1,0 +1,124 @@
+"""Shared pieces of the sm_90 Gluon kernels (forward_hopper.py, backward_hopper.py): the TMA
+descriptors of the flash layout on the host; on the device, a K/V tile's rows (contiguous or
+paged), its TMA load into a ring buffer, and the zeroing of a tile's rows past a sequence's end.
+
+A paged cache (num_blocks, page_size, hk, d) is read as the 2-D view (num_blocks * page_size,
+hk * d): key j of a sequence is row table[j >> log2(page_size)] * page_size + j % page_size, and
+a tile of BLOCK_N keys is loaded in min(page_size, BLOCK_N)-row pieces, each in one page.
+(decode.py's Triton kernel pages the same cache through pointers: element offsets
+page * stride_b + slot * stride_s, with masked and clamped table reads; the two address
+computations serve different load instructions and are kept apart.)
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+except ImportError:  # a Triton without Gluon: the Triton kernels do everything
+    gluon = None
+
+
+def flash_layout_2d(x: torch.Tensor) -> bool:
+    """x (batch, seqlen, heads, d) or varlen (total, heads, d) is contiguous, so
+    (batch * seqlen or total, heads * d) is a view."""
+    return x.is_contiguous() and x.data_ptr() % 16 == 0
+
+
+def flash_descriptor(x, rows, box_rows=None):
+    """TMA descriptor of [rows, d] tiles over x (batch, seqlen, heads, d) or varlen (total,
+    heads, d) as the 2-D view (tokens, heads * d); box_rows < rows: [box_rows, d] pieces of
+    such a tile (a paged cache's pages), in the tile's shared-memory layout."""
+    heads, head_dim = x.shape[-2:]
+    x2d = x.view(-1, heads * head_dim)
+    return TensorDescriptor(x2d, list(x2d.shape), [heads * head_dim, 1],
+                            [box_rows or rows, head_dim], tile_layout(rows, head_dim, x.dtype))
+
+
+@functools.cache
+def tile_layout(rows, head_dim, dtype):
+    """The shared-memory layout of a [rows, head_dim] tile (made once: ~20 us of host time
+    per descriptor otherwise)."""
+    gl_dtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    return gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl_dtype)
+
+
+if gluon is not None:
+
+    @gluon.jit
+    def kv_tile_rows(keys, tile, BLOCK_N: gl.constexpr, ROWS: gl.constexpr):
+        """Rows in the 2-D view of key tile `tile`'s ROWS-row pieces (a tuple of BLOCK_N // ROWS).
+        keys: the first key row of the program's range in the 2-D view (one piece), or for a
+        paged cache (num_blocks * page_size rows) the tuple (first key index, the sequence's
+        block_table row, its key count, log2 page_size): piece j's keys key .. key + ROWS - 1
+        (ROWS = min(page_size, BLOCK_N), so they lie in one page) are rows
+        table[key >> shift] * page_size + key % page_size. A piece past the last key reads the
+        last key's page instead (the table may hold padding there; its rows are masked and
+        zeroed as any key tail's), so only table entries of used pages are read."""
+        if isinstance(keys, gl.tuple):
+            key0, table, n_keys, shift = keys
+            last = gl.maximum(n_keys - 1, 0)
+            rows = ()
+            for j in gl.static_range(BLOCK_N // ROWS):
+                key = gl.minimum(key0 + tile * BLOCK_N + j * ROWS, last)
+                page = gl.load(table + (key >> shift))
+                rows = rows + ((page << shift) + (key & ((1 << shift) - 1)), )
+        else:
+            rows = (keys + tile * BLOCK_N, )
+        return rows
+
+    @gluon.jit
+    def tma_load_tile(desc, bar, buf, rows, kv_col, pred):
+        """TMA the pieces at `rows` (kv_tile_rows) into consecutive row slices of buf, one
+        transaction count on bar for the whole tile."""
+        ROWS: gl.constexpr = desc.block_type.shape[0]
+        mbarrier.expect(bar, desc.block_type.nbytes * len(rows), pred=pred)
+        if len(rows) == 1:
+            tma.async_copy_global_to_shared(desc, [rows[0], kv_col], bar, buf, pred=pred)
+        else:
+            for j in gl.static_range(len(rows)):
+                tma.async_copy_global_to_shared(desc, [rows[j], kv_col], bar,
+                                                buf.slice(j * ROWS, ROWS), pred=pred)
+
+    @gluon.jit
+    def issue_kv_load(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, tile, n_tiles, keys,
+                       kv_col, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+        """TMA K and V tile `tile` (keys: see kv_tile_rows) into ring buffer tile % NUM_STAGES;
+        skipped past n_tiles."""
+        stage = tile % NUM_STAGES
+        valid = tile < n_tiles
+        rows = kv_tile_rows(keys, tile, BLOCK_N, k_desc.block_type.shape[0])
+        tma_load_tile(k_desc, k_bars.index(stage), k_smem.index(stage), rows, kv_col, valid)
+        tma_load_tile(v_desc, v_bars.index(stage), v_smem.index(stage), rows, kv_col, valid)
+
+    @gluon.jit
+    def zero_tile_tail(v_tile, n_keep, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
+        """Zero rows n_keep.. of a V tile in shared memory (the keys past the sequence's end that
+        TMA read with the tile: the next sequence's rows or spare cache slots). Their P is 0,
+        but 0 * NaN or 0 * inf in P V is NaN, so they must hold zeros. In 16-row slices of a
+        [16, HEAD_DIM] blocked layout (8 registers per thread at d128); then a fence, so the
+        wgmma (async proxy) sees the writes, and a warpgroup barrier. Consumers that share the
+        tile each zero it before their own wgmma reads it: a concurrent write by another stores
+        the same values, and nothing else writes the buffer while consumers hold it."""
+        if n_keep < BLOCK_N:
+            ROWS: gl.constexpr = 16
+            COLS: gl.constexpr = HEAD_DIM // 8  # threads along a row, 8 elements each
+            layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // COLS, COLS], [4, 1], [1, 0])
+            for c in gl.static_range(BLOCK_N // ROWS):
+                if (c + 1) * ROWS > n_keep:
+                    rows = c * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+                    chunk = v_tile.slice(c * ROWS, ROWS)
+                    x = chunk.load(layout)
+                    chunk.store(gl.where(gl.expand_dims(rows, 1) < n_keep, x, gl.zeros_like(x)))
+            fence_async_shared()
+            gl.thread_barrier()
