@@ -7,7 +7,6 @@ DESIGN section 1) and `backend` (None, "torch", "triton" or "reference").
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import os
 
@@ -121,12 +120,7 @@ def _run(q, k, v, params: AttentionParams, backend, return_attn_probs):
             raise NotImplementedError(f"{arg}: backend {name!r} computes no gradient for it; "
                                       "pass a tensor that does not require grad")
     require_available(name, q.device)
-    needs_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (q, k, v, params.sink))
-    if needs_grad and q.dtype in (torch.float16, torch.bfloat16):
-        params = dataclasses.replace(params, fp32_out=True)  # see AttentionParams.fp32_out
     out, lse = custom_op.attention(q, k, v, params, name)
-    out = out.to(q.dtype)
     if not return_attn_probs:
         return out
     probs = custom_op.backend_module(name).attention_probs(q, k, v, lse, params)

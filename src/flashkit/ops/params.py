@@ -6,7 +6,7 @@ A backend is a module with two functions of the same shape:
     backward(dout, q, k, v, out, lse, params)  -> (dq, dk, dv, dsink)
 
 Layouts (flash-attn): dense q (batch, seqlen_q, nheads, d), k/v (batch, seqlen_k, nheads_k, d[_v]),
-out like q with d_v (float32 if params.fp32_out), lse (batch, nheads, seqlen_q) float32
+out like q with d_v, in q's dtype, lse (batch, nheads, seqlen_q) float32
 (float64 for float64 inputs).
 Varlen (params.cu_seqlens_q is set): q (total_q, nheads, d), k/v (total_k, nheads_k, d), lse
 (nheads, total_q). dsink is None when
@@ -47,10 +47,6 @@ class AttentionParams:
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
     deterministic: bool = False
-    # Write out in float32 even for half inputs. Backward's D = rowsum(dO * O) then sees the exact
-    # output instead of a rounded one: with P near 1 (a sink, a short row) dP - D cancels, and a
-    # rounded O costs dq many ulps. The API sets it when gradients are needed, then casts out.
-    fp32_out: bool = False
 
     @property
     def causal(self) -> bool:

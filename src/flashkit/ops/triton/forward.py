@@ -209,8 +209,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     batch, seqlen_q, seqlen_k, nheads, nheads_k = varlen_shape(q, v, params)
     head_dim, head_dim_v = q.shape[-1], v.shape[-1]
     if out is None:
-        out_dtype = torch.float32 if params.fp32_out else q.dtype
-        out = torch.empty((*q.shape[:-1], head_dim_v), dtype=out_dtype, device=q.device)
+        out = torch.empty((*q.shape[:-1], head_dim_v), dtype=q.dtype, device=q.device)
     if lse is None:  # (batch, nheads, seqlen_q), varlen (nheads, total_q)
         lse_shape = (nheads, q.shape[0]) if params.is_varlen else (batch, nheads, seqlen_q)
         lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)

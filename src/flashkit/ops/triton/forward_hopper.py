@@ -987,8 +987,7 @@ def attention_forward(q, k, v, params: AttentionParams, out=None, lse=None, tile
     batch, seqlen_q, seqlen_k, nheads, nheads_k = varlen_shape(q, v, params)
     head_dim = q.shape[-1]
     if out is None:
-        out_dtype = torch.float32 if params.fp32_out else q.dtype
-        out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if lse is None:  # (batch, nheads, seqlen_q), varlen (nheads, total_q)
         lse_shape = (nheads, q.shape[0]) if params.is_varlen else (batch, nheads, seqlen_q)
         lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
