@@ -67,13 +67,9 @@ def saved_forward(q, k, v, params):
 def backward(variant, dout, q, k, v, out, lse, params, tiles=None):
     """Gradients of one variant; tiles override backward_hopper's tables."""
     if variant == "triton":
-        hop_mod.GLUON_BACKWARD = False
-        try:
-            return bwd_mod.attention_backward(dout, q, k, v, out, lse, params)
-        finally:
-            hop_mod.GLUON_BACKWARD = True
+        return bwd_mod.attention_backward(dout, q, k, v, out, lse, params)
     return bwd_mod.attention_backward(dout, q, k, v, out, lse, params, tiles=tiles,
-                                      atomic_dq=variant.startswith("gluon_atomic"))
+                                      atomic_dq=variant.startswith("gluon_atomic"), gluon=True)
 
 
 def reference_grads(q, k, v, dout, causal):

@@ -19,7 +19,7 @@ the public API); the run stops if it fails. Then, bf16, d128, 32 query heads:
            PyTorch SDPA (cuDNN and FLASH backends, enable_gqa) on the same work in (b, h, s, d).
   prefill  query length 128..2k after 1k..16k cached keys, causal and full (batch 1, and batch 4
            at 512 x 4k): the decode kernel (contiguous and page 256) and the Gluon prefill route
-           (kvcache._gluon_prefill: the cache as varlen keys with seqused_k) against the dense
+           (ops.triton.prefill: the cache as varlen keys with seqused_k) against the dense
            forward kernel (Gluon on sm_90) on the same q, k, v and cuDNN SDPA (full only), in
            TFLOP/s over visible pairs; the public call with the route forced on and off (tensor
            cache_seqlens) and as configured (int cache_seqlens), to set its thresholds.
@@ -62,10 +62,9 @@ import triton.language as tl
 from triton.testing import do_bench, do_bench_cudagraph
 
 import flashkit
-from flashkit import kvcache
 from flashkit.kvcache import flash_attn_with_kvcache
 from flashkit.ops.params import AttentionParams
-from flashkit.ops.triton import append, decode
+from flashkit.ops.triton import append, decode, dispatch, prefill
 from flashkit.ops.triton.forward import attention_forward
 from flashkit.testing import assert_close_to_oracle, poison
 
@@ -637,12 +636,13 @@ def prefill_ms(batch, seqlen_q, seqlen_k, nheads_k, causal=True, pages=(None,)) 
         times[key] = kernel_ms(q, kc, vc, table, seqlen_k, params, 0)
     seqlens = torch.full((batch,), seqlen_k, dtype=torch.int32, device="cuda")
     with gluon_prefill_thresholds(0, 0):
-        route = functools.partial(kvcache._gluon_prefill, q, k_cache, v_cache, seqlens,
-                                  seqlen_k, None, None, None, params)
-        assert route() is not None, "the Gluon prefill route did not take the cell"
+        assert prefill.declines(q, k_cache, None, seqlen_k) is None, \
+            "the Gluon prefill route did not take the cell"
+        packed = prefill.as_varlen(q, k_cache, v_cache, None, None, None, params)
+        route = functools.partial(prefill.forward, q, k_cache, v_cache, seqlens, None, packed)
         times["route_ms"] = bench(route)
     # The public call over the whole cache (no append): the Gluon route forced on and off with a
-    # tensor cache_seqlens, and as configured (kvcache.GLUON_PREFILL_*) with an int one.
+    # tensor cache_seqlens, and as configured (prefill.GLUON_PREFILL_*) with an int one.
     public = functools.partial(flash_attn_with_kvcache, q, k_cache, v_cache, causal=causal)
     for key, lo in (("public_route_ms", 0), ("public_decode_ms", 2**62)):
         with gluon_prefill_thresholds(lo, lo):
@@ -656,13 +656,16 @@ def prefill_ms(batch, seqlen_q, seqlen_k, nheads_k, causal=True, pages=(None,)) 
 
 @contextlib.contextmanager
 def gluon_prefill_thresholds(min_queries, min_work):
-    """kvcache's Gluon prefill route thresholds set for the block (0: always; huge: never)."""
-    saved = kvcache.GLUON_PREFILL_MIN_QUERIES, kvcache.GLUON_PREFILL_MIN_WORK
-    kvcache.GLUON_PREFILL_MIN_QUERIES, kvcache.GLUON_PREFILL_MIN_WORK = min_queries, min_work
+    """The Gluon prefill route's thresholds set for the block (0: always; huge: never); the
+    dispatcher's cached choices are forgotten on the way in and out."""
+    saved = prefill.GLUON_PREFILL_MIN_QUERIES, prefill.GLUON_PREFILL_MIN_WORK
+    prefill.GLUON_PREFILL_MIN_QUERIES, prefill.GLUON_PREFILL_MIN_WORK = min_queries, min_work
+    dispatch.forget_plans()
     try:
         yield
     finally:
-        kvcache.GLUON_PREFILL_MIN_QUERIES, kvcache.GLUON_PREFILL_MIN_WORK = saved
+        prefill.GLUON_PREFILL_MIN_QUERIES, prefill.GLUON_PREFILL_MIN_WORK = saved
+        dispatch.forget_plans()
 
 
 def paged_copy(cache, table, page_size):

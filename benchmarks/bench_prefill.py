@@ -13,7 +13,7 @@ median over rounds; a fixed order made the later calls up to 17% slower):
   dense_ms        flash_attn_func(q, k, v, causal=True), k/v the cache's seqlen_k keys
   dense_full_ms   the same without the mask, and cudnn_full_ms (SDPA, cuDNN backend) on it:
                   SDPA's causal mask is top-left aligned, other work, so it anchors the full one
-  <layout>_ms     the public call as configured (kvcache.GLUON_PREFILL_*), contiguous and
+  <layout>_ms     the public call as configured (prefill.GLUON_PREFILL_*), contiguous and
                   paged (page 16 / 32 / 64 / 256 or --pages, pages shuffled)
   <layout>_route_ms / _decode_ms  the same with the Gluon route forced on / off (unless
                   --no-force; a tree without a paged route runs the decode kernels for both)
@@ -42,9 +42,9 @@ from bench_decode import (
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashkit
-from flashkit import kvcache
 from flashkit.api import flash_attn_func
 from flashkit.kvcache import flash_attn_with_kvcache
+from flashkit.ops.triton import prefill
 
 NHEADS, HEAD_DIM, DTYPE = 32, 128, torch.bfloat16
 QUERIES, CACHED, KV_HEADS, PAGES = (128, 256, 512, 2048), (4096, 16384), (4, 32), (16, 32, 64, 256)
@@ -161,7 +161,7 @@ def main():
     result = {"env": {
         **environment(), "cudnn": torch.backends.cudnn.version(),
         "flashkit_path": flashkit.__file__, "label": args.label,
-        "thresholds": [kvcache.GLUON_PREFILL_MIN_QUERIES, kvcache.GLUON_PREFILL_MIN_WORK]}}
+        "thresholds": [prefill.GLUON_PREFILL_MIN_QUERIES, prefill.GLUON_PREFILL_MIN_WORK]}}
     if not args.no_host:
         result["host"] = host_times()
     if not args.host_only:

@@ -32,6 +32,8 @@ from flashkit.ops.params import AttentionParams
 
 fwd_mod = importlib.import_module("flashkit.ops.triton.forward")
 bwd_mod = importlib.import_module("flashkit.ops.triton.backward")
+dispatch = importlib.import_module("flashkit.ops.triton.dispatch")
+hopper_bwd = importlib.import_module("flashkit.ops.triton.backward_hopper")
 
 TOKENS, WIDTH = 16384, 2048
 
@@ -65,16 +67,20 @@ def inputs(seqlen, head_dim, dtype):
 
 
 def ours(q, k, v, dout, causal, atomic_dq=None, fused=None):
-    """(fwd ms, bwd ms) with configs.py's defaults; atomic_dq picks the backward's dQ path,
-    fused whether dK/dV and dQ share one launch."""
+    """(fwd ms, bwd ms) of the kernels the dispatcher picks; atomic_dq / fused (not None)
+    force the backward's dQ path and whether dK/dV and dQ share one launch."""
     from flashkit.ops.triton.configs import FUSED_BWD
 
-    fused = FUSED_BWD if fused is None else fused
     params = AttentionParams(q.shape[-1] ** -0.5, None, 0 if causal else None)
-    out, lse = fwd_mod.attention_forward(q, k, v, params)
-    t_fwd = bench(lambda: fwd_mod.attention_forward(q, k, v, params))
-    t_bwd = bench(lambda: bwd_mod.attention_backward(dout, q, k, v, out, lse, params,
-                                                     atomic_dq=atomic_dq, fused=fused))
+    out, lse = dispatch.forward_call(q, k, v, params)
+    t_fwd = bench(lambda: dispatch.forward_call(q, k, v, params))
+    if atomic_dq is None and fused is None:
+        t_bwd = bench(lambda: dispatch.backward_call(dout, q, k, v, out, lse, params))
+        return t_fwd, t_bwd
+    gluon = hopper_bwd.eligible(q, k, v, dout, lse, params, q, k, v, None)
+    t_bwd = bench(lambda: bwd_mod.attention_backward(
+        dout, q, k, v, out, lse, params, atomic_dq=bool(atomic_dq),
+        fused=FUSED_BWD if fused is None else fused, gluon=gluon))
     return t_fwd, t_bwd
 
 
@@ -141,8 +147,8 @@ def memory_row(seqlen, head_dim, dtype):
     params = AttentionParams(head_dim ** -0.5, None, 0)
 
     def run_ours():
-        out, lse = fwd_mod.attention_forward(q, k, v, params)
-        bwd_mod.attention_backward(dout, q, k, v, out, lse, params)
+        out, lse = dispatch.forward_call(q, k, v, params)
+        dispatch.backward_call(dout, q, k, v, out, lse, params)
 
     qh, kh, vh, douth = (x.transpose(1, 2).contiguous().requires_grad_() for x in
                          (q, k, v, dout))

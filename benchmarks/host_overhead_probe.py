@@ -79,9 +79,8 @@ def main():
     args = ap.parse_args()
     _fake_cuda()
     from flashkit import flash_attn_func, flash_attn_with_kvcache
-    from flashkit.kvcache import _gluon_prefill
     from flashkit.ops.params import AttentionParams
-    from flashkit.ops.triton import append, forward_hopper
+    from flashkit.ops.triton import append, forward_hopper, prefill
 
     bf = torch.bfloat16
     q, k, v = (torch.randn(1, 512, 32, 128, dtype=bf) for _ in range(3))
@@ -94,7 +93,8 @@ def main():
     def prefill_route():  # what the kvcache route runs after its argument checks
         qq, seqlens_k = append.append(q, k_cache, v_cache, None, None, None, None, lens, None,
                                       None, None, 512, True)
-        return _gluon_prefill(qq, k_cache, v_cache, seqlens_k, 8192, None, None, None, params)
+        packed = prefill.as_varlen(qq, k_cache, v_cache, None, None, None, params)
+        return prefill.forward(qq, k_cache, v_cache, seqlens_k, None, packed)
 
     seeds, steps = itertools.count(1), itertools.count()
     q1, k1, v1 = q[:, :1], k[:, :1, :8], v[:, :1, :8]

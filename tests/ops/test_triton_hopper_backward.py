@@ -28,6 +28,7 @@ from flashkit.testing import (
 
 hopper = importlib.import_module("flashkit.ops.triton.backward_hopper")
 backward = importlib.import_module("flashkit.ops.triton.backward")
+dispatch = importlib.import_module("flashkit.ops.triton.dispatch")
 
 
 def _on_hopper() -> bool:
@@ -75,7 +76,7 @@ CASES = [  # (dtype, head_dim, seqlen, nheads, nheads_k, causal)
 def test_gpu_gluon_backward_matches_oracle(case, path, monkeypatch):
     """default: the Gluon dK/dV and dQ kernels; atomic_dq: dQ by atomics in the dK/dV kernel
     (configs.GLUON_BACKWARD_ATOMIC_DQ on); deterministic=True never takes the atomics."""
-    monkeypatch.setattr(backward, "GLUON_BACKWARD_ATOMIC_DQ", path != "default")
+    monkeypatch.setattr(dispatch, "GLUON_BACKWARD_ATOMIC_DQ", path != "default")
     deterministic = path == "deterministic"
     dtype, head_dim, seqlen, nheads, nheads_k, causal = case
     q, k, v, dout = make_inputs(2, seqlen, seqlen, nheads, nheads_k, head_dim, head_dim, dtype,
@@ -93,7 +94,7 @@ def test_gpu_gluon_backward_matches_oracle(case, path, monkeypatch):
 def test_gpu_gluon_backward_deterministic_is_bitwise_reproducible(head_dim, atomic_flag,
                                                                   monkeypatch):
     """deterministic=True keeps the separate dQ kernel whatever GLUON_BACKWARD_ATOMIC_DQ says."""
-    monkeypatch.setattr(backward, "GLUON_BACKWARD_ATOMIC_DQ", atomic_flag)
+    monkeypatch.setattr(dispatch, "GLUON_BACKWARD_ATOMIC_DQ", atomic_flag)
     q, k, v, dout = make_inputs(2, 1024, 1024, 8, 2, head_dim, head_dim, torch.bfloat16, "cuda")
     params = AttentionParams(head_dim ** -0.5, None, 0, deterministic=True)
     out, lse = triton_backend.forward(q, k, v, params)
@@ -105,7 +106,7 @@ def test_gpu_gluon_backward_deterministic_is_bitwise_reproducible(head_dim, atom
     # the atomic path changes dQ's summation order only: dK and dV are the same bits
     atomic = backward.attention_backward(dout, q, k, v, out, lse,
                                          dataclasses.replace(params, deterministic=False),
-                                         atomic_dq=True)[:3]
+                                         atomic_dq=True, gluon=True)[:3]
     assert torch.equal(atomic[1], first[1]) and torch.equal(atomic[2], first[2])
 
 
@@ -139,7 +140,7 @@ def test_gpu_gluon_backward_tma_reduce_dq_matches_oracle(case):
                                         dq=poison(torch.empty_like(q)),
                                         dk=poison(torch.empty_like(k)),
                                         dv=poison(torch.empty_like(v)), tiles=tiles,
-                                        atomic_dq=True)[:3]
+                                        atomic_dq=True, gluon=True)[:3]
     results = []
     for t in (torch.float64, dtype):
         leaves = [x.detach().to(t).requires_grad_() for x in (q, k, v)]
@@ -154,7 +155,7 @@ def test_gpu_gluon_backward_tma_reduce_dq_matches_oracle(case):
 def test_gpu_gluon_backward_deterministic_takes_the_dq_kernel(monkeypatch):
     """With GLUON_BACKWARD_ATOMIC_DQ on, deterministic=False hands the dK/dV kernel a dQ
     accumulator and skips the dQ kernel; deterministic=True does the opposite."""
-    monkeypatch.setattr(backward, "GLUON_BACKWARD_ATOMIC_DQ", True)
+    monkeypatch.setattr(dispatch, "GLUON_BACKWARD_ATOMIC_DQ", True)
     calls = []
     dkdv, dq_kernel = hopper.attention_backward_dkdv, hopper.attention_backward_dq
     monkeypatch.setattr(hopper, "attention_backward_dkdv", lambda *a, **kw: calls.append(
@@ -205,7 +206,7 @@ def _feature_params(nheads, head_dim, deterministic, window_left=None, window_ri
 def test_gpu_gluon_backward_features_match_oracle(case, path, monkeypatch):
     """Each feature flag of both Gluon kernels (and dsink, which backward.py reduces from lse
     and delta) against the oracle, into NaN-poisoned buffers."""
-    monkeypatch.setattr(backward, "GLUON_BACKWARD_ATOMIC_DQ", path != "default")
+    monkeypatch.setattr(dispatch, "GLUON_BACKWARD_ATOMIC_DQ", path != "default")
     dtype, head_dim, seqlen_q, seqlen_k, nheads, nheads_k, features = case
     q, k, v, dout = make_inputs(2, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, head_dim,
                                 dtype, "cuda")
@@ -273,7 +274,7 @@ def _check_dropout(q, k, v, dout, params):
 @pytest.mark.parametrize("case", DROPOUT_CASES, ids=str)
 def test_gpu_gluon_backward_dropout_matches_oracle(case, path, monkeypatch):
     """Both Gluon kernels regenerate the forward's keep-mask (the dK/dV kernel transposed)."""
-    monkeypatch.setattr(backward, "GLUON_BACKWARD_ATOMIC_DQ", path != "default")
+    monkeypatch.setattr(dispatch, "GLUON_BACKWARD_ATOMIC_DQ", path != "default")
     dtype, head_dim, seqlen_q, seqlen_k, nheads, nheads_k, window_right, seed = case
     q, k, v, dout = make_inputs(2, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, head_dim,
                                 dtype, "cuda")
@@ -591,7 +592,7 @@ def test_dense_as_varlen_taken_on_hopper_at_odd_lengths():
 
 
 def test_dense_as_varlen_equals_dense():
-    """backward._dense_as_varlen (the views, cu_seqlens, transposed lse and dlse, ALiBi's
+    """dispatch._dense_as_varlen (the views, cu_seqlens, transposed lse and dlse, ALiBi's
     (batch, nheads) slopes and the keep-mask indexed by batch entry) gives the dense call's
     gradients, here through the Triton varlen kernels (interpreter on CPU)."""
     batch, seqlen_q, seqlen_k, nheads = 2, 37, 29, 2
@@ -603,7 +604,8 @@ def test_dense_as_varlen_equals_dense():
     dlse = torch.randn_like(lse)
     dense = backward.attention_backward(dout, q, k, v, out, lse, params, dlse=dlse)
     grads = [torch.empty_like(x) for x in (q, k, v)]
-    packed = backward._dense_as_varlen(dout, q, k, v, out, lse, params, *grads, None, dlse)
+    packed = dispatch._dense_as_varlen(dout, q, k, v, out, lse, params, *grads, dlse,
+                                       gluon=False)
     assert all(a is b for a, b in zip(packed[:3], grads, strict=False))
     for name, a, b in zip(("dq", "dk", "dv", "dsink"), packed, dense, strict=True):
         torch.testing.assert_close(a, b, msg=name)

@@ -23,14 +23,13 @@ element in one program in a fixed order, so gradients are bitwise reproducible; 
 saving the dQ kernel's two recomputed matmuls (5 instead of 7) at the price of a run-to-run order.
 Transposed tiles carry a _t suffix: s_t is [BLOCK_N, BLOCK_M] = s^T.
 On sm_90 dK/dV and dQ run the Gluon kernels of backward_hopper.py instead (configs.GLUON_BACKWARD;
-every feature, varlen included, see backward_hopper.eligible; dense calls whose lengths are
-not tile multiples run there as varlen with equal lengths, _dense_as_varlen); the preprocess,
+every feature, varlen included, see backward_hopper.declines; dense calls whose lengths are
+not tile multiples run there as varlen with equal lengths, dispatch._dense_as_varlen; the
+choice is dispatch.backward_call's); the preprocess,
 dsink (and on the atomic path the dQ conversion) here serve both.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import torch
 import triton
@@ -62,14 +61,9 @@ from flashkit.ops.triton.common import (
     visible,
     window_args,
 )
-from flashkit.ops.triton.configs import (
-    ATOMIC_DQ,
-    FUSED_BWD,
-    GLUON_BACKWARD_ATOMIC_DQ,
-    padded_head_dim,
-    tile_config,
-)
+from flashkit.ops.triton.configs import FUSED_BWD, padded_head_dim, tile_config
 from flashkit.ops.triton.dropout import dropout_args, dropout_keep, dropout_keep_t
+from flashkit.ops.triton.launch import fold, launch
 
 
 @triton.jit
@@ -81,7 +75,7 @@ def _bwd_preprocess_kernel(Out, DO, Delta,
                            HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
                            BLOCK_M: tl.constexpr):
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_bh = tl.program_id(1) + tl.program_id(2) * tl.num_programs(1)  # launch.fold
     off_b = (pid_bh // nheads).to(tl.int64)
     off_h = (pid_bh % nheads).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -407,7 +401,7 @@ def _bwd_kernel(Q, K, V, DO, Lse, Delta, DQ, DK, DV, DQAcc,
     the dK/dV programs use the first batch * nheads_k. Launching both kinds together lets the
     scheduler fill the machine with either (FlexAttention's backward does the same)."""
     pid = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_bh = tl.program_id(1) + tl.program_id(2) * tl.num_programs(1)  # launch.fold
     group = nheads // nheads_k
     is_dkdv = pid < num_kv_blocks if DO_DKDV else False
     if is_dkdv:
@@ -450,7 +444,7 @@ def _bwd_dq_convert_kernel(DQAcc, DQ, stride_dqb, stride_dqs, stride_dqh, stride
                            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
     """dQ = scale * the fp32 accumulator (b, h, seqlen_q, BLOCK_D), in q's dtype and layout."""
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1).to(tl.int64)
+    pid_bh = (tl.program_id(1) + tl.program_id(2) * tl.num_programs(1)).to(tl.int64)
     off_b = pid_bh // nheads
     off_h = pid_bh % nheads
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -463,52 +457,28 @@ def _bwd_dq_convert_kernel(DQAcc, DQ, stride_dqb, stride_dqs, stride_dqh, stride
                HEAD_DIM, True, HEAD_DIM != BLOCK_D)
 
 
-def _dense_as_varlen(dout, q, k, v, out, lse, params: AttentionParams, dq, dk, dv, tiles,
-                     dlse):
-    """A dense call whose lengths are not tile multiples (backward_hopper.dense_as_varlen) as
-    varlen with equal lengths, which the Gluon kernels take at any length: tokens as (batch *
-    seqlen, heads, d) views (dq, dk, dv written through theirs), lse and dlse as (nheads,
-    batch * seqlen_q) copies. Sequence b is batch entry b: ALiBi's (batch, nheads) slopes and
-    the dropout keep-mask, indexed (sequence, head, i, j), mean what they did dense."""
-    batch, seqlen_q, nheads = q.shape[:3]
-    seqlen_k = k.shape[1]
-    starts = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
-    packed = dataclasses.replace(params, cu_seqlens_q=starts * seqlen_q,
-                                 cu_seqlens_k=starts * seqlen_k, max_seqlen_q=seqlen_q,
-                                 max_seqlen_k=seqlen_k)
-
-    def tokens(x):  # (batch, seqlen, heads, d) -> (batch * seqlen, heads, d)
-        return x.reshape(-1, *x.shape[2:])
-
-    def rows(x):  # (batch, nheads, seqlen_q) -> (nheads, batch * seqlen_q), contiguous (at
-        # seqlen_q 1 a reshape would return a strided view, which the Gluon kernels refuse)
-        return x.transpose(0, 1).contiguous().view(nheads, -1)
-
-    dsink = attention_backward(tokens(dout), tokens(q), tokens(k), tokens(v), tokens(out),
-                               rows(lse), packed, dq.view(-1, *dq.shape[2:]),
-                               dk.view(-1, *dk.shape[2:]), dv.view(-1, *dv.shape[2:]),
-                               tiles=tiles, dlse=None if dlse is None else rows(dlse))[3]
-    return dq, dk, dv, dsink
+_BWD_TENSORS = ("Q", "K", "V", "DO", "Lse", "Delta", "DQ", "DK", "DV", "DQAcc", "Alibi", "Cu_q",
+                "Cu_k")  # launch's order
 
 
 def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        out: torch.Tensor, lse: torch.Tensor, params: AttentionParams,
                        dq: torch.Tensor | None = None, dk: torch.Tensor | None = None,
                        dv: torch.Tensor | None = None, tiles: dict | None = None,
-                       atomic_dq: bool | None = None, fused: bool = FUSED_BWD,
-                       dlse: torch.Tensor | None = None):
+                       atomic_dq: bool = False, fused: bool = FUSED_BWD,
+                       dlse: torch.Tensor | None = None, gluon: bool = False):
     """Launch preprocess, dK/dV and dQ. Returns (dq, dk, dv, dsink), dsink None without a sink;
     dq/dk/dv may be preallocated. dlse, a gradient on the lse output, enters as D - dlse
-    (d lse_i / d s_ij = P_ij, the same shape of term as D).
+    (d lse_i / d s_ij = P_ij, the same shape of term as D). Which kernels run is chosen by
+    dispatch.backward_call; this launches that choice.
 
-    dQ comes from its own kernel (deterministic) or, when atomic_dq, from fp32 atomic adds in
-    the dK/dV kernel plus a conversion (fewer matmuls, order of the adds not fixed). atomic_dq
-    None picks configs.ATOMIC_DQ (configs.GLUON_BACKWARD_ATOMIC_DQ where the Gluon kernel runs)
-    unless params.deterministic; varlen always takes the deterministic path (the accumulator is
-    laid out per dense batch entry). fused launches the dK/dV and dQ programs together
-    (configs.FUSED_BWD), else one after the other. tiles = {"dkdv": (BLOCK_M, BLOCK_N,
-    num_warps, num_stages), "dq": ...} overrides configs.py and keeps the Triton kernels (the
-    tuning sweep); tiles = {"hopper": ..., "hopper_dq": ...} override backward_hopper's
+    gluon: dK/dV and dQ in backward_hopper's kernels (the call must be one they take,
+    backward_hopper.declines), else this file's. dQ comes from its own kernel (deterministic)
+    or, when atomic_dq (dense only), from fp32 atomic adds in the dK/dV kernel plus a
+    conversion (fewer matmuls, order of the adds not fixed). fused launches the dK/dV and dQ
+    programs together (configs.FUSED_BWD), else one after the other. tiles = {"dkdv":
+    (BLOCK_M, BLOCK_N, num_warps, num_stages), "dq": ...} overrides configs.py (the tuning
+    sweep); tiles = {"hopper": ..., "hopper_dq": ...} override backward_hopper's
     HOPPER_BACKWARD and HOPPER_BACKWARD_DQ.
     """
     tiles = tiles or {}
@@ -517,77 +487,32 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     dq = torch.empty_like(q) if dq is None else dq
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
-    # (varlen never takes atomics: a call that asks for them keeps backward.py's kernels)
-    if not atomic_dq and backward_hopper.dense_as_varlen(q, k, v, dout, lse, params, dq, dk,
-                                                         dv, tiles):
-        return _dense_as_varlen(dout, q, k, v, out, lse, params, dq, dk, dv, tiles, dlse)
-    hopper = backward_hopper.eligible(q, k, v, dout, lse, params, dq, dk, dv, tiles)
     delta = torch.empty(lse.shape, dtype=torch.float32, device=q.device)  # laid out like lse
-    window_left, window_right, has_left, has_right = window_args(params)
     block_d, block_dv = padded_head_dim(head_dim), padded_head_dim(head_dim_v)
-    d_max = max(head_dim, head_dim_v)
-    if atomic_dq is None:
-        atomic_dq = (GLUON_BACKWARD_ATOMIC_DQ if hopper else ATOMIC_DQ) and not params.deterministic
     atomic_dq = atomic_dq and not params.is_varlen
-    qk_scale, softcap_scale, softcap = score_args(params, q.dtype)
-    alibi, alibi_strides, has_alibi = alibi_args(params, lse)
-    seed_lo, seed_hi, dropout_threshold, dropout_scale, dropout = dropout_args(
-        params.dropout_p, params.dropout_seed)
-    cu_q, cu_k, varlen = varlen_args(params, lse)
-    dims = dict(HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv)
-    band = dict(HAS_LEFT=has_left, HAS_RIGHT=has_right, SOFTCAP=softcap, ALIBI=has_alibi,
-                DROPOUT=dropout, VARLEN=varlen, PRECISION=DOT_PRECISION)
-    common_strides = tuple(stride for t in (q, k, v, dout, lse, delta)
-                           for stride in batch_strides(t, params))
 
     # delta row by row: varlen's packed rows are one long sequence here
     preprocess_block_m = 64
-    rows_batch, rows = (1, q.shape[0]) if varlen else (batch, seqlen_q)
-    _bwd_preprocess_kernel[(triton.cdiv(rows, preprocess_block_m), rows_batch * nheads)](
-        out, dout, delta, *batch_strides(out, params), *batch_strides(dout, params),
-        *batch_strides(delta, params), nheads, rows,
-        HEAD_DIM_V=head_dim_v, BLOCK_DV=block_dv, BLOCK_M=preprocess_block_m)
+    rows_batch, rows = (1, q.shape[0]) if params.is_varlen else (batch, seqlen_q)
+    launch(_bwd_preprocess_kernel,
+           (triton.cdiv(rows, preprocess_block_m), *fold(rows_batch * nheads)),
+           (out, dout, delta), (*batch_strides(out, params), *batch_strides(dout, params),
+                                *batch_strides(delta, params), nheads, rows),
+           dict(HEAD_DIM_V=head_dim_v, BLOCK_DV=block_dv, BLOCK_M=preprocess_block_m))
     if dlse is not None:
         delta -= dlse
 
-    kernel = "dkdv_atomic" if atomic_dq else "dkdv"
-    block_m1, block_n1, num_warps, num_stages = tiles.get(kernel) or tile_config(
-        kernel, d_max, q.element_size(), interpreting())
-    block_m2, block_n2, dq_warps, dq_stages = tiles.get("dq") or tile_config(
-        "dq", d_max, q.element_size(), interpreting())
-    dq_acc = (torch.zeros((batch * nheads, seqlen_q, block_d), dtype=torch.float32,
-                          device=q.device) if atomic_dq else delta)
-    dq_acc_desc = accumulator_descriptor(dq_acc, block_m1) if atomic_dq and not hopper else None
-    num_kv_blocks, num_q_blocks = triton.cdiv(seqlen_k, block_n1), triton.cdiv(seqlen_q, block_m2)
-    args = (q, k, v, dout, lse, delta, dq, dk, dv,
-            dq_acc if dq_acc_desc is None else dq_acc_desc,
-            *common_strides, *batch_strides(dq, params), *batch_strides(dk, params),
-            *batch_strides(dv, params),
-            batch, nheads, nheads_k, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
-            softcap_scale, alibi, *alibi_strides,
-            params.softmax_scale, seed_lo, seed_hi, dropout_threshold, dropout_scale, cu_q, cu_k,
-            num_kv_blocks, num_q_blocks)
-    meta = dict(**dims, BLOCK_M1=block_m1, BLOCK_N1=block_n1, BLOCK_M2=block_m2,
-                BLOCK_N2=block_n2, **band, EVEN_M=not varlen and seqlen_q % block_m2 == 0,
-                EVEN_N=not varlen and seqlen_k % block_n1 == 0, ATOMIC_DQ=atomic_dq,
-                DQ_TMA=dq_acc_desc is not None)
-    if hopper:
+    if gluon:
+        dq_acc = (torch.zeros((batch * nheads, seqlen_q, block_d), dtype=torch.float32,
+                              device=q.device) if atomic_dq else None)
         backward_hopper.attention_backward_dkdv(dout, q, k, v, lse, delta, params, dk, dv,
-                                                dq_acc if atomic_dq else None,
-                                                block=tiles.get("hopper"))
-    elif fused and not atomic_dq:  # one launch, the dK/dV kernel's warps and stages
-        _bwd_kernel[(num_kv_blocks + num_q_blocks, batch * nheads)](
-            *args, **meta, DO_DKDV=True, DO_DQ=True, num_warps=num_warps, num_stages=num_stages)
+                                                dq_acc, block=tiles.get("hopper"))
+        if not atomic_dq:
+            backward_hopper.attention_backward_dq(dout, q, k, v, lse, delta, params, dq,
+                                                  block=tiles.get("hopper_dq"))
     else:
-        _bwd_kernel[(num_kv_blocks, batch * nheads)](
-            *args, **meta, DO_DKDV=True, DO_DQ=False, num_warps=num_warps,
-            num_stages=num_stages)
-    if hopper and not atomic_dq:
-        backward_hopper.attention_backward_dq(dout, q, k, v, lse, delta, params, dq,
-                                              block=tiles.get("hopper_dq"))
-    elif not atomic_dq and not fused:
-        _bwd_kernel[(num_q_blocks, batch * nheads)](
-            *args, **meta, DO_DKDV=False, DO_DQ=True, num_warps=dq_warps, num_stages=dq_stages)
+        dq_acc = _triton_dkdv_dq(dout, q, k, v, lse, delta, params, dq, dk, dv, tiles,
+                                 atomic_dq, fused)
 
     dsink = None
     if params.sink is not None:
@@ -599,7 +524,60 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
 
     if atomic_dq:
         convert_block_m = 64
-        _bwd_dq_convert_kernel[(triton.cdiv(seqlen_q, convert_block_m), batch * nheads)](
-            dq_acc, dq, *dq.stride(), nheads, seqlen_q, params.softmax_scale,
-            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=convert_block_m)
+        launch(_bwd_dq_convert_kernel,
+               (triton.cdiv(seqlen_q, convert_block_m), *fold(batch * nheads)),
+               (dq_acc, dq), (*dq.stride(), nheads, seqlen_q, params.softmax_scale),
+               dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=convert_block_m))
     return dq, dk, dv, dsink
+
+
+def _triton_dkdv_dq(dout, q, k, v, lse, delta, params: AttentionParams, dq, dk, dv, tiles,
+                    atomic_dq: bool, fused: bool):
+    """dK, dV and dQ (or, atomic_dq, dQ / scale into the returned fp32 accumulator (batch *
+    nheads, seqlen_q, BLOCK_D)) in this file's kernels; delta (laid out like lse) is ready."""
+    batch, seqlen_q, seqlen_k, nheads, nheads_k = varlen_shape(q, v, params)
+    head_dim, head_dim_v = q.shape[-1], v.shape[-1]
+    block_d, block_dv = padded_head_dim(head_dim), padded_head_dim(head_dim_v)
+    d_max = max(head_dim, head_dim_v)
+    window_left, window_right, has_left, has_right = window_args(params)
+    qk_scale, softcap_scale, softcap = score_args(params, q.dtype)
+    alibi, alibi_strides, has_alibi = alibi_args(params, lse)
+    seed_lo, seed_hi, dropout_threshold, dropout_scale, dropout = dropout_args(
+        params.dropout_p, params.dropout_seed)
+    cu_q, cu_k, varlen = varlen_args(params, lse)
+    kernel = "dkdv_atomic" if atomic_dq else "dkdv"
+    tiles = tiles or {}
+    block_m1, block_n1, num_warps, num_stages = tiles.get(kernel) or tile_config(
+        kernel, d_max, q.element_size(), interpreting())
+    block_m2, block_n2, dq_warps, dq_stages = tiles.get("dq") or tile_config(
+        "dq", d_max, q.element_size(), interpreting())
+    dq_acc = (torch.zeros((batch * nheads, seqlen_q, block_d), dtype=torch.float32,
+                          device=q.device) if atomic_dq else delta)
+    dq_acc_desc = accumulator_descriptor(dq_acc, block_m1) if atomic_dq else None
+    num_kv_blocks, num_q_blocks = triton.cdiv(seqlen_k, block_n1), triton.cdiv(seqlen_q, block_m2)
+    tensors = (q, k, v, dout, lse, delta, dq, dk, dv,
+               dq_acc if dq_acc_desc is None else dq_acc_desc, alibi, cu_q, cu_k)
+    scalars = (*(stride for t in (q, k, v, dout, lse, delta, dq, dk, dv)
+                 for stride in batch_strides(t, params)),
+               batch, nheads, nheads_k, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
+               softcap_scale, *alibi_strides, params.softmax_scale, seed_lo, seed_hi,
+               dropout_threshold, dropout_scale, num_kv_blocks, num_q_blocks)
+    meta = dict(HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
+                BLOCK_M1=block_m1, BLOCK_N1=block_n1, BLOCK_M2=block_m2, BLOCK_N2=block_n2,
+                HAS_LEFT=has_left, HAS_RIGHT=has_right, SOFTCAP=softcap, ALIBI=has_alibi,
+                DROPOUT=dropout, VARLEN=varlen, EVEN_M=not varlen and seqlen_q % block_m2 == 0,
+                EVEN_N=not varlen and seqlen_k % block_n1 == 0)
+
+    def run(programs, do_dkdv, do_dq, warps, stages):
+        launch(_bwd_kernel, (programs, *fold(batch * nheads)), tensors, scalars,
+               dict(meta, DO_DKDV=do_dkdv, DO_DQ=do_dq, ATOMIC_DQ=atomic_dq,
+                    DQ_TMA=dq_acc_desc is not None, PRECISION=DOT_PRECISION),
+               _BWD_TENSORS, num_warps=warps, num_stages=stages)
+
+    if fused and not atomic_dq:  # one launch, the dK/dV kernel's warps and stages
+        run(num_kv_blocks + num_q_blocks, True, True, num_warps, num_stages)
+    else:
+        run(num_kv_blocks, True, False, num_warps, num_stages)
+        if not atomic_dq:
+            run(num_q_blocks, False, True, dq_warps, dq_stages)
+    return dq_acc

@@ -23,7 +23,6 @@ import triton
 import triton.language as tl
 
 from flashkit.ops.params import AttentionParams
-from flashkit.ops.triton import forward_hopper
 from flashkit.ops.triton.common import (
     DOT_PRECISION,
     LN2_JIT,
@@ -52,6 +51,7 @@ from flashkit.ops.triton.common import (
 )
 from flashkit.ops.triton.configs import USE_TMA, padded_head_dim, tile_config
 from flashkit.ops.triton.dropout import dropout_args, dropout_keep
+from flashkit.ops.triton.launch import fold, launch
 
 
 @triton.jit
@@ -114,7 +114,7 @@ def _fwd_kernel(Q, K, V, Out, Lse,
     VARLEN: the grid covers the longest sequence; blocks past a shorter one's end return."""
     # Heaviest query tiles first: under a causal band the last rows see the most keys.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_bh = tl.program_id(1) + tl.program_id(2) * tl.num_programs(1)  # launch.fold
     off_b = (pid_bh // nheads).to(tl.int64)
     off_h = (pid_bh % nheads).to(tl.int64)
     off_hk = off_h // group  # GQA: query head h reads kv head h // group
@@ -193,19 +193,21 @@ def _fwd_kernel(Q, K, V, Out, Lse,
         tl.store(lse_ptrs, lse, mask=offs_m < seqlen_q)
 
 
+_TENSORS = ("Q", "K", "V", "Out", "Lse", "Alibi", "Sink", "Cu_q", "Cu_k")  # launch's order
+
+
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       params: AttentionParams, out: torch.Tensor | None = None,
                       lse: torch.Tensor | None = None,
                       tile: tuple[int, int, int, int] | None = None, use_tma: bool = USE_TMA
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the forward kernel. Returns (out, lse); out/lse may be given preallocated.
+    """Launch this file's forward kernel (dispatch.forward_call chooses it or the Gluon one).
+    Returns (out, lse); out/lse may be given preallocated.
 
     tile = (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides configs.py (the tuning sweep);
     use_tma=False keeps K/V loads on pointers even where a TMA descriptor would do (varlen always
     does: a descriptor would read across sequences).
     """
-    if forward_hopper.eligible(q, k, v, params, out, lse, tile):  # the plain case on sm_90
-        return forward_hopper.attention_forward(q, k, v, params, out=out, lse=lse)
     batch, seqlen_q, seqlen_k, nheads, nheads_k = varlen_shape(q, v, params)
     head_dim, head_dim_v = q.shape[-1], v.shape[-1]
     if out is None:
@@ -229,17 +231,18 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     k_desc = kv_descriptor(k, block_n, block_d) if use_tma else None
     v_desc = kv_descriptor(v, block_n, block_dv) if use_tma else None
     use_tma = use_tma and k_desc is not None and v_desc is not None
-    grid = (cdiv(seqlen_q, block_m), batch * nheads)
-    _fwd_kernel[grid](
-        q, k_desc if use_tma else k, v_desc if use_tma else v, out, lse,
+    grid = (cdiv(seqlen_q, block_m), *fold(batch * nheads))
+    launch(_fwd_kernel, grid, (
+        q, k_desc if use_tma else k, v_desc if use_tma else v, out, lse, alibi, sink, cu_q,
+        cu_k), (
         *batch_strides(q, params), *batch_strides(k, params), *batch_strides(v, params),
         *batch_strides(out, params), *batch_strides(lse, params),
         nheads, nheads // nheads_k, seqlen_q, seqlen_k, window_left, window_right,
-        qk_scale, softcap_scale, alibi, *alibi_strides, sink, seed_lo, seed_hi,
-        dropout_threshold, dropout_scale, cu_q, cu_k,
+        qk_scale, softcap_scale, *alibi_strides, seed_lo, seed_hi,
+        dropout_threshold, dropout_scale), dict(
         HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
         BLOCK_M=block_m, BLOCK_N=block_n, HAS_LEFT=has_left, HAS_RIGHT=has_right,
         SOFTCAP=softcap, ALIBI=has_alibi, SINK=params.sink is not None, DROPOUT=dropout,
         VARLEN=varlen, EVEN_M=not varlen and seqlen_q % block_m == 0, USE_TMA=use_tma,
-        PRECISION=DOT_PRECISION, num_warps=num_warps, num_stages=num_stages)
+        PRECISION=DOT_PRECISION), _TENSORS, num_warps=num_warps, num_stages=num_stages)
     return out, lse
