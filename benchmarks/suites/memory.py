@@ -1,5 +1,6 @@
-"""Activation memory of one attention layer: what forward holds for backward, and the
-backward's peak, against PyTorch SDPA (cuDNN and FA2) in the same process.
+"""memory: what one attention layer holds after forward, and the backward's peak.
+
+Against PyTorch SDPA (cuDNN and FA2) in the same process.
 
     PYTHONPATH=src python3 benchmarks/suites/memory.py --out DIR
 
@@ -10,7 +11,7 @@ requiring grad:
   peak_mib   the peak allocation during forward + backward above the same base (the
              gradients included).
 FlashAttention saves out and the float32 log-sum-exp, so held = out + lse (b h s 4 bytes).
-Writes DIR/memory_<time>.json and .md.
+Writes DIR/<date>_<device>.json and .md.
 """
 
 from __future__ import annotations
@@ -19,12 +20,17 @@ import argparse
 import os
 import sys
 
-import torch
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch  # noqa: E402
+from common import (  # noqa: E402
+    Result,
+    add_out_argument,
+    anchor_call,
+    log,
+    table,
+)
 
-import flashkit
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _common, run or imported
-from _common import out_dir, sdpa_call, write_results  # noqa: E402
+import flashkit  # noqa: E402
 
 B, H, D = 1, 16, 128
 TOKENS = (32768, 131072)
@@ -52,9 +58,10 @@ def measure(attention, q, k, v, dout) -> dict:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", help="results directory (default: $OUT)")
+    add_out_argument(ap, "memory")
     args = ap.parse_args(argv)
-    path = out_dir(args.out)
+    result = Result("memory", args.out, config={"batch": B, "nheads": H, "head_dim": D})
+    log(str(result.data["env"]))
     rows = []
     for seqlen in TOKENS:
         q, k, v, dout = (torch.randn(B, seqlen, H, D, device="cuda", dtype=torch.bfloat16)
@@ -68,13 +75,13 @@ def main(argv=None):
         runs = {"flashkit": (lambda *t: flashkit.flash_attn_func(*t, causal=True), (q, k, v),
                              dout)}
         for name in ("cudnn", "flash"):
-            runs[name] = (sdpa_call(name, True), (qh, kh, vh), douth)
+            runs[name] = (anchor_call(name, True), (qh, kh, vh), douth)
         for name, (attention, leaves, grad_out) in runs.items():
             try:
                 measure(attention, *leaves, grad_out)  # warm-up: kernels compiled, caches made
                 row = measure(attention, *leaves, grad_out)
             except Exception as e:
-                print(f"{name} {seqlen}: {type(e).__name__}: {e}")
+                log(f"{name} {seqlen}: {type(e).__name__}: {e}")
                 row = {"held_mib": None, "peak_mib": None}
             rows.append({"tokens": seqlen, "impl": name, **row, "out_mib": out_mib,
                          "lse_mib": lse_mib})
@@ -82,8 +89,10 @@ def main(argv=None):
         torch.cuda.empty_cache()
     notes = (f"b{B} h{H} d{D} bf16 causal. held: allocated after forward above the inputs; "
              "peak: the highest allocation during forward + backward above the inputs.")
-    write_results(path, "memory", {"batch": B, "nheads": H, "head_dim": D}, rows,
-                  ["tokens", "impl", "held_mib", "peak_mib", "out_mib", "lse_mib"], notes)
+    result.save("rows", rows)
+    result.markdown(f"# memory\n\n{notes}\n\n"
+                    + table(rows, ["tokens", "impl", "held_mib", "peak_mib", "out_mib", "lse_mib"]))
+    log(f"wrote {result.path}")
 
 
 if __name__ == "__main__":

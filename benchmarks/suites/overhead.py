@@ -1,5 +1,6 @@
-"""Host time per call on a tiny problem, where the kernels take microseconds: what a Python call
-costs before the GPU has anything to do.
+"""overhead: host time per call on a tiny problem, where the kernels take microseconds.
+
+What a Python call costs before the GPU has anything to do.
 
     PYTHONPATH=src python3 benchmarks/suites/overhead.py --out DIR [--calls N]
 
@@ -15,7 +16,7 @@ FlexAttention; and an eager decoding step of flashkit.flash_attn_with_kvcache (b
            Python, dispatch and driver work alone. wall_us well above cpu_us means the host
            waited (a synchronisation, or a GPU slower than the host).
 Also a cProfile of flashkit's forward and step (the top functions by own time). Writes
-DIR/overhead_<time>.json and .md.
+DIR/<date>_<device>.json (profiles included) and .md.
 """
 
 from __future__ import annotations
@@ -28,12 +29,18 @@ import pstats
 import sys
 import time
 
-import torch
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch  # noqa: E402
+from common import (  # noqa: E402
+    Result,
+    add_out_argument,
+    anchor_call,
+    log,
+    sdpa,
+    table,
+)
 
-import flashkit
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _common, run or imported
-from _common import SDPA_ANCHORS, flex_call, out_dir, sdpa_call, write_results  # noqa: E402
+import flashkit  # noqa: E402
 
 B, S, H, D = 1, 128, 8, 64
 DECODE_Q_HEADS, DECODE_KV_HEADS, DECODE_D = 32, 4, 128
@@ -87,9 +94,8 @@ def tiny_calls(causal: bool) -> dict:
 
     calls = {"flashkit": pair(lambda *t: flashkit.flash_attn_func(*t, causal=causal),
                               (q, k, v), leaves, dout)}
-    for name in SDPA_ANCHORS:
-        calls[name] = pair(sdpa_call(name, causal), (qh, kh, vh), leaves_h, douth)
-    calls["flex"] = pair(flex_call(S, causal), (qh, kh, vh), leaves_h, douth)
+    for name in ("cudnn", "flash", "efficient", "flex"):
+        calls[name] = pair(anchor_call(name, causal), (qh, kh, vh), leaves_h, douth)
     return calls
 
 
@@ -111,18 +117,19 @@ def decode_calls(cached: int) -> dict:
     qh = q.transpose(1, 2)
     kh, vh = (c[:, :cached + 1].transpose(1, 2) for c in (k_cache, v_cache))
     calls = {"flashkit": ours}
-    for name in SDPA_ANCHORS:
-        attention = sdpa_call(name, False, enable_gqa=True)
-        calls[name] = lambda attention=attention: attention(qh, kh, vh)
+    for name in ("cudnn", "flash", "efficient"):
+        attention = sdpa(name)
+        calls[name] = lambda attention=attention: attention(qh, kh, vh, enable_gqa=True)
     return calls
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", help="results directory (default: $OUT)")
     ap.add_argument("--calls", type=int, default=2000, help="calls per timed loop")
+    add_out_argument(ap, "overhead")
     args = ap.parse_args(argv)
-    path = out_dir(args.out)
+    result = Result("overhead", args.out, config={"calls": args.calls})
+    log(str(result.data["env"]))
     rows, profiles = [], {}
     with torch.inference_mode(False):
         for causal in (False, True):
@@ -131,7 +138,7 @@ def main(argv=None):
                     try:
                         row = per_call(fn, args.calls)
                     except Exception as e:  # an anchor that does not run here: recorded
-                        print(f"{name} {kind}: {type(e).__name__}: {e}")
+                        log(f"{name} {kind}: {type(e).__name__}: {e}")
                         row = {"wall_us": None, "cpu_us": None}
                     rows.append({"problem": f"b{B} s{S} h{H} d{D}" + (" causal" if causal
                                                                       else ""),
@@ -144,7 +151,7 @@ def main(argv=None):
                     try:
                         row = per_call(fn, args.calls)
                     except Exception as e:
-                        print(f"{name} decode: {type(e).__name__}: {e}")
+                        log(f"{name} decode: {type(e).__name__}: {e}")
                         row = {"wall_us": None, "cpu_us": None}
                     rows.append({"problem": f"decode b1 {DECODE_Q_HEADS}/{DECODE_KV_HEADS} "
                                             f"heads d{DECODE_D} {cached} keys",
@@ -152,11 +159,12 @@ def main(argv=None):
     notes = ("wall_us: wall time per call of a tight loop with one synchronisation at the end "
              "(host-bound here, so the host time a loop pays per call); cpu_us: the calling "
              "thread's CPU time per call (Python, dispatch and driver work alone).")
-    json_path = write_results(path, "overhead", {"calls": args.calls}, rows,
-                              ["problem", "call", "impl", "wall_us", "cpu_us"], notes)
-    with open(json_path.replace(".json", "_profile.txt"), "w") as f:
-        for name, text in profiles.items():
-            f.write(f"== flashkit {name}\n{text}\n")
+    result.save("notes", notes)
+    result.save("rows", rows)
+    result.save("profiles", profiles)
+    result.markdown(f"# overhead\n\n{notes}\n\n"
+                    + table(rows, ["problem", "call", "impl", "wall_us", "cpu_us"]))
+    log(f"wrote {result.path}")
 
 
 if __name__ == "__main__":

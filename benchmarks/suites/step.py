@@ -1,13 +1,14 @@
-"""The training step through the public API: forward with grad + backward of
-flashkit.flash_attn_func, eager, and the same step captured in a CUDA graph, against PyTorch
-SDPA (cuDNN, FA2, efficient) and compiled FlexAttention in the same process.
+"""step: the training step (forward with grad + backward) of flash_attn_func, eager and graphed.
+
+The public call, eager, and the same step captured in a CUDA graph, against PyTorch SDPA (cuDNN,
+FA2, efficient) and compiled FlexAttention in the same process.
 
     PYTHONPATH=src python3 benchmarks/suites/step.py --out DIR [--quick] [--no-flex]
 
 Grid: bf16 and fp16, head dim 64/128/256, 1k/4k/16k tokens per sequence, batch x seqlen = 16k,
 heads x head dim = 2048, causal and not (--quick: bf16, d64/d128, 1k and 16k). TFLOP/s count the
 step as 3.5x the forward's 4 b h s^2 d (half of it causal); every column is also given as a ratio
-to SDPA cuDNN's eager step. Writes DIR/step_<time>.json and .md.
+to SDPA cuDNN's eager step. Writes DIR/<date>_<device>.json and .md.
 """
 
 from __future__ import annotations
@@ -17,12 +18,21 @@ import itertools
 import os
 import sys
 
-import torch
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch  # noqa: E402
+from common import (  # noqa: E402
+    ANCHORS,
+    Result,
+    add_out_argument,
+    anchor_call,
+    bench,
+    flops,
+    log,
+    table,
+    tflops,
+)
 
-import flashkit
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _common, run or imported
-from _common import SDPA_ANCHORS, bench, flex_call, flops, out_dir, sdpa_call, write_results  # noqa: E402
+import flashkit  # noqa: E402
 
 FULL = dict(dtypes=(torch.bfloat16, torch.float16), head_dims=(64, 128, 256),
             seqlens=(1024, 4096, 16384))
@@ -64,9 +74,8 @@ def cell(dtype, head_dim, seqlen, causal, with_flex: bool) -> dict:
     qh, kh, vh = (x.requires_grad_() for x in (qh, kh, vh))
     ours = step_fn(lambda *t: flashkit.flash_attn_func(*t, causal=causal), q, k, v, dout)
     calls = {"flashkit": ours}
-    anchors = {name: sdpa_call(name, causal) for name in SDPA_ANCHORS}
-    if with_flex:
-        anchors["flex"] = flex_call(seqlen, causal)
+    anchors = {name: anchor_call(name, causal) for name in ANCHORS
+               if with_flex or name != "flex"}
     for name, attention in anchors.items():
         calls[name] = step_fn(attention, qh, kh, vh, douth)
     ms = {}
@@ -75,19 +84,19 @@ def cell(dtype, head_dim, seqlen, causal, with_flex: bool) -> dict:
             ms[name] = bench(call)
         except Exception as e:  # an anchor without this shape or dtype: recorded, not fatal
             ms[name] = None
-            print(f"{name} d{head_dim} s{seqlen}: {type(e).__name__}: {e}")
+            log(f"{name} d{head_dim} s{seqlen}: {type(e).__name__}: {e}")
     for name in ("flashkit", "cudnn"):
         try:
             ms[f"{name}_graph"] = bench(graphed(calls[name]))
         except Exception as e:
             ms[f"{name}_graph"] = None
-            print(f"{name} graph d{head_dim} s{seqlen}: {type(e).__name__}: {e}")
-    step_flops = flops(batch, nheads, seqlen, head_dim, causal, "fwd") * 3.5
+            log(f"{name} graph d{head_dim} s{seqlen}: {type(e).__name__}: {e}")
+    step_flops = flops(batch, nheads, seqlen, head_dim, causal, "step")
     row = {"dtype": str(dtype).replace("torch.", ""), "head_dim": head_dim, "seqlen": seqlen,
            "batch": batch, "nheads": nheads, "causal": causal}
     for name, t in ms.items():
         row[f"{name}_ms"] = t
-        row[f"{name}_tflops"] = None if t is None else step_flops / t / 1e9
+        row[f"{name}_tflops"] = None if t is None else tflops(step_flops, t)
     base = ms.get("cudnn")
     for name, t in ms.items():
         row[f"{name}_x_cudnn"] = None if t is None or base is None else base / t
@@ -96,16 +105,19 @@ def cell(dtype, head_dim, seqlen, causal, with_flex: bool) -> dict:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", help="results directory (default: $OUT)")
     ap.add_argument("--quick", action="store_true", help="bf16, d64/d128, 1k and 16k only")
     ap.add_argument("--no-flex", action="store_true", help="leave out compiled FlexAttention")
+    add_out_argument(ap, "step")
     args = ap.parse_args(argv)
-    path = out_dir(args.out)
     grid = QUICK if args.quick else FULL
+    result = Result("step", args.out, config={
+        "grid": {k: [str(x) for x in v] for k, v in grid.items()}, "flex": not args.no_flex})
+    log(str(result.data["env"]))
     rows = []
     for dtype, head_dim, seqlen, causal in itertools.product(
             grid["dtypes"], grid["head_dims"], grid["seqlens"], (False, True)):
         rows.append(cell(dtype, head_dim, seqlen, causal, not args.no_flex))
+        result.save("rows", rows)
         torch.cuda.empty_cache()
     impls = ["flashkit", "flashkit_graph", "cudnn", "cudnn_graph", "flash", "efficient"] + (
         [] if args.no_flex else ["flex"])
@@ -113,8 +125,8 @@ def main(argv=None):
         f"{name}_x_cudnn" for name in impls]
     notes = ("Step = forward with grad + backward, public API, eager; *_graph: the same step "
              "replayed from a CUDA graph. Ratios are the cuDNN eager step's time over each.")
-    write_results(path, "step", {"grid": {k: [str(x) for x in v] for k, v in grid.items()},
-                                 "flex": not args.no_flex}, rows, columns, notes)
+    result.markdown(f"# step\n\n{notes}\n\n" + table(rows, columns))
+    log(f"wrote {result.path}")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from flashkit import checks, reference
+from flashkit import checks, fp8, reference
 from flashkit.ops import custom_op
 from flashkit.ops.params import AttentionParams, accumulation_dtype
 
@@ -29,7 +29,8 @@ __all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-                    return_attn_probs=False, *, sink=None, backend=None):
+                    return_attn_probs=False, *, sink=None, backend=None, q_descale=None,
+                    k_descale=None, v_descale=None):
     """Exact attention of q (batch, seqlen_q, nheads, d) over k, v (batch, seqlen_k, nheads_k, d).
 
     causal/window_size are bottom-right aligned when seqlen_q != seqlen_k; window_size=(left,
@@ -38,10 +39,16 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     one value-less logit to every row's softmax. Returns out (batch, seqlen_q, nheads, d_v), or
     (out, lse (batch, nheads, seqlen_q), probs (batch, nheads, seqlen_q, seqlen_k)) when
     return_attn_probs (probs materialise the whole matrix: for testing at small sizes).
+    float8 q, k, v (forward only, bf16 out) take float32 q/k/v_descale, (1,) or (batch,
+    nheads_k): see flashkit.fp8.
     """
-    checks.dense_qkv(q, k, v)
+    checks.dense_qkv(q, k, v, checks.DTYPES + checks.FLOAT8_DTYPES)
+    float8 = checks.descales(q, k, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
     params = build_params(q, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                      deterministic, sink, batch=q.shape[0])
+    if float8:
+        return fp8.attention(q, k, v, params, q_descale, k_descale, v_descale,
+                             checks.backend(backend, q.device), return_attn_probs)
     return _run(q, k, v, params, backend, return_attn_probs)
 
 

@@ -10,6 +10,7 @@ import torch
 
 MAX_HEAD_DIM = 256
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)  # flash_attn_func only: forward, bf16 out
 BACKEND_NAMES = ("torch", "triton", "reference")
 
 
@@ -22,12 +23,12 @@ def tensor(name: str, t, layout: str) -> None:
         raise ValueError(f"{name}: expected {ndim} dims {layout}, got shape {tuple(t.shape)}")
 
 
-def same_dtype_and_device(named: dict) -> None:
+def same_dtype_and_device(named: dict, dtypes=DTYPES) -> None:
     """All tensors share one supported floating dtype and one device."""
     (first, t0), *rest = named.items()
-    if t0.dtype not in DTYPES:
+    if t0.dtype not in dtypes:
         raise TypeError(f"{first}: dtype {t0.dtype} is not supported; expected one of "
-                        f"{', '.join(str(d) for d in DTYPES)}")
+                        f"{', '.join(str(d) for d in dtypes)}")
     for name, t in rest:
         if t.dtype != t0.dtype:
             raise TypeError(f"{name}: dtype {t.dtype} differs from {first}'s {t0.dtype}")
@@ -35,12 +36,12 @@ def same_dtype_and_device(named: dict) -> None:
             raise ValueError(f"{name}: device {t.device} differs from {first}'s {t0.device}")
 
 
-def dense_qkv(q, k, v) -> None:
+def dense_qkv(q, k, v, dtypes=DTYPES) -> None:
     """q (batch, seqlen_q, nheads, d), k/v (batch, seqlen_k, nheads_k, d[_v]) that fit together."""
     tensor("q", q, "(batch, seqlen_q, nheads, headdim)")
     tensor("k", k, "(batch, seqlen_k, nheads_k, headdim)")
     tensor("v", v, "(batch, seqlen_k, nheads_k, headdim_v)")
-    same_dtype_and_device({"q": q, "k": k, "v": v})
+    same_dtype_and_device({"q": q, "k": k, "v": v}, dtypes)
     for name, t in (("k", k), ("v", v)):
         if t.shape[0] != q.shape[0]:
             raise ValueError(f"{name}: batch {t.shape[0]} differs from q's {q.shape[0]}")
@@ -192,6 +193,30 @@ def cu_seqlens(name: str, cu, total: int, max_seqlen, max_name: str, device,
         raise ValueError(f"{max_name}: expected an int >= the longest sequence "
                          f"({max(lengths)}), got {max_seqlen!r}")
     return len(values) - 1
+
+
+def descales(q, k, **named) -> bool:
+    """Whether q is float8; the descales (q_descale, k_descale, v_descale as keywords) are then
+    each None or a float32 tensor of shape (1,) or (batch, nheads_k) (q_descale also (batch,
+    nheads)) on q's device, and must be None for other dtypes."""
+    float8 = q.dtype in FLOAT8_DTYPES
+    batch, nheads, nheads_k = q.shape[0], q.shape[2], k.shape[2]
+    for name, d in named.items():
+        if d is None:
+            continue
+        if not float8:
+            raise ValueError(f"{name}: descale factors apply to float8 inputs only, q is "
+                             f"{q.dtype}")
+        shapes = {(1,), (batch, nheads_k)} | ({(batch, nheads)} if name == "q_descale" else set())
+        if not isinstance(d, torch.Tensor) or d.dtype != torch.float32:
+            got = d.dtype if isinstance(d, torch.Tensor) else type(d).__name__
+            raise TypeError(f"{name}: expected a float32 tensor, got {got}")
+        if tuple(d.shape) not in shapes:
+            raise ValueError(f"{name}: expected shape {' or '.join(map(str, sorted(shapes)))}, "
+                             f"got {tuple(d.shape)}")
+        if d.device != q.device:
+            raise ValueError(f"{name}: device {d.device} differs from q's {q.device}")
+    return float8
 
 
 def backend(name, device) -> str:

@@ -46,4 +46,4 @@ def test_unknown_topic_is_rejected(capsys):
     with pytest.raises(SystemExit):
         run(capsys, "learn", "nope")
     assert "invalid choice" in capsys.readouterr().err
-    assert set(TOPICS) == {"softmax", "merge", "loop-orders", "welford"}
+    assert set(TOPICS) == {"softmax", "merge", "loop-orders", "welford", "backward"}

@@ -40,12 +40,19 @@ def test_bench_times_flashkit_and_sdpa(flashkit_cli, tmp_path):
 
 def test_break_it_reports_each_variant(flashkit_cli, tmp_path):
     flashkit_cli("break-it", "--out", tmp_path, "--seqlen", "64", "--nheads", "1",
-                 "--headdim", "16", "--block", "16", "--logit-stds", "1,25")
+                 "--headdim", "16", "--block", "16", "--logit-stds", "1,25", "--train-steps", "2")
     outcomes = load_json(tmp_path / "break_it.json")["outcomes"]
     assert len(outcomes) == 2 * 2 * 3  # stds x dtypes x variants
     by = {(o["logit_std"], o["dtype"], o["variant"]): o for o in outcomes}
     assert by[25.0, "float16", "no max subtraction"]["nonfinite"] > 0
     assert by[1.0, "float32", "intact"]["max_error"] < 1e-5
+    data = load_json(tmp_path / "break_it.json")
+    causal = {(o["dtype"], o["variant"]): o for o in data["causal_outcomes"]}
+    assert causal["float32", "mask from arange(0) in each tile"]["max_error"] > 0.1
+    assert len(data["training"]["runs"]) == 3
+    assert all(len(r["losses"]) == 2 for r in data["training"]["runs"])
+    for png in ("break_it.png", "break_it_train.png"):
+        assert_png_if_matplotlib(tmp_path / png)
 
 
 def test_train_writes_both_loss_curves(flashkit_cli, tmp_path):

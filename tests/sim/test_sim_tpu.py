@@ -87,3 +87,13 @@ def test_bad_arguments_are_named():
         compare_attention(blocks=())
     with pytest.raises(ValueError, match="mxu_dim and vpu_width"):
         TPUCycleSimulator(mxu_dim=0)
+
+
+def test_vmem_table_matches_the_write_up():
+    from flashkit.sim.tpu import format_vmem_table, vmem_table
+    rows = {n: (s, o, fits) for n, s, o, fits in vmem_table([512, 4096, 8192, 32768])}
+    assert rows[512] == (1.0, 0.125, True)
+    assert rows[4096][0] == 64.0 and rows[4096][2]
+    assert rows[8192][0] == 256.0 and not rows[8192][2]
+    assert rows[32768][:2] == (4096.0, 8.0)
+    assert "fits up to n = 4096 and stops fitting at n = 8192" in format_vmem_table()

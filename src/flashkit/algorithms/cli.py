@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 
 from flashkit.algorithms import lessons
+from flashkit.sim import backward
 
 TOPICS = {
     "softmax": lessons.softmax,
     "merge": lessons.merge_states,
     "loop-orders": lessons.loop_orders,
     "welford": lessons.welford_variance,
+    "backward": backward.lesson,
 }
 
 

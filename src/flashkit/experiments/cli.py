@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from flashkit.experiments import bench, break_it, demo, memory, train
+from flashkit.experiments import bench, break_it, crossover, demo, memory, train
 from flashkit.experiments.attention_methods import DTYPES, METHODS
 
 
@@ -142,11 +142,32 @@ def _add_bench(subparsers) -> None:
     parser.add_argument("--headdims", type=ints_arg, help="override the grid's head dims")
     parser.add_argument("--directions", type=choices_arg(("fwd", "bwd")),
                         help="fwd, bwd or fwd,bwd (default: both)")
+    parser.add_argument("--compare", type=choices_arg(crossover.METHODS),
+                        help="instead: forward time of these methods (naive,tiled,triton) and "
+                             "where one overtakes another (Under the Hood, chapter 8, Step 7); "
+                             "--seqlens sets the sizes (default: 256..2k on the CPU, 1k..32k "
+                             "on the GPU)")
+    parser.add_argument("--jax-baselines", action="store_true",
+                        help="instead: the JAX/TPU write-up's nojit, unfused, fused and flash "
+                             "(fori, vmap) baselines on one causal float32 head, beside its TPU "
+                             "ratios; --seqlens sets n (default: 512..4k)")
+    parser.add_argument("--max-seconds", type=float, default=10.0,
+                        help="--compare: skip a method's larger sizes once a call is predicted "
+                             "to take longer than this (default: 10)")
     parser.set_defaults(func=_run_bench)
 
 
 def _run_bench(args) -> int:
     device = _device(args)
+    if args.jax_baselines:
+        from flashkit.experiments import jax_baselines  # jax is imported only when asked for
+        jax_baselines.run(args.seqlens or [512, 1024, 2048, 4096], args.out)
+        return 0
+    if args.compare:
+        problem = dataclasses.replace(crossover.default_problem(device, args.seqlens),
+                                      max_seconds=args.max_seconds)
+        crossover.run(problem, args.compare, args.out)
+        return 0
     gpu = device.startswith("cuda")
     grid = bench.gpu_grid(args.full) if gpu else bench.cpu_grid()
     overrides = {"seqlens": args.seqlens, "headdims": args.headdims,
@@ -172,12 +193,19 @@ def _add_break_it(subparsers) -> None:
     parser.add_argument("--headdim", type=int, default=64, help="default: 64")
     parser.add_argument("--block", type=int, default=64,
                         help="tile edge: block query rows x block keys (default: 64)")
+    parser.add_argument("--train-steps", type=int,
+                        help="train the GPT this many steps with each causal break (tiles of "
+                             "seqlen/4; the model and sizes of `flashkit train`); 0 skips it "
+                             f"(default: {train.CPU_DEFAULTS.steps} on the CPU, "
+                             f"{train.GPU_DEFAULTS.steps} on the GPU)")
     parser.set_defaults(func=_run_break_it)
 
 
 def _run_break_it(args) -> int:
+    device = _device(args)
+    config = train.configs(device, steps=args.train_steps)[0]
     break_it.run(args.out, args.logit_stds, args.seqlen, args.nheads, args.headdim, args.block,
-                 _device(args))
+                 device, config if config.steps > 0 else None)
     return 0
 
 

@@ -25,7 +25,7 @@ import torch
 from flashkit.experiments import corpus, plotting, results
 from flashkit.experiments.memory import is_out_of_memory
 from flashkit.experiments.progress import track
-from flashkit.models.gpt import ATTENTION, GPT, GPTConfig, flashkit_attention
+from flashkit.models.gpt import ATTENTION, GPT, Attend, GPTConfig, flashkit_attention
 
 
 @dataclass(frozen=True)
@@ -93,14 +93,16 @@ class Run:
 
 
 def train_once(attention: str, config: TrainConfig, tokens: torch.Tensor,
-               vocab_size: int) -> Run:
-    """Train from config.seed with attention "naive" or "flashkit"; batches come from a generator
-    seeded the same way, so two calls differ only in the attention implementation."""
+               vocab_size: int, attend: Attend | None = None) -> Run:
+    """Train from config.seed with attention "naive" or "flashkit", or with `attend` (any causal
+    attention on (batch, seqlen, nheads, headdim), `attention` then only names the run); batches
+    come from a generator seeded the same way, so two calls differ only in the attention."""
     torch.manual_seed(config.seed)
     model_config = GPTConfig(vocab_size, config.seqlen, config.n_layer, config.n_head,
                              config.n_embd)
-    attend = (ATTENTION[attention] if attention == "naive"
-              else functools.partial(flashkit_attention, backend=config.backend))
+    if attend is None:
+        attend = (ATTENTION[attention] if attention == "naive"
+                  else functools.partial(flashkit_attention, backend=config.backend))
     model = GPT(model_config, attend).to(config.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
     batches = torch.Generator().manual_seed(config.seed)

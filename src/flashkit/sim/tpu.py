@@ -250,3 +250,49 @@ def format_vpu_breakdown(runs: Sequence[AttentionCycles]) -> str:
     rows = [[name] + [thousands(r.vpu_ledger.get(name, 0)) for r in runs] for name in names]
     rows.append(["total"] + [thousands(r.vpu_cycles) for r in runs])
     return format_table(["VPU op"] + [r.label for r in runs], rows)
+
+
+VMEM_MIB = 128  # a TPU v5e's on-chip VMEM, about 128 MB
+
+
+def vmem_table(ns: Sequence[int], d: int = 64, element_bytes: int = 4,
+               vmem_mib: float = VMEM_MIB) -> list[tuple[int, float, float, bool]]:
+    """(n, score matrix MiB, output MiB, fits) for one head: the (n, n) scores against the
+    (n, d) output, and whether the scores fit in ``vmem_mib`` of on-chip memory."""
+    rows = []
+    for n in ns:
+        if n < 1:
+            raise ValueError(f"sequence lengths must be >= 1, got {n}")
+        scores, output = n * n * element_bytes / 2**20, n * d * element_bytes / 2**20
+        rows.append((n, scores, output, scores <= vmem_mib))
+    return rows
+
+
+def format_vmem_table(ns: Sequence[int] = tuple(512 * 2**i for i in range(7)), d: int = 64,
+                      element_bytes: int = 4, vmem_mib: float = VMEM_MIB) -> str:
+    """The JAX/TPU write-up's memory table, computed: where the score matrix stops fitting."""
+    rows = vmem_table(ns, d, element_bytes, vmem_mib)
+    body = [[n, f"{s:,.1f}", f"{o:,.2f}", f"{s / o:,.1f}x", "yes" if fits else "NO"]
+            for n, s, o, fits in rows]
+    table = format_table(["n", "scores (n^2) MiB", "output (n d) MiB", "ratio",
+                          f"fits {vmem_mib:g} MiB?"], body,
+                         title=f"One head, d = {d}, {element_bytes}-byte elements: the score "
+                               "matrix against the output")
+    fitting = [n for n, _, _, fits in rows if fits]
+    over = [n for n, _, _, fits in rows if not fits]
+    if fitting and over:
+        verdict = (f"The score matrix fits up to n = {max(fitting)} and stops fitting at "
+                   f"n = {min(over)} ({rows[[r[0] for r in rows].index(min(over))][1]:,.0f} MiB).")
+    elif over:
+        verdict = "The score matrix fits at none of these lengths."
+    else:
+        verdict = "The score matrix fits at every one of these lengths."
+    return (table + "\n" + verdict + " The ratio is n / d: the output grows linearly, the "
+            "scores quadratically. Several heads, or d = 128 in bf16 with many heads sharing "
+            "the memory, move the limit down; a GPU SM's shared memory (228 KiB on Hopper) "
+            f"holds the scores of one head only up to n = {_fits(228 / 1024, element_bytes)}.")
+
+
+def _fits(mib: float, element_bytes: int) -> int:
+    """The largest n whose (n, n) scores fit in mib MiB."""
+    return int((mib * 2**20 / element_bytes) ** 0.5)

@@ -1,8 +1,13 @@
-"""Keep Triton's interpreter (TRITON_INTERPRET=1: kernels on the CPU) working with numpy >= 2.4.
+"""Keep Triton's interpreter (TRITON_INTERPRET=1: kernels on the CPU) correct where it is not.
 
-Triton 3.6's interpreter turns run-time loop bounds into Python ints with int(ndarray of shape
-(1,)), which numpy 2.4 rejects ("only 0-dimensional arrays can be converted to Python scalars").
-Reading the one element instead is what it meant. Nothing changes when kernels are compiled.
+- numpy >= 2.4: Triton 3.6's interpreter turns run-time loop bounds into Python ints with
+  int(ndarray of shape (1,)), which numpy 2.4 rejects ("only 0-dimensional arrays can be
+  converted to Python scalars"). Reading the one element instead is what it meant.
+- float8 casts: its float -> fp8 rounding drops the carry when the mantissa rounds up (31.3 ->
+  16 instead of 32 in e4m3), so fp8 kernels would compute with wrong P. Casts to float8_e4m3fn
+  and float8_e5m2 go through torch's round-to-nearest-even instead, saturated to the largest
+  finite value as the GPU's cvt.rn.satfinite does.
+Nothing changes when kernels are compiled.
 """
 
 from __future__ import annotations
@@ -29,3 +34,30 @@ def patch_for_numpy() -> None:
 
     patched._flashkit_shim = True
     interpreter._patch_lang_tensor = patched
+
+
+def patch_float8_casts() -> None:
+    """Casts from fp16/fp32/fp64 (numpy's own types) to fp8 round as torch does (see above)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    import torch
+    import triton.runtime.interpreter as interpreter
+
+    builder = interpreter.InterpreterBuilder
+    original = builder.create_fp_to_fp
+    if getattr(original, "_flashkit_shim", False):
+        return
+    targets = {"fp8e4nv": torch.float8_e4m3fn, "fp8e5": torch.float8_e5m2}
+
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):
+        target = targets.get(dst_type.scalar.name)
+        if target is None or src.dtype.scalar.name not in ("fp16", "fp32", "fp64"):
+            return original(self, src, dst_type, rounding_mode)
+        x = torch.from_numpy(np.ascontiguousarray(src.data).astype(np.float32))
+        limit = torch.finfo(target).max
+        x = torch.where(torch.isnan(x), x, x.clamp(-limit, limit))
+        data = x.to(target).view(torch.uint8).numpy()
+        return interpreter.TensorHandle(data, dst_type.scalar)
+
+    create_fp_to_fp._flashkit_shim = True
+    builder.create_fp_to_fp = create_fp_to_fp

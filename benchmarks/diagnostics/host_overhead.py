@@ -4,7 +4,7 @@ call (arguments, checks, descriptors, Triton's binder or launch.py's key) withou
 launch, cuTensorMapEncode or CUDA allocations. CPU tensors stand in for CUDA ones (is_cuda and
 the device queries are patched), so torch ops are CPU ones.
 
-    PYTHONPATH=src python benchmarks/host_overhead_probe.py [--calls 300] [--profile PATH]
+    PYTHONPATH=src python3 benchmarks/diagnostics/host_overhead.py [--calls 300] [--profile PATH]
         [--out x.json]
 
 Shapes: bf16 d128, 32 query heads; dense 512 x 512 causal; the kvcache route 512 queries over a
@@ -34,7 +34,7 @@ import sm90_probe as probe  # noqa: E402
 
 
 def _fake_cuda():
-    probe._install()
+    probe.install_fake_driver()
     compile_only = probe.JITFunction.run
 
     def run(self, *args, grid, warmup, **kwargs):  # a launch of the compiled kernel: a no-op
@@ -72,7 +72,7 @@ def per_call_us(fn, calls):
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--profile", default=None, help="cProfile stats of each path to PATH.<name>")
     ap.add_argument("--out", default=None)
@@ -80,7 +80,7 @@ def main():
     _fake_cuda()
     from flashkit import flash_attn_func, flash_attn_with_kvcache
     from flashkit.ops.params import AttentionParams
-    from flashkit.ops.triton import append, forward_hopper, prefill
+    from flashkit.ops.triton import forward_hopper  # the Gluon forward's launcher
 
     bf = torch.bfloat16
     q, k, v = (torch.randn(1, 512, 32, 128, dtype=bf) for _ in range(3))
@@ -89,12 +89,6 @@ def main():
     lens = torch.full((1,), 7680, dtype=torch.int32)
     params = AttentionParams(128 ** -0.5, None, 0)
     out, lse = torch.empty_like(q), torch.empty(1, 32, 512)
-
-    def prefill_route():  # what the kvcache route runs after its argument checks
-        qq, seqlens_k = append.append(q, k_cache, v_cache, None, None, None, None, lens, None,
-                                      None, None, 512, True)
-        packed = prefill.as_varlen(qq, k_cache, v_cache, None, None, None, params)
-        return prefill.forward(qq, k_cache, v_cache, seqlens_k, None, packed)
 
     seeds, steps = itertools.count(1), itertools.count()
     q1, k1, v1 = q[:, :1], k[:, :1, :8], v[:, :1, :8]
@@ -111,13 +105,11 @@ def main():
             q, k, v, dataclasses.replace(params, dropout_p=0.1, dropout_seed=next(seeds)),
             out=out, lse=lse),
         "flash_attn_func": lambda: flash_attn_func(q, k, v, causal=True, backend="triton"),
-        "kvcache route (append + _gluon_prefill)": prefill_route,
-        "flash_attn_with_kvcache (host checks)": lambda: flash_attn_with_kvcache(
+        "flash_attn_with_kvcache, 512 queries (the prefill route)": lambda: flash_attn_with_kvcache(
             q, k_cache, v_cache, cache_seqlens=lens, causal=True, backend="triton"),
         "decode step (tensor cache_seqlens)": lambda: decode_step(False),
         "decode step (int cache_seqlens, a new one each call)": lambda: decode_step(True),
     }
-    assert prefill_route() is not None, "the route must take the Gluon forward"
     import triton
 
     import flashkit

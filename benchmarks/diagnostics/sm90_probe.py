@@ -2,7 +2,7 @@
 SASS instruction counts (HGMMA, MUFU.EX2, LDL/STL), to pre-screen kernel variants before spending
 device time.
 
-    PYTHONPATH=src python benchmarks/sm90_probe.py [--head-dims 64,128] [--causal]
+    PYTHONPATH=src python3 benchmarks/diagnostics/sm90_probe.py [--head-dims 64,128] [--causal]
 
 A fake driver answers "current target = cuda sm_90" and every launch becomes a compile-only
 warm-up, so the launchers run unchanged on CPU tensors (their shapes and strides are what Triton
@@ -45,7 +45,8 @@ class _FakeDriver:
 COMPILED: list = []
 
 
-def _install():
+def install_fake_driver():
+    """Route Triton to _FakeDriver and make every launch a compile-only warm-up."""
     driver_config.set_active(_FakeDriver())
     original = JITFunction.run
 
@@ -78,12 +79,12 @@ def resources(kernel) -> dict:
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--head-dims", default="64,128")
     ap.add_argument("--seqlen", type=int, default=4096)
     ap.add_argument("--which", default="fwd,bwd")
     args = ap.parse_args()
-    _install()
+    install_fake_driver()
     import importlib
 
     forward = importlib.import_module("flashkit.ops.triton.forward")

@@ -1,4 +1,6 @@
-"""Weak scaling of ring attention: tokens/s per GPU as the group grows, each GPU holding T tokens.
+"""ring: weak scaling of ring attention, tokens/s per GPU as the group grows.
+
+Each GPU holds T tokens.
 
 Causal, zigzag layout, bf16, head dim 128, nheads 16, batch 1, forward + backward, Triton block
 kernels over NCCL. For every T (tokens per GPU, default 32k..256k) it times
@@ -11,15 +13,15 @@ and reports tokens/s per GPU for both, efficiency = local / ring time (1.0 = the
 are fully hidden behind the kernels), and attention TFLOP/s per GPU (4 b h d per visible pair
 forward, 2.5x that backward; causal visible pairs N (N + 1) / 2 over the group, 1/W per GPU).
 
-    PYTHONPATH=src python3 benchmarks/bench_ring.py             # spawns one rank per GPU
-    PYTHONPATH=src torchrun --nproc-per-node 4 benchmarks/bench_ring.py
+    PYTHONPATH=src python3 benchmarks/suites/ring.py             # spawns one rank per GPU
+    PYTHONPATH=src torchrun --nproc-per-node 4 benchmarks/suites/ring.py
 
-    PYTHONPATH=src python3 benchmarks/bench_ring.py --cpu 2 --tokens 256 --out-dir /tmp
+    PYTHONPATH=src python3 benchmarks/suites/ring.py --cpu 2 --tokens 256 --out /tmp
                                                # smoke test of the script: gloo, CPU, float32
 
 Timing: wall clock of each of --iters iterations after --warmup, ranks released together by a
 barrier and the device synchronised around it; the slowest rank's median counts. Rank 0 writes
-benchmarks/results/ring_<W>gpu_<date>.json with the date, device, versions and config.
+benchmarks/results/ring/<date>_<W>gpu.json with the date, device, versions and config.
 
 --check-tokens T first checks the ring (bf16, causal, GQA 8:2, d 128, T tokens per rank, both
 layouts) and single-device flash_attn_func against the float64 oracle on the gathered tensors,
@@ -36,12 +38,15 @@ import os
 import platform
 import socket
 import statistics
+import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from common import default_out
 
 import flashkit
 import flashkit.distributed as fd
@@ -51,8 +56,6 @@ from flashkit.distributed.plan import ring_plans
 from flashkit.distributed.ring import Pending
 from flashkit.ops.params import AttentionParams
 from flashkit.testing import max_error
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 class NoComm:
@@ -216,7 +219,7 @@ def _write(rows: list, checked: list, world: int, device: torch.device, args) ->
                          "warmup": args.warmup, "iters": args.iters, "pass": "forward+backward"},
               "check": checked, "results": rows}
     kind = "cpu" if device.type == "cpu" else "gpu"
-    path = Path(args.out_dir) / f"ring_{world}{kind}_{now:%Y%m%d-%H%M}.json"
+    path = Path(args.out or default_out("ring")) / f"{now:%Y%m%d_%H%M}_{world}{kind}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {path}")
@@ -234,7 +237,8 @@ def _parse() -> argparse.Namespace:
                    help="first check against the float64 oracle, T tokens per rank")
     p.add_argument("--cpu", type=int, default=0, metavar="W",
                    help="smoke test: W gloo processes on the CPU, torch backend, float32")
-    p.add_argument("--out-dir", default=str(RESULTS))
+    p.add_argument("--out", "--out-dir", dest="out", default=None,
+                   help="result folder (default: $OUT/ring or benchmarks/results/ring)")
     return p.parse_args()
 
 

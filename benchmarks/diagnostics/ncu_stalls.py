@@ -8,7 +8,8 @@ Collect on the GPU (the H200 machine has ncu; leave its clocks alone):
 
 then here (no GPU needed):
 
-    python benchmarks/ncu_stalls.py prof_sass.csv.gz [other.csv.gz] [--kernel REGEX] [--list]
+    python3 benchmarks/diagnostics/ncu_stalls.py prof_sass.csv.gz [other.csv.gz]
+        [--kernel REGEX] [--list]
 
 Per kernel it prints the stall reasons over all sampled warps, the executed instruction mix,
 and the same for the hottest loop: the instructions sharing the execution count that holds the

@@ -1,0 +1,307 @@
+"""FP8 attention forward (float8_e4m3fn or float8_e5m2 q, k, v; bf16 out) in Triton.
+
+Notation as in common.py, whose mask predicate, tile ranges, scores, ALiBi and online-softmax
+helpers this kernel calls. One program owns BLOCK_M query rows of one (batch, head) and streams
+the key/value tiles its band reaches (masked tiles, the unmasked middle, masked tiles), as the
+16-bit forward in forward.py does. Forward only: there is no FP8 backward.
+
+Scales (FA3's convention): the real inputs are q = q8 * q_descale, k = k8 * k_descale,
+v = v8 * v_descale, each descale float32 per tensor or per (batch, head). Then
+scale * q . k = (scale * q_descale * k_descale) * q8 . k8, so the two descales fold into the
+score scale (qk_scale, or softcap_scale under a softcap), and v_descale into the output's last
+scaling: out = v_descale * acc / (P_SCALE * l).
+
+P in fp8: P = exp2(s - m) lies in [0, 1]; cast as is, e4m3 would flush every P below 2^-10 to
+zero. P_SCALE (a power of two, so exact) lifts it to the top of the format before the cast:
+2^8 for e4m3 (largest finite 448), 2^15 for e5m2 (largest finite 57344). l sums the unrounded
+fp32 P, as in FA3.
+
+Why V is read key-major: sm_90's wgmma takes fp8 operands from shared memory only K-major (the
+reduction axis contiguous). For S = Q K^T the reduction axis is d, contiguous in q and k as
+given. For O = P V it is the key axis, which the flash-attn layout strides by nheads_k * d_v.
+Triton 3.6 still emits wgmma for that layout, but transposes every V tile in registers (byte
+permutes in the sm_90 PTX) on its way to shared memory, off the asynchronous copy path. So the
+launcher reads V through a view whose key axis has stride 1 (the Triton tutorial's fused
+attention does the same for its float8_e5m2 forward): free when the caller's v already is such
+a view, else one copy of V (key_major).
+
+Layouts: q (b, sq, h, d), k (b, sk, hk, d), v (b, sk, hk, dv) with v.stride(1) == 1 after
+key_major, out (b, sq, h, dv) bf16, lse (b, h, sq) float32 natural log. Descales: q_descale
+(b, h) (the launcher expands FA3's (b, hk) and (1,)), k_descale and v_descale (b, hk) or (1,)
+(batch and head strides 0).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from flashkit.ops.params import AttentionParams
+from flashkit.ops.triton import interpreter
+from flashkit.ops.triton.common import (
+    LN2_JIT,
+    LOG2E_JIT,
+    alibi_args,
+    alibi_bias,
+    cdiv,
+    head_ptr,
+    interpreting,
+    key_tile_ranges,
+    load_alibi_log2,
+    load_tile,
+    online_softmax_update,
+    score_args,
+    scores,
+    store_tile,
+    tile_ptrs,
+    visible,
+    window_args,
+)
+
+interpreter.patch_float8_casts()
+
+FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# P's scale before its cast to fp8: the largest power of two at or below the format's largest
+# finite value, so P * P_SCALE <= that value (see the module docstring).
+P_SCALE = {torch.float8_e4m3fn: 256.0, torch.float8_e5m2: 32768.0}
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per head dim on sm_90: starting points sized from the
+# 16-bit forward's table with half the bytes per K/V tile; benchmarks/suites/fp8.py --sweep
+# times the alternatives.
+TILES = {
+    64: (128, 128, 8, 3),  # sm_90 compile: 185 registers, no spills (4 warps: 255 and spills)
+    128: (128, 128, 8, 3),  # 211 registers, K and V tiles both through cp.async
+    256: (128, 64, 8, 3),  # 234 registers (BLOCK_N 128: 255 and spills)
+}
+INTERPRETER_TILE = (32, 32, 1, 1)  # CPU tests: small tiles exercise every loop split
+MIN_BLOCK_D = 32  # fp8 wgmma reduces over 32 elements at a time
+
+
+def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             params: AttentionParams) -> str | None:
+    """None when this kernel computes the call, else why not (a phrase naming the feature)."""
+    if q.dtype not in FLOAT8_DTYPES:
+        return f"inputs are {q.dtype}, not float8"
+    if not interpreting():
+        if not q.is_cuda:
+            return "float8 attention runs on CUDA tensors"
+        if torch.cuda.get_device_capability(q.device) < (8, 9):
+            return "float8 matmuls need a GPU of compute capability 8.9 or newer"
+    if params.dropout_p > 0:
+        return "dropout is not supported with float8 inputs (forward only, inference)"
+    if params.is_varlen:
+        return "varlen (packed) inputs are not supported with float8 inputs"
+    if params.attn_bias is not None:
+        return "attn_mask is not supported with float8 inputs"
+    return None
+
+
+def tile_for(head_dim: int) -> tuple[int, int, int, int]:
+    """The tile of a (padded) head dim: the table's row for the smallest entry that holds it."""
+    if interpreting():
+        return INTERPRETER_TILE
+    return TILES[min(d for d in TILES if d >= head_dim)]
+
+
+@triton.jit
+def _fp8_tiles(acc, m_i, l_i, q_tile, k_base, v_base, stride_ks, stride_kd, stride_vs,
+               stride_vd, start, end, offs_m, offs_d, offs_dv, seqlen_q, seqlen_k, window_left,
+               window_right, qk_scale, softcap_scale, alibi_log2,
+               HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
+               BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, P_SCALE: tl.constexpr,
+               MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+               SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
+    """Stream key tiles [start, end) into (acc, m_i, l_i); MASKED applies the band predicate.
+    acc holds sum P_SCALE * P V8 in fp32, in the scale of the running max m_i."""
+    for start_n in tl.range(start, end, BLOCK_N):
+        # every tile that runs starts at a multiple of BLOCK_N (common.key_tile_ranges)
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k_tile = load_tile(tile_ptrs(k_base, offs_n, offs_d, stride_ks, stride_kd), offs_n,
+                           seqlen_k, offs_d, HEAD_DIM, MASKED, HEAD_DIM != BLOCK_D)
+        # [BLOCK_M, BLOCK_N] = [BLOCK_M, BLOCK_D] @ [BLOCK_D, BLOCK_N], fp8 in, fp32 out
+        qk = tl.dot(q_tile, tl.trans(k_tile))
+        s = scores(qk, qk_scale, softcap_scale, SOFTCAP)
+        if ALIBI:
+            s = s - alibi_bias(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, alibi_log2)
+        if MASKED:
+            keep = visible(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, window_left,
+                           window_right, HAS_LEFT, HAS_RIGHT)
+            s = tl.where(keep, s, float("-inf"))
+        p, alpha, m_i, l_i = online_softmax_update(m_i, l_i, s, MASKED)
+        # [BLOCK_N, BLOCK_DV], key axis contiguous in memory (stride_vs == 1): K-major for wgmma
+        v_tile = load_tile(tile_ptrs(v_base, offs_n, offs_dv, stride_vs, stride_vd), offs_n,
+                           seqlen_k, offs_dv, HEAD_DIM_V, MASKED, HEAD_DIM_V != BLOCK_DV)
+        # [BLOCK_M, BLOCK_DV] = [BLOCK_M, BLOCK_N] @ [BLOCK_N, BLOCK_DV], fp8 in, fp32 out
+        acc = tl.dot((p * P_SCALE).to(v_tile.dtype), v_tile, acc * alpha[:, None])
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _fp8_fwd_kernel(Q, K, V, Out, Lse, Q_descale, K_descale, V_descale,
+                    stride_qb, stride_qs, stride_qh, stride_qd,
+                    stride_kb, stride_ks, stride_kh, stride_kd,
+                    stride_vb, stride_vs, stride_vh, stride_vd,
+                    stride_ob, stride_os, stride_oh, stride_od,
+                    stride_lb, stride_lh, stride_ls,
+                    stride_qdb, stride_qdh, stride_kdb, stride_kdh, stride_vdb, stride_vdh,
+                    nheads, group, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
+                    softcap_scale, Alibi, stride_ab, stride_ah, Sink,
+                    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
+                    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    P_SCALE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, SINK: tl.constexpr,
+                    EVEN_M: tl.constexpr):
+    """SINK: one logit per query head joins every row's denominator (m = sink, l = 1 at the
+    start), as in forward.py."""
+    # Heaviest query tiles first: under a causal band the last rows see the most keys.
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    off_b = (pid_bh // nheads).to(tl.int64)
+    off_h = (pid_bh % nheads).to(tl.int64)
+    off_hk = off_h // group  # GQA: query head h reads kv head h // group
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+
+    # The descales fold into the score scale: under a softcap it acts on scale * q . k, which
+    # softcap_scale multiplies, else qk_scale does.
+    qk_descale = (tl.load(Q_descale + off_b * stride_qdb + off_h * stride_qdh)
+                  * tl.load(K_descale + off_b * stride_kdb + off_hk * stride_kdh))
+    if SOFTCAP:
+        softcap_scale = softcap_scale * qk_descale
+    else:
+        qk_scale = qk_scale * qk_descale
+    v_descale = tl.load(V_descale + off_b * stride_vdb + off_hk * stride_vdh)
+
+    q_ptrs = tile_ptrs(head_ptr(Q, off_b, off_h, 0, stride_qb, stride_qh, stride_qs),
+                       offs_m, offs_d, stride_qs, stride_qd)
+    q_tile = load_tile(q_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, not EVEN_M,
+                       HEAD_DIM != BLOCK_D)
+    k_base = head_ptr(K, off_b, off_hk, 0, stride_kb, stride_kh, stride_ks)
+    v_base = head_ptr(V, off_b, off_hk, 0, stride_vb, stride_vh, stride_vs)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if SINK:
+        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(Sink + off_h) * LOG2E_JIT
+        l_i = l_i + 1.0
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    alibi_log2 = load_alibi_log2(Alibi, off_b, off_h, stride_ab, stride_ah, ALIBI)
+
+    lo, mid_lo, mid_hi, hi = key_tile_ranges(start_m, seqlen_q, seqlen_k, window_left,
+                                             window_right, BLOCK_M, BLOCK_N, HAS_LEFT,
+                                             HAS_RIGHT)
+    acc, m_i, l_i = _fp8_tiles(acc, m_i, l_i, q_tile, k_base, v_base, stride_ks, stride_kd,
+                               stride_vs, stride_vd, lo, mid_lo, offs_m, offs_d, offs_dv,
+                               seqlen_q, seqlen_k, window_left, window_right, qk_scale,
+                               softcap_scale, alibi_log2, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
+                               BLOCK_DV, BLOCK_N, P_SCALE, True, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+                               ALIBI)
+    acc, m_i, l_i = _fp8_tiles(acc, m_i, l_i, q_tile, k_base, v_base, stride_ks, stride_kd,
+                               stride_vs, stride_vd, mid_lo, mid_hi, offs_m, offs_d, offs_dv,
+                               seqlen_q, seqlen_k, window_left, window_right, qk_scale,
+                               softcap_scale, alibi_log2, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
+                               BLOCK_DV, BLOCK_N, P_SCALE, False, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+                               ALIBI)
+    acc, m_i, l_i = _fp8_tiles(acc, m_i, l_i, q_tile, k_base, v_base, stride_ks, stride_kd,
+                               stride_vs, stride_vd, mid_hi, hi, offs_m, offs_d, offs_dv,
+                               seqlen_q, seqlen_k, window_left, window_right, qk_scale,
+                               softcap_scale, alibi_log2, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
+                               BLOCK_DV, BLOCK_N, P_SCALE, True, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+                               ALIBI)
+
+    # A row that saw no key (and no sink) has l = 0: out = 0 (acc is 0) and lse = -inf, never
+    # NaN; with a sink it has l = 1 and lse = sink.
+    has_mass = l_i > 0.0
+    l_safe = tl.where(has_mass, l_i, 1.0)
+    out_tile = acc * (v_descale / P_SCALE) / l_safe[:, None]
+    lse = tl.where(has_mass, (m_i + tl.math.log2(l_safe)) * LN2_JIT, float("-inf"))
+
+    o_ptrs = tile_ptrs(head_ptr(Out, off_b, off_h, 0, stride_ob, stride_oh, stride_os),
+                       offs_m, offs_dv, stride_os, stride_od)
+    store_tile(o_ptrs, out_tile.to(Out.dtype.element_ty), offs_m, seqlen_q, offs_dv, HEAD_DIM_V,
+               not EVEN_M, HEAD_DIM_V != BLOCK_DV)
+    lse_ptrs = head_ptr(Lse, off_b, off_h, 0, stride_lb, stride_lh, stride_ls) + offs_m * stride_ls
+    if EVEN_M:
+        tl.store(lse_ptrs, lse)
+    else:
+        tl.store(lse_ptrs, lse, mask=offs_m < seqlen_q)
+
+
+def key_major(v: torch.Tensor) -> torch.Tensor:
+    """v (batch, seqlen_k, nheads_k, d_v) as a view with the key axis contiguous (stride 1).
+
+    v itself when it already is one; else a copy stored as (batch, nheads_k, d_v, seqlen_k) with
+    the key axis padded to a multiple of 16, so every row of a V^T tile starts 16-byte aligned
+    and loads vectorise (the padding is never read: key tails are masked).
+    """
+    if v.stride(1) == 1:
+        return v
+    batch, seqlen_k, nheads_k, head_dim_v = v.shape
+    store = torch.empty((batch, nheads_k, head_dim_v, cdiv(seqlen_k, 16) * 16), dtype=v.dtype,
+                        device=v.device)
+    store[..., :seqlen_k].copy_(v.permute(0, 2, 3, 1))
+    return store[..., :seqlen_k].permute(0, 3, 1, 2)
+
+
+def descale_args(descale: torch.Tensor | None, heads: int, group: int, placeholder):
+    """(tensor, stride_batch, stride_head) of a float32 descale for a kernel that indexes it by
+    `heads` heads: None reads 1.0 from `placeholder`; (1,) gets strides 0; a (batch, heads //
+    group) q_descale (FA3's shape: one per kv head) is repeated over each group's query heads."""
+    if descale is None:
+        return placeholder, 0, 0
+    if descale.dim() == 1:
+        return descale, 0, 0
+    if descale.shape[1] != heads:
+        descale = descale.repeat_interleave(group, dim=1)
+    return descale, descale.stride(0), descale.stride(1)
+
+
+def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: AttentionParams,
+                      q_descale: torch.Tensor | None = None,
+                      k_descale: torch.Tensor | None = None,
+                      v_descale: torch.Tensor | None = None,
+                      out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+                      tile: tuple[int, int, int, int] | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the FP8 forward. Returns (out bf16, lse float32); out/lse may be preallocated.
+
+    q, k, v share one float8 dtype (checked by the API); descales are float32 (1,) or
+    (batch, nheads_k), q_descale also (batch, nheads); None means 1. tile = (BLOCK_M, BLOCK_N,
+    num_warps, num_stages) overrides the table (the benchmark's sweep).
+    """
+    batch, seqlen_q, nheads, head_dim = q.shape
+    _, seqlen_k, nheads_k, head_dim_v = v.shape
+    group = nheads // nheads_k
+    if out is None:
+        out = torch.empty((batch, seqlen_q, nheads, head_dim_v), dtype=torch.bfloat16,
+                          device=q.device)
+    if lse is None:
+        lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
+    block_d = max(MIN_BLOCK_D, triton.next_power_of_2(head_dim))
+    block_dv = max(MIN_BLOCK_D, triton.next_power_of_2(head_dim_v))
+    block_m, block_n, num_warps, num_stages = tile or tile_for(max(block_d, block_dv))
+    v = key_major(v)
+    one = torch.ones(1, dtype=torch.float32, device=q.device)
+    q_desc = descale_args(q_descale, nheads, group, one)
+    k_desc = descale_args(k_descale, nheads_k, 1, one)
+    v_desc = descale_args(v_descale, nheads_k, 1, one)
+    window_left, window_right, has_left, has_right = window_args(params)
+    qk_scale, softcap_scale, softcap = score_args(params)  # exact tanh: fp32 scores
+    alibi, alibi_strides, has_alibi = alibi_args(params, lse)
+    sink = lse if params.sink is None else params.sink.to(torch.float32)
+    grid = (cdiv(seqlen_q, block_m), batch * nheads)
+    _fp8_fwd_kernel[grid](
+        q, k, v, out, lse, q_desc[0], k_desc[0], v_desc[0],
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
+        *q_desc[1:], *k_desc[1:], *v_desc[1:],
+        nheads, group, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale,
+        alibi, *alibi_strides, sink,
+        HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
+        BLOCK_M=block_m, BLOCK_N=block_n, P_SCALE=P_SCALE[q.dtype], HAS_LEFT=has_left,
+        HAS_RIGHT=has_right, SOFTCAP=softcap, ALIBI=has_alibi, SINK=params.sink is not None,
+        EVEN_M=seqlen_q % block_m == 0, num_warps=num_warps, num_stages=num_stages)
+    return out, lse

@@ -1,0 +1,77 @@
+"""The benchmark suites load and answer --help on the CPU; the shared helpers compute what the
+benchmark method says (FLOP counts, result files)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import common  # noqa: E402
+import run  # noqa: E402
+
+SUITES = sorted(run.suites())
+DIAGNOSTICS = sorted(p.name for p in (BENCH / "diagnostics").glob("*.py"))
+
+
+def help_text(argv_main) -> str:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = argv_main()
+    assert code in (0, None), out.getvalue()
+    return out.getvalue()
+
+
+def test_the_named_suites_exist():
+    assert {"speed", "decode", "features", "jax", "ring"} <= set(SUITES)
+
+
+@pytest.mark.parametrize("suite", SUITES)
+def test_suite_help_through_run_py(suite):
+    text = help_text(lambda: run.main([suite, "--help"]))
+    assert "usage:" in text and "--out" in text, text
+
+
+@pytest.mark.parametrize("name", DIAGNOSTICS)
+def test_diagnostic_help(name, monkeypatch):
+    monkeypatch.setattr(sys, "argv", [name, "--help"])
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as done:
+        runpy.run_path(str(BENCH / "diagnostics" / name), run_name="__main__")
+    assert done.value.code == 0 and "usage:" in out.getvalue()
+
+
+def test_run_py_lists_suites_and_rejects_unknown(capsys):
+    assert run.main([]) == 0
+    listing = capsys.readouterr().out
+    assert all(f"  {name}" in listing for name in SUITES)
+    assert run.main(["no_such_suite"]) == 2
+
+
+def test_flops_follow_the_method():
+    # forward 4 b h s^2 d, causal half; backward 2.5x, step 3.5x
+    assert common.flops(2, 16, 1024, 128, False) == 4 * 2 * 16 * 1024 * 1024 * 128
+    assert common.flops(2, 16, 1024, 128, True) == 2 * 2 * 16 * 1024 * 1024 * 128
+    fwd = common.flops(1, 8, 512, 64, True)
+    assert common.flops(1, 8, 512, 64, True, "bwd") == 2.5 * fwd
+    assert common.flops(1, 8, 512, 64, True, "step") == 3.5 * fwd
+    assert common.tflops(1e12, 1000.0) == 1.0
+
+
+def test_result_files(tmp_path):
+    result = common.Result("speed", str(tmp_path), tag="t", config={"grid": "quick"})
+    result.save("rows", [{"a": 1.5}])
+    result.markdown(common.table([{"a": 1.5, "b": None}], ["a", "b"]))
+    data = json.loads(result.path.read_text())
+    assert data["suite"] == "speed" and data["rows"] == [{"a": 1.5}]
+    assert {"date", "device", "torch", "triton"} <= set(data["env"])
+    assert result.path.name.endswith("_t.json")
+    assert result.path.with_suffix(".md").read_text().splitlines()[2] == "| 1.5 | - |"
