@@ -85,12 +85,12 @@ def test_paged_prefill_matches_oracle_on_gpu(page_size, mask, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("page_size", [16, 128])
 def test_paged_prefill_unspecialized_tile_on_gpu(page_size, monkeypatch):
-    """The configured tile (causal 512 at d128: unspecialized) instead of _prefill_tile's: the
+    """The configured tile (causal 512 at d128: unspecialized) instead of prefill.tile's: the
     consumer issues its own paged loads; NaN everywhere but the keys."""
     from flashkit.ops.triton.configs import gluon_forward_tile
 
     calls = _spy(monkeypatch)
-    monkeypatch.setattr(kvcache, "_prefill_tile", lambda q, params, page_size: gluon_forward_tile(
+    monkeypatch.setattr(prefill, "tile", lambda q, params, page_size: gluon_forward_tile(
         q.shape[-1], q.shape[1], params.window_right is not None))
     case = _case(page_size=page_size, mask="causal")
     _poison(case)
@@ -119,7 +119,7 @@ PAGED_FEATURES = {  # name: (Case options, call options)
     "no_append": (dict(mask="causal", seqlen_new=0), {}),
     "mha_d64": (dict(mask="causal", d=64, nheads_k=16, page_size=16), {}),
     "d256": (dict(mask="full", d=256, page_size=32), {}),
-    # 256 queries: _prefill_tile's one-consumer specialized tile for paged caches
+    # 256 queries: prefill.tile's one-consumer specialized tile for paged caches
     "q256_page16_softcap_alibi_sink": (dict(seqlen_q=256, page_size=16, mask="causal",
                                             softcap=3.0, alibi_slopes=torch.rand(16),
                                             sink=torch.randn(16)), {}),
