@@ -25,16 +25,21 @@ FEATURES = {  # name -> (shape keywords of random_qkv, flash_attn_func keywords)
                           dict(deterministic=True, return_attn_probs=True)),
 }
 BACKENDS = ["torch", "triton"]
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton kernels' (else interpreted)
 
 
-def _inputs(shape, kwargs):
-    q, k, v = random_qkv(**shape, headdim=16)
+def _device(backend):
+    return DEVICE if backend == "triton" else "cpu"
+
+
+def _inputs(shape, kwargs, device):
+    q, k, v = (t.to(device) for t in random_qkv(**shape, headdim=16))
     kwargs = dict(kwargs)
     nheads = shape["nheads"]
     if kwargs.pop("sink", False):
-        kwargs["sink"] = sink(nheads)
+        kwargs["sink"] = sink(nheads).to(device)
     if kwargs.get("alibi_slopes") == "batch":
-        kwargs["alibi_slopes"] = alibi_slopes(nheads, batch=shape["batch"])
+        kwargs["alibi_slopes"] = alibi_slopes(nheads, batch=shape["batch"]).to(device)
     return q, k, v, kwargs
 
 
@@ -78,14 +83,14 @@ def _assert_equal(eager, compiled):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("feature", list(FEATURES))
 def test_dense_eager_equals_compiled(feature, backend, op_calls):
-    q, k, v, kwargs = _inputs(*FEATURES[feature])
+    q, k, v, kwargs = _inputs(*FEATURES[feature], _device(backend))
     grad_sink = kwargs.pop("sink", None)
     leaves = [t for t in (q, k, v, grad_sink) if t is not None]
 
     def fn(q, k, v, sink=None):
         got = flashkit.flash_attn_func(q, k, v, **kwargs, sink=sink, backend=backend)
         outs = got[:2] if isinstance(got, tuple) else (got,)
-        weights = torch.linspace(-1, 1, outs[0].shape[-1])
+        weights = torch.linspace(-1, 1, outs[0].shape[-1], device=q.device)
         loss = (outs[0] * weights).sum() + (outs[1].sum() if len(outs) > 1 else 0)
         return outs, loss
 
@@ -96,14 +101,16 @@ def test_dense_eager_equals_compiled(feature, backend, op_calls):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_varlen_eager_equals_compiled(backend, op_calls):
-    inputs = random_varlen([3, 0, 6], [4, 2, 6], nheads=2, nheads_k=1, headdim=16)
+    device = _device(backend)
+    inputs = {name: t.to(device) if isinstance(t, torch.Tensor) else t for name, t in
+              random_varlen([3, 0, 6], [4, 2, 6], nheads=2, nheads_k=1, headdim=16).items()}
     q, k, v = (inputs.pop(n) for n in ("q", "k", "v"))
-    sinks = sink(2)
+    sinks = sink(2).to(device)
 
     def fn(q, k, v, sinks):
         out = flashkit.flash_attn_varlen_func(q, k, v, **inputs, causal=True, softcap=3.0,
                                               sink=sinks, backend=backend)
-        return (out,), (out * torch.linspace(-1, 1, out.shape[-1])).sum()
+        return (out,), (out * torch.linspace(-1, 1, out.shape[-1], device=q.device)).sum()
 
     eager, compiled = _run_both(fn, [q, k, v, sinks], op_calls)
     assert op_calls, "the compiled path did not take the custom op"

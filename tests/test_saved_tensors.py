@@ -10,6 +10,12 @@ import flashkit
 from helpers import alibi_slopes, random_qkv, random_varlen, sink
 
 BACKENDS = ["torch", "triton"]
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton kernels' (else interpreted)
+
+
+def on(backend, *tensors):
+    device = DEVICE if backend == "triton" else "cpu"
+    return [t.to(device) for t in tensors]
 
 
 def saved_by_forward(fn, inputs: dict) -> list[torch.Tensor]:
@@ -38,13 +44,13 @@ def check_saved(saved, out, lse_shape):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("feature", ["plain", "sink", "alibi"])
 def test_dense_forward_saves_out_and_lse(backend, dtype, feature):
-    q, k, v = random_qkv(2, 9, 11, 4, 2, headdim=16, dtype=dtype)
+    q, k, v = on(backend, *random_qkv(2, 9, 11, 4, 2, headdim=16, dtype=dtype))
     inputs = dict(q=q.requires_grad_(), k=k.requires_grad_(), v=v.requires_grad_(), causal=True,
                   backend=backend)
     if feature == "sink":
-        inputs["sink"] = sink(4).requires_grad_()
+        inputs["sink"] = on(backend, sink(4))[0].requires_grad_()
     if feature == "alibi":
-        inputs["alibi_slopes"] = alibi_slopes(4)
+        inputs["alibi_slopes"] = on(backend, alibi_slopes(4))[0]
     saved = saved_by_forward(flashkit.flash_attn_func, inputs)
     check_saved(saved, q, (2, 4, 9))
 
@@ -52,6 +58,8 @@ def test_dense_forward_saves_out_and_lse(backend, dtype, feature):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_varlen_forward_saves_out_and_lse(backend):
     inputs = random_varlen([3, 0, 7], [5, 2, 7], nheads=2, headdim=16, dtype=torch.bfloat16)
+    for name in ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k"):
+        inputs[name] = on(backend, inputs[name])[0]
     for name in ("q", "k", "v"):
         inputs[name].requires_grad_()
     saved = saved_by_forward(flashkit.flash_attn_varlen_func, dict(inputs, backend=backend))

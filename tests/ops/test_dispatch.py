@@ -15,10 +15,12 @@ import flashkit
 from flashkit.ops.triton import dispatch
 from helpers import random_qkv
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton kernels' (else interpreted)
+
 
 def test_log_names_the_kernel_and_the_declines(caplog, monkeypatch):
     monkeypatch.setattr(dispatch, "_plans", {})
-    q, k, v = (t.requires_grad_() for t in random_qkv(1, 5, 5, 2, headdim=16))
+    q, k, v = (t.to(DEVICE).requires_grad_() for t in random_qkv(1, 5, 5, 2, headdim=16))
     with caplog.at_level(logging.DEBUG, logger="flashkit.dispatch"):
         flashkit.flash_attn_func(q, k, v, causal=True, backend="triton").sum().backward()
     messages = [r.getMessage() for r in caplog.records if r.name == "flashkit.dispatch"]
@@ -29,7 +31,7 @@ def test_log_names_the_kernel_and_the_declines(caplog, monkeypatch):
 
 def test_choices_are_cached_per_key(monkeypatch):
     monkeypatch.setattr(dispatch, "_plans", {})
-    q, k, v = random_qkv(1, 5, 5, 2, headdim=16)
+    q, k, v = (t.to(DEVICE) for t in random_qkv(1, 5, 5, 2, headdim=16))
     for _ in range(3):
         flashkit.flash_attn_func(q, k, v, backend="triton")
     assert len(dispatch._plans) == 1

@@ -42,22 +42,23 @@ def low_limit(monkeypatch):
 
 def test_dense_folded_matches_oracle(low_limit):
     """b x h = 12 > 4: forward (y, z) = (4, 3), backward's dK/dV over b x hk = 6 = (3, 2)."""
-    q, k, v = random_qkv(3, 9, 11, 4, 2, headdim=16)
+    q, k, v = (t.to(DEVICE) for t in random_qkv(3, 9, 11, 4, 2, headdim=16))
     check_against_oracle(triton_attention, dict(q=q, k=k, v=v, causal=True))
 
 
 def test_varlen_folded_matches_oracle(low_limit):
     """6 sequences x 2 heads = 12 programs per query block."""
     inputs = random_varlen([3, 1, 0, 5, 2, 4], [2, 6, 1, 5, 3, 4], nheads=2, headdim=16)
-    check_against_oracle(triton_attention, inputs)
+    check_against_oracle(triton_attention, {name: t.to(DEVICE) if isinstance(t, torch.Tensor)
+                                            else t for name, t in inputs.items()})
 
 
 def test_decode_folded_matches_oracle(low_limit):
     """A decoding step of batch 6 x 2 kv heads = 12 > 4 (y, x) programs, split along the keys."""
     batch, nheads, nheads_k, d = 6, 4, 2, 16
-    q = torch.randn(batch, 1, nheads, d)
-    k_cache, v_cache = (torch.randn(batch, 40, nheads_k, d) for _ in range(2))
-    lens = torch.tensor([3, 40, 17, 0, 29, 8], dtype=torch.int32)
+    q = torch.randn(batch, 1, nheads, d, device=DEVICE)
+    k_cache, v_cache = (torch.randn(batch, 40, nheads_k, d, device=DEVICE) for _ in range(2))
+    lens = torch.tensor([3, 40, 17, 0, 29, 8], dtype=torch.int32, device=DEVICE)
     got, lse = flashkit.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens,
                                                 num_splits=2, return_softmax_lse=True,
                                                 backend="triton")
