@@ -178,7 +178,7 @@ def fold(n: int) -> tuple[int, int]:
     grid dims y and z, which it reads back as program_id(1) + program_id(2) * num_programs(1)
     (so any batch x heads launches; z = 1, the plain grid, up to the limit)."""
     if n <= MAX_GRID_YZ:
-        return max(n, 1), 1
+        return n, 1
     return _fold(n, MAX_GRID_YZ)
 
 
