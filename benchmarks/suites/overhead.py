@@ -125,7 +125,7 @@ def decode_calls(cached: int) -> dict:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--calls", type=int, default=2000, help="calls per timed loop")
+    ap.add_argument("--calls", type=int, default=1000, help="calls per timed loop")
     add_out_argument(ap, "overhead")
     args = ap.parse_args(argv)
     result = Result("overhead", args.out, config={"calls": args.calls})

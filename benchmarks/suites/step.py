@@ -4,6 +4,7 @@ The public call, eager, and the same step captured in a CUDA graph, against PyTo
 FA2, efficient) and compiled FlexAttention in the same process.
 
     PYTHONPATH=src python3 benchmarks/suites/step.py --out DIR [--quick] [--no-flex]
+        [--budget SECONDS]
 
 Grid: bf16 and fp16, head dim 64/128/256, 1k/4k/16k tokens per sequence, batch x seqlen = 16k,
 heads x head dim = 2048, causal and not (--quick: bf16, d64/d128, 1k and 16k). TFLOP/s count the
@@ -17,6 +18,7 @@ import argparse
 import itertools
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
@@ -107,15 +109,20 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="bf16, d64/d128, 1k and 16k only")
     ap.add_argument("--no-flex", action="store_true", help="leave out compiled FlexAttention")
+    ap.add_argument("--budget", type=float, default=300.0,
+                    help="seconds after which no new cell starts")
     add_out_argument(ap, "step")
     args = ap.parse_args(argv)
     grid = QUICK if args.quick else FULL
     result = Result("step", args.out, config={
         "grid": {k: [str(x) for x in v] for k, v in grid.items()}, "flex": not args.no_flex})
     log(str(result.data["env"]))
-    rows = []
+    rows, deadline = [], time.time() + args.budget
     for dtype, head_dim, seqlen, causal in itertools.product(
             grid["dtypes"], grid["head_dims"], grid["seqlens"], (False, True)):
+        if time.time() > deadline:
+            log("budget spent: the grid stops here")
+            break
         rows.append(cell(dtype, head_dim, seqlen, causal, not args.no_flex))
         result.save("rows", rows)
         torch.cuda.empty_cache()
