@@ -161,14 +161,16 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sink, params: AttentionParams, backend: str):
         out, lse = custom_op.backend_module(backend).forward(q, k, v, params)
-        ctx.save_for_backward(q, k, v, out, lse)
+        # The sink too, so autograd sees it modified in place before the backward (it is an
+        # input: no extra memory); params' other tensors take no gradient.
+        ctx.save_for_backward(q, k, v, out, lse, sink)
         ctx.params, ctx.backend = params, backend
         ctx.set_materialize_grads(False)  # an unused lse passes None, not a tensor of zeros
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, _ = ctx.saved_tensors
         params = ctx.params
         dout = torch.zeros_like(out) if dout is None else dout
         dq, dk, dv, dsink = custom_op.backend_module(ctx.backend).backward(
