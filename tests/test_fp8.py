@@ -135,3 +135,22 @@ def test_forward_only():
         flashkit.flash_attn_func(q8, k8, v8, sink=sink, **descales)
     with pytest.raises(NotImplementedError, match="dropout is not supported with float8"):
         flashkit.flash_attn_func(q8, k8, v8, dropout_p=0.1, **descales)
+
+
+def test_tensor_core_accumulator_model():
+    """The FP8 tensor cores' accumulator as the fp8 baseline models it: 13 explicit mantissa
+    bits, truncated toward zero, after every 32 products."""
+    one = torch.tensor([1.0 + 2.0 ** -13, 1.0 + 2.0 ** -14, -(1.0 + 2.0 ** -14), 0.0, 3.0],
+                       dtype=torch.float64)
+    assert fp8.accumulator_round(one).tolist() == [1.0 + 2.0 ** -13, 1.0, -1.0, 0.0, 3.0]
+    # 2^14 + 1 needs 15 significant bits: inside one step of 32 the exact sum is truncated once
+    a = torch.tensor([[2.0 ** 14, 1.0]], dtype=torch.float64)
+    assert fp8.tensor_core_matmul(a, torch.ones(2, 1, dtype=torch.float64)).item() == 2.0 ** 14
+    # 2^14 then 63 ones: the first step's 2^14 + 31 truncates to 2^14 + 30 (the ulp is 2 in
+    # [2^14, 2^15)), the second adds 32 exactly: 2^14 + 62, not 2^14 + 63
+    a = torch.cat([torch.tensor([[2.0 ** 14]]), torch.ones(1, 63)], 1).double()
+    assert fp8.tensor_core_matmul(a, torch.ones(64, 1, dtype=torch.float64)).item() == (
+        2.0 ** 14 + 62)
+    small = torch.randint(-8, 8, (3, 5, 70)).double()  # sums below 2^14: exact
+    other = torch.randint(-8, 8, (3, 70, 4)).double()
+    assert torch.equal(fp8.tensor_core_matmul(small, other), small @ other)

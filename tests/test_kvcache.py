@@ -129,7 +129,7 @@ class Case:
         """(out, lse, new keys) of the materialised computation in `dtype` on the logical cache,
         taken before the call (the caches are mutated by it)."""
         batch, seqlen_q = self.q.shape[:2]
-        first = self.seqlens.long() - (0 if self.leftpad is None else self.leftpad.long())
+        first = self.seqlens.long()  # rotary positions are absolute slots (flash-attn)
         q, k_new = self.q.to(dtype), None
         if self.k_new is not None:
             k_new = self.k_new.to(dtype)
@@ -630,7 +630,7 @@ def test_append_kernel_flags_bad_indices_and_writes_nothing_out_of_bounds(case):
         pages_ok = not paged or all(0 <= int(p) < kc.shape[0]
                                     for p in table[b, :-(-max(n + 1, 0) // 16)])
         ok.append(0 <= n < 32 and 0 <= int(leftpad[b]) <= n and row_ok and pages_ok
-                  and n - int(leftpad[b]) + 1 <= angles.shape[0])
+                  and n + 1 <= angles.shape[0])
     assert seqlens_k.tolist() == [n + 1 if good else -1
                                   for n, good in zip(seqlens.tolist(), ok, strict=True)], case
     assert all(ok) == (case in ("valid", "unused_table_entries_padding", "int_seqlens")), case
@@ -648,7 +648,7 @@ def test_append_kernel_flags_bad_indices_and_writes_nothing_out_of_bounds(case):
     for b, n in enumerate(seqlens.tolist()):
         row = int(table[b, n // 16]) if paged and 0 <= n < 32 else int(rows[b])
         if 0 <= n < 32 and 0 <= int(leftpad[b]) <= n and 0 <= row < kc.shape[0] \
-                and n - int(leftpad[b]) + 1 <= angles.shape[0]:
+                and n + 1 <= angles.shape[0]:
             allowed.add((row, n % 16 if paged else n))
     changed = (kc != kc_before).flatten(2).any(-1) | (vc != vc_before).flatten(2).any(-1)
     for row, slot in changed.nonzero().tolist():

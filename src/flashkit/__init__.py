@@ -16,6 +16,7 @@ from flashkit.api import (
 )
 from flashkit.kvcache import flash_attn_with_kvcache
 from flashkit.sdpa import scaled_dot_product_attention
+from flashkit.variants import BlockMask, MaskMod, ScoreMod, create_block_mask
 
 __version__ = "0.1.0"
 
@@ -27,4 +28,8 @@ __all__ = [
     "flash_attn_with_kvcache",
     "scaled_dot_product_attention",
     "reference",
+    "ScoreMod",
+    "MaskMod",
+    "BlockMask",
+    "create_block_mask",
 ]

@@ -22,6 +22,8 @@ import torch
 from flashkit import checks, fp8, reference
 from flashkit.ops import custom_op
 from flashkit.ops.params import AttentionParams, accumulation_dtype
+from flashkit.variants import autograd as variant_autograd
+from flashkit.variants import mods as variant_mods
 
 __all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
            "flash_attn_varlen_func"]
@@ -30,7 +32,8 @@ __all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
                     return_attn_probs=False, *, sink=None, backend=None, q_descale=None,
-                    k_descale=None, v_descale=None):
+                    k_descale=None, v_descale=None, score_mod=None, mask_mod=None,
+                    block_mask=None, return_softmax_lse=False):
     """Exact attention of q (batch, seqlen_q, nheads, d) over k, v (batch, seqlen_k, nheads_k, d).
 
     causal/window_size are bottom-right aligned when seqlen_q != seqlen_k; window_size=(left,
@@ -38,24 +41,32 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     (nheads,) or (batch, nheads); softcap > 0 applies cap * tanh(s / cap); sink (nheads,) adds
     one value-less logit to every row's softmax. Returns out (batch, seqlen_q, nheads, d_v), or
     (out, lse (batch, nheads, seqlen_q), probs (batch, nheads, seqlen_q, seqlen_k)) when
-    return_attn_probs (probs materialise the whole matrix: for testing at small sizes).
+    return_attn_probs (probs materialise the whole matrix: for testing at small sizes), or
+    (out, lse) with return_softmax_lse alone (nothing materialised).
     float8 q, k, v (forward only, bf16 out) take float32 q/k/v_descale, (1,) or (batch,
     nheads_k): see flashkit.fp8.
+    score_mod, mask_mod, block_mask: user variants, FlexAttention's meaning (docs/variants.md).
     """
     checks.dense_qkv(q, k, v, checks.DTYPES + checks.FLOAT8_DTYPES)
     float8 = checks.descales(q, k, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
     params = build_params(q, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                      deterministic, sink, batch=q.shape[0])
+    params = variant_mods.attach(params, q, score_mod, mask_mod, block_mask, q.shape[0],
+                                 q.shape[2], q.shape[1], k.shape[1])
     if float8:
+        if params.variant is not None:
+            raise NotImplementedError("score_mod/mask_mod/block_mask: float8 inputs take none")
+        if return_softmax_lse:
+            raise NotImplementedError("return_softmax_lse: not offered for float8 inputs")
         return fp8.attention(q, k, v, params, q_descale, k_descale, v_descale,
                              checks.backend(backend, q.device), return_attn_probs)
-    return _run(q, k, v, params, backend, return_attn_probs)
+    return _run(q, k, v, params, backend, return_attn_probs, return_softmax_lse)
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
                               window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                               deterministic=False, return_attn_probs=False, *, sink=None,
-                              backend=None):
+                              backend=None, return_softmax_lse=False):
     """flash_attn_func on qkv (batch, seqlen, 3, nheads, headdim); gradients flow to qkv."""
     checks.tensor("qkv", qkv, "(batch, seqlen, 3, nheads, headdim)")
     if qkv.shape[2] != 3:
@@ -63,13 +74,13 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
     q, k, v = qkv.unbind(2)
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                            alibi_slopes, deterministic, return_attn_probs, sink=sink,
-                           backend=backend)
+                           backend=backend, return_softmax_lse=return_softmax_lse)
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                              deterministic=False, return_attn_probs=False, *, sink=None,
-                             backend=None):
+                             backend=None, return_softmax_lse=False):
     """flash_attn_func on q and kv (batch, seqlen_k, 2, nheads_k, headdim)."""
     checks.tensor("kv", kv, "(batch, seqlen_k, 2, nheads_k, headdim)")
     if kv.shape[2] != 2:
@@ -77,14 +88,15 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
     k, v = kv.unbind(2)
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                            alibi_slopes, deterministic, return_attn_probs, sink=sink,
-                           backend=backend)
+                           backend=backend, return_softmax_lse=return_softmax_lse)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                            softcap=0.0, alibi_slopes=None, deterministic=False,
                            return_attn_probs=False, *, sink=None, backend=None,
-                           sync_checks=False):
+                           score_mod=None, mask_mod=None, block_mask=None,
+                           return_softmax_lse=False, sync_checks=False):
     """Attention over sequences packed without padding: q (total_q, nheads, d), k/v (total_k,
     nheads_k, d), sequence b spanning rows cu_seqlens[b]:cu_seqlens[b + 1] (int32, batch + 1).
     Masks align per sequence. lse is (nheads, total_q); probs a list of per-sequence matrices.
@@ -99,7 +111,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                      deterministic, sink, batch=batch, nheads=q.shape[1],
                      cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                      max_seqlen_q=int(max_seqlen_q), max_seqlen_k=int(max_seqlen_k))
-    return _run(q, k, v, params, backend, return_attn_probs)
+    params = variant_mods.attach(params, q, score_mod, mask_mod, block_mask, batch, q.shape[1],
+                                 int(max_seqlen_q), int(max_seqlen_k))
+    return _run(q, k, v, params, backend, return_attn_probs, return_softmax_lse)
 
 
 def build_params(q, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
@@ -123,8 +137,9 @@ def draw_dropout_seed() -> int:
     return int(torch.randint(0, 2**62, (), device="cpu"))
 
 
-def _run(q, k, v, params: AttentionParams, backend, return_attn_probs):
-    """Dispatch to a backend; returns out or (out, lse, probs)."""
+def _run(q, k, v, params: AttentionParams, backend, return_attn_probs, return_softmax_lse):
+    """Dispatch to a backend; returns out, (out, lse, probs), or (out, lse) with
+    return_softmax_lse alone."""
     name = checks.backend(backend, q.device)
     if name == "reference":  # the oracle: materialised, differentiated by autograd
         if params.dropout_p > 0:
@@ -134,13 +149,17 @@ def _run(q, k, v, params: AttentionParams, backend, return_attn_probs):
         out, lse, *probs = reference.attention_with_params(q, k, v, params,
                                                            return_probs=return_attn_probs)
         lse = lse.to(accumulation_dtype(q.dtype))
-        return (out, lse, probs[0]) if return_attn_probs else out
+        if return_attn_probs:
+            return out, lse, probs[0]
+        return (out, lse) if return_softmax_lse else out
     for arg, t in (("attn_mask", params.attn_bias), ("alibi_slopes", params.alibi_slopes)):
         if t is not None and t.requires_grad:
             raise NotImplementedError(f"{arg}: backend {name!r} computes no gradient for it; "
                                       "pass a tensor that does not require grad")
     require_available(name, q.device)
-    if torch.compiler.is_compiling():
+    if params.variant is not None:  # Python modifiers: not custom-op arguments
+        out, lse = variant_autograd.attention(q, k, v, params, name)
+    elif torch.compiler.is_compiling():
         out, lse = custom_op.attention(q, k, v, params, name)
     elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or (
             params.sink is not None and params.sink.requires_grad)):
@@ -148,7 +167,7 @@ def _run(q, k, v, params: AttentionParams, backend, return_attn_probs):
     else:
         out, lse = custom_op.backend_module(name).forward(q, k, v, params)
     if not return_attn_probs:
-        return out
+        return (out, lse) if return_softmax_lse else out
     probs = custom_op.backend_module(name).attention_probs(q, k, v, lse, params)
     return out, lse, probs
 

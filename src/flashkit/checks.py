@@ -350,9 +350,9 @@ def kvcache_values(cache_seqlens, seqlen_new, capacity, cache_batch_idx, cache_l
         raise ValueError(f"cache_leftpad: entries must be in [0, cache_seqlens]; sequence "
                          f"{bad[0]} has {leftpad[bad[0]]} > {seqlens[bad[0]]}")
     positions = [n - p for n, p in zip(seqlens, leftpad, strict=True)]
-    if seqlen_ro is not None and max(positions) + max(seqlen_new, q_rows) > seqlen_ro:
+    if seqlen_ro is not None and max(seqlens) + max(seqlen_new, q_rows) > seqlen_ro:
         raise ValueError(f"rotary_cos: {seqlen_ro} positions (seqlen_ro), but positions up to "
-                         f"{max(positions) + max(seqlen_new, q_rows) - 1} are rotated")
+                         f"{max(seqlens) + max(seqlen_new, q_rows) - 1} are rotated")
     if block_table is not None:
         table = block_table.tolist()
         for b, n in enumerate(seqlens):

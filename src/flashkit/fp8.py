@@ -25,13 +25,15 @@ channels before quantisation. It must not be applied to v (the output would come
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import torch
 
 from flashkit import reference
 from flashkit.ops.params import AttentionParams
 
-__all__ = ["quantize", "dequantize", "hadamard_matrix", "rounded_reference", "FLOAT8_DTYPES"]
+__all__ = ["quantize", "dequantize", "hadamard_matrix", "rounded_reference", "tensor_core_matmul",
+           "FLOAT8_DTYPES"]
 
 FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -87,26 +89,89 @@ def dequantize(x8: torch.Tensor, descale: torch.Tensor | None,
     return x * descale
 
 
+# The FP8 tensor cores' accumulator (Hopper wgmma with fp8 operands and an fp32 result): it keeps
+# about 14 significant bits, not fp32's 24 (the DeepSeek-V3 Technical Report, DeepSeek-AI 2024,
+# section 3.3.2: "limited to retaining around 14 bits" on the H800), modelled here as 13 explicit
+# mantissa bits, truncated toward zero, after every instruction's reduction step of 32 products
+# (wgmma's K for 8-bit operands). Triton 3.6 on sm_90 accumulates fp8 dots this way throughout
+# (max_num_imprecise_acc defaults to 2^30, so it never promotes to a full fp32 sum): within the
+# head dim for Q K^T and across the whole key loop for P V.
+ACCUMULATOR_MANTISSA_BITS = 13
+ACCUMULATOR_STEP = 32
+
+
+def accumulator_round(x: torch.Tensor) -> torch.Tensor:
+    """x (float64) truncated toward zero to ACCUMULATOR_MANTISSA_BITS explicit mantissa bits."""
+    mantissa, exponent = torch.frexp(x)  # x = mantissa * 2^exponent, |mantissa| in [0.5, 1)
+    bits = ACCUMULATOR_MANTISSA_BITS + 1
+    return torch.ldexp(torch.trunc(mantissa * 2.0 ** bits), exponent - bits)
+
+
+def tensor_core_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b for float64 a (..., m, k), b (..., k, n) holding fp8 values, as the FP8 tensor
+    cores sum it: exact products, the running sum rounded by accumulator_round after every
+    ACCUMULATOR_STEP of the reduction axis, in order."""
+    acc = a.new_zeros((*torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]), a.shape[-2],
+                       b.shape[-1]))
+    for start in range(0, a.shape[-1], ACCUMULATOR_STEP):
+        step = slice(start, start + ACCUMULATOR_STEP)
+        acc = accumulator_round(acc + a[..., step] @ b[..., step, :])
+    return acc
+
+
+def _per_query_head(descale: torch.Tensor | None, nheads: int) -> torch.Tensor:
+    """A descale ((1,), (batch, h) with h dividing nheads, or None) as float64 (b, nheads, 1, 1)."""
+    if descale is None:
+        return torch.ones(1, 1, 1, 1, dtype=torch.float64)
+    descale = descale.to(torch.float64)
+    if descale.dim() == 1:
+        return descale.reshape(1, 1, 1, 1)
+    return descale.repeat_interleave(nheads // descale.shape[1], dim=1)[:, :, None, None]
+
+
 def rounded_reference(q8, k8, v8, params: AttentionParams, q_descale=None, k_descale=None,
                       v_descale=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out bf16, lse float32): the materialised attention of the dequantised inputs with the
-    FP8 kernel's own rounding: each row's P = exp(s - max s) in [0, 1] scaled by P_SCALE and
-    rounded to the inputs' fp8 format before P V (the row sum stays unrounded), the output
-    rounded to bf16 and lse computed in float32. The baseline of the testing rule
-    max|kernel - oracle| <= 2 max|baseline - oracle| + atol for fp8 (the kernel rounds P against
-    its running max, which is at most the row max: the same unit roundoff)."""
+    roundings of the FP8 kernel on a Hopper GPU. The baseline of the testing rule
+    max|kernel - oracle| <= 2 max|baseline - oracle| + atol for fp8.
+
+    - Scores: q8 . k8 summed by tensor_core_matmul (the accumulator's 14 significant bits;
+      the dominant error of lse), then scaled by softmax_scale * q_descale * k_descale.
+    - P: each row's exp(s - max s) in [0, 1], scaled by P_SCALE and rounded to the inputs' fp8
+      format (the dominant error of out); the row sum stays unrounded. The kernel rounds P
+      against its running max, at most the row max: the same unit roundoff.
+    - P V: P8 . v8 summed by tensor_core_matmul over the keys in order, then scaled by
+      v_descale; the output rounded to bf16, lse computed in float32.
+    On the CPU (Triton's interpreter sums fp8 products exactly) the kernel's error is below this
+    baseline's; the bound is meant for the GPU.
+    """
     from flashkit.ops.triton.forward_fp8 import P_SCALE
 
-    scale = P_SCALE[q8.dtype]
+    nheads, nheads_k = q8.shape[2], k8.shape[2]
+    groups = nheads // nheads_k
+    qh = q8.to(torch.float64).transpose(1, 2)  # (b, h, sq, d)
+    kh = k8.to(torch.float64).transpose(1, 2).repeat_interleave(groups, dim=1)  # (b, h, sk, d)
+    vh = v8.to(torch.float64).transpose(1, 2).repeat_interleave(groups, dim=1)  # (b, h, sk, dv)
+    qk_descale = _per_query_head(q_descale, nheads) * _per_query_head(k_descale, nheads)
+    score_scale = params.softmax_scale * qk_descale
+    s_exact = (qh @ kh.transpose(-1, -2)) * score_scale  # (b, h, sq, sk)
+    s_model = tensor_core_matmul(qh, kh.transpose(-1, -2)) * score_scale
+    if params.softcap > 0:
+        s_exact, s_model = (params.softcap * torch.tanh(s / params.softcap)
+                            for s in (s_exact, s_model))
+    # The oracle's own pipeline (softcap, ALiBi, sink, window) on the dequantised inputs, with
+    # the accumulator's score error added as a bias.
+    modelled = replace(params, attn_bias=s_model - s_exact)
     qf, kf, vf = (dequantize(x, d, torch.float64)
                   for x, d in zip((q8, k8, v8), (q_descale, k_descale, v_descale), strict=True))
-    out, lse, probs = reference.attention_with_params(qf, kf, vf, params, return_probs=True)
+    _, _, probs = reference.attention_with_params(qf, kf, vf, modelled, return_probs=True)
+    scale = P_SCALE[q8.dtype]
     row_max = probs.amax(-1, keepdim=True)
     p_rounded = (probs / torch.where(row_max > 0, row_max, 1) * scale).to(q8.dtype)
-    groups = qf.shape[2] // vf.shape[2]
-    v_heads = vf.repeat_interleave(groups, dim=2).transpose(1, 2)  # (b, h, sk, dv)
-    out = (p_rounded.to(torch.float64) @ v_heads) * (row_max / scale)
-    _, lse32 = reference.attention_with_params(qf.float(), kf.float(), vf.float(), params)
+    out = (tensor_core_matmul(p_rounded.to(torch.float64), vh) * (row_max / scale)
+           * _per_query_head(v_descale, nheads))
+    lse_modelled = replace(params, attn_bias=modelled.attn_bias.float())
+    _, lse32 = reference.attention_with_params(qf.float(), kf.float(), vf.float(), lse_modelled)
     return out.transpose(1, 2).to(torch.bfloat16), lse32.to(torch.float32)
 
 

@@ -62,9 +62,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     k, v (batch, seqlen_new, nheads_k, d): written into the cache at slots cache_seqlens ..
     cache_seqlens + seqlen_new - 1 before attention; this is the only in-place mutation. With
     duplicate cache_batch_idx the cache keeps one of the writes.
-    rotary_cos/sin (seqlen_ro, rotary_dim / 2) (needs k, v): the new k is rotated at positions
-    cache_seqlens - cache_leftpad + [0, seqlen_new); q at cache_seqlens - cache_leftpad +
-    [0, seqlen_q) when causal or local, else every query row at cache_seqlens - cache_leftpad.
+    rotary_cos/sin (seqlen_ro, rotary_dim / 2) (needs k, v): the new k is rotated at its
+    absolute slots cache_seqlens + [0, seqlen_new) (as flash-attn, also with cache_leftpad); q at
+    cache_seqlens + [0, seqlen_q) when causal or local, else every query row at cache_seqlens.
     rotary_interleaved pairs dims (0, 1), (2, 3)... (GPT-J), else (i, i + rotary_dim / 2).
     The keys of sequence b are its slots [leftpad, cache_seqlens + seqlen_new); causal and
     window_size are bottom-right aligned to them, so the query rows are the sequence's last

@@ -87,7 +87,7 @@ def attention_with_params(q, k, v, params: AttentionParams, dropout_mask=None,
         if dropout_mask is not None:
             mask = dropout_mask[b:b + 1, :, :sl_q.stop - sl_q.start, :sl_k.stop - sl_k.start]
         res = _dense(q[None, sl_q], k[None, sl_k], v[None, sl_k], params, slopes, mask,
-                     return_probs)
+                     return_probs, batch0=b)
         outs.append(res[0][0])
         lses.append(res[1][0])
         if return_probs:
@@ -96,7 +96,9 @@ def attention_with_params(q, k, v, params: AttentionParams, dropout_mask=None,
     return (out, lse, probs) if return_probs else (out, lse)
 
 
-def _dense(q, k, v, params: AttentionParams, alibi_slopes, dropout_mask, return_probs):
+def _dense(q, k, v, params: AttentionParams, alibi_slopes, dropout_mask, return_probs,
+           batch0=0):
+    """batch0: the index of q's first batch entry (a varlen sequence), for user modifiers."""
     batch, seqlen_q, nheads, _ = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     group = nheads // nheads_k
@@ -113,6 +115,8 @@ def _dense(q, k, v, params: AttentionParams, alibi_slopes, dropout_mask, return_
         s = s - slopes * alibi_distance(seqlen_q, seqlen_k, s.device).to(s.dtype)
     if params.attn_bias is not None:
         s = s + params.attn_bias.to(s.dtype)
+    if params.variant is not None:  # user score_mod, then mask_mod (flashkit.variants)
+        s = params.variant.dense(s, batch0)
     keep = visible(seqlen_q, seqlen_k, params.window_left, params.window_right, s.device)
     s = s.masked_fill(~keep, -math.inf)
 

@@ -2,12 +2,14 @@
 dequantised inputs (q8 * q_descale, ...).
 
 The error bound: fp8 is not covered by the bf16 rule, so the baseline is the same materialised
-computation with the kernel's own roundings (flashkit.fp8.rounded_reference: inputs in fp8, P
-scaled and rounded to fp8, output in bf16), and the rule is flash-attn's
+computation with the roundings of the kernel on a Hopper GPU (flashkit.fp8.rounded_reference:
+inputs in fp8, q8 . k8 and P8 . v8 summed in the FP8 tensor cores' accumulator of about 14
+significant bits, P scaled and rounded to fp8, output in bf16), and the rule is flash-attn's
     max|kernel - oracle| <= 2 * max|baseline - oracle| + 1e-5.
-The baseline is dominated by P's rounding: unit roundoff 2^-4 (e4m3, 3 mantissa bits) or 2^-3
-(e5m2, 2 bits) on each P, which averages down over the keys a row attends to; the measured
-bound per head dim and format is printed by benchmarks/suites/fp8.py and kept in docs/fp8.md.
+out's baseline is dominated by P's rounding: unit roundoff 2^-4 (e4m3, 3 mantissa bits) or 2^-3
+(e5m2, 2 bits) on each P, which averages down over the keys a row attends to. lse's is the
+accumulator's truncation of the scores (a few 1e-4 at |s| of a few units). The measured bound per
+head dim and format is printed by benchmarks/suites/fp8.py and kept in docs/fp8.md.
 
 CPU (TRITON_INTERPRET=1): the interpreter runs fp8 dots (it upcasts), and flashkit routes its
 fp8 casts through torch's rounding (ops/triton/interpreter.py), so the kernel itself runs at tiny

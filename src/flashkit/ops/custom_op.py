@@ -18,7 +18,7 @@ from flashkit.ops.params import AttentionParams, accumulation_dtype
 __all__ = ["attention", "backend_module", "BACKENDS"]
 
 BACKENDS = ("torch", "triton")
-_FIELDS = [f.name for f in dataclasses.fields(AttentionParams)]
+_FIELDS = [f.name for f in dataclasses.fields(AttentionParams) if f.name != "variant"]
 _TENSOR_FIELDS = ["alibi_slopes", "sink", "attn_bias", "cu_seqlens_q", "cu_seqlens_k"]
 
 

@@ -48,6 +48,9 @@ class AttentionParams:
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
     deterministic: bool = False
+    # flashkit.variants.mods.Variant: user score/mask modifiers and a block mask, or None. Not a
+    # custom-op argument (Python functions): calls with one take flashkit.variants.autograd.
+    variant: object | None = None
 
     @property
     def causal(self) -> bool:

@@ -71,7 +71,8 @@ def backward_dense(dout, q, k, v, out, lse, params: AttentionParams, alibi_slope
         for i0 in range(lo, hi, block_m):
             i1 = min(i0 + block_m, hi)
             q_t, do_t = q_g[..., i0:i1, :].to(acc_dtype), do_g[..., i0:i1, :].to(acc_dtype)
-            s, tanh = tile.scores(q_t, k_t, i0, i1, j0, j1, shift, params, slopes, bias)
+            s, chain = tile.scores(q_t, k_t, i0, i1, j0, j1, shift, params, slopes, bias,
+                                   batch0, grad=True)
             p = torch.exp(s - lse_safe[..., i0:i1, None])  # (b, hk, g, BM, BN)
             # Dropout: out = (P * Z) @ V with Z = keep / (1 - p), so dV sees P * Z and dP gains Z.
             drop = dropout.tile_scale(params, batch0, p.shape[:3], i0, i1, j0, j1, acc_dtype,
@@ -83,8 +84,8 @@ def backward_dense(dout, q, k, v, out, lse, params: AttentionParams, alibi_slope
             if drop is not None:
                 dp = dp * drop
             ds = p * (dp - delta[..., i0:i1, None])
-            if tanh is not None:
-                ds = ds * (1 - tanh * tanh)  # d(cap * tanh(x / cap))/dx
+            if chain is not None:  # softcap, score_mod: back to d / d(scale * q.k)
+                ds = chain(ds)
             dq_acc[..., i0:i1, :] += scale * (ds @ k_t)  # [BM, d] = [BM, BN] @ [BN, d]
             dk_t += scale * (ds.transpose(-1, -2) @ q_t).sum(2, keepdim=True)  # [BN, d]
         dk_g[..., j0:j1, :], dv_g[..., j0:j1, :] = dk_t, dv_t

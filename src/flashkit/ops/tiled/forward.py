@@ -68,7 +68,7 @@ def forward_dense(q, k, v, params: AttentionParams, alibi_slopes, block_m=BLOCK_
         for j0 in range(lo, hi, block_n):
             j1 = min(j0 + block_n, hi)
             s, _ = tile.scores(q_t, k_g[..., j0:j1, :].to(acc_dtype), i0, i1, j0, j1, shift,
-                               params, slopes, bias)
+                               params, slopes, bias, batch0)
             drop = dropout.tile_scale(params, batch0, state_shape, i0, i1, j0, j1, acc_dtype,
                                       q.device)
             m, l, acc = tile.online_update(m, l, acc, s, v_g[..., j0:j1, :].to(acc_dtype), drop)

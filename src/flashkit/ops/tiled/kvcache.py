@@ -49,17 +49,16 @@ def prepare(q, k_cache, v_cache, cache: KVCacheArgs):
     if cache_leftpad is None:
         cache_leftpad = torch.zeros(batch, dtype=torch.int32, device=device)
     k, seqlen_new = cache.k, cache.seqlen_new
-    positions = cache_seqlens - cache_leftpad  # (b,) position of the first new token
-    if cache.rotary_cos is not None:
+    if cache.rotary_cos is not None:  # rotary positions are absolute slots (flash-attn)
         cos, sin, interleaved = cache.rotary_cos, cache.rotary_sin, cache.rotary_interleaved
-        first = positions.long()[:, None]
+        first = cache_seqlens.long()[:, None]
         q_pos = first + torch.arange(q.shape[1], device=device).clamp(max=cache.q_rows - 1)
         k_pos = first + torch.arange(seqlen_new, device=device)
         q = rotary(q, cos, sin, q_pos, interleaved)
         k = rotary(k, cos, sin, k_pos, interleaved)
     if k is not None:
         append(k_cache, v_cache, k, cache.v, cache_seqlens, cache_batch_idx, cache.block_table)
-    return q, positions + seqlen_new, cache_batch_idx, cache_leftpad
+    return q, cache_seqlens - cache_leftpad + seqlen_new, cache_batch_idx, cache_leftpad
 
 
 def rotary(x, cos, sin, positions, interleaved: bool):

@@ -41,7 +41,7 @@ def _dense_probs(q, k, lse, params: AttentionParams, alibi_slopes, batch0=0):
         for j0 in range(lo, hi, BLOCK_N):
             j1 = min(j0 + BLOCK_N, hi)
             s, _ = tile.scores(q_g[..., i0:i1, :].to(acc_dtype), k_g[..., j0:j1, :].to(acc_dtype),
-                               i0, i1, j0, j1, shift, params, slopes, bias)
+                               i0, i1, j0, j1, shift, params, slopes, bias, batch0)
             p = torch.exp(s - lse_safe[..., i0:i1, None])
             drop = dropout.tile_scale(params, batch0, p.shape[:3], i0, i1, j0, j1, acc_dtype,
                                       q.device)

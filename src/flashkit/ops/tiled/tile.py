@@ -50,28 +50,35 @@ def band_mask(i0, i1, j0, j1, shift, params: AttentionParams, device):
     return keep
 
 
-def scores(q_t, k_t, i0, i1, j0, j1, shift, params: AttentionParams, slopes, bias):
-    """Masked scores of one tile and, with softcap, tanh(raw / cap) for the backward pass.
+def scores(q_t, k_t, i0, i1, j0, j1, shift, params: AttentionParams, slopes, bias, batch0=0,
+           grad=False):
+    """Masked scores of one tile and, for the backward pass (grad=True), their chain rule.
 
     q_t (b, hk, g, BM, d), k_t (b, hk, 1, BN, d) in the accumulation dtype; slopes (b|1, hk, g)
-    or None; bias: the 5-D (b|1, hk|1, g|1, sq, sk) view of the SDPA bias, or None.
-    Returns s (b, hk, g, BM, BN) with -inf where masked, and tanh or None.
+    or None; bias: the 5-D (b|1, hk|1, g|1, sq, sk) view of the SDPA bias, or None; batch0:
+    the batch index of q_t's first entry (a varlen sequence), for user modifiers.
+    Returns s (b, hk, g, BM, BN) with -inf where masked, and chain: a function taking dL/ds to
+    dL/d(scale * q.k) (softcap's 1 - tanh^2, a score_mod's vector-Jacobian product), or None
+    where that is the identity.
     """
     s = (q_t @ k_t.transpose(-1, -2)) * params.softmax_scale  # [BM, BN] = [BM, d] @ [d, BN]
-    tanh = None
+    chain = None
     if params.softcap > 0:
         tanh = torch.tanh(s / params.softcap)
         s = params.softcap * tanh
+        chain = lambda ds: ds * (1 - tanh * tanh)  # noqa: E731  d(cap tanh(x / cap))/dx
     if slopes is not None:
         i = torch.arange(i0, i1, device=s.device, dtype=s.dtype)[:, None] + shift
         j = torch.arange(j0, j1, device=s.device, dtype=s.dtype)[None, :]
         s = s - slopes[..., None, None] * (i - j).abs()
     if bias is not None:
         s = s + bias[..., i0:i1, j0:j1].to(s.dtype)
+    if params.variant is not None:  # user score_mod, then mask_mod (flashkit.variants)
+        s, chain = params.variant.grouped_tile(s, batch0, i0, i1, j0, j1, chain, grad)
     keep = band_mask(i0, i1, j0, j1, shift, params, s.device)
     if keep is not None:
         s = s.masked_fill(~keep, -math.inf)
-    return s, tanh
+    return s, chain
 
 
 def online_update(m, l, acc, s, v_t, dropout=None):

@@ -9,8 +9,9 @@ checks, rotates and appends itself (decode.Step, with this module's rotation and
 Notation as in decode.py, plus:
     n_b          cache_seqlens[b]: filled slots of sequence b before the append (a tensor, or
                  one int for every sequence: then no tensor is made for it)
-    pos_b        n_b - leftpad_b: rotary position of its first new token (and of its query rows
-                 [pos_b, pos_b + seqlen_q), or all at pos_b, see q_rows)
+    pos_b        n_b - leftpad_b: the keys sequence b holds before the append
+    n_b          is also the rotary position of its first new token (absolute slots, as
+                 flash-attn), and of its query rows [n_b, n_b + seqlen_q), or all at n_b (q_rows)
     program      (b, i): token i of the new keys (i < seqlen_new) is rotated and written; query
                  row i (i < seqlen_q) is rotated into q_out; program (b, 0) also checks
                  sequence b's indices and writes seqlens_k[b]
@@ -123,7 +124,7 @@ def _append_kernel(Q, QOut, K, V, KCache, VCache, Cos, Sin, CacheSeqlens, CacheB
     if PAGE_SIZE == 0:
         ok = ok & (row >= 0) & (row < cache_rows)
     if ROTARY_HALF > 0:
-        ok = ok & (pos + tl.maximum(seqlen_new, q_rows) <= seqlen_ro)
+        ok = ok & (n + tl.maximum(seqlen_new, q_rows) <= seqlen_ro)
     table_row = BlockTable + off_b.to(tl.int64) * stride_bt
     if i == 0:
         checked = ok
@@ -148,8 +149,8 @@ def _append_kernel(Q, QOut, K, V, KCache, VCache, Cos, Sin, CacheSeqlens, CacheB
             slot = slot % PAGE_SIZE
         k_src = K + off_b.to(tl.int64) * stride_kb + i * stride_ks
         k_dst = KCache + slot_row * stride_kcb + slot * stride_kcs
-        cos_row = Cos + (pos + i) * stride_cs
-        sin_row = Sin + (pos + i) * stride_cs
+        cos_row = Cos + (n + i) * stride_cs
+        sin_row = Sin + (n + i) * stride_cs
         _rotate_heads(k_src, k_dst, nheads_k, stride_kh, stride_kd, stride_kch, stride_kcd,
                       cos_row, sin_row, stride_cd, ok, HEAD_DIM, BLOCK_D, BLOCK_HK, ROTARY_HALF,
                       INTERLEAVED)
@@ -158,8 +159,8 @@ def _append_kernel(Q, QOut, K, V, KCache, VCache, Cos, Sin, CacheSeqlens, CacheB
                       stride_vd, stride_vch, stride_vcd, cos_row, sin_row, stride_cd, ok,
                       HEAD_DIM_V, BLOCK_DV, BLOCK_HK, 0, False)
     if ROTARY_HALF > 0:
-        if i < seqlen_q:  # query row i, at pos + i under a causal/local mask, else at pos
-            q_pos = pos + tl.minimum(i, q_rows - 1)
+        if i < seqlen_q:  # query row i, at n + i under a causal/local mask, else at n
+            q_pos = n + tl.minimum(i, q_rows - 1)
             _rotate_heads(Q + off_b.to(tl.int64) * stride_qb + i * stride_qs,
                           QOut + off_b.to(tl.int64) * stride_ob + i * stride_os, nheads,
                           stride_qh, stride_qd, stride_oh, stride_od, Cos + q_pos * stride_cs,

@@ -44,6 +44,7 @@ from flashkit.ops.triton.common import (
     alibi_args,
     alibi_bias,
     batch_strides,
+    block_args,
     head_ptr,
     interpreting,
     key_tile_ranges,
@@ -56,6 +57,10 @@ from flashkit.ops.triton.common import (
     softcap_grad,
     store_tile,
     tile_ptrs,
+    user_score,
+    user_score_grad,
+    user_visible,
+    variant_args,
     varlen_args,
     varlen_shape,
     visible,
@@ -111,18 +116,26 @@ def _bwd_dkdv_tiles(dk, dv, k_tile, v_tile, q_base, do_base, lse_base, delta_bas
                     stride_qs, stride_qd, stride_dos, stride_dod, stride_ls, stride_deltas,
                     start, end, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, window_left,
                     window_right, qk_scale, softcap_scale, alibi_log2, off_b, off_h, start_n,
-                    seed_lo, seed_hi, dropout_threshold, dropout_scale,
+                    seed_lo, seed_hi, dropout_threshold, dropout_scale, score_args, mask_args,
+                    Blocks,
                     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
                     ATOMIC_DQ: tl.constexpr,
-                    DQ_TMA: tl.constexpr, PRECISION: tl.constexpr):
+                    DQ_TMA: tl.constexpr, PRECISION: tl.constexpr, SCORE_MOD: tl.constexpr,
+                    SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr,
+                    LISTED: tl.constexpr = False, SPAN: tl.constexpr = 1):
     """Accumulate dK, dV of one key block over query tiles [start, end); with ATOMIC_DQ also
     add this block's share of dQ / scale into the fp32 accumulator (b * h, seqlen_q, BLOCK_D):
     one bulk reduce-add of the tile through its TMA descriptor when DQ_TMA (rows past seqlen_q
-    clipped by the copy engine), else element atomics at dqacc_src, this (batch, head)'s rows."""
-    for start_m in tl.range(start, end, BLOCK_M):
+    clipped by the copy engine), else element atomics at dqacc_src, this (batch, head)'s rows.
+    LISTED: [start, end) counts query rows of the SPAN-row blocks listed at Blocks, as the
+    forward's _fwd_tiles counts keys."""
+    for pos in tl.range(start, end, BLOCK_M):
+        start_m = pos
+        if LISTED:
+            start_m = tl.load(Blocks + pos // SPAN) * SPAN + pos % SPAN
         offs_m = start_m + tl.arange(0, BLOCK_M)
         q_tile = load_tile(tile_ptrs(q_base, offs_m, offs_d, stride_qs, stride_qd), offs_m,
                            seqlen_q, offs_d, HEAD_DIM, MASKED, HEAD_DIM != BLOCK_D)
@@ -135,10 +148,18 @@ def _bwd_dkdv_tiles(dk, dv, k_tile, v_tile, q_base, do_base, lse_base, delta_bas
         if ALIBI:
             s_t = s_t - alibi_bias(offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k,
                                    alibi_log2)
+        if SCORE_MOD is not None:  # d score_mod / d score, then the modified score
+            dmod_t = user_score_grad(s_t, off_b, off_h, offs_m[None, :], offs_n[:, None],
+                                     seqlen_q, seqlen_k, SCORE_GRAD, score_args)
+            s_t = user_score(s_t, off_b, off_h, offs_m[None, :], offs_n[:, None], seqlen_q,
+                             seqlen_k, SCORE_MOD, score_args)
         p_t = tl.math.exp2(s_t - lse2[None, :])
         if MASKED:
             keep_t = visible(offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k, window_left,
                              window_right, HAS_LEFT, HAS_RIGHT)
+            if MASK_MOD is not None:
+                keep_t = user_visible(keep_t, off_b, off_h, offs_m[None, :], offs_n[:, None],
+                                      seqlen_q, seqlen_k, MASK_MOD, mask_args)
             p_t = tl.where(keep_t, p_t, 0.0)
         do_tile = load_tile(tile_ptrs(do_base, offs_m, offs_dv, stride_dos, stride_dod), offs_m,
                             seqlen_q, offs_dv, HEAD_DIM_V, MASKED, HEAD_DIM_V != BLOCK_DV)
@@ -159,6 +180,8 @@ def _bwd_dkdv_tiles(dk, dv, k_tile, v_tile, q_base, do_base, lse_base, delta_bas
         else:
             delta = tl.load(delta_base + offs_m * stride_deltas)
         ds_t = p_t * (dp_t - delta[None, :])
+        if SCORE_MOD is not None:
+            ds_t = ds_t * dmod_t
         if SOFTCAP:
             ds_t = ds_t * dcap_t
         # [BLOCK_N, BLOCK_D] = [BLOCK_N, BLOCK_M] @ [BLOCK_M, BLOCK_D]
@@ -192,15 +215,19 @@ def _bwd_dkdv_program(pid_n, pid_bh, Q, K, V, DO, Lse, Delta, DK, DV, DQAcc,
                      nheads_k, group, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
                      softcap_scale, Alibi, stride_ab, stride_ah,
                      softmax_scale, seed_lo, seed_hi, dropout_threshold, dropout_scale, Cu_q,
-                     Cu_k,
+                     Cu_k, score_args, mask_args, QNum, QIdx, FullQNum, FullQIdx, stride_tb,
+                     stride_th, n_q_blocks,
                      HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                      BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                      ALIBI: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr,
                      EVEN_N: tl.constexpr,
-                     ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr, PRECISION: tl.constexpr):
+                     ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr, PRECISION: tl.constexpr,
+                     SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr,
+                     SPARSE: tl.constexpr, SPARSE_Q: tl.constexpr, SPARSE_KV: tl.constexpr):
     """dK, dV of key block pid_n of (batch, kv head) pid_bh. DQAcc is the fp32 dQ accumulator
-    (ATOMIC_DQ), a TMA descriptor over it when DQ_TMA."""
+    (ATOMIC_DQ), a TMA descriptor over it when DQ_TMA. SPARSE: the query blocks come from the
+    block mask's transposed lists (row start_n // SPARSE_KV of each query head)."""
     off_b = (pid_bh // nheads_k).to(tl.int64)
     off_hk = (pid_bh % nheads_k).to(tl.int64)
     q_start, k_start, seqlen_q, seqlen_k = sequence(off_b, seqlen_q, seqlen_k, Cu_q, Cu_k,
@@ -239,6 +266,22 @@ def _bwd_dkdv_program(pid_n, pid_bh, Q, K, V, DO, Lse, Delta, DK, DV, DQAcc,
         else:
             dqacc_src = DQAcc + dqacc_bh * seqlen_q * BLOCK_D
         bounds = (lo, mid_lo, mid_hi, hi)
+        if SPARSE:  # the block mask's lists replace the band's ranges
+            row = off_b * stride_tb + off_h * stride_th + start_n // SPARSE_KV
+            for listed in tl.static_range(2):  # partial query blocks (masked), then full ones
+                Num = QNum if listed == 0 else FullQNum
+                Idx = QIdx if listed == 0 else FullQIdx
+                dk, dv = _bwd_dkdv_tiles(
+                    dk, dv, k_tile, v_tile, q_base, do_base, lse_base, delta_base, dqacc_src,
+                    dqacc_bh, stride_qs, stride_qd, stride_dos, stride_dod, stride_ls,
+                    stride_deltas, 0, tl.load(Num + row) * SPARSE_Q, offs_n, offs_d, offs_dv,
+                    seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale,
+                    alibi_log2, off_b, off_h, start_n, seed_lo, seed_hi, dropout_threshold,
+                    dropout_scale, score_args, mask_args, Idx + row * n_q_blocks, HEAD_DIM,
+                    HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, listed == 0, HAS_LEFT,
+                    HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, ATOMIC_DQ, DQ_TMA, PRECISION,
+                    SCORE_MOD, SCORE_GRAD, MASK_MOD, True, SPARSE_Q)
+            bounds = (0, 0, 0, 0)
         for segment in tl.static_range(3):  # masked edge, unmasked middle, masked edge
             dk, dv = _bwd_dkdv_tiles(
                 dk, dv, k_tile, v_tile, q_base, do_base, lse_base, delta_base, dqacc_src,
@@ -246,9 +289,10 @@ def _bwd_dkdv_program(pid_n, pid_bh, Q, K, V, DO, Lse, Delta, DK, DV, DQAcc,
                 stride_deltas, bounds[segment], bounds[segment + 1], offs_n, offs_d, offs_dv,
                 seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale,
                 alibi_log2, off_b, off_h, start_n, seed_lo, seed_hi, dropout_threshold,
-                dropout_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N,
-                segment != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, ATOMIC_DQ, DQ_TMA,
-                PRECISION)
+                dropout_scale, score_args, mask_args, QIdx, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
+                BLOCK_DV, BLOCK_M, BLOCK_N, segment != 1 or MASK_MOD is not None, HAS_LEFT,
+                HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, ATOMIC_DQ, DQ_TMA, PRECISION, SCORE_MOD,
+                SCORE_GRAD, MASK_MOD)
 
     dk_ptrs = tile_ptrs(head_ptr(DK, off_b, off_hk, k_start, stride_dkb, stride_dkh, stride_dks),
                         offs_n, offs_d, stride_dks, stride_dkd)
@@ -264,14 +308,20 @@ def _bwd_dkdv_program(pid_n, pid_bh, Q, K, V, DO, Lse, Delta, DK, DV, DQAcc,
 def _bwd_dq_tiles(dq, q_tile, do_tile, lse2, delta, k_base, v_base, stride_ks, stride_kd,
                   stride_vs, stride_vd, start, end, offs_m, offs_d, offs_dv, seqlen_q,
                   seqlen_k, window_left, window_right, qk_scale, softcap_scale, alibi_log2,
-                  off_b, off_h, seed_lo, seed_hi, dropout_threshold, dropout_scale,
+                  off_b, off_h, seed_lo, seed_hi, dropout_threshold, dropout_scale, score_args,
+                  mask_args, Blocks,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                   HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                   ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-                  PRECISION: tl.constexpr):
-    """Accumulate dQ of one query block over key tiles [start, end)."""
-    for start_n in tl.range(start, end, BLOCK_N):
+                  PRECISION: tl.constexpr, SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr,
+                  MASK_MOD: tl.constexpr, LISTED: tl.constexpr = False, SPAN: tl.constexpr = 1):
+    """Accumulate dQ of one query block over key tiles [start, end); LISTED as the forward's
+    _fwd_tiles."""
+    for pos in tl.range(start, end, BLOCK_N):
+        start_n = pos
+        if LISTED:
+            start_n = tl.load(Blocks + pos // SPAN) * SPAN + pos % SPAN
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k_tile = load_tile(tile_ptrs(k_base, offs_n, offs_d, stride_ks, stride_kd), offs_n,
                            seqlen_k, offs_d, HEAD_DIM, MASKED, HEAD_DIM != BLOCK_D)
@@ -284,10 +334,18 @@ def _bwd_dq_tiles(dq, q_tile, do_tile, lse2, delta, k_base, v_base, stride_ks, s
             dcap = softcap_grad(s, qk_scale, SOFTCAP)
         if ALIBI:
             s = s - alibi_bias(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, alibi_log2)
+        if SCORE_MOD is not None:  # d score_mod / d score, then the modified score
+            dmod = user_score_grad(s, off_b, off_h, offs_m[:, None], offs_n[None, :], seqlen_q,
+                                   seqlen_k, SCORE_GRAD, score_args)
+            s = user_score(s, off_b, off_h, offs_m[:, None], offs_n[None, :], seqlen_q,
+                           seqlen_k, SCORE_MOD, score_args)
         p = tl.math.exp2(s - lse2[:, None])
         if MASKED:
             keep = visible(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, window_left,
                            window_right, HAS_LEFT, HAS_RIGHT)
+            if MASK_MOD is not None:
+                keep = user_visible(keep, off_b, off_h, offs_m[:, None], offs_n[None, :],
+                                    seqlen_q, seqlen_k, MASK_MOD, mask_args)
             p = tl.where(keep, p, 0.0)
         # [BLOCK_M, BLOCK_N] = [BLOCK_M, BLOCK_DV] @ [BLOCK_DV, BLOCK_N]
         dp = tl.dot(do_tile, tl.trans(v_tile), input_precision=PRECISION)
@@ -296,6 +354,8 @@ def _bwd_dq_tiles(dq, q_tile, do_tile, lse2, delta, k_base, v_base, stride_ks, s
                                 dropout_threshold, BLOCK_N)
             dp = tl.where(kept, dp * dropout_scale, 0.0)
         ds = p * (dp - delta[:, None])
+        if SCORE_MOD is not None:
+            ds = ds * dmod
         if SOFTCAP:
             ds = ds * dcap
         # [BLOCK_M, BLOCK_D] = [BLOCK_M, BLOCK_N] @ [BLOCK_N, BLOCK_D]
@@ -315,13 +375,17 @@ def _bwd_dq_program(pid_m, pid_bh, Q, K, V, DO, Lse, Delta, DQ,
                    nheads, group, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
                    softcap_scale, Alibi, stride_ab, stride_ah,
                    softmax_scale, seed_lo, seed_hi, dropout_threshold, dropout_scale, Cu_q, Cu_k,
+                   score_args, mask_args, KvNum, KvIdx, FullNum, FullIdx, stride_sb, stride_sh,
+                   n_kv_blocks,
                    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                    ALIBI: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr,
                    EVEN_M: tl.constexpr,
-                   PRECISION: tl.constexpr):
-    """dQ of query block pid_m of (batch, head) pid_bh."""
+                   PRECISION: tl.constexpr, SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr,
+                   MASK_MOD: tl.constexpr, SPARSE: tl.constexpr, SPARSE_Q: tl.constexpr,
+                   SPARSE_KV: tl.constexpr):
+    """dQ of query block pid_m of (batch, head) pid_bh; SPARSE as the forward kernel's."""
     off_b = (pid_bh // nheads).to(tl.int64)
     off_h = (pid_bh % nheads).to(tl.int64)
     off_hk = off_h // group
@@ -357,14 +421,32 @@ def _bwd_dq_program(pid_m, pid_bh, Q, K, V, DO, Lse, Delta, DQ,
                                              window_right, BLOCK_M, BLOCK_N, HAS_LEFT,
                                              HAS_RIGHT)
     bounds = (lo, mid_lo, mid_hi, hi)
+    if SPARSE:  # the block mask's lists replace the band's ranges
+        row = off_b * stride_sb + off_h * stride_sh + start_m // SPARSE_Q
+        for listed in tl.static_range(2):  # partial key blocks (masked), then full ones
+            Num = KvNum if listed == 0 else FullNum
+            Idx = KvIdx if listed == 0 else FullIdx
+            dq = _bwd_dq_tiles(dq, q_tile, do_tile, lse2, delta, k_base, v_base, stride_ks,
+                               stride_kd, stride_vs, stride_vd, 0,
+                               tl.load(Num + row) * SPARSE_KV, offs_m, offs_d, offs_dv,
+                               seqlen_q, seqlen_k, window_left, window_right, qk_scale,
+                               softcap_scale, alibi_log2, off_b, off_h, seed_lo, seed_hi,
+                               dropout_threshold, dropout_scale, score_args, mask_args,
+                               Idx + row * n_kv_blocks, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
+                               BLOCK_N, listed == 0, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI,
+                               DROPOUT, PRECISION, SCORE_MOD, SCORE_GRAD, MASK_MOD, True,
+                               SPARSE_KV)
+        bounds = (0, 0, 0, 0)
     for segment in tl.static_range(3):  # masked edge, unmasked middle, masked edge
         dq = _bwd_dq_tiles(dq, q_tile, do_tile, lse2, delta, k_base, v_base, stride_ks,
                            stride_kd, stride_vs, stride_vd, bounds[segment],
                            bounds[segment + 1], offs_m, offs_d, offs_dv, seqlen_q, seqlen_k,
                            window_left, window_right, qk_scale, softcap_scale, alibi_log2,
                            off_b, off_h, seed_lo, seed_hi, dropout_threshold, dropout_scale,
-                           HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, segment != 1,
-                           HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, PRECISION)
+                           score_args, mask_args, KvIdx, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
+                           BLOCK_DV, BLOCK_N, segment != 1 or MASK_MOD is not None, HAS_LEFT,
+                           HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, PRECISION, SCORE_MOD, SCORE_GRAD,
+                           MASK_MOD)
 
     dq_ptrs = tile_ptrs(head_ptr(DQ, off_b, off_h, q_start, stride_dqb, stride_dqh, stride_dqs),
                         offs_m, offs_d, stride_dqs, stride_dqd)
@@ -387,7 +469,9 @@ def _bwd_kernel(Q, K, V, DO, Lse, Delta, DQ, DK, DV, DQAcc,
                 batch, nheads, nheads_k, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
                 softcap_scale, Alibi, stride_ab, stride_ah,
                 softmax_scale, seed_lo, seed_hi, dropout_threshold, dropout_scale, Cu_q, Cu_k,
-                num_kv_blocks, num_q_blocks,
+                num_kv_blocks, num_q_blocks, score_args, mask_args, KvNum, KvIdx, FullNum,
+                FullIdx, stride_sb, stride_sh, n_kv_blocks, QNum, QIdx, FullQNum, FullQIdx,
+                stride_tb, stride_th, n_q_blocks,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_DV: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
                 BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr, HAS_LEFT: tl.constexpr,
@@ -395,7 +479,9 @@ def _bwd_kernel(Q, K, V, DO, Lse, Delta, DQ, DK, DV, DQAcc,
                 DROPOUT: tl.constexpr, VARLEN: tl.constexpr, EVEN_M: tl.constexpr,
                 EVEN_N: tl.constexpr,
                 DO_DKDV: tl.constexpr, DO_DQ: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-                DQ_TMA: tl.constexpr, PRECISION: tl.constexpr):
+                DQ_TMA: tl.constexpr, PRECISION: tl.constexpr, SCORE_MOD: tl.constexpr,
+                SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr, SPARSE: tl.constexpr,
+                SPARSE_Q: tl.constexpr, SPARSE_KV: tl.constexpr):
     """One launch for the dK/dV programs (axis 0 < num_kv_blocks when DO_DKDV) and/or the dQ
     programs (the rest when DO_DQ, heaviest query block first); axis 1 is batch * nheads, of which
     the dK/dV programs use the first batch * nheads_k. Launching both kinds together lets the
@@ -418,9 +504,12 @@ def _bwd_kernel(Q, K, V, DO, Lse, Delta, DQ, DK, DV, DQAcc,
                               nheads_k, group, seqlen_q, seqlen_k, window_left, window_right,
                               qk_scale, softcap_scale, Alibi, stride_ab, stride_ah, softmax_scale,
                               seed_lo, seed_hi, dropout_threshold, dropout_scale, Cu_q, Cu_k,
+                              score_args, mask_args, QNum, QIdx, FullQNum, FullQIdx, stride_tb,
+                              stride_th, n_q_blocks,
                               HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M1, BLOCK_N1,
                               HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, VARLEN, EVEN_N,
-                              ATOMIC_DQ, DQ_TMA, PRECISION)
+                              ATOMIC_DQ, DQ_TMA, PRECISION, SCORE_MOD, SCORE_GRAD, MASK_MOD,
+                              SPARSE, SPARSE_Q, SPARSE_KV)
     elif DO_DQ:
         pid_m = num_q_blocks - 1 - (pid - num_kv_blocks if DO_DKDV else pid)
         _bwd_dq_program(pid_m, pid_bh, Q, K, V, DO, Lse, Delta, DQ,
@@ -434,8 +523,10 @@ def _bwd_kernel(Q, K, V, DO, Lse, Delta, DQ, DK, DV, DQAcc,
                         nheads, group, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
                         softcap_scale, Alibi, stride_ab, stride_ah,
                         softmax_scale, seed_lo, seed_hi, dropout_threshold, dropout_scale, Cu_q,
-                        Cu_k, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M2, BLOCK_N2,
-                        HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, VARLEN, EVEN_M, PRECISION)
+                        Cu_k, score_args, mask_args, KvNum, KvIdx, FullNum, FullIdx, stride_sb,
+                        stride_sh, n_kv_blocks, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M2,
+                        BLOCK_N2, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, VARLEN, EVEN_M,
+                        PRECISION, SCORE_MOD, SCORE_GRAD, MASK_MOD, SPARSE, SPARSE_Q, SPARSE_KV)
 
 
 @triton.jit
@@ -458,7 +549,8 @@ def _bwd_dq_convert_kernel(DQAcc, DQ, stride_dqb, stride_dqs, stride_dqh, stride
 
 
 _BWD_TENSORS = ("Q", "K", "V", "DO", "Lse", "Delta", "DQ", "DK", "DV", "DQAcc", "Alibi", "Cu_q",
-                "Cu_k")  # launch's order
+                "Cu_k", "KvNum", "KvIdx", "FullNum", "FullIdx", "QNum", "QIdx", "FullQNum",
+                "FullQIdx")  # launch's order
 
 
 def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -489,7 +581,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     dv = torch.empty_like(v) if dv is None else dv
     delta = torch.empty(lse.shape, dtype=torch.float32, device=q.device)  # laid out like lse
     block_d, block_dv = padded_head_dim(head_dim), padded_head_dim(head_dim_v)
-    atomic_dq = atomic_dq and not params.is_varlen
+    atomic_dq = atomic_dq and not params.is_varlen and params.variant is None
 
     # delta row by row: varlen's packed rows are one long sequence here
     preprocess_block_m = 64
@@ -551,17 +643,25 @@ def _triton_dkdv_dq(dout, q, k, v, lse, delta, params: AttentionParams, dq, dk, 
         kernel, d_max, q.element_size(), interpreting())
     block_m2, block_n2, dq_warps, dq_stages = tiles.get("dq") or tile_config(
         "dq", d_max, q.element_size(), interpreting())
+    score_mod_args, mask_mod_args, mods = variant_args(params)
+    kv_blocks, sparse = block_args(params, lse)
+    q_blocks, _ = block_args(params, lse, transposed=True)
+    if sparse["SPARSE"]:  # the kernels' tiles must divide the block mask's
+        block_m1, block_m2 = (min(b, sparse["SPARSE_Q"]) for b in (block_m1, block_m2))
+        block_n1, block_n2 = (min(b, sparse["SPARSE_KV"]) for b in (block_n1, block_n2))
     dq_acc = (torch.zeros((batch * nheads, seqlen_q, block_d), dtype=torch.float32,
                           device=q.device) if atomic_dq else delta)
     dq_acc_desc = accumulator_descriptor(dq_acc, block_m1) if atomic_dq else None
     num_kv_blocks, num_q_blocks = triton.cdiv(seqlen_k, block_n1), triton.cdiv(seqlen_q, block_m2)
     tensors = (q, k, v, dout, lse, delta, dq, dk, dv,
-               dq_acc if dq_acc_desc is None else dq_acc_desc, alibi, cu_q, cu_k)
+               dq_acc if dq_acc_desc is None else dq_acc_desc, alibi, cu_q, cu_k,
+               *kv_blocks[:4], *q_blocks[:4])
     scalars = (*(stride for t in (q, k, v, dout, lse, delta, dq, dk, dv)
                  for stride in batch_strides(t, params)),
                batch, nheads, nheads_k, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
                softcap_scale, *alibi_strides, params.softmax_scale, seed_lo, seed_hi,
-               dropout_threshold, dropout_scale, num_kv_blocks, num_q_blocks)
+               dropout_threshold, dropout_scale, num_kv_blocks, num_q_blocks, score_mod_args,
+               mask_mod_args, *kv_blocks[4:], *q_blocks[4:])
     meta = dict(HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
                 BLOCK_M1=block_m1, BLOCK_N1=block_n1, BLOCK_M2=block_m2, BLOCK_N2=block_n2,
                 HAS_LEFT=has_left, HAS_RIGHT=has_right, SOFTCAP=softcap, ALIBI=has_alibi,
@@ -571,7 +671,8 @@ def _triton_dkdv_dq(dout, q, k, v, lse, delta, params: AttentionParams, dq, dk, 
     def run(programs, do_dkdv, do_dq, warps, stages):
         launch(_bwd_kernel, (programs, *fold(batch * nheads)), tensors, scalars,
                dict(meta, DO_DKDV=do_dkdv, DO_DQ=do_dq, ATOMIC_DQ=atomic_dq,
-                    DQ_TMA=dq_acc_desc is not None, PRECISION=DOT_PRECISION),
+                    DQ_TMA=dq_acc_desc is not None, PRECISION=DOT_PRECISION, **mods,
+                    **sparse),
                _BWD_TENSORS, num_warps=warps, num_stages=stages)
 
     if fused and not atomic_dq:  # one launch, the dK/dV kernel's warps and stages

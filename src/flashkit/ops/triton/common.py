@@ -286,6 +286,64 @@ def scores(qk, qk_scale, softcap_scale, SOFTCAP: tl.constexpr):
 
 
 @triton.jit
+def user_score(s, off_b, off_h, i, j, seqlen_q, seqlen_k, SCORE_MOD: tl.constexpr, score_args):
+    """A user score_mod (flashkit.variants) on log2-unit scores s: it sees and returns the
+    natural scaled score, as FlexAttention's. i and j broadcast ([M, 1] and [1, N] or the
+    transpose) and are clamped into the sequence, so a modifier's table reads stay in bounds
+    on the padding rows and columns (which the mask drops)."""
+    i_in = tl.minimum(i, seqlen_q - 1)
+    j_in = tl.minimum(j, seqlen_k - 1)
+    return SCORE_MOD(s * LN2_JIT, off_b, off_h, i_in, j_in, *score_args) * LOG2E_JIT
+
+
+@triton.jit
+def user_score_grad(s, off_b, off_h, i, j, seqlen_q, seqlen_k, SCORE_GRAD: tl.constexpr,
+                    score_args):
+    """d score_mod / d score at the log2-unit scores s (before score_mod), as user_score."""
+    i_in = tl.minimum(i, seqlen_q - 1)
+    j_in = tl.minimum(j, seqlen_k - 1)
+    return SCORE_GRAD(s * LN2_JIT, off_b, off_h, i_in, j_in, *score_args)
+
+
+@triton.jit
+def user_visible(keep, off_b, off_h, i, j, seqlen_q, seqlen_k, MASK_MOD: tl.constexpr,
+                 mask_args):
+    """keep & a user mask_mod (True = visible), indices clamped as in user_score."""
+    i_in = tl.minimum(i, seqlen_q - 1)
+    j_in = tl.minimum(j, seqlen_k - 1)
+    return keep & MASK_MOD(off_b, off_h, i_in, j_in, *mask_args)
+
+
+def variant_args(params):
+    """(score_args, mask_args, {SCORE_MOD, SCORE_GRAD, MASK_MOD}): a user modifier's captured
+    values (tuples, tensors passed as pointers) and its @triton.jit functions, compile-time
+    arguments (None without one)."""
+    variant = params.variant
+    if variant is None:
+        return (), (), dict(SCORE_MOD=None, SCORE_GRAD=None, MASK_MOD=None)
+    args = variant.triton_args()
+    return args.pop("score_args"), args.pop("mask_args"), args
+
+
+def block_args(params, placeholder, transposed: bool = False):
+    """(Num, Idx, FullNum, FullIdx, stride_b, stride_h, n_blocks) of the block mask, rows per
+    query block (transposed: per key block, for dK/dV), and (SPARSE, SPARSE_Q, SPARSE_KV);
+    without one, placeholders and SPARSE=False."""
+    mask = None if params.variant is None else params.variant.block_mask
+    if mask is None:
+        return (placeholder,) * 4 + (0, 0, 0), dict(SPARSE=False, SPARSE_Q=1, SPARSE_KV=1)
+    lists = ((mask.q_num_blocks, mask.q_indices, mask.full_q_num_blocks, mask.full_q_indices)
+             if transposed else
+             (mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks,
+              mask.full_kv_indices))
+    num = lists[0]
+    b, h, rows = num.shape
+    strides = (0 if b == 1 else h * rows, 0 if h == 1 else rows)
+    return (*lists, *strides, lists[1].shape[-1]), dict(
+        SPARSE=True, SPARSE_Q=mask.BLOCK_SIZE[0], SPARSE_KV=mask.BLOCK_SIZE[1])
+
+
+@triton.jit
 def alibi_bias(i, j, seqlen_q, seqlen_k, alibi_log2):
     """What ALiBi subtracts from the log2 scores: slope * log2(e) * |i + shift - j|.
 

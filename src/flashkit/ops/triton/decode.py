@@ -346,7 +346,7 @@ def _append_keys(KNew, VNew, k_base, v_base, Cos, Sin, j_lo, j_hi, first_new, ok
                  BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_NEW: tl.constexpr,
                  PAGE_SIZE: tl.constexpr, ROTARY_HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
     """A step's new keys j in [j_lo, j_hi) (new token j - first_new; j_hi - j_lo <= BLOCK_NEW),
-    k rotated at position j as the append kernel rotates it (float32, rounded once), v copied,
+    k rotated at its slot slot0 + j as the append kernel rotates it (float32, rounded once), v copied,
     into the cache slots of keys j (as _cache_rows); nothing is written unless ok, nor to a
     page outside the cache. KNew, VNew: the program's (b, kv head) of k, v (b, s_new, hk, d)."""
     offs_j = j_lo + tl.arange(0, BLOCK_NEW)
@@ -371,7 +371,7 @@ def _append_keys(KNew, VNew, k_base, v_base, Cos, Sin, j_lo, j_hi, first_new, ok
         rotated_2d = rotated[None, :]
         k_partner = tl.load(k_src + partner[None, :] * stride_nkd, mask=mask & rotated_2d,
                             other=0.0)
-        table_offs = offs_j[:, None] * stride_cs + freq[None, :] * stride_cd
+        table_offs = (slot0 + offs_j)[:, None] * stride_cs + freq[None, :] * stride_cd
         cos = tl.load(Cos + table_offs, mask=mask & rotated_2d, other=1.0)
         sin = tl.load(Sin + table_offs, mask=mask & rotated_2d, other=0.0)
         k_new = rotate(k_new, k_partner, cos, sin, first[None, :], rotated_2d)
@@ -440,15 +440,17 @@ def _decode_kernel(Q, K, V, Out, Lse, BlockTable, CacheBatchIdx, Leftpad, Seqlen
         if HAS_LEFTPAD:
             slot0 = tl.load(Leftpad + off_b)
     pos = 0
+    rotary_pos = 0  # rotary position of the first new token: its absolute slot (flash-attn)
     ok = True
     if STEP:  # the append kernel's checks: nothing is read or written out of bounds
         n = tl.load(SeqlensK + off_b) if SEQLENS_TENSOR else seqlen_fixed
         pos = n - slot0
+        rotary_pos = n
         ok = (n >= 0) & (n + seqlen_new <= capacity) & (slot0 >= 0) & (pos >= 0)
         if PAGE_SIZE == 0:
             ok = ok & (row >= 0) & (row < cache_rows)
         if ROTARY_HALF > 0:
-            ok = ok & (pos + tl.maximum(seqlen_new, q_rows) <= seqlen_ro)
+            ok = ok & (n + tl.maximum(seqlen_new, q_rows) <= seqlen_ro)
         seqlen_k = tl.where(ok, pos + seqlen_new, 0)
     else:
         seqlen_k = tl.load(SeqlensK + off_b)
@@ -465,12 +467,12 @@ def _decode_kernel(Q, K, V, Out, Lse, BlockTable, CacheBatchIdx, Leftpad, Seqlen
                    + offs_h[:, None] * stride_qh)
     q_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
     q_tile = tl.load(q_rows_base + offs_d[None, :] * stride_qd, mask=q_mask, other=0.0)
-    if ROTARY_HALF > 0:  # as the append kernel rotates q: row t at pos + min(t, q_rows - 1)
+    if ROTARY_HALF > 0:  # as the append kernel rotates q: row t at n + min(t, q_rows - 1)
         partner, freq, first, rotated = rotary_layout(offs_d, ROTARY_HALF, INTERLEAVED)
         rotated_2d = rotated[None, :]
         q_partner = tl.load(q_rows_base + partner[None, :] * stride_qd, mask=q_mask & rotated_2d,
                             other=0.0)
-        table_offs = ((pos + tl.minimum(offs_t, q_rows - 1))[:, None] * stride_cs
+        table_offs = ((rotary_pos + tl.minimum(offs_t, q_rows - 1))[:, None] * stride_cs
                       + freq[None, :] * stride_cd)
         table_mask = q_mask & rotated_2d & ok
         cos = tl.load(Cos + table_offs, mask=table_mask, other=1.0)

@@ -99,7 +99,7 @@ def _features(params: AttentionParams) -> tuple:
     return (params.window_left is None, params.window_right is None, params.softcap > 0,
             params.softmax_scale > 0, params.alibi_slopes is not None, params.sink is not None,
             params.attn_bias is not None, params.dropout_p > 0, params.is_varlen,
-            params.deterministic)
+            params.deterministic, params.variant is not None)
 
 
 # --- forward and backward ----------------------------------------------------------------------

@@ -30,6 +30,7 @@ from flashkit.ops.triton.common import (
     alibi_args,
     alibi_bias,
     batch_strides,
+    block_args,
     cdiv,
     head_ptr,
     interpreting,
@@ -44,6 +45,9 @@ from flashkit.ops.triton.common import (
     sequence,
     store_tile,
     tile_ptrs,
+    user_score,
+    user_visible,
+    variant_args,
     varlen_args,
     varlen_shape,
     visible,
@@ -58,16 +62,23 @@ from flashkit.ops.triton.launch import fold, launch
 def _fwd_tiles(acc, m_i, l_i, q_tile, k_src, v_src, off_b, off_hk, stride_ks, stride_kd,
                stride_vs, stride_vd, start, end, offs_m, offs_d, offs_dv, seqlen_q, seqlen_k,
                window_left, window_right, qk_scale, softcap_scale, alibi_log2, off_h, seed_lo,
-               seed_hi, dropout_threshold,
+               seed_hi, dropout_threshold, score_args, mask_args, Blocks,
                HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
                USE_TMA: tl.constexpr,
-               PRECISION: tl.constexpr):
-    """Stream key tiles [start, end) into (acc, m_i, l_i); MASKED applies the band predicate.
-    DROPOUT: l sums every probability, acc only the kept ones (the 1 / (1 - p) comes last)."""
-    for start_n in tl.range(start, end, BLOCK_N):
+               PRECISION: tl.constexpr, SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr,
+               LISTED: tl.constexpr = False, SPAN: tl.constexpr = 1):
+    """Stream key tiles [start, end) into (acc, m_i, l_i); MASKED applies the band predicate
+    and MASK_MOD. DROPOUT: l sums every probability, acc only the kept ones (the 1 / (1 - p)
+    comes last). LISTED: [start, end) counts keys of the SPAN-key blocks listed at Blocks
+    (a block mask's), position t being key Blocks[t // SPAN] * SPAN + t % SPAN: one loop over
+    every listed block, so the software pipeline runs across them."""
+    for pos in tl.range(start, end, BLOCK_N):
+        start_n = pos
+        if LISTED:
+            start_n = tl.load(Blocks + pos // SPAN) * SPAN + pos % SPAN
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k_tile = load_kv_tile(k_src, off_b, off_hk, start_n, offs_n, seqlen_k, offs_d,
                               stride_ks, stride_kd, HEAD_DIM, BLOCK_N, BLOCK_D, MASKED, USE_TMA)
@@ -76,9 +87,15 @@ def _fwd_tiles(acc, m_i, l_i, q_tile, k_src, v_src, off_b, off_hk, stride_ks, st
         s = scores(qk, qk_scale, softcap_scale, SOFTCAP)
         if ALIBI:
             s = s - alibi_bias(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, alibi_log2)
+        if SCORE_MOD is not None:
+            s = user_score(s, off_b, off_h, offs_m[:, None], offs_n[None, :], seqlen_q,
+                           seqlen_k, SCORE_MOD, score_args)
         if MASKED:
             keep = visible(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, window_left,
                            window_right, HAS_LEFT, HAS_RIGHT)
+            if MASK_MOD is not None:
+                keep = user_visible(keep, off_b, off_h, offs_m[:, None], offs_n[None, :],
+                                    seqlen_q, seqlen_k, MASK_MOD, mask_args)
             s = tl.where(keep, s, float("-inf"))
         p, alpha, m_i, l_i = online_softmax_update(m_i, l_i, s, MASKED)
         if DROPOUT:
@@ -101,17 +118,24 @@ def _fwd_kernel(Q, K, V, Out, Lse,
                 stride_lb, stride_lh, stride_ls,
                 nheads, group, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
                 softcap_scale, Alibi, stride_ab, stride_ah, Sink, seed_lo, seed_hi,
-                dropout_threshold, dropout_scale, Cu_q, Cu_k,
+                dropout_threshold, dropout_scale, Cu_q, Cu_k, score_args, mask_args,
+                KvNum, KvIdx, FullNum, FullIdx, stride_sb, stride_sh, n_kv_blocks,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                 ALIBI: tl.constexpr, SINK: tl.constexpr, DROPOUT: tl.constexpr,
                 VARLEN: tl.constexpr, EVEN_M: tl.constexpr,
-                USE_TMA: tl.constexpr, PRECISION: tl.constexpr):
+                USE_TMA: tl.constexpr, PRECISION: tl.constexpr, SCORE_MOD: tl.constexpr,
+                SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr, SPARSE: tl.constexpr,
+                SPARSE_Q: tl.constexpr, SPARSE_KV: tl.constexpr):
     """K and V are tensor descriptors when USE_TMA (see common.kv_descriptor), else pointers.
     SINK: Sink holds one logit per query head that joins every row's denominator: the online
     softmax starts from it (m = sink, l = 1) instead of from nothing (m = -inf, l = 0).
-    VARLEN: the grid covers the longest sequence; blocks past a shorter one's end return."""
+    VARLEN: the grid covers the longest sequence; blocks past a shorter one's end return.
+    SCORE_MOD / MASK_MOD: user modifiers (common.user_score / user_visible); a MASK_MOD masks
+    every tile. SPARSE: the key blocks come from a block mask (flashkit.variants.BlockMask):
+    the row of query block start_m // SPARSE_Q lists its partial blocks (masked) and its full
+    blocks (no mask at all); causal/window never come with one. SCORE_GRAD is unused here."""
     # Heaviest query tiles first: under a causal band the last rows see the most keys.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_bh = tl.program_id(1) + tl.program_id(2) * tl.num_programs(1)  # launch.fold
@@ -150,27 +174,44 @@ def _fwd_kernel(Q, K, V, Out, Lse,
     lo, mid_lo, mid_hi, hi = key_tile_ranges(start_m, seqlen_q, seqlen_k, window_left,
                                              window_right, BLOCK_M, BLOCK_N, HAS_LEFT,
                                              HAS_RIGHT)
+    if SPARSE:  # the block mask's lists replace the band's ranges
+        row = off_b * stride_sb + off_h * stride_sh + start_m // SPARSE_Q
+        for listed in tl.static_range(2):  # partial key blocks (masked), then full ones
+            Num = KvNum if listed == 0 else FullNum
+            Idx = KvIdx if listed == 0 else FullIdx
+            acc, m_i, l_i = _fwd_tiles(
+                acc, m_i, l_i, q_tile, k_src, v_src, off_b, off_hk, stride_ks, stride_kd,
+                stride_vs, stride_vd, 0, tl.load(Num + row) * SPARSE_KV, offs_m, offs_d,
+                offs_dv, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
+                softcap_scale, alibi_log2, off_h, seed_lo, seed_hi, dropout_threshold,
+                score_args, mask_args, Idx + row * n_kv_blocks, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
+                BLOCK_DV, BLOCK_N, listed == 0, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT,
+                USE_TMA, PRECISION, SCORE_MOD, MASK_MOD, True, SPARSE_KV)
+        lo, mid_lo, mid_hi, hi = 0, 0, 0, 0
     acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q_tile, k_src, v_src, off_b, off_hk,
                                stride_ks, stride_kd, stride_vs, stride_vd, lo, mid_lo, offs_m,
                                offs_d, offs_dv, seqlen_q, seqlen_k, window_left, window_right,
                                qk_scale, softcap_scale, alibi_log2, off_h, seed_lo, seed_hi,
-                               dropout_threshold,
+                               dropout_threshold, score_args, mask_args, KvIdx,
                                HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True,
-                               HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, USE_TMA, PRECISION)
+                               HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, USE_TMA, PRECISION,
+                               SCORE_MOD, MASK_MOD)
     acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q_tile, k_src, v_src, off_b, off_hk,
                                stride_ks, stride_kd, stride_vs, stride_vd, mid_lo, mid_hi, offs_m,
                                offs_d, offs_dv, seqlen_q, seqlen_k, window_left, window_right,
                                qk_scale, softcap_scale, alibi_log2, off_h, seed_lo, seed_hi,
-                               dropout_threshold,
-                               HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, False,
-                               HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, USE_TMA, PRECISION)
+                               dropout_threshold, score_args, mask_args, KvIdx,
+                               HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
+                               MASK_MOD is not None, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI,
+                               DROPOUT, USE_TMA, PRECISION, SCORE_MOD, MASK_MOD)
     acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q_tile, k_src, v_src, off_b, off_hk,
                                stride_ks, stride_kd, stride_vs, stride_vd, mid_hi, hi, offs_m,
                                offs_d, offs_dv, seqlen_q, seqlen_k, window_left, window_right,
                                qk_scale, softcap_scale, alibi_log2, off_h, seed_lo, seed_hi,
-                               dropout_threshold,
+                               dropout_threshold, score_args, mask_args, KvIdx,
                                HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True,
-                               HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, USE_TMA, PRECISION)
+                               HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, USE_TMA, PRECISION,
+                               SCORE_MOD, MASK_MOD)
 
     # A row that saw no key (and no sink) has l = 0: out = 0 (acc is 0) and lse = -inf, never
     # NaN; with a sink it has l = 1 and lse = sink.
@@ -193,7 +234,8 @@ def _fwd_kernel(Q, K, V, Out, Lse,
         tl.store(lse_ptrs, lse, mask=offs_m < seqlen_q)
 
 
-_TENSORS = ("Q", "K", "V", "Out", "Lse", "Alibi", "Sink", "Cu_q", "Cu_k")  # launch's order
+_TENSORS = ("Q", "K", "V", "Out", "Lse", "Alibi", "Sink", "Cu_q", "Cu_k", "KvNum", "KvIdx",
+            "FullNum", "FullIdx")  # launch's order
 
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -219,6 +261,10 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     # needs no shared memory (sm90 probe: 229376 bytes at d128, as without dropout)
     block_m, block_n, num_warps, num_stages = tile or tile_config(
         "forward", max(head_dim, head_dim_v), q.element_size(), interpreting())
+    score_mod_args, mask_mod_args, mods = variant_args(params)
+    blocks, sparse = block_args(params, lse)
+    if sparse["SPARSE"]:  # the kernel's tiles must divide the block mask's
+        block_m, block_n = min(block_m, sparse["SPARSE_Q"]), min(block_n, sparse["SPARSE_KV"])
     window_left, window_right, has_left, has_right = window_args(params)
     qk_scale, softcap_scale, softcap = score_args(params, q.dtype)
     alibi, alibi_strides, has_alibi = alibi_args(params, lse)
@@ -234,15 +280,16 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     grid = (cdiv(seqlen_q, block_m), *fold(batch * nheads))
     launch(_fwd_kernel, grid, (
         q, k_desc if use_tma else k, v_desc if use_tma else v, out, lse, alibi, sink, cu_q,
-        cu_k), (
+        cu_k, *blocks[:4]), (
         *batch_strides(q, params), *batch_strides(k, params), *batch_strides(v, params),
         *batch_strides(out, params), *batch_strides(lse, params),
         nheads, nheads // nheads_k, seqlen_q, seqlen_k, window_left, window_right,
         qk_scale, softcap_scale, *alibi_strides, seed_lo, seed_hi,
-        dropout_threshold, dropout_scale), dict(
+        dropout_threshold, dropout_scale, score_mod_args, mask_mod_args, *blocks[4:]), dict(
         HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
         BLOCK_M=block_m, BLOCK_N=block_n, HAS_LEFT=has_left, HAS_RIGHT=has_right,
         SOFTCAP=softcap, ALIBI=has_alibi, SINK=params.sink is not None, DROPOUT=dropout,
         VARLEN=varlen, EVEN_M=not varlen and seqlen_q % block_m == 0, USE_TMA=use_tma,
-        PRECISION=DOT_PRECISION), _TENSORS, num_warps=num_warps, num_stages=num_stages)
+        PRECISION=DOT_PRECISION, **mods, **sparse), _TENSORS, num_warps=num_warps,
+        num_stages=num_stages)
     return out, lse

@@ -912,6 +912,8 @@ def gluon_declines(q, k, v, params: AttentionParams, varlen: bool = False,
         return "varlen"
     if params.attn_bias is not None or not params.softmax_scale > 0:
         return "an attention bias or a scale <= 0"
+    if params.variant is not None:
+        return "a score_mod, mask_mod or block_mask"
     if not (q.is_cuda and device_properties(q.device).major == 9):
         return "not an sm_90 GPU"
     head_dim = q.shape[-1]

@@ -41,6 +41,7 @@ from flashkit.ops.triton.common import interpreting
 MAX_ENTRIES = 4096  # forget every entry of a dict beyond this (a safety bound)
 MAX_GRID_YZ = 65535  # CUDA's limit on a grid's dims y and z (x allows 2**31 - 1)
 _SCALAR_TYPES = frozenset((int, float, bool, type(None)))
+_PLAIN_TYPES = _SCALAR_TYPES | {tuple}
 _compiled: dict = {}  # key (scalars by code) -> Triton's compiled kernel
 _by_value: dict = {}  # the same key with the scalars' values instead of their codes -> kernel
 _plans: dict = {}  # (id(kernel), number of tensors, tensor names) -> each scalar's codes
@@ -66,7 +67,7 @@ def scalar_code(value, specialize: bool = True, align: bool = True) -> int:
     (align=False), whether % 16 == 0 (the "D" mark). Triton marks a float fp32, a bool u1 and
     None a constexpr whatever the value: -1, except that a float or bool equal to an int (2.0,
     True) gets that int's code, as a dict lookup cannot tell them apart."""
-    if value is None or (type(value) is float and not value.is_integer()):
+    if value is None or value == () or (type(value) is float and not value.is_integer()):
         return -1
     value = int(value)
     if specialize and value == 1:
@@ -104,13 +105,14 @@ def launch(kernel, grid: tuple, tensors: tuple, scalars: tuple, constexprs: dict
     args = tensors + scalars
     if tensor_params:
         args = _order(kernel, tensor_params, len(tensors), len(scalars))(args)
-    if interpreting() or _hooked():
+    types = tuple(map(type, scalars))
+    if interpreting() or _hooked() or not _plain(types, scalars):
         kernel[grid](*args, **constexprs, **options)
         return
     device = torch.cuda.current_device()
-    key = (id(kernel), device, tuple([tensor_key(t) for t in tensors]), scalars,
-           tuple(map(type, scalars)), tuple(constexprs.values()), tuple(options.items()),
-           knobs.runtime.debug, knobs.compilation.instrumentation_mode)
+    key = (id(kernel), device, tuple([tensor_key(t) for t in tensors]), scalars, types,
+           tuple(constexprs.values()), tuple(options.items()), knobs.runtime.debug,
+           knobs.compilation.instrumentation_mode)
     compiled = _by_value.get(key)
     if compiled is None:  # new values: look their codes up
         coded = _coded_key(kernel, len(tensors), key, tensor_params)
@@ -135,6 +137,16 @@ def launch(kernel, grid: tuple, tensors: tuple, scalars: tuple, constexprs: dict
                  *args, *constexprs.values())
 
 
+def _plain(types: tuple, scalars: tuple) -> bool:
+    """Whether every scalar is an int, float, bool, None or an empty tuple (a user modifier's
+    captured values when there is none), the values whose specialisation launch's key knows;
+    anything else (a tuple of captured tensors) goes through Triton's binder."""
+    if _SCALAR_TYPES.issuperset(types):
+        return True
+    return _PLAIN_TYPES.issuperset(types) and () in scalars and all(
+        s == () for s, t in zip(scalars, types, strict=True) if t is tuple)
+
+
 def _order(kernel, tensor_params: tuple, n_tensors: int, n_scalars: int):
     """An itemgetter taking (*tensors, *scalars) to the kernel's signature order."""
     key = (id(kernel), tensor_params, n_tensors, n_scalars)
@@ -155,7 +167,7 @@ def _coded_key(kernel, n_tensors: int, key: tuple, tensor_params: tuple = ()) ->
     """launch's key with each scalar's code in place of its value; None where a scalar is of
     another type than int, float, bool or None."""
     scalars, types = key[3], key[4]
-    if not _SCALAR_TYPES.issuperset(types):
+    if not _PLAIN_TYPES.issuperset(types):
         return None
     plan = _plans.get((id(kernel), n_tensors, tensor_params))
     if plan is None:

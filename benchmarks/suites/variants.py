@@ -1,0 +1,243 @@
+"""variants: user score_mod / mask_mod / block_mask against FlexAttention, on the GPU.
+
+    PYTHONPATH=src python3 benchmarks/run.py variants [--out DIR] [--lengths 2048,8192]
+        [--parts examples,builtins,first_call]
+
+bf16, head dim 128, 16 heads, batch = 16k tokens / seqlen, public APIs as users call them:
+flashkit.flash_attn_func with the modifiers against torch.compile(flex_attention) with the same
+modifiers written as FlexAttention functions, both in the (batch, seqlen, heads, d) /
+(batch, heads, seqlen, d) layout they take. Times are triton.testing.do_bench medians:
+forward under no_grad, backward as autograd.grad on a retained graph (q, k, v gradients).
+Block masks are built once, outside the timing, by each library's create_block_mask.
+
+Parts:
+    examples    the six built-in examples (document, prefix_lm, alibi, softcap,
+                relative_bias, window_globals), flashkit vs Flex, forward and backward;
+                speedup = Flex ms / flashkit ms (the target is >= 1.2)
+    builtins    the built-in features written as modifiers against the built-in arguments of
+                flash_attn_func: ALiBi (alibi_slopes=), softcap (softcap=30), causal and a causal
+                window of 1024 (block masks against causal=True / window_size=(1024, 0));
+                ratio = modifier ms / built-in ms (the target is <= 1.05)
+    first_call  time to the first result (forward + backward) of a variant never seen before
+                (new source, so no disk cache holds it): flashkit's Triton compile against
+                Flex's torch.compile (dynamo reset first)
+Results: DIR/<date>_<device>.json and .md (common.Result: rewritten after every case, so an
+interrupted run keeps what it measured), with date, device and versions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch  # noqa: E402
+from common import Result, add_out_argument, anchor_flex_compiled, bench, log, table  # noqa: E402
+
+import flashkit  # noqa: E402
+from flashkit import variants  # noqa: E402
+
+HEAD_DIM, NHEADS, TOKENS, DTYPE = 128, 16, 16384, torch.bfloat16
+WINDOW, CAP = 1024, 30.0
+EXAMPLES = ("document", "prefix_lm", "alibi", "softcap", "relative_bias", "window_globals")
+
+
+def problem(seqlen: int) -> dict:
+    """Inputs and every example's captured tensors for one length."""
+    batch = max(1, TOKENS // seqlen)
+    dev = "cuda"
+    q, k, v, dout = (torch.randn(batch, seqlen, NHEADS, HEAD_DIM, dtype=DTYPE, device=dev)
+                     for _ in range(4))
+    doc = (torch.arange(seqlen, device=dev) // 1000).to(torch.int32)  # documents of 1000
+    doc = doc.expand(batch, seqlen).contiguous()
+    prefix = torch.randint(seqlen // 4, seqlen // 2, (batch,), dtype=torch.int32, device=dev)
+    slopes = torch.rand(NHEADS, device=dev) * 0.1
+    table = torch.randn(NHEADS, 2 * 128 + 1, device=dev)
+    return dict(q=q, k=k, v=v, dout=dout, doc=doc, prefix=prefix, slopes=slopes, table=table,
+                batch=batch, seqlen=seqlen)
+
+
+def ours_mods(name: str, p: dict) -> dict:
+    """flash_attn_func keyword arguments of an example (block masks for the masks)."""
+    b, s = p["batch"], p["seqlen"]
+
+    def block(mod):
+        return dict(block_mask=flashkit.create_block_mask(mod, b, None, s, s, device="cuda"))
+    return {
+        "document": lambda: block(variants.document_mask(p["doc"], causal=True)),
+        "prefix_lm": lambda: block(variants.prefix_lm(p["prefix"])),
+        "alibi": lambda: dict(score_mod=variants.alibi(p["slopes"])),
+        "softcap": lambda: dict(score_mod=variants.softcap(CAP)),
+        "relative_bias": lambda: dict(score_mod=variants.relative_bias(p["table"])),
+        "window_globals": lambda: block(variants.sliding_window_with_globals(WINDOW // 2, 64)),
+        "causal": lambda: block(variants.causal_mask()),
+        "window": lambda: block(variants.causal_window(WINDOW)),
+    }[name]()
+
+
+def flex_mods(name: str, p: dict) -> dict:
+    """The same example as FlexAttention modifiers (score_mod, block_mask)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    b, s = p["batch"], p["seqlen"]
+    doc, prefix, slopes, table = p["doc"], p["prefix"], p["slopes"], p["table"]
+
+    def block(mask_mod):
+        return dict(block_mask=create_block_mask(mask_mod, b, None, s, s, device="cuda"))
+
+    def document(bi, h, qi, ki):
+        return (doc[bi, qi] == doc[bi, ki]) & (qi >= ki)
+
+    def prefix_lm(bi, h, qi, ki):
+        return (ki <= qi) | (ki < prefix[bi])
+
+    def window_globals(bi, h, qi, ki):
+        return ((qi - ki).abs() <= WINDOW // 2) | (qi < 64) | (ki < 64)
+
+    def alibi(score, bi, h, qi, ki):
+        return score - slopes[h] * (qi - ki).abs()
+
+    def softcap(score, bi, h, qi, ki):
+        return CAP * torch.tanh(score / CAP)
+
+    def relative_bias(score, bi, h, qi, ki):
+        return score + table[h, (ki - qi).clamp(-128, 128) + 128]
+
+    return {"document": lambda: block(document), "prefix_lm": lambda: block(prefix_lm),
+            "window_globals": lambda: block(window_globals),
+            "alibi": lambda: dict(score_mod=alibi), "softcap": lambda: dict(score_mod=softcap),
+            "relative_bias": lambda: dict(score_mod=relative_bias)}[name]()
+
+
+def timed(run, q, k, v, dout) -> tuple[float, float]:
+    """(forward ms, backward ms) of run(q, k, v) -> out."""
+    with torch.no_grad():
+        fwd = bench(lambda: run(q, k, v))
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    out = run(*leaves)
+    return fwd, bench(lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True))
+
+
+def time_ours(p: dict, **kwargs) -> tuple[float, float]:
+    return timed(lambda q, k, v: flashkit.flash_attn_func(q, k, v, **kwargs),
+                 p["q"], p["k"], p["v"], p["dout"])
+
+
+def time_flex(p: dict, compiled, **mods) -> tuple[float, float]:
+    heads_first = [p[n].transpose(1, 2).contiguous() for n in ("q", "k", "v", "dout")]
+    return timed(lambda q, k, v: compiled(q, k, v, **mods), *heads_first)
+
+
+def part_examples(p: dict, compiled, record) -> None:
+    for name in EXAMPLES:
+        ours = time_ours(p, **ours_mods(name, p))
+        theirs = time_flex(p, compiled, **flex_mods(name, p))
+        record("examples", dict(
+            example=name, seqlen=p["seqlen"], batch=p["batch"], flashkit_fwd_ms=ours[0],
+            flashkit_bwd_ms=ours[1], flex_fwd_ms=theirs[0], flex_bwd_ms=theirs[1],
+            speedup_fwd=theirs[0] / ours[0], speedup_bwd=theirs[1] / ours[1]))
+
+
+def part_builtins(p: dict, record) -> None:
+    cases = {"alibi": (dict(alibi_slopes=p["slopes"]), dict(score_mod=variants.alibi(p["slopes"]))),
+             "softcap": (dict(softcap=CAP), dict(score_mod=variants.softcap(CAP))),
+             "causal": (dict(causal=True), ours_mods("causal", p)),
+             "window": (dict(window_size=(WINDOW, 0)), ours_mods("window", p))}
+    for name, (builtin, modded) in cases.items():
+        base, mod = time_ours(p, **builtin), time_ours(p, **modded)
+        record("builtins", dict(feature=name, seqlen=p["seqlen"], batch=p["batch"],
+                                builtin_fwd_ms=base[0], builtin_bwd_ms=base[1],
+                                mod_fwd_ms=mod[0], mod_bwd_ms=mod[1],
+                                ratio_fwd=mod[0] / base[0], ratio_bwd=mod[1] / base[1]))
+
+
+_NEW_VARIANT = '''
+import triton
+import triton.language as tl
+
+@triton.jit
+def score_mod(score, b, h, q_idx, kv_idx):
+    return score - {c} * tl.abs(q_idx - kv_idx).to(tl.float32)
+
+@triton.jit
+def score_grad(score, b, h, q_idx, kv_idx):
+    return 1.0
+'''
+
+
+def part_first_call(p: dict, record) -> None:
+    """A variant no cache has seen: a fresh constant in its source changes Triton's hash."""
+    c = f"{time.time_ns() % 997 / 1e4 + 1e-3:.6f}"
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write(_NEW_VARIANT.format(c=c))  # triton.jit reads a function's source from its file
+    namespace = {}
+    exec(compile(open(f.name).read(), f.name, "exec"), namespace)
+    mod = variants.ScoreMod(namespace["score_mod"], grad=namespace["score_grad"])
+    leaves = [p[n].detach().requires_grad_() for n in ("q", "k", "v")]
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = flashkit.flash_attn_func(*leaves, score_mod=mod)
+    torch.autograd.grad(out, leaves, p["dout"])
+    torch.cuda.synchronize()
+    ours = time.perf_counter() - start
+    os.unlink(f.name)
+
+    torch._dynamo.reset()  # a fresh compile, as for a new variant in a new process
+    from torch.nn.attention.flex_attention import flex_attention
+    compiled = torch.compile(flex_attention, dynamic=False)
+    slope = float(c)
+    heads_first = [p[n].transpose(1, 2).contiguous() for n in ("q", "k", "v", "dout")]
+    leaves = [x.requires_grad_() for x in heads_first[:3]]
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = compiled(*leaves, score_mod=lambda s, b, h, qi, ki: s - slope * (qi - ki).abs())
+    torch.autograd.grad(out, leaves, heads_first[3])
+    torch.cuda.synchronize()
+    record("first_call", dict(seqlen=p["seqlen"], flashkit_s=ours,
+                              flex_s=time.perf_counter() - start))
+
+
+COLUMNS = {
+    "examples": ["example", "seqlen", "flashkit_fwd_ms", "flex_fwd_ms", "speedup_fwd",
+                 "flashkit_bwd_ms", "flex_bwd_ms", "speedup_bwd"],
+    "builtins": ["feature", "seqlen", "builtin_fwd_ms", "mod_fwd_ms", "ratio_fwd",
+                 "builtin_bwd_ms", "mod_bwd_ms", "ratio_bwd"],
+    "first_call": ["seqlen", "flashkit_s", "flex_s"],
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_out_argument(ap, "variants")
+    ap.add_argument("--lengths", default="2048,8192", help="comma-separated sequence lengths")
+    ap.add_argument("--parts", default="examples,builtins,first_call",
+                    help="comma-separated: examples, builtins, first_call")
+    args = ap.parse_args()
+    parts = args.parts.split(",")
+    result = Result("variants", args.out, config=dict(head_dim=HEAD_DIM, nheads=NHEADS,
+                                                      tokens=TOKENS, dtype=str(DTYPE)))
+    rows = {part: [] for part in parts}
+
+    def record(part: str, row: dict) -> None:
+        rows[part].append(row)
+        log(f"{part} {row}")
+        result.save(part, rows[part])
+        result.markdown("\n".join(f"## {name}\n\n" + table(r, COLUMNS[name])
+                                  for name, r in rows.items() if r))
+
+    lengths = [int(s) for s in args.lengths.split(",")]
+    if "first_call" in parts:  # first, before this process has compiled anything
+        part_first_call(problem(lengths[0]), record)
+    compiled = anchor_flex_compiled()
+    for seqlen in lengths:
+        p = problem(seqlen)
+        if "examples" in parts:
+            part_examples(p, compiled, record)
+        if "builtins" in parts:
+            part_builtins(p, record)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""The autograd wrapper for calls with modifiers on the tiled and Triton backends.
+
+Modifiers are Python functions, which the custom op's schema cannot carry, so these calls take
+a plain torch.autograd.Function: the backend's forward, then its backward with a buffer per
+captured tensor that requires a gradient (the tiled backward adds into them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from flashkit.variants.mods import Variant
+
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, sink, params, backend, *captured):
+        out, lse = backend.forward(q, k, v, params)
+        ctx.params, ctx.backend = params, backend
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        params = ctx.params
+        variant = params.variant
+        score = variant.score_mod
+        wanted = set() if score is None else set(score.grad_tensors())
+        grads = [torch.zeros_like(t, dtype=torch.float32 if t.dtype != torch.float64
+                                  else t.dtype) if n in wanted else None
+                 for n, t in enumerate(() if score is None else score.captured)]
+        params = dataclasses.replace(params, variant=dataclasses.replace(
+            variant, captured_grads=grads))
+        dout = torch.zeros_like(out, dtype=q.dtype) if dout is None else dout.to(q.dtype)
+        dq, dk, dv, dsink = ctx.backend.backward(dout, q, k, v, out, lse, params, dlse=dlse)
+        captured = [None if g is None else g.to(t.dtype)
+                    for g, t in zip(grads, () if score is None else score.captured, strict=True)]
+        n_mask = 0 if variant.mask_mod is None else len(variant.mask_mod.captured)
+        return (dq, dk, dv, dsink if params.sink is not None else None, None, None, *captured,
+                *([None] * n_mask))
+
+
+def attention(q, k, v, params, backend: str):
+    """(out, lse) of a call whose params carry a Variant on backend "torch" or "triton";
+    differentiable in q, k, v, the sink and score_mod's captured tensors (torch backend)."""
+    from flashkit.ops.custom_op import backend_module
+
+    variant: Variant = params.variant
+    score = variant.score_mod
+    if backend == "triton" and score is not None:
+        if score.grad_tensors():
+            raise NotImplementedError(
+                "score_mod: backend 'triton' computes no gradient for captured tensors; pass "
+                "them without requires_grad, or use backend='torch'")
+        needs_grad = torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (q, k, v, params.sink))
+        if needs_grad and score.grad is None:
+            raise NotImplementedError(
+                "score_mod: backend 'triton' differentiates a score_mod through its derivative; "
+                "pass ScoreMod(fn, *captured, grad=dfn) with dfn(score, b, h, q_idx, kv_idx, "
+                "*captured) = d fn / d score, or use backend='torch'")
+    captured = [*(() if variant.score_mod is None else variant.score_mod.captured),
+                *(() if variant.mask_mod is None else variant.mask_mod.captured)]
+    tensors = [t if isinstance(t, torch.Tensor) else None for t in captured]
+    return _Attention.apply(q, k, v, params.sink, params, backend_module(backend), *tensors)

@@ -1,0 +1,139 @@
+"""Built-in modifiers, each a few lines of Triton, and the examples the documentation shows.
+
+Every function returns a ScoreMod or MaskMod ready for flash_attn_func(score_mod=...,
+mask_mod=...) or create_block_mask. Indices follow FlexAttention: q_idx and kv_idx are positions
+in the sequence (per sequence under varlen), b the batch entry (sequence), h the query head.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from flashkit.variants.mods import TORCH_OVERRIDES, MaskMod, ScoreMod
+
+
+@triton.jit
+def tanh(x):
+    """tanh for modifiers: 1 - 2 / (exp(2x) + 1), exact at both tails (torch side: torch.tanh)."""
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+TORCH_OVERRIDES[tanh.fn] = torch.tanh
+
+
+# --- masks ---------------------------------------------------------------------------------
+
+@triton.jit
+def _causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def causal_mask() -> MaskMod:
+    """Top-left causal (key <= query position), as FlexAttention writes it."""
+    return MaskMod(_causal)
+
+
+@triton.jit
+def _document(b, h, q_idx, kv_idx, doc, stride_b):
+    return tl.load(doc + b * stride_b + q_idx) == tl.load(doc + b * stride_b + kv_idx)
+
+
+@triton.jit
+def _document_causal(b, h, q_idx, kv_idx, doc, stride_b):
+    same = tl.load(doc + b * stride_b + q_idx) == tl.load(doc + b * stride_b + kv_idx)
+    return same & (q_idx >= kv_idx)
+
+
+def document_mask(document_ids: torch.Tensor, causal: bool = False) -> MaskMod:
+    """Tokens see only tokens of their own document: document_ids int (seqlen,) shared by the
+    batch or (batch, seqlen), one id per position (q and k share one packing)."""
+    stride_b = 0 if document_ids.dim() == 1 else document_ids.stride(0)
+    return MaskMod(_document_causal if causal else _document, document_ids.contiguous(), stride_b)
+
+
+@triton.jit
+def _prefix_lm(b, h, q_idx, kv_idx, prefix):
+    return (kv_idx <= q_idx) | (kv_idx < tl.load(prefix + b))
+
+
+def prefix_lm(prefix_lengths: torch.Tensor) -> MaskMod:
+    """Bidirectional over each sequence's prefix, causal after it: int (batch,) lengths."""
+    return MaskMod(_prefix_lm, prefix_lengths.contiguous())
+
+
+@triton.jit
+def _window_globals(b, h, q_idx, kv_idx, window, n_global):
+    near = tl.abs(q_idx - kv_idx) <= window
+    return near | (q_idx < n_global) | (kv_idx < n_global)
+
+
+def sliding_window_with_globals(window: int, n_global: int) -> MaskMod:
+    """Longformer's pattern: keys within `window` positions either side, plus `n_global` global
+    tokens at the start that see and are seen by every token."""
+    return MaskMod(_window_globals, int(window), int(n_global))
+
+
+@triton.jit
+def _causal_window(b, h, q_idx, kv_idx, window):
+    return (kv_idx <= q_idx) & (q_idx - kv_idx <= window)
+
+
+def causal_window(window: int) -> MaskMod:
+    """Causal sliding window: key within `window` positions before the query (window_size=
+    (window, 0) of the built-in band, for equal lengths)."""
+    return MaskMod(_causal_window, int(window))
+
+
+# --- scores --------------------------------------------------------------------------------
+
+@triton.jit
+def _alibi(score, b, h, q_idx, kv_idx, slopes, shift):
+    return score - tl.load(slopes + h) * tl.abs(q_idx + shift - kv_idx)
+
+
+@triton.jit
+def _alibi_grad(score, b, h, q_idx, kv_idx, slopes, shift):
+    return 1.0
+
+
+def alibi(slopes: torch.Tensor, shift: int = 0) -> ScoreMod:
+    """ALiBi as a score_mod: score - slope_h |q_idx + shift - kv_idx| (shift = seqlen_k -
+    seqlen_q puts the diagonal where alibi_slopes= does); slopes float32 (nheads,)."""
+    return ScoreMod(_alibi, slopes.contiguous(), int(shift), grad=_alibi_grad)
+
+
+@triton.jit
+def _softcap(score, b, h, q_idx, kv_idx, cap):
+    return cap * tanh(score / cap)
+
+
+@triton.jit
+def _softcap_grad(score, b, h, q_idx, kv_idx, cap):
+    t = tanh(score / cap)
+    return 1.0 - t * t
+
+
+def softcap(cap: float) -> ScoreMod:
+    """Tanh soft-capping as a score_mod: cap * tanh(score / cap) (softcap= built in)."""
+    return ScoreMod(_softcap, float(cap), grad=_softcap_grad)
+
+
+@triton.jit
+def _relative_bias(score, b, h, q_idx, kv_idx, table, max_distance):
+    distance = tl.minimum(tl.maximum(kv_idx - q_idx, -max_distance), max_distance)
+    return score + tl.load(table + h * (2 * max_distance + 1) + distance + max_distance)
+
+
+@triton.jit
+def _relative_bias_grad(score, b, h, q_idx, kv_idx, table, max_distance):
+    return 1.0
+
+
+def relative_bias(table: torch.Tensor) -> ScoreMod:
+    """A learned bias per head and clipped relative position (T5-style without buckets):
+    table (nheads, 2 * max_distance + 1), entry [h, clamp(kv - q, -M, M) + M]. Its gradient
+    flows back to the table on the torch backends."""
+    return ScoreMod(_relative_bias, table, (table.shape[-1] - 1) // 2,
+                    grad=_relative_bias_grad)

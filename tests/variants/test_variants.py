@@ -1,0 +1,187 @@
+"""User variants (score_mod, mask_mod, block_mask) against the float64 oracle, forward and
+backward, on the tiled backend and the Triton kernels (interpreted without a GPU)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+from variant_cases import EXAMPLES, attention, documents, extras
+
+import flashkit
+from flashkit import variants
+from helpers import check_against_oracle, random_qkv, random_varlen
+
+
+def _check(backend, name, inputs, grad_names=("q", "k", "v")):
+    check_against_oracle(functools.partial(attention, backend, name), inputs,
+                         output_names=("out",),
+                         oracle_fn=functools.partial(attention, "reference", name),
+                         grad_names=grad_names)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_example_matches_oracle(backend, name):
+    """Each built-in example, odd lengths, GQA; the relative-bias table's gradient (torch)."""
+    seqlen_q, seqlen_k = (29, 29) if name in ("document", "prefix_lm") else (23, 31)
+    q, k, v = random_qkv(batch=2, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads=4, nheads_k=2,
+                         headdim=16)
+    captured = extras(name, 2, 4, seqlen_q, seqlen_k)
+    grads = ("q", "k", "v", "table") if backend == "torch" else ("q", "k", "v")
+    _check(backend, name, dict(q=q, k=k, v=v, **captured), grads)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("name", ["document", "relative_bias"])
+def test_varlen_example_matches_oracle(backend, name):
+    """Indices are positions within each sequence, b the sequence (lengths 1, 0 and odd)."""
+    inputs = random_varlen([9, 1, 20], [9, 1, 20], nheads=2, headdim=16)
+    captured = extras(name, 3, 2, 20, 20)
+    _check(backend, name, dict(**inputs, **captured))
+
+
+def test_modifiers_combine_with_builtin_features():
+    """score_mod after softcap and ALiBi, mask_mod inside the causal band, a sink: Triton."""
+    q, k, v = random_qkv(batch=1, seqlen_q=19, seqlen_k=27, nheads=2, headdim=16)
+    sink, slopes, table = torch.randn(2), torch.rand(2), torch.randn(2, 13)
+
+    def run(backend, q, k, v, sink, table):
+        return (flashkit.flash_attn_func(
+            q, k, v, causal=True, softcap=4.0, alibi_slopes=slopes, sink=sink, backend=backend,
+            score_mod=variants.relative_bias(table),
+            mask_mod=variants.sliding_window_with_globals(4, 2)),)
+    check_against_oracle(functools.partial(run, "triton"),
+                         dict(q=q, k=k, v=v, sink=sink, table=table), output_names=("out",),
+                         oracle_fn=functools.partial(run, "reference"))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_block_mask_matches_oracle(backend):
+    """A document block mask (per batch entry, shared by heads), GQA, odd length, 16-blocks."""
+    seqlen = 45
+    doc = documents(seqlen, batch=2)
+    mask = flashkit.create_block_mask(variants.document_mask(doc, causal=True), 2, None,
+                                      seqlen, seqlen, device="cpu", BLOCK_SIZE=16)
+    assert 0 < mask.sparsity() < 1
+    q, k, v = random_qkv(batch=2, seqlen_q=seqlen, nheads=4, nheads_k=2, headdim=16)
+
+    def run(backend, q, k, v):
+        return (flashkit.flash_attn_func(q, k, v, block_mask=mask, backend=backend),)
+    check_against_oracle(functools.partial(run, backend), dict(q=q, k=k, v=v),
+                         output_names=("out",), oracle_fn=functools.partial(run, "reference"))
+
+
+@pytest.mark.parametrize("block", [16, (32, 16)])
+def test_block_mask_states_match_dense_mask(block):
+    """Empty blocks see nothing, full blocks see everything in range, partial the rest; a
+    block past the end is never full; the transposed lists agree."""
+    seqlen_q, seqlen_k = 70, 53
+    window = variants.sliding_window_with_globals(9, 3)
+    mask = flashkit.create_block_mask(window, None, 2, seqlen_q, seqlen_k, device="cpu",
+                                      BLOCK_SIZE=block)
+    bq, bk = mask.BLOCK_SIZE
+    i = torch.arange(seqlen_q)[:, None]
+    j = torch.arange(seqlen_k)[None, :]
+    dense = (i - j).abs() <= 9
+    dense |= (i < 3) | (j < 3)
+    state = mask.to_dense()[0, 0]
+    assert state.shape == (-(-seqlen_q // bq), -(-seqlen_k // bk))
+    for r in range(state.shape[0]):
+        for c in range(state.shape[1]):
+            tile = dense[r * bq:(r + 1) * bq, c * bk:(c + 1) * bk]
+            whole = tile.shape == (bq, bk)
+            expected = 0 if not tile.any() else (2 if tile.all() and whole else 1)
+            assert state[r, c] == expected, (r, c)
+    kv_listed = (mask.kv_num_blocks + mask.full_kv_num_blocks).sum()
+    q_listed = (mask.q_num_blocks + mask.full_q_num_blocks).sum()
+    assert kv_listed == q_listed == (state > 0).sum() * 2
+
+
+# --- bad modifiers -----------------------------------------------------------------------
+
+@triton.jit
+def _three_args(score, b, h):
+    return score
+
+
+@triton.jit
+def _returns_number(score, b, h, q_idx, kv_idx):
+    return 1.0
+
+
+@triton.jit
+def _float_mask(b, h, q_idx, kv_idx):
+    return (q_idx - kv_idx) * 1.0
+
+
+@triton.jit
+def _bias(score, b, h, q_idx, kv_idx, table):
+    return score + tl.load(table + h)
+
+
+def _qkv():
+    return random_qkv(batch=1, seqlen_q=8, nheads=2, headdim=16)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(score_mod=_three_args), TypeError, "score_mod: _three_args"),
+    (dict(score_mod=_returns_number), TypeError, "score_mod: must return a floating-point"),
+    (dict(mask_mod=_float_mask), TypeError, "mask_mod: must return a bool"),
+    (dict(mask_mod=variants.softcap(2.0)), TypeError, "mask_mod: got a ScoreMod"),
+    (dict(score_mod=variants.ScoreMod(_bias, torch.zeros(2, device="meta"))), ValueError,
+     "score_mod: captured tensor 0 is on meta"),
+    (dict(score_mod=variants.ScoreMod(_bias, torch.zeros(2, dtype=torch.complex64))),
+     TypeError, "score_mod: captured tensor 0 has dtype"),
+    (dict(score_mod=variants.ScoreMod(_bias, "table")), TypeError, "captured value 0"),
+    (dict(score_mod=variants.ScoreMod(_bias, torch.zeros(2, 2).t())), ValueError,
+     "contiguous"),
+    (dict(block_mask=object()), TypeError, "block_mask: expected a flashkit.BlockMask"),
+])
+def test_bad_modifiers_rejected(kwargs, error, match):
+    q, k, v = _qkv()
+    with pytest.raises(error, match=match):
+        flashkit.flash_attn_func(q, k, v, backend="torch", **kwargs)
+
+
+def test_block_mask_must_fit_the_call():
+    q, k, v = _qkv()
+    mask = flashkit.create_block_mask(variants.causal_mask(), 1, 2, 8, 16, device="cpu",
+                                      BLOCK_SIZE=16)
+    with pytest.raises(ValueError, match="block_mask: built for"):
+        flashkit.flash_attn_func(q, k, v, block_mask=mask)
+    mask = flashkit.create_block_mask(variants.causal_mask(), 1, 2, 8, 8, device="cpu",
+                                      BLOCK_SIZE=16)
+    with pytest.raises(ValueError, match="block_mask: causal and window_size"):
+        flashkit.flash_attn_func(q, k, v, block_mask=mask, causal=True)
+    with pytest.raises(ValueError, match="BLOCK_SIZE"):
+        flashkit.create_block_mask(variants.causal_mask(), 1, 2, 8, 8, device="cpu",
+                                   BLOCK_SIZE=24)
+
+
+def test_triton_backward_needs_what_it_cannot_derive():
+    """The Triton backward differentiates score_mod through its grad= function and computes no
+    gradient for captured tensors: both refused before any launch, naming score_mod."""
+    q, k, v = (x.requires_grad_() for x in _qkv())
+    with pytest.raises(NotImplementedError, match="score_mod: backend 'triton' differentiates"):
+        flashkit.flash_attn_func(q, k, v, backend="triton",
+                                 score_mod=variants.ScoreMod(_bias, torch.zeros(2)))
+    table = torch.zeros(2, 13, requires_grad=True)
+    with pytest.raises(NotImplementedError, match="captured tensors"):
+        flashkit.flash_attn_func(q, k, v, backend="triton",
+                                 score_mod=variants.relative_bias(table))
+
+
+def test_plain_function_modifiers_run_everywhere():
+    """A FlexAttention-style plain def (operators only) is decorated by flashkit."""
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+    q, k, v = _qkv()
+    expected = flashkit.flash_attn_func(q.double(), k.double(), v.double(), causal=True,
+                                        backend="reference")
+    for backend in ("torch", "triton"):
+        out = flashkit.flash_attn_func(q, k, v, mask_mod=causal, backend=backend)
+        torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,93 @@
+"""User variants on the GPU: every example with odd lengths, GQA and varlen against the float64
+oracle in bf16 and fp16, block masks against the dense mask, and compile counts."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+import pytest
+import torch
+from variant_cases import EXAMPLES, attention, documents, extras
+
+import flashkit
+from flashkit import variants
+from helpers import check_against_oracle, random_qkv, random_varlen
+
+pytestmark = pytest.mark.gpu
+
+
+def _cuda(inputs: dict) -> dict:
+    return {n: t.cuda() if isinstance(t, torch.Tensor) else t for n, t in inputs.items()}
+
+
+def _check(name, inputs):
+    check_against_oracle(functools.partial(attention, "triton", name), _cuda(inputs),
+                         output_names=("out",),
+                         oracle_fn=functools.partial(attention, "reference", name),
+                         grad_names=("q", "k", "v"))
+
+
+@pytest.mark.parametrize("dtype, headdim", [(torch.bfloat16, 128), (torch.float16, 64)])
+@pytest.mark.parametrize("lengths", [(113, 203), (1023, 1023)])
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_example_matches_oracle(name, lengths, headdim, dtype):
+    seqlen_q, seqlen_k = lengths
+    if name in ("document", "prefix_lm"):
+        seqlen_k = seqlen_q
+    q, k, v = random_qkv(batch=2, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads=8, nheads_k=2,
+                         headdim=headdim, dtype=dtype)
+    _check(name, dict(q=q, k=k, v=v, **extras(name, 2, 8, seqlen_q, seqlen_k)))
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_varlen_example_matches_oracle(name):
+    lengths = [300, 1, 0, 517]
+    inputs = random_varlen(lengths, lengths, nheads=8, nheads_k=4, headdim=64,
+                           dtype=torch.bfloat16)
+    _check(name, dict(**inputs, **extras(name, len(lengths), 8, 517, 517)))
+
+
+@pytest.mark.parametrize("block", [128, (128, 64)])
+@pytest.mark.parametrize("seqlen", [1000, 2048])
+def test_block_mask_matches_oracle(seqlen, block):
+    doc = documents(seqlen, batch=2).cuda()
+    mask = flashkit.create_block_mask(variants.document_mask(doc, causal=True), 2, None,
+                                      seqlen, seqlen, device="cuda", BLOCK_SIZE=block)
+    dense = torch.zeros(2, 1, seqlen, seqlen, dtype=torch.bool, device="cuda")
+    i = torch.arange(seqlen, device="cuda")
+    dense[:, 0] = (doc[:, :, None] == doc[:, None, :]) & (i[:, None] >= i[None, :])
+    bq, bk = mask.BLOCK_SIZE
+    n_q, n_k = -(-seqlen // bq), -(-seqlen // bk)
+    padded = torch.zeros(2, 1, n_q * bq, n_k * bk, dtype=torch.bool, device="cuda")
+    padded[..., :seqlen, :seqlen] = dense
+    tiles = padded.view(2, 1, n_q, bq, n_k, bk)
+    assert torch.equal(mask.to_dense() > 0, tiles.any(5).any(3))
+    q, k, v = random_qkv(batch=2, seqlen_q=seqlen, nheads=8, nheads_k=2, headdim=128,
+                         dtype=torch.bfloat16)
+
+    def run(backend, q, k, v):
+        return (flashkit.flash_attn_func(q, k, v, block_mask=mask, backend=backend),)
+    check_against_oracle(functools.partial(run, "triton"), _cuda(dict(q=q, k=k, v=v)),
+                         output_names=("out",), oracle_fn=functools.partial(run, "reference"))
+
+
+def _compiled() -> int:
+    """Kernels compiled so far by the portable forward and backward (every device)."""
+    kernels = [importlib.import_module("flashkit.ops.triton.forward")._fwd_kernel,
+               importlib.import_module("flashkit.ops.triton.backward")._bwd_kernel]
+    return sum(len(caches[0]) for kernel in kernels for caches in kernel.device_caches.values())
+
+
+def test_new_length_compiles_nothing():
+    """The same variant at a new length (same divisibility class) reuses its kernels."""
+    table = torch.randn(8, 2 * 6 + 1, device="cuda")
+    mod = variants.relative_bias(table)
+    for seqlen in (1000, 1500, 1700):  # all off the 16-multiple specialisation, like each other
+        q, k, v = random_qkv(batch=1, seqlen_q=seqlen + 1, nheads=8, headdim=64,
+                             dtype=torch.bfloat16)
+        q, k, v = (x.cuda().requires_grad_() for x in (q, k, v))
+        flashkit.flash_attn_func(q, k, v, score_mod=mod).sum().backward()
+        if seqlen == 1000:
+            before = _compiled()
+    assert _compiled() == before
