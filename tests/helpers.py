@@ -1,4 +1,5 @@
-"""Shared helpers for the attention tests: random inputs and the DESIGN section 5 comparison.
+"""Shared helpers for the attention tests: random inputs and the comparison of
+docs/design.md section 5.
 
     q, k, v = random_qkv(batch=2, seqlen_q=17, seqlen_k=33, nheads=4, nheads_k=2, headdim=40)
     check_against_oracle(tiled_attention, dict(q=q, k=k, v=v, causal=True))
@@ -92,9 +93,9 @@ GRAD_NAMES = ("q", "k", "v", "sink")
 
 def check_against_oracle(fn, inputs: dict, *, grads=True, output_names=("out", "lse"),
                          oracle_fn=oracle, baseline_fn=None, grad_names=GRAD_NAMES):
-    """Assert the DESIGN section 5 rule for fn's outputs and, with grads, for the gradients of
-    the inputs named in grad_names (q, k, v and sink when given), under random cotangents
-    shared by the three computations. oracle_fn(**inputs) computes the oracle (on float64
+    """Assert the rule of docs/design.md section 5 for fn's outputs and, with grads, for the
+    gradients of the inputs named in grad_names (q, k, v and sink when given), under random
+    cotangents shared by the three computations. oracle_fn(**inputs) computes the oracle (on float64
     copies) and, unless baseline_fn is given, the baseline (on the inputs as given).
 
     Also checks that fn leaves the caller's tensors untouched. Returns fn's outputs.

@@ -1,5 +1,6 @@
 """The flash-attn style entry points: the acceptance case, packed layouts, dispatch, return
-values, and every bad input raising a clear error that names the argument (DESIGN section 2)."""
+values, and every bad input raising a clear error that names the argument (docs/design.md
+section 2)."""
 
 from __future__ import annotations
 

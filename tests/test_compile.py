@@ -53,6 +53,21 @@ def test_compiled_matches_eager(case, backend):
         torch.testing.assert_close(comp, eager, rtol=1e-6, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_compiled_with_scalars_as_arguments_matches_eager(dynamic):
+    """softcap and softmax_scale passed in (symbolic floats under dynamic=True), two lengths."""
+    def fn(q, k, v, softcap, scale):
+        return flashkit.flash_attn_func(q, k, v, causal=True, softcap=softcap,
+                                        softmax_scale=scale, backend="torch")
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, dynamic=dynamic, backend="aot_eager")
+    for seqlen, softcap, scale in ((17, 5.0, 0.3), (30, 7.5, 0.2)):
+        q, k, v = random_qkv(1, seqlen, seqlen, 2, 2, headdim=16)
+        torch.testing.assert_close(compiled(q, k, v, softcap, scale), fn(q, k, v, softcap, scale),
+                                   rtol=1e-6, atol=1e-6)
+
+
 def test_compiled_sdpa_matches_eager():
     query, key, value = (t.transpose(1, 2) for t in random_qkv(2, 13, 21, 4, 2, headdim=16))
     mask = torch.rand(13, 21) > 0.3

@@ -2,7 +2,7 @@
 
 Each case builds a "logical" cache per sequence (capacity slots), lays it out contiguously (rows
 permuted through cache_batch_idx) or in shuffled pages, appends new keys at ragged lengths and
-checks (1) out and lse against flashkit.reference by the DESIGN section 5 rule, (2) that the
+checks (1) out and lse against flashkit.reference by the docs/design.md section 5 rule, (2) that the
 cache holds exactly the new (rotated) keys at their slots and that nothing else changed.
 """
 

@@ -2,7 +2,7 @@
 
 PyTorch's conventions: (batch, nheads, L, E) layout, top-left causal, bool/float attn_mask. The
 oracle is torch's SDPA on float64 copies; the baseline the same math materialised in the inputs'
-dtype; the kernel passes under the DESIGN section 5 rule, outputs and gradients.
+dtype; the kernel passes under the docs/design.md section 5 rule, outputs and gradients.
 """
 
 from __future__ import annotations

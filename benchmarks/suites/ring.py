@@ -25,7 +25,7 @@ benchmarks/results/ring/<date>_<W>gpu.json with the date, device, versions and c
 
 --check-tokens T first checks the ring (bf16, causal, GQA 8:2, d 128, T tokens per rank, both
 layouts) and single-device flash_attn_func against the float64 oracle on the gathered tensors,
-with DESIGN section 5's rule (error <= 2 x the bf16 materialised computation's + 1e-5) for
+with docs/design.md section 5's rule (error <= 2 x the bf16 materialised computation's + 1e-5) for
 out, dq, dk, dv; the errors go into the JSON too.
 """
 
@@ -139,7 +139,7 @@ def _attend(kind: str, q, k, v, dout, layout: str, rank: int, world: int, device
 
 
 def check(tokens: int, rank: int, world: int, device: torch.device) -> list:
-    """Errors against the float64 oracle, and the DESIGN section 5 verdict, per layout."""
+    """Errors against the float64 oracle, and the docs/design.md section 5 verdict, per layout."""
     gen = torch.Generator(device=device).manual_seed(4321)  # the same tensors on every rank
     n, dtype = world * tokens, _dtype(device)
     shapes = [(1, n, 8, 128), (1, n, 2, 128), (1, n, 2, 128), (1, n, 8, 128)]

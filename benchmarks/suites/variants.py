@@ -1,7 +1,7 @@
 """variants: user score_mod / mask_mod / block_mask against FlexAttention, on the GPU.
 
     PYTHONPATH=src python3 benchmarks/run.py variants [--out DIR] [--lengths 2048,8192]
-        [--parts examples,builtins,first_call]
+        [--parts first_call,examples,configs,builtins]
 
 bf16, head dim 128, 16 heads, batch = 16k tokens / seqlen, public APIs as users call them:
 flashkit.flash_attn_func with the modifiers against torch.compile(flex_attention) with the same
@@ -18,9 +18,14 @@ Parts:
                 flash_attn_func: ALiBi (alibi_slopes=), softcap (softcap=30), causal and a causal
                 window of 1024 (block masks against causal=True / window_size=(1024, 0));
                 ratio = modifier ms / built-in ms (the target is <= 1.05)
-    first_call  time to the first result (forward + backward) of a variant never seen before
-                (new source, so no disk cache holds it): flashkit's Triton compile against
-                Flex's torch.compile (dynamo reset first)
+    configs     each example under candidate tiles of the portable kernels for variant calls
+                (configs.VARIANT, swapped in for the run): which (BLOCK_M, BLOCK_N, warps,
+                stages) is fastest for forward, dK/dV and dQ at head dim 128; every candidate
+                fits sm_90's shared memory with every built-in (offline compiles)
+    first_call  time to the first forward, then to the first backward, of a variant never
+                seen before (new source, so no disk cache holds it): flashkit's Triton
+                compiles (forward; then preprocess, dK/dV and dQ) against Flex's torch.compile
+                (dynamo reset first)
 Results: DIR/<date>_<device>.json and .md (common.Result: rewritten after every case, so an
 interrupted run keeps what it measured), with date, device and versions.
 """
@@ -39,6 +44,7 @@ from common import Result, add_out_argument, anchor_flex_compiled, bench, log, t
 
 import flashkit  # noqa: E402
 from flashkit import variants  # noqa: E402
+from flashkit.ops.triton import configs  # noqa: E402
 
 HEAD_DIM, NHEADS, TOKENS, DTYPE = 128, 16, 16384, torch.bfloat16
 WINDOW, CAP = 1024, 30.0
@@ -140,6 +146,38 @@ def part_examples(p: dict, compiled, record) -> None:
             speedup_fwd=theirs[0] / ours[0], speedup_bwd=theirs[1] / ours[1]))
 
 
+# Candidate d128 tiles of the variant kernels, (BLOCK_M, BLOCK_N, num_warps, num_stages), each
+# checked offline for sm_90 (every built-in within 232448 bytes of shared memory; spill bytes
+# of ptxas, bench shape, worst built-in): forward (128, 64, 8, 2) none (the default),
+# (64, 64, 4, 3) none, (128, 128, 8, 2) up to 100 bytes; dK/dV (32, 128, 8, 2) up to 144 (the
+# default), (64, 64, 8, 2) up to 216, (64, 128, 8, 2) up to 524; dQ none.
+CANDIDATES = {
+    "forward": [(128, 64, 8, 2), (64, 64, 4, 3), (128, 128, 8, 2)],
+    "dkdv": [(32, 128, 8, 2), (64, 64, 8, 2), (64, 128, 8, 2)],
+    "dq": [(128, 32, 8, 2), (128, 64, 8, 2), (64, 64, 4, 2)],
+}
+
+
+def part_configs(p: dict, record) -> None:
+    """Each candidate tile of one kernel swapped into configs.VARIANT (the others at their
+    defaults); forward candidates time the forward, dK/dV and dQ ones the backward."""
+    for kernel, tiles in CANDIDATES.items():
+        default = configs.VARIANT[kernel][HEAD_DIM]
+        for tile in tiles:
+            configs.VARIANT[kernel][HEAD_DIM] = tile
+            try:
+                for name in ("document", "softcap", "relative_bias"):
+                    fwd, bwd = time_ours(p, **ours_mods(name, p))
+                    record("configs", dict(kernel=kernel, tile=str(tile), example=name,
+                                           seqlen=p["seqlen"], fwd_ms=fwd, bwd_ms=bwd))
+            except Exception as err:  # a candidate that fails to launch is a result too
+                record("configs", dict(kernel=kernel, tile=str(tile), example="error",
+                                       seqlen=p["seqlen"], fwd_ms=float("nan"),
+                                       bwd_ms=float("nan"), error=repr(err)[:200]))
+            finally:
+                configs.VARIANT[kernel][HEAD_DIM] = default
+
+
 def part_builtins(p: dict, record) -> None:
     cases = {"alibi": (dict(alibi_slopes=p["slopes"]), dict(score_mod=variants.alibi(p["slopes"]))),
              "softcap": (dict(softcap=CAP), dict(score_mod=variants.softcap(CAP))),
@@ -176,12 +214,8 @@ def part_first_call(p: dict, record) -> None:
     exec(compile(open(f.name).read(), f.name, "exec"), namespace)
     mod = variants.ScoreMod(namespace["score_mod"], grad=namespace["score_grad"])
     leaves = [p[n].detach().requires_grad_() for n in ("q", "k", "v")]
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    out = flashkit.flash_attn_func(*leaves, score_mod=mod)
-    torch.autograd.grad(out, leaves, p["dout"])
-    torch.cuda.synchronize()
-    ours = time.perf_counter() - start
+    ours = first_forward_backward(
+        lambda: flashkit.flash_attn_func(*leaves, score_mod=mod), leaves, p["dout"])
     os.unlink(f.name)
 
     torch._dynamo.reset()  # a fresh compile, as for a new variant in a new process
@@ -190,13 +224,24 @@ def part_first_call(p: dict, record) -> None:
     slope = float(c)
     heads_first = [p[n].transpose(1, 2).contiguous() for n in ("q", "k", "v", "dout")]
     leaves = [x.requires_grad_() for x in heads_first[:3]]
+    theirs = first_forward_backward(
+        lambda: compiled(*leaves, score_mod=lambda s, b, h, qi, ki: s - slope * (qi - ki).abs()),
+        leaves, heads_first[3])
+    record("first_call", dict(seqlen=p["seqlen"], flashkit_fwd_s=ours[0],
+                              flashkit_s=sum(ours), flex_fwd_s=theirs[0],
+                              flex_s=sum(theirs)))
+
+
+def first_forward_backward(run, leaves, dout) -> tuple[float, float]:
+    """(seconds to the first forward's result, then seconds to its gradients)."""
     torch.cuda.synchronize()
     start = time.perf_counter()
-    out = compiled(*leaves, score_mod=lambda s, b, h, qi, ki: s - slope * (qi - ki).abs())
-    torch.autograd.grad(out, leaves, heads_first[3])
+    out = run()
     torch.cuda.synchronize()
-    record("first_call", dict(seqlen=p["seqlen"], flashkit_s=ours,
-                              flex_s=time.perf_counter() - start))
+    forward = time.perf_counter() - start
+    torch.autograd.grad(out, leaves, dout)
+    torch.cuda.synchronize()
+    return forward, time.perf_counter() - start - forward
 
 
 COLUMNS = {
@@ -204,7 +249,8 @@ COLUMNS = {
                  "flashkit_bwd_ms", "flex_bwd_ms", "speedup_bwd"],
     "builtins": ["feature", "seqlen", "builtin_fwd_ms", "mod_fwd_ms", "ratio_fwd",
                  "builtin_bwd_ms", "mod_bwd_ms", "ratio_bwd"],
-    "first_call": ["seqlen", "flashkit_s", "flex_s"],
+    "configs": ["kernel", "tile", "example", "seqlen", "fwd_ms", "bwd_ms"],
+    "first_call": ["seqlen", "flashkit_fwd_s", "flashkit_s", "flex_fwd_s", "flex_s"],
 }
 
 
@@ -212,8 +258,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_out_argument(ap, "variants")
     ap.add_argument("--lengths", default="2048,8192", help="comma-separated sequence lengths")
-    ap.add_argument("--parts", default="examples,builtins,first_call",
-                    help="comma-separated: examples, builtins, first_call")
+    ap.add_argument("--parts", default="first_call,examples,configs,builtins",
+                    help="comma-separated: first_call, examples, configs, builtins")
     args = ap.parse_args()
     parts = args.parts.split(",")
     result = Result("variants", args.out, config=dict(head_dim=HEAD_DIM, nheads=NHEADS,
@@ -235,6 +281,8 @@ def main() -> None:
         p = problem(seqlen)
         if "examples" in parts:
             part_examples(p, compiled, record)
+        if "configs" in parts and seqlen == lengths[0]:  # the tile sweep at one length
+            part_configs(p, record)
         if "builtins" in parts:
             part_builtins(p, record)
 

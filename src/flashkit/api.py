@@ -8,7 +8,7 @@ op's dispatch would cost more than the kernels on small problems.
 
 Signatures and return values follow flash-attn 2 (`out`, or `(out, softmax_lse, attn_probs)` with
 return_attn_probs=True), plus two keyword-only additions: `sink` (a learnable per-head logit,
-DESIGN section 1) and `backend` (None, "torch", "triton" or "reference").
+docs/design.md section 1) and `backend` (None, "torch", "triton" or "reference").
 """
 
 from __future__ import annotations
@@ -34,20 +34,71 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                     return_attn_probs=False, *, sink=None, backend=None, q_descale=None,
                     k_descale=None, v_descale=None, score_mod=None, mask_mod=None,
                     block_mask=None, return_softmax_lse=False):
-    """Exact attention of q (batch, seqlen_q, nheads, d) over k, v (batch, seqlen_k, nheads_k, d).
+    """Exact attention, flash-attn 2's `flash_attn_func` (same arguments, same results).
 
-    causal/window_size are bottom-right aligned when seqlen_q != seqlen_k; window_size=(left,
-    right) with -1 for unbounded; nheads_k must divide nheads (GQA/MQA); alibi_slopes float32
-    (nheads,) or (batch, nheads); softcap > 0 applies cap * tanh(s / cap); sink (nheads,) adds
-    one value-less logit to every row's softmax. Returns out (batch, seqlen_q, nheads, d_v), or
-    (out, lse (batch, nheads, seqlen_q), probs (batch, nheads, seqlen_q, seqlen_k)) when
-    return_attn_probs (probs materialise the whole matrix: for testing at small sizes), or
-    (out, lse) with return_softmax_lse alone (nothing materialised).
-    float8 q, k, v (forward only, bf16 out) take float32 q/k/v_descale, (1,) or (batch,
-    nheads_k): see flashkit.fp8.
-    score_mod, mask_mod, block_mask: user variants, FlexAttention's meaning (docs/variants.md).
+    out[b, i, h] = sum_j softmax_j(s_ij) v[b, j, h // (nheads // nheads_k)], computed tile by tile
+    without materialising the (seqlen_q, seqlen_k) score matrix (docs/design.md section 1).
+
+    Args:
+        q: (batch, seqlen_q, nheads, headdim). float16, bfloat16, float32 (or float64 on the
+            torch and reference backends; float8 on Hopper GPUs, see q_descale); headdim up to
+            256. Note the layout: PyTorch's SDPA uses (batch, nheads, seqlen, headdim) instead
+            (see `scaled_dot_product_attention`); a UserWarning is raised when q and k both have
+            fewer positions than heads and at least 128 heads, the usual sign of SDPA-layout
+            tensors passed here.
+        k: (batch, seqlen_k, nheads_k, headdim), nheads_k dividing nheads (GQA/MQA: query head
+            h reads kv head h // (nheads // nheads_k)).
+        v: (batch, seqlen_k, nheads_k, headdim_v); headdim_v may differ from headdim.
+        dropout_p: probability in [0, 1) of dropping each attention weight after the softmax
+            (the kept ones are scaled by 1 / (1 - p)). The mask's seed is drawn from torch's
+            default generator, so `torch.manual_seed` reproduces a call; the backward
+            regenerates the mask instead of storing it. 0.0 (the default) at inference.
+        softmax_scale: multiplies q . k before the softmax; default 1 / sqrt(headdim). Must be
+            finite and positive.
+        causal: query i sees keys j <= i + seqlen_k - seqlen_q (aligned bottom-right, as in
+            flash-attn >= 2.1, so the last query sees the last key).
+        window_size: (left, right): query i sees keys from i + shift - left to i + shift +
+            right, shift = seqlen_k - seqlen_q; -1 leaves a side unbounded. (-1, -1), the
+            default, is full attention; causal sets right = 0.
+        softcap: c > 0 replaces each score s by c * tanh(s / c) (Gemma 2, Grok); 0.0 is off.
+        alibi_slopes: float32 (nheads,) or (batch, nheads): subtracts slope * |i + shift - j|
+            from each score, after softcap.
+        deterministic: flash-attn's request for a reproducible backward. flashkit's backward
+            is deterministic on every backend (gradients are accumulated without atomics), so
+            this is accepted for compatibility and changes nothing.
+        return_attn_probs: also return the log-sum-exp and the attention probabilities. The
+            probabilities materialise the whole (seqlen_q, seqlen_k) matrix per head: for tests
+            and inspection at small sizes.
+        sink: optional (nheads,) tensor, one learnable logit per head that joins every row's
+            softmax denominator without a value (attention sinks, as in gpt-oss). Receives a
+            gradient when it requires one.
+        backend: None (default) runs the Triton kernels for CUDA tensors and the tiled PyTorch
+            backend otherwise; "triton", "torch" or "reference" (the materialised float64-able
+            oracle) force one. A feature a backend cannot do raises NotImplementedError; there
+            is no silent fallback.
+        q_descale, k_descale, v_descale: for float8 (e4m3 / e5m2) q, k, v only (forward only,
+            bfloat16 out): float32 factors, (1,) or (batch, nheads_k) (q_descale also (batch,
+            nheads)), that undo each input's quantisation scale; see flashkit.fp8.
+        score_mod, mask_mod, block_mask: a user-defined variant, with FlexAttention's meaning:
+            score_mod(score, b, h, q_idx, kv_idx) rewrites each scaled score, mask_mod(b, h,
+            q_idx, kv_idx) says which keys a query sees, and a block mask (create_block_mask)
+            lets the kernels skip empty tiles; see docs/variants.md.
+        return_softmax_lse: return (out, lse) without materialising the probabilities;
+            return_attn_probs takes precedence.
+
+    Returns:
+        out (batch, seqlen_q, nheads, headdim_v) in q's dtype (bfloat16 for float8 q); with
+        return_attn_probs, (out, lse, probs): lse (batch, nheads, seqlen_q) float32, the
+        log-sum-exp of each row's scores before dropout (-inf for a row that sees no key, whose
+        out is 0), and probs (batch, nheads, seqlen_q, seqlen_k); with return_softmax_lse
+        alone, (out, lse).
+
+    Raises:
+        ValueError / TypeError naming the argument, before any kernel runs, for a wrong rank,
+        shape, dtype or device, a bad scale, window, dropout_p or softcap.
     """
     checks.dense_qkv(q, k, v, checks.DTYPES + checks.FLOAT8_DTYPES)
+    checks.warn_if_sdpa_layout(q, k)
     float8 = checks.descales(q, k, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
     params = build_params(q, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                      deterministic, sink, batch=q.shape[0])
@@ -203,7 +254,7 @@ def require_available(name: str, device: torch.device) -> None:
         return
     if not _triton_installed():
         raise ImportError("backend 'triton' needs the triton package: pip install "
-                          "'flashkit[gpu]', or pass backend='torch'")
+                          "'flashkit-attn[gpu]', or pass backend='torch'")
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"backend 'triton' runs on CUDA tensors (got {device}); set "
                          "TRITON_INTERPRET=1 to run its kernels in the interpreter, or pass "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 
 import torch
 
@@ -94,7 +95,9 @@ def heads(nheads: int, nheads_k: int, k, v, dim: int, names=("q", "k", "v")) -> 
 def softmax_scale(scale, head_dim: int, name: str = "softmax_scale") -> float:
     if scale is None:
         return head_dim ** -0.5
-    if not isinstance(scale, numbers.Real) or not math.isfinite(scale) or scale <= 0:
+    # Comparisons, not math.isfinite: under torch.compile(dynamic=True) the scale can be a
+    # symbolic float, which compares (and is guarded on) but has no isfinite. NaN fails both.
+    if not isinstance(scale, numbers.Real) or not 0 < scale < math.inf:
         raise ValueError(f"{name}: expected a finite positive number, got {scale!r}")
     return float(scale)
 
@@ -106,7 +109,7 @@ def dropout_p(p) -> float:
 
 
 def softcap(cap) -> float:
-    if not isinstance(cap, numbers.Real) or not math.isfinite(cap) or cap < 0:
+    if not isinstance(cap, numbers.Real) or not 0 <= cap < math.inf:  # see softmax_scale
         raise ValueError(f"softcap: expected a finite number >= 0 (0 = off), got {cap!r}")
     return float(cap)
 
@@ -193,6 +196,22 @@ def cu_seqlens(name: str, cu, total: int, max_seqlen, max_name: str, device,
         raise ValueError(f"{max_name}: expected an int >= the longest sequence "
                          f"({max(lengths)}), got {max_seqlen!r}")
     return len(values) - 1
+
+
+def warn_if_sdpa_layout(q, k) -> None:
+    """Warn when (batch, seqlen, nheads, d) inputs look like SDPA's (batch, nheads, seqlen, d):
+    both q and k with fewer positions than heads, and at least 128 query heads (few models have
+    that many, and those attend over more keys than heads). Shape comparisons only; skipped
+    while torch.compile traces."""
+    if torch.compiler.is_compiling():
+        return
+    (seqlen_q, nheads), (seqlen_k, nheads_k) = q.shape[1:3], k.shape[1:3]
+    if seqlen_q < nheads and seqlen_k < nheads_k and nheads >= 128:
+        warnings.warn(
+            f"q: {nheads} heads of {seqlen_q} positions, k: {nheads_k} heads of {seqlen_k}. "
+            "flash_attn_func takes (batch, seqlen, nheads, headdim); tensors in PyTorch SDPA's "
+            "(batch, nheads, seqlen, headdim) layout need .transpose(1, 2), or call "
+            "flashkit.scaled_dot_product_attention", UserWarning, stacklevel=3)
 
 
 def descales(q, k, **named) -> bool:

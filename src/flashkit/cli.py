@@ -9,7 +9,7 @@ import sys
 # Modules with a register(subparsers) function, in the order `flashkit --help` lists them.
 COMMAND_MODULES = [
     "flashkit.experiments.cli",  # demo, memory, bench, break-it, train
-    "flashkit.algorithms.cli",  # learn: the seed algorithms, worked
+    "flashkit.algorithms.cli",  # learn: the algorithms behind FlashAttention
     "flashkit.sim.cli",  # simulate: register machine, systolic array, TPU, HBM IO
 ]
 
@@ -31,6 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     if not hasattr(args, "func"):
         parser.print_help()
         return 0
+    problem = args.check(args) if hasattr(args, "check") else None
+    if problem:
+        parser.error(problem)  # exit status 2, as for any bad argument
     return args.func(args)
 
 

@@ -1,8 +1,9 @@
-"""The materialised oracle: every feature of DESIGN section 1, the whole score matrix in memory.
+"""The materialised oracle: every feature of docs/design.md section 1, the whole score matrix
+in memory.
 
 It computes in the dtype of its inputs, so the same function gives both the float64 oracle and the
-"torch in dtype t" baseline of the tolerance rule (DESIGN section 5). It is differentiable by
-autograd, the sink included, and never produces NaN for a row that sees no key: that row's output
+"torch in dtype t" baseline of the tolerance rule (docs/design.md section 5). It is differentiable
+by autograd, the sink included, and never produces NaN for a row that sees no key: that row's output
 is 0 and its log-sum-exp is -inf.
 
 Entry points:

@@ -21,7 +21,34 @@ __all__ = ["scaled_dot_product_attention"]
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
                                  is_causal=False, scale=None, enable_gqa=False, *, backend=None):
-    """softmax(query @ key^T * scale + mask) @ value, exactly, without materialising the scores."""
+    """`torch.nn.functional.scaled_dot_product_attention`, computed by flashkit.
+
+    softmax(query @ key^T * scale + mask) @ value, exactly, tile by tile: the (L, S) score
+    matrix is never stored (an `attn_mask` is read one tile at a time).
+
+    Args:
+        query: (batch, nheads, L, E), or (nheads, L, E).
+        key: (batch, nheads_k, S, E); nheads_k == nheads unless enable_gqa.
+        value: (batch, nheads_k, S, Ev).
+        attn_mask: optional, broadcastable to (batch, nheads, L, S): boolean (True = the
+            query may attend to the key) or float (added to the scores). Not with is_causal.
+        dropout_p: probability in [0, 1) of dropping each attention weight (kept ones scaled
+            by 1 / (1 - p)); the seed comes from torch's default generator.
+        is_causal: query i sees keys j <= i, aligned top-left as in PyTorch (flash_attn_func
+            aligns bottom-right instead).
+        scale: multiplies the scores; default 1 / sqrt(E).
+        enable_gqa: let key and value have fewer heads than query (nheads_k dividing nheads).
+        backend: keyword-only, as in `flash_attn_func`: None picks Triton for CUDA tensors and
+            the tiled PyTorch backend otherwise.
+
+    Returns:
+        (batch, nheads, L, Ev) (or (nheads, L, Ev)) in query's dtype. Unlike PyTorch, a row
+        whose mask hides every key gives 0 rather than NaN.
+
+    Raises:
+        ValueError / TypeError naming the argument for mismatched shapes, dtypes or devices,
+        heads that differ without enable_gqa, or attn_mask together with is_causal.
+    """
     squeeze = isinstance(query, torch.Tensor) and query.dim() == 3
     if squeeze:  # (nheads, L, E): a batch of one
         query, key, value = (t.unsqueeze(0) if isinstance(t, torch.Tensor) else t

@@ -1,4 +1,4 @@
-"""Helpers for testing attention kernels against the oracle (DESIGN section 5).
+"""Helpers for testing attention kernels against the oracle (docs/design.md section 5).
 
 The rule (flash-attn's own): a kernel in dtype t passes when
 
@@ -49,8 +49,9 @@ def rounding_term(oracle: torch.Tensor, dtype: torch.dtype) -> float:
 def assert_close_to_oracle(name: str, actual: torch.Tensor, oracle: torch.Tensor,
                            baseline: torch.Tensor, atol: float = 1e-5,
                            factor: float = OUTPUT_FACTOR) -> None:
-    """Assert the rule above (factor: OUTPUT_FACTOR for out/lse, GRAD_FACTOR for gradients);
-    the message names the tensor, ratio and worst spot."""
+    """Assert the rule of docs/design.md section 5 (factor: OUTPUT_FACTOR for out and lse,
+    GRAD_FACTOR for gradients); the message names the tensor, the error ratio and the worst
+    spot."""
     if actual.shape != oracle.shape:
         raise AssertionError(f"{name}: shape {tuple(actual.shape)} != oracle "
                              f"{tuple(oracle.shape)}")

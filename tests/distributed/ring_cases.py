@@ -249,7 +249,7 @@ def check_case(case: Case, rank: int, world: int, device) -> None:
     seq_dim, lse_dim = (0, 1) if case.varlen else (1, 2)
     (q, k, v, dout, dlse), extras = _inputs(case, world)
     oracle = _results(case, q, k, v, dout, dlse, extras, shards, True, device)
-    # The DESIGN section 5 baseline: the same materialised computation in the case's dtype.
+    # The docs/design.md section 5 baseline: the same materialised computation in the case's dtype.
     cast = [x.to(case.dtype) for x in (q, k, v, dout, dlse)]
     extras = {name: x.to(case.dtype) if name == "sink" else x for name, x in extras.items()}
     baseline = _results(case, *cast, extras, shards, True, device)

@@ -1,4 +1,4 @@
-"""The BREAK IT variants break the way the seed says, and the intact loop is exact."""
+"""The BREAK IT variants break the way the chapter says, and the intact loop is exact."""
 
 import math
 

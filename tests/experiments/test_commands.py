@@ -65,14 +65,3 @@ def test_train_writes_both_loss_curves(flashkit_cli, tmp_path):
     assert comparison["max_delta"] < 1e-4 and comparison["tokens_per_s_flashkit"] > 0
     assert_png_if_matplotlib(tmp_path / "train.png")
 
-
-def test_demo_writes_a_report(flashkit_cli, tmp_path):
-    flashkit_cli("demo", "--device", "cpu", "--out", tmp_path, "--smoke")
-    report = (tmp_path / "README.md").read_text()
-    for heading in ("oracle", "Memory", "BREAK IT", "Training", "Throughput"):
-        assert heading in report
-    assert "FAIL" not in report
-    for name in ("memory.json", "break_it.json", "train.json", "bench.json"):
-        load_json(tmp_path / name)
-    for png in ("memory.png", "train.png", "bench_float32.png"):
-        assert_png_if_matplotlib(tmp_path / png)

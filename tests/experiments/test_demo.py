@@ -33,3 +33,18 @@ def test_bench_table_shows_flashkit_as_a_ratio_to_the_reference():
     bench._add_ratios(rows, bench.reference_method("cuda"))
     header, (row,) = bench.table(rows, ["flashkit", "sdpa-cudnn"], "cuda")
     assert header[-1] == "flashkit / sdpa-cudnn" and row[-1] == "0.75"
+
+
+def test_cpu_bench_methods_take_turns_and_keep_their_fastest_round(monkeypatch):
+    calls = []
+
+    def fake_measure(method, call, layout, r, device):
+        calls.append(method)
+        r.ms = {("flashkit", 1): 5.0, ("flashkit", 4): 3.0}.get((method, len(calls)), 4.0)
+        return r
+    monkeypatch.setattr(bench, "measure", fake_measure)
+    monkeypatch.setattr(bench, "method_call", lambda method: (None, "bshd"))
+    grid = bench.Grid(["float32"], [16], [64], [True], ["fwd"], 64, 32)
+    rows = bench.run_grid(grid, ["flashkit", "sdpa"], "cpu")
+    assert calls == ["flashkit", "sdpa", "sdpa", "flashkit"]
+    assert [(r.method, r.ms) for r in rows] == [("flashkit", 3.0), ("sdpa", 4.0)]

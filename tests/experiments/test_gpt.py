@@ -1,5 +1,7 @@
 """The GPT's two attention plugs give the same model: same loss at step 0, close curves after."""
 
+import functools
+
 import pytest
 import torch
 
@@ -79,10 +81,26 @@ def test_naive_running_out_of_memory_is_a_result_not_a_crash(monkeypatch):
     naive, flash = (train.train_or_oom(a, config, tokens, 5) for a in ("naive", "flashkit"))
     assert naive.oom.startswith("CUDA out of memory") and not naive.losses
     assert len(flash.losses) == 2
-    comparison = train.compare(naive, flash, config)
+    comparison = train.compare(naive, flash, config, None)
     assert comparison["speedup"] is None and comparison["final_loss_flashkit"] is not None
     _, (row,) = train.table([comparison])
     assert row[1] == "OOM" and row[3] == "-" and row[6] == "-" and row[2] != "OOM"
+
+
+def test_step_times_are_the_fastest_of_interleaved_repeats(monkeypatch):
+    order = []
+    real = train._step
+
+    def recording(model, optimizer, x, y, config):
+        order.append("flashkit" if isinstance(model.attend, functools.partial) else "naive")
+        return real(model, optimizer, x, y, config)
+    monkeypatch.setattr(train, "_step", recording)
+    config = train.TrainConfig(steps=2, batch=1, seqlen=8, n_layer=1, n_head=1, n_embd=8,
+                               lr=1e-3, device="cpu")
+    fastest = train.fastest_steps(config, torch.randint(0, 5, (100,)), 5, repeats=2)
+    assert set(fastest) == {"naive", "flashkit"} and min(fastest.values()) > 0
+    # One warm-up round, then two timed rounds; the order alternates from round to round.
+    assert order == ["flashkit", "naive", "naive", "flashkit", "flashkit", "naive"]
 
 
 def test_configs_take_the_device_defaults_and_overrides():

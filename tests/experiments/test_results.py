@@ -32,3 +32,11 @@ def test_progress_bar_goes_to_stderr_and_yields_everything(capsys):
     captured = capsys.readouterr()
     assert captured.out == ""
     assert "work [" in captured.err and "3/3  done" in captured.err
+
+
+def test_a_busy_cpu_is_named_in_the_results():
+    env = results.environment("cpu")
+    assert env["cpu_cores"] >= 1 and "load_average" in env
+    assert results.busy_cpu_note({"load_average": 0.5, "cpu_cores": 2}) is None
+    note = results.busy_cpu_note({"load_average": 7.0, "cpu_cores": 2})
+    assert "load average 7.0 on 2 cores" in note

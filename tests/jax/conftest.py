@@ -1,9 +1,9 @@
 """Shared set-up for the JAX tests: the differential check against the torch oracle.
 
 `compare` draws seeded random inputs, runs flashkit.jax forward and backward (through jax.vjp,
-with a random cotangent on out and on lse) and checks out, lse, dq, dk, dv with the DESIGN
-section 5 rule: oracle = flashkit.reference in float64, baseline = the same torch computation in
-the kernel's dtype (float32 or bfloat16).
+with a random cotangent on out and on lse) and checks out, lse, dq, dk, dv with the rule of
+docs/design.md section 5: oracle = flashkit.reference in float64, baseline = the same torch
+computation in the kernel's dtype (float32 or bfloat16).
 """
 
 from __future__ import annotations

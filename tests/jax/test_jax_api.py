@@ -40,7 +40,7 @@ def test_jit_grad_vmap(implementation):
 
 
 def test_fori_and_vmap_ports_agree():
-    """The two seed ports differ only in the outer map: same tiles, same sums, same result."""
+    """The TPU post's two ports differ only in the outer map: same tiles, sums and result."""
     q, k, v = _inputs((2, 70, 4, 32), (2, 45, 2, 32))
     f = {impl: jax.jit(lambda q, k, v, impl=impl: flash_attention(
         q, k, v, causal=True, implementation=impl, block_q=32, block_k=16))(q, k, v)

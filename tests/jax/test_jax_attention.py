@@ -1,7 +1,8 @@
-"""flashkit.jax against the torch oracle: seed 003's shapes, awkward shapes, GQA, bf16, gradients.
+"""flashkit.jax against the torch oracle: the TPU post's shapes, awkward shapes, GQA, bf16,
+gradients.
 
 The XLA ports ("xla" = vmap over query blocks, "fori" = fori_loop) are cheap on a CPU and get the
-seed's full sizes; the Pallas kernels run in the interpreter here, so they get small sizes that
+post's full sizes; the Pallas kernels run in the interpreter here, so they get small sizes that
 still cross block boundaries (blocks of 16).
 """
 
@@ -13,11 +14,11 @@ jax = pytest.importorskip("jax")
 
 XLA_PORTS = ["xla", "fori"]
 ALL = ["xla", "fori", "pallas"]
-# "fori" runs the same tile code as "xla" (only the outer map differs): the seed shapes and a few
+# "fori" runs the same tile code as "xla" (only the outer map differs): the post shapes and a few
 # awkward cases cover it; every awkward case runs on the vmap port and the Pallas kernels.
 TILED = ["xla", "pallas"]
 
-# Seed 003's correctness shapes: (n, d, (block_m, block_n)), causal like the seed, one head.
+# The TPU post's correctness shapes: (n, d, (block_m, block_n)), causal like the post, one head.
 SEED_SHAPES = [(257, 64, (64, 64)), (513, 64, (128, 128)), (777, 80, (128, 64))]
 
 
@@ -29,7 +30,7 @@ def test_seed_shapes(check, implementation, n, d, blocks):
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_seed_shape_pallas(check, causal):
-    """The smallest seed shape through the Pallas kernels (padding on both axes)."""
+    """The smallest of the post's shapes through the Pallas kernels (padding on both axes)."""
     check("pallas", seqlen_q=257, d=64, causal=causal, block_q=64, block_k=64)
 
 

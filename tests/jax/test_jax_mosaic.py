@@ -77,7 +77,7 @@ def test_window_lowers_for_cuda():
 @pytest.mark.parametrize("seed", range(3))
 def test_band_blocks_hold_every_visible_pair(seed):
     """Band.blocks covers every key (row) that a 64-row (key) range sees, and every block of
-    Band.full_blocks is visible whole (DESIGN section 1's mask, bottom-right aligned)."""
+    Band.full_blocks is visible whole (docs/design.md section 1's mask, bottom-right aligned)."""
     rng = np.random.default_rng(seed)
     for _ in range(40):
         sq, sk = (int(x) for x in rng.integers(1, 300, 2))

@@ -1,4 +1,4 @@
-"""The tiled pure-PyTorch backend against the float64 oracle (DESIGN section 5).
+"""The tiled pure-PyTorch backend against the float64 oracle (docs/design.md section 5).
 
 Through the public API (backend="torch", return_attn_probs=True so lse and its gradient are
 checked too) and through flashkit.ops.tiled directly (block sizes). Every output and gradient

@@ -1,4 +1,4 @@
-"""The Triton backend against the float64 oracle (DESIGN section 5).
+"""The Triton backend against the float64 oracle (docs/design.md section 5).
 
 Without CUDA the kernels run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1)
 at small sizes, in fp16 and fp32: the interpreter's bf16 arithmetic is wrong (numpy has no
@@ -141,7 +141,7 @@ ALIBI_CASES = [  # (batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype
     "torch.", ""))
 def test_alibi_matches_oracle(case):
     """s -= slope_h |i + shift - j|, slopes per head or per (batch, head), with and without
-    softcap (applied before the bias, as DESIGN section 1 orders them)."""
+    softcap (applied before the bias, as docs/design.md section 1 orders them)."""
     (batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype, window, per_batch,
      softcap) = case
     q, k, v, dout = make_inputs(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim,

@@ -1,4 +1,4 @@
-"""The Triton backend's dropout and varlen against the float64 oracle (DESIGN section 5).
+"""The Triton backend's dropout and varlen against the float64 oracle (docs/design.md section 5).
 
 Through the public API (backend="triton"), so lse and its gradient are checked too. Dropout: the
 oracle takes the keep-mask `flashkit.testing.dropout_keep_mask(..., backend="triton")` rebuilds

@@ -1,5 +1,5 @@
 """The Gluon forward (flashkit.ops.triton.forward_hopper): which calls take it, which tile the
-table gives, and its outputs against the float64 oracle (DESIGN section 5) on every case it
+table gives, and its outputs against the float64 oracle (docs/design.md section 5) on every case it
 takes, dense and varlen (packed sequences, lengths 0 and 1, a contiguous cache through
 seqused_k), at head dims 64, 128 and 256, with each schedule of configs.GLUON_FORWARD_TILES'
 kind (one warpgroup issuing its own loads; producer warp with one, two or three consumers, with

@@ -1,5 +1,6 @@
 """The Gluon backward (flashkit.ops.triton.backward_hopper): which calls take it, and its gradients
-against the float64 oracle (DESIGN section 5) through the public backend, on both dQ paths (the
+against the float64 oracle (docs/design.md section 5) through the public backend, on both dQ
+paths (the
 dQ kernel by default and under deterministic=True, bitwise reproducible; atomics when configured),
 plain and with its features (windows, seqlen_q != seqlen_k, sink, ALiBi, softcap, dropout: the
 oracle drops what the Triton kernels' keep-mask helper drops), dense and varlen (packed sequences

@@ -1,4 +1,4 @@
-"""``flashkit simulate ...`` through our own argparse parser (the lead wires register() in)."""
+"""``flashkit simulate ...`` through its own argparse parser."""
 
 import argparse
 
@@ -80,8 +80,10 @@ def test_machine_on_more_registers_and_too_few(capsys):
     assert "(5 registers)" in out and "R4" in out
     args = _parser().parse_args(["simulate", "machine", "--program", "matmul-outer",
                                  "--registers", "3"])
-    with pytest.raises(ValueError, match="registers=3 is too few: this program needs 6"):
+    with pytest.raises(SystemExit) as stop:  # a usage error: the message and exit status 2
         args.func(args)
+    assert stop.value.code == 2
+    assert "registers=3 is too few: this program needs 6" in capsys.readouterr().err
 
 
 def test_every_machine_has_teaching_help(capsys):

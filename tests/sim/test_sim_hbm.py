@@ -1,4 +1,4 @@
-"""HBM IO model (seed 004, Theorem 2): executed schedules agree with their closed forms."""
+"""HBM IO model (the paper, Theorem 2): executed schedules agree with their closed forms."""
 
 import math
 
@@ -46,7 +46,7 @@ def test_standard_attention_traffic_is_theta_nd_plus_n2(n, d):
     out, io = standard_attention(q, k, v)
     np.testing.assert_allclose(out, _reference(q, k, v)[0], rtol=1e-12)
     assert io == standard_attention_io(n, d)
-    # Seed 004, Algorithm 0: read Q, K, write S; read S, write P; read P, V, write O.
+    # The paper, Algorithm 0: read Q, K, write S; read S, write P; read P, V, write O.
     assert io.elements == 4 * n * d + 4 * n * n
 
 
@@ -65,7 +65,7 @@ def test_algorithm1_executed_matches_closed_form(n, d, sram, block_r, block_c):
 
 
 def test_algorithm1_block_sizes():
-    # Seed 004, Algorithm 1 step 1: B_c = ceil(M / 4d), B_r = min(ceil(M / 4d), d).
+    # The paper, Algorithm 1 step 1: B_c = ceil(M / 4d), B_r = min(ceil(M / 4d), d).
     assert flash_block_sizes(64, 98_304) == (64, 384)
     assert flash_block_sizes(64, 1_000) == (4, 4)
     with pytest.raises(ValueError, match="sram must hold at least one row of d = 64"):

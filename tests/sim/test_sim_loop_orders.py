@@ -1,4 +1,4 @@
-"""Attention loop orders: both schedules compute attention; their HBM counts are the seed's."""
+"""Attention loop orders: both schedules compute attention; their HBM counts are the essay's."""
 
 import math
 
@@ -24,7 +24,7 @@ def test_one_output_in_fast_memory_is_the_seed_cost_table(qkv):
     n = 7
     _, inner = inner_product_attention(*qkv)
     _, outer = outer_product_attention(*qkv)
-    # Seed 002, "HBM traffic: inner product vs outer product":
+    # The essay, "HBM traffic: inner product vs outer product":
     # Q loads n | n^2, KV loads n^2 | n, O loads n | n^2, O stores n | n^2.
     assert inner == HBMTraffic(q_loads=n, kv_loads=n * n, o_loads=n, o_stores=n)
     assert outer == HBMTraffic(q_loads=n * n, kv_loads=n, o_loads=n * n, o_stores=n * n)
@@ -35,7 +35,7 @@ def test_each_resident_output_saves_n_minus_1(qkv, resident):
     n = 7
     out, traffic = outer_product_attention(*qkv, resident=resident)
     np.testing.assert_allclose(out, _attention(*qkv), rtol=1e-12)
-    # Seed 002: "Each additional output slot we keep in fast memory saves n - 1 stores".
+    # The essay: "Each additional output slot we keep in fast memory saves n - 1 stores".
     expected = n * n - resident * (n - 1)
     assert (traffic.q_loads, traffic.o_loads, traffic.o_stores, traffic.kv_loads) == \
         (expected, expected, expected, n)

@@ -1,4 +1,4 @@
-"""The toy register machine of seed 002: semantics, counts, register tables and errors."""
+"""The toy register machine of the essay: semantics, counts, register tables and errors."""
 
 import numpy as np
 import pytest
@@ -6,7 +6,7 @@ import pytest
 from flashkit.sim.machine import Instruction, MachineError, RegisterMachine, assemble, op, run
 from flashkit.sim.programs import dot_product_c00, matmul_outer_product
 
-# Seed 002, "Full trace for c00", verbatim.
+# The essay, "Full trace for c00", verbatim.
 SEED_C00_TRACE = """
 LOAD a[0][0], R0
 LOAD b[0][0], R1
@@ -17,7 +17,7 @@ MAC R0, R1, R2, R2
 STORE R2, c[0][0]
 """
 
-# Seed 002, "Full trace: outer product matmul", steps 1-22 verbatim.
+# The essay, "Full trace: outer product matmul", steps 1-22 verbatim.
 SEED_OUTER_TRACE = """
 LOAD a[0][0], R0
 LOAD b[0][0], R1
@@ -59,11 +59,11 @@ def test_seed_c00_trace_runs_with_seed_counts_and_register_table(ab):
     machine = _machine(3, a, b)
     for step, instruction in enumerate(assemble(SEED_C00_TRACE), start=1):
         machine.execute(instruction, step)
-    # Seed 002: "4 LOADs + 2 MACs + 1 STORE = 7 cycles".
+    # The essay: "4 LOADs + 2 MACs + 1 STORE = 7 cycles".
     assert (machine.counts.cycles, machine.counts.dram_reads, machine.counts.dram_writes) == \
         (7, 4, 1)
     assert machine.dram["c"][0, 0] == pytest.approx(a[0, 0] * b[0, 0] + a[0, 1] * b[1, 0])
-    # The final row of the seed's table is a01 | b10 | c00; with no note the sum is spelled out.
+    # The final row of the essay's table is a01 | b10 | c00; with no note the sum is spelled out.
     assert [v.label for v in machine.registers] == ["a01", "b10", "a00·b00 + a01·b10"]
 
 
@@ -73,7 +73,7 @@ def test_c00_builder_is_the_seed_trace_and_names_c00(ab):
     assert [str(i) for i in program.instructions] == [str(i) for i in
                                                       assemble(SEED_C00_TRACE)]
     result = run(program)
-    # Seed table rows 3 and 6: R2 = a00 b00, then c00.
+    # The essay's table rows 3 and 6: R2 = a00 b00, then c00.
     assert result.steps[2].registers[2].label == "a00·b00"
     assert [v.label for v in result.steps[-1].registers] == ["a01", "b10", "c00"]
     assert result.output("c")[0, 0] == pytest.approx((a @ b)[0, 0])
@@ -86,7 +86,7 @@ def test_outer_product_builder_is_the_seed_trace(ab):
     assert [str(i) for i in program.instructions] == [str(i) for i in
                                                       assemble(SEED_OUTER_TRACE)]
     result = run(program)
-    # Seed 002: "10 LOADs + 8 MACs + 4 STOREs = 22 cycles with 6 registers".
+    # The essay: "10 LOADs + 8 MACs + 4 STOREs = 22 cycles with 6 registers".
     assert (result.counts.cycles, result.counts.dram_reads, result.counts.dram_writes) == \
         (22, 10, 4)
     np.testing.assert_allclose(result.output("c"), a @ b)
@@ -129,7 +129,7 @@ def test_missing_register_is_an_error_naming_step_and_register(ab):
 def test_whole_program_is_checked_before_it_runs(ab):
     a, b = ab
     program = matmul_outer_product(a, b)
-    program.num_registers = 5  # the seed's trace needs R5
+    program.num_registers = 5  # the essay's trace needs R5
     with pytest.raises(MachineError, match="register R5 does not exist"):
         run(program)
 
@@ -165,7 +165,7 @@ def test_malformed_instructions_are_errors(opcode, operands, message):
 
 
 def test_assemble_reports_the_line_and_skips_comments():
-    assert len(assemble("# comment\nLOAD x[0], r1  # the seed writes r1\n\n")) == 1
+    assert len(assemble("# comment\nLOAD x[0], r1  # the essay writes r1\n\n")) == 1
     with pytest.raises(MachineError, match="line 2: "):
         assemble("LOAD x[0], R0\nMAC R0, R0")
 

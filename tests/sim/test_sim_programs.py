@@ -1,4 +1,4 @@
-"""Programs for the register machine: correct numbers, the seed's counts, the closed forms."""
+"""Programs for the register machine: correct numbers, the essay's counts, the closed forms."""
 
 import numpy as np
 import pytest
@@ -46,12 +46,12 @@ def test_matmuls_are_correct_and_follow_their_closed_forms(n):
 def test_two_by_two_matmul_matches_the_seed_cost_table():
     a, b = np.arange(8.0).reshape(2, 2, 2)
     inner, outer = run(matmul_inner_product(a, b)), run(matmul_outer_product(a, b))
-    # Seed 002, "Inner product | Outer product": registers 3 | 6, cycles 25 | 22, LOADs 13 | 10.
+    # The essay, "Inner product | Outer product": registers 3 | 6, cycles 25 | 22, LOADs 13 | 10.
     assert (inner.program.num_registers, inner.counts.cycles, inner.counts.dram_reads) == \
         (3, 25, 13)
     assert (outer.program.num_registers, outer.counts.cycles, outer.counts.dram_reads) == \
         (6, 22, 10)
-    # The seed's hint: after c00, R0 holds a01, so c01 comes next and reuses it.
+    # The essay's hint: after c00, R0 holds a01, so c01 comes next and reuses it.
     loads = [str(i) for i in inner.program.instructions if i.opcode == "LOAD"]
     assert loads[4] == "LOAD b[1][1], R1"
 
@@ -61,7 +61,7 @@ def test_safe_softmax_three_passes(n):
     x = np.random.default_rng(n).normal(size=n) * 3
     result = run(safe_softmax(x))
     np.testing.assert_allclose(result.output("out"), _softmax(x), rtol=1e-12)
-    # Seed 002, "Hint: Total cost": reads n | n | n (3n total), writes 0 | 0 | n (n total).
+    # The essay, "Hint: Total cost": reads n | n | n (3n total), writes 0 | 0 | n (n total).
     per_pass = [(c.dram_reads, c.dram_writes) for c in result.section_counts.values()]
     assert per_pass == [(n, 0), (n, 0), (n, n)]
     assert _counts(result) == (11 * n - 1, 3 * n, n)
@@ -71,7 +71,7 @@ def test_safe_softmax_register_table_uses_the_seed_names():
     result = run(safe_softmax(np.array([0.5, 2.0, -1.0])))
     labels = {str(s.instruction): [v.label if v else "" for v in s.registers]
               for s in result.steps}
-    # Seed 002 pass 1: r1 = max(x0, x1) after the first MAX, m at the end; pass 3 divides by S.
+    # The essay pass 1: r1 = max(x0, x1) after the first MAX, m at the end; pass 3 divides by S.
     assert labels["MAX R0, R1, R1"][1] in ("max(x0..x1)", "m")
     assert result.steps[4].registers[1].label == "m"
     assert result.steps[-2].registers[0].label == "e^(x2 − m) / S"
@@ -82,14 +82,14 @@ def test_online_softmax_two_passes(n):
     x = np.random.default_rng(n).normal(size=n) * 3
     result = run(online_softmax(x))
     np.testing.assert_allclose(result.output("out"), _softmax(x), rtol=1e-12)
-    # Seed 002, "Total cost (4 registers, 2 passes)": reads n | n (2n), writes 0 | n (n).
+    # The essay, "Total cost (4 registers, 2 passes)": reads n | n (2n), writes 0 | n (n).
     per_pass = [(c.dram_reads, c.dram_writes) for c in result.section_counts.values()]
     assert per_pass == [(n, 0), (n, n)]
     assert _counts(result) == (14 * n - 4, 2 * n, n)
 
 
 def test_safe_softmax_is_the_seed_trace():
-    # Seed 002, Problem 4 hints, passes 1-3 for n = 2, with the seed's register names.
+    # The essay, Problem 4 hints, passes 1-3 for n = 2, with the essay's register names.
     seed_trace = assemble("""
         LOAD x[0], r1
         LOAD x[1], R0
@@ -118,7 +118,7 @@ def test_safe_softmax_is_the_seed_trace():
 
 
 def test_online_softmax_init_is_the_seed_trace():
-    # Seed 002, Problem 5 "Initialization (first element)".
+    # The essay, Problem 5 "Initialization (first element)".
     seed_init = assemble("""
         LOAD x[0], R0
         MOV R0, r1
@@ -131,8 +131,8 @@ def test_online_softmax_init_is_the_seed_trace():
 
 def test_online_softmax_steady_state_is_the_seed_trace():
     program = online_softmax(np.array([1.0, 3.0, 2.0]))
-    # Seed 002, Problem 5 "Steady state (each subsequent element x_i)", steps 1-9 for i = 1,
-    # written with the seed's register names R0, r1, r2, r3.
+    # The essay, Problem 5 "Steady state (each subsequent element x_i)", steps 1-9 for i = 1,
+    # written with the essay's register names R0, r1, r2, r3.
     seed_steps = assemble("""
         LOAD x[1], R0
         MOV r1, r3
@@ -146,7 +146,7 @@ def test_online_softmax_steady_state_is_the_seed_trace():
     body = program.sections[0][1]
     assert [str(i) for i in body[5:14]] == [str(i).replace("r", "R") for i in seed_steps]
     result = run(program)
-    # After step 8: r2 = s·e^(m − m'), with the seed's m, m' written m1, m2.
+    # After step 8: r2 = s·e^(m − m'), with the essay's m, m' written m1, m2.
     assert result.steps[12].registers[2].label == "s1·e^(m1 − m2)"
 
 
@@ -203,7 +203,7 @@ def test_every_example_prints_its_register_table(name):
 
 def test_cost_tables_print_the_seed_numbers():
     text = cost_tables(n=2, softmax_n=8)
-    # Seed 002: cycles 25 | 22, LOADs 13 | 10; softmax 3n | 2n reads, n writes.
+    # The essay: cycles 25 | 22, LOADs 13 | 10; softmax 3n | 2n reads, n writes.
     assert "Cycles (full matmul)             25             22" in text
     assert "LOADs                            13             10" in text
     assert "24 (3n)" in text and "16 (2n)" in text

@@ -1,4 +1,4 @@
-"""Systolic arrays (seed 003): ticked cycle by cycle, they compute A @ B in M + K + N - 2."""
+"""Systolic arrays (the TPU post): ticked cycle by cycle, they compute A @ B in M + K + N - 2."""
 
 import numpy as np
 import pytest
@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from flashkit.sim.systolic import format_stagger, systolic_matmul
 
-# An A (2, 3) and B (3, 2) whose product is the one seed 003's quick test prints.
+# An A (2, 3) and B (3, 2) whose product is the one the TPU post's quick test prints.
 SEED_A = np.array([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
 SEED_B = np.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
 
@@ -15,7 +15,7 @@ SEED_B = np.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
 @pytest.mark.parametrize("design", ["weight", "output"])
 def test_seed_quick_test(design):
     result = systolic_matmul(SEED_A, SEED_B, design)
-    # Seed 003: "A @ B = [[4. 5.] [10. 11.]]", "Total cycles: 6 (M+K+N-2+1 = 6)"; its loop ticks
+    # The TPU post: "A @ B = [[4. 5.] [10. 11.]]", "Total cycles: 6 (M+K+N-2+1 = 6)"; its loop ticks
     # once more after the last result leaves, so the pipeline itself is M + K + N - 2 = 5.
     np.testing.assert_array_equal(result.product, [[4.0, 5.0], [10.0, 11.0]])
     assert result.cycles == 2 + 3 + 2 - 2
@@ -23,7 +23,7 @@ def test_seed_quick_test(design):
 
 def test_weight_stationary_stagger_is_the_seed_diagram():
     result = systolic_matmul(SEED_A, SEED_B, "weight")
-    # Seed 003, "timing for a (2, 3) @ (3, 2) matmul": row k receives A[m, k] at cycle m + k.
+    # The TPU post, "timing for a (2, 3) @ (3, 2) matmul": row k receives A[m, k] at cycle m + k.
     for cycle, entering in enumerate(result.entering):
         for row, slot in enumerate(entering):
             m = cycle - row

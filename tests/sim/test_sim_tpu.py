@@ -1,4 +1,4 @@
-"""The TPU cycle model (seed 003): real attention outputs, MXU/VPU cycles, the seed's table."""
+"""The TPU cycle model (the TPU post): real attention outputs, MXU/VPU cycles, the post's table."""
 
 import math
 
@@ -26,7 +26,7 @@ def _reference(q, k, v, causal):
 
 def test_seed_table_n512_d64():
     runs = compare_attention(n=512, d=64, blocks=(64, 128))
-    # Seed 003, "What the emulator revealed" (block=64 | block=128 | standard):
+    # The TPU post, "What the emulator revealed" (block=64 | block=128 | standard):
     # Total 24,556 | 16,936 | 20,604; MXU 13,680 | 6,360 | 2,172; VPU 10,876 | 10,576 | 18,432;
     # MXU utilization 8.4% | 20.1% | 94.3%; vs standard 1.19x | 0.82x | 1.00x.
     assert [r.total_cycles for r in runs] == [24_556, 16_936, 20_604]

@@ -1,4 +1,4 @@
-"""The seed algorithms of FlashAttention at teaching scale, each small, readable and tested.
+"""The algorithms behind FlashAttention at teaching scale, each small, readable and tested.
 
     softmax           native, safe and online softmax as scalar streaming loops
     merge             the (m, l, o) state of attention rows and the merge of two partial states
@@ -6,6 +6,14 @@
     tiled             tiled forward in FA1 (KV outer) and FA2 (Q outer) loop order, HBM counted
     welford           Welford's online mean/variance and Chan's parallel merge
     lessons           worked examples, printed by `flashkit learn <topic>`
+
+The sources, and the short names the docstrings use for them:
+    "the chapter"     Under the Hood, chapter 8: Flash Attention and tiled kernels
+    "the derivation"  a step-by-step derivation of FlashAttention from the online softmax
+    "the essay"       "Flash attention", the register-machine walkthrough of FlashAttention
+    "the TPU post"    "Forcing Flash Attention onto a TPU and Learning the Hard Way" (Archer
+                      Zhang), the JAX/TPU write-up
+    "the paper"       FlashAttention (Dao et al. 2022), with notes and a Triton implementation
 """
 
 from flashkit.algorithms.merge import State, block_state, empty_state, finalize, fold, merge

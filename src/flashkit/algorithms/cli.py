@@ -1,4 +1,4 @@
-"""`flashkit learn <topic>`: print a worked example of one seed algorithm."""
+"""`flashkit learn <topic>`: print a worked example of an algorithm behind FlashAttention."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def register(subparsers) -> None:
     """Add the `learn` subcommand to the `flashkit` parser's subparsers."""
     parser = subparsers.add_parser(
         "learn", help="print worked examples of the algorithms behind FlashAttention",
-        description="Print a worked example of one seed algorithm.\n\n" + "\n".join(
+        description="Print a worked example of an algorithm behind FlashAttention.\n\n" + "\n".join(
             f"  {name:<12} {lesson.__doc__.splitlines()[0]}" for name, lesson in TOPICS.items()),
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("topic", choices=[*TOPICS, "all"], help="which example to print")

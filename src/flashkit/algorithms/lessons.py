@@ -1,4 +1,4 @@
-"""Worked examples that print the seed algorithms at work (`flashkit learn <topic>`)."""
+"""Worked examples of the algorithms behind FlashAttention (`flashkit learn <topic>`)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from flashkit.algorithms.welford import (
 
 __all__ = ["softmax", "merge_states", "loop_orders", "welford_variance"]
 
-# Seed 001's example: scores x = [1..6] and scalar values v = [1..6].
+# The derivation's example: scores x = [1..6] and scalar values v = [1..6].
 SEED_X = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
 
 
@@ -30,11 +30,11 @@ def _vec(xs) -> str:
 
 
 def softmax() -> None:
-    """Seed 001's softmax of [1..6] and o = a @ v through every variant."""
+    """The derivation's softmax of [1..6] and o = a @ v through every variant."""
     x = torch.tensor(SEED_X, dtype=torch.float64)
     v = x.clone()
     print("Softmax of x = [1, 2, 3, 4, 5, 6], then o = a @ v with v = [1, 2, 3, 4, 5, 6]"
-          " (seed 001)\n")
+          " (the derivation)\n")
     print(f"  {'variant':<32}{'a':<52}o")
     rows = [("torch.softmax (the answer)", torch.softmax(x, -1).tolist()),
             ("native softmax (2 passes)", native_softmax(SEED_X)),
@@ -68,7 +68,7 @@ def softmax() -> None:
 
 
 def merge_states() -> None:
-    """Cut seed 001's row into chunks, reduce each, merge the states in different orders."""
+    """Cut the derivation's row into chunks, reduce each, merge the states in different orders."""
     x = torch.tensor(SEED_X, dtype=torch.float64)
     v = x[:, None]  # (6, 1): scalar values as vectors of width 1
     chunks = {"A": slice(0, 2), "B": slice(2, 5), "C": slice(5, 6)}
@@ -126,7 +126,7 @@ def loop_orders(seqlen: int = 256, headdim: int = 64, block: int = 64) -> None:
 
 
 def welford_variance() -> None:
-    """Seed 002's quiz: Welford's running (n, mean, M2), Chan's merge, and why it matters."""
+    """The essay's quiz: Welford's running (n, mean, M2), Chan's merge, and why it matters."""
     xs = [2.0, 4.0, 4.0, 4.0, 5.0, 5.0, 7.0, 9.0]
     print(f"Welford on x = {xs}: mean += (x - mean) / n, M2 += (x - mean_old)(x - mean_new)\n")
     print(f"  {'n':>2} {'x':>5} {'mean':>8} {'M2':>8}")

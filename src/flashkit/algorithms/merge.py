@@ -1,4 +1,4 @@
-"""The online-softmax state of attention rows, and the merge of two partial states (seed 002).
+"""The online-softmax state of attention rows, and the merge of two partial states (the essay).
 
 For one query row with scores x_j and value rows v_j, the partial state of a set J of keys is
 
@@ -20,7 +20,7 @@ associative (exactly on paper, to rounding in floating point), with identity the
 own, and the chunk states folded in any grouping: one element at a time is the online softmax of
 `softmax.py`; one tile at a time is FlashAttention; one GPU's share at a time is ring attention.
 
-Keeping o unnormalised (as seed 002's `num` and FlashAttention-2 do) makes the merge two
+Keeping o unnormalised (as the essay's `num` and FlashAttention-2 do) makes the merge two
 multiply-adds and puts the division o / l once, at the end, in `finalize`.
 
 Row statistics keep a trailing dimension of 1 (`keepdim=True`) so they broadcast against o.

@@ -1,7 +1,7 @@
-"""Attention for one query by online softmax: the 2-pass and 1-pass recurrences of seed 001.
+"""Attention for one query by online softmax: the 2-pass and 1-pass recurrences of the derivation.
 
 One query q (d,) against keys K (N, d) and values V (N, dv), scores x_i = scale * q . K[i]
-(seed 001 folds the scale into q; here it defaults to 1/sqrt(d) like every flashkit backend).
+(the derivation folds the scale into q; here it defaults to 1/sqrt(d) like every flashkit backend).
 The output is o = sum_i softmax(x)_i V[i], a vector (dv,). Scores are made one at a time and
 never stored: the N scores of this row exist only as the loop variable.
 

@@ -1,4 +1,4 @@
-"""Softmax three ways, as scalar streaming loops (seeds 001 and 002).
+"""Softmax three ways, as scalar streaming loops (the derivation and the essay).
 
 All three compute a_i = e^{x_i} / sum_k e^{x_k}; they differ in how many passes over x they make
 and in whether they survive large inputs. Plain Python floats and `math.exp`, one element at a

@@ -9,7 +9,7 @@ Notation (FA papers): Q (Nq, d), K (Nk, d), V (Nk, dv) in HBM; Tr = ceil(Nq / Br
 Q_i, Tc = ceil(Nk / Bc) key/value tiles K_j, V_j; S_ij = scale * Q_i K_j^T (Br, Bc).
 
 FA1 (Dao et al. 2022, Algorithm 1): KV tiles outer, Q tiles inner (the "outer product" order of
-seed 002). O, l, m live in HBM and make a round trip for every (i, j):
+the essay). O, l, m live in HBM and make a round trip for every (i, j):
 
     O = 0, l = 0, m = -inf                                           (written to HBM)
     for j = 1..Tc:   load K_j, V_j

@@ -1,4 +1,4 @@
-"""Welford's online mean and variance (seed 002's quiz), and Chan et al.'s merge of two states.
+"""Welford's online mean and variance (the essay's quiz), and Chan et al.'s merge of two states.
 
 The variance needs the global mean, just as softmax needs the global max. The same cure works:
 keep a running state measured against the running reference point, and correct it when the
@@ -11,7 +11,7 @@ and a new value x updates it (Welford 1962):
     mean_n = mean_{n-1} + (x - mean_{n-1}) / n
     M2_n   = M2_{n-1} + (x - mean_{n-1}) (x - mean_n)
 
-(seed 002 derives the second line as (N-1) S_N^2 = (N-2) S_{N-1}^2 + (x_N - mean_N)(x_N -
+(the essay derives the second line as (N-1) S_N^2 = (N-2) S_{N-1}^2 + (x_N - mean_N)(x_N -
 mean_{N-1}), with S^2 = M2 / (N - 1) the sample variance). Two states of disjoint data merge as
 (Chan, Golub & LeVeque 1979), with delta = mean_b - mean_a and n = n_a + n_b:
 

@@ -2,7 +2,8 @@ r"""Which kernel calls one ring step needs: the visible part of a (query shard, 
 
 At each ring step a rank holds its own query shard and the key/value shard of some rank `src`.
 Both are made of segments (see `layout`): runs of tokens consecutive in the global sequence. The
-global mask of DESIGN section 1 is a band on the diagonal offset d = i - j of global positions:
+global mask (docs/design.md section 1) is a band on the diagonal offset d = i - j of global
+positions:
 
     key j visible from query i  <=>  -shift - right <= i - j <= -shift + left
 
@@ -40,7 +41,7 @@ the engine (it adds -slope * alibi_offset to the call's lse, and takes it off th
 the backward). In exact arithmetic that is the same attention; in floating point the kernel sees
 scores shifted by up to slope * (rectangle size) and rounds at that size. bf16/fp16 inputs'
 own rounding dominates and float64 stays exact, but float32 inputs with large shards and steep
-slopes miss DESIGN section 5's rule (measured on the CPU: 1024 tokens per rank, W = 4, slopes
+slopes miss the tolerance rule (measured on the CPU: 1024 tokens per rank, W = 4, slopes
 up to 1, causal: 1.4-2x the bound). A backend parameter adding an offset inside ALiBi's |.|
 would make each rectangle one call with exact distances.
 """

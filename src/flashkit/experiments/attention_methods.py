@@ -47,7 +47,7 @@ def unavailable(method: str, device: str) -> str | None:
     if not device.startswith("cuda"):
         return "Triton kernels need a CUDA device"
     if importlib.util.find_spec("triton") is None:
-        return "triton is not installed (pip install 'flashkit[gpu]')"
+        return "triton is not installed (pip install 'flashkit-attn[gpu]')"
     return None
 
 

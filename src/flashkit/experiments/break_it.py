@@ -1,6 +1,6 @@
 """BREAK IT: remove one of the two moves that keep the streaming softmax alive, and watch.
 
-`tiled_attention` below is the seed chapter's tiled forward (query-row tiles outer, key/value
+`tiled_attention` below is the chapter's tiled forward (query-row tiles outer, key/value
 tiles inner, a running max m, sum l and output o per row), written once, with two switches:
 
     subtract_max=True,  rescale=True    intact: exactly softmax(q k^T / sqrt(d)) v
@@ -152,8 +152,7 @@ def _record(trace: list[TileStats], tile: int, s, p, l, o) -> None:
 
 
 def naive_attention(q, k, v, causal: bool = False):
-    """The materialised reference of the chapter: softmax over the whole score matrix, in
-    float64."""
+    """The chapter's materialised reference: softmax over the whole score matrix, in float64."""
     s = (q.double() @ k.double().transpose(-1, -2)) * q.shape[-1] ** -0.5
     if causal:
         n = s.shape[-1]

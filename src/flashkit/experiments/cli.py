@@ -25,14 +25,49 @@ def register(subparsers) -> None:
     _add_train(subparsers)
 
 
+def positive(kind):
+    """An argparse type: a number of `kind` (int or float) that is > 0 (and finite)."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not 0 < value < float("inf"):
+            raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__}, got {text!r}")
+        return value
+    parse.__name__ = f"positive {kind.__name__}"
+    return parse
+
+
 def ints_arg(text: str) -> list[int]:
-    """'1k,4k,128k' or '1024,4096' -> [1024, 4096, ...]."""
+    """'1k,4k,128k' or '1024,4096' -> [1024, 4096, ...]: positive sizes, k = 1024."""
     values = []
     for item in text.split(","):
         item = item.strip().lower()
         scale = 1024 if item.endswith("k") else 1
-        values.append(int(item.rstrip("k")) * scale)
+        try:
+            value = int(item.removesuffix("k")) * scale
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise argparse.ArgumentTypeError(
+                f"expected comma-separated positive sizes such as 512,1k,4k, got {text!r}")
+        values.append(value)
     return values
+
+
+def floats_arg(text: str) -> list[float]:
+    """'1,4,25' -> [1.0, 4.0, 25.0]: positive finite numbers."""
+    parse = positive(float)
+    return [parse(item) for item in text.split(",")]
+
+
+def device_arg(text: str) -> str:
+    """cpu, cuda, cuda:N or auto: the devices the experiments measure on."""
+    kind, _, index = text.partition(":")
+    if text in ("auto", "cpu", "cuda") or (kind == "cuda" and index.isdigit()):
+        return text
+    raise argparse.ArgumentTypeError(f"expected cpu, cuda, cuda:N or auto, got {text!r}")
 
 
 def _lengths(values) -> str:
@@ -60,7 +95,7 @@ def _device(args) -> str:
 
 
 def _common(parser: argparse.ArgumentParser, out: str) -> None:
-    parser.add_argument("--device", default="auto",
+    parser.add_argument("--device", type=device_arg, default="auto",
                         help="cpu, cuda or cuda:N; auto (default) takes cuda when there is one")
     parser.add_argument("--out", type=Path, default=Path(out),
                         help=f"folder for the results (default: {out})")
@@ -98,16 +133,18 @@ def _add_memory(subparsers) -> None:
     parser.add_argument("--methods", type=choices_arg(METHODS), default=list(METHODS),
                         help=f"comma-separated subset of {','.join(METHODS)} (default: all; "
                              "triton is skipped with a note without CUDA)")
-    parser.add_argument("--batch", type=int, default=1, help="default: 1")
-    parser.add_argument("--nheads", type=int, help="default: 4 on the CPU, 16 on the GPU")
-    parser.add_argument("--headdim", type=int, help="default: 64 on the CPU, 128 on the GPU")
+    parser.add_argument("--batch", type=positive(int), default=1, help="default: 1")
+    parser.add_argument("--nheads", type=positive(int),
+                        help="default: 4 on the CPU, 16 on the GPU")
+    parser.add_argument("--headdim", type=positive(int),
+                        help="default: 64 on the CPU, 128 on the GPU")
     parser.add_argument("--dtype", choices=list(DTYPES),
                         help="default: float32 on the CPU, bfloat16 on the GPU")
     parser.add_argument("--causal", action="store_true", help="causal attention")
-    parser.add_argument("--max-gib", type=float,
+    parser.add_argument("--max-gib", type=positive(float),
                         help="CPU only: skip naive points whose score matrices would need more "
                              "than this (default: half the available memory)")
-    parser.add_argument("--max-seconds", type=float,
+    parser.add_argument("--max-seconds", type=positive(float),
                         help="skip a method's longer lengths once the next one is predicted "
                              "(time grows with seqlen^2) to take longer than this (default: 60 "
                              "on the CPU; 5 on the GPU, where the tiled Python loop would "
@@ -132,8 +169,9 @@ def _add_bench(subparsers) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter, description=bench.__doc__)
     _common(parser, "flashkit-results")
     parser.add_argument("--full", action="store_true",
-                        help="GPU: DESIGN section 6's whole grid (bf16 and fp16, d 64/128/256, "
-                             "seqlen 512..16k); default: bf16, d 64/128, seqlen 1k/4k/16k")
+                        help="GPU: the whole grid of docs/design.md section 6 (bf16 and fp16, "
+                             "d 64/128/256, seqlen 512..16k); default: bf16, d 64/128, seqlen "
+                             "1k/4k/16k")
     parser.add_argument("--methods", type=choices_arg(dict.fromkeys(bench.GPU_METHODS
                                                                     + bench.CPU_METHODS)),
                         help=f"comma-separated subset (GPU: {','.join(bench.GPU_METHODS)}; "
@@ -183,15 +221,15 @@ def _add_break_it(subparsers) -> None:
         "break-it", help="remove the running max or the rescaling and watch attention break",
         formatter_class=argparse.RawDescriptionHelpFormatter, description=break_it.__doc__)
     _common(parser, "flashkit-results")
-    parser.add_argument("--logit-stds", type=lambda s: [float(x) for x in s.split(",")],
+    parser.add_argument("--logit-stds", type=floats_arg,
                         default=[1.0, 4.0, 25.0],
                         help="standard deviations of the scores s = q.k/sqrt(d) to try: 1 is a "
                              "fresh model, 4 and 25 sharp trained heads (default: 1,4,25)")
-    parser.add_argument("--seqlen", type=int, default=512,
+    parser.add_argument("--seqlen", type=positive(int), default=512,
                         help="query and key length (default: 512)")
-    parser.add_argument("--nheads", type=int, default=2, help="default: 2")
-    parser.add_argument("--headdim", type=int, default=64, help="default: 64")
-    parser.add_argument("--block", type=int, default=64,
+    parser.add_argument("--nheads", type=positive(int), default=2, help="default: 2")
+    parser.add_argument("--headdim", type=positive(int), default=64, help="default: 64")
+    parser.add_argument("--block", type=positive(int), default=64,
                         help="tile edge: block query rows x block keys (default: 64)")
     parser.add_argument("--train-steps", type=int,
                         help="train the GPT this many steps with each causal break (tiles of "
@@ -222,7 +260,7 @@ def _add_train(subparsers) -> None:
              ("--lr", float, "lr", "AdamW learning rate")]
     for flag, kind, field, what in sizes:
         cpu, gpu = getattr(train.CPU_DEFAULTS, field), getattr(train.GPU_DEFAULTS, field)
-        parser.add_argument(flag, type=kind, help=f"{what} (default: {cpu:g} on the CPU, "
+        parser.add_argument(flag, type=positive(kind), help=f"{what} (default: {cpu:g} on the CPU, "
                                                    f"{gpu:g} on the GPU)")
     parser.add_argument("--seqlens", type=ints_arg,
                         help="one training comparison per length, k = 1024 (default: "
@@ -234,7 +272,7 @@ def _add_train(subparsers) -> None:
     parser.add_argument("--backend", choices=["torch", "triton"],
                         help="flashkit's backend for the flashkit run (default: triton on CUDA, "
                              "the tiled torch backend elsewhere)")
-    parser.set_defaults(func=_run_train)
+    parser.set_defaults(func=_run_train, check=_check_train)
 
 
 def train_configs(args, device: str) -> list[train.TrainConfig]:
@@ -242,6 +280,13 @@ def train_configs(args, device: str) -> list[train.TrainConfig]:
     return train.configs(device, args.seed, args.backend, steps=args.steps,
                          seqlens=args.seqlens and tuple(args.seqlens), tokens=args.tokens,
                          n_layer=args.layers, n_head=args.heads, n_embd=args.embd, lr=args.lr)
+
+
+def _check_train(args) -> str | None:
+    """What is wrong with a train command line that each argument alone cannot tell."""
+    if args.heads and args.embd and args.embd % args.heads:
+        return f"--embd {args.embd} must be a multiple of --heads {args.heads}"
+    return None
 
 
 def _run_train(args) -> int:

@@ -1,7 +1,8 @@
 """`flashkit memory`: peak memory of one attention forward pass against sequence length.
 
-The probe of the seed chapter, made honest on both kinds of machine. What is reported is the
-*extra* memory a forward pass needs on top of its inputs (q, k, v already allocated):
+The memory probe of Under the Hood, chapter 8, made honest on both kinds of machine. What is
+reported is the *extra* memory a forward pass needs on top of its inputs (q, k, v already
+allocated):
 
 - GPU: in this process, torch.cuda.max_memory_allocated() after reset_peak_memory_stats(), minus
   what was allocated before the call. An allocation that does not fit is reported as OOM.
@@ -282,7 +283,7 @@ def default_problem(device: str, batch: int = 1, nheads: int | None = None,
                     headdim: int | None = None, dtype: str | None = None,
                     causal: bool = False) -> Problem:
     """The probe's shape, with the device's defaults for what is None: 4 heads x 64 in float32
-    on the CPU; 16 heads x 128 in bfloat16 on the GPU (DESIGN section 6's memory wall)."""
+    on the CPU; 16 heads x 128 in bfloat16 on the GPU (docs/design.md section 6's memory wall)."""
     gpu = device.startswith("cuda")
     return Problem(batch, nheads or (16 if gpu else 4), headdim or (128 if gpu else 64),
                    dtype or ("bfloat16" if gpu else "float32"), causal, device)

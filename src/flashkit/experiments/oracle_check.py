@@ -1,7 +1,7 @@
 """Run attention through every available backend and compare each with the float64 oracle.
 
-The pass rule is the project's (DESIGN section 5, flashkit.testing): a backend computing in dtype
-t passes when max|backend - oracle| <= 2 * max|naive_in_t - oracle| + 1e-5, where the oracle is
+The pass rule is docs/design.md section 5's (flashkit.testing): a backend computing in dtype t
+passes when max|backend - oracle| <= 2 * max|naive_in_t - oracle| + 1e-5, where the oracle is
 flashkit.reference in float64 and naive_in_t is the same materialised computation in dtype t.
 """
 

@@ -18,7 +18,7 @@ def pyplot():
         import matplotlib
     except ImportError:
         print("note: matplotlib is not installed, so no PNG plots are written; "
-              "pip install 'flashkit[plot]' to get them", file=sys.stderr)
+              "pip install 'flashkit-attn[plot]' to get them", file=sys.stderr)
         return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -19,7 +19,9 @@ import flashkit
 
 
 def environment(device: str) -> dict:
-    """Date (UTC), device name, and the versions of Python, torch, triton and flashkit."""
+    """Date (UTC), device name, the versions of Python, torch, triton and flashkit, and the CPU's
+    1-minute load average (None where the OS has none): CPU timings taken while other processes
+    keep the cores busy are distorted, and the reports say so."""
     try:
         import triton
         triton_version = triton.__version__
@@ -33,7 +35,18 @@ def environment(device: str) -> dict:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": device, "device_name": name, "python": platform.python_version(),
         "torch": torch.__version__, "triton": triton_version, "flashkit": flashkit.__version__,
+        "cpu_cores": os.cpu_count(),
+        "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
     }
+
+
+def busy_cpu_note(env: dict) -> str | None:
+    """A warning when the CPU was busier than its cores when `env` was taken, else None."""
+    load, cores = env.get("load_average"), env.get("cpu_cores")
+    if load is None or not cores or load <= cores:
+        return None
+    return (f"the CPU was busy when this was measured (load average {load:.1f} on {cores} "
+            "cores): CPU timings and speed-ups are distorted by other processes")
 
 
 def stamp() -> str:

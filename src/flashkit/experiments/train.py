@@ -5,6 +5,11 @@ loss curves must lie on top of each other (they differ only by floating-point ro
 grows slowly as the runs drift apart), while flashkit's steps are faster and lighter at long
 sequence lengths because the (seqlen x seqlen) score matrix is never stored for backward.
 
+Step times (tokens/s, speed-up) are measured after training, the two models taking turns for
+TIMED_REPEATS steps each (after one warm-up step each), and each side's fastest step counts:
+other processes on a shared machine can only add time, so the minimum of interleaved repeats is
+the measurement they distort least.
+
     flashkit train                          # CPU: 40 steps at 64 tokens, under a minute
     flashkit train --device cuda            # GPU: 200 steps at 1k and at 4k tokens, bf16
     flashkit train --steps 100 --seqlens 128 --layers 4
@@ -15,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
-import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -76,27 +80,22 @@ def configs(device: str, seed: int = 0, backend: str | None = None,
             for n in chosen.seqlens]
 
 
+TIMED_REPEATS = 10  # interleaved timed steps per side, after training
+
+
 @dataclass
 class Run:
     attention: str
     seqlen: int
     losses: list[float] = field(default_factory=list)
-    step_seconds: list[float] = field(default_factory=list)
     peak_gib: float | None = None
     oom: str = ""  # the out-of-memory error, when this run could not train at all
 
-    @property
-    def median_step(self) -> float:
-        """Median step time after the first fifth of the steps (warm-up, compilation)."""
-        steady = self.step_seconds[len(self.step_seconds) // 5:] or self.step_seconds
-        return statistics.median(steady)
 
-
-def train_once(attention: str, config: TrainConfig, tokens: torch.Tensor,
-               vocab_size: int, attend: Attend | None = None) -> Run:
-    """Train from config.seed with attention "naive" or "flashkit", or with `attend` (any causal
-    attention on (batch, seqlen, nheads, headdim), `attention` then only names the run); batches
-    come from a generator seeded the same way, so two calls differ only in the attention."""
+def _model(attention: str, config: TrainConfig, vocab_size: int,
+           attend: Attend | None = None):
+    """A GPT initialised from config.seed with attention "naive" or "flashkit", or with `attend`
+    (any causal attention on (batch, seqlen, nheads, headdim)), and its optimizer."""
     torch.manual_seed(config.seed)
     model_config = GPTConfig(vocab_size, config.seqlen, config.n_layer, config.n_head,
                              config.n_embd)
@@ -104,7 +103,28 @@ def train_once(attention: str, config: TrainConfig, tokens: torch.Tensor,
         attend = (ATTENTION[attention] if attention == "naive"
                   else functools.partial(flashkit_attention, backend=config.backend))
     model = GPT(model_config, attend).to(config.device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
+    return model, torch.optim.AdamW(model.parameters(), lr=config.lr)
+
+
+def _step(model, optimizer, x, y, config: TrainConfig) -> tuple[float, float]:
+    """One optimizer step; returns (loss, seconds)."""
+    start = time.perf_counter()
+    with config.autocast:
+        _, loss = model(x, y)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    if config.device.startswith("cuda"):
+        torch.cuda.synchronize(config.device)
+    return loss.item(), time.perf_counter() - start
+
+
+def train_once(attention: str, config: TrainConfig, tokens: torch.Tensor,
+               vocab_size: int, attend: Attend | None = None) -> Run:
+    """Train from config.seed with attention "naive" or "flashkit", or with `attend` (any causal
+    attention on (batch, seqlen, nheads, headdim), `attention` then only names the run); batches
+    come from a generator seeded the same way, so two calls differ only in the attention."""
+    model, optimizer = _model(attention, config, vocab_size, attend)
     batches = torch.Generator().manual_seed(config.seed)
     cuda = config.device.startswith("cuda")
     if cuda:
@@ -114,19 +134,41 @@ def train_once(attention: str, config: TrainConfig, tokens: torch.Tensor,
                    describe=lambda step: f"step {step}"):
         x, y = (t.to(config.device) for t in corpus.random_batch(tokens, config.batch,
                                                                   config.seqlen, batches))
-        start = time.perf_counter()
-        with config.autocast:
-            _, loss = model(x, y)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        if cuda:
-            torch.cuda.synchronize(config.device)
-        run.step_seconds.append(time.perf_counter() - start)
-        run.losses.append(loss.item())
+        run.losses.append(_step(model, optimizer, x, y, config)[0])
     if cuda:
         run.peak_gib = torch.cuda.max_memory_allocated(config.device) / 2**30
     return run
+
+
+def fastest_steps(config: TrainConfig, tokens: torch.Tensor, vocab_size: int,
+                  repeats: int = TIMED_REPEATS) -> dict[str, float]:
+    """Seconds of each side's fastest training step: both models built, one warm-up step each,
+    then `repeats` steps each taking turns (the order alternating), on the same batch."""
+    sides = {name: _model(name, config, vocab_size) for name in ("naive", "flashkit")}
+    generator = torch.Generator().manual_seed(config.seed)
+    x, y = (t.to(config.device) for t in corpus.random_batch(tokens, config.batch,
+                                                              config.seqlen, generator))
+    times = {name: [] for name in sides}
+    for repeat in range(repeats + 1):
+        for name in (sides if repeat % 2 else reversed(list(sides))):
+            seconds = _step(*sides[name], x, y, config)[1]
+            if repeat:  # the first round warms up
+                times[name].append(seconds)
+    return {name: min(values) for name, values in times.items()}
+
+
+def fastest_steps_or_oom(config: TrainConfig, tokens: torch.Tensor,
+                         vocab_size: int) -> dict[str, float] | None:
+    """fastest_steps, or None when the two models do not fit side by side (no speed-up then)."""
+    try:
+        return fastest_steps(config, tokens, vocab_size)
+    except Exception as error:  # noqa: BLE001 - only an OOM is caught; the rest re-raises
+        if not is_out_of_memory(error):
+            raise
+    gc.collect()
+    if config.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return None
 
 
 def train_or_oom(attention: str, config: TrainConfig, tokens: torch.Tensor,
@@ -146,20 +188,22 @@ def train_or_oom(attention: str, config: TrainConfig, tokens: torch.Tensor,
     return Run(attention, config.seqlen, oom=note)
 
 
-def compare(naive: Run, flash: Run, config: TrainConfig) -> dict:
-    """Max |loss difference| (at step 0 and overall), tokens/s, and flashkit's speed-up; the
-    values a run that ran out of memory cannot give are None."""
+def compare(naive: Run, flash: Run, config: TrainConfig,
+            fastest: dict[str, float] | None) -> dict:
+    """Max |loss difference| (at step 0 and overall), tokens/s, and flashkit's speed-up from
+    `fastest` (fastest_steps; None when either side ran out of memory): what a side that ran out
+    of memory cannot give is None."""
     tokens_per_step = config.batch * config.seqlen
     both = not (naive.oom or flash.oom)
     deltas = [abs(a - b) for a, b in zip(naive.losses, flash.losses, strict=True)] if both else []
     side = lambda run, value: None if run.oom else value(run)
+    rate = lambda name: tokens_per_step / fastest[name] if fastest else None
     return {"seqlen": config.seqlen, "step0_delta": deltas[0] if both else None,
             "max_delta": max(deltas) if both else None,
             "final_loss_naive": side(naive, lambda r: r.losses[-1]),
             "final_loss_flashkit": side(flash, lambda r: r.losses[-1]),
-            "tokens_per_s_naive": side(naive, lambda r: tokens_per_step / r.median_step),
-            "tokens_per_s_flashkit": side(flash, lambda r: tokens_per_step / r.median_step),
-            "speedup": naive.median_step / flash.median_step if both else None,
+            "tokens_per_s_naive": rate("naive"), "tokens_per_s_flashkit": rate("flashkit"),
+            "speedup": fastest["naive"] / fastest["flashkit"] if fastest else None,
             "peak_gib_naive": naive.peak_gib, "peak_gib_flashkit": flash.peak_gib,
             "oom_naive": naive.oom, "oom_flashkit": flash.oom}
 
@@ -231,12 +275,17 @@ def run(configs: list[TrainConfig], out: Path) -> dict:
         naive = train_or_oom("naive", config, tokens, tokenizer.vocab_size)
         flash = train_or_oom("flashkit", config, tokens, tokenizer.vocab_size)
         pairs.append((naive, flash))
-        comparisons.append(compare(naive, flash, config))
+        fastest = (None if naive.oom or flash.oom
+                   else fastest_steps_or_oom(config, tokens, tokenizer.vocab_size))
+        comparisons.append(compare(naive, flash, config, fastest))
     header, rows = table(comparisons)
     print(f"\n{configs[0].steps} steps, same seed and batches; model {configs[0].n_layer} "
           f"layers x {configs[0].n_head} heads x {configs[0].n_embd}, {configs[0].device}:")
     print(results.text_table(header, rows))
-    data = {"environment": results.environment(configs[0].device),
+    env = results.environment(configs[0].device)
+    if results.busy_cpu_note(env) and not configs[0].device.startswith("cuda"):
+        print(f"note: {results.busy_cpu_note(env)}")
+    data = {"environment": env,
             "configs": [asdict(c) for c in configs], "comparisons": comparisons,
             "runs": [asdict(r) for pair in pairs for r in pair]}
     files = [results.write_json(out / "train.json", data)]

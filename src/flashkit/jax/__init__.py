@@ -4,8 +4,8 @@
     out = flash_attention(q, k, v, causal=True)                 # (batch, seqlen, nheads, d)
     out, lse = flash_attention(q, k, v, return_lse=True)         # lse (batch, nheads, seqlen_q)
 
-Implementations (same math, DESIGN section 1: bottom-right aligned causal/window, GQA, rows that
-see no key give 0 and lse -inf):
+Implementations (same math, docs/design.md section 1: bottom-right aligned causal/window, GQA,
+rows that see no key give 0 and lse -inf):
     "pallas"         Pallas kernels for NVIDIA GPUs, forward and backward: on a Hopper GPU the
                      Mosaic GPU kernels (`mosaic.py` forward, `mosaic_backward.py` dK/dV and dQ:
                      TMA, wgmma, warp specialisation) where they cover the problem, else the
@@ -15,8 +15,8 @@ see no key give 0 and lse -inf):
     "pallas_mosaic"  the Mosaic GPU kernels only (Hopper only; NotImplementedError where they do
                      not cover the problem: bf16/fp16, d = dv = 128 at any lengths, causal
                      and windows; d = dv = 64 on whole blocks without a window)
-    "xla"            seed 003's vmap-over-query-blocks port, tiled in plain JAX
-    "fori"           seed 003's first port, a fori_loop over query blocks (kept to show the
+    "xla"            the TPU post's vmap-over-query-blocks port, tiled in plain JAX
+    "fori"           the TPU post's first port, a fori_loop over query blocks (kept to show the
                      difference)
 
 Gradients come from one `jax.custom_vjp` for all of them: the forward saves (q, k, v, out, lse),
@@ -35,8 +35,8 @@ import functools
 try:
     import jax
 except ImportError as err:  # say what to install instead of a bare "No module named 'jax'"
-    raise ImportError("flashkit.jax needs JAX: pip install 'flashkit[jax]' (or jax[cuda12] "
-                      "for GPUs)") from err
+    raise ImportError("flashkit.jax needs JAX: pip install 'flashkit-attn[jax]' (or "
+                      "jax[cuda12] for GPUs)") from err
 from flashkit.jax import _layout, pallas, xla
 from flashkit.jax._checks import AttentionConfig, check_inputs
 from flashkit.jax._tile import backward_rows

@@ -40,7 +40,7 @@ class AttentionConfig:
 
     @property
     def shift(self) -> int:
-        """Column of query 0's diagonal: bottom-right alignment (DESIGN section 1)."""
+        """Column of query 0's diagonal: bottom-right alignment (docs/design.md section 1)."""
         return self.seqlen_k - self.seqlen_q
 
     @property
@@ -60,7 +60,7 @@ def _check_array(name: str, x, rank: int = 4) -> None:
 
 def check_inputs(q, k, v, *, causal, softmax_scale, window_size, implementation,
                  block_q, block_k, interpret) -> AttentionConfig:
-    """Validate the public arguments (DESIGN section 2) and build the static config."""
+    """Validate the public arguments (docs/design.md section 2) and build the static config."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_array(name, x)
     if not (q.dtype == k.dtype == v.dtype):

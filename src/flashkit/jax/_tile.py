@@ -42,8 +42,8 @@ def visible(rows, cols, cfg: AttentionConfig, mask_cols: bool):
     """[BM, BN] bool, key `cols` visible from folded query `rows`; None when nothing is masked.
 
     rows [BM], cols [BN] int32. A key is visible iff it exists (`col < seqlen_k`, checked only
-    when `mask_cols`: the keys were padded) and lies in the band of DESIGN section 1 around the
-    query's diagonal `pos + shift`.
+    when `mask_cols`: the keys were padded) and lies in the band (docs/design.md section 1)
+    around the query's diagonal `pos + shift`.
     """
     keep = None
     if mask_cols:

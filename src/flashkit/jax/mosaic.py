@@ -23,13 +23,13 @@ consumer waits on every ready barrier exactly once per block, also on blocks it 
 
 Any lengths: TMA zero-fills the rows of a box past the end of q/k/v and drops the rows of a
 store past the end of out, so a partial last query tile needs no code; keys past seqlen_k are
-masked, in the last key block only. Causal and sliding windows (bottom-right aligned, DESIGN
-section 1) through `Band`: a tile streams only the key blocks its rows see, and only the blocks
-at the band's edges are masked (the split into masked and unmasked blocks is static where the
-problem allows, so aligned full attention runs no mask code). Rows that see no key give out 0
-and lse -inf. `supports` says what it covers: bf16/fp16 and d = dv = 128 at any shape, d = dv =
-64 only on whole blocks without a window (see `aligned`); flashkit.jax runs the Triton-lowered
-kernel (`pallas.py`) for everything else.
+masked, in the last key block only. Causal and sliding windows (bottom-right aligned,
+docs/design.md section 1) through `Band`: a tile streams only the key blocks its rows see, and
+only the blocks at the band's edges are masked (the split into masked and unmasked blocks is
+static where the problem allows, so aligned full attention runs no mask code). Rows that see no
+key give out 0 and lse -inf. `supports` says what it covers: bf16/fp16 and d = dv = 128 at any
+shape, d = dv = 64 only on whole blocks without a window (see `aligned`); flashkit.jax runs the
+Triton-lowered kernel (`pallas.py`) for everything else.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""The seed-003 ports: FlashAttention tiled in plain JAX, compiled by XLA.
+"""The ports of the TPU post: FlashAttention tiled in plain JAX, compiled by XLA.
 
 Two implementations that differ only in how the independent blocks are visited:
     "fori"  the outer loop over blocks is a `lax.fori_loop` (sequential: XLA sees a loop)
     "xla"   the outer loop is `jax.vmap` over blocks (XLA sees that the blocks are independent
-            and runs them as one batched computation); the seed measured up to 45x on a TPU
+            and runs them as one batched computation); the post measured up to 45x on a TPU
 The inner loop, the one that carries the online-softmax state (or the gradient sums), is a
 `lax.fori_loop` in both. Sequences are padded to whole blocks; padded keys are masked and padded
 queries are sliced off.

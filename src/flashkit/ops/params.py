@@ -13,8 +13,8 @@ Varlen (params.cu_seqlens_q is set): q (total_q, nheads, d), k/v (total_k, nhead
 (nheads, total_q). dsink is None when
 there is no sink.
 
-The visible band is given relative to the bottom-right aligned diagonal (DESIGN section 1): with
-shift = seqlen_k - seqlen_q, key j is visible from query i iff
+The visible band is given relative to the bottom-right aligned diagonal (docs/design.md section
+1): with shift = seqlen_k - seqlen_q, key j is visible from query i iff
     i + shift - window_left <= j <= i + shift + window_right,
 where None means unbounded on that side. Causal is window_right = 0. The SDPA entry point's
 top-left causal is window_right = seqlen_q - seqlen_k, which is why "unbounded" is None and not -1.

@@ -1,18 +1,26 @@
 """flashkit.sim: the machines FlashAttention was designed for, executable and counted.
 
 * :mod:`~flashkit.sim.machine`, :mod:`~flashkit.sim.programs` -- the toy register machine of
-  seed 002 and its programs (matmul by inner and outer product, safe and online softmax, online
+  the essay and its programs (matmul by inner and outer product, safe and online softmax, online
   attention): cycles, DRAM reads and writes, the register table after every step.
 * :mod:`~flashkit.sim.loop_orders` -- attention with queries outside (FlashAttention-2) or keys
   and values outside (FlashAttention-1), against a memory that counts HBM loads and stores.
 * :mod:`~flashkit.sim.systolic` -- weight-stationary (TPU MXU) and output-stationary systolic
-  arrays, ticked cycle by cycle (seed 003).
+  arrays, ticked cycle by cycle (the TPU post).
 * :mod:`~flashkit.sim.tpu` -- a TPU core's MXU and VPU running flash and standard attention,
-  counting cycles and MXU utilisation (seed 003).
+  counting cycles and MXU utilisation (the TPU post).
 * :mod:`~flashkit.sim.hbm` -- HBM traffic of standard attention, FlashAttention (the paper's
-  Algorithm 1 and Theorem 2, seed 004) and a Triton FlashAttention-2 forward's tile config.
+  Algorithm 1 and Theorem 2) and a Triton FlashAttention-2 forward's tile config.
 
 Every part prints its tables through ``flashkit simulate ...`` (see :mod:`flashkit.sim.cli`).
+
+The sources, and the short names the docstrings use for them:
+    "the chapter"     Under the Hood, chapter 8: Flash Attention and tiled kernels
+    "the derivation"  a step-by-step derivation of FlashAttention from the online softmax
+    "the essay"       "Flash attention", the register-machine walkthrough of FlashAttention
+    "the TPU post"    "Forcing Flash Attention onto a TPU and Learning the Hard Way" (Archer
+                      Zhang), the JAX/TPU write-up
+    "the paper"       FlashAttention (Dao et al. 2022), with notes and a Triton implementation
 """
 
 from flashkit.sim.hbm import (

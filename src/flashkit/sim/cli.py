@@ -1,16 +1,16 @@
-"""``flashkit simulate ...``: run the machines of the seed documents and print their tables.
+"""``flashkit simulate ...``: run the machines FlashAttention was designed for, print their tables.
 
-The lead's ``flashkit/cli.py`` calls :func:`register`; each machine is one sub-subcommand whose
+``flashkit/cli.py`` calls :func:`register`; each machine is one sub-subcommand whose
 handler prints its tables and returns an exit code.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 
 import numpy as np
 
-from flashkit.ops.triton import configs
 from flashkit.sim.hbm import (
     flash_attention_io,
     flash_block_sizes,
@@ -36,10 +36,11 @@ __all__ = ["register"]
 _DESCRIPTION = """\
 Simulate the machines FlashAttention was designed for, and print what they count.
 
-Start with `machine` (seed 002's toy register machine: why the number of registers decides
-how often DRAM is read), then `loop-orders` (the same question for attention's two loops),
-`systolic` and `tpu` (seed 003: a matrix unit that is a tile processor), and `hbm` (seed 004:
-the FlashAttention paper's Theorem 2). Every count is measured by running the machine.
+Start with `machine` (the toy register machine of the essay "Flash attention": why the number
+of registers decides how often DRAM is read), then `loop-orders` (the same question for
+attention's two loops), `systolic` and `tpu` (from "Forcing Flash Attention onto a TPU": a matrix
+unit that is a tile processor), and `hbm` (Theorem 2 of the FlashAttention paper, Dao et al.
+2022). Every count is measured by running the machine.
 """
 
 
@@ -64,8 +65,20 @@ def _add(machines, name: str, summary: str, description: str, examples: list[str
         epilog="examples:\n" + "\n".join(f"  flashkit simulate {name} {e}".rstrip()
                                          for e in examples),
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.set_defaults(func=handler)
+    parser.set_defaults(func=_usage_errors(parser, handler))
     return parser
+
+
+def _usage_errors(parser: argparse.ArgumentParser, handler):
+    """The handler, with the machines' ValueErrors (arguments that fit each alone but not
+    together, such as too few --registers for a --program) reported as argparse errors: the
+    message and exit status 2, not a traceback."""
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return handler(args)
+        except ValueError as error:
+            parser.error(str(error))
+    return run
 
 
 # -- machine ------------------------------------------------------------------------------------
@@ -87,20 +100,20 @@ def _machine(args: argparse.Namespace) -> int:
 
 
 def _add_machine(machines) -> None:
-    parser = _add(machines, "machine", "the toy register machine of seed 002", """\
-Run a program on seed 002's toy register machine. DRAM holds the arrays, the register
-file holds a few values; LOAD and STORE move one value between them and every
-instruction takes one cycle. The table shows every register after every step, with the
-seed's names for the values (--values for the numbers).
+    parser = _add(machines, "machine", "the toy register machine of the essay", """\
+Run a program on the toy register machine of the essay "Flash attention". DRAM holds the
+arrays, the register file holds a few values; LOAD and STORE move one value between them and
+every instruction takes one cycle. The table shows every register after every step, with the
+essay's names for the values (--values for the numbers).
 
-Without --program: the seed's cost tables (inner vs outer product matmul, safe vs online
+Without --program: the essay's cost tables (inner vs outer product matmul, safe vs online
 softmax, softmax vs attention), each measured by running the programs.""", [
-        "", "--program c00                  # the seed's 7-step trace",
+        "", "--program c00                  # the essay's 7-step trace",
         "--program matmul-outer --n 2   # 6 registers, 22 cycles",
         "--program online-softmax --n 4 --values",
         "--program online-attention --n 3 --d 2"], _machine)
     parser.add_argument("--program", choices=PROGRAM_NAMES,
-                        help="program to run; leave out for the seed's cost comparison tables")
+                        help="program to run; leave out for the essay's cost comparison tables")
     parser.add_argument("--n", type=_positive, default=2,
                         help="size: n x n matmul, length-n softmax, n queries and keys "
                              "(default 2)")
@@ -111,7 +124,7 @@ softmax, softmax vs attention), each measured by running the programs.""", [
                              "the program needs)")
     parser.add_argument("--seed", type=int, default=0, help="random inputs' seed (default 0)")
     parser.add_argument("--values", action="store_true",
-                        help="show the numbers in the registers instead of the seed's names")
+                        help="show the numbers in the registers instead of the essay's names")
 
 
 # -- loop-orders --------------------------------------------------------------------------------
@@ -127,7 +140,7 @@ def _add_loop_orders(machines) -> None:
 Run attention in both loop orders against a memory that counts every row moved between
 HBM and fast memory: queries outside (FlashAttention-2, the inner product) reloads K and
 V for every query; keys and values outside (FlashAttention-1, the outer product) reloads
-every query's output state for every key. Seed 002's cost comparison, then the spectrum
+every query's output state for every key. The essay's cost comparison, then the spectrum
 between them as more outputs stay in fast memory.""", ["--n 16"], _loop_orders)
     parser.add_argument("--n", type=_positive, default=8,
                         help="number of queries and of keys (default 8)")
@@ -155,9 +168,10 @@ def _add_systolic(machines) -> None:
     parser = _add(machines, "systolic", "weight- and output-stationary arrays, cycle by cycle",
                   """\
 Tick a systolic array through C = A @ B (A is M x K, B is K x N) and show the stagger
-that keeps every cell busy (seed 003). Weight-stationary (the TPU MXU): B sits in a
-K x N grid, A streams in from the left, partial sums flow down. Output-stationary: each
-cell of an M x N grid accumulates one C[i, j] while A and B stream past.""",
+that keeps every cell busy (as in "Forcing Flash Attention onto a TPU"). Weight-stationary
+(the TPU MXU): B sits in a K x N grid, A streams in from the left, partial sums flow down.
+Output-stationary: each cell of an M x N grid accumulates one C[i, j] while A and B stream
+past.""",
                   ["--m 2 --k 3 --n 2 --design both"], _systolic)
     for name, default, meaning in [("m", 2, "rows of A"), ("k", 3, "inner dimension"),
                                    ("n", 2, "columns of B")]:
@@ -187,12 +201,12 @@ def _tpu(args: argparse.Namespace) -> int:
 
 def _add_tpu(machines) -> None:
     parser = _add(machines, "tpu", "TPU MXU + VPU cycles: tiled flash vs standard attention", """\
-Run attention on a cycle model of one TPU core (seed 003). Matmuls go to the MXU and cost
+Run attention on a cycle model of one TPU core (the TPU post). Matmuls go to the MXU and cost
 M + K + N - 2 cycles (ticked through the systolic array when every dimension is <= 16);
 elementwise work goes to a 128-lane VPU at one cycle per 128 values (exp: two). The VPU
 op list is in flashkit.sim.tpu's docstring; --breakdown prints it for each configuration.
-The defaults reproduce seed 003's table.""", [
-        "                                # seed 003's table",
+The defaults reproduce the TPU post's table.""", [
+        "                                # the TPU post's table",
         "--n 2048 --blocks 128 256 512 --breakdown",
         "--n 48 --d 8 --blocks 8 16       # small tiles tick the systolic array"], _tpu)
     parser.add_argument("--n", type=_positive, default=512, help="sequence length (default 512)")
@@ -210,7 +224,7 @@ The defaults reproduce seed 003's table.""", [
 
 # -- hbm ----------------------------------------------------------------------------------------
 
-# The seed 004 Triton tutorial's autotuning grid: BLOCK_M in {64, 128}, BLOCK_N in {32, 64, 128}.
+# The Triton fused-attention tutorial's autotuning grid: BLOCK_M 64/128, BLOCK_N 32/64/128.
 _SEED_TILES = [(m, n) for m in (64, 128) for n in (32, 64, 128)]
 
 
@@ -222,13 +236,25 @@ def _hbm(args: argparse.Namespace) -> int:
     print(format_sram_sweep(args.ns[-1], args.d, [sram // 4, sram // 2, sram, sram * 2],
                             args.dtype_bytes))
     print()
-    # flashkit's own forward tile for this head dim (ops/triton/configs.py, chosen on the H200).
-    ours = configs.HOPPER["forward"][configs.padded_head_dim(args.head_dim)][:2]
-    tiles = args.tiles if ours in args.tiles else [ours, *args.tiles]
+    ours = _triton_forward_tile(args.head_dim)
+    tiles = args.tiles if ours is None or ours in args.tiles else [ours, *args.tiles]
     print(format_triton_configs(args.seqlen, args.head_dim, tiles, args.causal,
                                 args.dtype_bytes, args.batch, args.nheads))
-    print(f"flashkit's Triton forward uses {ours[0]}x{ours[1]} at head dim {args.head_dim}.")
+    if ours is None:
+        print("(flashkit's own Triton tile is listed when triton is installed: "
+              "pip install triton==3.6.0)")
+    else:
+        print(f"flashkit's Triton forward uses {ours[0]}x{ours[1]} at head dim {args.head_dim}.")
     return 0
+
+
+def _triton_forward_tile(head_dim: int) -> tuple[int, int] | None:
+    """flashkit's own Hopper forward tile (BLOCK_M, BLOCK_N) for this head dim, or None without
+    triton: the tile tables live in the Triton backend, which imports triton."""
+    if importlib.util.find_spec("triton") is None:
+        return None
+    from flashkit.ops.triton import configs
+    return configs.HOPPER["forward"][configs.padded_head_dim(head_dim)][:2]
 
 
 def _nine_times_note(ns, d: int, sram: int, dtype_bytes: int) -> str:
@@ -250,8 +276,8 @@ def _nine_times_note(ns, d: int, sram: int, dtype_bytes: int) -> str:
 
 def _add_hbm(machines) -> None:
     parser = _add(machines, "hbm", "HBM traffic: standard vs FlashAttention, Triton tiles", """\
-Count what attention moves between HBM and SRAM (seed 004, Theorem 2): standard attention
-Theta(N d + N^2), FlashAttention (Algorithm 1) Theta(N^2 d^2 / M) for an SRAM of M
+Count what attention moves between HBM and SRAM (Theorem 2 of the FlashAttention paper): standard
+attention Theta(N d + N^2), FlashAttention (Algorithm 1) Theta(N^2 d^2 / M) for an SRAM of M
 elements; each divided by its Theta term settles to a constant as N grows. Then the
 FlashAttention-2 Triton forward's predicted traffic for each BLOCK_M x BLOCK_N tile,
 every program's loads counted (no L2 reuse: an upper bound).""", [
@@ -272,7 +298,7 @@ every program's loads counted (no L2 reuse: an upper bound).""", [
     parser.add_argument("--head-dim", type=_positive, default=128,
                         help="head dimension for the Triton tile table (default 128)")
     parser.add_argument("--tiles", type=_tile, nargs="+", default=_SEED_TILES,
-                        help="BLOCK_MxBLOCK_N tiles (default: the seed's autotune grid)")
+                        help="BLOCK_MxBLOCK_N tiles (default: the Triton tutorial's autotune grid)")
     parser.add_argument("--causal", action="store_true", help="causal Triton forward")
     parser.add_argument("--batch", type=_positive, default=1, help="batch size (default 1)")
     parser.add_argument("--nheads", type=_positive, default=1, help="query heads (default 1)")

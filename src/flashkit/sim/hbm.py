@@ -1,6 +1,6 @@
 """HBM traffic of attention: the FlashAttention paper's Theorem 2, executed and in closed form.
 
-Seed 004 (FlashAttention, Dao et al. 2022), Theorem 2: with sequence length N, head dimension d
+The FlashAttention paper (Dao et al. 2022), Theorem 2: with sequence length N, head dimension d
 and an SRAM of M elements (d <= M <= N d),
 
     standard attention makes   Theta(N d + N^2)      HBM accesses,
@@ -16,7 +16,7 @@ the tens of thousands); the tests hold the two equal.
   B_c = ceil(M / 4d), B_r = min(B_c, d) so the working set fits in SRAM. K and V are read
   once; each of the T_c = ceil(N / B_c) outer steps reads all of Q, O, l, m and writes O, l, m
   back: about T_c (3 N d) = 12 N^2 d^2 / M, the Theta(N^2 d^2 / M).
-* A Triton FlashAttention-2 forward (queries outside, as the Triton tutorial in seed 004): one
+* A Triton FlashAttention-2 forward (queries outside, as the Triton tutorial): one
   program per (BLOCK_M query rows, batch, head) reads its Q block once, reads every K, V block it
   can see (causal: those at or left of the diagonal, bottom-right aligned as flashkit's contract
   says) and writes its O block and the log-sum-exp. Every program's loads are counted as HBM

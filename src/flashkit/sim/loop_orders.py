@@ -1,4 +1,4 @@
-"""Attention's two loop orders, executed against a counting two-level memory (seed 002).
+"""Attention's two loop orders, executed against a counting two-level memory (the essay).
 
 ``O = softmax(Q K^T) V`` can put either loop outside:
 
@@ -10,7 +10,7 @@
   is loaded once, but every query's state goes back to HBM after each key and comes back for the
   next: Q loads, O loads and O stores are n per query.
 
-The seed's cost comparison, for n queries and n keys, one output in fast memory::
+The essay's cost comparison, for n queries and n keys, one output in fast memory::
 
                  inner product    outer product
     Q loads      n                n^2
@@ -21,7 +21,7 @@ The seed's cost comparison, for n queries and n keys, one output in fast memory:
 Between the two ends lies a spectrum set by how many outputs stay in fast memory. For the inner
 product that is ``query_block`` (r queries share each pass over K, V: KV loads n * ceil(n / r));
 for the outer product it is ``resident`` (R outputs, with their queries, stay in fast memory
-beside the one streaming slot; each saves n - 1 loads and stores, the seed's words, so
+beside the one streaming slot; each saves n - 1 loads and stores, the essay's words, so
 Q loads = O loads = O stores = n^2 - R (n - 1), and R = n stores each output once).
 
 Counts are in rows: one query vector, one (k_j, v_j) pair, one output row with its state. With
@@ -43,7 +43,7 @@ __all__ = ["HBMTraffic", "inner_product_attention", "outer_product_attention",
 
 @dataclass
 class HBMTraffic:
-    """Rows moved between HBM and fast memory, by tensor (the seed's four rows)."""
+    """Rows moved between HBM and fast memory, by tensor (the essay's four rows)."""
 
     q_loads: int = 0
     kv_loads: int = 0
@@ -52,7 +52,7 @@ class HBMTraffic:
 
 
 class _RowState:
-    """One query's online-softmax state: running max m, denominator, numerator (seed 002)."""
+    """One query's online-softmax state: running max m, denominator, numerator (the essay)."""
 
     def __init__(self, dv: int):
         self.m, self.den, self.num = -math.inf, 0.0, np.zeros(dv)
@@ -111,7 +111,7 @@ def outer_product_attention(q, k, v, resident: int = 0) -> tuple[np.ndarray, HBM
 
     The first ``resident`` queries keep their state in fast memory for the whole loop; every
     other query streams through one slot: its q and state are loaded for each key and its state
-    stored after it (the first load initialises it, as the seed counts). Traffic: KV loads nk;
+    stored after it (the first load initialises it, as the essay counts). Traffic: KV loads nk;
     Q loads = O loads = O stores = resident + (nq - resident) * nk.
     """
     q, k, v = check_qkv(q, k, v)
@@ -135,13 +135,13 @@ def outer_product_attention(q, k, v, resident: int = 0) -> tuple[np.ndarray, HBM
 
 
 def _in_n(count: int, n: int) -> str:
-    """64 -> '64 (n^2)' for n = 8: the seed states these counts as powers of n."""
+    """64 -> '64 (n^2)' for n = 8: the essay states these counts as powers of n."""
     names = {n: "n", n * n: "n^2"} if n > 1 else {}
     return f"{count} ({names[count]})" if count in names else str(count)
 
 
 def format_loop_orders(n: int = 8, d: int = 4, seed: int = 0) -> str:
-    """The seed's cost comparison for n queries and keys, measured by running both schedules,
+    """The essay's cost comparison for n queries and keys, measured by running both schedules,
     then the spectrum between them as more outputs stay in fast memory."""
     rng = np.random.default_rng(seed)
     q, k, v = rng.normal(size=(3, n, d))

@@ -1,11 +1,11 @@
-"""The toy register machine of seed 002, executable.
+"""The toy register machine of the essay, executable.
 
 The machine has a DRAM (named arrays such as ``a``, ``b``, ``x``, ``out``) and a small register
 file ``R0 .. R{n-1}``. Every instruction takes one cycle. Only LOAD reads DRAM and only STORE
-writes it, so the three counts the seed reasons with -- cycles, DRAM reads, DRAM writes -- fall
+writes it, so the three counts the essay reasons with -- cycles, DRAM reads, DRAM writes -- fall
 out of running a program rather than being worked out by hand.
 
-Instruction set (operands as the seed writes them; the last register is the destination)::
+Instruction set (operands as the essay writes them; the last register is the destination)::
 
     LOAD src, Rd            Rd = DRAM[src]
     STORE Rs, dst           DRAM[dst] = Rs
@@ -19,10 +19,10 @@ Instruction set (operands as the seed writes them; the last register is the dest
     DIV Ra, Rb, Rd          Rd = Ra / Rb
     MOV Rs, Rd              Rd = Rs
 
-Each register holds a number and a *label*, the symbolic name the seed's register tables print
+Each register holds a number and a *label*, the symbolic name the essay's register tables print
 (``a00``, ``a00·b00``, ``e^(x1 − m)``). LOAD labels a value by its address; arithmetic composes
 the labels of its operands; an instruction's ``note`` renames the result when the composed label
-would hide the idea (the seed writes ``c00`` rather than ``a01·b10 + a00·b00``).
+would hide the idea (the essay writes ``c00`` rather than ``a01·b10 + a00·b00``).
 
 A register that does not exist, or one read before anything wrote it, is a ``MachineError`` that
 names the step, the instruction and the register.
@@ -69,7 +69,7 @@ class Address:
 
     @property
     def label(self) -> str:
-        """The seed's subscript name: a[0][1] -> 'a01' (commas once an index has two digits)."""
+        """The essay's subscript name: a[0][1] -> 'a01' (commas once an index has two digits)."""
         sep = "," if any(i > 9 for i in self.index) else ""
         return self.array + sep.join(str(i) for i in self.index)
 
@@ -158,7 +158,7 @@ class Instruction:
 
 
 def op(opcode: str, *operands: str, note: str | None = None) -> Instruction:
-    """``op("MAC", "R0", "R1", "R2", "R2", note="c00")``: an instruction as the seed writes it."""
+    """``op("MAC", "R0", "R1", "R2", "R2", note="c00")``: an instruction as the essay writes it."""
     return Instruction(opcode, tuple(operands), note)
 
 
@@ -180,7 +180,7 @@ def assemble(source: str) -> list[Instruction]:
 
 @dataclass(frozen=True)
 class Value:
-    """What a register holds: the number and the seed's symbolic name for it."""
+    """What a register holds: the number and the essay's symbolic name for it."""
 
     number: float
     label: str
@@ -188,7 +188,7 @@ class Value:
 
 @dataclass
 class Counts:
-    """The seed's cost measures: one cycle per instruction, DRAM reads (LOAD), writes (STORE)."""
+    """The essay's cost measures: one cycle per instruction, DRAM reads (LOAD), writes (STORE)."""
 
     cycles: int = 0
     dram_reads: int = 0
@@ -207,7 +207,7 @@ class Step:
 
 @dataclass
 class Program:
-    """Instructions in named sections (the seed's passes), plus the DRAM they run against.
+    """Instructions in named sections (the essay's passes), plus the DRAM they run against.
 
     ``inputs`` are the arrays the program LOADs; ``outputs`` name the arrays it STOREs into and
     their shapes (allocated as NaN, so an element the program forgets to write stays NaN).

@@ -1,7 +1,7 @@
-"""The register machine's printed output: register tables, counts and the seed's cost tables.
+"""The register machine's printed output: register tables, counts and the essay's cost tables.
 
 Every number here comes from *running* a program; nothing is a formula typed in twice. A count
-that is a multiple of n is also shown the way the seed writes it (``12 (3n)``).
+that is a multiple of n is also shown the way the essay writes it (``12 (3n)``).
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ def _cell(value: Value | None, values: bool) -> str:
 
 
 def format_trace(result: Run, values: bool = False) -> str:
-    """The register table after every step, one table per section (the seed's passes).
+    """The register table after every step, one table per section (the essay's passes).
 
-    Cells show the seed's symbolic names, or the numbers with ``values=True``; a register nothing
+    Cells show the essay's symbolic names, or the numbers with ``values=True``; a register nothing
     has written yet is blank.
     """
     headers = ["Step", "Instruction"] + [f"R{r}" for r in range(result.program.num_registers)]
@@ -38,7 +38,7 @@ def format_trace(result: Run, values: bool = False) -> str:
 
 
 def _per_n(count: int, n: int) -> str:
-    """12 -> '12 (3n)' when n > 1 divides the count; the seed states costs per n."""
+    """12 -> '12 (3n)' when n > 1 divides the count; the essay states costs per n."""
     if n > 1 and count and count % n == 0:
         coefficient = count // n
         return f"{count} ({'' if coefficient == 1 else coefficient}n)"
@@ -55,7 +55,7 @@ def format_counts(result: Run) -> str:
 
 
 def matmul_comparison(n: int = 2) -> str:
-    """Seed 002's 'Inner product vs Outer product' table for an n x n matmul."""
+    """The essay's 'Inner product vs Outer product' table for an n x n matmul."""
     names = ["matmul-inner", "matmul-outer"] + (["matmul-inner-6"] if n == 2 else [])
     runs = [run(example_program(name, n)) for name in names]
     rows = [["Registers", *(r.program.num_registers for r in runs)],
@@ -82,7 +82,7 @@ def _passes(result: Run, first: str) -> int:
 
 
 def softmax_comparison(n: int = 8) -> str:
-    """Seed 002's softmax cost tables: passes of each variant, then 3 vs 4 registers, then what
+    """The essay's softmax cost tables: passes of each variant, then 3 vs 4 registers, then what
     fusing with V buys (attention needs no normalise pass)."""
     safe, online = (run(example_program(name, n)) for name in ("safe-softmax", "online-softmax"))
     q, k, v = np.random.default_rng(0).normal(size=(3, n, 1))
@@ -107,5 +107,5 @@ def softmax_comparison(n: int = 8) -> str:
 
 
 def cost_tables(n: int = 2, softmax_n: int = 8) -> str:
-    """All of seed 002's cost comparisons, measured by running the programs."""
+    """All of the essay's cost comparisons, measured by running the programs."""
     return matmul_comparison(n) + "\n\n" + softmax_comparison(softmax_n)

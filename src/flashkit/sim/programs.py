@@ -1,8 +1,8 @@
-"""Programs for the toy register machine: the problems of seed 002, generalised to size n.
+"""Programs for the toy register machine: the problems of the essay, generalised to size n.
 
-Every builder returns a :class:`~flashkit.sim.machine.Program` whose instructions are the seed's
-trace where the seed prints one (c00, the 2 x 2 outer product, the online-softmax steady state)
-and follow the seed's steps elsewhere. Running it gives the numbers and the counts; the closed
+Every builder returns a :class:`~flashkit.sim.machine.Program` whose instructions are the essay's
+trace where the essay prints one (c00, the 2 x 2 outer product, the online-softmax steady state)
+and follow the essay's steps elsewhere. Running it gives the numbers and the counts; the closed
 forms below are what the tests check the runs against.
 
     program                    registers    cycles            DRAM reads           writes
@@ -14,10 +14,10 @@ forms below are what the tests check the runs against.
     online softmax (2 passes)  4            14n - 4           2n                   n
     online attention (1 pass)  d + dv + 5   see its builder   nq d + nq nk (d+dv)  nq dv
 
-For n = 2 the matmul rows are the seed's table: 25 cycles / 13 LOADs with 3 registers (inner
+For n = 2 the matmul rows are the essay's table: 25 cycles / 13 LOADs with 3 registers (inner
 product), 22 cycles / 10 LOADs with 6 registers (outer product).
 
-Operand reuse ("locality" in the seed) is not hand-written into each builder: the emitter below
+Operand reuse ("locality" in the essay) is not hand-written into each builder: the emitter below
 remembers which DRAM value each register holds and skips a LOAD whose value is already there. The
 builders only choose an *order* that makes reuse possible (a snake through the outputs, the inner
 sum run backwards every other output).
@@ -87,7 +87,7 @@ def _snake(n: int) -> Iterator[tuple[int, int]]:
 
 def _accumulate(e: _Emitter, i: int, j: int, term: int, n: int, acc: str) -> None:
     """Add a(R0)·b(R1) into ``acc`` as term ``term`` of n: MAC_Z for the first (no partial sum
-    yet), MAC after; the last term names the finished element c_ij as the seed does."""
+    yet), MAC after; the last term names the finished element c_ij as the essay does."""
     name = Address("c", (i, j)).label
     note = name if term == n - 1 else (f"{name} ({term + 1}/{n} terms)" if term else None)
     if term == 0:
@@ -97,9 +97,9 @@ def _accumulate(e: _Emitter, i: int, j: int, term: int, n: int, acc: str) -> Non
 
 
 def dot_product_c00(a: np.ndarray, b: np.ndarray, registers: int | None = None) -> Program:
-    """Seed 002 Problem 1: c00 = sum_k a0k bk0 with 3 registers (R0, R1 operands, R2 the sum).
+    """The essay Problem 1: c00 = sum_k a0k bk0 with 3 registers (R0, R1 operands, R2 the sum).
 
-    For 2 x 2 inputs this is the seed's 7-step trace: 4 LOADs + 2 MACs + 1 STORE = 7 cycles.
+    For 2 x 2 inputs this is the essay's 7-step trace: 4 LOADs + 2 MACs + 1 STORE = 7 cycles.
     """
     n = _square_pair(a, b)
     e = _Emitter()
@@ -114,12 +114,12 @@ def dot_product_c00(a: np.ndarray, b: np.ndarray, registers: int | None = None) 
 
 
 def matmul_inner_product(a: np.ndarray, b: np.ndarray, registers: int | None = None) -> Program:
-    """C = A B one output at a time with 3 registers (seed 002 Problem 2).
+    """C = A B one output at a time with 3 registers (the essay Problem 2).
 
     Outputs go in snake order and each one runs its sum in the opposite direction to the one
     before, so its first operand pair shares a value with the previous pair: one LOAD saved per
     output after the first. LOADs 2n^3 - (n^2 - 1), MACs n^3, STOREs n^2, cycles 3n^3 + 1;
-    n = 2: 13 LOADs, 25 cycles (the seed's table).
+    n = 2: 13 LOADs, 25 cycles (the essay's table).
     """
     n = _square_pair(a, b)
     e = _Emitter()
@@ -140,7 +140,7 @@ def matmul_outer_product(a: np.ndarray, b: np.ndarray, registers: int | None = N
 
     R0 holds a_ik, R1 holds b_kj, R2.. hold the n^2 accumulators (c_ij in R(2 + i n + j)); within
     one k the outputs go in snake order so a_ik or b_kj stays put. LOADs n (n^2 + 1), MACs n^3,
-    STOREs n^2, cycles 2n^3 + n^2 + n; n = 2: 6 registers, 10 LOADs, 22 cycles (the seed's trace).
+    STOREs n^2, cycles 2n^3 + n^2 + n; n = 2: 6 registers, 10 LOADs, 22 cycles (the essay's trace).
     """
     n = _square_pair(a, b)
     e = _Emitter()
@@ -221,7 +221,7 @@ def _normalise(e: _Emitter, n: int) -> None:
 
 
 def safe_softmax(x: np.ndarray, registers: int | None = None) -> Program:
-    """Seed 002 Problem 4: safe softmax with 3 registers in three passes over x.
+    """The essay Problem 4: safe softmax with 3 registers in three passes over x.
 
     R0 streams x_i, R1 = m (pass 1), R2 = S (pass 2), pass 3 normalises. Reads 3n, writes n,
     cycles (2n - 1) + 4n + 5n = 11n - 1. s_k names the sum of the first k exponentials.
@@ -249,11 +249,11 @@ def safe_softmax(x: np.ndarray, registers: int | None = None) -> Program:
 
 
 def online_softmax(x: np.ndarray, registers: int | None = None) -> Program:
-    """Seed 002 Problem 5: online softmax with 4 registers in two passes.
+    """The essay Problem 5: online softmax with 4 registers in two passes.
 
     Pass 1 keeps the running max m_k (R1) and the running sum s_k (R2) of the first k elements,
     rescaling s by e^(m_k - m_k+1) when the max moves; R3 saves the old max first (step 2 of the
-    seed's steady state). Reads 2n, writes n, cycles 5 + 9(n - 1) + 5n = 14n - 4.
+    essay's steady state). Reads 2n, writes n, cycles 5 + 9(n - 1) + 5n = 14n - 4.
     """
     n = _vector(x)
     e = _Emitter()
@@ -280,9 +280,9 @@ def online_softmax(x: np.ndarray, registers: int | None = None) -> Program:
 
 def online_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray,
                      registers: int | None = None) -> Program:
-    """Seed 002 Problem 7: o_i = numerator / denominator in one pass over the keys.
+    """The essay Problem 7: o_i = numerator / denominator in one pass over the keys.
 
-    The scale 1/sqrt(d) is folded into q beforehand, as the seed does, so o = softmax(q k^T) v.
+    The scale 1/sqrt(d) is folded into q beforehand, as the essay does, so o = softmax(q k^T) v.
     Registers (d = head dim of q, k; dv = of v): R0..R(d-1) hold q_i (loaded once per query),
     R(d) the streamed k or v element, then x (the score), t (scratch and rescale factor), m, den,
     and R(d+5).. the numerator vector. Per query: d + 2 nk d (scores) + 4 + dv (first key)
@@ -303,7 +303,7 @@ def online_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray,
         for c in range(d):
             e.load(f"q[{i}][{c}]", f"R{c}")
         for j in range(nk):
-            for c in range(d):  # x_j = q_i . k_j, the seed's score
+            for c in range(d):  # x_j = q_i . k_j, the essay's score
                 e.load(f"k[{j}][{c}]", operand)
                 last = f"x{j}" if c == d - 1 else None
                 if c == 0:

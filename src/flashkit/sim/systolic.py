@@ -1,4 +1,4 @@
-"""Systolic arrays that tick cycle by cycle (seed 003): the TPU's weight-stationary MXU and the
+"""Systolic arrays that tick cycle by cycle (the TPU post): the TPU's weight-stationary MXU and the
 output-stationary design often drawn beside it.
 
 Both compute C = A @ B with A (M, K) and B (K, N) on a grid of multiply-accumulate cells that
@@ -11,8 +11,9 @@ Weight-stationary (TPU MXU), a K x N grid:
     m + k and moves one cell right per cycle; partial sums move one cell down per cycle, each
     cell adding activation x weight. C[m, n] leaves the bottom of column n at cycle
     m + (K - 1) + n, so the last result leaves at cycle M + K + N - 3: M + K + N - 2 cycles,
-    counting from 0. (Seed 003's emulator prints 6 for a (2, 3) @ (3, 2) matmul, "M+K+N-2+1": its
-    loop ticks once more after the last result has left; here the count stops with that result.)
+    counting from 0. (The TPU post's emulator prints 6 for a (2, 3) @ (3, 2) matmul,
+    "M+K+N-2+1": its loop ticks once more after the last result has left; here the count stops
+    with that result.)
 
 Output-stationary, an M x N grid:
     cell (i, j) accumulates C[i, j] in place. A[i, k] enters row i from the left at cycle k + i
@@ -140,7 +141,7 @@ def systolic_matmul(a: np.ndarray, b: np.ndarray, design: str = "weight") -> Sys
 
 
 def format_stagger(result: SystolicRun, design: str = "weight") -> str:
-    """The seed's stagger diagram: which A element enters each row at each cycle, and (weight-
+    """The post's stagger diagram: which A element enters each row at each cycle, and (weight-
     stationary) which result leaves the bottom."""
     cycles = range(result.cycles)
     rows = [[f"row {r}"] + [f"A[{e[r][0]},{e[r][1]}]" if e[r] else "." for e in result.entering]

@@ -1,6 +1,6 @@
 """Plain-text tables, the one format every `flashkit simulate` command prints.
 
-Numbers are right-aligned and text left-aligned, so columns of counts line up the way the seed
+Numbers are right-aligned and text left-aligned, so columns of counts line up the way the essay
 documents print them.
 """
 
@@ -12,7 +12,7 @@ __all__ = ["format_table", "thousands"]
 
 
 def thousands(value: int) -> str:
-    """12345 -> '12,345' (the seed's cycle tables group digits this way)."""
+    """12345 -> '12,345' (the essay's cycle tables group digits this way)."""
     return f"{value:,}"
 
 

@@ -1,23 +1,23 @@
-"""A cycle model of one TPU core (seed 003): matmuls on the MXU, everything else on the VPU.
+"""A cycle model of one TPU core (the TPU post): matmuls on the MXU, everything else on the VPU.
 
 The simulator *runs* attention (the numbers are real and checked against a reference) and
 charges every operation to the unit that would execute it.
 
-MXU model (seed 003's, kept as it is so its numbers come out):
+MXU model (the TPU post's, kept as it is so its numbers come out):
     a matmul (M, K) @ (K, N) costs ``M + K + N - 2`` cycles and does ``2 M K N`` flops.
     Utilisation = flops / (2 * mxu_dim^2 * MXU cycles): the fraction of the 128 x 128 cells
     doing a multiply-add each cycle. When every dimension is at most ``tick_limit`` (16, as in
-    the seed) the matmul runs through :class:`~flashkit.sim.systolic.WeightStationaryArray`,
+    the post) the matmul runs through :class:`~flashkit.sim.systolic.WeightStationaryArray`,
     tick by tick, and the ticked count must equal the formula; larger ones use the formula.
-    The model does not split a matmul bigger than the array into passes, as the seed does not:
+    The model does not split a matmul bigger than the array into passes, as the post does not:
     it is a pipeline-fill model, and its lesson is the ratio of useful work to fill and drain.
 
-VPU model (seed 003 prints its VPU totals but not its op list; this list is our reconstruction,
-following the seed's code, and the one we found that reproduces all three printed totals):
+VPU model (the TPU post prints its VPU totals but not its op list; this list is our reconstruction,
+following the post's code, and the one we found that reproduces all three printed totals):
     the VPU is ``vpu_width`` = 128 lanes wide; an elementwise op or reduction over E elements
     costs ``ceil(E / 128) * c`` cycles with c = 2 for exp (a transcendental) and 1 for the rest.
 
-    standard attention, per (n x n) score matrix, in the seed's code order:
+    standard attention, per (n x n) score matrix, in the post's code order:
         scale, [build the causal mask (n x n, materialised), apply it], row max,
         subtract max, exp (2), row sum, divide by the sum          9 passes causal, 7 not
     flash attention, per call: four index vectors (query offsets, key offsets, query-block
@@ -32,7 +32,7 @@ following the seed's code, and the one we found that reproduces all three printe
     Causal flash skips tiles that lie wholly above the diagonal; standard attention pays for
     the masked half (exp(-inf) included). Guards that keep padded rows finite are not charged.
 
-With these, n = 512, d = 64 gives seed 003's table exactly: total / MXU / VPU cycles
+With these, n = 512, d = 64 gives the TPU post's table exactly: total / MXU / VPU cycles
 24,556 / 13,680 / 10,876 (block 64), 16,936 / 6,360 / 10,576 (block 128), 20,604 / 2,172 /
 18,432 (standard); MXU utilisation 8.4%, 20.1%, 94.3%.
 """
@@ -91,7 +91,7 @@ class TPUCycleSimulator:
 
     @property
     def total_cycles(self) -> int:
-        """MXU and VPU do not overlap in this model (the seed adds them)."""
+        """MXU and VPU do not overlap in this model (the post adds them)."""
         return self.mxu_cycles + self.vpu_cycles
 
     @property
@@ -103,7 +103,7 @@ class TPUCycleSimulator:
 def _check(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, ...]:
     q, k, v = (np.asarray(t, dtype=np.float64) for t in (q, k, v))
     if q.ndim != 2 or q.shape != k.shape or q.shape != v.shape or 0 in q.shape:
-        raise ValueError(f"q, k, v must all be (n, d) and non-empty (seed 003's setting), got "
+        raise ValueError(f"q, k, v must all be (n, d) and non-empty (the TPU post's setting), got "
                          f"{q.shape}, {k.shape}, {v.shape}")
     return q, k, v
 
@@ -137,9 +137,9 @@ def _pad_rows(x: np.ndarray, rows: int) -> np.ndarray:
 
 def flash_attention(sim: TPUCycleSimulator, q, k, v, block_m: int = 128, block_n: int = 128,
                     causal: bool = True) -> np.ndarray:
-    """Tiled online-softmax attention (seed 003's flash_attention_tiled), charged to ``sim``.
+    """Tiled online-softmax attention (the TPU post's flash_attention_tiled), charged to ``sim``.
 
-    Inputs are padded to whole tiles, as in the seed's JAX code, so every tile is full size;
+    Inputs are padded to whole tiles, as in the post's JAX code, so every tile is full size;
     causal attention skips the tiles wholly above the diagonal.
     """
     q, k, v = _check(q, k, v)
@@ -201,7 +201,7 @@ def flash_attention(sim: TPUCycleSimulator, q, k, v, block_m: int = 128, block_n
 
 @dataclass
 class AttentionCycles:
-    """One column of seed 003's table, plus the output and the VPU ledger behind it."""
+    """One column of the TPU post's table, plus the output and the VPU ledger behind it."""
 
     label: str
     mxu_cycles: int
@@ -234,7 +234,7 @@ def compare_attention(n: int = 512, d: int = 64, blocks: Sequence[int] = (64, 12
 
 
 def format_comparison(runs: Sequence[AttentionCycles], title: str = "") -> str:
-    """Seed 003's table: configurations as columns, the standard (last) as the baseline."""
+    """The TPU post's table: configurations as columns, the standard (last) as the baseline."""
     baseline = runs[-1].total_cycles
     rows = [["Total cycles"] + [thousands(r.total_cycles) for r in runs],
             ["MXU cycles"] + [thousands(r.mxu_cycles) for r in runs],

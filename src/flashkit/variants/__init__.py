@@ -26,6 +26,13 @@ __all__ = ["ScoreMod", "MaskMod", "BlockMask", "create_block_mask", *_LIBRARY]
 
 def __getattr__(name):
     if name in _LIBRARY:
-        from flashkit.variants import library
+        try:
+            from flashkit.variants import library
+        except ModuleNotFoundError as error:
+            if error.name != "triton":
+                raise
+            raise ModuleNotFoundError(f"flashkit.variants.{name} is written in Triton: pip "
+                                      "install 'flashkit-attn[gpu]' (triton installs on a CPU "
+                                      "too)", name="triton") from error
         return getattr(library, name)
     raise AttributeError(f"module 'flashkit.variants' has no attribute {name!r}")

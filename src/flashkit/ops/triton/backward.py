@@ -639,10 +639,11 @@ def _triton_dkdv_dq(dout, q, k, v, lse, delta, params: AttentionParams, dq, dk, 
     cu_q, cu_k, varlen = varlen_args(params, lse)
     kernel = "dkdv_atomic" if atomic_dq else "dkdv"
     tiles = tiles or {}
+    variant = params.variant is not None  # atomic_dq is off for variants
     block_m1, block_n1, num_warps, num_stages = tiles.get(kernel) or tile_config(
-        kernel, d_max, q.element_size(), interpreting())
+        kernel, d_max, q.element_size(), interpreting(), variant)
     block_m2, block_n2, dq_warps, dq_stages = tiles.get("dq") or tile_config(
-        "dq", d_max, q.element_size(), interpreting())
+        "dq", d_max, q.element_size(), interpreting(), variant)
     score_mod_args, mask_mod_args, mods = variant_args(params)
     kv_blocks, sparse = block_args(params, lse)
     q_blocks, _ = block_args(params, lse, transposed=True)

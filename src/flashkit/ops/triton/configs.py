@@ -48,6 +48,44 @@ HOPPER = {
     },
 }
 
+# Calls with a score_mod / mask_mod / block mask (flashkit.variants) run these portable
+# kernels (the Gluon kernels decline them). Their tiles differ from HOPPER's for two measured
+# reasons (offline sm_90 compiles with the launch's own alignment specialisation, ptxas
+# counts; tests/variants/test_variants_sm90.py checks the shared memory of every built-in):
+# a modifier's table read (tl.load of a captured tensor at q_idx / kv_idx) is an elementwise
+# [BLOCK_M, BLOCK_N] fp32 gather that Triton's pipeliner buffers in shared memory per stage,
+# so HOPPER's d128 forward (128, 128, 8, 3) needs 360448 bytes with relative_bias (232448 on
+# sm_90) and 230400 with the document mask; and the modifier's code adds registers, so the
+# d128 forward spilled 300-1384 bytes there and dK/dV 228-344 with alibi / softcap. At d128
+# the forward's (128, 64, 8, 2) compiles every built-in without spills in 98-131 KB (and in
+# half the compile time), dK/dV's (32, 128, 8, 2) without spills except relative_bias (144
+# bytes; (64, 64, 8, 2): 84-216, (64, 64, 4, 2): 312-1172), dQ's (128, 32, 8, 2) without.
+# d64 / d256 rows: checked for shared memory only. Speed of the candidates:
+# benchmarks/suites/variants.py --parts configs.
+VARIANT = {
+    "forward": {
+        16: (128, 64, 4, 2),
+        32: (128, 64, 4, 2),
+        64: (128, 64, 4, 2),
+        128: (128, 64, 8, 2),
+        256: (64, 64, 8, 2),
+    },
+    "dkdv": {
+        16: (32, 128, 4, 2),
+        32: (32, 128, 4, 2),
+        64: (32, 128, 4, 2),
+        128: (32, 128, 8, 2),
+        256: (64, 64, 8, 1),
+    },
+    "dq": {
+        16: (128, 64, 8, 2),
+        32: (128, 64, 8, 2),
+        64: (128, 64, 8, 2),
+        128: (128, 32, 8, 2),
+        256: (64, 16, 4, 2),
+    },
+}
+
 # Forward K/V loads through TMA descriptors where the layout allows (common.kv_descriptor).
 # Off: the 02:17 sweep measured no gain (d128 4k: 1.144 ms with TMA vs 1.119 with pointers,
 # d64: 1.373 vs 1.310), Triton 3.6 already pipelines the pointer loads with cp.async.
@@ -176,11 +214,14 @@ def padded_head_dim(d: int) -> int:
     return max(16, 1 << (d - 1).bit_length())
 
 
-def tile_config(kernel: str, head_dim: int, element_size: int,
-                interpreter: bool) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for `kernel` at a head dim and element size."""
+def tile_config(kernel: str, head_dim: int, element_size: int, interpreter: bool,
+                variant: bool = False) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for `kernel` at a head dim and element size;
+    variant: the call has a score_mod, mask_mod or block mask (the VARIANT table)."""
     if interpreter:
         return INTERPRETER[kernel]
     if element_size > 2:
         return FP32[kernel]
+    if variant and kernel in VARIANT:
+        return VARIANT[kernel][padded_head_dim(head_dim)]
     return HOPPER[kernel][padded_head_dim(head_dim)]

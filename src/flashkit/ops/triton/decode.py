@@ -346,8 +346,8 @@ def _append_keys(KNew, VNew, k_base, v_base, Cos, Sin, j_lo, j_hi, first_new, ok
                  BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_NEW: tl.constexpr,
                  PAGE_SIZE: tl.constexpr, ROTARY_HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
     """A step's new keys j in [j_lo, j_hi) (new token j - first_new; j_hi - j_lo <= BLOCK_NEW),
-    k rotated at its slot slot0 + j as the append kernel rotates it (float32, rounded once), v copied,
-    into the cache slots of keys j (as _cache_rows); nothing is written unless ok, nor to a
+    k rotated at its slot slot0 + j as the append kernel rotates it (float32, rounded once), v
+    copied, into the cache slots of keys j (as _cache_rows); nothing is written unless ok, nor to a
     page outside the cache. KNew, VNew: the program's (b, kv head) of k, v (b, s_new, hk, d)."""
     offs_j = j_lo + tl.arange(0, BLOCK_NEW)
     write = ok & (offs_j < j_hi)

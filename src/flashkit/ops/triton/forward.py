@@ -260,7 +260,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     # dropout takes the plain tiles: its keep-mask is drawn in the scores' own layout, so it
     # needs no shared memory (sm90 probe: 229376 bytes at d128, as without dropout)
     block_m, block_n, num_warps, num_stages = tile or tile_config(
-        "forward", max(head_dim, head_dim_v), q.element_size(), interpreting())
+        "forward", max(head_dim, head_dim_v), q.element_size(), interpreting(),
+        params.variant is not None)
     score_mod_args, mask_mod_args, mods = variant_args(params)
     blocks, sparse = block_args(params, lse)
     if sparse["SPARSE"]:  # the kernel's tiles must divide the block mask's

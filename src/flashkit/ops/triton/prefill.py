@@ -21,14 +21,14 @@ __all__ = ["declines", "as_varlen", "forward", "tile", "GLUON_PREFILL_MIN_QUERIE
 # Prefill through the Gluon forward (sm_90), from this many query rows and this much work (batch x
 # heads x queries x keys, the keys bounded by the capacity when cache_seqlens is a tensor).
 # H200, bf16 d128, 32 heads, batch 1, causal, GQA 8:1 and 1:1, public call with the route forced
-# on / off, x the dense forward's speed (prefill_20261121_0950.json; route: tile()'s
+# on / off, x the dense forward's speed (benchmarks/results/prefill_*.json; route: tile()'s
 # tile): 128 queries stay on the decode kernels (split along the keys they fill the GPU: 1.4-1.7
 # at 4k and 16k keys against the route's 0.7-1.0, one 64-row program per head); 256 and 512
 # queries over 4.3-4.6k keys (3.6e7-7.5e7) too (0.96-1.24 against 0.69-0.80, bound by host
 # time: the route's launch costs ~50 us more); 256 x 16.6k (1.4e8) is the route's (contiguous
 # 1.00 against 0.93-0.95, pages 64/256 0.93-0.94 against 0.79-0.86, page 16 0.81-0.84 against
 # 0.78-0.80; with tile()'s one-consumer tile and the split producer pages 16-256 run
-# 1.00-1.21, prefill_20261121_1135_h72_ab.json), 512 x 16.9k (pages 1.04-1.10 against
+# 1.00-1.21), 512 x 16.9k (pages 1.04-1.10 against
 # 0.64-0.71) and 2048 x 6-18k (0.88-1.01 against 0.57-0.76) too.
 GLUON_PREFILL_MIN_QUERIES = 256
 GLUON_PREFILL_MIN_WORK = 2**27
@@ -115,11 +115,10 @@ def tile(q, params: AttentionParams, page_size: int | None) -> tuple:
       consumer of an unspecialized tile looks its pages up and issues their TMAs itself
       between its matmuls, two consumers leave half the SMs idle (page 16 / 32 / 64, d128
       bf16, 256 x 16.6k, GQA 8:1: 1.08 / 1.10 / 1.04 against the unspecialized 0.74 / 0.88 /
-      0.95 and two consumers' 0.86 / 0.87 / 0.95, prefill_20261121_1120_h72_explore.json;
-      A/B against one-producer main: prefill_20261121_1135_h72_ab.json; d64: 1.22-1.40
-      against 0.97-1.09, _1130_h72_d64.json). Contiguous caches keep the configured tile
-      there (1.00; the one-consumer tile not measured on them).
-    prefill_20261121_0950.json (forced route, both tiles), _0955.json (as configured)."""
+      0.95 and two consumers' 0.86 / 0.87 / 0.95; d64: 1.22-1.40 against 0.97-1.09).
+      Contiguous caches keep the configured tile there (1.00; the one-consumer tile not
+      measured on them).
+    The measurements: benchmarks/results/prefill_*.json."""
     from flashkit.ops.triton import forward_hopper
     from flashkit.ops.triton.configs import gluon_forward_tile
 
