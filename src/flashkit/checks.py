@@ -24,6 +24,29 @@ def tensor(name: str, t, layout: str) -> None:
         raise ValueError(f"{name}: expected {ndim} dims {layout}, got shape {tuple(t.shape)}")
 
 
+def no_overlap(name: str, t: torch.Tensor) -> None:
+    """t, about to be written in place, gives every element its own memory: no stride 0 of an
+    expanded tensor, no strides that fold one dim onto another. (The dims sorted by stride
+    must each step past everything the smaller ones span; layouts that interleave dims without
+    overlapping fail this too, and none of them is a cache layout.)"""
+    span = 0  # elements covered by the dims already seen, minus one
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride(), strict=True)
+                               if sz > 1):
+        if stride <= span:
+            raise ValueError(f"{name}: is written in place but its elements overlap in memory "
+                             f"(shape {tuple(t.shape)}, strides {t.stride()}, e.g. an expanded "
+                             "tensor); pass a tensor with its own storage (.contiguous())")
+        span += (size - 1) * stride
+
+
+def distinct(names: tuple[str, str], a: torch.Tensor, b: torch.Tensor) -> None:
+    """a and b, both written in place, do not start at one address (the same tensor twice).
+    Interleaved views of one buffer (k and v halves of a packed cache) stay allowed."""
+    if a.numel() and b.numel() and a.data_ptr() == b.data_ptr():
+        raise ValueError(f"{names[1]}: is the same memory as {names[0]}, and both are written "
+                         "in place; pass separate tensors")
+
+
 def same_dtype_and_device(named: dict, dtypes=DTYPES) -> None:
     """All tensors share one supported floating dtype and one device."""
     (first, t0), *rest = named.items()
@@ -92,13 +115,21 @@ def heads(nheads: int, nheads_k: int, k, v, dim: int, names=("q", "k", "v")) -> 
                          f"{nheads} (GQA/MQA groups query heads over kv heads)")
 
 
+# Scores are formed in float32 (scale * log2(e) * q . k in the kernels). Up to this scale
+# they stay finite for every fp16 input (|q . k| <= 256 * 65504^2 ~ 1.1e12) and for any
+# |q . k| < 2^63, so the softmax never sees inf - inf; far above it (1e38) ordinary scores
+# overflow to inf and the row becomes NaN where the float64 math is finite.
+MAX_SOFTMAX_SCALE = 2.0 ** 64
+
+
 def softmax_scale(scale, head_dim: int, name: str = "softmax_scale") -> float:
     if scale is None:
         return head_dim ** -0.5
     # Comparisons, not math.isfinite: under torch.compile(dynamic=True) the scale can be a
     # symbolic float, which compares (and is guarded on) but has no isfinite. NaN fails both.
-    if not isinstance(scale, numbers.Real) or not 0 < scale < math.inf:
-        raise ValueError(f"{name}: expected a finite positive number, got {scale!r}")
+    if not isinstance(scale, numbers.Real) or not 0 < scale <= MAX_SOFTMAX_SCALE:
+        raise ValueError(f"{name}: expected a finite positive number at most 2**64 (scores "
+                         f"are formed in float32), got {scale!r}")
     return float(scale)
 
 
@@ -352,6 +383,8 @@ def kvcache_values(cache_seqlens, seqlen_new, capacity, cache_batch_idx, cache_l
     num_blocks = batch_cache = k_cache.shape[0]
     page_size = k_cache.shape[1]
     seqlens = cache_seqlens.tolist()
+    if not seqlens:  # batch 0
+        return 0
     rows = list(range(len(seqlens))) if cache_batch_idx is None else cache_batch_idx.tolist()
     leftpad = [0] * len(seqlens) if cache_leftpad is None else cache_leftpad.tolist()
     if min(seqlens) < 0:
@@ -374,12 +407,32 @@ def kvcache_values(cache_seqlens, seqlen_new, capacity, cache_batch_idx, cache_l
                          f"{max(seqlens) + max(seqlen_new, q_rows) - 1} are rotated")
     if block_table is not None:
         table = block_table.tolist()
-        for b, n in enumerate(seqlens):
-            used = table[b][:-(-(n + seqlen_new) // page_size)]
-            if not all(0 <= page < num_blocks for page in used):
-                raise ValueError(f"block_table: sequence {b} uses pages {used}; every entry "
+        used = [table[b][:-(-(n + seqlen_new) // page_size)] for b, n in enumerate(seqlens)]
+        for b, pages in enumerate(used):
+            if not all(0 <= page < num_blocks for page in pages):
+                raise ValueError(f"block_table: sequence {b} uses pages {pages}; every entry "
                                  f"must be in [0, {num_blocks}) (k_cache's num_blocks)")
+        if seqlen_new:
+            _written_pages(used, seqlens, seqlen_new, page_size)
     return max(positions) + seqlen_new
+
+
+def _written_pages(used, seqlens, seqlen_new, page_size) -> None:
+    """A page the append writes belongs to one sequence, once: shared pages (a common prefix)
+    may be read by many sequences, but a write into one would change what the others read,
+    and two writes to one slot race. used[b]: the pages sequence b reads."""
+    owners = {}
+    for b, pages in enumerate(used):
+        for page in set(pages):
+            owners.setdefault(page, []).append(b)
+    for b, (pages, n) in enumerate(zip(used, seqlens, strict=True)):
+        written = pages[n // page_size:]
+        for page in written:
+            if len(owners[page]) > 1 or pages.count(page) > 1:
+                others = [o for o in owners[page] if o != b] or [b]
+                raise ValueError(f"block_table: sequence {b} appends into page {page}, which "
+                                 f"sequence {others[0]} also uses; a page written by an "
+                                 "append must appear once in the used entries")
 
 
 def rotary(cos, sin, q, k) -> None:

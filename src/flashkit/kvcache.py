@@ -19,6 +19,16 @@ rotary table's length) decide where the kernels read and write, so they are alwa
   assertion error (at the next synchronising call, and it ends the CUDA context), never an
   out-of-bounds read or write. Pass sync_checks=True to learn which argument was wrong. An int
   cache_seqlens is checked on the host at once.
+A page an append writes must appear once among the used block_table entries (pages only read,
+such as a shared prefix, may repeat). The host checks reject a repeated written page; the device
+path does not look for one (it would take a sort of the table on every step, and such writes
+stay in bounds), so there the caller must keep written pages unshared. k_cache and v_cache are
+checked, from their strides alone, to give every slot its own memory when an append writes them.
+A page an append writes must appear once among the used block_table entries (pages only read,
+such as a shared prefix, may repeat). The host checks reject a repeated written page; the device
+path does not look for one (it would take a sort of the table on every step, and such writes
+stay in bounds), so there the caller must keep written pages unshared. k_cache and v_cache are
+checked, from their strides alone, to give every slot its own memory when an append writes them.
 
 On CUDA with the Triton backend a call does not synchronise and allocates only through the
 caching allocator, and auto num_splits depends on shapes alone (the cache capacity), so a decoding
@@ -39,6 +49,7 @@ from flashkit.checks import MIN_PAGE_SIZE
 from flashkit.ops.custom_op import backend_module
 from flashkit.ops.params import KVCacheArgs
 from flashkit.ops.tiled import kvcache as tiled_kvcache
+from flashkit.ops.tiled.kvcache import empty_result
 
 __all__ = ["flash_attn_with_kvcache", "MIN_PAGE_SIZE"]
 
@@ -81,6 +92,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     checks.kvcache_tensors(q, k_cache, v_cache, k, v)
     batch, device = q.shape[0], q.device
     seqlen_new = 0 if k is None else k.shape[1]
+    if k is not None:  # the append writes the caches: each slot must be its own memory
+        checks.no_overlap("k_cache", k_cache)
+        checks.no_overlap("v_cache", v_cache)
+        checks.distinct(("k_cache", "v_cache"), k_cache, v_cache)
     capacity = checks.paging(block_table, k_cache, batch, device, cache_batch_idx,
                              cache_leftpad)
     cache_batch_idx = checks.index_vector("cache_batch_idx", cache_batch_idx, batch, device)
@@ -108,6 +123,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                              cache_batch_idx, cache_leftpad, block_table,
                                              k_cache, rotary_cos.shape[0] if rotary else None,
                                              q_rows)
+    if batch == 0:  # nothing to append or attend: empty results, as every shape allows
+        return empty_result(q, v_cache, return_softmax_lse)
     cache = KVCacheArgs(
         k=k, v=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
         rotary_interleaved=rotary_interleaved,

@@ -83,7 +83,9 @@ def backward_dense(dout, q, k, v, out, lse, params: AttentionParams, alibi_slope
             dp = do_t @ v_t.transpose(-1, -2)  # [BM, BN] = [BM, dv] @ [dv, BN]
             if drop is not None:
                 dp = dp * drop
-            ds = p * (dp - delta[..., i0:i1, None])
+            ds = torch.where(tile.gradient_pairs(s, i0, i1, seqlen_k, shift, params,
+                                                 dlse is not None),
+                             p * (dp - delta[..., i0:i1, None]), 0.0)
             if chain is not None:  # softcap, score_mod: back to d / d(scale * q.k)
                 ds = chain(ds)
             dq_acc[..., i0:i1, :] += scale * (ds @ k_t)  # [BM, d] = [BM, BN] @ [BN, d]

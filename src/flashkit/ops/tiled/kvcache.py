@@ -34,6 +34,15 @@ def kvcache_attention(q, k_cache, v_cache, cache: KVCacheArgs, params: Attention
                    cache.block_table, params, cache.num_splits or 1)
 
 
+def empty_result(q, v_cache, return_softmax_lse: bool = True):
+    """out (batch, seqlen_q, nheads, d_v) and lse (batch, nheads, seqlen_q) of a call where
+    one of batch and seqlen_q is 0 (or out alone without return_softmax_lse)."""
+    batch, seqlen_q, nheads, _ = q.shape
+    out = q.new_empty(batch, seqlen_q, nheads, v_cache.shape[-1])
+    lse = torch.empty(batch, nheads, seqlen_q, dtype=accumulation_dtype(q.dtype), device=q.device)
+    return (out, lse) if return_softmax_lse else out
+
+
 def prepare(q, k_cache, v_cache, cache: KVCacheArgs):
     """Rotate q and the new keys, append the new keys and values to the cache (in place).
     Returns (q rotated, seqlens_k, cache_batch_idx, cache_leftpad), the last three int32

@@ -50,6 +50,24 @@ def band_mask(i0, i1, j0, j1, shift, params: AttentionParams, device):
     return keep
 
 
+def gradient_pairs(s, i0, i1, seqlen_k, shift, params: AttentionParams, lse_grad: bool):
+    """(.., BM, BN) bool: where dS = P (dP - D) may be nonzero in a tile of scores s. Masked
+    pairs (s = -inf) are out, so a NaN dP from a value the row cannot see stays out of dS; so
+    are rows that see exactly one key, without a sink and without a gradient on lse (lse_grad;
+    either makes the row depend on its one score): their softmax is the constant 1, and
+    computing P (dP - D) would leave the rounding of two differently ordered dot products
+    (dP = dO . v_j, D = dO . O with O = v_j) in dq and dk."""
+    pairs = s > -math.inf
+    if params.sink is None and not lse_grad:
+        i = torch.arange(i0, i1, device=s.device)[:, None] + shift  # (BM, 1) the diagonal
+        first = torch.zeros_like(i) if params.window_left is None else (
+            i - params.window_left).clamp(min=0)
+        last = torch.full_like(i, seqlen_k - 1) if params.window_right is None else (
+            i + params.window_right).clamp(max=seqlen_k - 1)
+        pairs = pairs & (first != last)
+    return pairs
+
+
 def scores(q_t, k_t, i0, i1, j0, j1, shift, params: AttentionParams, slopes, bias, batch0=0,
            grad=False):
     """Masked scores of one tile and, for the backward pass (grad=True), their chain rule.
@@ -97,8 +115,21 @@ def online_update(m, l, acc, s, v_t, dropout=None):
     l = l * alpha + p.sum(-1)
     if dropout is not None:
         p = p * dropout
-    acc = acc * alpha[..., None] + p @ v_t  # [BM, dv] = [BM, BN] @ [BN, dv]
+    acc = acc * alpha[..., None] + values_product(p, s, v_t)
     return m_new, l, acc
+
+
+def values_product(p, s, v_t):
+    """p @ v_t ([BM, dv] = [BM, BN] @ [BN, dv]) where a key a row cannot see (s = -inf, so
+    p = 0) adds nothing even if its value is NaN or inf: 0 * NaN would otherwise reach every
+    row of the tile. A row that sees a non-finite value gets NaN in that column, as the math
+    gives NaN or inf there. Values are scanned first, so finite tiles pay one isfinite."""
+    bad = ~torch.isfinite(v_t)
+    if not bad.any():
+        return p @ v_t
+    seen = (s > -math.inf).to(p.dtype)
+    hit = (seen @ bad.to(p.dtype)) > 0  # (..., BM, dv): a visible key has a non-finite value
+    return (p @ v_t.masked_fill(bad, 0.0)).masked_fill(hit, math.nan)
 
 
 def merge_by_lse(out_parts, lse_parts):

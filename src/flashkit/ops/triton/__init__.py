@@ -31,7 +31,11 @@ __all__ = ["forward", "backward", "kvcache_attention", "attention_probs"]
 interpreter.patch_for_numpy()
 
 
-def _check_supported(params: AttentionParams) -> None:
+def _check_supported(params: AttentionParams, dtype: torch.dtype) -> None:
+    """NotImplementedError naming the backend and the feature, before any launch."""
+    if dtype == torch.float64:
+        raise NotImplementedError("triton backend: float64 is not supported (fp16, bf16, "
+                                  "fp32); use backend='torch' or 'reference'")
     unsupported = {
         "attn_bias": params.attn_bias is not None,
     }
@@ -48,7 +52,7 @@ def _on_device_of(t: torch.Tensor):
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: AttentionParams, *,
             out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
     """(out, lse): out like q with v's head dim, lse float32 (batch, nheads, seqlen_q)."""
-    _check_supported(params)
+    _check_supported(params, q.dtype)
     with _on_device_of(q):
         return dispatch.forward_call(q, k, v, params, out=out, lse=lse)
 
@@ -58,7 +62,7 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
              dq: torch.Tensor | None = None, dk: torch.Tensor | None = None,
              dv: torch.Tensor | None = None, dlse: torch.Tensor | None = None):
     """(dq, dk, dv, dsink): gradients in the inputs' dtypes; dsink None without a sink."""
-    _check_supported(params)
+    _check_supported(params, q.dtype)
     with _on_device_of(q):
         return dispatch.backward_call(dout, q, k, v, out, lse, params, dq=dq, dk=dk, dv=dv,
                                       dlse=dlse)
@@ -78,7 +82,7 @@ def attention_probs(q, k, v, lse, params: AttentionParams):
     backend returns them: exp(s - lse), which its torch code computes from this backend's lse on
     any device, times keep / (1 - p) with this backend's own keep-mask under dropout. Dense:
     (batch, nheads, seqlen_q, seqlen_k); varlen: a list of (nheads, seqlen_q, seqlen_k)."""
-    _check_supported(params)
+    _check_supported(params, q.dtype)
     probs = tiled_probs(q, k, v, lse, dataclasses.replace(params, dropout_p=0.0))
     if params.dropout_p == 0:
         return probs

@@ -45,6 +45,8 @@ from flashkit.ops.triton.common import (
     alibi_bias,
     batch_strides,
     block_args,
+    exp_units,
+    gradient_pairs,
     head_ptr,
     interpreting,
     key_tile_ranges,
@@ -99,7 +101,8 @@ def _bwd_preprocess_kernel(Out, DO, Delta,
 
 
 @triton.jit
-def _load_lse2(lse_ptrs, offs_m, seqlen_q, MASKED: tl.constexpr = True):
+def _load_lse2(lse_ptrs, offs_m, seqlen_q, MASKED: tl.constexpr = True,
+               NATURAL: tl.constexpr = False):
     """lse in log2 units; a row that saw no key (lse = -inf) and rows past seqlen_q read +inf,
     so P = exp2(s - lse2) = 0 for them. MASKED=False: every row is in bounds (the unmasked
     tiles), no mask (with seqlen_q of unknown divisibility, varlen, the mask cost registers)."""
@@ -107,7 +110,9 @@ def _load_lse2(lse_ptrs, offs_m, seqlen_q, MASKED: tl.constexpr = True):
         lse = tl.load(lse_ptrs, mask=offs_m < seqlen_q, other=float("-inf"))
     else:
         lse = tl.load(lse_ptrs)
-    return tl.where(lse == float("-inf"), float("inf"), lse * LOG2E_JIT)
+    if not NATURAL:  # NATURAL (fp32): lse stays in the scores' natural units
+        lse = lse * LOG2E_JIT
+    return tl.where(lse == float("-inf"), float("inf"), lse)
 
 
 @triton.jit
@@ -122,7 +127,7 @@ def _bwd_dkdv_tiles(dk, dv, k_tile, v_tile, q_base, do_base, lse_base, delta_bas
                     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-                    ATOMIC_DQ: tl.constexpr,
+                    ONE_KEY_ZERO: tl.constexpr, ATOMIC_DQ: tl.constexpr,
                     DQ_TMA: tl.constexpr, PRECISION: tl.constexpr, SCORE_MOD: tl.constexpr,
                     SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr,
                     LISTED: tl.constexpr = False, SPAN: tl.constexpr = 1):
@@ -139,7 +144,8 @@ def _bwd_dkdv_tiles(dk, dv, k_tile, v_tile, q_base, do_base, lse_base, delta_bas
         offs_m = start_m + tl.arange(0, BLOCK_M)
         q_tile = load_tile(tile_ptrs(q_base, offs_m, offs_d, stride_qs, stride_qd), offs_m,
                            seqlen_q, offs_d, HEAD_DIM, MASKED, HEAD_DIM != BLOCK_D)
-        lse2 = _load_lse2(lse_base + offs_m * stride_ls, offs_m, seqlen_q, MASKED)
+        lse2 = _load_lse2(lse_base + offs_m * stride_ls, offs_m, seqlen_q, MASKED,
+                          q_tile.dtype == tl.float32)
         # [BLOCK_N, BLOCK_M] = [BLOCK_N, BLOCK_D] @ [BLOCK_D, BLOCK_M]
         qk_t = tl.dot(k_tile, tl.trans(q_tile), input_precision=PRECISION)
         s_t = scores(qk_t, qk_scale, softcap_scale, SOFTCAP)
@@ -150,10 +156,11 @@ def _bwd_dkdv_tiles(dk, dv, k_tile, v_tile, q_base, do_base, lse_base, delta_bas
                                    alibi_log2)
         if SCORE_MOD is not None:  # d score_mod / d score, then the modified score
             dmod_t = user_score_grad(s_t, off_b, off_h, offs_m[None, :], offs_n[:, None],
-                                     seqlen_q, seqlen_k, SCORE_GRAD, score_args)
+                                     seqlen_q, seqlen_k, SCORE_GRAD, score_args,
+                                     q_tile.dtype == tl.float32)
             s_t = user_score(s_t, off_b, off_h, offs_m[None, :], offs_n[:, None], seqlen_q,
-                             seqlen_k, SCORE_MOD, score_args)
-        p_t = tl.math.exp2(s_t - lse2[None, :])
+                             seqlen_k, SCORE_MOD, score_args, q_tile.dtype == tl.float32)
+        p_t = exp_units(s_t - lse2[None, :], q_tile.dtype == tl.float32)
         if MASKED:
             keep_t = visible(offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k, window_left,
                              window_right, HAS_LEFT, HAS_RIGHT)
@@ -180,6 +187,10 @@ def _bwd_dkdv_tiles(dk, dv, k_tile, v_tile, q_base, do_base, lse_base, delta_bas
         else:
             delta = tl.load(delta_base + offs_m * stride_deltas)
         ds_t = p_t * (dp_t - delta[None, :])
+        if MASKED:  # see gradient_pairs
+            ds_t = tl.where(gradient_pairs(keep_t, offs_m[None, :], seqlen_q, seqlen_k,
+                                           window_left, window_right, HAS_LEFT, HAS_RIGHT,
+                                           ONE_KEY_ZERO), ds_t, 0.0)
         if SCORE_MOD is not None:
             ds_t = ds_t * dmod_t
         if SOFTCAP:
@@ -220,8 +231,8 @@ def _bwd_dkdv_program(pid_n, pid_bh, Q, K, V, DO, Lse, Delta, DK, DV, DQAcc,
                      HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                      BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-                     ALIBI: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr,
-                     EVEN_N: tl.constexpr,
+                     ALIBI: tl.constexpr, DROPOUT: tl.constexpr, ONE_KEY_ZERO: tl.constexpr,
+                     VARLEN: tl.constexpr, EVEN_N: tl.constexpr,
                      ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr, PRECISION: tl.constexpr,
                      SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr,
                      SPARSE: tl.constexpr, SPARSE_Q: tl.constexpr, SPARSE_KV: tl.constexpr):
@@ -254,7 +265,8 @@ def _bwd_dkdv_program(pid_n, pid_bh, Q, K, V, DO, Lse, Delta, DK, DV, DQAcc,
                                                HAS_RIGHT)
     for g in range(group):  # the query heads that share this kv head, in a fixed order
         off_h = off_hk * group + g
-        alibi_log2 = load_alibi_log2(Alibi, off_b, off_h, stride_ab, stride_ah, ALIBI)
+        alibi_log2 = load_alibi_log2(Alibi, off_b, off_h, stride_ab, stride_ah, ALIBI,
+                                 Q.dtype.element_ty == tl.float32)
         q_base = head_ptr(Q, off_b, off_h, q_start, stride_qb, stride_qh, stride_qs)
         do_base = head_ptr(DO, off_b, off_h, q_start, stride_dob, stride_doh, stride_dos)
         lse_base = head_ptr(Lse, off_b, off_h, q_start, stride_lb, stride_lh, stride_ls)
@@ -279,8 +291,8 @@ def _bwd_dkdv_program(pid_n, pid_bh, Q, K, V, DO, Lse, Delta, DK, DV, DQAcc,
                     alibi_log2, off_b, off_h, start_n, seed_lo, seed_hi, dropout_threshold,
                     dropout_scale, score_args, mask_args, Idx + row * n_q_blocks, HEAD_DIM,
                     HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, listed == 0, HAS_LEFT,
-                    HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, ATOMIC_DQ, DQ_TMA, PRECISION,
-                    SCORE_MOD, SCORE_GRAD, MASK_MOD, True, SPARSE_Q)
+                    HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, ONE_KEY_ZERO, ATOMIC_DQ, DQ_TMA,
+                    PRECISION, SCORE_MOD, SCORE_GRAD, MASK_MOD, True, SPARSE_Q)
             bounds = (0, 0, 0, 0)
         for segment in tl.static_range(3):  # masked edge, unmasked middle, masked edge
             dk, dv = _bwd_dkdv_tiles(
@@ -291,7 +303,8 @@ def _bwd_dkdv_program(pid_n, pid_bh, Q, K, V, DO, Lse, Delta, DK, DV, DQAcc,
                 alibi_log2, off_b, off_h, start_n, seed_lo, seed_hi, dropout_threshold,
                 dropout_scale, score_args, mask_args, QIdx, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
                 BLOCK_DV, BLOCK_M, BLOCK_N, segment != 1 or MASK_MOD is not None, HAS_LEFT,
-                HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, ATOMIC_DQ, DQ_TMA, PRECISION, SCORE_MOD,
+                HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, ONE_KEY_ZERO, ATOMIC_DQ, DQ_TMA, PRECISION,
+                SCORE_MOD,
                 SCORE_GRAD, MASK_MOD)
 
     dk_ptrs = tile_ptrs(head_ptr(DK, off_b, off_hk, k_start, stride_dkb, stride_dkh, stride_dks),
@@ -313,7 +326,7 @@ def _bwd_dq_tiles(dq, q_tile, do_tile, lse2, delta, k_base, v_base, stride_ks, s
                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                   HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-                  ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
+                  ALIBI: tl.constexpr, DROPOUT: tl.constexpr, ONE_KEY_ZERO: tl.constexpr,
                   PRECISION: tl.constexpr, SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr,
                   MASK_MOD: tl.constexpr, LISTED: tl.constexpr = False, SPAN: tl.constexpr = 1):
     """Accumulate dQ of one query block over key tiles [start, end); LISTED as the forward's
@@ -336,10 +349,10 @@ def _bwd_dq_tiles(dq, q_tile, do_tile, lse2, delta, k_base, v_base, stride_ks, s
             s = s - alibi_bias(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, alibi_log2)
         if SCORE_MOD is not None:  # d score_mod / d score, then the modified score
             dmod = user_score_grad(s, off_b, off_h, offs_m[:, None], offs_n[None, :], seqlen_q,
-                                   seqlen_k, SCORE_GRAD, score_args)
+                                   seqlen_k, SCORE_GRAD, score_args, q_tile.dtype == tl.float32)
             s = user_score(s, off_b, off_h, offs_m[:, None], offs_n[None, :], seqlen_q,
-                           seqlen_k, SCORE_MOD, score_args)
-        p = tl.math.exp2(s - lse2[:, None])
+                           seqlen_k, SCORE_MOD, score_args, q_tile.dtype == tl.float32)
+        p = exp_units(s - lse2[:, None], q_tile.dtype == tl.float32)
         if MASKED:
             keep = visible(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, window_left,
                            window_right, HAS_LEFT, HAS_RIGHT)
@@ -354,6 +367,9 @@ def _bwd_dq_tiles(dq, q_tile, do_tile, lse2, delta, k_base, v_base, stride_ks, s
                                 dropout_threshold, BLOCK_N)
             dp = tl.where(kept, dp * dropout_scale, 0.0)
         ds = p * (dp - delta[:, None])
+        if MASKED:  # see gradient_pairs
+            ds = tl.where(gradient_pairs(keep, offs_m[:, None], seqlen_q, seqlen_k, window_left,
+                                         window_right, HAS_LEFT, HAS_RIGHT, ONE_KEY_ZERO), ds, 0.0)
         if SCORE_MOD is not None:
             ds = ds * dmod
         if SOFTCAP:
@@ -380,8 +396,8 @@ def _bwd_dq_program(pid_m, pid_bh, Q, K, V, DO, Lse, Delta, DQ,
                    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-                   ALIBI: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr,
-                   EVEN_M: tl.constexpr,
+                   ALIBI: tl.constexpr, DROPOUT: tl.constexpr, ONE_KEY_ZERO: tl.constexpr,
+                   VARLEN: tl.constexpr, EVEN_M: tl.constexpr,
                    PRECISION: tl.constexpr, SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr,
                    MASK_MOD: tl.constexpr, SPARSE: tl.constexpr, SPARSE_Q: tl.constexpr,
                    SPARSE_KV: tl.constexpr):
@@ -408,14 +424,15 @@ def _bwd_dq_program(pid_m, pid_bh, Q, K, V, DO, Lse, Delta, DQ,
     do_tile = load_tile(do_ptrs, offs_m, seqlen_q, offs_dv, HEAD_DIM_V, not EVEN_M,
                         HEAD_DIM_V != BLOCK_DV)
     lse2 = _load_lse2(head_ptr(Lse, off_b, off_h, q_start, stride_lb, stride_lh, stride_ls)
-                      + offs_m * stride_ls, offs_m, seqlen_q)
+                      + offs_m * stride_ls, offs_m, seqlen_q, True, q_tile.dtype == tl.float32)
     delta = tl.load(head_ptr(Delta, off_b, off_h, q_start, stride_deltab, stride_deltah,
                              stride_deltas) + offs_m * stride_deltas,
                     mask=offs_m < seqlen_q, other=0.0)
     k_base = head_ptr(K, off_b, off_hk, k_start, stride_kb, stride_kh, stride_ks)
     v_base = head_ptr(V, off_b, off_hk, k_start, stride_vb, stride_vh, stride_vs)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    alibi_log2 = load_alibi_log2(Alibi, off_b, off_h, stride_ab, stride_ah, ALIBI)
+    alibi_log2 = load_alibi_log2(Alibi, off_b, off_h, stride_ab, stride_ah, ALIBI,
+                                 Q.dtype.element_ty == tl.float32)
 
     lo, mid_lo, mid_hi, hi = key_tile_ranges(start_m, seqlen_q, seqlen_k, window_left,
                                              window_right, BLOCK_M, BLOCK_N, HAS_LEFT,
@@ -434,8 +451,8 @@ def _bwd_dq_program(pid_m, pid_bh, Q, K, V, DO, Lse, Delta, DQ,
                                dropout_threshold, dropout_scale, score_args, mask_args,
                                Idx + row * n_kv_blocks, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
                                BLOCK_N, listed == 0, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI,
-                               DROPOUT, PRECISION, SCORE_MOD, SCORE_GRAD, MASK_MOD, True,
-                               SPARSE_KV)
+                               DROPOUT, ONE_KEY_ZERO, PRECISION, SCORE_MOD, SCORE_GRAD,
+                               MASK_MOD, True, SPARSE_KV)
         bounds = (0, 0, 0, 0)
     for segment in tl.static_range(3):  # masked edge, unmasked middle, masked edge
         dq = _bwd_dq_tiles(dq, q_tile, do_tile, lse2, delta, k_base, v_base, stride_ks,
@@ -445,8 +462,8 @@ def _bwd_dq_program(pid_m, pid_bh, Q, K, V, DO, Lse, Delta, DQ,
                            off_b, off_h, seed_lo, seed_hi, dropout_threshold, dropout_scale,
                            score_args, mask_args, KvIdx, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
                            BLOCK_DV, BLOCK_N, segment != 1 or MASK_MOD is not None, HAS_LEFT,
-                           HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, PRECISION, SCORE_MOD, SCORE_GRAD,
-                           MASK_MOD)
+                           HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, ONE_KEY_ZERO, PRECISION, SCORE_MOD,
+                           SCORE_GRAD, MASK_MOD)
 
     dq_ptrs = tile_ptrs(head_ptr(DQ, off_b, off_h, q_start, stride_dqb, stride_dqh, stride_dqs),
                         offs_m, offs_d, stride_dqs, stride_dqd)
@@ -476,8 +493,8 @@ def _bwd_kernel(Q, K, V, DO, Lse, Delta, DQ, DK, DV, DQAcc,
                 BLOCK_DV: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
                 BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr, HAS_LEFT: tl.constexpr,
                 HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-                DROPOUT: tl.constexpr, VARLEN: tl.constexpr, EVEN_M: tl.constexpr,
-                EVEN_N: tl.constexpr,
+                DROPOUT: tl.constexpr, ONE_KEY_ZERO: tl.constexpr, VARLEN: tl.constexpr,
+                EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
                 DO_DKDV: tl.constexpr, DO_DQ: tl.constexpr, ATOMIC_DQ: tl.constexpr,
                 DQ_TMA: tl.constexpr, PRECISION: tl.constexpr, SCORE_MOD: tl.constexpr,
                 SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr, SPARSE: tl.constexpr,
@@ -507,8 +524,8 @@ def _bwd_kernel(Q, K, V, DO, Lse, Delta, DQ, DK, DV, DQAcc,
                               score_args, mask_args, QNum, QIdx, FullQNum, FullQIdx, stride_tb,
                               stride_th, n_q_blocks,
                               HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M1, BLOCK_N1,
-                              HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, VARLEN, EVEN_N,
-                              ATOMIC_DQ, DQ_TMA, PRECISION, SCORE_MOD, SCORE_GRAD, MASK_MOD,
+                              HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, ONE_KEY_ZERO, VARLEN,
+                              EVEN_N, ATOMIC_DQ, DQ_TMA, PRECISION, SCORE_MOD, SCORE_GRAD, MASK_MOD,
                               SPARSE, SPARSE_Q, SPARSE_KV)
     elif DO_DQ:
         pid_m = num_q_blocks - 1 - (pid - num_kv_blocks if DO_DKDV else pid)
@@ -525,8 +542,9 @@ def _bwd_kernel(Q, K, V, DO, Lse, Delta, DQ, DK, DV, DQAcc,
                         softmax_scale, seed_lo, seed_hi, dropout_threshold, dropout_scale, Cu_q,
                         Cu_k, score_args, mask_args, KvNum, KvIdx, FullNum, FullIdx, stride_sb,
                         stride_sh, n_kv_blocks, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M2,
-                        BLOCK_N2, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, VARLEN, EVEN_M,
-                        PRECISION, SCORE_MOD, SCORE_GRAD, MASK_MOD, SPARSE, SPARSE_Q, SPARSE_KV)
+                        BLOCK_N2, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, ONE_KEY_ZERO,
+                        VARLEN, EVEN_M, PRECISION, SCORE_MOD, SCORE_GRAD, MASK_MOD, SPARSE,
+                        SPARSE_Q, SPARSE_KV)
 
 
 @triton.jit
@@ -604,7 +622,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                                                   block=tiles.get("hopper_dq"))
     else:
         dq_acc = _triton_dkdv_dq(dout, q, k, v, lse, delta, params, dq, dk, dv, tiles,
-                                 atomic_dq, fused)
+                                 atomic_dq, fused, params.sink is None and dlse is None)
 
     dsink = None
     if params.sink is not None:
@@ -624,14 +642,15 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
 
 
 def _triton_dkdv_dq(dout, q, k, v, lse, delta, params: AttentionParams, dq, dk, dv, tiles,
-                    atomic_dq: bool, fused: bool):
+                    atomic_dq: bool, fused: bool, one_key_zero: bool):
     """dK, dV and dQ (or, atomic_dq, dQ / scale into the returned fp32 accumulator (batch *
-    nheads, seqlen_q, BLOCK_D)) in this file's kernels; delta (laid out like lse) is ready."""
+    nheads, seqlen_q, BLOCK_D)) in this file's kernels; delta (laid out like lse) is ready.
+    one_key_zero: the kernels' ONE_KEY_ZERO (no sink and no lse gradient)."""
     batch, seqlen_q, seqlen_k, nheads, nheads_k = varlen_shape(q, v, params)
     head_dim, head_dim_v = q.shape[-1], v.shape[-1]
     block_d, block_dv = padded_head_dim(head_dim), padded_head_dim(head_dim_v)
     d_max = max(head_dim, head_dim_v)
-    window_left, window_right, has_left, has_right = window_args(params)
+    window_left, window_right, has_left, has_right = window_args(params, seqlen_q, seqlen_k)
     qk_scale, softcap_scale, softcap = score_args(params, q.dtype)
     alibi, alibi_strides, has_alibi = alibi_args(params, lse)
     seed_lo, seed_hi, dropout_threshold, dropout_scale, dropout = dropout_args(
@@ -666,7 +685,8 @@ def _triton_dkdv_dq(dout, q, k, v, lse, delta, params: AttentionParams, dq, dk, 
     meta = dict(HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
                 BLOCK_M1=block_m1, BLOCK_N1=block_n1, BLOCK_M2=block_m2, BLOCK_N2=block_n2,
                 HAS_LEFT=has_left, HAS_RIGHT=has_right, SOFTCAP=softcap, ALIBI=has_alibi,
-                DROPOUT=dropout, VARLEN=varlen, EVEN_M=not varlen and seqlen_q % block_m2 == 0,
+                DROPOUT=dropout, ONE_KEY_ZERO=one_key_zero, VARLEN=varlen,
+                EVEN_M=not varlen and seqlen_q % block_m2 == 0,
                 EVEN_N=not varlen and seqlen_k % block_n1 == 0)
 
     def run(programs, do_dkdv, do_dq, warps, stages):

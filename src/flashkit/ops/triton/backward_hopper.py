@@ -815,12 +815,12 @@ def dense_as_varlen(q, k, v, dout, lse, params: AttentionParams, dq, dk, dv, til
     return as_varlen_declines(q, k, v, dout, lse, params, dq, dk, dv, tiles) is None
 
 
-def _launch_args(q, params: AttentionParams, lse) -> tuple:
+def _launch_args(q, params: AttentionParams, lse, seqlen_q: int, seqlen_k: int) -> tuple:
     """The feature arguments both kernels take, after their tensors' strides: (Alibi,
     stride_ab, stride_ah), then (..., seqlen_q, seqlen_k, window_left, window_right, qk_scale,
     softcap_scale, softmax_scale, seed_lo, seed_hi, dropout_threshold, dropout_scale), and the
     constexpr flags."""
-    window_left, window_right, has_left, has_right = window_args(params)
+    window_left, window_right, has_left, has_right = window_args(params, seqlen_q, seqlen_k)
     qk_scale, softcap_scale, softcap = score_args(params, q.dtype)
     alibi, alibi_strides, has_alibi = alibi_args(params, lse)
     *seed_threshold_scale, dropout = dropout_args(params.dropout_p, params.dropout_seed)
@@ -845,7 +845,7 @@ def attention_backward_dkdv(dout, q, k, v, lse, delta, params: AttentionParams, 
         layout = gl.NVMMASharedLayout.get_default_for([block_m], gl.float32)
         return TensorDescriptor(x.view(-1), [x.numel()], [1], [block_m], layout)
 
-    alibi, geo, flags = _launch_args(q, params, lse)
+    alibi, geo, flags = _launch_args(q, params, lse, seqlen_q, seqlen_k)
     cu_q, cu_k, varlen = varlen_args(params, lse)
     if varlen:
         lse, delta = _aligned_lse_delta(lse, delta, params)
@@ -876,7 +876,7 @@ def attention_backward_dq(dout, q, k, v, lse, delta, params: AttentionParams, dq
     batch, seqlen_q, seqlen_k, nheads, nheads_k = varlen_shape(q, v, params)
     head_dim = q.shape[-1]
     block_m, block_n, num_warps, num_stages = block or HOPPER_BACKWARD_DQ[head_dim]
-    (alibi, *alibi_strides), geo, flags = _launch_args(q, params, lse)
+    (alibi, *alibi_strides), geo, flags = _launch_args(q, params, lse, seqlen_q, seqlen_k)
     cu_q, cu_k, varlen = varlen_args(params, lse)
     grid = (triton.cdiv(seqlen_q, block_m), *fold(batch * nheads))
     _bwd_dq_hopper_kernel[grid](

@@ -7,7 +7,13 @@ Notation (every kernel file of this backend uses it):
                       i + shift - window_left <= j <= i + shift + window_right
                   HAS_LEFT / HAS_RIGHT say whether each side is bounded (causal: right = 0)
     s             scores in log2 units: s = (scale * log2(e)) * q . k, so exp(x) = exp2(x log2 e);
-                  SOFTCAP: log2(e) c tanh(scale q . k / c); ALIBI: minus log2(e) slope |i+shift-j|
+                  SOFTCAP: log2(e) c tanh(scale q . k / c); ALIBI: minus log2(e) slope |i+shift-j|.
+                  fp32 inputs keep s in natural units (NATURAL: no log2(e) in the scale, sink or
+                  slope; exp2((s - m) log2 e), one multiply more per score): the saved natural
+                  lse then matches s as the forward rounded it, where a log2-unit lse would
+                  round twice more on its way through natural units (at sharp softmax 4-7x the
+                  torch backend's error in P and dV). Host: natural_units(dtype); kernels:
+                  NATURAL = (the q tile's dtype is fp32).
     features      compile-time flags (SOFTCAP, ALIBI, SINK, DROPOUT, VARLEN; HAS_LEFT/HAS_RIGHT
                   for the band): a kernel compiled without one is the same code as before the
                   feature existed
@@ -86,6 +92,12 @@ SOFTCAP_EXACT_JIT = tl.constexpr(SOFTCAP_EXACT)
 SOFTCAP_FAST_JIT = tl.constexpr(SOFTCAP_FAST)
 
 
+def natural_units(dtype: torch.dtype | None) -> bool:
+    """Whether kernels for inputs of `dtype` keep scores in natural units (fp32; see NATURAL in
+    the notation above)."""
+    return dtype == torch.float32
+
+
 def score_args(params, dtype: torch.dtype | None = None) -> tuple[float, float, int]:
     """(qk_scale, softcap_scale, SOFTCAP) for `scores`, from the softmax scale and softcap.
 
@@ -93,11 +105,12 @@ def score_args(params, dtype: torch.dtype | None = None) -> tuple[float, float, 
     tanh.approx.f32: one MUFU op instead of an exp2 and a reciprocal, relative error 2^-11,
     below the inputs' own rounding), else SOFTCAP_EXACT (fp32, the interpreter, or no dtype).
     """
+    units = 1.0 if natural_units(dtype) else LOG2E
     if params.softcap > 0:
         fast = dtype in (torch.float16, torch.bfloat16) and not interpreting()
-        return (params.softcap * LOG2E, params.softmax_scale / params.softcap,
+        return (params.softcap * units, params.softmax_scale / params.softcap,
                 SOFTCAP_FAST if fast else SOFTCAP_EXACT)
-    return params.softmax_scale * LOG2E, 1.0, 0
+    return params.softmax_scale * units, 1.0, 0
 
 
 def alibi_args(params, placeholder):
@@ -134,9 +147,21 @@ def varlen_args(params, placeholder):
     return placeholder, placeholder, False
 
 
-def window_args(params) -> tuple[int, int, bool, bool]:
-    """(window_left, window_right, HAS_LEFT, HAS_RIGHT) as the kernels take them."""
+def window_args(params, seqlen_q: int, seqlen_k: int) -> tuple[int, int, bool, bool]:
+    """(window_left, window_right, HAS_LEFT, HAS_RIGHT) as the kernels take them.
+
+    seqlen_q, seqlen_k: bounds on every sequence's lengths (the dense lengths, varlen's
+    max_seqlen, a cache's capacity). A side that reaches every key from every row is passed as
+    unbounded: left >= seqlen_k - 1 puts i + shift - left <= 0, right >= seqlen_q - 1 puts
+    i + shift + right >= seqlen_k - 1. The same visible set, and the kernels' band-edge sums
+    (start + BLOCK + shift + window, int32) stay far from overflow: window_size=(-1, 2**31 - 1),
+    a common spelling of "unbounded", is then exactly unbounded.
+    """
     left, right = params.window_left, params.window_right
+    if left is not None and left >= seqlen_k - 1:
+        left = None
+    if right is not None and right >= seqlen_q - 1:
+        right = None
     return (0 if left is None else left, 0 if right is None else right,
             left is not None, right is not None)
 
@@ -165,8 +190,10 @@ def head_ptr(X, off_b, off_h, start, stride_b, stride_h, stride_s):
 
 @triton.jit
 def tile_ptrs(base, rows, cols, stride_r, stride_c):
-    """[R, C] pointers base + rows * stride_r + cols * stride_c."""
-    return base + rows[:, None] * stride_r + cols[None, :] * stride_c
+    """[R, C] pointers base + rows * stride_r + cols * stride_c. The row offsets are int64: a
+    row index times its stride passes 2^31 in a long sequence (2^24 rows of 8 heads x 16 dims),
+    and sign-extended int32 factors make it one wide multiply, as the int32 product was."""
+    return base + rows[:, None].to(tl.int64) * stride_r + cols[None, :] * stride_c
 
 
 @triton.jit
@@ -183,6 +210,31 @@ def visible(i, j, seqlen_q, seqlen_k, window_left, window_right,
     if HAS_RIGHT:
         keep = keep & (j <= diag + window_right)
     return keep
+
+
+@triton.jit
+def gradient_pairs(keep, i, seqlen_q, seqlen_k, window_left, window_right,
+                   HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, ONE_KEY_ZERO: tl.constexpr):
+    """Where a masked tile's dS may be nonzero: keep (the visible pairs, as `visible` gives
+    them), less, with ONE_KEY_ZERO (no sink and no gradient on lse, either of which makes a
+    row's result depend on its one score), the rows that see exactly one key. Such a row's
+    softmax is the constant 1, so its scores get no gradient at all; computed, dS = P (dP - D)
+    leaves the rounding of two dot products of different order (dP = dO . v_j, D = dO . O with
+    O = v_j) in dq and dk. Selecting on keep also keeps a NaN dP from a value the row cannot
+    see out of dS. Unmasked tiles need neither: there every row sees every key of the tile
+    (>= 16). i: the rows, broadcasting like `visible`'s."""
+    if not ONE_KEY_ZERO:
+        pairs = keep
+    else:
+        diag = i + (seqlen_k - seqlen_q)
+        first = tl.zeros_like(i)
+        last = tl.zeros_like(i) + seqlen_k - 1
+        if HAS_LEFT:
+            first = tl.maximum(diag - window_left, 0)
+        if HAS_RIGHT:
+            last = tl.minimum(diag + window_right, seqlen_k - 1)
+        pairs = keep & (first != last)
+    return pairs
 
 
 @triton.jit
@@ -243,7 +295,25 @@ def query_tile_ranges(start_n, seqlen_q, seqlen_k, window_left, window_right,
 
 
 @triton.jit
-def online_softmax_update(m_i, l_i, s, MASKED: tl.constexpr):
+def exp_units(x, NATURAL: tl.constexpr):
+    """exp of a score difference x: exp2(x) in log2 units, exp2(x log2 e) with NATURAL."""
+    if NATURAL:
+        x = x * LOG2E_JIT
+    return tl.math.exp2(x)
+
+
+@triton.jit
+def row_lse(m_i, l_safe, NATURAL: tl.constexpr):
+    """The natural log-sum-exp m + log l of the running state, in either unit of m."""
+    if NATURAL:
+        lse = m_i + tl.math.log2(l_safe) * LN2_JIT
+    else:
+        lse = (m_i + tl.math.log2(l_safe)) * LN2_JIT
+    return lse
+
+
+@triton.jit
+def online_softmax_update(m_i, l_i, s, MASKED: tl.constexpr, NATURAL: tl.constexpr = False):
     """One step of the online softmax over a [..., BLOCK_M, BLOCK_N] score tile s (log2 units)
     along its last axis; m_i, l_i: [..., BLOCK_M].
 
@@ -256,10 +326,30 @@ def online_softmax_update(m_i, l_i, s, MASKED: tl.constexpr):
     m_use = m_new
     if MASKED:
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(s - tl.expand_dims(m_use, axis))
-    alpha = tl.math.exp2(m_i - m_use)
+    p = exp_units(s - tl.expand_dims(m_use, axis), NATURAL)
+    alpha = exp_units(m_i - m_use, NATURAL)
     l_new = l_i * alpha + tl.sum(p, axis)
     return p, alpha, m_new, l_new
+
+
+@triton.jit
+def masked_values_product(acc, p, s, v_tile, PRECISION: tl.constexpr):
+    """acc + p @ v_tile for a masked tile ([.., BLOCK_M, BLOCK_N] @ [.., BLOCK_N, BLOCK_DV]) in
+    which a key a row cannot see (s = -inf, p = 0) adds nothing even if its value is NaN or inf
+    (0 * NaN would reach every row of the tile). A row that sees a non-finite value gets NaN in
+    that column, as the math gives NaN or inf there. Finite tiles pay one compare and a
+    reduction; unmasked tiles need none of this (every row sees every key)."""
+    bad = ~(tl.abs(v_tile.to(tl.float32)) < float("inf"))  # NaN compares false
+    if tl.max(bad.to(tl.int32)) > 0:
+        seen = tl.where(s > float("-inf"), 1.0, 0.0).to(v_tile.dtype)
+        # [.., BLOCK_M, BLOCK_DV]: how many visible keys of the row hold a non-finite value
+        hits = tl.dot(seen, bad.to(v_tile.dtype), input_precision=PRECISION)
+        clean = tl.where(bad, 0.0, v_tile).to(v_tile.dtype)
+        acc = tl.dot(p.to(v_tile.dtype), clean, acc, input_precision=PRECISION)
+        acc = tl.where(hits > 0, float("nan"), acc)
+    else:
+        acc = tl.dot(p.to(v_tile.dtype), v_tile, acc, input_precision=PRECISION)
+    return acc
 
 
 @triton.jit
@@ -286,23 +376,30 @@ def scores(qk, qk_scale, softcap_scale, SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def user_score(s, off_b, off_h, i, j, seqlen_q, seqlen_k, SCORE_MOD: tl.constexpr, score_args):
-    """A user score_mod (flashkit.variants) on log2-unit scores s: it sees and returns the
-    natural scaled score, as FlexAttention's. i and j broadcast ([M, 1] and [1, N] or the
-    transpose) and are clamped into the sequence, so a modifier's table reads stay in bounds
-    on the padding rows and columns (which the mask drops)."""
+def user_score(s, off_b, off_h, i, j, seqlen_q, seqlen_k, SCORE_MOD: tl.constexpr, score_args,
+               NATURAL: tl.constexpr = False):
+    """A user score_mod (flashkit.variants) on log2-unit scores s (natural with NATURAL): it
+    sees and returns the natural scaled score, as FlexAttention's. i and j broadcast ([M, 1]
+    and [1, N] or the transpose) and are clamped into the sequence, so a modifier's table reads
+    stay in bounds on the padding rows and columns (which the mask drops)."""
     i_in = tl.minimum(i, seqlen_q - 1)
     j_in = tl.minimum(j, seqlen_k - 1)
-    return SCORE_MOD(s * LN2_JIT, off_b, off_h, i_in, j_in, *score_args) * LOG2E_JIT
+    if NATURAL:
+        s = SCORE_MOD(s, off_b, off_h, i_in, j_in, *score_args)
+    else:
+        s = SCORE_MOD(s * LN2_JIT, off_b, off_h, i_in, j_in, *score_args) * LOG2E_JIT
+    return s
 
 
 @triton.jit
 def user_score_grad(s, off_b, off_h, i, j, seqlen_q, seqlen_k, SCORE_GRAD: tl.constexpr,
-                    score_args):
-    """d score_mod / d score at the log2-unit scores s (before score_mod), as user_score."""
+                    score_args, NATURAL: tl.constexpr = False):
+    """d score_mod / d score at the scores s (before score_mod), units as user_score."""
     i_in = tl.minimum(i, seqlen_q - 1)
     j_in = tl.minimum(j, seqlen_k - 1)
-    return SCORE_GRAD(s * LN2_JIT, off_b, off_h, i_in, j_in, *score_args)
+    if not NATURAL:
+        s = s * LN2_JIT
+    return SCORE_GRAD(s, off_b, off_h, i_in, j_in, *score_args)
 
 
 @triton.jit
@@ -356,11 +453,15 @@ def alibi_bias(i, j, seqlen_q, seqlen_k, alibi_log2):
 
 
 @triton.jit
-def load_alibi_log2(Alibi, off_b, off_h, stride_ab, stride_ah, ALIBI: tl.constexpr):
-    """slope * log2(e) of (batch, head) when ALIBI, else 0 (unused)."""
+def load_alibi_log2(Alibi, off_b, off_h, stride_ab, stride_ah, ALIBI: tl.constexpr,
+                    NATURAL: tl.constexpr = False):
+    """slope * log2(e) of (batch, head) when ALIBI (the slope itself with NATURAL), else 0
+    (unused)."""
     alibi_log2 = 0.0
     if ALIBI:
-        alibi_log2 = tl.load(Alibi + off_b * stride_ab + off_h * stride_ah) * LOG2E_JIT
+        alibi_log2 = tl.load(Alibi + off_b * stride_ab + off_h * stride_ah)
+        if not NATURAL:
+            alibi_log2 = alibi_log2 * LOG2E_JIT
     return alibi_log2
 
 
@@ -407,7 +508,7 @@ def load_kv_tile(src, off_b, off_hk, start_n, offs_n, n_rows, offs_d, stride_s, 
         coords = [off_b.to(tl.int32), start_n, (off_hk * HEAD_DIM).to(tl.int32)]
         tile = src.load(coords).reshape(BLOCK_N, BLOCK_D)
     else:
-        ptrs = src + offs_n[:, None] * stride_s + offs_d[None, :] * stride_d
+        ptrs = tile_ptrs(src, offs_n, offs_d, stride_s, stride_d)
         tile = load_tile(ptrs, offs_n, n_rows, offs_d, HEAD_DIM, CHECK_ROWS, HEAD_DIM != BLOCK_D)
     return tile
 

@@ -62,6 +62,7 @@ from flashkit.ops.triton.common import (
     cdiv,
     interpreting,
     load_tile,
+    masked_values_product,
     next_power_of_2,
     online_softmax_update,
     score_args,
@@ -188,7 +189,7 @@ def _cache_rows(page_keys, offs_n, hi, stride_kb, stride_ks, stride_vb, stride_v
     entries clamped to [0, num_pages) (a step reads before the append kernel's check of the
     table has finished)."""
     if PAGE_SIZE == 0:
-        slots = slot0 + offs_n
+        slots = (slot0 + offs_n).to(tl.int64)  # slot * stride_s passes 2^31 in long caches
         k_rows = slots * stride_ks
         v_rows = slots * stride_vs
     else:
@@ -238,8 +239,12 @@ def _key_tiles(acc, m_i, l_i, q_tile, start, end, hi, k_base, v_base, slot0, tab
         p, alpha, m_i, l_i = online_softmax_update(m_i, l_i, s, MASKED)
         v_tile = load_tile(v_base + v_rows[:, None] + offs_dv[None, :] * stride_vd, offs_n, hi,
                            offs_dv, HEAD_DIM_V, MASKED, HEAD_DIM_V != BLOCK_DV)
-        # [BLOCK_M, BLOCK_DV] = [BLOCK_M, BLOCK_N] @ [BLOCK_N, BLOCK_DV]
-        acc = tl.dot(p.to(v_tile.dtype), v_tile, acc * alpha[:, None], input_precision=PRECISION)
+        acc = acc * alpha[:, None]
+        if MASKED and (HAS_LEFT or HAS_RIGHT):  # rows of the tile see different keys
+            acc = masked_values_product(acc, p, s, v_tile, PRECISION)
+        else:
+            # [BLOCK_M, BLOCK_DV] = [BLOCK_M, BLOCK_N] @ [BLOCK_N, BLOCK_DV]
+            acc = tl.dot(p.to(v_tile.dtype), v_tile, acc, input_precision=PRECISION)
     return acc, m_i, l_i
 
 
@@ -289,9 +294,12 @@ def _key_subtiles(acc, m_i, l_i, q_tile, start, end, hi, k_base, v_base, slot0, 
         p, alpha, m_i, l_i = online_softmax_update(m_i, l_i, s, MASKED)
         v_tile = load_tile(v_base + v_rows[:, :, None] + offs_dv[None, None, :] * stride_vd,
                            offs_n, hi, offs_dv, HEAD_DIM_V, MASKED, HEAD_DIM_V != BLOCK_DV)
-        # [W, BLOCK_M, BLOCK_DV] = [W, BLOCK_M, SUB_N] @ [W, SUB_N, BLOCK_DV]
-        acc = tl.dot(p.to(v_tile.dtype), v_tile, acc * alpha[:, :, None],
-                     input_precision=PRECISION)
+        acc = acc * alpha[:, :, None]
+        if MASKED and (HAS_LEFT or HAS_RIGHT):  # rows of the tile see different keys
+            acc = masked_values_product(acc, p, s, v_tile, PRECISION)
+        else:
+            # [W, BLOCK_M, BLOCK_DV] = [W, BLOCK_M, SUB_N] @ [W, SUB_N, BLOCK_DV]
+            acc = tl.dot(p.to(v_tile.dtype), v_tile, acc, input_precision=PRECISION)
     return acc, m_i, l_i
 
 
@@ -820,7 +828,7 @@ def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, bloc
     # is off (index arithmetic as compiled without it).
     checks = {} if step is None else dict(debug=True, sanitize_overflow=False)
     capacity = k_cache.shape[1] if block_table is None else block_table.shape[1] * page_size
-    window_left, window_right, has_left, has_right = window_args(params)
+    window_left, window_right, has_left, has_right = window_args(params, seqlen_q, capacity)
     qk_scale, softcap_scale, softcap = score_args(params)
     # seqlens_k, or q where a step takes an int cache_seqlens: stands in for absent pointer
     # arguments (never read)

@@ -31,6 +31,7 @@ from typing import NamedTuple
 import torch
 
 from flashkit.ops.params import AttentionParams, KVCacheArgs
+from flashkit.ops.tiled.kvcache import empty_result
 from flashkit.ops.triton import (
     append,
     backward,
@@ -181,7 +182,9 @@ def kvcache_call(q, k_cache, v_cache, cache: KVCacheArgs, params: AttentionParam
     seqlens = cache.host_seqlen if cache.cache_seqlens is None else cache.cache_seqlens
     nheads_k, seqlen_new = k_cache.shape[2], cache.seqlen_new
     plan = _choose("kvcache", ("kvcache", q.shape, nheads_k, seqlen_new), [
-        ("decode step", lambda: decode.step_declines(q, nheads_k, seqlen_new)),
+        # an append without queries takes the append kernel alone
+        ("decode step", lambda: "no query row" if q.shape[1] == 0 else
+         decode.step_declines(q, nheads_k, seqlen_new)),
         ("append, then attention", lambda: None)])
     if plan.kernel == "decode step":  # one kernel rotates, appends and attends (decode.Step)
         step = decode.Step(seqlens, cache.k, cache.v, cache.rotary_cos, cache.rotary_sin,
@@ -194,6 +197,8 @@ def kvcache_call(q, k_cache, v_cache, cache: KVCacheArgs, params: AttentionParam
                                  cache.rotary_sin, seqlens, cache.cache_batch_idx,
                                  cache.cache_leftpad, cache.block_table, cache.q_rows,
                                  cache.rotary_interleaved)
+    if q.shape[1] == 0:  # an append without queries
+        return empty_result(q, v_cache)
     keys_bound = cache.capacity if cache.host_seqlen is None else (cache.host_seqlen
                                                                    + seqlen_new)
 

@@ -3,7 +3,8 @@
 Notation as in common.py. One program owns BLOCK_M query rows of one (batch, head) and streams
 the key/value tiles its band reaches: first the masked tiles left of the fully visible middle
 (a bounded left window only), then the unmasked middle (FA2's off-diagonal tiles), then the
-masked tiles on and right of the diagonal. Scores live in log2 units so the softmax is exp2.
+masked tiles on and right of the diagonal. Scores live in log2 units (fp32: natural, see
+common.py) so the softmax is exp2.
 
 Layouts (flash-attn): q (b, sq, h, d), k (b, sk, hk, d), v (b, sk, hk, dv), out (b, sq, h, dv),
 lse (b, h, sq) float32, natural log. Every stride is passed, so strided views cost no copy
@@ -25,7 +26,6 @@ import triton.language as tl
 from flashkit.ops.params import AttentionParams
 from flashkit.ops.triton.common import (
     DOT_PRECISION,
-    LN2_JIT,
     LOG2E_JIT,
     alibi_args,
     alibi_bias,
@@ -39,7 +39,9 @@ from flashkit.ops.triton.common import (
     load_alibi_log2,
     load_kv_tile,
     load_tile,
+    masked_values_product,
     online_softmax_update,
+    row_lse,
     score_args,
     scores,
     sequence,
@@ -89,7 +91,7 @@ def _fwd_tiles(acc, m_i, l_i, q_tile, k_src, v_src, off_b, off_hk, stride_ks, st
             s = s - alibi_bias(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, alibi_log2)
         if SCORE_MOD is not None:
             s = user_score(s, off_b, off_h, offs_m[:, None], offs_n[None, :], seqlen_q,
-                           seqlen_k, SCORE_MOD, score_args)
+                           seqlen_k, SCORE_MOD, score_args, q_tile.dtype == tl.float32)
         if MASKED:
             keep = visible(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, window_left,
                            window_right, HAS_LEFT, HAS_RIGHT)
@@ -97,15 +99,20 @@ def _fwd_tiles(acc, m_i, l_i, q_tile, k_src, v_src, off_b, off_hk, stride_ks, st
                 keep = user_visible(keep, off_b, off_h, offs_m[:, None], offs_n[None, :],
                                     seqlen_q, seqlen_k, MASK_MOD, mask_args)
             s = tl.where(keep, s, float("-inf"))
-        p, alpha, m_i, l_i = online_softmax_update(m_i, l_i, s, MASKED)
+        p, alpha, m_i, l_i = online_softmax_update(m_i, l_i, s, MASKED,
+                                                   q_tile.dtype == tl.float32)
         if DROPOUT:
             p = tl.where(dropout_keep(seed_lo, seed_hi, off_b, off_h, offs_m, start_n,
                                       dropout_threshold, BLOCK_N), p, 0.0)
         v_tile = load_kv_tile(v_src, off_b, off_hk, start_n, offs_n, seqlen_k, offs_dv,
                               stride_vs, stride_vd, HEAD_DIM_V, BLOCK_N, BLOCK_DV, MASKED,
                               USE_TMA)
-        # [BLOCK_M, BLOCK_DV] = [BLOCK_M, BLOCK_N] @ [BLOCK_N, BLOCK_DV]
-        acc = tl.dot(p.to(v_tile.dtype), v_tile, acc * alpha[:, None], input_precision=PRECISION)
+        acc = acc * alpha[:, None]
+        if MASKED:
+            acc = masked_values_product(acc, p, s, v_tile, PRECISION)
+        else:
+            # [BLOCK_M, BLOCK_DV] = [BLOCK_M, BLOCK_N] @ [BLOCK_N, BLOCK_DV]
+            acc = tl.dot(p.to(v_tile.dtype), v_tile, acc, input_precision=PRECISION)
     return acc, m_i, l_i
 
 
@@ -144,6 +151,7 @@ def _fwd_kernel(Q, K, V, Out, Lse,
     off_hk = off_h // group  # GQA: query head h reads kv head h // group
     q_start, k_start, seqlen_q, seqlen_k = sequence(off_b, seqlen_q, seqlen_k, Cu_q, Cu_k,
                                                     VARLEN)
+    NATURAL: tl.constexpr = Q.dtype.element_ty == tl.float32  # common.natural_units
     start_m = pid_m * BLOCK_M
     if VARLEN:
         if start_m >= seqlen_q:
@@ -166,10 +174,12 @@ def _fwd_kernel(Q, K, V, Out, Lse,
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     if SINK:
-        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(Sink + off_h) * LOG2E_JIT
+        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(Sink + off_h)
+        if not NATURAL:
+            m_i = m_i * LOG2E_JIT
         l_i = l_i + 1.0
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    alibi_log2 = load_alibi_log2(Alibi, off_b, off_h, stride_ab, stride_ah, ALIBI)
+    alibi_log2 = load_alibi_log2(Alibi, off_b, off_h, stride_ab, stride_ah, ALIBI, NATURAL)
 
     lo, mid_lo, mid_hi, hi = key_tile_ranges(start_m, seqlen_q, seqlen_k, window_left,
                                              window_right, BLOCK_M, BLOCK_N, HAS_LEFT,
@@ -220,7 +230,7 @@ def _fwd_kernel(Q, K, V, Out, Lse,
     if DROPOUT:
         acc = acc * dropout_scale
     out_tile = acc / l_safe[:, None]
-    lse = tl.where(has_mass, (m_i + tl.math.log2(l_safe)) * LN2_JIT, float("-inf"))
+    lse = tl.where(has_mass, row_lse(m_i, l_safe, NATURAL), float("-inf"))
 
     o_ptrs = tile_ptrs(head_ptr(Out, off_b, off_h, q_start, stride_ob, stride_oh, stride_os),
                        offs_m, offs_dv, stride_os, stride_od)
@@ -266,7 +276,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     blocks, sparse = block_args(params, lse)
     if sparse["SPARSE"]:  # the kernel's tiles must divide the block mask's
         block_m, block_n = min(block_m, sparse["SPARSE_Q"]), min(block_n, sparse["SPARSE_KV"])
-    window_left, window_right, has_left, has_right = window_args(params)
+    window_left, window_right, has_left, has_right = window_args(params, seqlen_q, seqlen_k)
     qk_scale, softcap_scale, softcap = score_args(params, q.dtype)
     alibi, alibi_strides, has_alibi = alibi_args(params, lse)
     sink = lse if params.sink is None else params.sink.to(torch.float32)

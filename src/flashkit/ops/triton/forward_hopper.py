@@ -1020,7 +1020,7 @@ def attention_forward(q, k, v, params: AttentionParams, out=None, lse=None, tile
     block_n, num_stages, consumers, specialized, pingpong, persistent = tile
     persistent = persistent and specialized
 
-    window_left, window_right, has_left, has_right = window_args(params)
+    window_left, window_right, has_left, has_right = window_args(params, seqlen_q, seqlen_k)
     qk_scale, softcap_scale, softcap = score_args(params, q.dtype)
     softcap = softcap_mode(params, q.dtype, qk_scale, softcap)
     alibi, alibi_strides, has_alibi = alibi_args(params, lse)
