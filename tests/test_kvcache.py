@@ -864,12 +864,12 @@ def _prefill_case(mask, options, call):
 
 def _spy_gluon_prefill(monkeypatch):
     """Route every contiguous prefill to the Gluon forward; returns the list its calls land in."""
-    from flashkit import kvcache
-    from flashkit.ops.triton import forward_hopper
+    from flashkit.ops.triton import dispatch, forward_hopper, prefill
 
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon forward runs on sm_90")
-    monkeypatch.setattr(kvcache, "GLUON_PREFILL_MIN_WORK", 0)  # small cases take the route
+    monkeypatch.setattr(prefill, "GLUON_PREFILL_MIN_WORK", 0)  # small cases take the route
+    monkeypatch.setattr(dispatch, "_plans", {})  # choices made under other thresholds
     calls = []
     forward = forward_hopper.attention_forward
     monkeypatch.setattr(forward_hopper, "attention_forward",

@@ -1,5 +1,5 @@
-"""Prefill over a KV cache through the Gluon forward (kvcache._gluon_prefill) against the float64
-oracle: paged caches (block_table, pages of 16..256 slots, shuffled, a padded table, NaN in
+"""Prefill over a KV cache through the Gluon forward (flashkit.ops.triton.prefill) against the
+float64 oracle: paged caches (block_table, pages of 16..256 slots, shuffled, a padded table, NaN in
 every slot that is not a key), contiguous ones at short and odd query lengths, the features.
 
 The route is forced on (its thresholds at 0) and a spy records the block_table each Gluon call
@@ -14,6 +14,7 @@ import torch
 from tests.test_kvcache import MASKS, Case
 
 from flashkit import kvcache
+from flashkit.ops.triton import dispatch, prefill
 from flashkit.testing import assert_close_to_oracle
 
 
@@ -24,8 +25,9 @@ def _spy(monkeypatch):
 
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon forward runs on sm_90")
-    monkeypatch.setattr(kvcache, "GLUON_PREFILL_MIN_QUERIES", 0)
-    monkeypatch.setattr(kvcache, "GLUON_PREFILL_MIN_WORK", 0)
+    monkeypatch.setattr(prefill, "GLUON_PREFILL_MIN_QUERIES", 0)
+    monkeypatch.setattr(prefill, "GLUON_PREFILL_MIN_WORK", 0)
+    monkeypatch.setattr(dispatch, "_plans", {})  # choices made under other thresholds
     calls, forward = [], forward_hopper.attention_forward
     monkeypatch.setattr(forward_hopper, "attention_forward",
                         lambda *a, **kw: calls.append(kw.get("block_table")) or forward(*a, **kw))
@@ -83,12 +85,12 @@ def test_paged_prefill_matches_oracle_on_gpu(page_size, mask, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("page_size", [16, 128])
 def test_paged_prefill_unspecialized_tile_on_gpu(page_size, monkeypatch):
-    """The configured tile (causal 512 at d128: unspecialized) instead of _prefill_tile's: the
+    """The configured tile (causal 512 at d128: unspecialized) instead of prefill.tile's: the
     consumer issues its own paged loads; NaN everywhere but the keys."""
     from flashkit.ops.triton.configs import gluon_forward_tile
 
     calls = _spy(monkeypatch)
-    monkeypatch.setattr(kvcache, "_prefill_tile", lambda q, params, page_size: gluon_forward_tile(
+    monkeypatch.setattr(prefill, "tile", lambda q, params, page_size: gluon_forward_tile(
         q.shape[-1], q.shape[1], params.window_right is not None))
     case = _case(page_size=page_size, mask="causal")
     _poison(case)
@@ -117,7 +119,7 @@ PAGED_FEATURES = {  # name: (Case options, call options)
     "no_append": (dict(mask="causal", seqlen_new=0), {}),
     "mha_d64": (dict(mask="causal", d=64, nheads_k=16, page_size=16), {}),
     "d256": (dict(mask="full", d=256, page_size=32), {}),
-    # 256 queries: _prefill_tile's one-consumer specialized tile for paged caches
+    # 256 queries: prefill.tile's one-consumer specialized tile for paged caches
     "q256_page16_softcap_alibi_sink": (dict(seqlen_q=256, page_size=16, mask="causal",
                                             softcap=3.0, alibi_slopes=torch.rand(16),
                                             sink=torch.randn(16)), {}),
@@ -181,10 +183,8 @@ def test_route_declines_cpu_tensors():
     """No Gluon off CUDA: the decode kernels (or the interpreter) take CPU tensors."""
     q = torch.zeros(1, 512, 2, 64, dtype=torch.bfloat16)
     cache = torch.zeros(4, 64, 2, 64, dtype=torch.bfloat16)
-    lens = torch.full((1,), 100, dtype=torch.int32)
-    params = kvcache.build_params(q, 0.0, None, True, (-1, -1), 0.0, None, False, None, batch=1)
-    assert kvcache._gluon_prefill(q, cache, cache, lens, 2**40, None, None,
-                                  torch.zeros(1, 4, dtype=torch.int32), params) is None
+    assert prefill.declines(q, cache, torch.zeros(1, 4, dtype=torch.int32),
+                            2**40) == "not a CUDA tensor"
 
 
 LONG, ONE_CONSUMER = (128, 2, 2, True, True, False), (128, 2, 1, True, False, False)
@@ -199,11 +199,11 @@ LONG, ONE_CONSUMER = (128, 2, 2, True, True, False), (128, 2, 1, True, False, Fa
     (2048, 4, None, LONG),  # the configured tile is specialized already
 ])
 def test_prefill_tile_choice(seqlen_q, nheads, page_size, tile, monkeypatch):
-    """_prefill_tile at d128 causal on a device of 132 SMs (no GPU needed)."""
+    """prefill.tile at d128 causal on a device of 132 SMs (no GPU needed)."""
     from flashkit.ops.triton import forward_hopper
 
     monkeypatch.setattr(forward_hopper, "_programs_per_device",
                         lambda device, consumers: 132 * (2 if consumers == 1 else 1))
     q = torch.empty(1, seqlen_q, nheads, 128, dtype=torch.bfloat16, device="meta")
     params = kvcache.build_params(q, 0.0, None, True, (-1, -1), 0.0, None, False, None, batch=1)
-    assert kvcache._prefill_tile(q, params, page_size) == tile
+    assert prefill.tile(q, params, page_size) == tile

@@ -1,5 +1,11 @@
 """The flash-attn style entry points: check the inputs, build AttentionParams, dispatch.
 
+Eager calls go straight to the backend: one torch.autograd.Function (`_Attention`) around the
+backend's forward and backward, whose front door picks the kernels (for Triton, from a cached
+plan). Under torch.compile the same call goes through the torch.library custom op
+(flashkit.ops.custom_op), which the compiler traces without a graph break; in eager mode that
+op's dispatch would cost more than the kernels on small problems.
+
 Signatures and return values follow flash-attn 2 (`out`, or `(out, softmax_lse, attn_probs)` with
 return_attn_probs=True), plus two keyword-only additions: `sink` (a learnable per-head logit,
 docs/design.md section 1) and `backend` (None, "torch", "triton" or "reference").
@@ -7,7 +13,7 @@ docs/design.md section 1) and `backend` (None, "torch", "triton" or "reference")
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import importlib.util
 import os
 
@@ -141,12 +147,17 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            softcap=0.0, alibi_slopes=None, deterministic=False,
                            return_attn_probs=False, *, sink=None, backend=None,
                            score_mod=None, mask_mod=None, block_mask=None,
-                           return_softmax_lse=False):
+                           return_softmax_lse=False, sync_checks=False):
     """Attention over sequences packed without padding: q (total_q, nheads, d), k/v (total_k,
     nheads_k, d), sequence b spanning rows cu_seqlens[b]:cu_seqlens[b + 1] (int32, batch + 1).
     Masks align per sequence. lse is (nheads, total_q); probs a list of per-sequence matrices.
+    max_seqlen_q/k bound the sequence lengths (trusted for the launch, as in flash-attn).
+    sync_checks: read cu_seqlens on the host and raise a ValueError naming a bad entry (one
+    device sync per call); by default CUDA tensors are checked on the device without a sync,
+    where a bad entry fails a device-side assertion before any kernel reads it.
     """
-    batch = checks.varlen_qkv(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    batch = checks.varlen_qkv(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                              sync_checks)
     params = build_params(q, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                      deterministic, sink, batch=batch, nheads=q.shape[1],
                      cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
@@ -197,29 +208,59 @@ def _run(q, k, v, params: AttentionParams, backend, return_attn_probs, return_so
             raise NotImplementedError(f"{arg}: backend {name!r} computes no gradient for it; "
                                       "pass a tensor that does not require grad")
     require_available(name, q.device)
-    needs_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (q, k, v, params.sink))
-    if needs_grad and q.dtype in (torch.float16, torch.bfloat16):
-        params = dataclasses.replace(params, fp32_out=True)  # see AttentionParams.fp32_out
     if params.variant is not None:  # Python modifiers: not custom-op arguments
         out, lse = variant_autograd.attention(q, k, v, params, name)
-    else:
+    elif torch.compiler.is_compiling():
         out, lse = custom_op.attention(q, k, v, params, name)
-    out = out.to(q.dtype)
+    elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or (
+            params.sink is not None and params.sink.requires_grad)):
+        out, lse = _Attention.apply(q, k, v, params.sink, params, name)
+    else:
+        out, lse = custom_op.backend_module(name).forward(q, k, v, params)
     if not return_attn_probs:
         return (out, lse) if return_softmax_lse else out
     probs = custom_op.backend_module(name).attention_probs(q, k, v, lse, params)
     return out, lse, probs
 
 
+class _Attention(torch.autograd.Function):
+    """(out, lse) of a backend, differentiable in q, k, v and the sink. Saves the inputs, out
+    (in q's dtype) and the float32 lse, nothing else; the backward reads D = rowsum(dO * O)
+    from that out, as every FlashAttention does."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sink, params: AttentionParams, backend: str):
+        out, lse = custom_op.backend_module(backend).forward(q, k, v, params)
+        # The sink too, so autograd sees it modified in place before the backward (it is an
+        # input: no extra memory); params' other tensors take no gradient.
+        ctx.save_for_backward(q, k, v, out, lse, sink)
+        ctx.params, ctx.backend = params, backend
+        ctx.set_materialize_grads(False)  # an unused lse passes None, not a tensor of zeros
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, _ = ctx.saved_tensors
+        params = ctx.params
+        dout = torch.zeros_like(out) if dout is None else dout
+        dq, dk, dv, dsink = custom_op.backend_module(ctx.backend).backward(
+            dout, q, k, v, out, lse, params, dlse=dlse)
+        return dq, dk, dv, dsink, None, None
+
+
 def require_available(name: str, device: torch.device) -> None:
     """Raise a clear error if the named backend cannot run on `device` here."""
     if name != "triton":
         return
-    if importlib.util.find_spec("triton") is None:
+    if not _triton_installed():
         raise ImportError("backend 'triton' needs the triton package: pip install "
                           "'flashkit-attn[gpu]', or pass backend='torch'")
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"backend 'triton' runs on CUDA tensors (got {device}); set "
                          "TRITON_INTERPRET=1 to run its kernels in the interpreter, or pass "
                          "backend='torch'")
+
+
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None

@@ -75,9 +75,10 @@ def dense_qkv(q, k, v, dtypes=DTYPES) -> None:
     head_dims(q, k, v)
 
 
-def varlen_qkv(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> int:
+def varlen_qkv(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+               sync_checks: bool = False) -> int:
     """Packed q (total_q, nheads, d), k/v (total_k, nheads_k, d[_v]) with valid cu_seqlens;
-    returns the number of sequences."""
+    returns the number of sequences. cu_seqlens' values: see cu_seqlens."""
     tensor("q", q, "(total_q, nheads, headdim)")
     tensor("k", k, "(total_k, nheads_k, headdim)")
     tensor("v", v, "(total_k, nheads_k, headdim_v)")
@@ -87,9 +88,9 @@ def varlen_qkv(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) 
     heads(q.shape[1], k.shape[1], k, v, dim=1)
     head_dims(q, k, v)
     batch = cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, "max_seqlen_q",
-                       q.device)
+                       q.device, sync_checks)
     if cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, "max_seqlen_k",
-                  q.device) != batch:
+                  q.device, sync_checks) != batch:
         raise ValueError(f"cu_seqlens_k: describes {cu_seqlens_k.numel() - 1} sequences, "
                          f"cu_seqlens_q {batch}")
     return batch
@@ -186,11 +187,17 @@ def sink(s, nheads: int, device) -> None:
         raise ValueError(f"sink: device {s.device} differs from q's {device}")
 
 
-def cu_seqlens(name: str, cu, total: int, max_seqlen, max_name: str, device) -> int:
+def cu_seqlens(name: str, cu, total: int, max_seqlen, max_name: str, device,
+               sync_checks: bool = False) -> int:
     """A valid int32 prefix sum of sequence lengths; returns the batch size it describes.
 
-    Reading the values costs a device sync; a malformed cu_seqlens would make a kernel read or
-    write out of bounds, so it is worth one.
+    The values (0 first, non-decreasing, last entry = total, no length above max_seqlen) are
+    read on the host, raising a ValueError, when cu is on the CPU or with sync_checks (a device
+    sync); on a GPU (and under torch.compile, which cannot trace a host read) they are
+    otherwise checked on the device without a sync: a bad value fails
+    a device-side assertion queued before any kernel that reads it, so nothing reads or writes
+    out of bounds (the error then surfaces at the next synchronising call, and it ends the CUDA
+    context). max_seqlen is trusted to be an int, as flash-attn does, and checked with the rest.
     """
     if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1:
         got = f"{cu.dtype} of shape {tuple(cu.shape)}" if isinstance(cu, torch.Tensor) else \
@@ -200,13 +207,23 @@ def cu_seqlens(name: str, cu, total: int, max_seqlen, max_name: str, device) -> 
         raise ValueError(f"{name}: expected batch + 1 >= 2 entries, got {cu.numel()}")
     if cu.device != device:
         raise ValueError(f"{name}: device {cu.device} differs from q's {device}")
+    if not isinstance(max_seqlen, numbers.Integral) or isinstance(max_seqlen, bool):
+        raise TypeError(f"{max_name}: expected an int, got {max_seqlen!r}")
+    if (cu.is_cuda or torch.compiler.is_compiling()) and not sync_checks:
+        lengths = cu.diff()
+        valid = ((cu[0] == 0) & (cu[-1] == total) & (lengths.min() >= 0)
+                 & (lengths.max() <= max_seqlen))
+        torch._assert_async(valid, f"{name}: expected 0 first, non-decreasing entries, last "
+                            f"entry {total} (total tokens) and no length above {max_name} "
+                            f"{max_seqlen}; pass sync_checks=True to learn which")
+        return cu.numel() - 1
     values = cu.tolist()
     lengths = [b - a for a, b in zip(values, values[1:], strict=False)]
     if values[0] != 0 or min(lengths) < 0:
         raise ValueError(f"{name}: expected 0 first and non-decreasing entries, got {values}")
     if values[-1] != total:
         raise ValueError(f"{name}: last entry {values[-1]} != total tokens {total}")
-    if not isinstance(max_seqlen, numbers.Integral) or max_seqlen < max(lengths):
+    if max_seqlen < max(lengths):
         raise ValueError(f"{max_name}: expected an int >= the longest sequence "
                          f"({max(lengths)}), got {max_seqlen!r}")
     return len(values) - 1
@@ -259,3 +276,188 @@ def backend(name, device) -> str:
     if name not in BACKEND_NAMES:
         raise ValueError(f"backend: expected None or one of {BACKEND_NAMES}, got {name!r}")
     return name
+
+# --- flash_attn_with_kvcache ------------------------------------------------------------------
+
+MIN_PAGE_SIZE = 16  # paged caches: the smallest page_size (the kernels look pages up per key)
+
+
+def kvcache_tensors(q, k_cache, v_cache, k, v) -> None:
+    """Ranks, dtypes, devices and shapes of flash_attn_with_kvcache's tensors; none requires
+    grad (there is no backward)."""
+    tensor("q", q, "(batch, seqlen_q, nheads, headdim)")
+    tensor("k_cache", k_cache, "(batch_cache | num_blocks, seqlen_cache | page_size, "
+           "nheads_k, headdim)")
+    tensor("v_cache", v_cache, "(batch_cache | num_blocks, seqlen_cache | page_size, "
+           "nheads_k, headdim_v)")
+    named = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
+    if (k is None) != (v is None):
+        raise ValueError("k, v: pass both new keys and new values, or neither")
+    if k is not None:
+        tensor("k", k, "(batch, seqlen_new, nheads_k, headdim)")
+        tensor("v", v, "(batch, seqlen_new, nheads_k, headdim_v)")
+        named.update(k=k, v=v)
+    same_dtype_and_device(named)
+    kvcache_no_grad(named)
+    if v_cache.shape[:3] != k_cache.shape[:3]:
+        raise ValueError(f"v_cache: shape {tuple(v_cache.shape)} differs from k_cache's "
+                         f"{tuple(k_cache.shape)} in the first three dims")
+    heads(q.shape[2], k_cache.shape[2], k_cache, v_cache, dim=2)
+    head_dims(q, k_cache, v_cache)
+    if k is not None:
+        batch, seqlen_new = q.shape[0], k.shape[1]
+        for name, t, cache in (("k", k, k_cache), ("v", v, v_cache)):
+            expected = (batch, seqlen_new, *cache.shape[2:])
+            if tuple(t.shape) != expected:
+                raise ValueError(f"{name}: expected shape {expected} (batch, seqlen_new, "
+                                 f"nheads_k, headdim), got {tuple(t.shape)}")
+
+
+def kvcache_no_grad(named: dict) -> None:
+    if torch.is_grad_enabled() and any(t.requires_grad for t in named.values()):
+        raise NotImplementedError(
+            "flash_attn_with_kvcache: there is no backward pass (as in flash-attn); call it "
+            "under torch.no_grad() or pass tensors that do not require grad")
+
+
+def paging(block_table, k_cache, batch, device, cache_batch_idx, cache_leftpad) -> int:
+    """Validate the block table's layout; returns the capacity of one sequence in slots."""
+    if block_table is None:
+        return k_cache.shape[1]
+    if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 \
+            or block_table.dim() != 2:
+        got = (f"{block_table.dtype} of shape {tuple(block_table.shape)}"
+               if isinstance(block_table, torch.Tensor) else type(block_table).__name__)
+        raise TypeError(f"block_table: expected a 2-D torch.int32 tensor (batch, "
+                        f"max_blocks_per_seq), got {got}")
+    if block_table.shape[0] != batch:
+        raise ValueError(f"block_table: {block_table.shape[0]} rows differ from q's batch "
+                         f"{batch}")
+    if block_table.device != device:
+        raise ValueError(f"block_table: device {block_table.device} differs from q's {device}")
+    page_size = k_cache.shape[1]
+    if page_size < MIN_PAGE_SIZE:
+        raise ValueError(f"k_cache: page_size (dim 1 of a paged cache) must be at least "
+                         f"{MIN_PAGE_SIZE}, got {page_size}")
+    if cache_batch_idx is not None:
+        raise ValueError("cache_batch_idx: not supported with a paged cache (block_table "
+                         "already maps each sequence to its pages)")
+    if cache_leftpad is not None:
+        raise ValueError("cache_leftpad: not supported with a paged cache")
+    return block_table.shape[1] * page_size
+
+
+def index_vector(name, t, batch, device):
+    """An int32 (batch,) tensor on q's device, or None."""
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or tuple(t.shape) != (batch,):
+        got = (f"{t.dtype} of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor)
+               else type(t).__name__)
+        raise TypeError(f"{name}: expected a torch.int32 tensor of shape ({batch},), got {got}")
+    if t.device != device:
+        raise ValueError(f"{name}: device {t.device} differs from q's {device}")
+    return t
+
+
+def host_seqlen(cache_seqlens, seqlen_new, capacity) -> int | None:
+    """An int cache_seqlens (None: the whole capacity), checked against the capacity here; None
+    for a tensor (checked where its values are read)."""
+    if cache_seqlens is None:
+        return capacity
+    if not isinstance(cache_seqlens, numbers.Integral) or isinstance(cache_seqlens, bool):
+        return None
+    n = int(cache_seqlens)
+    if not 0 <= n <= capacity - seqlen_new:
+        raise ValueError(f"cache_seqlens: {n} tokens and {seqlen_new} appended must fit the "
+                         f"cache's capacity of {capacity} slots per sequence (and be >= 0)")
+    return n
+
+
+def kvcache_values(cache_seqlens, seqlen_new, capacity, cache_batch_idx, cache_leftpad,
+                  block_table, k_cache, seqlen_ro, q_rows) -> int:
+    """Index values in range, read on the host (a device sync for CUDA tensors): nothing reads
+    or writes outside the cache. Only the block_table entries of pages a sequence uses are read,
+    so the rest may be padding. seqlen_ro: the rotary table's length, None without rotary.
+    Returns the longest sequence's key count (the split heuristic's max_seqlen_k)."""
+    num_blocks = batch_cache = k_cache.shape[0]
+    page_size = k_cache.shape[1]
+    seqlens = cache_seqlens.tolist()
+    if not seqlens:  # batch 0
+        return 0
+    rows = list(range(len(seqlens))) if cache_batch_idx is None else cache_batch_idx.tolist()
+    leftpad = [0] * len(seqlens) if cache_leftpad is None else cache_leftpad.tolist()
+    if min(seqlens) < 0:
+        raise ValueError(f"cache_seqlens: entries must be >= 0, got {seqlens}")
+    if max(seqlens) + seqlen_new > capacity:
+        worst = max(range(len(seqlens)), key=seqlens.__getitem__)
+        raise ValueError(f"cache_seqlens: sequence {worst} holds {seqlens[worst]} tokens and "
+                         f"appends {seqlen_new}, beyond the cache's capacity of {capacity} "
+                         "slots per sequence")
+    if block_table is None and rows and not all(0 <= r < batch_cache for r in rows):
+        raise ValueError(f"cache_batch_idx: entries must be in [0, {batch_cache}) (k_cache's "
+                         f"batch_cache), got {rows}")
+    bad = [b for b, (p, n) in enumerate(zip(leftpad, seqlens, strict=True)) if not 0 <= p <= n]
+    if bad:
+        raise ValueError(f"cache_leftpad: entries must be in [0, cache_seqlens]; sequence "
+                         f"{bad[0]} has {leftpad[bad[0]]} > {seqlens[bad[0]]}")
+    positions = [n - p for n, p in zip(seqlens, leftpad, strict=True)]
+    if seqlen_ro is not None and max(seqlens) + max(seqlen_new, q_rows) > seqlen_ro:
+        raise ValueError(f"rotary_cos: {seqlen_ro} positions (seqlen_ro), but positions up to "
+                         f"{max(seqlens) + max(seqlen_new, q_rows) - 1} are rotated")
+    if block_table is not None:
+        table = block_table.tolist()
+        used = [table[b][:-(-(n + seqlen_new) // page_size)] for b, n in enumerate(seqlens)]
+        for b, pages in enumerate(used):
+            if not all(0 <= page < num_blocks for page in pages):
+                raise ValueError(f"block_table: sequence {b} uses pages {pages}; every entry "
+                                 f"must be in [0, {num_blocks}) (k_cache's num_blocks)")
+        if seqlen_new:
+            _written_pages(used, seqlens, seqlen_new, page_size)
+    return max(positions) + seqlen_new
+
+
+def _written_pages(used, seqlens, seqlen_new, page_size) -> None:
+    """A page the append writes belongs to one sequence, once: shared pages (a common prefix)
+    may be read by many sequences, but a write into one would change what the others read,
+    and two writes to one slot race. used[b]: the pages sequence b reads."""
+    owners = {}
+    for b, pages in enumerate(used):
+        for page in set(pages):
+            owners.setdefault(page, []).append(b)
+    for b, (pages, n) in enumerate(zip(used, seqlens, strict=True)):
+        written = pages[n // page_size:]
+        for page in written:
+            if len(owners[page]) > 1 or pages.count(page) > 1:
+                others = [o for o in owners[page] if o != b] or [b]
+                raise ValueError(f"block_table: sequence {b} appends into page {page}, which "
+                                 f"sequence {others[0]} also uses; a page written by an "
+                                 "append must appear once in the used entries")
+
+
+def rotary(cos, sin, q, k) -> None:
+    """cos/sin (seqlen_ro, rotary_dim / 2) on q's device, k, v given (their length: in
+    _check_values or on the device)."""
+    if cos is None or sin is None:
+        raise ValueError("rotary_cos, rotary_sin: pass both or neither")
+    if k is None:
+        raise ValueError("rotary_cos: the rotary embedding applies to new keys; pass k and v "
+                         "too (flash-attn's rule)")
+    for name, t in (("rotary_cos", cos), ("rotary_sin", sin)):
+        tensor(name, t, "(seqlen_ro, rotary_dim / 2)")
+        if not t.is_floating_point() or t.device != q.device:
+            raise TypeError(f"{name}: expected a floating tensor on {q.device}, got {t.dtype} "
+                            f"on {t.device}")
+    if sin.shape != cos.shape:
+        raise ValueError(f"rotary_sin: shape {tuple(sin.shape)} differs from rotary_cos's "
+                         f"{tuple(cos.shape)}")
+    if not 1 <= 2 * cos.shape[1] <= q.shape[-1]:
+        raise ValueError(f"rotary_cos: rotary_dim = 2 * {cos.shape[1]} must be in 2..headdim "
+                         f"({q.shape[-1]})")
+
+
+def num_splits(num_splits) -> int:
+    if not isinstance(num_splits, numbers.Integral) or isinstance(num_splits, bool) \
+            or num_splits < 0:
+        raise ValueError(f"num_splits: expected an int >= 0 (0 = automatic), got {num_splits!r}")
+    return int(num_splits)

@@ -6,20 +6,23 @@ It computes in the dtype of its inputs, so the same function gives both the floa
 by autograd, the sink included, and never produces NaN for a row that sees no key: that row's output
 is 0 and its log-sum-exp is -inf.
 
-Two entry points:
+Entry points:
     attention(q, k, v, ...)            flash-attn's conventions (window -1 = unbounded)
     attention_with_params(q, k, v, p)  the backends' AttentionParams (see flashkit.ops.params)
+    kvcache_attention(q, k_cache, ...) attention over each sequence's cached keys (decoding)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 
 from flashkit.ops.params import AttentionParams
 
-__all__ = ["attention", "attention_with_params", "visible", "alibi_distance"]
+__all__ = ["attention", "attention_with_params", "kvcache_attention", "visible",
+           "alibi_distance"]
 
 
 def visible(seqlen_q: int, seqlen_k: int, window_left: int | None, window_right: int | None,
@@ -141,3 +144,43 @@ def _dense(q, k, v, params: AttentionParams, alibi_slopes, dropout_mask, return_
     out = (probs @ vh).transpose(1, 2)  # (b, sq, h, dv)
     lse = lse.squeeze(-1)  # (b, h, sq)
     return (out, lse, probs) if return_probs else (out, lse)
+
+
+def cached_keys(cache, b: int, start: int, end: int, cache_batch_idx, block_table):
+    """Slots [start, end) of sequence b of a cache as (1, end - start, hk, d): row
+    cache_batch_idx[b] of a contiguous cache (batch_cache, capacity, hk, d), or slot p in page
+    block_table[b, p // page_size] of a paged one (num_blocks, page_size, hk, d)."""
+    positions = torch.arange(start, end, device=cache.device)
+    if block_table is None:
+        return cache[int(cache_batch_idx[b])][positions][None]
+    page_size = cache.shape[1]
+    pages = block_table[b].long()[positions // page_size]
+    return cache[pages, positions % page_size][None]
+
+
+def kvcache_attention(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad,
+                      block_table, params: AttentionParams):
+    """(out, lse) of q (batch, seqlen_q, h, d) over each sequence's cached keys, the append
+    already done: sequence b's keys are its slots [leftpad_b, leftpad_b + seqlens_k[b]).
+    seqlens_k, cache_batch_idx, cache_leftpad: int32 (batch,); block_table int32 (batch, pages)
+    or None. lse is (batch, h, seqlen_q) in float32 (float64 for float64 inputs)."""
+    outs, lses = [], []
+    for b, (seqlen_k, leftpad) in enumerate(zip(seqlens_k.tolist(), cache_leftpad.tolist(),
+                                                strict=True)):
+        k_b, v_b = (cached_keys(c, b, leftpad, leftpad + seqlen_k, cache_batch_idx,
+                                block_table) for c in (k_cache, v_cache))
+        slopes = params.alibi_slopes
+        params_b = params if slopes is None or slopes.dim() == 1 else dataclasses.replace(
+            params, alibi_slopes=slopes[b])
+        if seqlen_k == 0:  # no key: out 0, lse the sink's logit or -inf (section 1)
+            out_b = q.new_zeros(1, *q.shape[1:3], v_cache.shape[-1])
+            lse_b = torch.full((1, q.shape[2], q.shape[1]), -math.inf, dtype=q.dtype,
+                               device=q.device)
+            if params.sink is not None:
+                lse_b[:] = params.sink.to(q.dtype)[None, :, None]
+        else:
+            out_b, lse_b = attention_with_params(q[b:b + 1], k_b, v_b, params_b)
+        outs.append(out_b)
+        lses.append(lse_b)
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return torch.cat(outs), torch.cat(lses).to(lse_dtype)

@@ -363,7 +363,7 @@ def test_malformed_input_raises_before_launch(case, monkeypatch):
     def launched(*args, **kwargs):
         raise AssertionError("a kernel launched on malformed input")
 
-    monkeypatch.setattr(triton_backend, "attention_forward", launched)
+    monkeypatch.setattr(triton_backend, "forward", launched)
     with pytest.raises(error, match=pattern):
         flashkit.flash_attn_varlen_func(**make(), backend="triton")
 

@@ -54,8 +54,8 @@ def _on_hopper() -> bool:
 
 
 def test_eligibility():
-    """Every feature and varlen are taken (varlen only where the caller of gluon_supported says
-    it takes it), head dim 256 by the forward only (gluon_supported's default head dims are the
+    """Every feature and varlen are taken (varlen only where the caller of gluon_declines says
+    it takes it), head dim 256 by the forward only (gluon_declines' default head dims are the
     backward's); an SDPA bias and other head dims are not."""
     q, k, v, _ = make_inputs(1, 100, 37, 2, 1, 64, 64, torch.float16)
     taken = DEVICE == "cuda" and _on_hopper()

@@ -62,6 +62,7 @@ class _Recorder:
 
     def __init__(self, kernel):
         self.kernel, self.calls = kernel, []
+        self.arg_names = kernel.arg_names  # launch.py orders the arguments by them
 
     def __getitem__(self, grid):
         return lambda *args, **kwargs: self.calls.append((args, kwargs))
@@ -72,6 +73,8 @@ def record_launches(name: str, head_dim: int) -> dict:
     launches (bf16, odd lengths, GQA, as the GPU tests call them)."""
     forward = importlib.import_module("flashkit.ops.triton.forward")
     backward = importlib.import_module("flashkit.ops.triton.backward")
+    launch = importlib.import_module("flashkit.ops.triton.launch")
+    launch.interpreting = lambda: True  # no GPU: every launch goes through kernel[grid]
     batch, nheads, nheads_k = 2, 8, 2
     seqlen_q, seqlen_k = (113, 113) if name in ("document", "prefix_lm") else (113, 203)
     q = torch.randn(batch, seqlen_q, nheads, head_dim, dtype=torch.bfloat16)

@@ -165,8 +165,8 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sink, problem: RingProblem):
         out, lse = ring_forward(q, k, v, sink, problem)
-        # The backward's D = rowsum(dO * O) sees the unrounded output (see AttentionParams'
-        # fp32_out: with a sink or a short row, a rounded O costs dq many ulps).
+        # The backward's D = rowsum(dO * O) sees the unrounded output: with a sink or a short
+        # row, a rounded O costs dq many ulps.
         ctx.save_for_backward(q, k, v, sink, out, lse)
         ctx.problem = problem
         ctx.set_materialize_grads(False)  # an unused lse gives dlse = None, not zeros

@@ -64,7 +64,7 @@ def attention_forward(
     window_right: int | None, softcap: float, alibi_slopes: Tensor | None, sink: Tensor | None,
     attn_bias: Tensor | None, dropout_p: float, dropout_seed: int, cu_seqlens_q: Tensor | None,
     cu_seqlens_k: Tensor | None, max_seqlen_q: int, max_seqlen_k: int, deterministic: bool,
-    fp32_out: bool, backend: str,
+    backend: str,
 ) -> tuple[Tensor, Tensor]:
     return backend_module(backend).forward(q, k, v, _params_named(locals()))
 
@@ -72,10 +72,8 @@ def attention_forward(
 @attention_forward.register_fake
 def _(q, k, v, *args):
     params = _params(args[:-1])
-    lse_dtype = accumulation_dtype(q.dtype)
-    out_dtype = lse_dtype if params.fp32_out else q.dtype
-    return (q.new_empty(*q.shape[:-1], v.shape[-1], dtype=out_dtype),
-            q.new_empty(_lse_shape(q, params), dtype=lse_dtype))
+    return (q.new_empty(*q.shape[:-1], v.shape[-1]),
+            q.new_empty(_lse_shape(q, params), dtype=accumulation_dtype(q.dtype)))
 
 
 @torch.library.custom_op("flashkit::attention_backward", mutates_args=())
@@ -85,7 +83,7 @@ def attention_backward(
     window_right: int | None, softcap: float, alibi_slopes: Tensor | None, sink: Tensor | None,
     attn_bias: Tensor | None, dropout_p: float, dropout_seed: int, cu_seqlens_q: Tensor | None,
     cu_seqlens_k: Tensor | None, max_seqlen_q: int, max_seqlen_k: int, deterministic: bool,
-    fp32_out: bool, backend: str,
+    backend: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     dq, dk, dv, dsink = backend_module(backend).backward(dout, q, k, v, out, lse,
                                                          _params_named(locals()), dlse=dlse)
@@ -113,9 +111,7 @@ def _backward(ctx, dout, dlse):
     q, k, v, out, lse, *tensor_params = ctx.saved_tensors
     params = dataclasses.replace(ctx.params, **dict(zip(_TENSOR_FIELDS, tensor_params,
                                                          strict=True)))
-    # dout arrives in out's dtype; with fp32_out it is an upcast of a q-dtype gradient, so
-    # casting back is exact, and the kernels take dO in the inputs' dtype.
-    dout = torch.zeros_like(out, dtype=q.dtype) if dout is None else dout.to(q.dtype)
+    dout = torch.zeros_like(out) if dout is None else dout
     dq, dk, dv, dsink = attention_backward(dout, q, k, v, out, lse, dlse,
                                            *(getattr(params, f) for f in _FIELDS), ctx.backend)
     grads = dict.fromkeys(["q", "k", "v", *_FIELDS, "backend"])

@@ -1,12 +1,13 @@
 """What every backend is told about one attention call, already validated by the API layer.
 
-A backend is a module with two functions of the same shape:
+A backend is a module with three functions:
 
-    forward(q, k, v, params)                   -> (out, lse)
-    backward(dout, q, k, v, out, lse, params)  -> (dq, dk, dv, dsink)
+    forward(q, k, v, params)                              -> (out, lse)
+    backward(dout, q, k, v, out, lse, params)             -> (dq, dk, dv, dsink)
+    kvcache_attention(q, k_cache, v_cache, cache, params) -> (out, lse)   cache: KVCacheArgs
 
 Layouts (flash-attn): dense q (batch, seqlen_q, nheads, d), k/v (batch, seqlen_k, nheads_k, d[_v]),
-out like q with d_v (float32 if params.fp32_out), lse (batch, nheads, seqlen_q) float32
+out like q with d_v, in q's dtype, lse (batch, nheads, seqlen_q) float32
 (float64 for float64 inputs).
 Varlen (params.cu_seqlens_q is set): q (total_q, nheads, d), k/v (total_k, nheads_k, d), lse
 (nheads, total_q). dsink is None when
@@ -47,10 +48,6 @@ class AttentionParams:
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
     deterministic: bool = False
-    # Write out in float32 even for half inputs. Backward's D = rowsum(dO * O) then sees the exact
-    # output instead of a rounded one: with P near 1 (a sink, a short row) dP - D cancels, and a
-    # rounded O costs dq many ulps. The API sets it when gradients are needed, then casts out.
-    fp32_out: bool = False
     # flashkit.variants.mods.Variant: user score/mask modifiers and a block mask, or None. Not a
     # custom-op argument (Python functions): calls with one take flashkit.variants.autograd.
     variant: object | None = None
@@ -63,3 +60,38 @@ class AttentionParams:
     @property
     def is_varlen(self) -> bool:
         return self.cu_seqlens_q is not None
+
+
+@dataclass(frozen=True)
+class KVCacheArgs:
+    """One flash_attn_with_kvcache call's cache arguments, checked (flashkit.checks.kvcache_*).
+
+    k, v (batch, seqlen_new, nheads_k, d) or None: appended in place at slots cache_seqlens ..
+    before attention. cache_seqlens: int32 (batch,) on q's device, or None when host_seqlen
+    (an int, the same for every sequence) is given instead. cache_batch_idx, cache_leftpad:
+    int32 (batch,) or None (rows 0..batch-1, no padding); block_table int32 (batch, pages) or
+    None (contiguous). rotary_cos/sin (seqlen_ro, rotary_dim / 2) or None. q_rows: how many
+    query rows take consecutive rotary positions (the rest share the last). capacity: slots per
+    sequence; max_seqlen_k: a bound on any sequence's key count (the split heuristic's).
+    num_splits: key chunks per sequence, 0 = the backend chooses. host_checked: the index
+    values were read and checked on the host.
+    """
+    k: torch.Tensor | None
+    v: torch.Tensor | None
+    rotary_cos: torch.Tensor | None
+    rotary_sin: torch.Tensor | None
+    rotary_interleaved: bool
+    cache_seqlens: torch.Tensor | None
+    host_seqlen: int | None
+    cache_batch_idx: torch.Tensor | None
+    cache_leftpad: torch.Tensor | None
+    block_table: torch.Tensor | None
+    q_rows: int
+    capacity: int
+    max_seqlen_k: int
+    num_splits: int
+    host_checked: bool
+
+    @property
+    def seqlen_new(self) -> int:
+        return 0 if self.k is None else self.k.shape[1]

@@ -2,6 +2,7 @@
 
 from flashkit.ops.tiled.backward import backward
 from flashkit.ops.tiled.forward import forward
+from flashkit.ops.tiled.kvcache import kvcache_attention
 from flashkit.ops.tiled.probs import attention_probs
 
-__all__ = ["forward", "backward", "attention_probs"]
+__all__ = ["forward", "backward", "kvcache_attention", "attention_probs"]

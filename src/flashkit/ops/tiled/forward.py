@@ -17,15 +17,11 @@ BLOCK_M = 128
 BLOCK_N = 128
 
 
-def out_dtype(dtype: torch.dtype, params: AttentionParams) -> torch.dtype:
-    return accumulation_dtype(dtype) if params.fp32_out else dtype
-
-
 def forward(q, k, v, params: AttentionParams, block_m: int = BLOCK_M, block_n: int = BLOCK_N):
     """(out, lse) for dense or varlen inputs; see flashkit.ops.params for the layouts."""
     if not params.is_varlen:
         return forward_dense(q, k, v, params, params.alibi_slopes, block_m, block_n)
-    out = q.new_empty(*q.shape[:-1], v.shape[-1], dtype=out_dtype(q.dtype, params))
+    out = q.new_empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype)
     lse = torch.empty(q.shape[1], q.shape[0], dtype=accumulation_dtype(q.dtype), device=q.device)
     for b, sq, sk in layout.sequences(params):
         out_b, lse_b = forward_dense(q[None, sq], k[None, sk], v[None, sk], params,
@@ -49,7 +45,7 @@ def forward_dense(q, k, v, params: AttentionParams, alibi_slopes, block_m=BLOCK_
     slopes = layout.group_slopes(alibi_slopes, nheads_k, acc_dtype)
     bias = layout.group_bias(params.attn_bias, nheads_k)
 
-    out = q.new_empty(batch, seqlen_q, nheads, head_dim_v, dtype=out_dtype(q.dtype, params))
+    out = q.new_empty(batch, seqlen_q, nheads, head_dim_v, dtype=q.dtype)
     lse = torch.empty(batch, nheads, seqlen_q, dtype=acc_dtype, device=q.device)
     out_g = layout.group_heads(out, nheads_k)  # views we write through
     lse_g = lse.unflatten(1, (nheads_k, -1))  # (b, hk, g, sq)

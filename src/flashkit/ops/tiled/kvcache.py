@@ -19,12 +19,55 @@ import math
 
 import torch
 
-from flashkit.ops.params import AttentionParams, accumulation_dtype
+from flashkit.ops.params import AttentionParams, KVCacheArgs, accumulation_dtype
 from flashkit.ops.tiled import layout, tile
 
 BLOCK_M = 128
 BLOCK_N = 128
 SPLIT_GRANULE = 16  # split boundaries are multiples of this, so small caches split too
+
+
+def kvcache_attention(q, k_cache, v_cache, cache: KVCacheArgs, params: AttentionParams):
+    """The backend's kv-cache entry (flashkit.ops.params): rotate, append in place, attend."""
+    q, seqlens_k, cache_batch_idx, cache_leftpad = prepare(q, k_cache, v_cache, cache)
+    return forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad,
+                   cache.block_table, params, cache.num_splits or 1)
+
+
+def empty_result(q, v_cache, return_softmax_lse: bool = True):
+    """out (batch, seqlen_q, nheads, d_v) and lse (batch, nheads, seqlen_q) of a call where
+    one of batch and seqlen_q is 0 (or out alone without return_softmax_lse)."""
+    batch, seqlen_q, nheads, _ = q.shape
+    out = q.new_empty(batch, seqlen_q, nheads, v_cache.shape[-1])
+    lse = torch.empty(batch, nheads, seqlen_q, dtype=accumulation_dtype(q.dtype), device=q.device)
+    return (out, lse) if return_softmax_lse else out
+
+
+def prepare(q, k_cache, v_cache, cache: KVCacheArgs):
+    """Rotate q and the new keys, append the new keys and values to the cache (in place).
+    Returns (q rotated, seqlens_k, cache_batch_idx, cache_leftpad), the last three int32
+    (batch,) with the defaults (rows 0..batch-1, no padding) filled in."""
+    batch, device = q.shape[0], q.device
+    cache_seqlens = cache.cache_seqlens
+    if cache_seqlens is None:
+        cache_seqlens = torch.full((batch,), cache.host_seqlen, dtype=torch.int32,
+                                   device=device)
+    cache_batch_idx, cache_leftpad = cache.cache_batch_idx, cache.cache_leftpad
+    if cache_batch_idx is None:
+        cache_batch_idx = torch.arange(batch, dtype=torch.int32, device=device)
+    if cache_leftpad is None:
+        cache_leftpad = torch.zeros(batch, dtype=torch.int32, device=device)
+    k, seqlen_new = cache.k, cache.seqlen_new
+    if cache.rotary_cos is not None:  # rotary positions are absolute slots (flash-attn)
+        cos, sin, interleaved = cache.rotary_cos, cache.rotary_sin, cache.rotary_interleaved
+        first = cache_seqlens.long()[:, None]
+        q_pos = first + torch.arange(q.shape[1], device=device).clamp(max=cache.q_rows - 1)
+        k_pos = first + torch.arange(seqlen_new, device=device)
+        q = rotary(q, cos, sin, q_pos, interleaved)
+        k = rotary(k, cos, sin, k_pos, interleaved)
+    if k is not None:
+        append(k_cache, v_cache, k, cache.v, cache_seqlens, cache_batch_idx, cache.block_table)
+    return q, cache_seqlens - cache_leftpad + seqlen_new, cache_batch_idx, cache_leftpad
 
 
 def rotary(x, cos, sin, positions, interleaved: bool):

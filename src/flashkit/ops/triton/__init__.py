@@ -1,7 +1,11 @@
 """The Triton backend: fused FlashAttention-2 kernels (dense or varlen, any band given by a window).
 
-    forward(q, k, v, params)                  -> (out, lse)
-    backward(dout, q, k, v, out, lse, params) -> (dq, dk, dv, dsink)
+    forward(q, k, v, params)                    -> (out, lse)
+    backward(dout, q, k, v, out, lse, params)   -> (dq, dk, dv, dsink)
+    kvcache_attention(q, k_cache, v_cache, cache, params) -> (out, lse)
+
+Which kernels run is chosen in one place, flashkit.ops.triton.dispatch (FLASHKIT_LOG_DISPATCH=1
+logs each choice and why the other kernels declined).
 
 Layouts and the meaning of params: flashkit.ops.params. Supported: dense and varlen (packed)
 inputs, fp16 / bf16 / fp32, head dims 1..256 (q/k and v may differ), GQA/MQA, any
@@ -18,13 +22,11 @@ import dataclasses
 
 import torch
 
-from flashkit.ops.params import AttentionParams
+from flashkit.ops.params import AttentionParams, KVCacheArgs
 from flashkit.ops.tiled.probs import attention_probs as tiled_probs
-from flashkit.ops.triton import dropout, interpreter
-from flashkit.ops.triton.backward import attention_backward
-from flashkit.ops.triton.forward import attention_forward
+from flashkit.ops.triton import dispatch, dropout, interpreter
 
-__all__ = ["forward", "backward", "attention_probs"]
+__all__ = ["forward", "backward", "kvcache_attention", "attention_probs"]
 
 interpreter.patch_for_numpy()
 
@@ -52,7 +54,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: Attention
     """(out, lse): out like q with v's head dim, lse float32 (batch, nheads, seqlen_q)."""
     _check_supported(params, q.dtype)
     with _on_device_of(q):
-        return attention_forward(q, k, v, params, out=out, lse=lse)
+        return dispatch.forward_call(q, k, v, params, out=out, lse=lse)
 
 
 def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -62,8 +64,17 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     """(dq, dk, dv, dsink): gradients in the inputs' dtypes; dsink None without a sink."""
     _check_supported(params, q.dtype)
     with _on_device_of(q):
-        return attention_backward(dout, q, k, v, out, lse, params, dq=dq, dk=dk, dv=dv,
-                                  dlse=dlse)
+        return dispatch.backward_call(dout, q, k, v, out, lse, params, dq=dq, dk=dk, dv=dv,
+                                      dlse=dlse)
+
+
+def kvcache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      cache: KVCacheArgs, params: AttentionParams):
+    """(out, lse) of flash_attn_with_kvcache (appends in place); lse (batch, nheads, seqlen_q)
+    contiguous."""
+    with _on_device_of(q):
+        out, lse = dispatch.kvcache_call(q, k_cache, v_cache, cache, params)
+    return out, lse.contiguous()
 
 
 def attention_probs(q, k, v, lse, params: AttentionParams):

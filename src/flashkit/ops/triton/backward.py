@@ -20,14 +20,12 @@ dQ is summed by one program per query tile in a fixed order, so gradients are bi
 reproducible.
 Transposed tiles carry a _t suffix: s_t is [BLOCK_N, BLOCK_M] = s^T.
 On sm_90 dK/dV and dQ run the Gluon kernels of backward_hopper.py instead (configs.GLUON_BACKWARD;
-every feature, varlen included, see backward_hopper.eligible; dense calls whose lengths are
-not tile multiples run there as varlen with equal lengths, _dense_as_varlen); the preprocess
-and dsink here serve both.
+every feature, varlen included, see backward_hopper.declines; dense calls whose lengths are
+not tile multiples run there as varlen with equal lengths, dispatch._dense_as_varlen; the
+choice is dispatch.backward_call's); the preprocess and dsink here serve both.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import torch
 import triton
@@ -66,6 +64,7 @@ from flashkit.ops.triton.common import (
 )
 from flashkit.ops.triton.configs import padded_head_dim, tile_config
 from flashkit.ops.triton.dropout import dropout_args, dropout_keep, dropout_keep_t
+from flashkit.ops.triton.launch import fold, launch
 
 
 @triton.jit
@@ -77,7 +76,7 @@ def _bwd_preprocess_kernel(Out, DO, Delta,
                            HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
                            BLOCK_M: tl.constexpr):
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_bh = tl.program_id(1) + tl.program_id(2) * tl.num_programs(1)  # launch.fold
     off_b = (pid_bh // nheads).to(tl.int64)
     off_h = (pid_bh % nheads).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -468,7 +467,7 @@ def _bwd_kernel(Q, K, V, DO, Lse, Delta, DQ, DK, DV,
     query block first), launched one after the other; axis 1 is batch * nheads, of which the
     dK/dV programs use the first batch * nheads_k."""
     pid = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_bh = tl.program_id(1) + tl.program_id(2) * tl.num_programs(1)  # launch.fold
     group = nheads // nheads_k
     is_dkdv = pid < num_kv_blocks if DO_DKDV else False
     if is_dkdv:
@@ -511,83 +510,81 @@ def _bwd_kernel(Q, K, V, DO, Lse, Delta, DQ, DK, DV,
                         SPARSE_Q, SPARSE_KV)
 
 
-def _dense_as_varlen(dout, q, k, v, out, lse, params: AttentionParams, dq, dk, dv, tiles,
-                     dlse):
-    """A dense call whose lengths are not tile multiples (backward_hopper.dense_as_varlen) as
-    varlen with equal lengths, which the Gluon kernels take at any length: tokens as (batch *
-    seqlen, heads, d) views (dq, dk, dv written through theirs), lse and dlse as (nheads,
-    batch * seqlen_q) copies. Sequence b is batch entry b: ALiBi's (batch, nheads) slopes and
-    the dropout keep-mask, indexed (sequence, head, i, j), mean what they did dense."""
-    batch, seqlen_q, nheads = q.shape[:3]
-    seqlen_k = k.shape[1]
-    starts = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
-    packed = dataclasses.replace(params, cu_seqlens_q=starts * seqlen_q,
-                                 cu_seqlens_k=starts * seqlen_k, max_seqlen_q=seqlen_q,
-                                 max_seqlen_k=seqlen_k)
-
-    def tokens(x):  # (batch, seqlen, heads, d) -> (batch * seqlen, heads, d)
-        return x.reshape(-1, *x.shape[2:])
-
-    def rows(x):  # (batch, nheads, seqlen_q) -> (nheads, batch * seqlen_q), contiguous (at
-        # seqlen_q 1 a reshape would return a strided view, which the Gluon kernels refuse)
-        return x.transpose(0, 1).contiguous().view(nheads, -1)
-
-    dsink = attention_backward(tokens(dout), tokens(q), tokens(k), tokens(v), tokens(out),
-                               rows(lse), packed, dq.view(-1, *dq.shape[2:]),
-                               dk.view(-1, *dk.shape[2:]), dv.view(-1, *dv.shape[2:]),
-                               tiles=tiles, dlse=None if dlse is None else rows(dlse))[3]
-    return dq, dk, dv, dsink
+_BWD_TENSORS = ("Q", "K", "V", "DO", "Lse", "Delta", "DQ", "DK", "DV", "Alibi", "Cu_q", "Cu_k",
+                "KvNum", "KvIdx", "FullNum", "FullIdx", "QNum", "QIdx", "FullQNum",
+                "FullQIdx")  # launch's order
 
 
 def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        out: torch.Tensor, lse: torch.Tensor, params: AttentionParams,
                        dq: torch.Tensor | None = None, dk: torch.Tensor | None = None,
                        dv: torch.Tensor | None = None, tiles: dict | None = None,
-                       dlse: torch.Tensor | None = None):
+                       dlse: torch.Tensor | None = None, gluon: bool = False):
     """Launch preprocess, dK/dV and dQ. Returns (dq, dk, dv, dsink), dsink None without a sink;
     dq/dk/dv may be preallocated. dlse, a gradient on the lse output, enters as D - dlse
-    (d lse_i / d s_ij = P_ij, the same shape of term as D).
+    (d lse_i / d s_ij = P_ij, the same shape of term as D). Which kernels run is chosen by
+    dispatch.backward_call; this launches that choice.
 
-    tiles = {"dkdv": (BLOCK_M, BLOCK_N,
-    num_warps, num_stages), "dq": ...} overrides configs.SM90 and keeps the Triton kernels (the
-    tuning sweep); tiles = {"hopper": ..., "hopper_dq": ...} override configs.GLUON_BACKWARD_DKDV
-    and configs.GLUON_BACKWARD_DQ.
+    gluon: dK/dV and dQ in backward_hopper's kernels (the call must be one they take,
+    backward_hopper.declines), else this file's. tiles = {"dkdv": (BLOCK_M, BLOCK_N,
+    num_warps, num_stages), "dq": ...} overrides configs.SM90 (the tuning sweep); tiles =
+    {"hopper": ..., "hopper_dq": ...} override configs.GLUON_BACKWARD_DKDV and
+    configs.GLUON_BACKWARD_DQ.
     """
     tiles = tiles or {}
     batch, seqlen_q, seqlen_k, nheads, nheads_k = varlen_shape(q, v, params)
-    head_dim, head_dim_v = q.shape[-1], v.shape[-1]
+    head_dim_v = v.shape[-1]
     dq = torch.empty_like(q) if dq is None else dq
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
-    if backward_hopper.dense_as_varlen(q, k, v, dout, lse, params, dq, dk,
-                                                         dv, tiles):
-        return _dense_as_varlen(dout, q, k, v, out, lse, params, dq, dk, dv, tiles, dlse)
-    hopper = backward_hopper.eligible(q, k, v, dout, lse, params, dq, dk, dv, tiles)
     delta = torch.empty(lse.shape, dtype=torch.float32, device=q.device)  # laid out like lse
-    window_left, window_right, has_left, has_right = window_args(params, seqlen_q, seqlen_k)
+    block_dv = padded_head_dim(head_dim_v)
+
+    # delta row by row: varlen's packed rows are one long sequence here
+    preprocess_block_m = 64
+    rows_batch, rows = (1, q.shape[0]) if params.is_varlen else (batch, seqlen_q)
+    launch(_bwd_preprocess_kernel,
+           (triton.cdiv(rows, preprocess_block_m), *fold(rows_batch * nheads)),
+           (out, dout, delta), (*batch_strides(out, params), *batch_strides(dout, params),
+                                *batch_strides(delta, params), nheads, rows),
+           dict(HEAD_DIM_V=head_dim_v, BLOCK_DV=block_dv, BLOCK_M=preprocess_block_m))
+    if dlse is not None:
+        delta -= dlse
+
+    if gluon:
+        backward_hopper.attention_backward_dkdv(dout, q, k, v, lse, delta, params, dk, dv,
+                                                block=tiles.get("hopper"))
+        backward_hopper.attention_backward_dq(dout, q, k, v, lse, delta, params, dq,
+                                              block=tiles.get("hopper_dq"))
+    else:
+        _triton_dkdv_dq(dout, q, k, v, lse, delta, params, dq, dk, dv, tiles,
+                        params.sink is None and dlse is None)
+
+    dsink = None
+    if params.sink is not None:
+        # d lse_i / d sink = exp(sink - lse_i) and dL/d lse_i = -delta_i, summed over rows
+        # (lse (batch, nheads, seqlen_q), varlen (nheads, total_q)): a fixed-order torch
+        # reduction, deterministic like the rest.
+        row_share = torch.exp(params.sink.to(torch.float32)[:, None] - lse) * delta
+        dsink = (-row_share.sum(-1).reshape(-1, nheads).sum(0)).to(params.sink.dtype)
+    return dq, dk, dv, dsink
+
+
+def _triton_dkdv_dq(dout, q, k, v, lse, delta, params: AttentionParams, dq, dk, dv, tiles,
+                    one_key_zero: bool):
+    """dK, dV and dQ in this file's kernels, the dK/dV programs then the dQ programs; delta
+    (laid out like lse) is ready. one_key_zero: the kernels' ONE_KEY_ZERO (no sink and no lse
+    gradient)."""
+    batch, seqlen_q, seqlen_k, nheads, nheads_k = varlen_shape(q, v, params)
+    head_dim, head_dim_v = q.shape[-1], v.shape[-1]
     block_d, block_dv = padded_head_dim(head_dim), padded_head_dim(head_dim_v)
     d_max = max(head_dim, head_dim_v)
+    window_left, window_right, has_left, has_right = window_args(params, seqlen_q, seqlen_k)
     qk_scale, softcap_scale, softcap = score_args(params, q.dtype)
     alibi, alibi_strides, has_alibi = alibi_args(params, lse)
     seed_lo, seed_hi, dropout_threshold, dropout_scale, dropout = dropout_args(
         params.dropout_p, params.dropout_seed)
     cu_q, cu_k, varlen = varlen_args(params, lse)
-    dims = dict(HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv)
-    band = dict(HAS_LEFT=has_left, HAS_RIGHT=has_right, SOFTCAP=softcap, ALIBI=has_alibi,
-                DROPOUT=dropout, VARLEN=varlen, PRECISION=DOT_PRECISION)
-    common_strides = tuple(stride for t in (q, k, v, dout, lse, delta)
-                           for stride in batch_strides(t, params))
-
-    # delta row by row: varlen's packed rows are one long sequence here
-    preprocess_block_m = 64
-    rows_batch, rows = (1, q.shape[0]) if varlen else (batch, seqlen_q)
-    _bwd_preprocess_kernel[(triton.cdiv(rows, preprocess_block_m), rows_batch * nheads)](
-        out, dout, delta, *batch_strides(out, params), *batch_strides(dout, params),
-        *batch_strides(delta, params), nheads, rows,
-        HEAD_DIM_V=head_dim_v, BLOCK_DV=block_dv, BLOCK_M=preprocess_block_m)
-    if dlse is not None:
-        delta -= dlse
-
     has_variant = params.variant is not None
     block_m1, block_n1, num_warps, num_stages = tiles.get("dkdv") or tile_config(
         "dkdv", d_max, q.element_size(), interpreting(), has_variant)
@@ -600,34 +597,23 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         block_m1, block_m2 = (min(b, sparse["SPARSE_Q"]) for b in (block_m1, block_m2))
         block_n1, block_n2 = (min(b, sparse["SPARSE_KV"]) for b in (block_n1, block_n2))
     num_kv_blocks, num_q_blocks = triton.cdiv(seqlen_k, block_n1), triton.cdiv(seqlen_q, block_m2)
-    args = (q, k, v, dout, lse, delta, dq, dk, dv, *common_strides, *batch_strides(dq, params),
-            *batch_strides(dk, params), *batch_strides(dv, params),
-            batch, nheads, nheads_k, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
-            softcap_scale, alibi, *alibi_strides,
-            params.softmax_scale, seed_lo, seed_hi, dropout_threshold, dropout_scale, cu_q, cu_k,
-            num_kv_blocks, num_q_blocks, score_mod_args, mask_mod_args, *kv_blocks, *q_blocks)
-    meta = dict(**dims, BLOCK_M1=block_m1, BLOCK_N1=block_n1, BLOCK_M2=block_m2,
-                BLOCK_N2=block_n2, **band, EVEN_M=not varlen and seqlen_q % block_m2 == 0,
-                EVEN_N=not varlen and seqlen_k % block_n1 == 0,
-                ONE_KEY_ZERO=params.sink is None and dlse is None, **variant, **sparse)
-    if hopper:
-        backward_hopper.attention_backward_dkdv(dout, q, k, v, lse, delta, params, dk, dv,
-                                                block=tiles.get("hopper"))
-        backward_hopper.attention_backward_dq(dout, q, k, v, lse, delta, params, dq,
-                                              block=tiles.get("hopper_dq"))
-    else:
-        _bwd_kernel[(num_kv_blocks, batch * nheads)](
-            *args, **meta, DO_DKDV=True, DO_DQ=False, num_warps=num_warps,
-            num_stages=num_stages)
-        _bwd_kernel[(num_q_blocks, batch * nheads)](
-            *args, **meta, DO_DKDV=False, DO_DQ=True, num_warps=dq_warps, num_stages=dq_stages)
-
-    dsink = None
-    if params.sink is not None:
-        # d lse_i / d sink = exp(sink - lse_i) and dL/d lse_i = -delta_i, summed over rows
-        # (lse (batch, nheads, seqlen_q), varlen (nheads, total_q)): a fixed-order torch
-        # reduction, deterministic like the rest.
-        row_share = torch.exp(params.sink.to(torch.float32)[:, None] - lse) * delta
-        dsink = (-row_share.sum(-1).reshape(-1, nheads).sum(0)).to(params.sink.dtype)
-
-    return dq, dk, dv, dsink
+    tensors = (q, k, v, dout, lse, delta, dq, dk, dv, alibi, cu_q, cu_k, *kv_blocks[:4],
+               *q_blocks[:4])
+    scalars = (*(stride for t in (q, k, v, dout, lse, delta, dq, dk, dv)
+                 for stride in batch_strides(t, params)),
+               batch, nheads, nheads_k, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
+               softcap_scale, *alibi_strides, params.softmax_scale, seed_lo, seed_hi,
+               dropout_threshold, dropout_scale, num_kv_blocks, num_q_blocks, score_mod_args,
+               mask_mod_args, *kv_blocks[4:], *q_blocks[4:])
+    meta = dict(HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
+                BLOCK_M1=block_m1, BLOCK_N1=block_n1, BLOCK_M2=block_m2, BLOCK_N2=block_n2,
+                HAS_LEFT=has_left, HAS_RIGHT=has_right, SOFTCAP=softcap, ALIBI=has_alibi,
+                DROPOUT=dropout, ONE_KEY_ZERO=one_key_zero, VARLEN=varlen,
+                EVEN_M=not varlen and seqlen_q % block_m2 == 0,
+                EVEN_N=not varlen and seqlen_k % block_n1 == 0, PRECISION=DOT_PRECISION,
+                **variant, **sparse)
+    for programs, do_dkdv, warps, stages in ((num_kv_blocks, True, num_warps, num_stages),
+                                             (num_q_blocks, False, dq_warps, dq_stages)):
+        launch(_bwd_kernel, (programs, *fold(batch * nheads)), tensors, scalars,
+               dict(meta, DO_DKDV=do_dkdv, DO_DQ=not do_dkdv), _BWD_TENSORS,
+               num_warps=warps, num_stages=stages)

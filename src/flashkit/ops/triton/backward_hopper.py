@@ -44,7 +44,7 @@ but lse and delta reach the dK/dV kernel as copies in which every sequence start
 (_aligned_lse_delta: a TMA box must start there; the dQ kernel loads them per row).
 The keep-mask is indexed (sequence, head, i, j) with i, j within the sequence, as forward.py's.
 
-Eligible (see `eligible`): what the Gluon forward takes (forward_hopper.gluon_supported: sm_90,
+Eligible (see `eligible`): what the Gluon forward takes (forward_hopper.gluon_declines: sm_90,
 fp16/bf16, head dim 64 or 128, q/k/v in the flash layout so (tokens, heads * d) is a plain 2-D
 view for TMA), dense with seqlen_q and seqlen_k multiples of every tile, or varlen; a dense
 call at other lengths runs as varlen with equal lengths (dense_as_varlen), whose tails are
@@ -76,8 +76,9 @@ from flashkit.ops.triton.common import (
 )
 from flashkit.ops.triton.configs import GLUON_BACKWARD, GLUON_BACKWARD_DKDV, GLUON_BACKWARD_DQ
 from flashkit.ops.triton.dropout import dropout_args
-from flashkit.ops.triton.forward_hopper import gluon_supported
+from flashkit.ops.triton.forward_hopper import gluon_declines
 from flashkit.ops.triton.hopper_common import flash_descriptor, flash_layout_2d
+from flashkit.ops.triton.launch import fold
 
 try:
     from triton.experimental import gluon
@@ -115,12 +116,13 @@ def _aligned_row(q_start, off_b):
 @triton.jit
 def _align_rows_kernel(Lse, Delta, LseAligned, DeltaAligned, Cu_q, stride_h, stride_aligned_h,
                        BLOCK: tl.constexpr):
-    """Copy BLOCK rows of sequence program_id(1), head program_id(2) of lse and delta (nheads,
-    total_q) into their aligned copies (nheads, aligned rows), zeroed beforehand."""
-    off_b = tl.program_id(1)
+    """Copy BLOCK rows program_id(1) of sequence program_id(0) (any number of sequences),
+    head program_id(2) of lse and delta (nheads, total_q) into their aligned copies (nheads,
+    aligned rows), zeroed beforehand."""
+    off_b = tl.program_id(0)
     off_h = tl.program_id(2).to(tl.int64)
     q_start = tl.load(Cu_q + off_b)
-    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    rows = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = rows < tl.load(Cu_q + off_b + 1) - q_start
     src = off_h * stride_h + q_start + rows
     dst = off_h * stride_aligned_h + _aligned_row(q_start, off_b) + rows
@@ -138,7 +140,7 @@ def _aligned_lse_delta(lse, delta, params: AttentionParams):
     rows = (total_q + 3 * batch + 3) // 4 * 4
     aligned = torch.zeros((2, nheads, rows), dtype=torch.float32, device=lse.device)
     block = 128
-    grid = (triton.cdiv(params.max_seqlen_q, block), batch, nheads)
+    grid = (batch, triton.cdiv(params.max_seqlen_q, block), nheads)
     _align_rows_kernel[grid](lse, delta, aligned[0], aligned[1], params.cu_seqlens_q,
                              lse.stride(0), rows, BLOCK=block)
     return aligned[0], aligned[1]
@@ -313,7 +315,7 @@ if gluon is not None:
         longest), descriptors over (total, heads * HEAD_DIM), lse/delta (nheads, total_q); blocks
         past the sequence's end return."""
         pid_n = gl.program_id(0)
-        pid_bh = gl.program_id(1)
+        pid_bh = gl.program_id(1) + gl.program_id(2) * gl.num_programs(1)  # launch.fold
         off_b = pid_bh // nheads_k
         off_hk = pid_bh % nheads_k
         group = nheads // nheads_k
@@ -520,7 +522,7 @@ if gluon is not None:
         kernel; key columns past the sequence's end (the next one's, read by TMA) are masked in
         the last key tile, query rows past it are never stored."""
         pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
-        pid_bh = gl.program_id(1)
+        pid_bh = gl.program_id(1) + gl.program_id(2) * gl.num_programs(1)  # launch.fold
         off_b = pid_bh // nheads
         off_h = pid_bh % nheads
         start_m = pid_m * BLOCK_M
@@ -627,13 +629,20 @@ if gluon is not None:
         gl.store(dq_ptrs, (dq * softmax_scale).to(DQ.dtype.element_ty), mask=store_mask)
 
 
-def _takes(q, k, v, dout, lse, params: AttentionParams, dq, dk, dv, tiles) -> bool:
+def _declines(q, k, v, dout, lse, params: AttentionParams, dq, dk, dv, tiles) -> str | None:
     """What the Gluon kernels need whatever the lengths: what the Gluon forward takes
-    (forward_hopper.gluon_supported, varlen included), no Triton tile override, dout like q."""
-    return (GLUON_BACKWARD and not set(tiles or {}) - {"hopper", "hopper_dq"}
-            and gluon_supported(q, k, v, params, varlen=True) and dout.dtype == q.dtype
-            and flash_layout_2d(dout) and flash_layout_2d(lse)
-            and all(x.stride(-1) == 1 for x in (dq, dk, dv)))
+    (forward_hopper.gluon_declines, varlen included), no Triton tile override, dout like q."""
+    if not GLUON_BACKWARD:
+        return "switched off (configs.GLUON_BACKWARD)"
+    if set(tiles or {}) - {"hopper", "hopper_dq"}:
+        return "a Triton tile was asked for"
+    why = gluon_declines(q, k, v, params, varlen=True)
+    if why is None and not (dout.dtype == q.dtype and flash_layout_2d(dout)
+                            and flash_layout_2d(lse)):
+        why = "dout or lse not contiguous in q's dtype"
+    if why is None and not all(x.stride(-1) == 1 for x in (dq, dk, dv)):
+        why = "dq, dk or dv has a strided last dim"
+    return why
 
 
 def _whole_tiles(q, k) -> bool:
@@ -642,21 +651,40 @@ def _whole_tiles(q, k) -> bool:
     return q.shape[1] % tile == 0 and k.shape[1] % tile == 0
 
 
+def declines(q, k, v, dout, lse, params: AttentionParams, dq, dk, dv, tiles) -> str | None:
+    """Why the Gluon kernels do not compute this call's gradients as it is, or None (they
+    take dense calls with both sequence lengths multiples of every tile, and varlen calls with
+    any lengths, at least one token each side)."""
+    why = _declines(q, k, v, dout, lse, params, dq, dk, dv, tiles)
+    if why is None and not (params.is_varlen or _whole_tiles(q, k)):
+        why = "dense lengths off the tiles"
+    return why
+
+
 def eligible(q, k, v, dout, lse, params: AttentionParams, dq, dk, dv, tiles) -> bool:
-    """Whether the Gluon kernels compute this call's gradients as it is (else dense_as_varlen
-    or backward.py's kernels): dense with both sequence lengths multiples of every tile, or
-    varlen with any lengths (at least one token each side)."""
-    return (_takes(q, k, v, dout, lse, params, dq, dk, dv, tiles)
-            and (params.is_varlen or _whole_tiles(q, k)))
+    """Whether the Gluon kernels compute this call's gradients as it is."""
+    return declines(q, k, v, dout, lse, params, dq, dk, dv, tiles) is None
+
+
+def as_varlen_declines(q, k, v, dout, lse, params: AttentionParams, dq, dk, dv,
+                       tiles) -> str | None:
+    """Why a dense call with lengths off the tiles cannot run through the Gluon kernels as
+    varlen with equal lengths (backward.py's dense_as_varlen; its VARLEN tails mask and zero
+    what the tiles read of the next batch entry), or None: dq, dk, dv must then be contiguous
+    too (their (batch * seqlen, heads, d) views are written)."""
+    if params.is_varlen:
+        return "varlen already"
+    why = _declines(q, k, v, dout, lse, params, dq, dk, dv, tiles)
+    if why is None and _whole_tiles(q, k):
+        why = "lengths on the tiles (taken as dense)"
+    if why is None and not all(x.is_contiguous() for x in (dq, dk, dv)):
+        why = "dq, dk or dv not contiguous"
+    return why
 
 
 def dense_as_varlen(q, k, v, dout, lse, params: AttentionParams, dq, dk, dv, tiles) -> bool:
-    """Whether a dense call with lengths off the tiles runs through the Gluon kernels as varlen
-    with equal lengths (backward.py's _dense_as_varlen; its VARLEN tails mask and zero what the
-    tiles read of the next batch entry): dq, dk, dv must then be contiguous too (their
-    (batch * seqlen, heads, d) views are written)."""
-    return (not params.is_varlen and _takes(q, k, v, dout, lse, params, dq, dk, dv, tiles)
-            and not _whole_tiles(q, k) and all(x.is_contiguous() for x in (dq, dk, dv)))
+    """Whether a dense call runs through the Gluon kernels as varlen (as_varlen_declines)."""
+    return as_varlen_declines(q, k, v, dout, lse, params, dq, dk, dv, tiles) is None
 
 
 def _launch_args(q, params: AttentionParams, lse, seqlen_q: int, seqlen_k: int) -> tuple:
@@ -691,7 +719,7 @@ def attention_backward_dkdv(dout, q, k, v, lse, delta, params: AttentionParams, 
     cu_q, cu_k, varlen = varlen_args(params, lse)
     if varlen:
         lse, delta = _aligned_lse_delta(lse, delta, params)
-    grid = (triton.cdiv(seqlen_k, block_n), batch * nheads_k)
+    grid = (triton.cdiv(seqlen_k, block_n), *fold(batch * nheads_k))
     _bwd_dkdv_hopper_kernel[grid](
         flash_descriptor(q, block_m), flash_descriptor(k, block_n), flash_descriptor(v, block_n),
         flash_descriptor(dout, block_m), rows_descriptor(lse), rows_descriptor(delta), dk, dv,
@@ -708,7 +736,7 @@ def attention_backward_dq(dout, q, k, v, lse, delta, params: AttentionParams, dq
     block_m, block_n, num_warps, num_stages = block or GLUON_BACKWARD_DQ[head_dim]
     (alibi, *alibi_strides), geo, flags = _launch_args(q, params, lse, seqlen_q, seqlen_k)
     cu_q, cu_k, varlen = varlen_args(params, lse)
-    grid = (triton.cdiv(seqlen_q, block_m), batch * nheads)
+    grid = (triton.cdiv(seqlen_q, block_m), *fold(batch * nheads))
     _bwd_dq_hopper_kernel[grid](
         flash_descriptor(q, block_m), flash_descriptor(k, block_n), flash_descriptor(v, block_n),
         flash_descriptor(dout, block_m), lse, delta, dq, alibi,

@@ -87,7 +87,7 @@ from flashkit.ops.triton.configs.decode import (
     STEP_MAX_NEW,
     Tile,
 )
-from flashkit.ops.triton.launch import device_facts, launch
+from flashkit.ops.triton.launch import device_facts, fold, launch
 
 
 @triton.jit
@@ -354,8 +354,9 @@ def _decode_kernel(Q, K, V, Out, Lse, BlockTable, CacheBatchIdx, Leftpad, Seqlen
                    TABLE_CHUNK: tl.constexpr):
     if USE_PDL:  # the merge kernel may be scheduled now; it waits for this grid's results
         gdc_launch_dependents()
-    pid_split = tl.program_id(0)
-    pid_bhk = tl.program_id(1)
+    # (batch, kv head) folded into grid dims y and x (launch.fold), splits fastest along x
+    pid_split = tl.program_id(0) % num_splits
+    pid_bhk = tl.program_id(1) + tl.program_id(0) // num_splits * tl.num_programs(1)
     # Heaviest row tiles first: under a causal band the last query rows see the most keys.
     pid_m = tl.num_programs(2) - 1 - tl.program_id(2)
     off_b = pid_bhk // nheads_k
@@ -687,12 +688,16 @@ class Step(NamedTuple):
     q_rows: int
 
 
-def takes_step(q, nheads_k: int, seqlen_new: int) -> bool:
-    """Whether the decode kernel does the decoding step itself (Step): one program of the
-    decode tile holds all query rows of a kv head, and at most STEP_MAX_NEW new keys."""
+def step_declines(q, nheads_k: int, seqlen_new: int) -> str | None:
+    """Why the decode kernel cannot do the decoding step itself (Step), or None: one program of
+    the decode tile must hold all query rows of a kv head, and at most STEP_MAX_NEW new keys."""
     table = DECODE_INTERPRETER if interpreting() else DECODE_SM90
     packed_rows = q.shape[1] * (q.shape[2] // nheads_k)
-    return packed_rows <= table["decode"].block_m and seqlen_new <= STEP_MAX_NEW
+    if packed_rows > table["decode"].block_m:
+        return f"{packed_rows} query rows per kv head > the tile's {table['decode'].block_m}"
+    if seqlen_new > STEP_MAX_NEW:
+        return f"{seqlen_new} new keys > {STEP_MAX_NEW}"
+    return None
 
 
 def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, block_table,
@@ -703,7 +708,7 @@ def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, bloc
     max_seqlen_k (the longest seqlens_k, or a bound such as the cache capacity, as flash-attn
     uses) saves a device sync when auto splitting; cache_batch_idx / cache_leftpad None mean
     rows 0..b-1 and no padding; out and lse may be given preallocated. With `step` (where
-    takes_step), the kernel appends step.k, step.v to the cache and rotates q and step.k;
+    step_declines), the kernel appends step.k, step.v to the cache and rotates q and step.k;
     seqlens_k is not read (the kernel takes step.cache_seqlens) and max_seqlen_k is required."""
     check_supported(q.dtype, params)
     batch, seqlen_q, nheads, head_dim = q.shape
@@ -716,7 +721,7 @@ def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, bloc
                                                         max_seqlen_k)
     sms, use_pdl = _launch_facts(q.device)
     if step is not None and m_blocks != 1:
-        raise ValueError("decode.forward: a step needs one program per kv head (takes_step)")
+        raise ValueError("decode.forward: a step needs one program per kv head (step_declines)")
     interleaved = step is not None and step.cos is not None and step.interleaved
     # Pages looked up per key row: neither a tile nor a sub-tile lies in one page
     row_pages = (page_size > 0 and not per_tile
@@ -753,7 +758,8 @@ def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, bloc
     # seqlens_k, or q where a step takes an int cache_seqlens: stands in for absent pointer
     # arguments (never read)
     dummy = q if seqlens_k is None else seqlens_k
-    launch(_decode_kernel, (num_splits, batch * nheads_k, m_blocks), (
+    bhk_y, bhk_z = fold(batch * nheads_k)
+    launch(_decode_kernel, (num_splits * bhk_z, bhk_y, m_blocks), (
         q, k_cache, v_cache, out_part, lse_part,
         dummy if block_table is None else block_table,
         dummy if cache_batch_idx is None else cache_batch_idx,

@@ -24,7 +24,6 @@ import triton
 import triton.language as tl
 
 from flashkit.ops.params import AttentionParams
-from flashkit.ops.triton import forward_hopper
 from flashkit.ops.triton.common import (
     DOT_PRECISION,
     LOG2E_JIT,
@@ -57,6 +56,7 @@ from flashkit.ops.triton.common import (
 )
 from flashkit.ops.triton.configs import padded_head_dim, tile_config
 from flashkit.ops.triton.dropout import dropout_args, dropout_keep
+from flashkit.ops.triton.launch import fold, launch
 
 
 @triton.jit
@@ -144,7 +144,7 @@ def _fwd_kernel(Q, K, V, Out, Lse,
     SCORE_GRAD is unused here."""
     # Heaviest query tiles first: under a causal band the last rows see the most keys.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_bh = tl.program_id(1) + tl.program_id(2) * tl.num_programs(1)  # launch.fold
     off_b = (pid_bh // nheads).to(tl.int64)
     off_h = (pid_bh % nheads).to(tl.int64)
     off_hk = off_h // group  # GQA: query head h reads kv head h // group
@@ -223,22 +223,24 @@ def _fwd_kernel(Q, K, V, Out, Lse,
         tl.store(lse_ptrs, lse, mask=offs_m < seqlen_q)
 
 
+_TENSORS = ("Q", "K", "V", "Out", "Lse", "Alibi", "Sink", "Cu_q", "Cu_k", "KvNum", "KvIdx",
+            "FullNum", "FullIdx")  # launch's order
+
+
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       params: AttentionParams, out: torch.Tensor | None = None,
                       lse: torch.Tensor | None = None,
                       tile: tuple[int, int, int, int] | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the forward kernel. Returns (out, lse); out/lse may be given preallocated.
+    """Launch this file's forward kernel (dispatch.forward_call chooses it or the Gluon one).
+    Returns (out, lse); out/lse may be given preallocated.
 
     tile = (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides configs.SM90 (the tuning sweep).
     """
-    if forward_hopper.eligible(q, k, v, params, out, lse, tile):  # the plain case on sm_90
-        return forward_hopper.attention_forward(q, k, v, params, out=out, lse=lse)
     batch, seqlen_q, seqlen_k, nheads, nheads_k = varlen_shape(q, v, params)
     head_dim, head_dim_v = q.shape[-1], v.shape[-1]
     if out is None:
-        out_dtype = torch.float32 if params.fp32_out else q.dtype
-        out = torch.empty((*q.shape[:-1], head_dim_v), dtype=out_dtype, device=q.device)
+        out = torch.empty((*q.shape[:-1], head_dim_v), dtype=q.dtype, device=q.device)
     if lse is None:  # (batch, nheads, seqlen_q), varlen (nheads, total_q)
         lse_shape = (nheads, q.shape[0]) if params.is_varlen else (batch, nheads, seqlen_q)
         lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
@@ -259,17 +261,16 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         params.dropout_p, params.dropout_seed)
     cu_q, cu_k, varlen = varlen_args(params, lse)
     block_d, block_dv = padded_head_dim(head_dim), padded_head_dim(head_dim_v)
-    grid = (cdiv(seqlen_q, block_m), batch * nheads)
-    _fwd_kernel[grid](
-        q, k, v, out, lse,
+    grid = (cdiv(seqlen_q, block_m), *fold(batch * nheads))
+    launch(_fwd_kernel, grid, (q, k, v, out, lse, alibi, sink, cu_q, cu_k, *blocks[:4]), (
         *batch_strides(q, params), *batch_strides(k, params), *batch_strides(v, params),
         *batch_strides(out, params), *batch_strides(lse, params),
         nheads, nheads // nheads_k, seqlen_q, seqlen_k, window_left, window_right,
-        qk_scale, softcap_scale, alibi, *alibi_strides, sink, seed_lo, seed_hi,
-        dropout_threshold, dropout_scale, cu_q, cu_k, score_mod_args, mask_mod_args, *blocks,
+        qk_scale, softcap_scale, *alibi_strides, seed_lo, seed_hi,
+        dropout_threshold, dropout_scale, score_mod_args, mask_mod_args, *blocks[4:]), dict(
         HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
         BLOCK_M=block_m, BLOCK_N=block_n, HAS_LEFT=has_left, HAS_RIGHT=has_right,
         SOFTCAP=softcap, ALIBI=has_alibi, SINK=params.sink is not None, DROPOUT=dropout,
         VARLEN=varlen, EVEN_M=not varlen and seqlen_q % block_m == 0, PRECISION=DOT_PRECISION,
-        **variant, **sparse, num_warps=num_warps, num_stages=num_stages)
+        **variant, **sparse), _TENSORS, num_warps=num_warps, num_stages=num_stages)
     return out, lse

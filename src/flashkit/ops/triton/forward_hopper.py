@@ -90,7 +90,7 @@ from flashkit.ops.triton.common import (
 from flashkit.ops.triton.configs import GLUON_FORWARD, gluon_forward_tile
 from flashkit.ops.triton.dropout import dropout_args
 from flashkit.ops.triton.hopper_common import flash_descriptor, flash_layout_2d
-from flashkit.ops.triton.launch import device_properties, launch
+from flashkit.ops.triton.launch import device_properties, fold, launch
 
 try:
     from triton.experimental import gluon
@@ -106,7 +106,7 @@ except ImportError:  # a Triton without Gluon: the Triton kernel does everything
 
 BLOCK_M = 64  # query rows per consumer warpgroup (the wgmma M of one warpgroup)
 PRODUCER_REGS = 24  # registers per thread of the producer warp (the least setmaxnreg allows)
-FORWARD_HEAD_DIMS = (64, 128, 256)  # this forward's; the backward's stay gluon_supported's
+FORWARD_HEAD_DIMS = (64, 128, 256)  # this forward's; the backward's stay gluon_declines'
 # SOFTCAP value of a softcap whose scores are bounded tightly enough for a fixed row max
 # (softcap_mode): SOFTCAP_FAST's tanh, no running max, no rescaling of O.
 SOFTCAP_BOUNDED = 3
@@ -703,7 +703,8 @@ if gluon is not None:
             work = (problem, gl.cdiv(seqlen_q, BLOCK_Q), n_items)
         else:  # heaviest causal rows first
             scalars, loads, in_sequence = _work_item(
-                gl.num_programs(0) - 1 - gl.program_id(0), gl.program_id(1), problem, HEAD_DIM,
+                gl.num_programs(0) - 1 - gl.program_id(0),
+                gl.program_id(1) + gl.program_id(2) * gl.num_programs(1), problem, HEAD_DIM,
                 BLOCK_Q, BLOCK_N, HAS_LEFT, HAS_RIGHT, VARLEN, SEQUSED_K)
             if VARLEN:  # a tile past its sequence's end has nothing to do
                 if not in_sequence:
@@ -810,34 +811,52 @@ if gluon is not None:
             mbarrier.invalidate(v_empty.index(i))
 
 
-def gluon_supported(q, k, v, params: AttentionParams, varlen: bool = False,
-                    head_dims: tuple = (64, 128)) -> bool:
-    """What both Gluon kernels (this forward, backward_hopper's backward) need: Gluon on an
-    sm_90 GPU, non-empty fp16/bf16 q/k/v of one head dim in head_dims (the backward's 64 and
-    128 by default; this forward passes FORWARD_HEAD_DIMS) in the flash layout, no bias, a
-    positive scale; dense, or varlen too where the caller says it takes it (varlen=True). Each
-    kernel's `eligible` adds its own conditions."""
+def gluon_declines(q, k, v, params: AttentionParams, varlen: bool = False,
+                   head_dims: tuple = (64, 128)) -> str | None:
+    """Why the Gluon kernels (this forward, backward_hopper's backward) cannot take a call, or
+    None: they need Gluon on an sm_90 GPU, non-empty fp16/bf16 q/k/v of one head dim in
+    head_dims (the backward's 64 and 128 by default; this forward passes FORWARD_HEAD_DIMS) in
+    the flash layout, no bias, a positive scale; dense, or varlen too where the caller says it
+    takes it (varlen=True). Each kernel's `declines` adds its own conditions."""
     if gluon is None or interpreting():
-        return False
+        return "no Gluon (the interpreter, or a Triton without it)"
     if params.is_varlen and not varlen:
-        return False
-    supported = (params.attn_bias is None and params.variant is None
-                 and params.softmax_scale > 0)
-    if not (supported and q.is_cuda and device_properties(q.device).major == 9):
-        return False
+        return "varlen"
+    if params.attn_bias is not None or not params.softmax_scale > 0:
+        return "an attention bias or a scale <= 0"
+    if params.variant is not None:
+        return "a score_mod, mask_mod or block_mask"
+    if not (q.is_cuda and device_properties(q.device).major == 9):
+        return "not an sm_90 GPU"
     head_dim = q.shape[-1]
+    if not (head_dim in head_dims and head_dim == v.shape[-1] == k.shape[-1]):
+        return f"head dims {k.shape[-1]}/{v.shape[-1]} (takes {head_dims}, q/k/v alike)"
+    if not (q.dtype in (torch.float16, torch.bfloat16) and q.dtype == k.dtype == v.dtype):
+        return f"dtype {q.dtype}"
     tokens = 0 if params.is_varlen else 1  # varlen (total, h, d), dense (b, seqlen, h, d)
-    return (head_dim in head_dims and head_dim == v.shape[-1] == k.shape[-1]
-            and q.dtype in (torch.float16, torch.bfloat16) and q.dtype == k.dtype == v.dtype
-            and min(q.shape[tokens], k.shape[tokens]) > 0
-            and all(flash_layout_2d(x) for x in (q, k, v)))
+    if min(q.shape[tokens], k.shape[tokens]) == 0:
+        return "no query or key token"
+    if not all(flash_layout_2d(x) for x in (q, k, v)):
+        return "q, k or v not contiguous and 16-byte aligned"
+    return None
+
+
+def declines(q, k, v, params: AttentionParams, out, lse, tile) -> str | None:
+    """Why this kernel does not compute the call (forward.py's kernel does), or None."""
+    if not GLUON_FORWARD:
+        return "switched off (configs.GLUON_FORWARD)"
+    if tile is not None:
+        return "a Triton tile was asked for"
+    why = gluon_declines(q, k, v, params, varlen=True, head_dims=FORWARD_HEAD_DIMS)
+    if why is None and not ((out is None or out.stride(-1) == 1)
+                            and (lse is None or lse.stride(-1) == 1)):
+        why = "out or lse has a strided last dim"
+    return why
 
 
 def eligible(q, k, v, params: AttentionParams, out, lse, tile) -> bool:
     """Whether the Gluon kernel computes this call (else forward.py's kernel does)."""
-    return (GLUON_FORWARD and tile is None
-            and gluon_supported(q, k, v, params, varlen=True, head_dims=FORWARD_HEAD_DIMS)
-            and (out is None or out.stride(-1) == 1) and (lse is None or lse.stride(-1) == 1))
+    return declines(q, k, v, params, out, lse, tile) is None
 
 
 def softcap_mode(params: AttentionParams, dtype, qk_scale, softcap) -> int:
@@ -900,8 +919,7 @@ def attention_forward(q, k, v, params: AttentionParams, out=None, lse=None, tile
     batch, seqlen_q, seqlen_k, nheads, nheads_k = varlen_shape(q, v, params)
     head_dim = q.shape[-1]
     if out is None:
-        out_dtype = torch.float32 if params.fp32_out else q.dtype
-        out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if lse is None:  # (batch, nheads, seqlen_q), varlen (nheads, total_q)
         lse_shape = (nheads, q.shape[0]) if params.is_varlen else (batch, nheads, seqlen_q)
         lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
@@ -922,7 +940,7 @@ def attention_forward(q, k, v, params: AttentionParams, out=None, lse=None, tile
     n_m = cdiv(seqlen_q, BLOCK_M * consumers)
     n_items = n_m * batch * nheads
     grid = (min(n_items, _programs_per_device(q.device, consumers)), ) if persistent else (
-        n_m, batch * nheads)
+        n_m, *fold(batch * nheads))
     box_rows, table, paging = None, lse, (0, 0)
     if paged:
         box_rows = min(page_size, block_n)

@@ -39,10 +39,13 @@ from triton import knobs
 from flashkit.ops.triton.common import interpreting
 
 MAX_ENTRIES = 4096  # forget every entry of a dict beyond this (a safety bound)
+MAX_GRID_YZ = 65535  # CUDA's limit on a grid's dims y and z (x allows 2**31 - 1)
 _SCALAR_TYPES = frozenset((int, float, bool, type(None)))
+_PLAIN_TYPES = _SCALAR_TYPES | {tuple}
 _compiled: dict = {}  # key (scalars by code) -> Triton's compiled kernel
 _by_value: dict = {}  # the same key with the scalars' values instead of their codes -> kernel
-_plans: dict = {}  # (id(kernel), number of tensors) -> each scalar parameter's codes
+_plans: dict = {}  # (id(kernel), number of tensors, tensor names) -> each scalar's codes
+_orders: dict = {}  # (id(kernel), tensor names, counts) -> the arguments in signature order
 _globals_seen: dict = {}  # kernel -> the objects its globals were when last found unchanged
 _MISSING = object()
 
@@ -64,7 +67,7 @@ def scalar_code(value, specialize: bool = True, align: bool = True) -> int:
     (align=False), whether % 16 == 0 (the "D" mark). Triton marks a float fp32, a bool u1 and
     None a constexpr whatever the value: -1, except that a float or bool equal to an int (2.0,
     True) gets that int's code, as a dict lookup cannot tell them apart."""
-    if value is None or (type(value) is float and not value.is_integer()):
+    if value is None or value == () or (type(value) is float and not value.is_integer()):
         return -1
     value = int(value)
     if specialize and value == 1:
@@ -93,31 +96,37 @@ _CODES = {(specialize, align): _Codes(specialize, align)
 
 
 def launch(kernel, grid: tuple, tensors: tuple, scalars: tuple, constexprs: dict,
-           **options) -> None:
+           tensor_params: tuple = (), **options) -> None:
     """kernel[grid](*tensors, *scalars, **constexprs, **options), the compiled kernel launched
     directly once it is known. The kernel's signature lists the tensor arguments, then the
-    scalars, then the constexprs, each in the order given here."""
-    if interpreting() or _hooked():
-        kernel[grid](*tensors, *scalars, **constexprs, **options)
+    scalars, then the constexprs, each in the order given here; or, with tensor_params (the
+    names of the tensor parameters), tensors and scalars interleaved in any way, each group in
+    signature order (put back in order by one precomputed itemgetter per kernel)."""
+    args = tensors + scalars
+    if tensor_params:
+        args = _order(kernel, tensor_params, len(tensors), len(scalars))(args)
+    types = tuple(map(type, scalars))
+    if interpreting() or _hooked() or not _plain(types, scalars):
+        kernel[grid](*args, **constexprs, **options)
         return
     device = torch.cuda.current_device()
-    key = (id(kernel), device, tuple([tensor_key(t) for t in tensors]), scalars,
-           tuple(map(type, scalars)), tuple(constexprs.values()), tuple(options.items()),
-           knobs.runtime.debug, knobs.compilation.instrumentation_mode)
+    key = (id(kernel), device, tuple([tensor_key(t) for t in tensors]), scalars, types,
+           tuple(constexprs.values()), tuple(options.items()), knobs.runtime.debug,
+           knobs.compilation.instrumentation_mode)
     compiled = _by_value.get(key)
     if compiled is None:  # new values: look their codes up
-        coded = _coded_key(kernel, len(tensors), key)
+        coded = _coded_key(kernel, len(tensors), key, tensor_params)
         compiled = _compiled.get(coded)
         if compiled is not None:
             _remember(_by_value, key, compiled)
     if compiled is None or _globals_changed(kernel):
-        compiled = kernel[grid](*tensors, *scalars, **constexprs, **options)
+        compiled = kernel[grid](*args, **constexprs, **options)
         if hasattr(compiled, "result"):  # asynchronous compilation
             compiled = compiled.result()
-        if kernel.arg_names[len(tensors) + len(scalars):] != list(constexprs):
+        if kernel.arg_names[len(args):] != list(constexprs):
             raise ValueError(f"launch: {kernel.__name__}'s constexprs must follow its runtime "
                              "arguments in the signature, in order")
-        coded = _coded_key(kernel, len(tensors), key)
+        coded = _coded_key(kernel, len(tensors), key, tensor_params)
         if coded is not None:
             _remember(_compiled, coded, compiled)
             _remember(_by_value, key, compiled)
@@ -125,20 +134,48 @@ def launch(kernel, grid: tuple, tensors: tuple, scalars: tuple, constexprs: dict
     grid = tuple(grid) + (1,) * (3 - len(grid))
     stream = triton.runtime.driver.active.get_current_stream(device)
     compiled.run(*grid, stream, compiled.function, compiled.packed_metadata, None, None, None,
-                 *tensors, *scalars, *constexprs.values())
+                 *args, *constexprs.values())
 
 
-def _coded_key(kernel, n_tensors: int, key: tuple) -> tuple | None:
+def _plain(types: tuple, scalars: tuple) -> bool:
+    """Whether every scalar is an int, float, bool, None or an empty tuple (a user modifier's
+    captured values when there is none), the values whose specialisation launch's key knows;
+    anything else (a tuple of captured tensors) goes through Triton's binder."""
+    if _SCALAR_TYPES.issuperset(types):
+        return True
+    return _PLAIN_TYPES.issuperset(types) and () in scalars and all(
+        s == () for s, t in zip(scalars, types, strict=True) if t is tuple)
+
+
+def _order(kernel, tensor_params: tuple, n_tensors: int, n_scalars: int):
+    """An itemgetter taking (*tensors, *scalars) to the kernel's signature order."""
+    key = (id(kernel), tensor_params, n_tensors, n_scalars)
+    order = _orders.get(key)
+    if order is None:
+        tensor_at, scalar_at = iter(range(n_tensors)), iter(range(n_tensors,
+                                                                  n_tensors + n_scalars))
+        names = kernel.arg_names[:n_tensors + n_scalars]
+        if sum(name in tensor_params for name in names) != n_tensors:
+            raise ValueError(f"launch: {kernel.__name__} has no parameters {tensor_params} "
+                             f"for {n_tensors} tensors")
+        order = _orders[key] = operator.itemgetter(*[
+            next(tensor_at) if name in tensor_params else next(scalar_at) for name in names])
+    return order
+
+
+def _coded_key(kernel, n_tensors: int, key: tuple, tensor_params: tuple = ()) -> tuple | None:
     """launch's key with each scalar's code in place of its value; None where a scalar is of
     another type than int, float, bool or None."""
     scalars, types = key[3], key[4]
-    if not _SCALAR_TYPES.issuperset(types):
+    if not _PLAIN_TYPES.issuperset(types):
         return None
-    plan = _plans.get((id(kernel), n_tensors))
+    plan = _plans.get((id(kernel), n_tensors, tensor_params))
     if plan is None:
-        plan = _plans[id(kernel), n_tensors] = tuple(
+        params = (kernel.params[n_tensors:] if not tensor_params else
+                  [p for p in kernel.params if p.name not in tensor_params])
+        plan = _plans[id(kernel), n_tensors, tensor_params] = tuple(
             _CODES[not p.do_not_specialize, not p.do_not_specialize_on_alignment]
-            for p in kernel.params[n_tensors:])
+            for p in params[:len(scalars)])
     return key[:3] + (tuple(map(operator.getitem, plan, scalars)),) + key[4:]
 
 
@@ -146,6 +183,24 @@ def _remember(cache: dict, key: tuple, compiled) -> None:
     if len(cache) >= MAX_ENTRIES:
         cache.clear()
     cache[key] = compiled
+
+
+def fold(n: int) -> tuple[int, int]:
+    """(y, z) with y * z == n and both <= MAX_GRID_YZ: a kernel's (batch, head) programs in
+    grid dims y and z, which it reads back as program_id(1) + program_id(2) * num_programs(1)
+    (so any batch x heads launches; z = 1, the plain grid, up to the limit)."""
+    if n <= MAX_GRID_YZ:
+        return n, 1
+    return _fold(n, MAX_GRID_YZ)
+
+
+@functools.lru_cache(maxsize=256)
+def _fold(n: int, limit: int) -> tuple[int, int]:
+    for z in range(-(-n // limit), min(n, limit) + 1):
+        if n % z == 0 and n // z <= limit:
+            return n // z, z
+    raise NotImplementedError(f"batch x heads = {n} has no factorisation y * z with both <= "
+                              f"{limit} (CUDA's grid limit); pad the batch by one entry")
 
 
 @functools.lru_cache

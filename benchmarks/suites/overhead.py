@@ -1,0 +1,171 @@
+"""overhead: host time per call on a tiny problem, where the kernels take microseconds.
+
+What a Python call costs before the GPU has anything to do.
+
+    PYTHONPATH=src python3 benchmarks/suites/overhead.py --out DIR [--calls N]
+
+Problems: b1, s128, h8, d64 bf16: the forward (no grad) and the training step (forward with
+grad + backward) of flashkit.flash_attn_func, PyTorch SDPA (cuDNN, FA2, efficient) and compiled
+FlexAttention; and an eager decoding step of flashkit.flash_attn_with_kvcache (b1, 32 query /
+4 kv heads, d128, one new token, 1k..16k cached keys) against SDPA over the same cache
+(enable_gqa). Two numbers per call:
+  wall_us  wall time per call of a tight loop of N calls with one synchronisation at the end. On
+           a problem this small the GPU finishes each kernel before the host has issued the
+           next, so the loop is host-bound and this is what a user's loop pays per call.
+  cpu_us   CPU time of the calling thread per call (time.thread_time over the same loop): the
+           Python, dispatch and driver work alone. wall_us well above cpu_us means the host
+           waited (a synchronisation, or a GPU slower than the host).
+Also a cProfile of flashkit's forward and step (the top functions by own time). Writes
+DIR/<date>_<device>.json (profiles included) and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch  # noqa: E402
+from common import (  # noqa: E402
+    Result,
+    add_out_argument,
+    anchor_call,
+    log,
+    sdpa,
+    table,
+)
+
+import flashkit  # noqa: E402
+
+B, S, H, D = 1, 128, 8, 64
+DECODE_Q_HEADS, DECODE_KV_HEADS, DECODE_D = 32, 4, 128
+CACHED = (1024, 4096, 16384)
+
+
+def per_call(fn, calls: int) -> dict:
+    """{"wall_us", "cpu_us"} per call of fn over a tight loop (after a warm-up)."""
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    wall, cpu = time.perf_counter(), time.thread_time()
+    for _ in range(calls):
+        fn()
+    cpu = time.thread_time() - cpu
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - wall
+    return {"wall_us": 1e6 * wall / calls, "cpu_us": 1e6 * cpu / calls}
+
+
+def profile(fn, calls: int, top: int = 20) -> str:
+    fn()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(top)
+    return text.getvalue()
+
+
+def tiny_calls(causal: bool) -> dict:
+    """name -> (forward, step) callables on the tiny problem."""
+    q, k, v, dout = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16)
+                     for _ in range(4))
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    qh, kh, vh, douth = (x.transpose(1, 2).contiguous() for x in (q, k, v, dout))
+    leaves_h = [x.clone().requires_grad_() for x in (qh, kh, vh)]
+
+    def pair(attention, plain, grads, grad_out):
+        def forward():
+            with torch.no_grad():
+                return attention(*plain)
+
+        def step():
+            return torch.autograd.grad(attention(*grads), grads, grad_out)
+
+        return forward, step
+
+    calls = {"flashkit": pair(lambda *t: flashkit.flash_attn_func(*t, causal=causal),
+                              (q, k, v), leaves, dout)}
+    for name in ("cudnn", "flash", "efficient", "flex"):
+        calls[name] = pair(anchor_call(name, causal), (qh, kh, vh), leaves_h, douth)
+    return calls
+
+
+def decode_calls(cached: int) -> dict:
+    """name -> decoding-step callable: one new token over `cached` keys."""
+    shape_q = (1, 1, DECODE_Q_HEADS, DECODE_D)
+    cache_shape = (1, cached + 64, DECODE_KV_HEADS, DECODE_D)
+    q = torch.randn(shape_q, device="cuda", dtype=torch.bfloat16)
+    k_cache, v_cache = (torch.randn(cache_shape, device="cuda", dtype=torch.bfloat16)
+                        for _ in range(2))
+    k_new, v_new = (torch.randn(1, 1, DECODE_KV_HEADS, DECODE_D, device="cuda",
+                                dtype=torch.bfloat16) for _ in range(2))
+    lens = torch.full((1,), cached, dtype=torch.int32, device="cuda")
+
+    def ours():
+        return flashkit.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new,
+                                                cache_seqlens=lens, causal=True)
+
+    qh = q.transpose(1, 2)
+    kh, vh = (c[:, :cached + 1].transpose(1, 2) for c in (k_cache, v_cache))
+    calls = {"flashkit": ours}
+    for name in ("cudnn", "flash", "efficient"):
+        attention = sdpa(name)
+        calls[name] = lambda attention=attention: attention(qh, kh, vh, enable_gqa=True)
+    return calls
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--calls", type=int, default=1000, help="calls per timed loop")
+    add_out_argument(ap, "overhead")
+    args = ap.parse_args(argv)
+    result = Result("overhead", args.out, config={"calls": args.calls})
+    log(str(result.data["env"]))
+    rows, profiles = [], {}
+    with torch.inference_mode(False):
+        for causal in (False, True):
+            for name, (forward, step) in tiny_calls(causal).items():
+                for kind, fn in (("forward", forward), ("step", step)):
+                    try:
+                        row = per_call(fn, args.calls)
+                    except Exception as e:  # an anchor that does not run here: recorded
+                        log(f"{name} {kind}: {type(e).__name__}: {e}")
+                        row = {"wall_us": None, "cpu_us": None}
+                    rows.append({"problem": f"b{B} s{S} h{H} d{D}" + (" causal" if causal
+                                                                      else ""),
+                                 "call": kind, "impl": name, **row})
+                    if name == "flashkit":
+                        profiles[f"{kind}{' causal' if causal else ''}"] = profile(fn, 200)
+        with torch.no_grad():
+            for cached in CACHED:
+                for name, fn in decode_calls(cached).items():
+                    try:
+                        row = per_call(fn, args.calls)
+                    except Exception as e:
+                        log(f"{name} decode: {type(e).__name__}: {e}")
+                        row = {"wall_us": None, "cpu_us": None}
+                    rows.append({"problem": f"decode b1 {DECODE_Q_HEADS}/{DECODE_KV_HEADS} "
+                                            f"heads d{DECODE_D} {cached} keys",
+                                 "call": "decode", "impl": name, **row})
+    notes = ("wall_us: wall time per call of a tight loop with one synchronisation at the end "
+             "(host-bound here, so the host time a loop pays per call); cpu_us: the calling "
+             "thread's CPU time per call (Python, dispatch and driver work alone).")
+    result.save("notes", notes)
+    result.save("rows", rows)
+    result.save("profiles", profiles)
+    result.markdown(f"# overhead\n\n{notes}\n\n"
+                    + table(rows, ["problem", "call", "impl", "wall_us", "cpu_us"]))
+    log(f"wrote {result.path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,218 @@
+"""The Triton backend's front door: the one place that chooses which kernels run a call.
+
+    forward(q, k, v, params)                     the Gluon forward (forward_hopper) where it
+                                                 takes the call, else forward.py's kernel
+    backward(dout, q, k, v, out, lse, params)    the Gluon dK/dV and dQ kernels (backward_hopper)
+                                                 as the call is, or a dense call as varlen with
+                                                 equal lengths, else backward.py's kernels
+    kvcache(q, k_cache, v_cache, cache, params)  a decoding step in the decode kernel alone;
+                                                 else the append kernel, then the Gluon forward
+                                                 (a long prefill, prefill.py) or the decode
+                                                 kernels
+
+Each kernel's predicate lives beside the kernel and returns why it declines a call (a string), or
+None when it takes it. A choice depends only on what the plan key holds (shapes, dtypes, the
+device, the layout and alignment class of the tensors, the feature flags), so it is made once
+per key and kept in a dict: a call whose key was seen costs one tuple hash here.
+
+To see the choices, set the environment variable FLASHKIT_LOG_DISPATCH=1, or the logger
+"flashkit.dispatch" to DEBUG: every call then logs the kernel that ran and why the others
+declined, e.g.
+    flashkit.dispatch: forward ran triton (forward.py); declined: gluon: not an sm_90 GPU
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import NamedTuple
+
+import torch
+
+from flashkit.ops.params import AttentionParams, KVCacheArgs
+from flashkit.ops.tiled.kvcache import empty_result
+from flashkit.ops.triton import (
+    append,
+    backward,
+    backward_hopper,
+    decode,
+    forward,
+    forward_hopper,
+    prefill,
+)
+
+__all__ = ["forward_call", "backward_call", "kvcache_call", "forget_plans", "logger",
+           "MAX_PLANS"]
+
+logger = logging.getLogger("flashkit.dispatch")
+if os.environ.get("FLASHKIT_LOG_DISPATCH", "") not in ("", "0"):
+    logger.setLevel(logging.DEBUG)
+    if not logger.handlers:
+        logger.addHandler(logging.StreamHandler())
+
+MAX_PLANS = 4096  # forget every plan beyond this many keys (a safety bound)
+_plans: dict = {}
+
+
+class Plan(NamedTuple):
+    """A choice: the kernel that runs, and (kernel, why it declined) for the others."""
+    kernel: str
+    declined: tuple
+
+
+def forget_plans() -> None:
+    """Forget every cached choice (after changing a threshold or a switch in configs)."""
+    _plans.clear()
+
+
+def _choose(op: str, key: tuple, candidates) -> Plan:
+    """The first candidate (name, thunk giving a decline reason or None) that takes the call;
+    the last candidate is the portable kernel, which takes every call. Cached under key."""
+    plan = _plans.get(key)
+    if plan is None:
+        declined = []
+        for name, why_not in candidates:
+            why = why_not()
+            if why is None:
+                break
+            declined.append((name, why))
+        if len(_plans) >= MAX_PLANS:
+            _plans.clear()
+        plan = _plans[key] = Plan(name, tuple(declined))
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug("%s ran %s; declined: %s", op, plan.kernel,
+                     "; ".join(f"{n}: {w}" for n, w in plan.declined) or "nothing")
+    return plan
+
+
+def _layout(t: torch.Tensor | None) -> tuple | None:
+    """What a kernel choice reads of a tensor besides shape and dtype: its strides, whether it
+    is contiguous and whether its address is 16-byte aligned (TMA)."""
+    if t is None:
+        return None
+    return t.shape, t.dtype, t.stride(), t.data_ptr() % 16 == 0
+
+
+def _features(params: AttentionParams) -> tuple:
+    """The feature flags a kernel choice reads (the values of tensors are not read)."""
+    return (params.window_left is None, params.window_right is None, params.softcap > 0,
+            params.softmax_scale > 0, params.alibi_slopes is not None, params.sink is not None,
+            params.attn_bias is not None, params.dropout_p > 0, params.is_varlen,
+            params.deterministic, params.variant is not None)
+
+
+# --- forward and backward ----------------------------------------------------------------------
+
+def forward_call(q, k, v, params: AttentionParams, out=None, lse=None):
+    """(out, lse) of the attention forward; out and lse may be given preallocated."""
+    key = ("forward", _layout(q), _layout(k), _layout(v), q.device, _features(params),
+           None if out is None else out.stride(), None if lse is None else lse.stride())
+    plan = _choose("forward", key, [
+        ("gluon", lambda: forward_hopper.declines(q, k, v, params, out, lse, None)),
+        ("triton", lambda: None)])
+    if plan.kernel == "gluon":
+        return forward_hopper.attention_forward(q, k, v, params, out=out, lse=lse)
+    return forward.attention_forward(q, k, v, params, out=out, lse=lse)
+
+
+def backward_call(dout, q, k, v, out, lse, params: AttentionParams, dq=None, dk=None, dv=None,
+                  dlse=None):
+    """(dq, dk, dv, dsink) of the attention backward; dq, dk, dv may be given preallocated.
+    dQ comes from its own kernel, summed in a fixed order (bitwise reproducible)."""
+    dq = torch.empty_like(q) if dq is None else dq
+    dk = torch.empty_like(k) if dk is None else dk
+    dv = torch.empty_like(v) if dv is None else dv
+    args = (q, k, v, dout, lse, params, dq, dk, dv, None)
+    key = ("backward", _layout(q), _layout(k), _layout(v), _layout(dout), _layout(lse),
+           q.device, _features(params), dq.stride(), dk.stride(), dv.stride(),
+           dq.is_contiguous() and dk.is_contiguous() and dv.is_contiguous())
+    plan = _choose("backward", key, [
+        ("gluon", lambda: backward_hopper.declines(*args)),
+        ("gluon as varlen", lambda: backward_hopper.as_varlen_declines(*args)),
+        ("triton", lambda: None)])
+    if plan.kernel == "gluon as varlen":
+        return _dense_as_varlen(dout, q, k, v, out, lse, params, dq, dk, dv, dlse)
+    return backward.attention_backward(dout, q, k, v, out, lse, params, dq, dk, dv, dlse=dlse,
+                                       gluon=plan.kernel == "gluon")
+
+
+def _dense_as_varlen(dout, q, k, v, out, lse, params: AttentionParams, dq, dk, dv, dlse,
+                     gluon: bool = True):
+    """A dense call whose lengths are not tile multiples (backward_hopper.as_varlen_declines)
+    through the Gluon kernels as varlen with equal lengths, which they take at any length:
+    tokens as (batch * seqlen, heads, d) views (dq, dk, dv written through theirs), lse and dlse
+    as (nheads, batch * seqlen_q) copies. Sequence b is batch entry b: ALiBi's (batch, nheads)
+    slopes and the dropout keep-mask, indexed (sequence, head, i, j), mean what they did dense.
+    gluon=False runs the packed call on backward.py's varlen kernels instead (a test of the
+    packing, in the interpreter too)."""
+    batch, seqlen_q, nheads = q.shape[:3]
+    seqlen_k = k.shape[1]
+    starts = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
+    packed = dataclasses.replace(params, cu_seqlens_q=starts * seqlen_q,
+                                 cu_seqlens_k=starts * seqlen_k, max_seqlen_q=seqlen_q,
+                                 max_seqlen_k=seqlen_k)
+
+    def tokens(x):  # (batch, seqlen, heads, d) -> (batch * seqlen, heads, d)
+        return x.reshape(-1, *x.shape[2:])
+
+    def rows(x):  # (batch, nheads, seqlen_q) -> (nheads, batch * seqlen_q), contiguous (at
+        # seqlen_q 1 a reshape would return a strided view, which the Gluon kernels refuse)
+        return x.transpose(0, 1).contiguous().view(nheads, -1)
+
+    dsink = backward.attention_backward(
+        tokens(dout), tokens(q), tokens(k), tokens(v), tokens(out), rows(lse), packed,
+        dq.view(-1, *dq.shape[2:]), dk.view(-1, *dk.shape[2:]), dv.view(-1, *dv.shape[2:]),
+        dlse=None if dlse is None else rows(dlse), gluon=gluon)[3]
+    return dq, dk, dv, dsink
+
+
+# --- kv-cache ----------------------------------------------------------------------------------
+
+def kvcache_call(q, k_cache, v_cache, cache: KVCacheArgs, params: AttentionParams):
+    """(out, lse) of flash_attn_with_kvcache on the Triton kernels; appends in place."""
+    decode.check_supported(q.dtype, params)
+    seqlens = cache.host_seqlen if cache.cache_seqlens is None else cache.cache_seqlens
+    nheads_k, seqlen_new = k_cache.shape[2], cache.seqlen_new
+    plan = _choose("kvcache", ("kvcache", q.shape, nheads_k, seqlen_new), [
+        # an append without queries takes the append kernel alone
+        ("decode step", lambda: "no query row" if q.shape[1] == 0 else
+         decode.step_declines(q, nheads_k, seqlen_new)),
+        ("append, then attention", lambda: None)])
+    if plan.kernel == "decode step":  # one kernel rotates, appends and attends (decode.Step)
+        step = decode.Step(seqlens, cache.k, cache.v, cache.rotary_cos, cache.rotary_sin,
+                           cache.rotary_interleaved, cache.q_rows)
+        return decode.forward(q, k_cache, v_cache, None, cache.cache_batch_idx,
+                              cache.cache_leftpad, cache.block_table, params, cache.num_splits,
+                              cache.max_seqlen_k, step=step)
+    # A bad index fails a device-side assertion in the append kernel (kvcache.py's docstring).
+    q, seqlens_k = append.append(q, k_cache, v_cache, cache.k, cache.v, cache.rotary_cos,
+                                 cache.rotary_sin, seqlens, cache.cache_batch_idx,
+                                 cache.cache_leftpad, cache.block_table, cache.q_rows,
+                                 cache.rotary_interleaved)
+    if q.shape[1] == 0:  # an append without queries
+        return empty_result(q, v_cache)
+    keys_bound = cache.capacity if cache.host_seqlen is None else (cache.host_seqlen
+                                                                   + seqlen_new)
+
+    def packed():
+        return prefill.as_varlen(q, k_cache, v_cache, cache.cache_batch_idx,
+                                 cache.cache_leftpad, cache.block_table, params)
+
+    def prefill_declines():
+        why = prefill.declines(q, k_cache, cache.block_table, keys_bound)
+        if why is None:
+            view = packed()
+            why = ("the cache is not contiguous and aligned" if view is None
+                   else forward_hopper.declines(*view, None, None, None))
+        return why
+
+    key = ("prefill", _layout(q), _layout(k_cache), _layout(v_cache),
+           cache.block_table is None, cache.cache_batch_idx is None,
+           cache.cache_leftpad is None, keys_bound, _features(params))
+    plan = _choose("kvcache", key, [("gluon prefill", prefill_declines), ("decode", lambda: None)])
+    if plan.kernel == "gluon prefill":
+        return prefill.forward(q, k_cache, v_cache, seqlens_k, cache.block_table, packed())
+    return decode.forward(q, k_cache, v_cache, seqlens_k, cache.cache_batch_idx,
+                          cache.cache_leftpad, cache.block_table, params, cache.num_splits,
+                          cache.max_seqlen_k)
