@@ -43,9 +43,11 @@ def test_varlen_cu_seqlens_shapes(backend):
                      (torch.tensor([0, 6, 5], dtype=torch.int32, device=q.device), "cu_seqlens_q"),
                      (torch.tensor([5], dtype=torch.int32, device=q.device), "cu_seqlens_q")):
         rejects(ValueError, arg, lambda bad=bad: flashkit.flash_attn_varlen_func(
-            q, k, v, bad, goodk, 5, 7, backend=backend), q, k, v, good, goodk)
+            q, k, v, bad, goodk, 5, 7, backend=backend, sync_checks=True), q, k, v, good, goodk)
+    # sync_checks: on CUDA the values are otherwise checked by a device-side assertion, which
+    # ends the CUDA context (docs/design.md section 2)
     rejects(ValueError, "max_seqlen_k", lambda: flashkit.flash_attn_varlen_func(
-        q, k, v, good, goodk, 5, 6, backend=backend), q, k, v)
+        q, k, v, good, goodk, 5, 6, backend=backend, sync_checks=True), q, k, v)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

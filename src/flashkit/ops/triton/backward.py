@@ -610,10 +610,10 @@ def _triton_dkdv_dq(dout, q, k, v, lse, delta, params: AttentionParams, dq, dk, 
                 HAS_LEFT=has_left, HAS_RIGHT=has_right, SOFTCAP=softcap, ALIBI=has_alibi,
                 DROPOUT=dropout, ONE_KEY_ZERO=one_key_zero, VARLEN=varlen,
                 EVEN_M=not varlen and seqlen_q % block_m2 == 0,
-                EVEN_N=not varlen and seqlen_k % block_n1 == 0, PRECISION=DOT_PRECISION,
-                **variant, **sparse)
+                EVEN_N=not varlen and seqlen_k % block_n1 == 0)
     for programs, do_dkdv, warps, stages in ((num_kv_blocks, True, num_warps, num_stages),
                                              (num_q_blocks, False, dq_warps, dq_stages)):
+        # constexprs in the kernel's signature order (launch passes them positionally)
         launch(_bwd_kernel, (programs, *fold(batch * nheads)), tensors, scalars,
-               dict(meta, DO_DKDV=do_dkdv, DO_DQ=not do_dkdv), _BWD_TENSORS,
-               num_warps=warps, num_stages=stages)
+               dict(meta, DO_DKDV=do_dkdv, DO_DQ=not do_dkdv, PRECISION=DOT_PRECISION,
+                    **variant, **sparse), _BWD_TENSORS, num_warps=warps, num_stages=stages)
