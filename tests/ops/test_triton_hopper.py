@@ -69,7 +69,7 @@ def test_eligibility():
     varlen = AttentionParams(0.125, None, 0, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=37,
                              max_seqlen_k=37)
     assert hopper.eligible(*packed, varlen, None, None, None) == taken
-    assert not hopper.gluon_supported(*packed, varlen)
+    assert hopper.gluon_declines(*packed, varlen) is not None
     assert not hopper.eligible(q, k, v, AttentionParams(0.125, attn_bias=torch.zeros(
         1, 2, 100, 37)), None, None, None)
     q80, k80, v80, _ = make_inputs(1, 64, 64, 2, 2, 80, 80, torch.float16)

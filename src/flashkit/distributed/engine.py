@@ -131,7 +131,7 @@ def ring_backward(dout, q, k, v, sink, out, lse, dlse, problem: RingProblem):
             dq_c, dk_c, dv_c, _ = kernels.backward(
                 dout[:, call.q], q[:, call.q], held_k[:, call.k], held_v[:, call.k],
                 out[:, call.q], problem.kernel_lse(call, lse[:, :, call.q]),
-                problem.call_params(call), **extra)
+                problem.call_params(call), own_lse=False, **extra)
             dq[:, call.q] += dq_c
             dk[:, call.k] += dk_c
             dv[:, call.k] += dv_c

@@ -18,11 +18,12 @@ from flashkit.ops.tiled.forward import BLOCK_M, BLOCK_N
 
 
 def backward(dout, q, k, v, out, lse, params: AttentionParams, dlse=None,
-             block_m: int = BLOCK_M, block_n: int = BLOCK_N):
-    """(dq, dk, dv, dsink) for dense or varlen inputs; dsink is None without a sink."""
+             block_m: int = BLOCK_M, block_n: int = BLOCK_N, own_lse: bool = True):
+    """(dq, dk, dv, dsink) for dense or varlen inputs; dsink is None without a sink.
+    own_lse=False: lse is one over more keys than this call's (ring attention's merged lse)."""
     if not params.is_varlen:
         return backward_dense(dout, q, k, v, out, lse, params, params.alibi_slopes, dlse,
-                              block_m, block_n)
+                              block_m, block_n, own_lse=own_lse)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dsink = None if params.sink is None else torch.zeros_like(params.sink)
     for b, sq, sk in layout.sequences(params):
@@ -30,7 +31,7 @@ def backward(dout, q, k, v, out, lse, params: AttentionParams, dlse=None,
                                out[None, sq], lse[None, :, sq], params,
                                layout.sequence_slopes(params, b),
                                None if dlse is None else dlse[None, :, sq], block_m, block_n,
-                               batch0=b)
+                               batch0=b, own_lse=own_lse)
         dq[sq], dk[sk], dv[sk] = grads[0][0], grads[1][0], grads[2][0]
         if dsink is not None:
             dsink += grads[3]
@@ -38,7 +39,7 @@ def backward(dout, q, k, v, out, lse, params: AttentionParams, dlse=None,
 
 
 def backward_dense(dout, q, k, v, out, lse, params: AttentionParams, alibi_slopes, dlse=None,
-                   block_m=BLOCK_M, block_n=BLOCK_N, batch0=0):
+                   block_m=BLOCK_M, block_n=BLOCK_N, batch0=0, own_lse=True):
     """One dense batch; batch0 is the index of its first sequence (for the dropout mask)."""
     seqlen_q, nheads = q.shape[1], q.shape[2]
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
@@ -84,7 +85,7 @@ def backward_dense(dout, q, k, v, out, lse, params: AttentionParams, alibi_slope
             if drop is not None:
                 dp = dp * drop
             ds = torch.where(tile.gradient_pairs(s, i0, i1, seqlen_k, shift, params,
-                                                 dlse is not None),
+                                                 dlse is not None or not own_lse),
                              p * (dp - delta[..., i0:i1, None]), 0.0)
             if chain is not None:  # softcap, score_mod: back to d / d(scale * q.k)
                 ds = chain(ds)

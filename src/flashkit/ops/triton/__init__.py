@@ -60,12 +60,15 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: Attention
 def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              out: torch.Tensor, lse: torch.Tensor, params: AttentionParams, *,
              dq: torch.Tensor | None = None, dk: torch.Tensor | None = None,
-             dv: torch.Tensor | None = None, dlse: torch.Tensor | None = None):
-    """(dq, dk, dv, dsink): gradients in the inputs' dtypes; dsink None without a sink."""
+             dv: torch.Tensor | None = None, dlse: torch.Tensor | None = None,
+             own_lse: bool = True):
+    """(dq, dk, dv, dsink): gradients in the inputs' dtypes; dsink None without a sink.
+    own_lse=False: lse is not this call's own but one over more keys (ring attention's merged
+    lse), so a row that sees one key here is not a row whose softmax is 1."""
     _check_supported(params, q.dtype)
     with _on_device_of(q):
         return dispatch.backward_call(dout, q, k, v, out, lse, params, dq=dq, dk=dk, dv=dv,
-                                      dlse=dlse)
+                                      dlse=dlse, own_lse=own_lse)
 
 
 def kvcache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

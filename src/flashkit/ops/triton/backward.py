@@ -519,11 +519,13 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                        out: torch.Tensor, lse: torch.Tensor, params: AttentionParams,
                        dq: torch.Tensor | None = None, dk: torch.Tensor | None = None,
                        dv: torch.Tensor | None = None, tiles: dict | None = None,
-                       dlse: torch.Tensor | None = None, gluon: bool = False):
+                       dlse: torch.Tensor | None = None, gluon: bool = False,
+                       own_lse: bool = True):
     """Launch preprocess, dK/dV and dQ. Returns (dq, dk, dv, dsink), dsink None without a sink;
     dq/dk/dv may be preallocated. dlse, a gradient on the lse output, enters as D - dlse
-    (d lse_i / d s_ij = P_ij, the same shape of term as D). Which kernels run is chosen by
-    dispatch.backward_call; this launches that choice.
+    (d lse_i / d s_ij = P_ij, the same shape of term as D). own_lse=False: lse is one over more
+    keys than this call's (ring attention), so rows seeing one key here keep their dS. Which
+    kernels run is chosen by dispatch.backward_call; this launches that choice.
 
     gluon: dK/dV and dQ in backward_hopper's kernels (the call must be one they take,
     backward_hopper.declines), else this file's. tiles = {"dkdv": (BLOCK_M, BLOCK_N,
@@ -558,7 +560,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                                               block=tiles.get("hopper_dq"))
     else:
         _triton_dkdv_dq(dout, q, k, v, lse, delta, params, dq, dk, dv, tiles,
-                        params.sink is None and dlse is None)
+                        params.sink is None and dlse is None and own_lse)
 
     dsink = None
     if params.sink is not None:

@@ -117,7 +117,7 @@ def forward_call(q, k, v, params: AttentionParams, out=None, lse=None):
 
 
 def backward_call(dout, q, k, v, out, lse, params: AttentionParams, dq=None, dk=None, dv=None,
-                  dlse=None):
+                  dlse=None, own_lse: bool = True):
     """(dq, dk, dv, dsink) of the attention backward; dq, dk, dv may be given preallocated.
     dQ comes from its own kernel, summed in a fixed order (bitwise reproducible)."""
     dq = torch.empty_like(q) if dq is None else dq
@@ -134,7 +134,7 @@ def backward_call(dout, q, k, v, out, lse, params: AttentionParams, dq=None, dk=
     if plan.kernel == "gluon as varlen":
         return _dense_as_varlen(dout, q, k, v, out, lse, params, dq, dk, dv, dlse)
     return backward.attention_backward(dout, q, k, v, out, lse, params, dq, dk, dv, dlse=dlse,
-                                       gluon=plan.kernel == "gluon")
+                                       gluon=plan.kernel == "gluon", own_lse=own_lse)
 
 
 def _dense_as_varlen(dout, q, k, v, out, lse, params: AttentionParams, dq, dk, dv, dlse,
