@@ -76,7 +76,7 @@ def test_eligibility():
     assert not hopper.eligible(q80, k80, v80, AttentionParams(0.125), None, None, None)
     q256, k256, v256, _ = make_inputs(1, 64, 64, 2, 2, 256, 256, torch.float16)
     assert hopper.eligible(q256, k256, v256, AttentionParams(0.125), None, None, None) == taken
-    assert not hopper.gluon_supported(q256, k256, v256, AttentionParams(0.125))  # the backward
+    assert hopper.gluon_declines(q256, k256, v256, AttentionParams(0.125))  # the backward
     assert not hopper.eligible(q, k, v, AttentionParams(0.125), None, None, (64, 64, 4, 2))
 
 
