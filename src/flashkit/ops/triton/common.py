@@ -463,8 +463,9 @@ def score_mod(qk, i, j, band, mods, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
 def softmax_start(m_i, l_i, sink_log2):
     """The online softmax's start state with a sink (a logit per query head that joins every
     row's denominator, in log2 units): (m, l) = (sink, 1) instead of (-inf, 0). m_i, l_i: the
-    empty state."""
-    return tl.maximum(m_i, sink_log2), l_i + 1.0
+    empty state. m is l_i + sink (l_i is 0 there) rather than max(m_i, sink): the hardware's
+    max drops a NaN operand, and a NaN sink must reach its head's rows as the math says."""
+    return l_i + sink_log2, l_i + 1.0
 
 
 @triton.jit

@@ -40,7 +40,6 @@ import triton.language as tl
 from flashkit.ops.params import AttentionParams
 from flashkit.ops.triton import interpreter
 from flashkit.ops.triton.common import (
-    LN2_JIT,
     LOG2E_JIT,
     alibi_args,
     alibi_bias,
@@ -53,6 +52,9 @@ from flashkit.ops.triton.common import (
     online_softmax_update,
     score_args,
     scores,
+    softmax_denominator,
+    softmax_lse,
+    softmax_start,
     store_tile,
     tile_ptrs,
     visible,
@@ -188,8 +190,7 @@ def _fp8_fwd_kernel(Q, K, V, Out, Lse, Q_descale, K_descale, V_descale,
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     if SINK:
-        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(Sink + off_h) * LOG2E_JIT
-        l_i = l_i + 1.0
+        m_i, l_i = softmax_start(m_i, l_i, tl.load(Sink + off_h) * LOG2E_JIT)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     alibi_log2 = load_alibi_log2(Alibi, off_b, off_h, stride_ab, stride_ah, ALIBI)
 
@@ -215,12 +216,10 @@ def _fp8_fwd_kernel(Q, K, V, Out, Lse, Q_descale, K_descale, V_descale,
                                BLOCK_DV, BLOCK_N, P_SCALE, True, HAS_LEFT, HAS_RIGHT, SOFTCAP,
                                ALIBI)
 
-    # A row that saw no key (and no sink) has l = 0: out = 0 (acc is 0) and lse = -inf, never
-    # NaN; with a sink it has l = 1 and lse = sink.
     has_mass = l_i > 0.0
-    l_safe = tl.where(has_mass, l_i, 1.0)
+    l_safe = softmax_denominator(l_i)
     out_tile = acc * (v_descale / P_SCALE) / l_safe[:, None]
-    lse = tl.where(has_mass, (m_i + tl.math.log2(l_safe)) * LN2_JIT, float("-inf"))
+    lse = softmax_lse(m_i, has_mass, l_safe)
 
     o_ptrs = tile_ptrs(head_ptr(Out, off_b, off_h, 0, stride_ob, stride_oh, stride_os),
                        offs_m, offs_dv, stride_os, stride_od)
