@@ -138,6 +138,21 @@ def anchor(name, q, k, v, dout, causal) -> tuple[float, float]:
     return t_fwd, t_bwd
 
 
+def graphed(fn, warmups: int = 3):
+    """fn captured in a CUDA graph, warmed up on a side stream first (as capture requires: lazy
+    allocations and autotuning must happen outside it); returns the graph's replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmups):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def peak_memory(fn) -> int:
     """Bytes allocated at the peak of fn() above what was allocated before it."""
     torch.cuda.synchronize()

@@ -35,7 +35,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
-from common import Result, add_out_argument, bench, log, sdpa, table, tflops  # noqa: E402
+from common import Result, add_out_argument, bench, graphed, log, sdpa, table, tflops  # noqa: E402
 
 DTYPE, NHEADS, HEAD_DIM = torch.bfloat16, 32, 128
 STAGES = ("gate", "decode", "step", "prefill", "host")
@@ -204,19 +204,6 @@ def host_ms(call, calls: int = 200, drain: bool = False) -> float:
     return 1e3 * elapsed / calls
 
 
-def captured(fn):
-    """fn captured in a CUDA graph (warmed up on a side stream first); returns its replay."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
-
-
 def decoding_step(batch, seqlen_k, nheads_k, page_size):
     """(step, q, k_cache, v_cache): append one token with rotary at cache_seqlens = L - 1 and
     attend causally over L keys."""
@@ -243,14 +230,14 @@ def step_row(batch, seqlen_k, nheads_k, page_size, copy_bw) -> dict:
     kv_bytes = kv_bytes_of(batch, seqlen_k, nheads_k)
     row = dict(batch=batch, seqlen_k=seqlen_k, nheads_k=nheads_k, page_size=page_size,
                kv_bytes=kv_bytes, eager_loop_ms=host_ms(step, 300, drain=True),
-               graph_loop_ms=host_ms(captured(step), 300, drain=True),
+               graph_loop_ms=host_ms(graphed(step, warmups=1), 300, drain=True),
                graph_gpu_ms=bench_graph(step),
                read_floor_gpu_ms=bench_graph(read_floor_fn(k_cache, v_cache, kv_bytes)))
     if page_size is None:
         fn = sdpa_fn(q, k_cache, v_cache, "cudnn")
         if fn is not None:
             row.update(cudnn_eager_loop_ms=host_ms(fn, 300, drain=True),
-                       cudnn_graph_loop_ms=host_ms(captured(fn), 300, drain=True),
+                       cudnn_graph_loop_ms=host_ms(graphed(fn, warmups=1), 300, drain=True),
                        cudnn_graph_gpu_ms=bench_graph(fn))
     for key in [k for k in row if k.endswith("_ms")]:
         row[key.replace("_ms", "_pct_copy")] = 100 * kv_bytes / (row[key] * 1e-3) / copy_bw

@@ -29,6 +29,7 @@ from common import (  # noqa: E402
     anchor_call,
     bench,
     flops,
+    graphed,
     log,
     table,
     tflops,
@@ -51,20 +52,6 @@ def step_fn(attention, q, k, v, dout):
         return torch.autograd.grad(out, leaves, dout)
 
     return step
-
-
-def graphed(step):
-    """step captured in a CUDA graph (warmed up on a side stream first); replay() runs it."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return graph.replay
 
 
 def cell(dtype, head_dim, seqlen, causal, with_flex: bool) -> dict:

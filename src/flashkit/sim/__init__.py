@@ -14,13 +14,8 @@
 
 Every part prints its tables through ``flashkit simulate ...`` (see :mod:`flashkit.sim.cli`).
 
-The sources, and the short names the docstrings use for them:
-    "the chapter"     Under the Hood, chapter 8: Flash Attention and tiled kernels
-    "the derivation"  a step-by-step derivation of FlashAttention from the online softmax
-    "the essay"       "Flash attention", the register-machine walkthrough of FlashAttention
-    "the TPU post"    "Forcing Flash Attention onto a TPU and Learning the Hard Way" (Archer
-                      Zhang), the JAX/TPU write-up
-    "the paper"       FlashAttention (Dao et al. 2022), with notes and a Triton implementation
+The sources, and the short names the docstrings use for them, are listed in
+:mod:`flashkit.algorithms`.
 """
 
 from flashkit.sim.hbm import (
