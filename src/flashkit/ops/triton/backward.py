@@ -37,9 +37,8 @@ from flashkit.ops.triton.common import (
     DOT_PRECISION,
     LOG2E_JIT,
     SCORE_GRAD_FROM_S_JIT,
-    alibi_args,
-    batch_strides,
     block_args,
+    cdiv,
     exp_units,
     gradient_pairs,
     head_ptr,
@@ -48,7 +47,6 @@ from flashkit.ops.triton.common import (
     load_alibi_log2,
     load_tile,
     query_tile_ranges,
-    score_args,
     score_mod,
     sequence,
     store_tile,
@@ -57,13 +55,11 @@ from flashkit.ops.triton.common import (
     user_score_grad,
     user_visible,
     variant_args,
-    varlen_args,
-    varlen_shape,
     visible,
-    window_args,
 )
 from flashkit.ops.triton.configs import padded_head_dim, tile_config
-from flashkit.ops.triton.dropout import dropout_args, dropout_keep, dropout_keep_t
+from flashkit.ops.triton.dropout import dropout_keep, dropout_keep_t
+from flashkit.ops.triton.features import GRADIENT_FLAGS, KernelFeatures, kernel_features
 from flashkit.ops.triton.launch import fold, launch
 
 
@@ -458,7 +454,7 @@ def _bwd_kernel(Q, K, V, DO, Lse, Delta, DQ, DK, DV,
                 BLOCK_DV: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
                 BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr, HAS_LEFT: tl.constexpr,
                 HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-                DROPOUT: tl.constexpr, ONE_KEY_ZERO: tl.constexpr, VARLEN: tl.constexpr,
+                DROPOUT: tl.constexpr, VARLEN: tl.constexpr, ONE_KEY_ZERO: tl.constexpr,
                 EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, DO_DKDV: tl.constexpr,
                 DO_DQ: tl.constexpr, PRECISION: tl.constexpr, SCORE_MOD: tl.constexpr,
                 SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr, SPARSE: tl.constexpr,
@@ -534,7 +530,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     configs.GLUON_BACKWARD_DQ.
     """
     tiles = tiles or {}
-    batch, seqlen_q, seqlen_k, nheads, nheads_k = varlen_shape(q, v, params)
+    f = kernel_features(params, q, v, lse, q.dtype)
     head_dim_v = v.shape[-1]
     dq = torch.empty_like(q) if dq is None else dq
     dk = torch.empty_like(k) if dk is None else dk
@@ -544,22 +540,22 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
 
     # delta row by row: varlen's packed rows are one long sequence here
     preprocess_block_m = 64
-    rows_batch, rows = (1, q.shape[0]) if params.is_varlen else (batch, seqlen_q)
+    rows_batch, rows = (1, q.shape[0]) if params.is_varlen else (f.batch, f.seqlen_q)
     launch(_bwd_preprocess_kernel,
-           (triton.cdiv(rows, preprocess_block_m), *fold(rows_batch * nheads)),
-           (out, dout, delta), (*batch_strides(out, params), *batch_strides(dout, params),
-                                *batch_strides(delta, params), nheads, rows),
+           (cdiv(rows, preprocess_block_m), *fold(rows_batch * f.nheads)),
+           (out, dout, delta), (*f.strides(out), *f.strides(dout), *f.strides(delta), f.nheads,
+                                rows),
            dict(HEAD_DIM_V=head_dim_v, BLOCK_DV=block_dv, BLOCK_M=preprocess_block_m))
     if dlse is not None:
         delta -= dlse
 
     if gluon:
         backward_hopper.attention_backward_dkdv(dout, q, k, v, lse, delta, params, dk, dv,
-                                                block=tiles.get("hopper"))
+                                                block=tiles.get("hopper"), features=f)
         backward_hopper.attention_backward_dq(dout, q, k, v, lse, delta, params, dq,
-                                              block=tiles.get("hopper_dq"))
+                                              block=tiles.get("hopper_dq"), features=f)
     else:
-        _triton_dkdv_dq(dout, q, k, v, lse, delta, params, dq, dk, dv, tiles,
+        _triton_dkdv_dq(dout, q, k, v, lse, delta, params, f, dq, dk, dv, tiles,
                         params.sink is None and dlse is None and own_lse)
 
     dsink = None
@@ -568,25 +564,18 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         # (lse (batch, nheads, seqlen_q), varlen (nheads, total_q)): a fixed-order torch
         # reduction, deterministic like the rest.
         row_share = torch.exp(params.sink.to(torch.float32)[:, None] - lse) * delta
-        dsink = (-row_share.sum(-1).reshape(-1, nheads).sum(0)).to(params.sink.dtype)
+        dsink = (-row_share.sum(-1).reshape(-1, f.nheads).sum(0)).to(params.sink.dtype)
     return dq, dk, dv, dsink
 
 
-def _triton_dkdv_dq(dout, q, k, v, lse, delta, params: AttentionParams, dq, dk, dv, tiles,
-                    one_key_zero: bool):
+def _triton_dkdv_dq(dout, q, k, v, lse, delta, params: AttentionParams, f: KernelFeatures, dq,
+                    dk, dv, tiles, one_key_zero: bool):
     """dK, dV and dQ in this file's kernels, the dK/dV programs then the dQ programs; delta
-    (laid out like lse) is ready. one_key_zero: the kernels' ONE_KEY_ZERO (no sink and no lse
-    gradient)."""
-    batch, seqlen_q, seqlen_k, nheads, nheads_k = varlen_shape(q, v, params)
+    (laid out like lse) is ready; f: the call's kernel_features. one_key_zero: the kernels'
+    ONE_KEY_ZERO (no sink and no lse gradient)."""
     head_dim, head_dim_v = q.shape[-1], v.shape[-1]
     block_d, block_dv = padded_head_dim(head_dim), padded_head_dim(head_dim_v)
     d_max = max(head_dim, head_dim_v)
-    window_left, window_right, has_left, has_right = window_args(params, seqlen_q, seqlen_k)
-    qk_scale, softcap_scale, softcap = score_args(params, q.dtype)
-    alibi, alibi_strides, has_alibi = alibi_args(params, lse)
-    seed_lo, seed_hi, dropout_threshold, dropout_scale, dropout = dropout_args(
-        params.dropout_p, params.dropout_seed)
-    cu_q, cu_k, varlen = varlen_args(params, lse)
     has_variant = params.variant is not None
     block_m1, block_n1, num_warps, num_stages = tiles.get("dkdv") or tile_config(
         "dkdv", d_max, q.element_size(), interpreting(), has_variant)
@@ -598,24 +587,23 @@ def _triton_dkdv_dq(dout, q, k, v, lse, delta, params: AttentionParams, dq, dk, 
     if sparse["SPARSE"]:  # the kernels' tiles must divide the block mask's
         block_m1, block_m2 = (min(b, sparse["SPARSE_Q"]) for b in (block_m1, block_m2))
         block_n1, block_n2 = (min(b, sparse["SPARSE_KV"]) for b in (block_n1, block_n2))
-    num_kv_blocks, num_q_blocks = triton.cdiv(seqlen_k, block_n1), triton.cdiv(seqlen_q, block_m2)
-    tensors = (q, k, v, dout, lse, delta, dq, dk, dv, alibi, cu_q, cu_k, *kv_blocks[:4],
+    num_kv_blocks, num_q_blocks = cdiv(f.seqlen_k, block_n1), cdiv(f.seqlen_q, block_m2)
+    tensors = (q, k, v, dout, lse, delta, dq, dk, dv, f.alibi, *f.cu_seqlens, *kv_blocks[:4],
                *q_blocks[:4])
     scalars = (*(stride for t in (q, k, v, dout, lse, delta, dq, dk, dv)
-                 for stride in batch_strides(t, params)),
-               batch, nheads, nheads_k, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
-               softcap_scale, *alibi_strides, params.softmax_scale, seed_lo, seed_hi,
-               dropout_threshold, dropout_scale, num_kv_blocks, num_q_blocks, score_mod_args,
+                 for stride in f.strides(t)),
+               f.batch, f.nheads, f.nheads_k, *f.band, *f.scores, *f.alibi_strides,
+               params.softmax_scale, *f.dropout, num_kv_blocks, num_q_blocks, score_mod_args,
                mask_mod_args, *kv_blocks[4:], *q_blocks[4:])
+    varlen = f.flags["VARLEN"]
     meta = dict(HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
                 BLOCK_M1=block_m1, BLOCK_N1=block_n1, BLOCK_M2=block_m2, BLOCK_N2=block_n2,
-                HAS_LEFT=has_left, HAS_RIGHT=has_right, SOFTCAP=softcap, ALIBI=has_alibi,
-                DROPOUT=dropout, ONE_KEY_ZERO=one_key_zero, VARLEN=varlen,
-                EVEN_M=not varlen and seqlen_q % block_m2 == 0,
-                EVEN_N=not varlen and seqlen_k % block_n1 == 0)
+                **f.flags_for(GRADIENT_FLAGS), ONE_KEY_ZERO=one_key_zero,
+                EVEN_M=not varlen and f.seqlen_q % block_m2 == 0,
+                EVEN_N=not varlen and f.seqlen_k % block_n1 == 0)
     for programs, do_dkdv, warps, stages in ((num_kv_blocks, True, num_warps, num_stages),
                                              (num_q_blocks, False, dq_warps, dq_stages)):
         # constexprs in the kernel's signature order (launch passes them positionally)
-        launch(_bwd_kernel, (programs, *fold(batch * nheads)), tensors, scalars,
+        launch(_bwd_kernel, (programs, *fold(f.batch * f.nheads)), tensors, scalars,
                dict(meta, DO_DKDV=do_dkdv, DO_DQ=not do_dkdv, PRECISION=DOT_PRECISION,
                     **variant, **sparse), _BWD_TENSORS, num_warps=warps, num_stages=stages)

@@ -61,21 +61,16 @@ from flashkit.ops.params import AttentionParams
 from flashkit.ops.triton.common import (
     LOG2E,
     SCORE_GRAD_FROM_TANH_JIT,
-    alibi_args,
-    batch_strides,
+    cdiv,
     key_tile_ranges,
     load_alibi_log2,
     query_tile_ranges,
-    score_args,
     score_mod,
     sequence,
-    varlen_args,
-    varlen_shape,
     visible,
-    window_args,
 )
 from flashkit.ops.triton.configs import GLUON_BACKWARD, GLUON_BACKWARD_DKDV, GLUON_BACKWARD_DQ
-from flashkit.ops.triton.dropout import dropout_args
+from flashkit.ops.triton.features import GRADIENT_FLAGS, KernelFeatures, kernel_features
 from flashkit.ops.triton.forward_hopper import gluon_declines
 from flashkit.ops.triton.hopper_common import flash_descriptor, flash_layout_2d
 from flashkit.ops.triton.launch import fold
@@ -687,27 +682,12 @@ def dense_as_varlen(q, k, v, dout, lse, params: AttentionParams, dq, dk, dv, til
     return as_varlen_declines(q, k, v, dout, lse, params, dq, dk, dv, tiles) is None
 
 
-def _launch_args(q, params: AttentionParams, lse, seqlen_q: int, seqlen_k: int) -> tuple:
-    """The feature arguments both kernels take, after their tensors' strides: (Alibi,
-    stride_ab, stride_ah), then (..., seqlen_q, seqlen_k, window_left, window_right, qk_scale,
-    softcap_scale, softmax_scale, seed_lo, seed_hi, dropout_threshold, dropout_scale), and the
-    constexpr flags."""
-    window_left, window_right, has_left, has_right = window_args(params, seqlen_q, seqlen_k)
-    qk_scale, softcap_scale, softcap = score_args(params, q.dtype)
-    alibi, alibi_strides, has_alibi = alibi_args(params, lse)
-    *seed_threshold_scale, dropout = dropout_args(params.dropout_p, params.dropout_seed)
-    lengths = (window_left, window_right, qk_scale, softcap_scale, params.softmax_scale,
-               *seed_threshold_scale)
-    flags = dict(HAS_LEFT=has_left, HAS_RIGHT=has_right, SOFTCAP=softcap, ALIBI=has_alibi,
-                 DROPOUT=dropout)
-    return (alibi, *alibi_strides), lengths, flags
-
-
 def attention_backward_dkdv(dout, q, k, v, lse, delta, params: AttentionParams, dk, dv,
-                            block=None):
+                            block=None, features: KernelFeatures | None = None):
     """dK, dV of the eligible case into dk, dv. delta (laid out like lse) comes from
-    backward.py's preprocess; block overrides GLUON_BACKWARD_DKDV (the sweep)."""
-    batch, seqlen_q, seqlen_k, nheads, nheads_k = varlen_shape(q, v, params)
+    backward.py's preprocess; block overrides GLUON_BACKWARD_DKDV (the sweep); features: the
+    call's kernel_features (with lse as the placeholder), made here when not given."""
+    f = features or kernel_features(params, q, v, lse, q.dtype)
     head_dim = q.shape[-1]
     block_m, block_n, num_warps, num_stages = block or GLUON_BACKWARD_DKDV[head_dim]
 
@@ -715,33 +695,33 @@ def attention_backward_dkdv(dout, q, k, v, lse, delta, params: AttentionParams, 
         layout = gl.NVMMASharedLayout.get_default_for([block_m], gl.float32)
         return TensorDescriptor(x.view(-1), [x.numel()], [1], [block_m], layout)
 
-    alibi, geo, flags = _launch_args(q, params, lse, seqlen_q, seqlen_k)
-    cu_q, cu_k, varlen = varlen_args(params, lse)
-    if varlen:
+    alibi, (cu_q, cu_k) = f.alibi, f.cu_seqlens
+    if f.flags["VARLEN"]:
         lse, delta = _aligned_lse_delta(lse, delta, params)
-    grid = (triton.cdiv(seqlen_k, block_n), *fold(batch * nheads_k))
+    grid = (cdiv(f.seqlen_k, block_n), *fold(f.batch * f.nheads_k))
     _bwd_dkdv_hopper_kernel[grid](
         flash_descriptor(q, block_m), flash_descriptor(k, block_n), flash_descriptor(v, block_n),
         flash_descriptor(dout, block_m), rows_descriptor(lse), rows_descriptor(delta), dk, dv,
-        *batch_strides(dk, params)[:3], *batch_strides(dv, params)[:3],
-        *alibi, nheads, nheads_k, seqlen_q, seqlen_k, *geo, lse.stride(-2), cu_q, cu_k,
-        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=num_stages, **flags,
-        VARLEN=varlen, num_warps=num_warps)
+        *f.strides(dk)[:3], *f.strides(dv)[:3], alibi, *f.alibi_strides, f.nheads, f.nheads_k,
+        *f.band, *f.scores, params.softmax_scale, *f.dropout, lse.stride(-2), cu_q, cu_k,
+        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=num_stages,
+        **f.flags_for(GRADIENT_FLAGS), num_warps=num_warps)
 
 
-def attention_backward_dq(dout, q, k, v, lse, delta, params: AttentionParams, dq, block=None):
-    """dQ of the eligible case into dq (deterministic); block overrides GLUON_BACKWARD_DQ."""
-    batch, seqlen_q, seqlen_k, nheads, nheads_k = varlen_shape(q, v, params)
+def attention_backward_dq(dout, q, k, v, lse, delta, params: AttentionParams, dq, block=None,
+                          features: KernelFeatures | None = None):
+    """dQ of the eligible case into dq (deterministic); block overrides GLUON_BACKWARD_DQ;
+    features as attention_backward_dkdv's."""
+    f = features or kernel_features(params, q, v, lse, q.dtype)
     head_dim = q.shape[-1]
     block_m, block_n, num_warps, num_stages = block or GLUON_BACKWARD_DQ[head_dim]
-    (alibi, *alibi_strides), geo, flags = _launch_args(q, params, lse, seqlen_q, seqlen_k)
-    cu_q, cu_k, varlen = varlen_args(params, lse)
-    grid = (triton.cdiv(seqlen_q, block_m), *fold(batch * nheads))
+    alibi, (cu_q, cu_k) = f.alibi, f.cu_seqlens
+    grid = (cdiv(f.seqlen_q, block_m), *fold(f.batch * f.nheads))
     _bwd_dq_hopper_kernel[grid](
         flash_descriptor(q, block_m), flash_descriptor(k, block_n), flash_descriptor(v, block_n),
         flash_descriptor(dout, block_m), lse, delta, dq, alibi,
-        *batch_strides(lse, params)[:2], *batch_strides(delta, params)[:2],
-        *batch_strides(dq, params)[:3], *alibi_strides,
-        nheads, nheads // nheads_k, seqlen_q, seqlen_k, *geo, cu_q, cu_k,
-        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=num_stages, **flags,
-        VARLEN=varlen, num_warps=num_warps)
+        *f.strides(lse)[:2], *f.strides(delta)[:2], *f.strides(dq)[:3], *f.alibi_strides,
+        f.nheads, f.nheads // f.nheads_k, *f.band, *f.scores, params.softmax_scale,
+        *f.dropout, cu_q, cu_k,
+        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=num_stages,
+        **f.flags_for(GRADIENT_FLAGS), num_warps=num_warps)

@@ -14,9 +14,9 @@ Notation (every kernel file of this backend uses it):
                   round twice more on its way through natural units (at sharp softmax 4-7x the
                   torch backend's error in P and dV). Host: natural_units(dtype); kernels:
                   NATURAL = (the q tile's dtype is fp32).
-    features      compile-time flags (SOFTCAP, ALIBI, SINK, DROPOUT, VARLEN; HAS_LEFT/HAS_RIGHT
-                  for the band): a kernel compiled without one is the same code as before the
-                  feature existed
+    features      compile-time flags (HAS_LEFT/HAS_RIGHT for the band, SOFTCAP, ALIBI, SINK,
+                  DROPOUT, VARLEN: features.FLAGS, the host's one source of them): a kernel
+                  compiled without one is the same code as before the feature existed
     varlen        sequence b of packed tokens spans rows [cu_seqlens[b], cu_seqlens[b + 1]);
                   kernels see it as batch entry b with batch stride 0, its first row (q_start,
                   k_start) added to the base pointers and its own seqlen_q / seqlen_k
@@ -67,74 +67,6 @@ def natural_units(dtype: torch.dtype | None) -> bool:
     """Whether kernels for inputs of `dtype` keep scores in natural units (fp32; see NATURAL in
     the notation above)."""
     return dtype == torch.float32
-
-
-def score_args(params, dtype: torch.dtype | None = None) -> tuple[float, float, int]:
-    """(qk_scale, softcap_scale, SOFTCAP) for `scores`, from the softmax scale and softcap.
-
-    SOFTCAP is 0 without a softcap, SOFTCAP_FAST for fp16/bf16 inputs on a GPU (the hardware's
-    tanh.approx.f32: one MUFU op instead of an exp2 and a reciprocal, relative error 2^-11,
-    below the inputs' own rounding), else SOFTCAP_EXACT (fp32, the interpreter, or no dtype).
-    """
-    units = 1.0 if natural_units(dtype) else LOG2E
-    if params.softcap > 0:
-        fast = dtype in (torch.float16, torch.bfloat16) and not interpreting()
-        return (params.softcap * units, params.softmax_scale / params.softcap,
-                SOFTCAP_FAST if fast else SOFTCAP_EXACT)
-    return params.softmax_scale * units, 1.0, 0
-
-
-def alibi_args(params, placeholder):
-    """(slopes, (stride_batch, stride_head), ALIBI): float32 slopes of shape (nheads,) (batch
-    stride 0) or (batch, nheads); without ALiBi, `placeholder` stands in and is never read."""
-    slopes = params.alibi_slopes
-    if slopes is None:
-        return placeholder, (0, 0), False
-    slopes = slopes.to(torch.float32)
-    if slopes.dim() == 1:
-        return slopes, (0, slopes.stride(0)), True
-    return slopes, tuple(slopes.stride()), True
-
-
-def varlen_shape(q, v, params) -> tuple[int, int, int, int, int]:
-    """(batch, seqlen_q, seqlen_k, nheads, nheads_k): the grid's view of dense or packed inputs
-    (varlen: the number of sequences and the longest lengths)."""
-    if params.is_varlen:
-        return (params.cu_seqlens_q.numel() - 1, params.max_seqlen_q, params.max_seqlen_k,
-                q.shape[1], v.shape[1])
-    return q.shape[0], q.shape[1], v.shape[1], q.shape[2], v.shape[2]
-
-
-def batch_strides(x, params) -> tuple[int, ...]:
-    """x's strides with a leading batch stride: varlen tensors (total, ...) get batch stride 0,
-    since each sequence's first row is added to the base pointer instead."""
-    return (0, *x.stride()) if params.is_varlen else tuple(x.stride())
-
-
-def varlen_args(params, placeholder):
-    """(cu_seqlens_q, cu_seqlens_k, VARLEN); without varlen `placeholder` stands in, unread."""
-    if params.is_varlen:
-        return params.cu_seqlens_q, params.cu_seqlens_k, True
-    return placeholder, placeholder, False
-
-
-def window_args(params, seqlen_q: int, seqlen_k: int) -> tuple[int, int, bool, bool]:
-    """(window_left, window_right, HAS_LEFT, HAS_RIGHT) as the kernels take them.
-
-    seqlen_q, seqlen_k: bounds on every sequence's lengths (the dense lengths, varlen's
-    max_seqlen, a cache's capacity). A side that reaches every key from every row is passed as
-    unbounded: left >= seqlen_k - 1 puts i + shift - left <= 0, right >= seqlen_q - 1 puts
-    i + shift + right >= seqlen_k - 1. The same visible set, and the kernels' band-edge sums
-    (start + BLOCK + shift + window, int32) stay far from overflow: window_size=(-1, 2**31 - 1),
-    a common spelling of "unbounded", is then exactly unbounded.
-    """
-    left, right = params.window_left, params.window_right
-    if left is not None and left >= seqlen_k - 1:
-        left = None
-    if right is not None and right >= seqlen_q - 1:
-        right = None
-    return (0 if left is None else left, 0 if right is None else right,
-            left is not None, right is not None)
 
 
 @triton.jit
@@ -330,7 +262,7 @@ def scores(qk, qk_scale, softcap_scale, SOFTCAP: tl.constexpr):
     Plain: s = qk_scale * qk with qk_scale = scale * log2(e). SOFTCAP (softcap c > 0):
     s = qk_scale * tanh(softcap_scale * qk) with softcap_scale = scale / c and qk_scale =
     c * log2(e), i.e. log2(e) * c * tanh(scale * qk / c); tanh by the hardware's approximation
-    when SOFTCAP == SOFTCAP_FAST (see score_args).
+    when SOFTCAP == SOFTCAP_FAST (see features.kernel_features).
     """
     if SOFTCAP:
         x = qk * softcap_scale
@@ -435,13 +367,14 @@ def score_mod(qk, i, j, band, mods, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     order scale -> softcap -> ALiBi (the mask predicate `visible` comes after, applied by each
     kernel in its own way: -inf on s forward, 0 on P backward). Returns (s, dcap).
 
-    band = (seqlen_q, seqlen_k, window_left, window_right); mods = (qk_scale, softcap_scale,
-    alibi_log2) as score_args and load_alibi_log2 give them. i and j broadcast against each
-    other as in `visible`. dcap, d(softcapped score) / d(scale * qk) for the backward, is 1.0
-    unless SOFTCAP and DCAP: SCORE_GRAD_FROM_S takes it from s (softcap_grad: fp16 for
-    SOFTCAP_FAST, fewer registers across the portable backward's matmuls), SCORE_GRAD_FROM_TANH
-    from the tanh itself in fp32, with s = qk_scale * tanh left to fuse into exp2's subtraction
-    (the Gluon backward: there an fp16 dcap saves no spills and costs instructions)."""
+    band = (seqlen_q, seqlen_k, window_left, window_right) and mods = (qk_scale, softcap_scale,
+    alibi_log2), as features.KernelFeatures (band, scores) and load_alibi_log2 give them. i and
+    j broadcast against each other as in `visible`. dcap, d(softcapped score) / d(scale * qk)
+    for the backward, is 1.0 unless SOFTCAP and DCAP: SCORE_GRAD_FROM_S takes it from s
+    (softcap_grad: fp16 for SOFTCAP_FAST, fewer registers across the portable backward's
+    matmuls), SCORE_GRAD_FROM_TANH from the tanh itself in fp32, with s = qk_scale * tanh left
+    to fuse into exp2's subtraction (the Gluon backward: there an fp16 dcap saves no spills and
+    costs instructions)."""
     qk_scale, softcap_scale, alibi_log2 = mods
     dcap = 1.0
     if SOFTCAP and DCAP == SCORE_GRAD_FROM_S_JIT:

@@ -64,11 +64,9 @@ from flashkit.ops.triton.common import (
     masked_values_product,
     next_power_of_2,
     online_softmax_update,
-    score_args,
     score_mod,
     softmax_start,
     visible,
-    window_args,
 )
 from flashkit.ops.triton.configs import padded_head_dim
 from flashkit.ops.triton.configs.decode import (
@@ -87,6 +85,7 @@ from flashkit.ops.triton.configs.decode import (
     STEP_MAX_NEW,
     Tile,
 )
+from flashkit.ops.triton.features import DENSE_FLAGS, kernel_features
 from flashkit.ops.triton.launch import device_facts, fold, launch
 
 
@@ -339,8 +338,8 @@ def _decode_kernel(Q, K, V, Out, Lse, BlockTable, CacheBatchIdx, Leftpad, Seqlen
                    stride_bt, stride_slopes_b, stride_cs, stride_cd,
                    stride_nkb, stride_nks, stride_nkh, stride_nkd,
                    stride_nvb, stride_nvs, stride_nvh, stride_nvd,
-                   nheads_k, group, seqlen_q, num_splits, window_left, window_right, qk_scale,
-                   softcap_scale, seqlen_fixed, seqlen_new, q_rows, capacity, cache_rows,
+                   nheads_k, group, num_splits, seqlen_q, capacity, window_left, window_right,
+                   qk_scale, softcap_scale, seqlen_fixed, seqlen_new, q_rows, cache_rows,
                    seqlen_ro,
                    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -739,7 +738,6 @@ def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, bloc
         out_part = torch.empty(num_splits, *out.shape, dtype=torch.float32, device=q.device)
         lse_part = torch.empty(num_splits, *lse.shape, dtype=torch.float32, device=q.device)
 
-    slopes = params.alibi_slopes
     cos = sin = None
     k_new = v_new = k_cache[:1, :0]  # (strides of) absent new keys: never read
     if step is not None:
@@ -753,35 +751,32 @@ def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, bloc
     # is off (index arithmetic as compiled without it).
     checks = {} if step is None else dict(debug=True, sanitize_overflow=False)
     capacity = k_cache.shape[1] if block_table is None else block_table.shape[1] * page_size
-    window_left, window_right, has_left, has_right = window_args(params, seqlen_q, capacity)
-    qk_scale, softcap_scale, softcap = score_args(params)
     # seqlens_k, or q where a step takes an int cache_seqlens: stands in for absent pointer
     # arguments (never read)
     dummy = q if seqlens_k is None else seqlens_k
+    # log2-unit scores and the exact tanh whatever the dtype; the sink as given (the kernel
+    # converts it as it loads it); slopes (nheads,) or (batch, nheads) with head stride 1
+    f = kernel_features(params, q, v_cache, dummy, seqlen_k=capacity, float32_sink=False)
     bhk_y, bhk_z = fold(batch * nheads_k)
     launch(_decode_kernel, (num_splits * bhk_z, bhk_y, m_blocks), (
         q, k_cache, v_cache, out_part, lse_part,
         dummy if block_table is None else block_table,
         dummy if cache_batch_idx is None else cache_batch_idx,
-        dummy if cache_leftpad is None else cache_leftpad, dummy,
-        dummy if slopes is None else slopes,
-        dummy if params.sink is None else params.sink, dummy if cos is None else cos,
-        dummy if sin is None else sin, k_new, v_new), (
+        dummy if cache_leftpad is None else cache_leftpad, dummy, f.alibi, f.sink,
+        dummy if cos is None else cos, dummy if sin is None else sin, k_new, v_new), (
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out_part.stride(),
         *lse_part.stride(), 0 if block_table is None else block_table.stride(0),
-        slopes.stride(0) if slopes is not None and slopes.dim() == 2 else 0,
-        *((0, 0) if cos is None else cos.stride()), *k_new.stride(), *v_new.stride(),
-        nheads_k, group, seqlen_q, num_splits, window_left, window_right, qk_scale,
-        softcap_scale, 0 if step is None or seqlens_tensor else int(step.cache_seqlens),
-        seqlen_new, 1 if step is None else step.q_rows, capacity,
-        k_cache.shape[0], 0 if cos is None else cos.shape[0]), dict(
+        f.alibi_strides[0], *((0, 0) if cos is None else cos.stride()), *k_new.stride(),
+        *v_new.stride(), nheads_k, group, num_splits, *f.band, *f.scores,
+        0 if step is None or seqlens_tensor else int(step.cache_seqlens), seqlen_new,
+        1 if step is None else step.q_rows, k_cache.shape[0],
+        0 if cos is None else cos.shape[0]), dict(
         HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=padded_head_dim(head_dim),
         BLOCK_DV=padded_head_dim(head_dim_v), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
         SUBTILES=tile.subtiles, PAGE_SIZE=page_size, PAGE_PER_TILE=per_tile,
         HAS_BATCH_IDX=cache_batch_idx is not None, HAS_LEFTPAD=cache_leftpad is not None,
-        HAS_LEFT=has_left, HAS_RIGHT=has_right, SOFTCAP=softcap,
-        ALIBI=slopes is not None, SINK=params.sink is not None,
-        USE_PDL=use_pdl and num_splits > 1, PRECISION=DOT_PRECISION, STEP=step is not None,
+        **f.flags_for(DENSE_FLAGS), USE_PDL=use_pdl and num_splits > 1,
+        PRECISION=DOT_PRECISION, STEP=step is not None,
         SEQLENS_TENSOR=step is None or seqlens_tensor,
         ROTARY_HALF=0 if cos is None else cos.shape[1],
         INTERLEAVED=interleaved,

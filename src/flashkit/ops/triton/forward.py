@@ -27,8 +27,6 @@ from flashkit.ops.params import AttentionParams
 from flashkit.ops.triton.common import (
     DOT_PRECISION,
     LOG2E_JIT,
-    alibi_args,
-    batch_strides,
     block_args,
     cdiv,
     head_ptr,
@@ -38,7 +36,6 @@ from flashkit.ops.triton.common import (
     load_tile,
     masked_values_product,
     online_softmax_update,
-    score_args,
     score_mod,
     sequence,
     softmax_denominator,
@@ -49,13 +46,11 @@ from flashkit.ops.triton.common import (
     user_score,
     user_visible,
     variant_args,
-    varlen_args,
-    varlen_shape,
     visible,
-    window_args,
 )
 from flashkit.ops.triton.configs import padded_head_dim, tile_config
-from flashkit.ops.triton.dropout import dropout_args, dropout_keep
+from flashkit.ops.triton.dropout import dropout_keep
+from flashkit.ops.triton.features import kernel_features, lse_shape
 from flashkit.ops.triton.launch import fold, launch
 
 
@@ -237,13 +232,12 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     tile = (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides configs.SM90 (the tuning sweep).
     """
-    batch, seqlen_q, seqlen_k, nheads, nheads_k = varlen_shape(q, v, params)
     head_dim, head_dim_v = q.shape[-1], v.shape[-1]
+    if lse is None:
+        lse = torch.empty(lse_shape(q, params), dtype=torch.float32, device=q.device)
+    f = kernel_features(params, q, v, lse, q.dtype)
     if out is None:
         out = torch.empty((*q.shape[:-1], head_dim_v), dtype=q.dtype, device=q.device)
-    if lse is None:  # (batch, nheads, seqlen_q), varlen (nheads, total_q)
-        lse_shape = (nheads, q.shape[0]) if params.is_varlen else (batch, nheads, seqlen_q)
-        lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
     # dropout takes the plain tiles: its keep-mask is drawn in the scores' own layout, so it
     # needs no shared memory (sm90 probe: 229376 bytes at d128, as without dropout)
     block_m, block_n, num_warps, num_stages = tile or tile_config(
@@ -253,24 +247,14 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     blocks, sparse = block_args(params, lse)
     if sparse["SPARSE"]:  # the kernel's tiles must divide the block mask's
         block_m, block_n = min(block_m, sparse["SPARSE_Q"]), min(block_n, sparse["SPARSE_KV"])
-    window_left, window_right, has_left, has_right = window_args(params, seqlen_q, seqlen_k)
-    qk_scale, softcap_scale, softcap = score_args(params, q.dtype)
-    alibi, alibi_strides, has_alibi = alibi_args(params, lse)
-    sink = lse if params.sink is None else params.sink.to(torch.float32)
-    seed_lo, seed_hi, dropout_threshold, dropout_scale, dropout = dropout_args(
-        params.dropout_p, params.dropout_seed)
-    cu_q, cu_k, varlen = varlen_args(params, lse)
     block_d, block_dv = padded_head_dim(head_dim), padded_head_dim(head_dim_v)
-    grid = (cdiv(seqlen_q, block_m), *fold(batch * nheads))
-    launch(_fwd_kernel, grid, (q, k, v, out, lse, alibi, sink, cu_q, cu_k, *blocks[:4]), (
-        *batch_strides(q, params), *batch_strides(k, params), *batch_strides(v, params),
-        *batch_strides(out, params), *batch_strides(lse, params),
-        nheads, nheads // nheads_k, seqlen_q, seqlen_k, window_left, window_right,
-        qk_scale, softcap_scale, *alibi_strides, seed_lo, seed_hi,
-        dropout_threshold, dropout_scale, score_mod_args, mask_mod_args, *blocks[4:]), dict(
+    grid = (cdiv(f.seqlen_q, block_m), *fold(f.batch * f.nheads))
+    launch(_fwd_kernel, grid, (q, k, v, out, lse, f.alibi, f.sink, *f.cu_seqlens, *blocks[:4]), (
+        *f.strides(q), *f.strides(k), *f.strides(v), *f.strides(out), *f.strides(lse),
+        f.nheads, f.nheads // f.nheads_k, *f.band, *f.scores, *f.alibi_strides, *f.dropout,
+        score_mod_args, mask_mod_args, *blocks[4:]), dict(
         HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
-        BLOCK_M=block_m, BLOCK_N=block_n, HAS_LEFT=has_left, HAS_RIGHT=has_right,
-        SOFTCAP=softcap, ALIBI=has_alibi, SINK=params.sink is not None, DROPOUT=dropout,
-        VARLEN=varlen, EVEN_M=not varlen and seqlen_q % block_m == 0, PRECISION=DOT_PRECISION,
+        BLOCK_M=block_m, BLOCK_N=block_n, **f.flags,
+        EVEN_M=not f.flags["VARLEN"] and f.seqlen_q % block_m == 0, PRECISION=DOT_PRECISION,
         **variant, **sparse), _TENSORS, num_warps=num_warps, num_stages=num_stages)
     return out, lse

@@ -41,7 +41,6 @@ from flashkit.ops.params import AttentionParams
 from flashkit.ops.triton import interpreter
 from flashkit.ops.triton.common import (
     LOG2E_JIT,
-    alibi_args,
     alibi_bias,
     cdiv,
     head_ptr,
@@ -50,7 +49,6 @@ from flashkit.ops.triton.common import (
     load_alibi_log2,
     load_tile,
     online_softmax_update,
-    score_args,
     scores,
     softmax_denominator,
     softmax_lse,
@@ -58,8 +56,8 @@ from flashkit.ops.triton.common import (
     store_tile,
     tile_ptrs,
     visible,
-    window_args,
 )
+from flashkit.ops.triton.features import DENSE_FLAGS, kernel_features
 
 interpreter.patch_float8_casts()
 
@@ -290,19 +288,15 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params:
     q_desc = descale_args(q_descale, nheads, group, one)
     k_desc = descale_args(k_descale, nheads_k, 1, one)
     v_desc = descale_args(v_descale, nheads_k, 1, one)
-    window_left, window_right, has_left, has_right = window_args(params, seqlen_q, seqlen_k)
-    qk_scale, softcap_scale, softcap = score_args(params)  # exact tanh: fp32 scores
-    alibi, alibi_strides, has_alibi = alibi_args(params, lse)
-    sink = lse if params.sink is None else params.sink.to(torch.float32)
+    f = kernel_features(params, q, v, lse)  # dtype None: the exact tanh, fp32 scores
     grid = (cdiv(seqlen_q, block_m), batch * nheads)
     _fp8_fwd_kernel[grid](
         q, k, v, out, lse, q_desc[0], k_desc[0], v_desc[0],
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
         *q_desc[1:], *k_desc[1:], *v_desc[1:],
-        nheads, group, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale,
-        alibi, *alibi_strides, sink,
+        nheads, group, *f.band, *f.scores, f.alibi, *f.alibi_strides, f.sink,
         HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
-        BLOCK_M=block_m, BLOCK_N=block_n, P_SCALE=P_SCALE[q.dtype], HAS_LEFT=has_left,
-        HAS_RIGHT=has_right, SOFTCAP=softcap, ALIBI=has_alibi, SINK=params.sink is not None,
-        EVEN_M=seqlen_q % block_m == 0, num_warps=num_warps, num_stages=num_stages)
+        BLOCK_M=block_m, BLOCK_N=block_n, P_SCALE=P_SCALE[q.dtype],
+        **f.flags_for(DENSE_FLAGS), EVEN_M=seqlen_q % block_m == 0, num_warps=num_warps,
+        num_stages=num_stages)
     return out, lse

@@ -69,26 +69,20 @@ from flashkit.ops.params import AttentionParams
 from flashkit.ops.triton.common import (
     LOG2E,
     SOFTCAP_FAST,
-    alibi_args,
     alibi_bias,
-    batch_strides,
     cdiv,
     interpreting,
     key_tile_ranges,
     load_alibi_log2,
-    score_args,
     scores,
     sequence,
     softmax_denominator,
     softmax_lse,
     softmax_start,
-    varlen_args,
-    varlen_shape,
     visible,
-    window_args,
 )
 from flashkit.ops.triton.configs import GLUON_FORWARD, gluon_forward_tile
-from flashkit.ops.triton.dropout import dropout_args
+from flashkit.ops.triton.features import kernel_features, lse_shape
 from flashkit.ops.triton.hopper_common import flash_descriptor, flash_layout_2d
 from flashkit.ops.triton.launch import device_properties, fold, launch
 
@@ -916,31 +910,23 @@ def attention_forward(q, k, v, params: AttentionParams, out=None, lse=None, tile
     if paged:  # (num_blocks, page_size, hk, d) -> rows (num_blocks * page_size, hk, d)
         page_size = k.shape[1]
         k, v = k.flatten(0, 1), v.flatten(0, 1)
-    batch, seqlen_q, seqlen_k, nheads, nheads_k = varlen_shape(q, v, params)
     head_dim = q.shape[-1]
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    if lse is None:  # (batch, nheads, seqlen_q), varlen (nheads, total_q)
-        lse_shape = (nheads, q.shape[0]) if params.is_varlen else (batch, nheads, seqlen_q)
-        lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
-    tile = tile or gluon_forward_tile(head_dim, seqlen_q, params.window_right is not None)
+    if lse is None:
+        lse = torch.empty(lse_shape(q, params), dtype=torch.float32, device=q.device)
+    f = kernel_features(params, q, v, lse, q.dtype)
+    tile = tile or gluon_forward_tile(head_dim, f.seqlen_q, params.window_right is not None)
     block_n, num_stages, consumers, specialized, pingpong, persistent = tile
     persistent = persistent and specialized
 
-    window_left, window_right, has_left, has_right = window_args(params, seqlen_q, seqlen_k)
-    qk_scale, softcap_scale, softcap = score_args(params, q.dtype)
-    softcap = softcap_mode(params, q.dtype, qk_scale, softcap)
-    alibi, alibi_strides, has_alibi = alibi_args(params, lse)
-    sink = lse if params.sink is None else params.sink.to(torch.float32)
-    seed_lo, seed_hi, threshold, dropout_scale, dropout = dropout_args(params.dropout_p,
-                                                                       params.dropout_seed)
-    cu_q, cu_k, varlen = varlen_args(params, lse)
-    stride_ob, stride_os, stride_oh, _ = batch_strides(out, params)
-    stride_lb, stride_lh, _ = batch_strides(lse, params)
-    n_m = cdiv(seqlen_q, BLOCK_M * consumers)
-    n_items = n_m * batch * nheads
+    flags = {**f.flags, "SOFTCAP": softcap_mode(params, q.dtype, f.scores[0],
+                                                f.flags["SOFTCAP"])}
+    alibi, sink, (cu_q, cu_k) = f.alibi, f.sink, f.cu_seqlens
+    n_m = cdiv(f.seqlen_q, BLOCK_M * consumers)
+    n_items = n_m * f.batch * f.nheads
     grid = (min(n_items, _programs_per_device(q.device, consumers)), ) if persistent else (
-        n_m, *fold(batch * nheads))
+        n_m, *fold(f.batch * f.nheads))
     box_rows, table, paging = None, lse, (0, 0)
     if paged:
         box_rows = min(page_size, block_n)
@@ -950,15 +936,12 @@ def attention_forward(q, k, v, params: AttentionParams, out=None, lse=None, tile
         flash_descriptor(q, BLOCK_M), flash_descriptor(k, block_n, box_rows),
         flash_descriptor(v, block_n, box_rows), out, lse, alibi, sink, cu_q, cu_k,
         lse if seqused_k is None else seqused_k, table), (
-        stride_ob, stride_os, stride_oh, stride_lb, stride_lh, *alibi_strides, nheads,
-        nheads // nheads_k, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
-        softcap_scale, seed_lo, seed_hi, threshold, dropout_scale, n_items, *paging), dict(
+        *f.strides(out)[:3], *f.strides(lse)[:2], *f.alibi_strides, f.nheads,
+        f.nheads // f.nheads_k, *f.band, *f.scores, *f.dropout, n_items, *paging), dict(
         HEAD_DIM=head_dim, BLOCK_N=block_n, NUM_STAGES=num_stages, CONSUMERS=consumers,
         SPECIALIZED=specialized, PINGPONG=pingpong and consumers >= 2, PERSISTENT=persistent,
-        CONSUMER_REGS=config.pop("CONSUMER_REGS"), HAS_LEFT=has_left, HAS_RIGHT=has_right,
-        SOFTCAP=softcap, ALIBI=has_alibi, SINK=params.sink is not None, DROPOUT=dropout,
-        VARLEN=varlen, SEQUSED_K=seqused_k is not None,
-        KEY_TAIL=varlen or seqlen_k % block_n != 0, PAGED=paged,
+        CONSUMER_REGS=config.pop("CONSUMER_REGS"), **flags, SEQUSED_K=seqused_k is not None,
+        KEY_TAIL=flags["VARLEN"] or f.seqlen_k % block_n != 0, PAGED=paged,
         SPLIT_LOADS=paged and specialized and consumers == 2,
         num_warps=config.pop("num_warps")), **config)
     return out, lse
