@@ -1,0 +1,190 @@
+"""The host-side feature bundle (flashkit.ops.triton.features): AttentionParams as kernel
+arguments, and, without launching, that every Gluon launcher passes them where its kernel's
+signature expects them (the Gluon kernels cannot run on the CPU, and launch's interpreter check
+of constexpr order never sees them)."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+import pytest
+import torch
+
+from flashkit.ops.params import AttentionParams
+from flashkit.ops.triton import launch as launch_module
+from flashkit.ops.triton.common import LOG2E, SOFTCAP_EXACT
+from flashkit.ops.triton.features import (
+    DENSE_FLAGS,
+    FLAGS,
+    GRADIENT_FLAGS,
+    kernel_features,
+    lse_shape,
+)
+
+forward_hopper = importlib.import_module("flashkit.ops.triton.forward_hopper")
+backward_hopper = importlib.import_module("flashkit.ops.triton.backward_hopper")
+
+SCALE, SOFTCAP, SEED, DROPOUT_P = 0.125, 5.0, (7 << 32) + 1234, 0.1
+
+
+def _inputs(varlen: bool, dtype=torch.bfloat16, head_dim=64):
+    """q, k, v and params with every built-in feature on: a (3, 0) window, softcap, per-batch
+    ALiBi slopes, a bf16 sink, dropout; varlen packs two sequences of 70 and 58 tokens."""
+    gen = torch.Generator().manual_seed(0)
+    batch, nheads, nheads_k, seqlen = 2, 4, 2, 128
+    if varlen:
+        shape_q, shape_k = (2 * seqlen, nheads, head_dim), (2 * seqlen, nheads_k, head_dim)
+        cu = torch.tensor([0, 70, 128], dtype=torch.int32)
+        lengths = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=70, max_seqlen_k=70)
+    else:
+        shape_q, shape_k = (batch, seqlen, nheads, head_dim), (batch, seqlen, nheads_k, head_dim)
+        lengths = {}
+    q, k, v = (torch.randn(shape, generator=gen).to(dtype) for shape in (shape_q, shape_k,
+                                                                         shape_k))
+    params = AttentionParams(
+        SCALE, window_left=3, window_right=0, softcap=SOFTCAP,
+        alibi_slopes=torch.rand(batch, nheads, generator=gen),
+        sink=torch.randn(nheads, generator=gen).to(torch.bfloat16), dropout_p=DROPOUT_P,
+        dropout_seed=SEED, **lengths)
+    return q, k, v, params
+
+
+def _expected(params: AttentionParams, varlen: bool) -> dict:
+    """The runtime arguments the kernels must receive, by their signature names, computed
+    here from the contract rather than by the bundle."""
+    seqlen = 70 if varlen else 128
+    return dict(seqlen_q=seqlen, seqlen_k=seqlen, window_left=3, window_right=0,
+                qk_scale=SOFTCAP * LOG2E, softcap_scale=SCALE / SOFTCAP, stride_ab=4,
+                stride_ah=1, seed_lo=1234, seed_hi=7, dropout_threshold=round(DROPOUT_P * 256),
+                dropout_scale=1 / (1 - DROPOUT_P))
+
+
+def test_kernel_features_of_every_feature():
+    for varlen in (False, True):
+        q, k, v, params = _inputs(varlen)
+        placeholder = torch.empty(1)
+        f = kernel_features(params, q, v, placeholder, torch.float16)
+        expected = _expected(params, varlen)
+        assert f.band == tuple(expected[n] for n in ("seqlen_q", "seqlen_k", "window_left",
+                                                       "window_right"))
+        assert f.scores == pytest.approx((expected["qk_scale"], expected["softcap_scale"]))
+        assert f.alibi_strides == (4, 1) and f.alibi.dtype == torch.float32
+        assert f.sink.dtype == torch.float32 and torch.equal(f.sink, params.sink.float())
+        assert f.dropout == pytest.approx(tuple(expected[n] for n in (
+            "seed_lo", "seed_hi", "dropout_threshold", "dropout_scale")))
+        assert list(f.flags) == list(FLAGS)
+        assert f.flags == dict(HAS_LEFT=True, HAS_RIGHT=True, SOFTCAP=SOFTCAP_EXACT, ALIBI=True,
+                               SINK=True, DROPOUT=True, VARLEN=varlen)
+        assert list(f.flags_for(GRADIENT_FLAGS)) == list(GRADIENT_FLAGS)
+        assert (f.batch, f.nheads, f.nheads_k) == (2, 4, 2)
+        if varlen:
+            assert f.cu_seqlens == (params.cu_seqlens_q, params.cu_seqlens_k)
+            assert f.strides(q) == (0, *q.stride())
+            assert lse_shape(q, params) == (4, 256)
+        else:
+            assert f.cu_seqlens == (placeholder, placeholder)
+            assert f.strides(q) == q.stride()
+            assert lse_shape(q, params) == (2, 4, 128)
+        assert kernel_features(params, q, v, placeholder, float32_sink=False).sink is params.sink
+
+
+def test_kernel_features_without_features():
+    q = torch.randn(1, 5, 2, 16)
+    placeholder = torch.empty(1)
+    f = kernel_features(AttentionParams(0.25), q, q, placeholder, torch.float32)
+    assert f.band == (5, 5, 0, 0)
+    assert f.scores == (0.25, 1.0)  # fp32: natural units
+    assert f.alibi is placeholder and f.sink is placeholder and f.alibi_strides == (0, 0)
+    assert f.dropout == (0, 0, 0, 1.0)
+    assert not any(f.flags.values())
+    assert kernel_features(AttentionParams(0.25), q, q, placeholder).scores == (0.25 * LOG2E, 1.0)
+
+
+@pytest.mark.parametrize("window, has", [((4, 3), (True, True)), ((5, 4), (False, False)),
+                                         ((None, 0), (False, True)),
+                                         ((0, 2**31 - 1), (True, False))])
+def test_window_reaching_every_key_is_unbounded(window, has):
+    """seqlen_q 5, seqlen_k 6: left >= 5 or right >= 4 reaches every key from every row."""
+    q, k = torch.randn(1, 5, 1, 16), torch.randn(1, 6, 1, 16)
+    params = AttentionParams(0.25, window_left=window[0], window_right=window[1])
+    f = kernel_features(params, q, k, q)
+    assert (f.flags["HAS_LEFT"], f.flags["HAS_RIGHT"]) == has
+    assert f.band == (5, 6, window[0] if has[0] else 0, window[1] if has[1] else 0)
+
+
+def _check_call(kernel, args: tuple, constexprs: dict, expected: dict, flags: tuple,
+                varlen: bool) -> None:
+    """args and constexprs fill kernel's signature exactly (names and order), the feature
+    arguments land on the parameters of their names, tensors on pointer parameters and the
+    flags say what the call has."""
+    names = kernel.arg_names
+    launch_module._check_constexpr_order(kernel, len(args), constexprs)
+    assert len(args) + len(constexprs) == len(names)
+    bound = dict(zip(names, args, strict=False))
+    for name, value in expected.items():
+        assert bound[name] == pytest.approx(value), name
+    for name, value in bound.items():
+        pointer = name[0].isupper() or name.endswith("_desc")
+        assert pointer == (not isinstance(value, (int, float))), name
+    assert {name: constexprs[name] for name in flags} == {
+        name: {"VARLEN": varlen, "SOFTCAP": SOFTCAP_EXACT}.get(name, True) for name in flags}
+
+
+@pytest.mark.skipif(forward_hopper.gluon is None, reason="a Triton without Gluon")
+@pytest.mark.parametrize("varlen", [False, True])
+def test_gluon_forward_launcher_fills_the_kernel_signature(varlen, monkeypatch):
+    q, k, v, params = _inputs(varlen)
+    calls = []
+    monkeypatch.setattr(forward_hopper, "launch", lambda kernel, grid, tensors, scalars,
+                        constexprs, *rest, **options: calls.append(
+                            (kernel, tensors + scalars, constexprs, options)))
+    forward_hopper.attention_forward(q, k, v, params, tile=(64, 2, 1, True, False, False))
+    (kernel, args, constexprs, options), = calls
+    assert kernel is forward_hopper._fwd_hopper_kernel
+    expected = dict(_expected(params, varlen), nheads=4, group=2)
+    _check_call(kernel, args, dict(constexprs, **{k: v for k, v in options.items()
+                                                  if k in kernel.arg_names}),
+                expected, FLAGS, varlen)
+    bound = dict(zip(kernel.arg_names, args, strict=False))
+    assert torch.equal(bound["Alibi"], params.alibi_slopes)
+    assert bound["Sink"].dtype == torch.float32
+    if varlen:
+        assert bound["Cu_q"] is params.cu_seqlens_q
+
+
+@pytest.mark.skipif(backward_hopper.gluon is None, reason="a Triton without Gluon")
+@pytest.mark.parametrize("varlen", [False, True])
+@pytest.mark.parametrize("which", ["dkdv", "dq"])
+def test_gluon_backward_launchers_fill_the_kernel_signatures(varlen, which, monkeypatch):
+    q, k, v, params = _inputs(varlen)
+    name = "_bwd_dkdv_hopper_kernel" if which == "dkdv" else "_bwd_dq_hopper_kernel"
+    kernel = getattr(backward_hopper, name)
+    calls = []
+
+    class Recorder:
+        arg_names = kernel.arg_names
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: calls.append((args, kwargs))
+
+    monkeypatch.setattr(backward_hopper, name, Recorder())
+    lse = torch.zeros(lse_shape(q, params))
+    delta = torch.zeros_like(lse)
+    if which == "dkdv":
+        backward_hopper.attention_backward_dkdv(q, q, k, v, lse, delta, params,
+                                                torch.empty_like(k), torch.empty_like(v))
+    else:
+        backward_hopper.attention_backward_dq(q, q, k, v, lse, delta, params,
+                                              torch.empty_like(q))
+    (args, kwargs), = calls
+    inspect.signature(kernel.fn).bind(*args, **kwargs)  # no missing or unknown argument
+    constexprs = {n: kwargs[n] for n in kernel.arg_names if n in kwargs}
+    heads = dict(nheads=4, nheads_k=2) if which == "dkdv" else dict(nheads=4, group=2)
+    expected = dict(_expected(params, varlen), softmax_scale=SCALE, **heads)
+    _check_call(kernel, args, constexprs, expected, GRADIENT_FLAGS, varlen)
+
+
+def test_flag_subsets_keep_the_vocabulary_order():
+    for subset in (GRADIENT_FLAGS, DENSE_FLAGS):
+        assert [name for name in FLAGS if name in subset] == list(subset)
