@@ -76,8 +76,12 @@ def test_kernel_features_of_every_feature():
         assert list(f.flags) == list(FLAGS)
         assert f.flags == dict(HAS_LEFT=True, HAS_RIGHT=True, SOFTCAP=SOFTCAP_EXACT, ALIBI=True,
                                SINK=True, DROPOUT=True, VARLEN=varlen)
-        assert list(f.flags_for(GRADIENT_FLAGS)) == list(GRADIENT_FLAGS)
-        assert (f.batch, f.nheads, f.nheads_k) == (2, 4, 2)
+        for names in (GRADIENT_FLAGS, DENSE_FLAGS):
+            subset = kernel_features(params, q, v, placeholder, torch.float16, flags=names)
+            assert list(subset.flags) == list(names)
+            assert subset.flags == {name: f.flags[name] for name in names}
+        assert (f.batch, f.nheads, f.nheads_k, f.head_dim, f.head_dim_v) == (2, 4, 2, 64, 64)
+        assert f.varlen == varlen
         if varlen:
             assert f.cu_seqlens == (params.cu_seqlens_q, params.cu_seqlens_k)
             assert f.strides(q) == (0, *q.stride())

@@ -530,8 +530,8 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     configs.GLUON_BACKWARD_DQ.
     """
     tiles = tiles or {}
-    f = kernel_features(params, q, v, lse, q.dtype)
-    head_dim_v = v.shape[-1]
+    f = kernel_features(params, q, v, lse, q.dtype, flags=GRADIENT_FLAGS)
+    head_dim_v = f.head_dim_v
     dq = torch.empty_like(q) if dq is None else dq
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
@@ -573,7 +573,7 @@ def _triton_dkdv_dq(dout, q, k, v, lse, delta, params: AttentionParams, f: Kerne
     """dK, dV and dQ in this file's kernels, the dK/dV programs then the dQ programs; delta
     (laid out like lse) is ready; f: the call's kernel_features. one_key_zero: the kernels'
     ONE_KEY_ZERO (no sink and no lse gradient)."""
-    head_dim, head_dim_v = q.shape[-1], v.shape[-1]
+    head_dim, head_dim_v = f.head_dim, f.head_dim_v
     block_d, block_dv = padded_head_dim(head_dim), padded_head_dim(head_dim_v)
     d_max = max(head_dim, head_dim_v)
     has_variant = params.variant is not None
@@ -595,10 +595,10 @@ def _triton_dkdv_dq(dout, q, k, v, lse, delta, params: AttentionParams, f: Kerne
                f.batch, f.nheads, f.nheads_k, *f.band, *f.scores, *f.alibi_strides,
                params.softmax_scale, *f.dropout, num_kv_blocks, num_q_blocks, score_mod_args,
                mask_mod_args, *kv_blocks[4:], *q_blocks[4:])
-    varlen = f.flags["VARLEN"]
+    varlen = f.varlen
     meta = dict(HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
                 BLOCK_M1=block_m1, BLOCK_N1=block_n1, BLOCK_M2=block_m2, BLOCK_N2=block_n2,
-                **f.flags_for(GRADIENT_FLAGS), ONE_KEY_ZERO=one_key_zero,
+                **f.flags, ONE_KEY_ZERO=one_key_zero,
                 EVEN_M=not varlen and f.seqlen_q % block_m2 == 0,
                 EVEN_N=not varlen and f.seqlen_k % block_n1 == 0)
     for programs, do_dkdv, warps, stages in ((num_kv_blocks, True, num_warps, num_stages),

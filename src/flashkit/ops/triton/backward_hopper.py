@@ -687,8 +687,8 @@ def attention_backward_dkdv(dout, q, k, v, lse, delta, params: AttentionParams, 
     """dK, dV of the eligible case into dk, dv. delta (laid out like lse) comes from
     backward.py's preprocess; block overrides GLUON_BACKWARD_DKDV (the sweep); features: the
     call's kernel_features (with lse as the placeholder), made here when not given."""
-    f = features or kernel_features(params, q, v, lse, q.dtype)
-    head_dim = q.shape[-1]
+    f = features or kernel_features(params, q, v, lse, q.dtype, flags=GRADIENT_FLAGS)
+    head_dim = f.head_dim
     block_m, block_n, num_warps, num_stages = block or GLUON_BACKWARD_DKDV[head_dim]
 
     def rows_descriptor(x):  # lse / delta (batch, nheads, seqlen_q), varlen (nheads, rows)
@@ -696,7 +696,7 @@ def attention_backward_dkdv(dout, q, k, v, lse, delta, params: AttentionParams, 
         return TensorDescriptor(x.view(-1), [x.numel()], [1], [block_m], layout)
 
     alibi, (cu_q, cu_k) = f.alibi, f.cu_seqlens
-    if f.flags["VARLEN"]:
+    if f.varlen:
         lse, delta = _aligned_lse_delta(lse, delta, params)
     grid = (cdiv(f.seqlen_k, block_n), *fold(f.batch * f.nheads_k))
     _bwd_dkdv_hopper_kernel[grid](
@@ -705,15 +705,15 @@ def attention_backward_dkdv(dout, q, k, v, lse, delta, params: AttentionParams, 
         *f.strides(dk)[:3], *f.strides(dv)[:3], alibi, *f.alibi_strides, f.nheads, f.nheads_k,
         *f.band, *f.scores, params.softmax_scale, *f.dropout, lse.stride(-2), cu_q, cu_k,
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=num_stages,
-        **f.flags_for(GRADIENT_FLAGS), num_warps=num_warps)
+        **f.flags, num_warps=num_warps)
 
 
 def attention_backward_dq(dout, q, k, v, lse, delta, params: AttentionParams, dq, block=None,
                           features: KernelFeatures | None = None):
     """dQ of the eligible case into dq (deterministic); block overrides GLUON_BACKWARD_DQ;
     features as attention_backward_dkdv's."""
-    f = features or kernel_features(params, q, v, lse, q.dtype)
-    head_dim = q.shape[-1]
+    f = features or kernel_features(params, q, v, lse, q.dtype, flags=GRADIENT_FLAGS)
+    head_dim = f.head_dim
     block_m, block_n, num_warps, num_stages = block or GLUON_BACKWARD_DQ[head_dim]
     alibi, (cu_q, cu_k) = f.alibi, f.cu_seqlens
     grid = (cdiv(f.seqlen_q, block_m), *fold(f.batch * f.nheads))
@@ -724,4 +724,4 @@ def attention_backward_dq(dout, q, k, v, lse, delta, params: AttentionParams, dq
         f.nheads, f.nheads // f.nheads_k, *f.band, *f.scores, params.softmax_scale,
         *f.dropout, cu_q, cu_k,
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=num_stages,
-        **f.flags_for(GRADIENT_FLAGS), num_warps=num_warps)
+        **f.flags, num_warps=num_warps)

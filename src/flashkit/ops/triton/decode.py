@@ -756,7 +756,7 @@ def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, bloc
     dummy = q if seqlens_k is None else seqlens_k
     # log2-unit scores and the exact tanh whatever the dtype; the sink as given (the kernel
     # converts it as it loads it); slopes (nheads,) or (batch, nheads) with head stride 1
-    f = kernel_features(params, q, v_cache, dummy, seqlen_k=capacity, float32_sink=False)
+    f = kernel_features(params, q, v_cache, dummy, None, capacity, False, DENSE_FLAGS)
     bhk_y, bhk_z = fold(batch * nheads_k)
     launch(_decode_kernel, (num_splits * bhk_z, bhk_y, m_blocks), (
         q, k_cache, v_cache, out_part, lse_part,
@@ -775,7 +775,7 @@ def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, bloc
         BLOCK_DV=padded_head_dim(head_dim_v), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
         SUBTILES=tile.subtiles, PAGE_SIZE=page_size, PAGE_PER_TILE=per_tile,
         HAS_BATCH_IDX=cache_batch_idx is not None, HAS_LEFTPAD=cache_leftpad is not None,
-        **f.flags_for(DENSE_FLAGS), USE_PDL=use_pdl and num_splits > 1,
+        **f.flags, USE_PDL=use_pdl and num_splits > 1,
         PRECISION=DOT_PRECISION, STEP=step is not None,
         SEQLENS_TENSOR=step is None or seqlens_tensor,
         ROTARY_HALF=0 if cos is None else cos.shape[1],

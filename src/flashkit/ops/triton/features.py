@@ -12,10 +12,11 @@ one vocabulary (FLAGS), in one order:
     DROPOUT              the keep-mask is drawn (dropout.dropout_keep)
     VARLEN               packed sequences, cu_seqlens read (common.sequence)
 
-A kernel that does not take a feature leaves its flag out (`flags_for`): the backward kernels
-take no SINK (GRADIENT_FLAGS: the sink enters their math through lse alone), the decode and FP8
-kernels no DROPOUT or VARLEN (DENSE_FLAGS: their callers refuse both before this point). A new feature adds its
-field and its flag here and in the kernels' signatures; the launchers pass it on unchanged.
+A kernel that does not take a feature leaves its flag out (kernel_features' `flags`): the
+backward kernels take no SINK (GRADIENT_FLAGS: the sink enters their math through lse alone),
+the decode and FP8 kernels no DROPOUT or VARLEN (DENSE_FLAGS: their callers refuse both before
+this point). A new feature adds its field and its flag here and in the kernels' signatures; the
+launchers pass it on unchanged.
 
 Host cost matters here (the eager path is measured in microseconds per call): one function,
 one NamedTuple, no dataclasses.replace.
@@ -33,20 +34,22 @@ from flashkit.ops.triton.common import (
     SOFTCAP_EXACT,
     SOFTCAP_FAST,
     interpreting,
-    natural_units,
 )
 from flashkit.ops.triton.dropout import dropout_args
 
 FLAGS = ("HAS_LEFT", "HAS_RIGHT", "SOFTCAP", "ALIBI", "SINK", "DROPOUT", "VARLEN")
 GRADIENT_FLAGS = ("HAS_LEFT", "HAS_RIGHT", "SOFTCAP", "ALIBI", "DROPOUT", "VARLEN")
 DENSE_FLAGS = ("HAS_LEFT", "HAS_RIGHT", "SOFTCAP", "ALIBI", "SINK")
+_NO_DROPOUT = dropout_args(0.0, 0)
+_FLOAT32, _HALF = torch.float32, (torch.float16, torch.bfloat16)
 
 
 class KernelFeatures(NamedTuple):
     """One call's features as the kernels take them.
 
     batch, seqlen_q, seqlen_k, nheads, nheads_k: the grid's view of the problem (varlen: the
-        number of sequences and the longest lengths; decode: the cache's capacity as seqlen_k).
+        number of sequences and the longest lengths; decode: the cache's capacity as seqlen_k);
+        head_dim, head_dim_v: q's and v's last dims.
     band: (seqlen_q, seqlen_k, window_left, window_right), the kernels' `band` (common.visible,
         common.score_mod). A side that reaches every key from every row is passed as unbounded
         (its flag off): left >= seqlen_k - 1 puts i + shift - left <= 0, right >= seqlen_q - 1
@@ -56,19 +59,22 @@ class KernelFeatures(NamedTuple):
     scores: (qk_scale, softcap_scale) for common.scores: softcap c > 0 gives (c * u,
         scale / c), else (scale * u, 1.0), with u = log2(e), or 1 in natural units (fp32
         inputs: common.natural_units).
-    alibi, alibi_strides: float32 slopes (nheads,) or (batch, nheads) and their (batch, head)
-        strides (batch stride 0 for one row); without ALiBi the placeholder, (0, 0).
+    alibi, alibi_strides: the float32 slopes (nheads,) or (batch, nheads) and their (batch,
+        head) strides (batch stride 0 for one row); without ALiBi the placeholder, (0, 0).
     sink: the sink logits (nheads,) in float32 (as given with float32_sink=False); without one
         the placeholder.
     dropout: (seed_lo, seed_hi, dropout_threshold, dropout_scale) (dropout.dropout_args).
-    cu_seqlens: (Cu_q, Cu_k), or the placeholder twice when dense.
-    flags: every flag of FLAGS by name, in that order.
+    cu_seqlens: (Cu_q, Cu_k), or the placeholder twice when dense; varlen: whether packed.
+    flags: the constexpr flags the kernel takes (kernel_features' `flags`) by name, in FLAGS'
+        order: a dict of this call's own, which a launcher may specialise further.
     """
     batch: int
     seqlen_q: int
     seqlen_k: int
     nheads: int
     nheads_k: int
+    head_dim: int
+    head_dim_v: int
     band: tuple
     scores: tuple
     alibi: torch.Tensor
@@ -76,17 +82,13 @@ class KernelFeatures(NamedTuple):
     sink: torch.Tensor
     dropout: tuple
     cu_seqlens: tuple
+    varlen: bool
     flags: dict
 
     def strides(self, x: torch.Tensor) -> tuple:
         """x's strides with a leading batch stride: varlen tensors (total, ...) get batch
         stride 0, since each sequence's first row is added to the base pointer instead."""
-        return (0, *x.stride()) if self.flags["VARLEN"] else x.stride()
-
-    def flags_for(self, names: tuple) -> dict:
-        """The flags `names` (GRADIENT_FLAGS, DENSE_FLAGS) of a kernel that takes a subset."""
-        flags = self.flags
-        return {name: flags[name] for name in names}
+        return (0, *x.stride()) if self.varlen else x.stride()
 
 
 def lse_shape(q: torch.Tensor, params: AttentionParams) -> tuple[int, ...]:
@@ -96,7 +98,7 @@ def lse_shape(q: torch.Tensor, params: AttentionParams) -> tuple[int, ...]:
 
 def kernel_features(params: AttentionParams, q: torch.Tensor, v: torch.Tensor, placeholder,
                     dtype: torch.dtype | None = None, seqlen_k: int | None = None,
-                    float32_sink: bool = True) -> KernelFeatures:
+                    float32_sink: bool = True, flags: tuple = FLAGS) -> KernelFeatures:
     """The features of one call (KernelFeatures). q, v: the call's query and value tensors,
     dense (batch, seqlen, heads, d) or packed (total, heads, d), or a decode call's q and value
     cache (rows | pages, slots, heads_k, d) with seqlen_k its capacity. placeholder: a tensor
@@ -105,16 +107,19 @@ def kernel_features(params: AttentionParams, q: torch.Tensor, v: torch.Tensor, p
     hardware's tanh.approx.f32, relative error 2^-11, below those dtypes' own rounding);
     None: log2 units and the exact tanh (kernels whose scores are fp32 whatever the inputs).
     float32_sink=False passes the sink as given (the decode kernel converts it as it loads it,
-    so a bf16 sink costs a decoding step no cast)."""
-    if params.cu_seqlens_q is not None:
+    so a bf16 sink costs a decoding step no cast). flags: the flags the kernel takes, FLAGS,
+    GRADIENT_FLAGS or DENSE_FLAGS."""
+    cu_q = params.cu_seqlens_q
+    if cu_q is not None:
         varlen = True
-        batch, seqlen_q = params.cu_seqlens_q.numel() - 1, params.max_seqlen_q
-        keys, nheads, nheads_k = params.max_seqlen_k, q.shape[1], v.shape[1]
-        cu_seqlens = (params.cu_seqlens_q, params.cu_seqlens_k)
-    else:
+        batch, seqlen_q, keys = cu_q.numel() - 1, params.max_seqlen_q, params.max_seqlen_k
+        _, nheads, head_dim = q.shape
+        _, nheads_k, head_dim_v = v.shape
+        cu_seqlens = (cu_q, params.cu_seqlens_k)
+    else:  # unpacked at once: each .shape builds a torch.Size, each [i] reads one
         varlen = False
-        batch, seqlen_q, keys, nheads, nheads_k = (q.shape[0], q.shape[1], v.shape[1],
-                                                   q.shape[2], v.shape[2])
+        batch, seqlen_q, nheads, head_dim = q.shape
+        _, keys, nheads_k, head_dim_v = v.shape
         cu_seqlens = (placeholder, placeholder)
     if seqlen_k is None:
         seqlen_k = keys
@@ -125,32 +130,39 @@ def kernel_features(params: AttentionParams, q: torch.Tensor, v: torch.Tensor, p
     if right is not None and right >= seqlen_q - 1:
         right = None
 
-    units = 1.0 if natural_units(dtype) else LOG2E
-    if params.softcap > 0:
-        fast = dtype in (torch.float16, torch.bfloat16) and not interpreting()
-        scores = (params.softcap * units, params.softmax_scale / params.softcap)
+    units = 1.0 if dtype is _FLOAT32 else LOG2E  # common.natural_units
+    cap = params.softcap
+    if cap > 0:
+        fast = dtype in _HALF and not interpreting()
+        scores = (cap * units, params.softmax_scale / cap)
         softcap = SOFTCAP_FAST if fast else SOFTCAP_EXACT
     else:
         scores, softcap = (params.softmax_scale * units, 1.0), 0
 
-    slopes = params.alibi_slopes
+    slopes = params.alibi_slopes  # float32 (checks.alibi_slopes)
     if slopes is None:
         alibi, alibi_strides = placeholder, (0, 0)
     else:
-        alibi = slopes.to(torch.float32)
-        alibi_strides = (0, alibi.stride(0)) if alibi.dim() == 1 else alibi.stride()
+        alibi = slopes
+        alibi_strides = (0, slopes.stride(0)) if slopes.dim() == 1 else slopes.stride()
 
-    sink = params.sink
+    sink = params.sink  # any float dtype (checks.sink)
     if sink is None:
         sink = placeholder
-    elif float32_sink:
-        sink = sink.to(torch.float32)
+    elif float32_sink and sink.dtype is not _FLOAT32:  # .to costs ~1 us even as a no-op
+        sink = sink.to(_FLOAT32)
 
-    dropout = dropout_args(params.dropout_p, params.dropout_seed)
-    flags = {"HAS_LEFT": left is not None, "HAS_RIGHT": right is not None, "SOFTCAP": softcap,
-             "ALIBI": slopes is not None, "SINK": params.sink is not None,
-             "DROPOUT": dropout[4], "VARLEN": varlen}
-    return KernelFeatures(batch, seqlen_q, seqlen_k, nheads, nheads_k,
-                          (seqlen_q, seqlen_k, 0 if left is None else left,
-                           0 if right is None else right),
-                          scores, alibi, alibi_strides, sink, dropout[:4], cu_seqlens, flags)
+    dropout = (dropout_args(params.dropout_p, params.dropout_seed) if params.dropout_p > 0
+               else _NO_DROPOUT)
+    values = {"HAS_LEFT": left is not None, "HAS_RIGHT": right is not None, "SOFTCAP": softcap,
+              "ALIBI": slopes is not None}
+    if flags is not GRADIENT_FLAGS:
+        values["SINK"] = params.sink is not None
+    if flags is not DENSE_FLAGS:
+        values["DROPOUT"] = dropout[4]
+        values["VARLEN"] = varlen
+    # tuple.__new__: the NamedTuple's own __new__ and _make are Python functions (~0.3 us)
+    band = (seqlen_q, seqlen_k, 0 if left is None else left, 0 if right is None else right)
+    return tuple.__new__(KernelFeatures, (batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim,
+                                          head_dim_v, band, scores, alibi, alibi_strides, sink,
+                                          dropout[:4], cu_seqlens, varlen, values))

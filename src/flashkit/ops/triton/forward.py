@@ -232,10 +232,10 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     tile = (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides configs.SM90 (the tuning sweep).
     """
-    head_dim, head_dim_v = q.shape[-1], v.shape[-1]
     if lse is None:
         lse = torch.empty(lse_shape(q, params), dtype=torch.float32, device=q.device)
     f = kernel_features(params, q, v, lse, q.dtype)
+    head_dim, head_dim_v = f.head_dim, f.head_dim_v
     if out is None:
         out = torch.empty((*q.shape[:-1], head_dim_v), dtype=q.dtype, device=q.device)
     # dropout takes the plain tiles: its keep-mask is drawn in the scores' own layout, so it
@@ -255,6 +255,6 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         score_mod_args, mask_mod_args, *blocks[4:]), dict(
         HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
         BLOCK_M=block_m, BLOCK_N=block_n, **f.flags,
-        EVEN_M=not f.flags["VARLEN"] and f.seqlen_q % block_m == 0, PRECISION=DOT_PRECISION,
+        EVEN_M=not f.varlen and f.seqlen_q % block_m == 0, PRECISION=DOT_PRECISION,
         **variant, **sparse), _TENSORS, num_warps=num_warps, num_stages=num_stages)
     return out, lse

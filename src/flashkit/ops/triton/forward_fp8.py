@@ -288,7 +288,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params:
     q_desc = descale_args(q_descale, nheads, group, one)
     k_desc = descale_args(k_descale, nheads_k, 1, one)
     v_desc = descale_args(v_descale, nheads_k, 1, one)
-    f = kernel_features(params, q, v, lse)  # dtype None: the exact tanh, fp32 scores
+    f = kernel_features(params, q, v, lse, flags=DENSE_FLAGS)  # dtype None: exact tanh
     grid = (cdiv(seqlen_q, block_m), batch * nheads)
     _fp8_fwd_kernel[grid](
         q, k, v, out, lse, q_desc[0], k_desc[0], v_desc[0],
@@ -297,6 +297,6 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params:
         nheads, group, *f.band, *f.scores, f.alibi, *f.alibi_strides, f.sink,
         HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
         BLOCK_M=block_m, BLOCK_N=block_n, P_SCALE=P_SCALE[q.dtype],
-        **f.flags_for(DENSE_FLAGS), EVEN_M=seqlen_q % block_m == 0, num_warps=num_warps,
+        **f.flags, EVEN_M=seqlen_q % block_m == 0, num_warps=num_warps,
         num_stages=num_stages)
     return out, lse

@@ -910,18 +910,17 @@ def attention_forward(q, k, v, params: AttentionParams, out=None, lse=None, tile
     if paged:  # (num_blocks, page_size, hk, d) -> rows (num_blocks * page_size, hk, d)
         page_size = k.shape[1]
         k, v = k.flatten(0, 1), v.flatten(0, 1)
-    head_dim = q.shape[-1]
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if lse is None:
         lse = torch.empty(lse_shape(q, params), dtype=torch.float32, device=q.device)
     f = kernel_features(params, q, v, lse, q.dtype)
+    head_dim = f.head_dim
     tile = tile or gluon_forward_tile(head_dim, f.seqlen_q, params.window_right is not None)
     block_n, num_stages, consumers, specialized, pingpong, persistent = tile
     persistent = persistent and specialized
 
-    flags = {**f.flags, "SOFTCAP": softcap_mode(params, q.dtype, f.scores[0],
-                                                f.flags["SOFTCAP"])}
+    f.flags["SOFTCAP"] = softcap_mode(params, q.dtype, f.scores[0], f.flags["SOFTCAP"])
     alibi, sink, (cu_q, cu_k) = f.alibi, f.sink, f.cu_seqlens
     n_m = cdiv(f.seqlen_q, BLOCK_M * consumers)
     n_items = n_m * f.batch * f.nheads
@@ -940,8 +939,8 @@ def attention_forward(q, k, v, params: AttentionParams, out=None, lse=None, tile
         f.nheads // f.nheads_k, *f.band, *f.scores, *f.dropout, n_items, *paging), dict(
         HEAD_DIM=head_dim, BLOCK_N=block_n, NUM_STAGES=num_stages, CONSUMERS=consumers,
         SPECIALIZED=specialized, PINGPONG=pingpong and consumers >= 2, PERSISTENT=persistent,
-        CONSUMER_REGS=config.pop("CONSUMER_REGS"), **flags, SEQUSED_K=seqused_k is not None,
-        KEY_TAIL=flags["VARLEN"] or f.seqlen_k % block_n != 0, PAGED=paged,
+        CONSUMER_REGS=config.pop("CONSUMER_REGS"), **f.flags, SEQUSED_K=seqused_k is not None,
+        KEY_TAIL=f.varlen or f.seqlen_k % block_n != 0, PAGED=paged,
         SPLIT_LOADS=paged and specialized and consumers == 2,
         num_warps=config.pop("num_warps")), **config)
     return out, lse
