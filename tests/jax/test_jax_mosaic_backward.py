@@ -13,8 +13,7 @@ jax = pytest.importorskip("jax")
 jnp = jax.numpy
 pytest.importorskip("absl", reason="Mosaic GPU needs absl-py")
 
-import flashkit.jax as fj  # noqa: E402
-from flashkit.jax import mosaic, mosaic_backward  # noqa: E402
+from flashkit.jax import dispatch, mosaic, mosaic_backward  # noqa: E402
 from flashkit.jax._checks import check_inputs  # noqa: E402
 
 
@@ -70,8 +69,10 @@ def test_not_covered(sq, sk, h, hk, d, causal, window, dtype):
 def test_dispatch(monkeypatch, implementation, interpret, hopper, shape, expected):
     monkeypatch.setattr(mosaic, "is_hopper", lambda: hopper)
     q, k, cfg = _problem(*shape, 2, 2, 64, implementation=implementation, interpret=interpret)
-    chosen = fj._mosaic_backward_for(q, k, k, cfg)
-    assert chosen is (mosaic_backward if expected else None)
+    chosen, declined = dispatch.backward_choice(q, k, k, cfg)
+    assert (chosen == "mosaic") == expected
+    assert bool(declined) == (not expected and implementation.startswith("pallas")
+                              and implementation != "pallas_triton")
 
 
 def test_tables_hold_candidates():
@@ -124,7 +125,7 @@ def _require_mosaic_backward(sq, sk, h, hk, d, causal):
     if not mosaic.is_hopper():
         pytest.skip("needs a Hopper GPU")
     q, k, cfg = _problem(sq, sk, h, hk, d, causal)
-    assert fj._mosaic_backward_for(q, k, k, cfg) is mosaic_backward
+    assert dispatch.backward_choice(q, k, k, cfg)[0] == "mosaic"
 
 
 @pytest.mark.gpu

@@ -19,11 +19,12 @@ rows that see no key give 0 and lse -inf):
     "fori"           the TPU post's first port, a fori_loop over query blocks (kept to show the
                      difference)
 
-Gradients come from one `jax.custom_vjp` for all of them: the forward saves (q, k, v, out, lse),
-and the backward recomputes P = exp(S - lse) tile by tile with delta = rowsum(dO * O)
-(FlashAttention-2). The Pallas forwards and the Mosaic backward read the caller's (batch, seqlen,
-nheads, d) layout; the XLA ports and the Triton-lowered backward work in the folded GQA layout of
-`_layout`.
+`flashkit.jax.dispatch` picks the implementation of each call (FLASHKIT_LOG_DISPATCH=1 logs the
+choice and why the others declined). Gradients come from one `jax.custom_vjp` for all of them:
+the forward saves (q, k, v, out, lse), and the backward recomputes P = exp(S - lse) tile by tile
+with delta = rowsum(dO * O) (FlashAttention-2). The Pallas forwards and the Mosaic backward read
+the caller's (batch, seqlen, nheads, d) layout; the XLA ports and the Triton-lowered backward
+work in the folded GQA layout of `_layout`.
 
 This module needs jax; `import flashkit` never imports it.
 """
@@ -37,61 +38,17 @@ try:
 except ImportError as err:  # say what to install instead of a bare "No module named 'jax'"
     raise ImportError("flashkit.jax needs JAX: pip install 'flashkit-attn[jax]' (or "
                       "jax[cuda12] for GPUs)") from err
-from flashkit.jax import _layout, pallas, xla
+from flashkit.jax import dispatch
 from flashkit.jax._checks import AttentionConfig, check_inputs
-from flashkit.jax._tile import backward_rows
 
 __all__ = ["flash_attention"]
-
-_FOLDED = {"pallas": pallas, "pallas_triton": pallas, "pallas_mosaic": pallas, "xla": xla,
-           "fori": xla}  # who runs the backward (and the forward, unless Mosaic does)
-
-
-def _mosaic_for(q, k, v, cfg: AttentionConfig):
-    """The Mosaic GPU module when it runs this forward, else None (see the module doc)."""
-    if cfg.implementation not in ("pallas", "pallas_mosaic"):
-        return None
-    try:  # Mosaic GPU needs absl-py, which a CPU-only jax install may lack
-        from flashkit.jax import mosaic
-    except ImportError as err:
-        if cfg.implementation == "pallas_mosaic":
-            raise NotImplementedError(f"implementation='pallas_mosaic': {err}") from err
-        return None
-    usable = (not cfg.interpret and mosaic.is_hopper()
-              and mosaic.supports(q.shape, k.shape, v.shape, q.dtype, cfg))
-    if cfg.implementation == "pallas_mosaic" and not usable:
-        raise NotImplementedError(
-            "implementation='pallas_mosaic' needs a Hopper GPU (no interpreter) and covers "
-            "bf16/fp16 with d = dv = 128 (d = 64: whole blocks, no window); use "
-            "implementation='pallas'")
-    return mosaic if usable else None
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _attention(q, k, v, cfg: AttentionConfig):
     """Caller's layout: q [B, Sq, H, D], k [B, Sk, Hk, D], v [B, Sk, Hk, Dv]
     -> (out [B, Sq, H, Dv], lse [B, H, Sq])."""
-    mosaic = _mosaic_for(q, k, v, cfg)
-    if mosaic is not None:
-        return mosaic.forward(q, k, v, cfg)
-    if _FOLDED[cfg.implementation] is pallas:
-        return pallas.forward(q, k, v, cfg)
-    out, lse = xla.forward(_layout.fold_q(q, k.shape[2]), _layout.swap_seq_heads(k),
-                           _layout.swap_seq_heads(v), cfg)
-    return _layout.unfold_q(out, q.shape[1]), lse.reshape(q.shape[0], q.shape[2], q.shape[1])
-
-
-def _mosaic_backward_for(q, k, v, cfg: AttentionConfig):
-    """The Mosaic GPU backward module when it runs this backward, else None."""
-    if cfg.implementation not in ("pallas", "pallas_mosaic") or cfg.interpret:
-        return None
-    try:  # as in _mosaic_for: a CPU-only jax install may lack what Mosaic GPU needs
-        from flashkit.jax import mosaic, mosaic_backward
-    except ImportError:
-        return None
-    usable = mosaic.is_hopper() and mosaic_backward.supports(q.shape, k.shape, v.shape,
-                                                             q.dtype, cfg)
-    return mosaic_backward if usable else None
+    return dispatch.forward(q, k, v, cfg)
 
 
 def _attention_fwd(q, k, v, cfg):
@@ -102,18 +59,7 @@ def _attention_fwd(q, k, v, cfg):
 def _attention_bwd(cfg, residuals, cotangents):
     q, k, v, out, lse = residuals
     dout, dlse = cotangents
-    mosaic_backward = _mosaic_backward_for(q, k, v, cfg)
-    if mosaic_backward is not None:
-        return mosaic_backward.backward(q, k, v, out, dout, lse, dlse, cfg)
-    hk = k.shape[2]
-    dout_f = _layout.fold_q(dout, hk)
-    lse2, delta = backward_rows(_layout.fold_q(out, hk), dout_f, _layout.fold_rows(lse, hk),
-                                _layout.fold_rows(dlse, hk))
-    dq, dk, dv = _FOLDED[cfg.implementation].backward(
-        _layout.fold_q(q, hk), _layout.swap_seq_heads(k), _layout.swap_seq_heads(v), dout_f,
-        lse2, delta, cfg)
-    return (_layout.unfold_q(dq, q.shape[1]), _layout.swap_seq_heads(dk),
-            _layout.swap_seq_heads(dv))
+    return dispatch.backward(q, k, v, out, lse, dout, dlse, cfg)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)

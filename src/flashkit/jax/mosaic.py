@@ -46,7 +46,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from flashkit.jax._checks import AttentionConfig
 from flashkit.jax._tile import LOG2E
 
-__all__ = ["forward", "supports", "Band", "Tile", "TILES", "CANDIDATES"]
+__all__ = ["forward", "declines", "supports", "Band", "Tile", "TILES", "CANDIDATES"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,12 +209,31 @@ def aligned(cfg: AttentionConfig, rows: int, keys: int) -> bool:
     return cfg.window_right is None or (cfg.window_right == 0 and cfg.shift >= 0)
 
 
-def supports(q_shape, k_shape, v_shape, dtype, cfg: AttentionConfig) -> bool:
-    """Whether this kernel covers the problem (original layout shapes, see the module doc)."""
+def declines(q_shape, k_shape, v_shape, dtype, cfg: AttentionConfig) -> str | None:
+    """Why this forward does not run the call (flashkit.jax.dispatch runs another), or None."""
+    if cfg.interpret:
+        return "the Pallas interpreter (interpret=True) runs no Mosaic GPU kernel"
+    if not is_hopper():
+        return f"not a Hopper GPU (the default device is {jax.devices()[0].device_kind})"
+    return uncovered(q_shape, k_shape, v_shape, dtype, cfg)
+
+
+def uncovered(q_shape, k_shape, v_shape, dtype, cfg: AttentionConfig) -> str | None:
+    """What of the problem this kernel does not cover (original layout shapes, see the module
+    doc), or None."""
     d = q_shape[3]
-    if v_shape[3] != d or not any(dtype == t for t in _DTYPES):
-        return False
-    return d == 128 or (d == 64 and aligned(cfg, _CONSUMERS * 64, MIN_BLOCK_K))
+    if not any(dtype == t for t in _DTYPES):
+        return f"dtype {jnp.dtype(dtype).name} (takes bfloat16, float16)"
+    if v_shape[3] != d or d not in (64, 128):
+        return f"head dims {d}/{v_shape[3]} (takes 128, or 64, q/k/v alike)"
+    if d == 64 and not aligned(cfg, _CONSUMERS * 64, MIN_BLOCK_K):
+        return "head dim 64 off whole blocks or with a window"
+    return None
+
+
+def supports(q_shape, k_shape, v_shape, dtype, cfg: AttentionConfig) -> bool:
+    """Whether this kernel covers the problem, on a Hopper GPU (uncovered)."""
+    return uncovered(q_shape, k_shape, v_shape, dtype, cfg) is None
 
 
 def table_tile(d: int, causal: bool, seqlen_k: int) -> Tile:

@@ -44,11 +44,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from flashkit.jax import mosaic
 from flashkit.jax._checks import AttentionConfig
 from flashkit.jax._tile import LOG2E, backward_rows
 from flashkit.jax.mosaic import Band, aligned, cdiv, clip, pad_rows
 
-__all__ = ["backward", "supports", "Tile", "TILES", "CANDIDATES"]
+__all__ = ["backward", "declines", "supports", "Tile", "TILES", "CANDIDATES"]
 
 _WG_ROWS = 64  # rows (dQ: queries, dK/dV: keys) per consumer warpgroup: wgmma's M
 _CONSUMERS = 2
@@ -81,12 +82,32 @@ CANDIDATES = {64: (Tile(128, 128, 2), Tile(64, 128, 3), Tile(64, 64, 3), Tile(12
               128: (Tile(64, 64, 2), Tile(64, 128, 2), Tile(64, 64, 3))}
 
 
-def supports(q_shape, k_shape, v_shape, dtype, cfg: AttentionConfig) -> bool:
-    """Whether these kernels cover the problem (caller's layout shapes, see the module doc)."""
+def declines(q_shape, k_shape, v_shape, dtype, cfg: AttentionConfig) -> str | None:
+    """Why these kernels do not run the call's backward (flashkit.jax.dispatch runs the
+    Triton-lowered one), or None."""
+    if cfg.interpret:
+        return "the Pallas interpreter (interpret=True) runs no Mosaic GPU kernel"
+    if not mosaic.is_hopper():
+        return f"not a Hopper GPU (the default device is {jax.devices()[0].device_kind})"
+    return uncovered(q_shape, k_shape, v_shape, dtype, cfg)
+
+
+def uncovered(q_shape, k_shape, v_shape, dtype, cfg: AttentionConfig) -> str | None:
+    """What of the problem these kernels do not cover (caller's layout shapes, see the module
+    doc), or None."""
     d = q_shape[3]
-    if d not in CANDIDATES or v_shape[3] != d or not any(dtype == t for t in _DTYPES):
-        return False
-    return d == 128 or aligned(cfg, _CTA_ROWS, _CTA_ROWS)  # d64: see mosaic.aligned
+    if not any(dtype == t for t in _DTYPES):
+        return f"dtype {jnp.dtype(dtype).name} (takes bfloat16, float16)"
+    if d not in CANDIDATES or v_shape[3] != d:
+        return f"head dims {d}/{v_shape[3]} (takes {sorted(CANDIDATES)}, q/k/v alike)"
+    if d == 64 and not aligned(cfg, _CTA_ROWS, _CTA_ROWS):  # d64: see mosaic.aligned
+        return "head dim 64 off whole 128-blocks or with a window"
+    return None
+
+
+def supports(q_shape, k_shape, v_shape, dtype, cfg: AttentionConfig) -> bool:
+    """Whether these kernels cover the problem, on a Hopper GPU (uncovered)."""
+    return uncovered(q_shape, k_shape, v_shape, dtype, cfg) is None
 
 
 def _smem_tile():

@@ -756,7 +756,8 @@ def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, bloc
     dummy = q if seqlens_k is None else seqlens_k
     # log2-unit scores and the exact tanh whatever the dtype; the sink as given (the kernel
     # converts it as it loads it); slopes (nheads,) or (batch, nheads) with head stride 1
-    f = kernel_features(params, q, v_cache, dummy, None, capacity, False, DENSE_FLAGS)
+    f = kernel_features(params, q, v_cache, dummy, seqlen_k=capacity, float32_sink=False,
+                        flags=DENSE_FLAGS)
     bhk_y, bhk_z = fold(batch * nheads_k)
     launch(_decode_kernel, (num_splits * bhk_z, bhk_y, m_blocks), (
         q, k_cache, v_cache, out_part, lse_part,

@@ -24,12 +24,11 @@ declined, e.g.
 from __future__ import annotations
 
 import dataclasses
-import logging
-import os
 from typing import NamedTuple
 
 import torch
 
+from flashkit._dispatch_log import log_choice, logger
 from flashkit.ops.params import AttentionParams, KVCacheArgs
 from flashkit.ops.tiled.kvcache import empty_result
 from flashkit.ops.triton import (
@@ -44,12 +43,6 @@ from flashkit.ops.triton import (
 
 __all__ = ["forward_call", "backward_call", "kvcache_call", "forget_plans", "logger",
            "MAX_PLANS"]
-
-logger = logging.getLogger("flashkit.dispatch")
-if os.environ.get("FLASHKIT_LOG_DISPATCH", "") not in ("", "0"):
-    logger.setLevel(logging.DEBUG)
-    if not logger.handlers:
-        logger.addHandler(logging.StreamHandler())
 
 MAX_PLANS = 4096  # forget every plan beyond this many keys (a safety bound)
 _plans: dict = {}
@@ -80,9 +73,7 @@ def _choose(op: str, key: tuple, candidates) -> Plan:
         if len(_plans) >= MAX_PLANS:
             _plans.clear()
         plan = _plans[key] = Plan(name, tuple(declined))
-    if logger.isEnabledFor(logging.DEBUG):
-        logger.debug("%s ran %s; declined: %s", op, plan.kernel,
-                     "; ".join(f"{n}: {w}" for n, w in plan.declined) or "nothing")
+    log_choice(op, plan.kernel, plan.declined)
     return plan
 
 
