@@ -553,14 +553,16 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     if dlse is not None:
         delta -= dlse
 
+    one_key_zero = params.sink is None and dlse is None and own_lse
     if gluon:
         backward_hopper.attention_backward_dkdv(dout, q, k, v, lse, delta, params, dk, dv,
-                                                block=tiles.get("hopper"))
+                                                block=tiles.get("hopper"),
+                                                one_key_zero=one_key_zero)
         backward_hopper.attention_backward_dq(dout, q, k, v, lse, delta, params, dq,
-                                              block=tiles.get("hopper_dq"))
+                                              block=tiles.get("hopper_dq"),
+                                              one_key_zero=one_key_zero)
     else:
-        _triton_dkdv_dq(dout, q, k, v, lse, delta, params, dq, dk, dv, tiles,
-                        params.sink is None and dlse is None and own_lse)
+        _triton_dkdv_dq(dout, q, k, v, lse, delta, params, dq, dk, dv, tiles, one_key_zero)
 
     dsink = None
     if params.sink is not None:

@@ -63,6 +63,7 @@ from flashkit.ops.triton.common import (
     SCORE_GRAD_FROM_TANH_JIT,
     alibi_args,
     batch_strides,
+    gradient_pairs,
     key_tile_ranges,
     load_alibi_log2,
     query_tile_ranges,
@@ -184,24 +185,27 @@ if gluon is not None:
                          NUM_STAGES: gl.constexpr, MASK: gl.constexpr, HAS_LEFT: gl.constexpr,
                          HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
                          DROPOUT: gl.constexpr, VARLEN: gl.constexpr,
-                         st_layout: gl.constexpr, kv_layout: gl.constexpr,
-                         op_layout: gl.constexpr):
+                         ONE_KEY_ZERO: gl.constexpr, st_layout: gl.constexpr,
+                         kv_layout: gl.constexpr, op_layout: gl.constexpr):
         """Add query tile m (ring job `job`) to dK, dV; MASK applies the band predicate
         (common.visible), with VARLEN also to the query rows: those past seqlen_q are the next
-        sequence's (TMA reads on), their P and dS columns must be exactly 0 (key rows past seqlen_k
-        need no mask: they only reach dK/dV rows that are never stored). Since 0 * NaN/inf is NaN,
-        the tile that crosses the end also zeroes its Q and dO rows past it in shared memory
-        (hopper_common.zero_tile_tail: they feed dK += dS^T Q, dV += P^T dO and dP^T) and its delta
-        there, so rows of a neighbour holding NaN/inf weigh exactly 0. geo = (seqlen_q, seqlen_k,
-        window_left, window_right, qk_scale, softcap_scale, dropout_scale); alibi_log2 is this
-        query head's slope * log2(e) (ALIBI); drop = (seed_lo, seed_hi, threshold, batch, query
-        head) of the keep-mask (DROPOUT: dV = (P o Z)^T dO, dP = Z o (dO V^T) with Z = keep / (1 -
-        p), dS = P o (dP - delta) with the pre-dropout P; the tile computes dS and P o Z over 1 /
-        (1 - p), a select per element instead of a select and a multiply, and the kernel scales dK
-        and dV once). smem = (k, v, q ring, dO ring, lse ring, delta ring), bars = (q, dO) ring
-        barriers, descs = (q, dO, lse, delta) descriptors, ring = (n_jobs, jobs_per_head, m_first,
-        q_row, q_col, lse_row, lse_stride_h, start_n) as _issue_q_do_load takes them (start_n: the
-        key block's first key). Returns (dk, dv)."""
+        sequence's (TMA reads on), their P and dS columns must be exactly 0 (key rows past
+        seqlen_k need no mask: they only reach dK/dV rows that are never stored). Since 0 *
+        NaN/inf is NaN, the tile that crosses the end also zeroes its Q and dO rows past it in
+        shared memory (hopper_common.zero_tile_tail: they feed dK += dS^T Q and dV += P^T dO), so
+        rows of a neighbour holding NaN/inf weigh exactly 0. A masked tile's dS^T is selected on
+        the pairs common.gradient_pairs gives: a value V_j the query cannot see makes dP^T = V
+        dO^T NaN in its whole row j (as does a neighbour's delta past seqlen_q), which P = 0
+        would not stop (0 * NaN), and with ONE_KEY_ZERO rows that see one key get exactly zero
+        dS. geo = (seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale,
+        dropout_scale); alibi_log2 is this query head's slope * log2(e) (ALIBI); drop = (seed_lo,
+        seed_hi, threshold, batch, query head) of the keep-mask (DROPOUT: dV = (P o Z)^T dO, dP =
+        Z o (dO V^T) with Z = keep / (1 - p), dS = P o (dP - delta) with the pre-dropout P; the
+        tile computes dS and P o Z over 1 / (1 - p), a select per element instead of a select and
+        a multiply, and the kernel scales dK and dV once). smem = (k, v, q ring, dO ring, lse
+        ring, delta ring), bars = (q, dO) ring barriers, descs = (q, dO, lse, delta) descriptors,
+        ring = (n_jobs, jobs_per_head, m_first, q_row, q_col, lse_row, lse_stride_h, start_n) as
+        _issue_q_do_load takes them (start_n: the key block's first key). Returns (dk, dv)."""
         seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale, dropout_scale = geo
         k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem = smem
         q_bars, do_bars = bars
@@ -253,9 +257,6 @@ if gluon is not None:
             p_t = gl.where(keep, p_t, 0.0)
         dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, ))
         delta = delta_smem.index(stage).load(col_layout)
-        if MASK and VARLEN:  # the next sequence's delta (maybe NaN/inf) would meet P = 0
-            delta = gl.where(start_m + gl.arange(0, BLOCK_M, layout=col_layout) < seqlen_q,
-                             delta, 0.0)
         if DROPOUT:  # dS / (1 / (1 - p)) = P o (keep o dP - (1 - p) delta): see the kernel
             kept_t = unpack_keep_t(bits_t, start_n, BLOCK_M, BLOCK_N, st_layout, gl.num_warps())
             delta = delta * (1.0 / dropout_scale)
@@ -272,6 +273,10 @@ if gluon is not None:
                 ds_t = p_t * (gl.where(kept_t, dp_t, 0.0) - gl.expand_dims(delta, 0))
         else:
             ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
+        if MASK:  # see the docstring (common.gradient_pairs)
+            ds_t = gl.where(gradient_pairs(keep, i_t, seqlen_q, seqlen_k, window_left,
+                                           window_right, HAS_LEFT, HAS_RIGHT, ONE_KEY_ZERO),
+                            ds_t, 0.0)
         if SOFTCAP:
             ds_t = ds_t * dcap_t
         ds_t = ds_t.to(dtype)
@@ -306,7 +311,7 @@ if gluon is not None:
                                 HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                                 SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
                                 DROPOUT: gl.constexpr, VARLEN: gl.constexpr,
-                                num_warps: gl.constexpr):
+                                ONE_KEY_ZERO: gl.constexpr, num_warps: gl.constexpr):
         """dK, dV of key block program_id(0) of (batch, kv head) program_id(1), heaviest causal
         blocks first. q/k/v/do descriptors over (batch * seqlen, heads * HEAD_DIM), lse/delta
         descriptors over their flat (batch * nheads * seqlen) rows (varlen: the aligned copies
@@ -408,7 +413,8 @@ if gluon is not None:
                             dk, dv, job, m, smem, bars, descs, ring, geo, alibi_log2, drop,
                             HEAD_DIM, BLOCK_M,
                             BLOCK_N, NUM_STAGES, segment != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-                            ALIBI, DROPOUT, VARLEN, st_layout, kv_layout, op_layout)
+                            ALIBI, DROPOUT, VARLEN, ONE_KEY_ZERO, st_layout, kv_layout,
+                            op_layout)
                         job += 1
 
         mbarrier.invalidate(kv_bar)
@@ -439,7 +445,8 @@ if gluon is not None:
                           NUM_STAGES: gl.constexpr, MASK: gl.constexpr, HAS_LEFT: gl.constexpr,
                           HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
                           DROPOUT: gl.constexpr, VARLEN: gl.constexpr,
-                          s_layout: gl.constexpr, op_layout: gl.constexpr):
+                          ONE_KEY_ZERO: gl.constexpr, s_layout: gl.constexpr,
+                          op_layout: gl.constexpr):
         """Add key tile `tile` (keys key_lo + tile * BLOCK_N ..., at row key0 + tile * BLOCK_N
         of the 2-D view) to dQ (unscaled); MASK applies the band predicate. geo, alibi_log2 and
         drop as in _query_tile_step; the keep-mask is the forward's own (keep_tile, drawn in
@@ -447,7 +454,10 @@ if gluon is not None:
         from tile to tile); with DROPOUT, delta comes as (1 - p) delta and dQ is left over
         1 / (1 - p). Returns (dq, upper). VARLEN: the (last) tile that crosses the sequence's
         keys zeroes the next sequence's K and V rows it holds before the wgmmas read them (0 *
-        NaN/inf in dS K or in dP = dO V^T would be NaN; their P is masked to 0). smem = (q, dO,
+        NaN/inf in dS K or in dP = dO V^T would be NaN; their P is masked to 0). A masked tile's
+        dS is selected on common.gradient_pairs: a value V_j a row cannot see makes column j of
+        dP NaN for every row, which P = 0 would not stop, and with ONE_KEY_ZERO rows that see one
+        key get exactly zero dS. smem = (q, dO,
         K ring, V ring), bars = (K, V) ring barriers, descs = (K, V) descriptors, ring =
         (n_tiles, key0, kv_col, start_m, key_lo)."""
         seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale, dropout_scale = geo
@@ -486,12 +496,16 @@ if gluon is not None:
                             SCORE_GRAD_FROM_TANH_JIT)
         p = gl.exp2(s - gl.expand_dims(lse2, 1))  # lse -inf (no visible key): masked below
         if MASK:
-            p = gl.where(visible(i, j, seqlen_q, seqlen_k, window_left, window_right, HAS_LEFT,
-                                 HAS_RIGHT), p, 0.0)
+            keep = visible(i, j, seqlen_q, seqlen_k, window_left, window_right, HAS_LEFT,
+                           HAS_RIGHT)
+            p = gl.where(keep, p, 0.0)
         dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, ))
         if DROPOUT:  # dS / (1 / (1 - p)) = P o (keep o dP - (1 - p) delta): see the kernel
             dp = gl.where(kept, dp, 0.0)
         ds = p * (dp - gl.expand_dims(delta, 1))
+        if MASK:  # see the docstring (common.gradient_pairs)
+            ds = gl.where(gradient_pairs(keep, i, seqlen_q, seqlen_k, window_left, window_right,
+                                         HAS_LEFT, HAS_RIGHT, ONE_KEY_ZERO), ds, 0.0)
         if SOFTCAP:
             ds = ds * dcap
         ds = ds.to(q_smem.dtype)
@@ -515,7 +529,7 @@ if gluon is not None:
                               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                               SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
                               DROPOUT: gl.constexpr, VARLEN: gl.constexpr,
-                              num_warps: gl.constexpr):
+                              ONE_KEY_ZERO: gl.constexpr, num_warps: gl.constexpr):
         """dQ of BLOCK_M query rows of one (batch, head), heaviest causal rows first: Q and dO
         stay in shared memory, K/V tiles stream through a TMA ring (as the forward), each dQ
         element summed in one program in a fixed order (deterministic). VARLEN as the dK/dV
@@ -608,7 +622,8 @@ if gluon is not None:
                         dq, upper, tile, (q_smem, do_smem, k_smem, v_smem), (k_bars, v_bars),
                         (k_desc, v_desc), lse2, delta, (n_tiles, key0, kv_col, start_m, lo), geo,
                         alibi_log2, drop, BLOCK_M, BLOCK_N, NUM_STAGES, segment != 1, HAS_LEFT,
-                        HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, VARLEN, s_layout, op_layout)
+                        HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, VARLEN, ONE_KEY_ZERO, s_layout,
+                        op_layout)
 
         mbarrier.invalidate(q_bar)
         for i in gl.static_range(NUM_STAGES):
@@ -704,9 +719,10 @@ def _launch_args(q, params: AttentionParams, lse, seqlen_q: int, seqlen_k: int) 
 
 
 def attention_backward_dkdv(dout, q, k, v, lse, delta, params: AttentionParams, dk, dv,
-                            block=None):
+                            block=None, one_key_zero=False):
     """dK, dV of the eligible case into dk, dv. delta (laid out like lse) comes from
-    backward.py's preprocess; block overrides GLUON_BACKWARD_DKDV (the sweep)."""
+    backward.py's preprocess; block overrides GLUON_BACKWARD_DKDV (the sweep); one_key_zero:
+    the kernels' ONE_KEY_ZERO (backward.py: no sink, no lse gradient, the call's own lse)."""
     batch, seqlen_q, seqlen_k, nheads, nheads_k = varlen_shape(q, v, params)
     head_dim = q.shape[-1]
     block_m, block_n, num_warps, num_stages = block or GLUON_BACKWARD_DKDV[head_dim]
@@ -726,11 +742,13 @@ def attention_backward_dkdv(dout, q, k, v, lse, delta, params: AttentionParams, 
         *batch_strides(dk, params)[:3], *batch_strides(dv, params)[:3],
         *alibi, nheads, nheads_k, seqlen_q, seqlen_k, *geo, lse.stride(-2), cu_q, cu_k,
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=num_stages, **flags,
-        VARLEN=varlen, num_warps=num_warps)
+        VARLEN=varlen, ONE_KEY_ZERO=one_key_zero, num_warps=num_warps)
 
 
-def attention_backward_dq(dout, q, k, v, lse, delta, params: AttentionParams, dq, block=None):
-    """dQ of the eligible case into dq (deterministic); block overrides GLUON_BACKWARD_DQ."""
+def attention_backward_dq(dout, q, k, v, lse, delta, params: AttentionParams, dq, block=None,
+                          one_key_zero=False):
+    """dQ of the eligible case into dq (deterministic); block overrides GLUON_BACKWARD_DQ;
+    one_key_zero as attention_backward_dkdv's."""
     batch, seqlen_q, seqlen_k, nheads, nheads_k = varlen_shape(q, v, params)
     head_dim = q.shape[-1]
     block_m, block_n, num_warps, num_stages = block or GLUON_BACKWARD_DQ[head_dim]
@@ -744,4 +762,4 @@ def attention_backward_dq(dout, q, k, v, lse, delta, params: AttentionParams, dq
         *batch_strides(dq, params)[:3], *alibi_strides,
         nheads, nheads // nheads_k, seqlen_q, seqlen_k, *geo, cu_q, cu_k,
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=num_stages, **flags,
-        VARLEN=varlen, num_warps=num_warps)
+        VARLEN=varlen, ONE_KEY_ZERO=one_key_zero, num_warps=num_warps)

@@ -96,6 +96,7 @@ try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
         mbarrier,
         tma,
         warpgroup_mma,
@@ -245,6 +246,60 @@ if gluon is not None:
         return p, alpha, m_new, l_new
 
     @gluon.jit
+    def _guard_values(acc, v_tile, flags, position, rows, col0, geo, CONSUMER: gl.constexpr,
+                      CONSUMERS: gl.constexpr, NUM_STAGES: gl.constexpr, HEAD_DIM: gl.constexpr,
+                      HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, s_layout: gl.constexpr,
+                      o_layout: gl.constexpr):
+        """Before the P V wgmma of a band-masked key tile (ring position `position`, keys col0 ...,
+        V in v_tile [BLOCK_N, HEAD_DIM] in shared memory): a key that some query row cannot see
+        has P = 0 there, but 0 * NaN or 0 * inf in P V is NaN, so a non-finite value must not
+        reach the tensor cores. Each consumer scans the tile and writes which keys hold a non-
+        finite value into its row of flags [NUM_STAGES * CONSUMERS, BLOCK_N] (int32, the tag
+        position + 1, so a stale row of an earlier tile in this buffer never matches); after a
+        warpgroup barrier, a row of acc whose query sees a flagged key (any consumer's flags:
+        another may have zeroed the value before this one's scan, always after writing its flags)
+        turns NaN, and a consumer that flagged keys zeroes their non-finite values in the tile
+        (then a fence and a barrier, as zero_tile_tail). Zeroing in the shared tile is safe
+        because every consumer of the program guards the same tiles (_consumer's masked ranges
+        are the program's) and writes only zeros where a value was non-finite. Returns acc. A row
+        that sees a non-finite value gets NaN in all of its columns (the math: in that value's
+        column). Finite tiles pay the scan, one int32 store per key row, a barrier and a flags
+        read; unmasked tiles pay nothing."""
+        seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale = geo
+        BLOCK_N: gl.constexpr = v_tile.shape[0]
+        COLS: gl.constexpr = HEAD_DIM // 8  # threads along a row, 8 elements each
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // COLS, COLS], [4, 1], [1, 0])
+        flat: gl.constexpr = gl.BlockedLayout([BLOCK_N // 32], [32], [4], [0])  # every warp
+        tag = position + 1
+        first = position % NUM_STAGES * CONSUMERS  # this buffer's row of consumer 0
+        own = flags.index(first + CONSUMER)
+        # [BLOCK_N]: x * 0 is +-0 for a finite x, NaN for NaN and +-inf, so its bits less the
+        # sign are 0 exactly where x is finite (in the 16-bit type, two per instruction; one
+        # load and one store: slices of a buffer would each cost a barrier)
+        zeroed = (v_tile.load(layout) * 0.0).to(gl.int16, bitcast=True) & 0x7FFF
+        own.store(gl.where(gl.max(zeroed, 1) != 0, tag, 0))
+        gl.thread_barrier()
+        flagged = gl.max(flags.index(first).load(flat), 0) == tag
+        for c in gl.static_range(1, CONSUMERS):
+            flagged = flagged | (gl.max(flags.index(first + c).load(flat), 0) == tag)
+        if flagged:  # rows that see a flagged key: NaN
+            col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+            bad = flags.index(first).load(col_layout) == tag
+            for c in gl.static_range(1, CONSUMERS):
+                bad = bad | (flags.index(first + c).load(col_layout) == tag)
+            cols = gl.expand_dims(col0 + gl.arange(0, BLOCK_N, layout=col_layout), 0)
+            seen = visible(rows, cols, seqlen_q, seqlen_k, window_left, window_right, HAS_LEFT,
+                           HAS_RIGHT) & gl.expand_dims(bad, 0)
+            hit = gl.convert_layout(gl.max(seen.to(gl.int32), 1), gl.SliceLayout(1, o_layout))
+            acc = gl.where(gl.expand_dims(hit, 1) > 0, float("nan"), acc)
+        if gl.max(own.load(flat), 0) == tag:  # this consumer saw them: zero them in the tile
+            values = v_tile.load(layout)
+            v_tile.store(gl.where(values * 0.0 == 0.0, values, gl.zeros_like(values)))
+            fence_async_shared()
+            gl.thread_barrier()
+        return acc
+
+    @gluon.jit
     def _release_k(k_empty, stage, SPECIALIZED: gl.constexpr):
         """This consumer's wgmma that read K buffer `stage` completed: hand it to the producer
         (the unspecialized consumer refills K and V together in _release_v)."""
@@ -273,7 +328,7 @@ if gluon is not None:
         V's buffer to the producer, or (unspecialized, ring 0) refill the buffer with tile +
         NUM_STAGES after every warp is done."""
         k_desc, v_desc = descs
-        q_smem, k_smem, v_smem = smem
+        q_smem, k_smem, v_smem, flags = smem
         q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, turns = bars
         stage = (ring + tile) % NUM_STAGES
         if SPECIALIZED:
@@ -298,7 +353,7 @@ if gluon is not None:
         (descs, smem, bars, q_tile, row0, rows, n_tiles, key0, key_start, kv_col, geo, alibi,
          drop, ring, turn0) = ctx
         acc, p_op, m_i, l_i = state
-        q_smem, k_smem, v_smem = smem
+        q_smem, k_smem, v_smem, flags = smem
         q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, turns = bars
         stage = (ring + tile) % NUM_STAGES
         mbarrier.wait(k_ready.index(stage), ((ring + tile) // NUM_STAGES) & 1)
@@ -337,6 +392,11 @@ if gluon is not None:
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
         _release_v((descs[1], descs[2]), smem, bars, tile - 1, ring, n_tiles, key0, kv_col,
                    BLOCK_N, NUM_STAGES, SPECIALIZED)
+        if MASK and (HAS_LEFT or HAS_RIGHT):  # before the next step's P_tile V_tile
+            mbarrier.wait(v_ready.index(stage), ((ring + tile) // NUM_STAGES) & 1)
+            acc = _guard_values(acc, v_smem.index(stage), flags, ring + tile, rows, col0, geo,
+                                CONSUMER, CONSUMERS, NUM_STAGES, v_smem.shape[2], HAS_LEFT,
+                                HAS_RIGHT, s_layout, o_layout)
         return acc, p_next, m_i, l_i
 
     @gluon.jit
@@ -371,7 +431,7 @@ if gluon is not None:
          softcap_scale, seed_lo, seed_hi, dropout_threshold, dropout_scale) = scalars
         geo = (seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale)
         drop = (seed_lo, seed_hi, dropout_threshold, off_b, off_h)
-        q_smem, k_smem, v_smem = smem
+        q_smem, k_smem, v_smem, flags = smem
         q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, turns = bars
         dtype: gl.constexpr = q_smem.dtype
 
@@ -401,9 +461,11 @@ if gluon is not None:
             m_i, l_i = softmax_start(m_i, l_i, gl.load(Sink + off_h) * LOG2E_GL)
         acc = gl.zeros([BM, HEAD_DIM], gl.float32, o_layout)
 
-        # Tiles [t_lo, t_hi) are fully visible from this warpgroup's rows (no mask).
-        _, mid_lo, mid_hi, _ = key_tile_ranges(row0, seqlen_q, seqlen_k, window_left,
-                                               window_right, BM, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+        # Tiles [t_lo, t_hi) are fully visible from every row of the program (no mask): the
+        # consumers guard the same tiles (_guard_values).
+        _, mid_lo, mid_hi, _ = key_tile_ranges(start_m, seqlen_q, seqlen_k, window_left,
+                                               window_right, CONSUMERS * BM, BLOCK_N, HAS_LEFT,
+                                               HAS_RIGHT)
         t_lo = gl.maximum(gl.minimum(gl.cdiv(gl.maximum(mid_lo - lo, 0), BLOCK_N), n_tiles), 1)
         t_hi = gl.maximum(gl.minimum(gl.maximum((mid_hi - lo) // BLOCK_N, t_lo), n_tiles), 1)
         q_tile = q_smem.index(CONSUMER)
@@ -429,6 +491,11 @@ if gluon is not None:
             p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, rows, gl.expand_dims(cols, 0), lo,
                                                geo, alibi, True, HAS_LEFT, HAS_RIGHT, SOFTCAP,
                                                ALIBI, 0)
+            if HAS_LEFT or HAS_RIGHT:  # before P_0 V_0 (see _guard_values)
+                mbarrier.wait(v_ready.index(first), (ring // NUM_STAGES) & 1)
+                acc = _guard_values(acc, v_smem.index(first), flags, ring, rows, lo, geo,
+                                    CONSUMER, CONSUMERS, NUM_STAGES, HEAD_DIM, HAS_LEFT,
+                                    HAS_RIGHT, s_layout, o_layout)
             state = (acc, gl.convert_layout(_p_operand(p, kept, dtype, s_layout, DROPOUT),
                                             p_layout), m_i, l_i)
 
@@ -500,7 +567,7 @@ if gluon is not None:
         item's Q and the first NUM_STAGES tiles pass). keys: see hopper_common.kv_tile_rows. ROLE
         PRODUCER_QK loads Q and K only, PRODUCER_V V only (SPLIT_LOADS)."""
         q_desc, k_desc, v_desc = descs
-        q_smem, k_smem, v_smem = smem
+        q_smem, k_smem, v_smem, flags = smem
         q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, turns = bars
         if ROLE != PRODUCER_V:
             for c in gl.static_range(CONSUMERS):
@@ -527,7 +594,7 @@ if gluon is not None:
         """The producer's K and V loads of ring position `position` (pieces at rows), each once
         the consumers freed its buffer (PRODUCER_QK: K only, PRODUCER_V: V only)."""
         q_desc, k_desc, v_desc = descs
-        q_smem, k_smem, v_smem = smem
+        q_smem, k_smem, v_smem, flags = smem
         q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, turns = bars
         stage = position % NUM_STAGES
         phase = (position // NUM_STAGES) & 1
@@ -722,6 +789,14 @@ if gluon is not None:
         k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         turns = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+        flags = None
+        if HAS_LEFT or HAS_RIGHT:  # _guard_values' keys with a non-finite value, zero: no tag
+            flags = gl.allocate_shared_memory(gl.int32, [NUM_STAGES * CONSUMERS, BLOCK_N],
+                                              gl.SwizzledSharedLayout(1, 1, 1, [0]))
+            for i in gl.static_range(NUM_STAGES * CONSUMERS):
+                flags.index(i).store(gl.zeros(
+                    [BLOCK_N], gl.int32, gl.BlockedLayout([1], [32], [num_warps], [0])))
+            gl.thread_barrier()
         for c in gl.static_range(CONSUMERS):
             mbarrier.init(q_bars.index(c), count=1)
             mbarrier.init(q_empty.index(c), count=1)
@@ -732,7 +807,7 @@ if gluon is not None:
             mbarrier.init(k_empty.index(i), count=CONSUMERS)  # one arrive per consumer
             mbarrier.init(v_empty.index(i), count=CONSUMERS)
 
-        smem = (q_smem, k_smem, v_smem)
+        smem = (q_smem, k_smem, v_smem, flags)
         bars = (q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, turns)
         descs = (q_desc, k_desc, v_desc)
         if SPECIALIZED:  # consumer 0 is the default partition, the others workers of 4 warps
