@@ -250,53 +250,76 @@ if gluon is not None:
                       CONSUMERS: gl.constexpr, NUM_STAGES: gl.constexpr, HEAD_DIM: gl.constexpr,
                       HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, s_layout: gl.constexpr,
                       o_layout: gl.constexpr):
-        """Before the P V wgmma of a band-masked key tile (ring position `position`, keys col0 ...,
-        V in v_tile [BLOCK_N, HEAD_DIM] in shared memory): a key that some query row cannot see
-        has P = 0 there, but 0 * NaN or 0 * inf in P V is NaN, so a non-finite value must not
-        reach the tensor cores. Each consumer scans the tile and writes which keys hold a non-
-        finite value into its row of flags [NUM_STAGES * CONSUMERS, BLOCK_N] (int32, the tag
-        position + 1, so a stale row of an earlier tile in this buffer never matches); after a
-        warpgroup barrier, a row of acc whose query sees a flagged key (any consumer's flags:
-        another may have zeroed the value before this one's scan, always after writing its flags)
-        turns NaN, and a consumer that flagged keys zeroes their non-finite values in the tile
-        (then a fence and a barrier, as zero_tile_tail). Zeroing in the shared tile is safe
-        because every consumer of the program guards the same tiles (_consumer's masked ranges
-        are the program's) and writes only zeros where a value was non-finite. Returns acc. A row
-        that sees a non-finite value gets NaN in all of its columns (the math: in that value's
-        column). Finite tiles pay the scan, one int32 store per key row, a barrier and a flags
-        read; unmasked tiles pay nothing."""
+        """Before the P V wgmma of a band-masked key tile (ring position `position`, keys col0
+        ..., V in v_tile [BLOCK_N, HEAD_DIM] in shared memory): a key that some query row cannot
+        see has P = 0 there, but 0 * NaN or 0 * inf in P V is NaN, so a non-finite value must
+        not reach the tensor cores. Returns acc.
+
+        Each consumer scans the tile (16-row slices, as zero_tile_tail). One that finds a
+        non-finite value writes which keys hold one into its row of flags [NUM_STAGES *
+        CONSUMERS, BLOCK_N] (int32: the tag position + 1, so a row left from an earlier tile in
+        this buffer never matches), then zeroes those values in the tile (a fence and a barrier
+        after, as zero_tile_tail). A row of acc whose query sees a flagged key (any consumer's
+        flags: another may have zeroed the value before this one's scan, always after writing
+        its flags) turns NaN. Zeroing the shared tile is safe because every consumer of the
+        program guards the same tiles (_consumer's masked ranges are the program's) and writes
+        zeros only where a value was non-finite. A row that sees a non-finite value gets NaN in
+        all of its columns (the math: in that value's column).
+
+        A finite tile costs the scan (a 16-byte load and a few integer operations per 8
+        values), a warpgroup reduction, and with several consumers a read of the others' flags
+        and a second reduction; unmasked tiles pay nothing."""
         seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale = geo
         BLOCK_N: gl.constexpr = v_tile.shape[0]
+        ROWS: gl.constexpr = 16
         COLS: gl.constexpr = HEAD_DIM // 8  # threads along a row, 8 elements each
         layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // COLS, COLS], [4, 1], [1, 0])
-        flat: gl.constexpr = gl.BlockedLayout([BLOCK_N // 32], [32], [4], [0])  # every warp
+        spread: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])  # across the warpgroup
         tag = position + 1
         first = position % NUM_STAGES * CONSUMERS  # this buffer's row of consumer 0
         own = flags.index(first + CONSUMER)
-        # [BLOCK_N]: x * 0 is +-0 for a finite x, NaN for NaN and +-inf, so its bits less the
-        # sign are 0 exactly where x is finite (in the 16-bit type, two per instruction; one
-        # load and one store: slices of a buffer would each cost a barrier)
-        zeroed = (v_tile.load(layout) * 0.0).to(gl.int16, bitcast=True) & 0x7FFF
-        own.store(gl.where(gl.max(zeroed, 1) != 0, tag, 0))
-        gl.thread_barrier()
-        flagged = gl.max(flags.index(first).load(flat), 0) == tag
-        for c in gl.static_range(1, CONSUMERS):
-            flagged = flagged | (gl.max(flags.index(first + c).load(flat), 0) == tag)
-        if flagged:  # rows that see a flagged key: NaN
-            col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
-            bad = flags.index(first).load(col_layout) == tag
-            for c in gl.static_range(1, CONSUMERS):
-                bad = bad | (flags.index(first + c).load(col_layout) == tag)
-            cols = gl.expand_dims(col0 + gl.arange(0, BLOCK_N, layout=col_layout), 0)
-            seen = visible(rows, cols, seqlen_q, seqlen_k, window_left, window_right, HAS_LEFT,
-                           HAS_RIGHT) & gl.expand_dims(bad, 0)
-            hit = gl.convert_layout(gl.max(seen.to(gl.int32), 1), gl.SliceLayout(1, o_layout))
-            acc = gl.where(gl.expand_dims(hit, 1) > 0, float("nan"), acc)
-        if gl.max(own.load(flat), 0) == tag:  # this consumer saw them: zero them in the tile
-            values = v_tile.load(layout)
-            v_tile.store(gl.where(values * 0.0 == 0.0, values, gl.zeros_like(values)))
+        # x * 0 is +-0 for a finite x, NaN for NaN and +-inf: its bits less the sign are 0
+        # exactly where x is finite
+        found = gl.zeros([ROWS, HEAD_DIM], gl.int16, layout)
+        for c in gl.static_range(BLOCK_N // ROWS):
+            zeroed = v_tile.slice(c * ROWS, ROWS).load(layout) * 0.0
+            found = gl.maximum(found, zeroed.to(gl.int16, bitcast=True) & 0x7FFF)
+        seen = gl.max(gl.max(found, 1), 0) != 0  # one value for the whole warpgroup
+        if seen:  # flag the keys, then zero their values
+            for c in gl.static_range(BLOCK_N // ROWS):
+                zeroed = v_tile.slice(c * ROWS, ROWS).load(layout) * 0.0
+                key_bad = gl.max(zeroed.to(gl.int16, bitcast=True) & 0x7FFF, 1) != 0
+                own.slice(c * ROWS, ROWS).store(gl.where(key_bad, tag, 0))
+            gl.thread_barrier()
+            for c in gl.static_range(BLOCK_N // ROWS):
+                piece = v_tile.slice(c * ROWS, ROWS)
+                values = piece.load(layout)
+                piece.store(gl.where(values * 0.0 == 0.0, values, gl.zeros_like(values)))
             fence_async_shared()
             gl.thread_barrier()
+        flagged = seen
+        if CONSUMERS > 1:  # another consumer's flags, read once by the whole warpgroup
+            tags = gl.zeros([BLOCK_N], gl.int32, spread)
+            for c in gl.static_range(CONSUMERS):
+                if c != CONSUMER:
+                    tags = gl.maximum(tags, flags.index(first + c).load(spread))
+            flagged = flagged | (gl.max(tags, 0) == tag)
+        if flagged:  # rows that see a flagged key turn NaN (key by key: rare, few registers)
+            cells = flags._reinterpret(gl.int32, [flags.shape[0] * BLOCK_N, 1],
+                                       gl.SwizzledSharedLayout(1, 1, 1, [0]))
+            one: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+            row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+            rows_o = gl.sum(rows, 1).to(gl.int32)  # [BM], in s_layout's row slice
+            rows_o = gl.convert_layout(rows_o, row_layout)
+            hit = gl.zeros_like(rows_o)
+            for key in range(BLOCK_N):
+                cell = gl.zeros([1], gl.int32, one)
+                for c in gl.static_range(CONSUMERS):
+                    cell = gl.maximum(cell, cells.index((first + c) * BLOCK_N + key).load(one))
+                if gl.max(cell, 0) == tag:
+                    hit = hit | visible(rows_o, col0 + key, seqlen_q, seqlen_k, window_left,
+                                        window_right, HAS_LEFT, HAS_RIGHT).to(gl.int32)
+            acc = gl.where(gl.expand_dims(hit, 1) > 0, float("nan"), acc)
         return acc
 
     @gluon.jit
@@ -789,11 +812,11 @@ if gluon is not None:
         k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         turns = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
-        flags = None
-        if HAS_LEFT or HAS_RIGHT:  # _guard_values' keys with a non-finite value, zero: no tag
+        flags = q_bars  # a placeholder: only band-masked builds guard V (_guard_values)
+        if HAS_LEFT or HAS_RIGHT:  # keys with a non-finite value per buffer and consumer
             flags = gl.allocate_shared_memory(gl.int32, [NUM_STAGES * CONSUMERS, BLOCK_N],
                                               gl.SwizzledSharedLayout(1, 1, 1, [0]))
-            for i in gl.static_range(NUM_STAGES * CONSUMERS):
+            for i in gl.static_range(NUM_STAGES * CONSUMERS):  # 0: no tile's tag
                 flags.index(i).store(gl.zeros(
                     [BLOCK_N], gl.int32, gl.BlockedLayout([1], [32], [num_warps], [0])))
             gl.thread_barrier()
