@@ -32,7 +32,10 @@ a sequence's end reads the next sequence's rows (or zeros past the tensor): thei
 masked to -inf, so P is 0 there, and with KEY_TAIL (varlen, or seqlen_k not a multiple of
 BLOCK_N) each consumer zeroes V's rows past the end in that last tile before its P V wgmma
 (hopper_common.zero_tile_tail), so NaN or inf there (0 * NaN) cannot reach the output; query
-rows past seqlen_q are never stored.
+rows past seqlen_q are never stored. With a band (HAS_LEFT / HAS_RIGHT) the masked tiles are the
+program's (every consumer masks a tile if any must), and each consumer guards their values before
+its P V wgmma (_guard_values): a non-finite value of a key a row cannot see is zeroed in the tile,
+and a row that sees one turns NaN.
 
 Varlen (VARLEN): the grid covers the longest sequence; each program reads its sequence's first
 rows and lengths (_sequence_rows) and returns past its end, so the per-sequence masks, band
