@@ -12,7 +12,11 @@ Options:
   --fa-seed S          which cases are drawn (default 0)
   --fa-functions A,B   only these test functions
   --fa-max-seqlen L    leave out cases with a sequence length above L (before drawing)
-  --fa-deadline T      cases that start after the Unix time T are skipped as "not run"
+  --fa-deadline T      cases that start after the Unix time T are skipped as "not run"; the
+                       functions' cases are interleaved so that every function loses the same
+                       fraction of its cases
+  --fa-plan-out PATH   write the plan as JSON: every function's cases in the file ("sizes"),
+                       within --fa-max-seqlen ("in_range") and drawn ("drawn")
   --fa-cpu-collect     with --collect-only on a machine without CUDA: report the device as an
                        sm_90 GPU while the file is imported, to count and list the cases
 Tests that exercise flash-attn's compiled extension module itself are marked not applicable.
@@ -20,14 +24,16 @@ Tests that exercise flash-attn's compiled extension module itself are marked not
 
 import importlib.util
 import inspect
+import json
+import os
+import pathlib
 import time
 
 import pytest
 import torch
 import upstream_sampling
+from upstream_summary import DEADLINE_REASON, UPSTREAM_FILE
 
-UPSTREAM_FILE = "test_flash_attn.py"
-DEADLINE_REASON = "not run: time budget spent"
 # flash-attn's tests that call its compiled CUDA extension's raw entry points (flash_attn_gpu),
 # which the drop-in does not reproduce
 NOT_APPLICABLE = {
@@ -47,6 +53,7 @@ def pytest_addoption(parser):
                     help="leave out cases with a sequence length above this")
     group.addoption("--fa-deadline", type=float, default=None,
                     help="skip cases that would start after this Unix time")
+    group.addoption("--fa-plan-out", default=None, help="write the drawn counts as JSON here")
     group.addoption("--fa-cpu-collect", action="store_true",
                     help="list the cases without CUDA (--collect-only only)")
 
@@ -65,19 +72,33 @@ def pytest_configure(config):
     torch.cuda.get_device_capability = lambda device=None: (9, 0)
 
 
-def pytest_ignore_collect(collection_path, config):
-    if collection_path.name != UPSTREAM_FILE:
-        return None
+def _why_not(config) -> str | None:
+    """Why this run cannot collect the vendored file, or None."""
     if _option(config, "--fa-cases") is None:
-        return True
+        return "is collected only with --fa-cases N|all (run_upstream.py passes it)"
     if not (torch.cuda.is_available() or _option(config, "--fa-cpu-collect")):
-        return True  # CUDA only: the module queries the device at import
+        return "needs a CUDA device: it queries the device when imported"
     if importlib.util.find_spec("einops") is None:
-        return True
+        return "needs einops"
+    return None
+
+
+def pytest_ignore_collect(collection_path, config):
+    if collection_path.name == UPSTREAM_FILE and _why_not(config) is not None:
+        return True  # a directory run (`pytest tests`) passes over it quietly
+    return None
+
+
+def pytest_collect_file(file_path, parent):
+    if file_path.name != UPSTREAM_FILE:
+        return None
+    why_not = _why_not(parent.config)
+    if why_not is not None:  # the file was named on the command line
+        raise pytest.UsageError(f"{UPSTREAM_FILE} {why_not}")
     import flashkit.flash_attn
 
     flashkit.flash_attn.install_alias()
-    return None
+    return None  # pytest's python plugin collects it
 
 
 def _plan(module, config):
@@ -93,12 +114,23 @@ def _plan(module, config):
     if unknown:
         raise pytest.UsageError(f"--fa-functions: no test function named {unknown}")
     max_seqlen = _option(config, "--fa-max-seqlen")
-    sizes = {name: upstream_sampling.product_size(obj, max_seqlen)
-             for name, obj in functions.items() if wanted is None or name in wanted}
+    selected = {name: obj for name, obj in functions.items() if wanted is None or name in wanted}
+    in_range = {name: upstream_sampling.product_size(obj, max_seqlen)
+                for name, obj in selected.items()}
     cases = _option(config, "--fa-cases")
     total = None if cases == "all" else int(cases)
-    plan = upstream_sampling.plan_module({n: s for n, s in sizes.items() if s > 0}, total)
+    plan = upstream_sampling.plan_module({n: s for n, s in in_range.items() if s > 0}, total)
     module._flashkit_plan = plan
+    path = _option(config, "--fa-plan-out")
+    if path is not None:
+        sizes = {name: upstream_sampling.product_size(obj) for name, obj in selected.items()}
+        record = {"sizes": sizes, "drawn": plan}
+        if max_seqlen is not None:
+            record["in_range"] = in_range
+        # xdist workers all write the same plan: replace the file in one step
+        temporary = pathlib.Path(f"{path}.{os.getpid()}")
+        temporary.write_text(json.dumps(record, indent=1))
+        os.replace(temporary, path)
     return plan
 
 
@@ -119,6 +151,25 @@ def pytest_pycollect_makeitem(collector, name, obj):
     if _option(config, "--fa-cases") != "all" or max_seqlen is not None:
         upstream_sampling.sample_function(obj, n, _option(config, "--fa-seed") or 0, max_seqlen)
     return None  # pytest's own collection expands the parametrize marks, rewritten or not
+
+
+def pytest_collection_modifyitems(config, items):
+    """Interleave the test functions in proportion to their drawn counts, so that at any moment
+    every function has run the same fraction of its cases (and a run cut short by --fa-deadline
+    leaves every function's cases equally likely not run)."""
+    if _option(config, "--fa-cases") is None:
+        return
+    upstream = [item for item in items if item.path.name == UPSTREAM_FILE]
+    functions = {}
+    for item in upstream:
+        functions.setdefault(item.originalname, []).append(item)
+    order = {name: rank for rank, name in enumerate(functions)}
+    fraction = {}
+    for name, cases in functions.items():
+        for index, item in enumerate(cases):
+            fraction[item.nodeid] = ((index + 0.5) / len(cases), order[name])
+    items[:] = ([item for item in items if item.path.name != UPSTREAM_FILE]
+                + sorted(upstream, key=lambda item: fraction[item.nodeid]))
 
 
 def pytest_runtest_setup(item):

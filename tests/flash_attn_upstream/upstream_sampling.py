@@ -38,10 +38,10 @@ class Axis:
         self.argnames = list(argnames)
         single = len(self.argnames) == 1
         rows = []
-        for index, value in enumerate(argvalues):
-            if isinstance(value, ParameterSet):
-                raise NotImplementedError(f"sampling supports plain values, got {value}")
-            row = (value,) if single else tuple(value)
+        for index, entry in enumerate(argvalues):
+            if isinstance(entry, ParameterSet):
+                raise NotImplementedError(f"sampling supports plain values, got {entry}")
+            row = (entry,) if single else tuple(entry)
             named = zip(row, self.argnames, strict=True)
             ids = "-".join(_idval(value, name, index) for value, name in named)
             if _within(row, self.argnames, max_seqlen):
