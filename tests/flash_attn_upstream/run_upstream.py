@@ -37,6 +37,7 @@ class Recorder:
         self.tally = upstream_summary.Tally((HERE / upstream_summary.UPSTREAM_FILE)
                                             .read_text().splitlines())
         self.start = time.time()
+        self.cached_kernels = _cached_kernels()
         self.reports = 0
         self.exit_code = None
 
@@ -70,6 +71,7 @@ class Recorder:
                          "triton": triton.__version__, "flashkit commit": _commit()},
             "selection": selection, "workers": args.workers,
             "seconds": round(time.time() - self.start, 1),
+            "kernels_compiled": _cached_kernels() - self.cached_kernels,
             "pytest_exit_code": self.exit_code,
             "plan": plan,
             **self.tally.as_dict(),
@@ -81,6 +83,15 @@ class Recorder:
         (self.out / "flash_attn_upstream.json").write_text(json.dumps(summary, indent=1))
         (self.out / "flash_attn_upstream.md").write_text(upstream_summary.markdown(summary))
         return summary
+
+
+def _cached_kernels() -> int:
+    """Entries in Triton's on-disk kernel cache (one per compiled kernel); the growth over a run
+    is how many kernels it compiled, the cost that dominates a first run on a fresh machine."""
+    import triton
+
+    cache = pathlib.Path(triton.knobs.cache.dir)
+    return sum(1 for _ in cache.iterdir()) if cache.is_dir() else 0
 
 
 def _commit() -> str:

@@ -175,3 +175,19 @@ def test_tally_counts_outcomes_causes_and_skip_reasons(tmp_path):
                    seconds=1, workers=0, pytest_exit_code=1)
     page = upstream_summary.markdown(summary)
     assert "| 3 | `test_flash_attn.py:9 assert 0.5 <= 2 * tol`" in page
+
+
+def test_runner_counts_the_cases_it_would_run(tmp_path):
+    pytest.importorskip("einops")
+    command = [sys.executable, str(HERE / "run_upstream.py"), "--co", "--cpu-collect",
+               "--cases", "40", "--max-seqlen", "512", "--out", str(tmp_path)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "test_flash_attn.py: 40" in done.stdout
+    plan = json.loads((tmp_path / "flash_attn_upstream_plan.json").read_text())
+    assert sum(plan["drawn"].values()) == 40
+    # lengths above 512 are left out before drawing: 7 of test_flash_attn_causal's 10 length
+    # pairs stay, with their 96 combinations of the other parameters each
+    assert plan["in_range"]["test_flash_attn_causal"] == 7 * 96
+    assert all(plan["in_range"][name] <= plan["sizes"][name] for name in plan["sizes"])

@@ -154,7 +154,8 @@ def markdown(summary: dict) -> str:
     lines = [f"# {summary['suite']}", "",
              f"{summary['device']}, {summary['date']}; "
              + ", ".join(f"{k} {v}" for k, v in summary["versions"].items()), "",
-             f"{summary['selection']}; {summary['seconds']} s with {summary['workers']} workers"
+             f"{summary['selection']}; {summary['seconds']} s with {summary['workers']} workers,"
+             f" {summary.get('kernels_compiled', '?')} kernels compiled"
              f" (pytest exit code {summary['pytest_exit_code']}).", ""]
     header = ["test function", "cases in file", "drawn", *OUTCOMES, "seconds"]
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
