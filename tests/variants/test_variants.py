@@ -9,7 +9,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from variant_cases import EXAMPLES, attention, documents, extras
+from variant_cases import CAPTURED_GRADS, EXAMPLES, attention, documents, extras
 
 import flashkit
 from flashkit import variants
@@ -26,22 +26,32 @@ def _check(backend, name, inputs, grad_names=("q", "k", "v")):
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_example_matches_oracle(backend, name):
-    """Each built-in example, odd lengths, GQA; the relative-bias table's gradient (torch)."""
+    """Each built-in example, odd lengths, GQA; the relative-bias table's gradient."""
     seqlen_q, seqlen_k = (29, 29) if name in ("document", "prefix_lm") else (23, 31)
     q, k, v = random_qkv(batch=2, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads=4, nheads_k=2,
                          headdim=16)
     captured = extras(name, 2, 4, seqlen_q, seqlen_k)
-    grads = ("q", "k", "v", "table") if backend == "torch" else ("q", "k", "v")
-    _check(backend, name, dict(q=q, k=k, v=v, **captured), grads)
+    _check(backend, name, dict(q=q, k=k, v=v, **captured), ("q", "k", "v", "table"))
+
+
+@pytest.mark.parametrize("name", sorted(CAPTURED_GRADS))
+def test_triton_captured_gradients_match_oracle(name):
+    """The Triton backward's captured_grad rules (a relative-position table, ALiBi slopes, a
+    per-token bias) against the oracle's autograd: odd lengths both ways, GQA, q and the
+    captured tensor only (dk, dv as above)."""
+    q, k, v = random_qkv(batch=2, seqlen_q=37, seqlen_k=21, nheads=4, nheads_k=2, headdim=16)
+    captured = extras(name, 2, 4, 37, 21)
+    _check("triton", name, dict(q=q, k=k, v=v, **captured), ("q", CAPTURED_GRADS[name]))
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("name", ["document", "relative_bias"])
 def test_varlen_example_matches_oracle(backend, name):
-    """Indices are positions within each sequence, b the sequence (lengths 1, 0 and odd)."""
+    """Indices are positions within each sequence, b the sequence (lengths 1, 0 and odd); the
+    relative-bias table's gradient."""
     inputs = random_varlen([9, 1, 20], [9, 1, 20], nheads=2, headdim=16)
     captured = extras(name, 3, 2, 20, 20)
-    _check(backend, name, dict(**inputs, **captured))
+    _check(backend, name, dict(**inputs, **captured), ("q", "k", "v", "table"))
 
 
 def test_modifiers_combine_with_builtin_features():
@@ -123,6 +133,11 @@ def _bias(score, b, h, q_idx, kv_idx, table):
     return score + tl.load(table + h)
 
 
+@triton.jit
+def _bias_one(score, b, h, q_idx, kv_idx, table):
+    return 1.0
+
+
 def _qkv():
     return random_qkv(batch=1, seqlen_q=8, nheads=2, headdim=16)
 
@@ -163,16 +178,20 @@ def test_block_mask_must_fit_the_call():
 
 
 def test_triton_backward_needs_what_it_cannot_derive():
-    """The Triton backward differentiates score_mod through its grad= function and computes no
-    gradient for captured tensors: both refused before any launch, naming score_mod."""
+    """The Triton backward differentiates score_mod through its grad= function and captured
+    tensors through its captured_grad= rule: both refused before any launch when missing,
+    naming score_mod."""
     q, k, v = (x.requires_grad_() for x in _qkv())
     with pytest.raises(NotImplementedError, match="score_mod: backend 'triton' differentiates"):
         flashkit.flash_attn_func(q, k, v, backend="triton",
                                  score_mod=variants.ScoreMod(_bias, torch.zeros(2)))
     table = torch.zeros(2, 13, requires_grad=True)
-    with pytest.raises(NotImplementedError, match="captured tensors"):
-        flashkit.flash_attn_func(q, k, v, backend="triton",
-                                 score_mod=variants.relative_bias(table))
+    with pytest.raises(NotImplementedError, match="captured_grad rule"):
+        flashkit.flash_attn_func(q, k, v, backend="triton", score_mod=variants.ScoreMod(
+            _bias, table, grad=_bias_one))
+    with pytest.raises(TypeError, match="captured_grad: _bias_one"):
+        flashkit.flash_attn_func(q, k, v, backend="triton", score_mod=variants.ScoreMod(
+            _bias, table, grad=_bias_one, captured_grad=_bias_one))
 
 
 def test_plain_function_modifiers_run_everywhere():

@@ -2,7 +2,8 @@
 
 Modifiers are Python functions, which the custom op's schema cannot carry, so these calls take
 a plain torch.autograd.Function: the backend's forward, then its backward with a buffer per
-captured tensor that requires a gradient (the tiled backward adds into them).
+captured tensor that requires a gradient (the tiled backward adds into them, the Triton one
+through the score_mod's captured_grad rule).
 """
 
 from __future__ import annotations
@@ -46,16 +47,20 @@ class _Attention(torch.autograd.Function):
 
 def attention(q, k, v, params, backend: str):
     """(out, lse) of a call whose params carry a Variant on backend "torch" or "triton";
-    differentiable in q, k, v, the sink and score_mod's captured tensors (torch backend)."""
+    differentiable in q, k, v, the sink and score_mod's captured tensors (on the Triton backend
+    through the score_mod's captured_grad rule)."""
     from flashkit.ops.custom_op import backend_module
 
     variant: Variant = params.variant
     score = variant.score_mod
     if backend == "triton" and score is not None:
-        if score.grad_tensors():
+        if score.grad_tensors() and score.captured_grad is None:
             raise NotImplementedError(
-                "score_mod: backend 'triton' computes no gradient for captured tensors; pass "
-                "them without requires_grad, or use backend='torch'")
+                "score_mod: backend 'triton' needs a captured_grad rule for captured tensors "
+                "that require a gradient: ScoreMod(fn, *captured, grad=dfn, captured_grad=gfn) "
+                "with gfn(ds, score, b, h, q_idx, kv_idx, *captured, *grads) adding ds * d fn / "
+                "d captured into grads; or pass them without requires_grad, or use "
+                "backend='torch'")
         needs_grad = torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (q, k, v, params.sink))
         if needs_grad and score.grad is None:

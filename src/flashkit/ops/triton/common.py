@@ -374,6 +374,21 @@ def user_score_grad(s, off_b, off_h, i, j, seqlen_q, seqlen_k, SCORE_GRAD: tl.co
 
 
 @triton.jit
+def user_captured_grad(ds, s, off_b, off_h, i, j, seqlen_q, seqlen_k,
+                       CAPTURED_GRAD: tl.constexpr, score_args, grad_args,
+                       NATURAL: tl.constexpr = False):
+    """A score_mod's rule for its captured tensors' gradients: CAPTURED_GRAD(ds, score, b, h,
+    q_idx, kv_idx, *captured, *grads) adds into grads (float32 buffers, None for a captured
+    value without one). ds [M, N] = dL / d score_mod(score) (natural units, 0 where masked),
+    s the score before score_mod, units and indices as user_score."""
+    i_in = tl.minimum(i, seqlen_q - 1)
+    j_in = tl.minimum(j, seqlen_k - 1)
+    if not NATURAL:
+        s = s * LN2_JIT
+    CAPTURED_GRAD(ds, s, off_b, off_h, i_in, j_in, *score_args, *grad_args)
+
+
+@triton.jit
 def user_visible(keep, off_b, off_h, i, j, seqlen_q, seqlen_k, MASK_MOD: tl.constexpr,
                  mask_args):
     """keep & a user mask_mod (True = visible), indices clamped as in user_score."""
@@ -391,6 +406,17 @@ def variant_args(params):
         return (), (), dict(SCORE_MOD=None, SCORE_GRAD=None, MASK_MOD=None)
     args = variant.triton_args()
     return args.pop("score_args"), args.pop("mask_args"), args
+
+
+def captured_grad_args(params):
+    """(grad_args, {CAPTURED_GRAD}) of the backward: one float32 buffer per score_mod captured
+    value whose gradient is wanted (None for the others), and the score_mod's captured_grad rule
+    (None when no gradient is wanted: the rule is not compiled in)."""
+    variant = params.variant
+    grads = None if variant is None else variant.captured_grads
+    if not grads or all(g is None for g in grads):
+        return (), dict(CAPTURED_GRAD=None)
+    return tuple(grads), dict(CAPTURED_GRAD=variant.score_mod.jit_captured_grad())
 
 
 def block_args(params, placeholder, transposed: bool = False):
