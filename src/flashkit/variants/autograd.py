@@ -71,4 +71,28 @@ def attention(q, k, v, params, backend: str):
     captured = [*(() if variant.score_mod is None else variant.score_mod.captured),
                 *(() if variant.mask_mod is None else variant.mask_mod.captured)]
     tensors = [t if isinstance(t, torch.Tensor) else None for t in captured]
+    if backend == "triton" and params.is_varlen and variant.block_mask is not None:
+        return _packed(q, k, v, params, tensors)
     return _Attention.apply(q, k, v, params.sink, params, backend_module(backend), *tensors)
+
+
+def _packed(q, k, v, params, tensors):
+    """A varlen call with a block mask over its packed tokens, on the Triton kernels: the
+    tokens run as one sequence (batch 1) under the mask's blocks, the sequences kept apart and
+    the modifiers given per-sequence indices (common.mod_indices). Features that read positions
+    outside the modifiers would see packed ones there, so they are refused."""
+    from flashkit.ops.custom_op import backend_module
+
+    for name, used in (("dropout_p", params.dropout_p > 0),
+                       ("alibi_slopes", params.alibi_slopes is not None)):
+        if used:
+            raise NotImplementedError(
+                f"block_mask: backend 'triton' runs a varlen block mask over the packed tokens "
+                f"and takes no {name} with it; write it as a score_mod (flashkit.variants.alibi) "
+                "or use backend='torch'")
+    variant = dataclasses.replace(params.variant, packing=params.variant.block_mask.packing)
+    dense = dataclasses.replace(params, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0,
+                                max_seqlen_k=0, variant=variant)
+    out, lse = _Attention.apply(q[None], k[None], v[None], params.sink, dense,
+                                backend_module("triton"), *tensors)
+    return out[0], lse[0]

@@ -207,6 +207,9 @@ class Variant:
     mask_mod: MaskMod | None = None
     block_mask: object | None = None  # flashkit.variants.BlockMask
     captured_grads: list | None = field(default=None, repr=False)
+    # the Triton run of a varlen call with a block mask: the mask's packing (its kernels take
+    # the packed tokens as one sequence, common.mod_indices); () otherwise
+    packing: tuple = ()
 
     # --- torch backends ------------------------------------------------------------------
     def grouped_tile(self, s, batch0: int, i0: int, i1: int, j0: int, j1: int, chain=None,
@@ -273,7 +276,8 @@ class Variant:
                     SCORE_GRAD=None if score is None else score.jit_grad(),
                     MASK_MOD=None if mask is None else mask.jit(),
                     score_args=() if score is None else score.kernel_args(),
-                    mask_args=() if mask is None else mask.kernel_args())
+                    mask_args=() if mask is None else mask.kernel_args(),
+                    packing=self.packing)
 
 
 def _checked_score(out, s):
@@ -324,13 +328,14 @@ def attach(params, q, score_mod, mask_mod, block_mask, batch: int, nheads: int,
         if mask is not None and mask.fn is not block_mask.mask_mod.fn:
             raise ValueError("mask_mod: differs from block_mask's; pass block_mask alone (its "
                              "mask_mod is the mask)")
-        if params.is_varlen:
-            raise NotImplementedError("block_mask: varlen calls take mask_mod alone (a block "
-                                      "mask's blocks are positions of one padded length)")
         if params.window_left is not None or params.window_right is not None:
             raise ValueError("block_mask: causal and window_size are masks too; write them "
                              "into the block mask's mask_mod")
-        block_mask.check(batch, nheads, seqlen_q, seqlen_k, q.device)
+        if params.is_varlen:
+            block_mask.check_packing(q.shape[0], nheads, params.cu_seqlens_q,
+                                     params.cu_seqlens_k)
+        else:
+            block_mask.check(batch, nheads, seqlen_q, seqlen_k, q.device)
         mask = block_mask.mask_mod
     for mod in (score, mask):
         if mod is not None:
