@@ -78,8 +78,8 @@ from flashkit.ops.triton.common import (
 from flashkit.ops.triton.configs import GLUON_BACKWARD, GLUON_BACKWARD_DKDV, GLUON_BACKWARD_DQ
 from flashkit.ops.triton.dropout import dropout_args
 from flashkit.ops.triton.forward_hopper import gluon_declines
-from flashkit.ops.triton.hopper_common import flash_descriptor, flash_layout_2d
-from flashkit.ops.triton.launch import fold
+from flashkit.ops.triton.hopper_common import flash_descriptor, flash_layout_2d, rows_descriptor
+from flashkit.ops.triton.launch import fold, launch
 
 try:
     from triton.experimental import gluon
@@ -90,7 +90,6 @@ try:
         warpgroup_mma,
         warpgroup_mma_wait,
     )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 except ImportError:  # a Triton without Gluon: the Triton kernels do everything
     gluon = None
 if gluon is not None:  # the forward's K/V ring fill (hopper_common) serves the dQ kernel
@@ -718,6 +717,13 @@ def _launch_args(q, params: AttentionParams, lse, seqlen_q: int, seqlen_k: int) 
     return (alibi, *alibi_strides), lengths, flags
 
 
+# The kernels' tensor parameters (descriptors and pointers), for launch's argument order
+_DKDV_TENSORS = ("q_desc", "k_desc", "v_desc", "do_desc", "lse_desc", "delta_desc", "DK", "DV",
+                 "Alibi", "Cu_q", "Cu_k")
+_DQ_TENSORS = ("q_desc", "k_desc", "v_desc", "do_desc", "Lse", "Delta", "DQ", "Alibi", "Cu_q",
+               "Cu_k")
+
+
 def attention_backward_dkdv(dout, q, k, v, lse, delta, params: AttentionParams, dk, dv,
                             block=None, one_key_zero=False):
     """dK, dV of the eligible case into dk, dv. delta (laid out like lse) comes from
@@ -727,22 +733,19 @@ def attention_backward_dkdv(dout, q, k, v, lse, delta, params: AttentionParams, 
     head_dim = q.shape[-1]
     block_m, block_n, num_warps, num_stages = block or GLUON_BACKWARD_DKDV[head_dim]
 
-    def rows_descriptor(x):  # lse / delta (batch, nheads, seqlen_q), varlen (nheads, rows)
-        layout = gl.NVMMASharedLayout.get_default_for([block_m], gl.float32)
-        return TensorDescriptor(x.view(-1), [x.numel()], [1], [block_m], layout)
-
-    alibi, geo, flags = _launch_args(q, params, lse, seqlen_q, seqlen_k)
+    (alibi, *alibi_strides), geo, flags = _launch_args(q, params, lse, seqlen_q, seqlen_k)
     cu_q, cu_k, varlen = varlen_args(params, lse)
     if varlen:
         lse, delta = _aligned_lse_delta(lse, delta, params)
     grid = (triton.cdiv(seqlen_k, block_n), *fold(batch * nheads_k))
-    _bwd_dkdv_hopper_kernel[grid](
+    launch(_bwd_dkdv_hopper_kernel, grid, (
         flash_descriptor(q, block_m), flash_descriptor(k, block_n), flash_descriptor(v, block_n),
-        flash_descriptor(dout, block_m), rows_descriptor(lse), rows_descriptor(delta), dk, dv,
-        *batch_strides(dk, params)[:3], *batch_strides(dv, params)[:3],
-        *alibi, nheads, nheads_k, seqlen_q, seqlen_k, *geo, lse.stride(-2), cu_q, cu_k,
+        flash_descriptor(dout, block_m), rows_descriptor(lse, block_m),
+        rows_descriptor(delta, block_m), dk, dv, alibi, cu_q, cu_k), (
+        *batch_strides(dk, params)[:3], *batch_strides(dv, params)[:3], *alibi_strides,
+        nheads, nheads_k, seqlen_q, seqlen_k, *geo, lse.stride(-2)), dict(
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=num_stages, **flags,
-        VARLEN=varlen, ONE_KEY_ZERO=one_key_zero, num_warps=num_warps)
+        VARLEN=varlen, ONE_KEY_ZERO=one_key_zero, num_warps=num_warps), _DKDV_TENSORS)
 
 
 def attention_backward_dq(dout, q, k, v, lse, delta, params: AttentionParams, dq, block=None,
@@ -755,11 +758,11 @@ def attention_backward_dq(dout, q, k, v, lse, delta, params: AttentionParams, dq
     (alibi, *alibi_strides), geo, flags = _launch_args(q, params, lse, seqlen_q, seqlen_k)
     cu_q, cu_k, varlen = varlen_args(params, lse)
     grid = (triton.cdiv(seqlen_q, block_m), *fold(batch * nheads))
-    _bwd_dq_hopper_kernel[grid](
+    launch(_bwd_dq_hopper_kernel, grid, (
         flash_descriptor(q, block_m), flash_descriptor(k, block_n), flash_descriptor(v, block_n),
-        flash_descriptor(dout, block_m), lse, delta, dq, alibi,
+        flash_descriptor(dout, block_m), lse, delta, dq, alibi, cu_q, cu_k), (
         *batch_strides(lse, params)[:2], *batch_strides(delta, params)[:2],
         *batch_strides(dq, params)[:3], *alibi_strides,
-        nheads, nheads // nheads_k, seqlen_q, seqlen_k, *geo, cu_q, cu_k,
+        nheads, nheads // nheads_k, seqlen_q, seqlen_k, *geo), dict(
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=num_stages, **flags,
-        VARLEN=varlen, ONE_KEY_ZERO=one_key_zero, num_warps=num_warps)
+        VARLEN=varlen, ONE_KEY_ZERO=one_key_zero, num_warps=num_warps), _DQ_TENSORS)
