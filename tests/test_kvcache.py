@@ -558,6 +558,38 @@ def test_auto_num_splits_on_the_h200_tile(monkeypatch):
     assert decode.launch_shape(q, 4, 0, 3, None)[0].subtiles == 4
 
 
+def test_a_tile_out_of_shared_memory_shrinks_and_is_remembered(monkeypatch):
+    """A launch that runs out of shared memory (a float32 d64 paged prefill tile asked sm_90 for
+    289 KiB) runs again with fewer stages, then fewer keys per tile; the tile that ran is kept
+    for the next call, which launches it at once; the result is the oracle's."""
+    from triton.runtime.errors import OutOfResources
+
+    from flashkit.ops.triton import decode
+
+    monkeypatch.setattr(decode, "_fitted", {})
+    launch, shapes = decode.launch, []
+
+    def small_memory(kernel, grid, tensors, scalars, constexprs, *args, **options):
+        if kernel is decode._decode_kernel:
+            shapes.append((constexprs["BLOCK_N"], options["num_stages"]))
+            if constexprs["BLOCK_N"] * options["num_stages"] > 32:  # 16 keys in 2 stages fit
+                raise OutOfResources(1 << 20, 1 << 18, "shared memory")
+        return launch(kernel, grid, tensors, scalars, constexprs, *args, **options)
+
+    monkeypatch.setattr(decode, "launch", small_memory)
+    case = Case(batch=2, nheads=4, nheads_k=2, d=16, capacity=48, seqlen_q=3, seqlen_new=0,
+                page_size=16, causal=True, num_splits=1)
+    case.check("triton", "cpu")
+    tile = decode.DECODE_INTERPRETER["decode"]
+    assert shapes[0] == (tile.block_n, tile.num_stages + decode.PAGED_EXTRA_STAGES)
+    assert shapes[-1] == (16, 2) and len(set(shapes)) == len(shapes)
+    tried = len(shapes)
+    case.check("triton", "cpu")
+    assert shapes[tried:] == [(16, 2)]
+    with pytest.raises(OutOfResources):
+        decode.smaller_tile(tile._replace(block_n=16, num_stages=2))
+
+
 def test_spill_free_lifts_the_register_cap_or_drops_the_subtiles(monkeypatch):
     """A build that spills under the 168-register cap (3 programs per SM) runs uncapped on
     launches of up to 2 programs per SM and without sub-tiles on larger ones; others keep the

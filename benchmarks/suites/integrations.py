@@ -29,6 +29,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if not torch.cuda.is_available():  # before any kernel is decorated: the interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# the model is built from a config in code: nothing is downloaded, and nothing may be tried
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from common import environment  # noqa: E402
 
@@ -172,6 +174,7 @@ def main(argv=None) -> int:
         parser.error("no GPU: pass --tiny for the CPU smoke run")
     size = TINY if args.tiny else FULL
     impls = [register(), "sdpa", "eager"]
+    start = time.perf_counter()
     try:
         train = measure_training(impls, size, device)
     except torch.OutOfMemoryError:
@@ -179,7 +182,10 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
     if device == "cuda":
         torch.cuda.empty_cache()  # the training model and optimizer are gone
+    train_seconds = time.perf_counter() - start
     decode = measure_decoding(impls, size, device)
+    seconds = {"train": round(train_seconds, 1),
+               "decode": round(time.perf_counter() - start - train_seconds, 1)}
     rows = [{"attn_implementation": impl, **train[impl], **decode[impl]} for impl in impls]
     for row in rows:
         print(row, flush=True)
@@ -191,7 +197,8 @@ def main(argv=None) -> int:
               f"median of {size['timed_generates']} after a warm-up generate, order rotated")
     env = environment()
     env["transformers"] = transformers.__version__
-    result = {"suite": "integrations", "env": env, "config": config, "rows": rows}
+    result = {"suite": "integrations", "env": env, "config": config, "seconds": seconds,
+              "rows": rows}
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "integrations.json").write_text(json.dumps(result, indent=1, default=str))
@@ -203,7 +210,8 @@ def main(argv=None) -> int:
               + " |" for r in rows]
     (out / "integrations.md").write_text(
         f"{config}\n\n{env['device']}, {env['date']}, torch {env['torch']}, transformers "
-        f"{env['transformers']}, triton {env['triton']}\n\n" + "\n".join(lines) + "\n")
+        f"{env['transformers']}, triton {env['triton']}; measuring took {seconds['train']} s "
+        f"(training) and {seconds['decode']} s (decoding)\n\n" + "\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 

@@ -1,19 +1,24 @@
 """variants: user score_mod / mask_mod / block_mask against FlexAttention, on the GPU.
 
-    PYTHONPATH=src python3 benchmarks/run.py variants [--out DIR] [--lengths 2048,8192]
-        [--parts first_call,examples,configs,builtins]
+    PYTHONPATH=src python3 benchmarks/run.py variants [--out DIR] [--lengths 4096]
+        [--parts first_call,examples,captured,builtins]   (configs: add it by name)
 
 bf16, head dim 128, 16 heads, batch = 16k tokens / seqlen, public APIs as users call them:
 flashkit.flash_attn_func with the modifiers against torch.compile(flex_attention) with the same
 modifiers written as FlexAttention functions, both in the (batch, seqlen, heads, d) /
 (batch, heads, seqlen, d) layout they take. Times are triton.testing.do_bench medians:
-forward under no_grad, backward as autograd.grad on a retained graph (q, k, v gradients).
+forward under no_grad, backward as autograd.grad on a retained graph (q, k, v gradients, and
+the captured tensor's in `captured`), step = forward with grad + that backward.
 Block masks are built once, outside the timing, by each library's create_block_mask.
+The default run takes about 3 minutes on one H200.
 
 Parts:
     examples    the six built-in examples (document, prefix_lm, alibi, softcap,
-                relative_bias, window_globals), flashkit vs Flex, forward and backward;
+                relative_bias, window_globals), flashkit vs Flex, forward, backward and step;
                 speedup = Flex ms / flashkit ms (the target is >= 1.2)
+    captured    score modifiers whose captured tensor learns (a relative-position bias table,
+                ALiBi slopes, a per-token bias), flashkit vs Flex, backward and step with the
+                captured tensor's gradient
     builtins    the built-in features written as modifiers against the built-in arguments of
                 flash_attn_func: ALiBi (alibi_slopes=), softcap (softcap=30), causal and a causal
                 window of 1024 (block masks against causal=True / window_size=(1024, 0));
@@ -23,9 +28,11 @@ Parts:
                 stages) is fastest for forward, dK/dV and dQ at head dim 128; every candidate
                 fits sm_90's shared memory with every built-in (offline compiles)
     first_call  time to the first forward, then to the first backward, of a variant never
-                seen before (new source, so no disk cache holds it): flashkit's Triton
-                compiles (forward; then preprocess, dK/dV and dQ) against Flex's torch.compile
-                (dynamo reset first)
+                seen before, each in a new process: with a cold disk cache (Triton's and
+                Inductor's, fresh folders: every compile, the launchers' C builds included),
+                then a second process on the same, now warm, cache (what a user's next run
+                pays); and in the warm process the kernels built or loaded at a new length of
+                the same divisibility class (the target: none) and at an odd length
 Results: DIR/<date>_<device>.json and .md (common.Result: rewritten after every case, so an
 interrupted run keeps what it measured), with date, device and versions.
 """
@@ -47,6 +54,7 @@ from flashkit import variants  # noqa: E402
 from flashkit.ops.triton import configs  # noqa: E402
 
 HEAD_DIM, NHEADS, TOKENS, DTYPE = 128, 16, 16384, torch.bfloat16
+FIRST_CALL_LENGTH = 4096
 WINDOW, CAP = 1024, 30.0
 EXAMPLES = ("document", "prefix_lm", "alibi", "softcap", "relative_bias", "window_globals")
 
@@ -62,8 +70,9 @@ def problem(seqlen: int) -> dict:
     prefix = torch.randint(seqlen // 4, seqlen // 2, (batch,), dtype=torch.int32, device=dev)
     slopes = torch.rand(NHEADS, device=dev) * 0.1
     table = torch.randn(NHEADS, 2 * 128 + 1, device=dev)
+    bias = torch.randn(batch, seqlen, device=dev)
     return dict(q=q, k=k, v=v, dout=dout, doc=doc, prefix=prefix, slopes=slopes, table=table,
-                batch=batch, seqlen=seqlen)
+                bias=bias, batch=batch, seqlen=seqlen)
 
 
 def ours_mods(name: str, p: dict) -> dict:
@@ -78,6 +87,7 @@ def ours_mods(name: str, p: dict) -> dict:
         "alibi": lambda: dict(score_mod=variants.alibi(p["slopes"])),
         "softcap": lambda: dict(score_mod=variants.softcap(CAP)),
         "relative_bias": lambda: dict(score_mod=variants.relative_bias(p["table"])),
+        "token_bias": lambda: dict(score_mod=variants.token_bias(p["bias"])),
         "window_globals": lambda: block(variants.sliding_window_with_globals(WINDOW // 2, 64)),
         "causal": lambda: block(variants.causal_mask()),
         "window": lambda: block(variants.causal_window(WINDOW)),
@@ -88,7 +98,7 @@ def flex_mods(name: str, p: dict) -> dict:
     """The same example as FlexAttention modifiers (score_mod, block_mask)."""
     from torch.nn.attention.flex_attention import create_block_mask
     b, s = p["batch"], p["seqlen"]
-    doc, prefix, slopes, table = p["doc"], p["prefix"], p["slopes"], p["table"]
+    doc, prefix, slopes, table, bias = p["doc"], p["prefix"], p["slopes"], p["table"], p["bias"]
 
     def block(mask_mod):
         return dict(block_mask=create_block_mask(mask_mod, b, None, s, s, device="cuda"))
@@ -111,39 +121,67 @@ def flex_mods(name: str, p: dict) -> dict:
     def relative_bias(score, bi, h, qi, ki):
         return score + table[h, (ki - qi).clamp(-128, 128) + 128]
 
+    def token_bias(score, bi, h, qi, ki):
+        return score + bias[bi, ki]
+
     return {"document": lambda: block(document), "prefix_lm": lambda: block(prefix_lm),
             "window_globals": lambda: block(window_globals),
             "alibi": lambda: dict(score_mod=alibi), "softcap": lambda: dict(score_mod=softcap),
-            "relative_bias": lambda: dict(score_mod=relative_bias)}[name]()
+            "relative_bias": lambda: dict(score_mod=relative_bias),
+            "token_bias": lambda: dict(score_mod=token_bias)}[name]()
 
 
-def timed(run, q, k, v, dout) -> tuple[float, float]:
-    """(forward ms, backward ms) of run(q, k, v) -> out."""
+def timed(run, q, k, v, dout, learned=()) -> tuple[float, float, float]:
+    """(forward ms, backward ms, step ms) of run(q, k, v) -> out; the backward and the step
+    differentiate q, k, v and the `learned` tensors (which require grad)."""
     with torch.no_grad():
         fwd = bench(lambda: run(q, k, v))
     leaves = [x.detach().requires_grad_() for x in (q, k, v)]
     out = run(*leaves)
-    return fwd, bench(lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True))
+    wrt = [*leaves, *learned]
+    bwd = bench(lambda: torch.autograd.grad(out, wrt, dout, retain_graph=True))
+    step = bench(lambda: torch.autograd.grad(run(*leaves), wrt, dout))
+    return fwd, bwd, step
 
 
-def time_ours(p: dict, **kwargs) -> tuple[float, float]:
+def time_ours(p: dict, learned=(), **kwargs) -> tuple[float, float, float]:
     return timed(lambda q, k, v: flashkit.flash_attn_func(q, k, v, **kwargs),
-                 p["q"], p["k"], p["v"], p["dout"])
+                 p["q"], p["k"], p["v"], p["dout"], learned)
 
 
-def time_flex(p: dict, compiled, **mods) -> tuple[float, float]:
+def time_flex(p: dict, compiled, learned=(), **mods) -> tuple[float, float, float]:
     heads_first = [p[n].transpose(1, 2).contiguous() for n in ("q", "k", "v", "dout")]
-    return timed(lambda q, k, v: compiled(q, k, v, **mods), *heads_first)
+    return timed(lambda q, k, v: compiled(q, k, v, **mods), *heads_first, learned=learned)
+
+
+def comparison(ours, theirs) -> dict:
+    """A row's times and speedups (Flex ms / flashkit ms), forward, backward and step."""
+    row = {}
+    for n, what in enumerate(("fwd", "bwd", "step")):
+        row.update({f"flashkit_{what}_ms": ours[n], f"flex_{what}_ms": theirs[n],
+                    f"speedup_{what}": theirs[n] / ours[n]})
+    return row
 
 
 def part_examples(p: dict, compiled, record) -> None:
     for name in EXAMPLES:
         ours = time_ours(p, **ours_mods(name, p))
         theirs = time_flex(p, compiled, **flex_mods(name, p))
-        record("examples", dict(
-            example=name, seqlen=p["seqlen"], batch=p["batch"], flashkit_fwd_ms=ours[0],
-            flashkit_bwd_ms=ours[1], flex_fwd_ms=theirs[0], flex_bwd_ms=theirs[1],
-            speedup_fwd=theirs[0] / ours[0], speedup_bwd=theirs[1] / ours[1]))
+        record("examples", dict(example=name, seqlen=p["seqlen"], batch=p["batch"],
+                                **comparison(ours, theirs)))
+
+
+CAPTURED = {"relative_bias": "table", "alibi": "slopes", "token_bias": "bias"}
+
+
+def part_captured(p: dict, compiled, record) -> None:
+    """Score modifiers whose captured tensor requires grad: its gradient joins q, k, v's."""
+    for name, tensor in CAPTURED.items():
+        learned = dict(p, **{tensor: p[tensor].detach().clone().requires_grad_()})
+        ours = time_ours(learned, [learned[tensor]], **ours_mods(name, learned))
+        theirs = time_flex(learned, compiled, [learned[tensor]], **flex_mods(name, learned))
+        record("captured", dict(example=name, learned=tensor, seqlen=p["seqlen"],
+                                batch=p["batch"], **comparison(ours, theirs)))
 
 
 # Candidate d128 tiles of the variant kernels, (BLOCK_M, BLOCK_N, num_warps, num_stages), each
@@ -167,7 +205,7 @@ def part_configs(p: dict, record) -> None:
             configs.VARIANT[kernel][HEAD_DIM] = tile
             try:
                 for name in ("document", "softcap", "relative_bias"):
-                    fwd, bwd = time_ours(p, **ours_mods(name, p))
+                    fwd, bwd, _ = time_ours(p, **ours_mods(name, p))
                     record("configs", dict(kernel=kernel, tile=str(tile), example=name,
                                            seqlen=p["seqlen"], fwd_ms=fwd, bwd_ms=bwd))
             except Exception as err:  # a candidate that fails to launch is a result too
@@ -184,7 +222,7 @@ def part_builtins(p: dict, record) -> None:
              "causal": (dict(causal=True), ours_mods("causal", p)),
              "window": (dict(window_size=(WINDOW, 0)), ours_mods("window", p))}
     for name, (builtin, modded) in cases.items():
-        base, mod = time_ours(p, **builtin), time_ours(p, **modded)
+        base, mod = time_ours(p, **builtin)[:2], time_ours(p, **modded)[:2]
         record("builtins", dict(feature=name, seqlen=p["seqlen"], batch=p["batch"],
                                 builtin_fwd_ms=base[0], builtin_bwd_ms=base[1],
                                 mod_fwd_ms=mod[0], mod_bwd_ms=mod[1],
@@ -205,31 +243,69 @@ def score_grad(score, b, h, q_idx, kv_idx):
 '''
 
 
-def part_first_call(p: dict, record) -> None:
-    """A variant no cache has seen: a fresh constant in its source changes Triton's hash."""
-    c = f"{time.time_ns() % 997 / 1e4 + 1e-3:.6f}"
-    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
-        f.write(_NEW_VARIANT.format(c=c))  # triton.jit reads a function's source from its file
+def first_call_child(library: str, c: str) -> dict:
+    """In a new process: seconds to the first forward and to its backward of the variant with
+    constant c, at FIRST_CALL_LENGTH; then (flashkit) the kernels built or loaded at a new length
+    of the same divisibility class and at an odd length."""
+    p = problem(FIRST_CALL_LENGTH)
+    if library == "flex":
+        from torch.nn.attention.flex_attention import flex_attention
+        compiled = torch.compile(flex_attention, dynamic=False)
+        slope = float(c)
+        heads_first = [p[n].transpose(1, 2).contiguous() for n in ("q", "k", "v", "dout")]
+        leaves = [x.requires_grad_() for x in heads_first[:3]]
+        def score_mod(s, b, h, qi, ki):
+            return s - slope * (qi - ki).abs()
+        fwd, bwd = first_forward_backward(lambda: compiled(*leaves, score_mod=score_mod),
+                                          leaves, heads_first[3])
+        return dict(fwd_s=fwd, bwd_s=bwd)
+    path = os.path.join(tempfile.gettempdir(), f"flashkit_first_call_{c}.py")
+    with open(path, "w") as f:  # triton.jit reads a function's source from its file
+        f.write(_NEW_VARIANT.format(c=c))
     namespace = {}
-    exec(compile(open(f.name).read(), f.name, "exec"), namespace)
+    exec(compile(open(path).read(), path, "exec"), namespace)
     mod = variants.ScoreMod(namespace["score_mod"], grad=namespace["score_grad"])
-    leaves = [p[n].detach().requires_grad_() for n in ("q", "k", "v")]
-    ours = first_forward_backward(
-        lambda: flashkit.flash_attn_func(*leaves, score_mod=mod), leaves, p["dout"])
-    os.unlink(f.name)
 
-    torch._dynamo.reset()  # a fresh compile, as for a new variant in a new process
-    from torch.nn.attention.flex_attention import flex_attention
-    compiled = torch.compile(flex_attention, dynamic=False)
-    slope = float(c)
-    heads_first = [p[n].transpose(1, 2).contiguous() for n in ("q", "k", "v", "dout")]
-    leaves = [x.requires_grad_() for x in heads_first[:3]]
-    theirs = first_forward_backward(
-        lambda: compiled(*leaves, score_mod=lambda s, b, h, qi, ki: s - slope * (qi - ki).abs()),
-        leaves, heads_first[3])
-    record("first_call", dict(seqlen=p["seqlen"], flashkit_fwd_s=ours[0],
-                              flashkit_s=sum(ours), flex_fwd_s=theirs[0],
-                              flex_s=sum(theirs)))
+    def call(q, k, v):
+        return flashkit.flash_attn_func(q, k, v, score_mod=mod)
+    leaves = [p[n].detach().requires_grad_() for n in ("q", "k", "v")]
+    fwd, bwd = first_forward_backward(lambda: call(*leaves), leaves, p["dout"])
+    from triton import knobs
+    built = []
+    knobs.runtime.jit_post_compile_hook = lambda *args, **kwargs: built.append(1)
+    counts = {}
+    for label, seqlen in (("new_length_kernels", FIRST_CALL_LENGTH - 128),
+                          ("odd_length_kernels", FIRST_CALL_LENGTH - 127)):
+        built.clear()
+        x = [p[n][:, :seqlen].detach().requires_grad_() for n in ("q", "k", "v")]
+        torch.autograd.grad(call(*x), x, p["dout"][:, :seqlen])
+        torch.cuda.synchronize()
+        counts[label] = len(built)
+    knobs.runtime.jit_post_compile_hook = None
+    return dict(fwd_s=fwd, bwd_s=bwd, **counts)
+
+
+def part_first_call(record) -> None:
+    """Each library's first call in new processes: a cold disk cache, then the same cache warm."""
+    import json
+    import subprocess
+
+    c = f"{time.time_ns() % 997 / 1e4 + 1e-3:.6f}"  # a variant no cache has seen
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, TRITON_CACHE_DIR=os.path.join(cache, "triton"),
+                   TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"))
+        for library in ("flashkit", "flex"):
+            for disk_cache in ("cold", "warm"):
+                done = subprocess.run(
+                    [sys.executable, os.path.abspath(__file__), "--first-call-child", library,
+                     c], env=env, capture_output=True, text=True, timeout=300)
+                if done.returncode != 0:
+                    log(done.stderr[-2000:])
+                    raise RuntimeError(f"first-call child ({library}, {disk_cache}) failed")
+                row = json.loads(done.stdout.strip().splitlines()[-1])
+                record("first_call", dict(library=library, disk_cache=disk_cache,
+                                          seqlen=FIRST_CALL_LENGTH, total_s=row["fwd_s"] +
+                                          row["bwd_s"], **row))
 
 
 def first_forward_backward(run, leaves, dout) -> tuple[float, float]:
@@ -244,22 +320,29 @@ def first_forward_backward(run, leaves, dout) -> tuple[float, float]:
     return forward, time.perf_counter() - start - forward
 
 
+_COMPARED = ["flashkit_fwd_ms", "flex_fwd_ms", "speedup_fwd", "flashkit_bwd_ms", "flex_bwd_ms",
+             "speedup_bwd", "flashkit_step_ms", "flex_step_ms", "speedup_step"]
 COLUMNS = {
-    "examples": ["example", "seqlen", "flashkit_fwd_ms", "flex_fwd_ms", "speedup_fwd",
-                 "flashkit_bwd_ms", "flex_bwd_ms", "speedup_bwd"],
+    "examples": ["example", "seqlen", *_COMPARED],
+    "captured": ["example", "learned", "seqlen", *_COMPARED],
     "builtins": ["feature", "seqlen", "builtin_fwd_ms", "mod_fwd_ms", "ratio_fwd",
                  "builtin_bwd_ms", "mod_bwd_ms", "ratio_bwd"],
     "configs": ["kernel", "tile", "example", "seqlen", "fwd_ms", "bwd_ms"],
-    "first_call": ["seqlen", "flashkit_fwd_s", "flashkit_s", "flex_fwd_s", "flex_s"],
+    "first_call": ["library", "disk_cache", "seqlen", "fwd_s", "bwd_s", "total_s",
+                   "new_length_kernels", "odd_length_kernels"],
 }
 
 
 def main() -> None:
+    if len(sys.argv) == 4 and sys.argv[1] == "--first-call-child":
+        import json
+        print(json.dumps(first_call_child(sys.argv[2], sys.argv[3])))
+        return
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_out_argument(ap, "variants")
-    ap.add_argument("--lengths", default="2048,8192", help="comma-separated sequence lengths")
-    ap.add_argument("--parts", default="first_call,examples,configs,builtins",
-                    help="comma-separated: first_call, examples, configs, builtins")
+    ap.add_argument("--lengths", default="4096", help="comma-separated sequence lengths")
+    ap.add_argument("--parts", default="first_call,examples,captured,builtins",
+                    help="comma-separated: first_call, examples, captured, builtins, configs")
     args = ap.parse_args()
     parts = args.parts.split(",")
     result = Result("variants", args.out, config=dict(head_dim=HEAD_DIM, nheads=NHEADS,
@@ -274,13 +357,15 @@ def main() -> None:
                                   for name, r in rows.items() if r))
 
     lengths = [int(s) for s in args.lengths.split(",")]
-    if "first_call" in parts:  # first, before this process has compiled anything
-        part_first_call(problem(lengths[0]), record)
+    if "first_call" in parts:  # new processes, before this one holds the GPU's memory
+        part_first_call(record)
     compiled = anchor_flex_compiled()
     for seqlen in lengths:
         p = problem(seqlen)
         if "examples" in parts:
             part_examples(p, compiled, record)
+        if "captured" in parts:
+            part_captured(p, compiled, record)
         if "configs" in parts and seqlen == lengths[0]:  # the tile sweep at one length
             part_configs(p, record)
         if "builtins" in parts:

@@ -13,7 +13,6 @@ docs/design.md section 1) and `backend` (None, "torch", "triton" or "reference")
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
 
@@ -252,7 +251,7 @@ def require_available(name: str, device: torch.device) -> None:
     """Raise a clear error if the named backend cannot run on `device` here."""
     if name != "triton":
         return
-    if not _triton_installed():
+    if not _TRITON_INSTALLED:
         raise ImportError("backend 'triton' needs the triton package: pip install "
                           "'flashkit-attn[gpu]', or pass backend='torch'")
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -261,6 +260,5 @@ def require_available(name: str, device: torch.device) -> None:
                          "backend='torch'")
 
 
-@functools.cache
-def _triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
+# Looked up once, at import: torch.compile cannot trace importlib's finder.
+_TRITON_INSTALLED = importlib.util.find_spec("triton") is not None

@@ -6,7 +6,6 @@ of constexpr order never sees them)."""
 from __future__ import annotations
 
 import importlib
-import inspect
 
 import pytest
 import torch
@@ -162,17 +161,10 @@ def test_gluon_forward_launcher_fills_the_kernel_signature(varlen, monkeypatch):
 @pytest.mark.parametrize("which", ["dkdv", "dq"])
 def test_gluon_backward_launchers_fill_the_kernel_signatures(varlen, which, monkeypatch):
     q, k, v, params = _inputs(varlen)
-    name = "_bwd_dkdv_hopper_kernel" if which == "dkdv" else "_bwd_dq_hopper_kernel"
-    kernel = getattr(backward_hopper, name)
     calls = []
-
-    class Recorder:
-        arg_names = kernel.arg_names
-
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: calls.append((args, kwargs))
-
-    monkeypatch.setattr(backward_hopper, name, Recorder())
+    monkeypatch.setattr(backward_hopper, "launch", lambda kernel, grid, tensors, scalars,
+                        constexprs, tensor_params=(), **options: calls.append(
+                            (kernel, tensors, scalars, constexprs, tensor_params)))
     lse = torch.zeros(lse_shape(q, params))
     delta = torch.zeros_like(lse)
     if which == "dkdv":
@@ -181,12 +173,15 @@ def test_gluon_backward_launchers_fill_the_kernel_signatures(varlen, which, monk
     else:
         backward_hopper.attention_backward_dq(q, q, k, v, lse, delta, params,
                                               torch.empty_like(q))
-    (args, kwargs), = calls
-    inspect.signature(kernel.fn).bind(*args, **kwargs)  # no missing or unknown argument
-    constexprs = {n: kwargs[n] for n in kernel.arg_names if n in kwargs}
+    (kernel, tensors, scalars, constexprs, tensor_params), = calls
+    assert kernel is getattr(backward_hopper, f"_bwd_{which}_hopper_kernel")
+    # launch puts tensors and scalars back in signature order by the tensor parameters' names
+    args = launch_module._order(kernel, tensor_params, len(tensors), len(scalars))(
+        tensors + scalars)
     heads = dict(nheads=4, nheads_k=2) if which == "dkdv" else dict(nheads=4, group=2)
     expected = dict(_expected(params, varlen), softmax_scale=SCALE, **heads)
     _check_call(kernel, args, constexprs, expected, GRADIENT_FLAGS, varlen)
+    assert constexprs["ONE_KEY_ZERO"] is False
 
 
 def test_flag_subsets_keep_the_vocabulary_order():

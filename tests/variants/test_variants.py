@@ -9,7 +9,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from variant_cases import EXAMPLES, attention, documents, extras
+from variant_cases import CAPTURED_GRADS, EXAMPLES, attention, documents, extras
 
 import flashkit
 from flashkit import variants
@@ -26,22 +26,32 @@ def _check(backend, name, inputs, grad_names=("q", "k", "v")):
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_example_matches_oracle(backend, name):
-    """Each built-in example, odd lengths, GQA; the relative-bias table's gradient (torch)."""
+    """Each built-in example, odd lengths, GQA; the relative-bias table's gradient."""
     seqlen_q, seqlen_k = (29, 29) if name in ("document", "prefix_lm") else (23, 31)
     q, k, v = random_qkv(batch=2, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads=4, nheads_k=2,
                          headdim=16)
     captured = extras(name, 2, 4, seqlen_q, seqlen_k)
-    grads = ("q", "k", "v", "table") if backend == "torch" else ("q", "k", "v")
-    _check(backend, name, dict(q=q, k=k, v=v, **captured), grads)
+    _check(backend, name, dict(q=q, k=k, v=v, **captured), ("q", "k", "v", "table"))
+
+
+@pytest.mark.parametrize("name", sorted(CAPTURED_GRADS))
+def test_triton_captured_gradients_match_oracle(name):
+    """The Triton backward's captured_grad rules (a relative-position table, ALiBi slopes, a
+    per-token bias) against the oracle's autograd: odd lengths both ways, GQA, q and the
+    captured tensor only (dk, dv as above)."""
+    q, k, v = random_qkv(batch=2, seqlen_q=37, seqlen_k=21, nheads=4, nheads_k=2, headdim=16)
+    captured = extras(name, 2, 4, 37, 21)
+    _check("triton", name, dict(q=q, k=k, v=v, **captured), ("q", CAPTURED_GRADS[name]))
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("name", ["document", "relative_bias"])
 def test_varlen_example_matches_oracle(backend, name):
-    """Indices are positions within each sequence, b the sequence (lengths 1, 0 and odd)."""
+    """Indices are positions within each sequence, b the sequence (lengths 1, 0 and odd); the
+    relative-bias table's gradient."""
     inputs = random_varlen([9, 1, 20], [9, 1, 20], nheads=2, headdim=16)
     captured = extras(name, 3, 2, 20, 20)
-    _check(backend, name, dict(**inputs, **captured))
+    _check(backend, name, dict(**inputs, **captured), ("q", "k", "v", "table"))
 
 
 def test_modifiers_combine_with_builtin_features():
@@ -123,6 +133,11 @@ def _bias(score, b, h, q_idx, kv_idx, table):
     return score + tl.load(table + h)
 
 
+@triton.jit
+def _bias_one(score, b, h, q_idx, kv_idx, table):
+    return 1.0
+
+
 def _qkv():
     return random_qkv(batch=1, seqlen_q=8, nheads=2, headdim=16)
 
@@ -163,16 +178,20 @@ def test_block_mask_must_fit_the_call():
 
 
 def test_triton_backward_needs_what_it_cannot_derive():
-    """The Triton backward differentiates score_mod through its grad= function and computes no
-    gradient for captured tensors: both refused before any launch, naming score_mod."""
+    """The Triton backward differentiates score_mod through its grad= function and captured
+    tensors through its captured_grad= rule: both refused before any launch when missing,
+    naming score_mod."""
     q, k, v = (x.requires_grad_() for x in _qkv())
     with pytest.raises(NotImplementedError, match="score_mod: backend 'triton' differentiates"):
         flashkit.flash_attn_func(q, k, v, backend="triton",
                                  score_mod=variants.ScoreMod(_bias, torch.zeros(2)))
     table = torch.zeros(2, 13, requires_grad=True)
-    with pytest.raises(NotImplementedError, match="captured tensors"):
-        flashkit.flash_attn_func(q, k, v, backend="triton",
-                                 score_mod=variants.relative_bias(table))
+    with pytest.raises(NotImplementedError, match="captured_grad rule"):
+        flashkit.flash_attn_func(q, k, v, backend="triton", score_mod=variants.ScoreMod(
+            _bias, table, grad=_bias_one))
+    with pytest.raises(TypeError, match="captured_grad: _bias_one"):
+        flashkit.flash_attn_func(q, k, v, backend="triton", score_mod=variants.ScoreMod(
+            _bias, table, grad=_bias_one, captured_grad=_bias_one))
 
 
 def test_plain_function_modifiers_run_everywhere():
@@ -185,3 +204,59 @@ def test_plain_function_modifiers_run_everywhere():
     for backend in ("torch", "triton"):
         out = flashkit.flash_attn_func(q, k, v, mask_mod=causal, backend=backend)
         torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_varlen_block_mask_matches_oracle(backend):
+    """A block mask over the packed tokens (FlexAttention's document masking over a packed
+    batch): per-sequence prefix-LM and a window with global tokens, q and k lengths apart,
+    sequences of 0 and 1 tokens, GQA, 16-blocks that straddle sequence starts."""
+    lens_q, lens_k = [9, 1, 20, 0, 37], [12, 1, 20, 3, 30]
+    inputs = random_varlen(lens_q, lens_k, nheads=4, nheads_k=2, headdim=16)
+    cu_q, cu_k = inputs["cu_seqlens_q"], inputs["cu_seqlens_k"]
+    prefix = torch.tensor([3, 0, 7, 1, 11], dtype=torch.int32)
+
+    @triton.jit
+    def prefix_window(b, h, q_idx, kv_idx, prefix):
+        near = (kv_idx <= q_idx) & (q_idx - kv_idx <= 6)
+        return near | (kv_idx < tl.load(prefix + b))
+    mask = flashkit.create_block_mask(variants.MaskMod(prefix_window, prefix), None, None,
+                                      sum(lens_q), sum(lens_k), device="cpu", BLOCK_SIZE=16,
+                                      cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    assert 0 < mask.sparsity() < 1
+
+    def run(backend, q, k, v, **rest):
+        return (flashkit.flash_attn_varlen_func(q, k, v, **rest, block_mask=mask,
+                                                backend=backend),)
+    check_against_oracle(functools.partial(run, backend), inputs, output_names=("out",),
+                         oracle_fn=functools.partial(run, "reference"))
+
+
+def test_varlen_block_mask_states_match_dense_mask():
+    """Blocks over the packed axes: a pair is visible iff both tokens share a sequence and
+    mask_mod says so at the sequence's own positions."""
+    lens_q, lens_k = [5, 0, 21, 2], [7, 4, 18, 2]
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32)
+                  for n in (lens_q, lens_k))
+    mask = flashkit.create_block_mask(variants.causal_mask(), None, None, sum(lens_q),
+                                      sum(lens_k), device="cpu", BLOCK_SIZE=16,
+                                      cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    dense = torch.zeros(sum(lens_q), sum(lens_k), dtype=torch.bool)
+    for b in range(len(lens_q)):
+        i = torch.arange(lens_q[b])[:, None]
+        j = torch.arange(lens_k[b])[None, :]
+        dense[cu_q[b]:cu_q[b + 1], cu_k[b]:cu_k[b + 1]] = i >= j
+    state = mask.to_dense()[0, 0]
+    for r in range(state.shape[0]):
+        for c in range(state.shape[1]):
+            tile = dense[r * 16:(r + 1) * 16, c * 16:(c + 1) * 16]
+            expected = 0 if not tile.any() else (2 if tile.all() and tile.shape == (16, 16)
+                                                 else 1)
+            assert state[r, c] == expected, (r, c)
+    q = torch.randn(sum(lens_q), 2, 16)
+    with pytest.raises(ValueError, match="block_mask: built over packed"):
+        flashkit.flash_attn_func(q[None], q[None], q[None], block_mask=mask)
+    plain = flashkit.create_block_mask(variants.causal_mask(), None, None, sum(lens_q),
+                                       sum(lens_q), device="cpu", BLOCK_SIZE=16)
+    with pytest.raises(ValueError, match="block_mask: a varlen call needs"):
+        flashkit.flash_attn_varlen_func(q, q, q, cu_q, cu_q, 21, 21, block_mask=plain)

@@ -8,7 +8,7 @@ import importlib
 
 import pytest
 import torch
-from variant_cases import EXAMPLES, attention, documents, extras
+from variant_cases import CAPTURED_GRADS, EXAMPLES, attention, documents, extras
 
 import flashkit
 from flashkit import variants
@@ -21,11 +21,36 @@ def _cuda(inputs: dict) -> dict:
     return {n: t.cuda() if isinstance(t, torch.Tensor) else t for n, t in inputs.items()}
 
 
-def _check(name, inputs):
+def _check(name, inputs, grad_names=("q", "k", "v")):
     check_against_oracle(functools.partial(attention, "triton", name), _cuda(inputs),
                          output_names=("out",),
                          oracle_fn=functools.partial(attention, "reference", name),
-                         grad_names=("q", "k", "v"))
+                         grad_names=grad_names)
+
+
+@pytest.mark.parametrize("name", sorted(CAPTURED_GRADS))
+def test_captured_gradients_match_oracle(name):
+    """captured_grad rules on the GPU's atomics: bf16, d128, odd lengths both ways, GQA."""
+    q, k, v = random_qkv(batch=2, seqlen_q=203, seqlen_k=113, nheads=8, nheads_k=2,
+                         headdim=128, dtype=torch.bfloat16)
+    _check(name, dict(q=q, k=k, v=v, **extras(name, 2, 8, 203, 113)),
+           ("q", "k", "v", CAPTURED_GRADS[name]))
+
+
+def test_varlen_block_mask_matches_oracle():
+    """A causal block mask over packed sequences (0, 1 and odd lengths), bf16, GQA."""
+    lengths = [300, 1, 0, 517, 129]
+    inputs = _cuda(random_varlen(lengths, lengths, nheads=8, nheads_k=2, headdim=128,
+                                 dtype=torch.bfloat16))
+    mask = flashkit.create_block_mask(variants.causal_mask(), None, None, sum(lengths),
+                                      sum(lengths), device="cuda",
+                                      cu_seqlens_q=inputs["cu_seqlens_q"],
+                                      cu_seqlens_k=inputs["cu_seqlens_k"])
+
+    def run(backend, **kw):
+        return (flashkit.flash_attn_varlen_func(**kw, block_mask=mask, backend=backend),)
+    check_against_oracle(functools.partial(run, "triton"), inputs, output_names=("out",),
+                         oracle_fn=functools.partial(run, "reference"))
 
 
 @pytest.mark.parametrize("dtype, headdim", [(torch.bfloat16, 128), (torch.float16, 64)])

@@ -70,7 +70,8 @@ class _Recorder:
 
 def record_launches(name: str, head_dim: int) -> dict:
     """{kernel: (jit function, args, kwargs)} of example `name`'s forward, dK/dV and dQ
-    launches (bf16, odd lengths, GQA, as the GPU tests call them)."""
+    launches (bf16, odd lengths, GQA, as the GPU tests call them; a score_mod with a
+    captured_grad rule with its captured tensors learning)."""
     forward = importlib.import_module("flashkit.ops.triton.forward")
     backward = importlib.import_module("flashkit.ops.triton.backward")
     launch = importlib.import_module("flashkit.ops.triton.launch")
@@ -86,6 +87,11 @@ def record_launches(name: str, head_dim: int) -> dict:
     params = variant_mods.attach(AttentionParams(softmax_scale=head_dim ** -0.5), q,
                                  kwargs.get("score_mod"), None, mask, batch, nheads, seqlen_q,
                                  seqlen_k)
+    score = params.variant.score_mod
+    if score is not None and score.captured_grad is not None:  # the captured tensors learn
+        params.variant.captured_grads = [
+            torch.zeros(t.shape) if isinstance(t, torch.Tensor) and t.is_floating_point()
+            else None for t in score.captured]
     launches = ((forward, "_fwd_kernel"), (backward, "_bwd_kernel"),
                 (backward, "_bwd_preprocess_kernel"))
     recorders = {name: _Recorder(getattr(module, name)) for module, name in launches}

@@ -30,6 +30,8 @@ def extras(name: str, batch: int, nheads: int, seqlen_q: int, seqlen_k: int) -> 
         return dict(slopes=torch.rand(nheads) * 0.9 + 0.05)
     if name == "relative_bias":
         return dict(table=torch.randn(nheads, 2 * 6 + 1))
+    if name == "token_bias":
+        return dict(bias=torch.randn(batch, seqlen_k))
     return {}
 
 
@@ -45,17 +47,22 @@ def mods(name: str, seqlen_q: int, seqlen_k: int, **captured) -> dict:
         return dict(score_mod=variants.softcap(3.0))
     if name == "relative_bias":
         return dict(score_mod=variants.relative_bias(captured["table"]))
+    if name == "token_bias":
+        return dict(score_mod=variants.token_bias(captured["bias"]))
     if name == "window_globals":
         return dict(mask_mod=variants.sliding_window_with_globals(5, 3))
     raise ValueError(name)
 
 
 EXAMPLES = ("document", "prefix_lm", "alibi", "softcap", "relative_bias", "window_globals")
+# score modifiers whose captured tensor learns: example -> the captured tensor's name
+CAPTURED_GRADS = {"relative_bias": "table", "alibi": "slopes", "token_bias": "bias"}
 
 
 def attention(backend: str, name: str, **inputs):
     """(out,) of example `name` through flash_attn_func or flash_attn_varlen_func."""
-    captured = {n: inputs.pop(n) for n in ("doc", "prefix", "slopes", "table") if n in inputs}
+    captured = {n: inputs.pop(n) for n in ("doc", "prefix", "slopes", "table", "bias")
+                if n in inputs}
     varlen = "cu_seqlens_q" in inputs
     seqlen_q = inputs["max_seqlen_q"] if varlen else inputs["q"].shape[1]
     seqlen_k = inputs["max_seqlen_k"] if varlen else inputs["k"].shape[1]

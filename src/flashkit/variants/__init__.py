@@ -11,15 +11,15 @@ kernels with no torch.compile.
     out = flashkit.flash_attn_func(q, k, v, block_mask=mask)
 
 See docs/variants.md. The built-in examples (`document_mask`, `prefix_lm`, `alibi`, `softcap`,
-`relative_bias`, `sliding_window_with_globals`, ...) live in flashkit.variants.library and are
-imported here on first use (they need triton).
+`relative_bias`, `token_bias`, `sliding_window_with_globals`, ...) live in
+flashkit.variants.library and are imported here on first use (they need triton).
 """
 
 from flashkit.variants.block_mask import BlockMask, create_block_mask
 from flashkit.variants.mods import MaskMod, ScoreMod
 
 _LIBRARY = ("tanh", "causal_mask", "document_mask", "prefix_lm", "sliding_window_with_globals",
-            "causal_window", "alibi", "softcap", "relative_bias")
+            "causal_window", "alibi", "softcap", "relative_bias", "token_bias")
 
 __all__ = ["ScoreMod", "MaskMod", "BlockMask", "create_block_mask", *_LIBRARY]
 

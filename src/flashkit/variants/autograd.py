@@ -2,7 +2,8 @@
 
 Modifiers are Python functions, which the custom op's schema cannot carry, so these calls take
 a plain torch.autograd.Function: the backend's forward, then its backward with a buffer per
-captured tensor that requires a gradient (the tiled backward adds into them).
+captured tensor that requires a gradient (the tiled backward adds into them, the Triton one
+through the score_mod's captured_grad rule).
 """
 
 from __future__ import annotations
@@ -46,16 +47,20 @@ class _Attention(torch.autograd.Function):
 
 def attention(q, k, v, params, backend: str):
     """(out, lse) of a call whose params carry a Variant on backend "torch" or "triton";
-    differentiable in q, k, v, the sink and score_mod's captured tensors (torch backend)."""
+    differentiable in q, k, v, the sink and score_mod's captured tensors (on the Triton backend
+    through the score_mod's captured_grad rule)."""
     from flashkit.ops.custom_op import backend_module
 
     variant: Variant = params.variant
     score = variant.score_mod
     if backend == "triton" and score is not None:
-        if score.grad_tensors():
+        if score.grad_tensors() and score.captured_grad is None:
             raise NotImplementedError(
-                "score_mod: backend 'triton' computes no gradient for captured tensors; pass "
-                "them without requires_grad, or use backend='torch'")
+                "score_mod: backend 'triton' needs a captured_grad rule for captured tensors "
+                "that require a gradient: ScoreMod(fn, *captured, grad=dfn, captured_grad=gfn) "
+                "with gfn(ds, score, b, h, q_idx, kv_idx, *captured, *grads) adding ds * d fn / "
+                "d captured into grads; or pass them without requires_grad, or use "
+                "backend='torch'")
         needs_grad = torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (q, k, v, params.sink))
         if needs_grad and score.grad is None:
@@ -66,4 +71,28 @@ def attention(q, k, v, params, backend: str):
     captured = [*(() if variant.score_mod is None else variant.score_mod.captured),
                 *(() if variant.mask_mod is None else variant.mask_mod.captured)]
     tensors = [t if isinstance(t, torch.Tensor) else None for t in captured]
+    if backend == "triton" and params.is_varlen and variant.block_mask is not None:
+        return _packed(q, k, v, params, tensors)
     return _Attention.apply(q, k, v, params.sink, params, backend_module(backend), *tensors)
+
+
+def _packed(q, k, v, params, tensors):
+    """A varlen call with a block mask over its packed tokens, on the Triton kernels: the
+    tokens run as one sequence (batch 1) under the mask's blocks, the sequences kept apart and
+    the modifiers given per-sequence indices (common.mod_indices). Features that read positions
+    outside the modifiers would see packed ones there, so they are refused."""
+    from flashkit.ops.custom_op import backend_module
+
+    for name, used in (("dropout_p", params.dropout_p > 0),
+                       ("alibi_slopes", params.alibi_slopes is not None)):
+        if used:
+            raise NotImplementedError(
+                f"block_mask: backend 'triton' runs a varlen block mask over the packed tokens "
+                f"and takes no {name} with it; write it as a score_mod (flashkit.variants.alibi) "
+                "or use backend='torch'")
+    variant = dataclasses.replace(params.variant, packing=params.variant.block_mask.packing)
+    dense = dataclasses.replace(params, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0,
+                                max_seqlen_k=0, variant=variant)
+    out, lse = _Attention.apply(q[None], k[None], v[None], params.sink, dense,
+                                backend_module("triton"), *tensors)
+    return out[0], lse[0]

@@ -11,6 +11,12 @@ nK = ceil(KV_LEN / BLOCK_SIZE[1]), B and H either the call's or 1 (broadcast):
 
 A block that runs past KV_LEN or Q_LEN is never full (its missing keys or queries are masked),
 so a full tile needs neither the mask nor a bounds check, forward or backward.
+
+Varlen (create_block_mask(..., cu_seqlens_q=, cu_seqlens_k=)): the blocks run over the packed
+token axes (Q_LEN and KV_LEN are the total token counts, B is 1), as FlexAttention's document
+masking over a packed batch; a pair is visible when both tokens are in the same sequence and
+mask_mod says so at (the sequence, the positions within it), as mask_mod means under varlen
+everywhere. The Triton kernels run such a call as one sequence of the packed tokens.
 """
 
 from __future__ import annotations
@@ -38,6 +44,9 @@ class BlockMask:
     BLOCK_SIZE: tuple[int, int]
     seq_lengths: tuple[int, int]
     mask_mod: MaskMod
+    # varlen: (seq_q, cu_seqlens_q, cu_seqlens_k), seq_q int32 (Q_LEN,) the sequence of every
+    # packed query token; None for a mask over padded (batch, length) positions
+    packing: tuple | None = None
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -61,8 +70,29 @@ class BlockMask:
         seen = (self.kv_num_blocks + self.full_kv_num_blocks).sum().item()
         return 1.0 - seen / (self.kv_num_blocks.numel() * n_k)
 
+    def check_packing(self, total_q: int, nheads: int, cu_seqlens_q, cu_seqlens_k) -> None:
+        """ValueError naming block_mask unless it was built over these packed sequences (the
+        same cu_seqlens tensors cost nothing; equal copies are compared, one device sync)."""
+        if self.packing is None:
+            raise ValueError("block_mask: a varlen call needs a block mask over the packed "
+                             "tokens: create_block_mask(..., cu_seqlens_q=, cu_seqlens_k=)")
+        for name, mine, call in (("cu_seqlens_q", self.packing[1], cu_seqlens_q),
+                                 ("cu_seqlens_k", self.packing[2], cu_seqlens_k)):
+            if mine is not call and (mine.shape != call.shape or mine.device != call.device
+                                     or not torch.equal(mine, call)):
+                raise ValueError(f"block_mask: built for other sequences than the call's {name}")
+        if self.seq_lengths[0] != total_q:
+            raise ValueError(f"block_mask: built for {self.seq_lengths[0]} packed query "
+                             f"tokens, the call has {total_q}")
+        if self.kv_num_blocks.shape[1] not in (1, nheads):
+            raise ValueError(f"block_mask: built for H={self.kv_num_blocks.shape[1]}, the call "
+                             f"has nheads {nheads} (H may also be 1)")
+
     def check(self, batch: int, nheads: int, seqlen_q: int, seqlen_k: int, device) -> None:
         """ValueError naming block_mask when it was built for another problem."""
+        if self.packing is not None:
+            raise ValueError("block_mask: built over packed sequences (cu_seqlens); pass it to "
+                             "flash_attn_varlen_func")
         b, h = self.kv_num_blocks.shape[:2]
         if b not in (1, batch) or h not in (1, nheads):
             raise ValueError(f"block_mask: built for B={b}, H={h}; the call has batch {batch}, "
@@ -75,12 +105,16 @@ class BlockMask:
 
 
 def create_block_mask(mask_mod, B, H, Q_LEN: int, KV_LEN: int, device="cuda",
-                      BLOCK_SIZE: int | tuple[int, int] = 128) -> BlockMask:
+                      BLOCK_SIZE: int | tuple[int, int] = 128, cu_seqlens_q=None,
+                      cu_seqlens_k=None) -> BlockMask:
     """The BlockMask of mask_mod (a function or flashkit.MaskMod) over B x H x Q_LEN x KV_LEN.
 
     B or H None (or 1) builds one mask shared by every batch entry or head. Evaluated on
     `device`, vectorised over chunks of query blocks (no Python loop over blocks).
     BLOCK_SIZE (query, key) tiles, powers of two >= 16 (kernels' tiles must divide them).
+    cu_seqlens_q, cu_seqlens_k (int32, for flash_attn_varlen_func): a mask over the packed
+    tokens, Q_LEN and KV_LEN their totals, B None or 1; mask_mod sees each sequence's index and
+    positions within it, and tokens of different sequences never see each other.
     """
     mod = mask_mod_of(mask_mod)
     if mod is None:
@@ -100,6 +134,9 @@ def create_block_mask(mask_mod, B, H, Q_LEN: int, KV_LEN: int, device="cuda",
     n_q, n_k = -(-Q_LEN // bs_q), -(-KV_LEN // bs_k)
     twin = mod.twin(torch.float32, device)
     captured = mod.torch_captured()
+    packing = None
+    if cu_seqlens_q is not None or cu_seqlens_k is not None:
+        packing = _packing(cu_seqlens_q, cu_seqlens_k, B, Q_LEN, KV_LEN, device)
 
     b = torch.arange(B, device=device).view(B, 1, 1, 1)
     h = torch.arange(H, device=device).view(1, H, 1, 1)
@@ -112,10 +149,14 @@ def create_block_mask(mask_mod, B, H, Q_LEN: int, KV_LEN: int, device="cuda",
         r1 = min(r0 + rows, n_q)
         i = torch.arange(r0 * bs_q, r1 * bs_q, device=device)
         row_ok = i < Q_LEN
-        keep = twin(b, h, i.clamp(max=Q_LEN - 1)[:, None], j, *captured)
+        i = i.clamp(max=Q_LEN - 1)[:, None]
+        if packing is None:
+            keep = twin(b, h, i, j, *captured)
+        else:
+            keep = _packed_keep(twin, captured, packing, h, i, j)
         if not isinstance(keep, torch.Tensor) or keep.dtype != torch.bool:
             raise TypeError("mask_mod: must return a bool (True = visible)")
-        keep = torch.broadcast_to(keep, (B, H, i.numel(), j.numel()))
+        keep = torch.broadcast_to(keep, (B, H, row_ok.numel(), j.numel()))
         blocks = (B, H, r1 - r0, bs_q, n_k, bs_k)
         seen = (keep & row_ok[:, None] & col_ok[None, :]).view(blocks).any(5).any(3)
         every = (keep & row_ok[:, None] & col_ok[None, :]).view(blocks).all(5).all(3)
@@ -124,7 +165,39 @@ def create_block_mask(mask_mod, B, H, Q_LEN: int, KV_LEN: int, device="cuda",
     partial, full = torch.cat(partial, 2), torch.cat(full, 2)  # (B, H, nQ, nK)
     return BlockMask(*_lists(partial), *_lists(full), *_lists(partial.transpose(-1, -2)),
                      *_lists(full.transpose(-1, -2)), BLOCK_SIZE=(bs_q, bs_k),
-                     seq_lengths=(Q_LEN, KV_LEN), mask_mod=mod)
+                     seq_lengths=(Q_LEN, KV_LEN), mask_mod=mod, packing=packing)
+
+
+def _packing(cu_q, cu_k, B: int, Q_LEN: int, KV_LEN: int, device) -> tuple:
+    """(seq_q, cu_q, cu_k) of a mask over packed tokens, checked (reads cu_seqlens once)."""
+    for name, cu, total in (("cu_seqlens_q", cu_q, Q_LEN), ("cu_seqlens_k", cu_k, KV_LEN)):
+        if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1:
+            raise TypeError(f"{name}: expected an int32 (batch + 1,) tensor with its partner")
+        if cu.device != device:
+            raise ValueError(f"{name}: on {cu.device}, the mask is built on {device}")
+        if int(cu[-1]) != total or int(cu[0]) != 0 or bool((cu[1:] < cu[:-1]).any()):
+            raise ValueError(f"{name}: must rise from 0 to the packed total {total}")
+    if cu_q.shape != cu_k.shape:
+        raise ValueError("cu_seqlens_k: must have as many sequences as cu_seqlens_q")
+    if B != 1:
+        raise ValueError(f"B: a mask over packed sequences has B None or 1, got {B}")
+    counts = (cu_q[1:] - cu_q[:-1]).long()
+    seq_q = torch.repeat_interleave(torch.arange(counts.numel(), device=device,
+                                                 dtype=torch.int32), counts,
+                                    output_size=Q_LEN)
+    return seq_q, cu_q, cu_k
+
+
+def _packed_keep(twin, captured, packing, h, i, j):
+    """mask_mod over packed tokens i (rows, 1), j (1, cols): at the query's sequence and the
+    positions within it (the key's clamped into that sequence), and only within it."""
+    seq_q, cu_q, cu_k = packing
+    b = seq_q[i.squeeze(1)].long()[:, None]
+    q_start, k_start = cu_q[b].long(), cu_k[b].long()
+    k_len = cu_k[b + 1].long() - k_start
+    same = (j >= k_start) & (j < k_start + k_len)
+    kv_idx = torch.minimum((j - k_start).clamp(min=0), (k_len - 1).clamp(min=0))
+    return same & twin(b[None, None], h, i - q_start, kv_idx, *captured)
 
 
 def _lists(blocks: torch.Tensor):

@@ -98,10 +98,19 @@ def _alibi_grad(score, b, h, q_idx, kv_idx, slopes, shift):
     return 1.0
 
 
+@triton.jit
+def _alibi_captured_grad(ds, score, b, h, q_idx, kv_idx, slopes, shift, dslopes, dshift):
+    # one head per tile: reduce the tile first, one atomic add instead of one per score
+    distance = tl.abs(q_idx + shift - kv_idx).to(tl.float32)
+    tl.atomic_add(dslopes + h, -tl.sum(tl.sum(ds * distance, 1), 0))
+
+
 def alibi(slopes: torch.Tensor, shift: int = 0) -> ScoreMod:
     """ALiBi as a score_mod: score - slope_h |q_idx + shift - kv_idx| (shift = seqlen_k -
-    seqlen_q puts the diagonal where alibi_slopes= does); slopes float32 (nheads,)."""
-    return ScoreMod(_alibi, slopes.contiguous(), int(shift), grad=_alibi_grad)
+    seqlen_q puts the diagonal where alibi_slopes= does); slopes float32 (nheads,), learnable
+    (requires_grad) on every backend."""
+    return ScoreMod(_alibi, slopes.contiguous(), int(shift), grad=_alibi_grad,
+                    captured_grad=_alibi_captured_grad)
 
 
 @triton.jit
@@ -127,13 +136,42 @@ def _relative_bias(score, b, h, q_idx, kv_idx, table, max_distance):
 
 
 @triton.jit
-def _relative_bias_grad(score, b, h, q_idx, kv_idx, table, max_distance):
-    return 1.0
+def _bias_grad(score, b, h, q_idx, kv_idx, bias, extent):
+    return 1.0  # any additive bias
+
+
+@triton.jit
+def _relative_bias_captured_grad(ds, score, b, h, q_idx, kv_idx, table, max_distance, dtable,
+                                 dmax_distance):
+    distance = tl.minimum(tl.maximum(kv_idx - q_idx, -max_distance), max_distance)
+    entry = h * (2 * max_distance + 1) + distance + max_distance
+    tl.atomic_add(dtable + entry, ds, mask=ds != 0.0)  # masked pairs add nothing
 
 
 def relative_bias(table: torch.Tensor) -> ScoreMod:
     """A learned bias per head and clipped relative position (T5-style without buckets):
     table (nheads, 2 * max_distance + 1), entry [h, clamp(kv - q, -M, M) + M]. Its gradient
-    flows back to the table on the torch backends."""
-    return ScoreMod(_relative_bias, table, (table.shape[-1] - 1) // 2,
-                    grad=_relative_bias_grad)
+    flows back to the table on every backend."""
+    return ScoreMod(_relative_bias, table, (table.shape[-1] - 1) // 2, grad=_bias_grad,
+                    captured_grad=_relative_bias_captured_grad)
+
+
+@triton.jit
+def _token_bias(score, b, h, q_idx, kv_idx, bias, stride_b):
+    return score + tl.load(bias + b * stride_b + kv_idx)
+
+
+@triton.jit
+def _token_bias_captured_grad(ds, score, b, h, q_idx, kv_idx, bias, stride_b, dbias,
+                              dstride_b):
+    # rows of ds are queries: sum them first, one atomic add per key instead of per score
+    tl.atomic_add(dbias + b * stride_b + kv_idx, tl.sum(ds, 0, keep_dims=True))
+
+
+def token_bias(bias: torch.Tensor) -> ScoreMod:
+    """A bias per key token, shared by every query and head: bias (seqlen_k,) shared by the
+    batch or (batch, seqlen_k) (a learned memory-token or padding bias); its gradient flows back
+    to it on every backend."""
+    stride_b = 0 if bias.dim() == 1 else bias.stride(0)
+    return ScoreMod(_token_bias, bias, stride_b, grad=_bias_grad,
+                    captured_grad=_token_bias_captured_grad)

@@ -12,7 +12,11 @@ call the function at their one score-modification spot; the tiled and reference 
 its Python body on torch tensors (torch_language.py), so autograd gives the gradient of the
 score and of every captured tensor that requires it. The Triton backward needs
 d score_mod / d score from the modifier itself: `ScoreMod(fn, *captured, grad=dfn)` with
-`dfn(score, b, h, q_idx, kv_idx, *captured) -> d new score / d score`.
+`dfn(score, b, h, q_idx, kv_idx, *captured) -> d new score / d score`, and, for captured
+tensors that require a gradient, the rule that adds their share:
+`captured_grad=gfn` with `gfn(ds, score, b, h, q_idx, kv_idx, *captured, *grads)`, where ds is
+dL / d new score on a tile and grads holds one float32 buffer per captured value (None for a
+value whose gradient is not wanted), to add into with tl.atomic_add.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import torch
 from flashkit.variants import torch_language
 
 _SCORE_ARGS = ("score", "b", "h", "q_idx", "kv_idx")
+_CAPTURED_GRAD_ARGS = ("ds", "score", "b", "h", "q_idx", "kv_idx")
 _MASK_ARGS = ("b", "h", "q_idx", "kv_idx")
 
 # Python bodies with a torch implementation of their own (the Triton one is an approximation
@@ -47,21 +52,26 @@ class _Mod:
     kind = ""
     _arg_names: tuple = ()
 
-    def __init__(self, fn, *captured, grad=None):
+    def __init__(self, fn, *captured, grad=None, captured_grad=None):
         self.fn, self.captured, self.grad = fn, tuple(captured), grad
+        self.captured_grad = captured_grad
         self._jit = fn if _is_jit(fn) else None
         self._twins: dict = {}
 
     def check(self, device) -> None:
         """TypeError/ValueError naming the argument for a modifier no backend can run."""
-        for fn, role in ((self.fn, self.kind), (self.grad, f"{self.kind} grad")):
+        n = len(self.captured)
+        for fn, role, names, n_extra in (
+                (self.fn, self.kind, self._arg_names, n),
+                (self.grad, f"{self.kind} grad", self._arg_names, n),
+                (self.captured_grad, f"{self.kind} captured_grad", _CAPTURED_GRAD_ARGS, 2 * n)):
             if fn is None:
                 continue
             py = python_function(fn)
             if not isinstance(py, types.FunctionType):
-                raise TypeError(f"{self.kind}: expected a @triton.jit function or a plain def "
+                raise TypeError(f"{role}: expected a @triton.jit function or a plain def "
                                 f"function, got {type(fn).__name__}")
-            _check_signature(py, self._arg_names, len(self.captured), role)
+            _check_signature(py, names, n_extra, role)
         for n, t in enumerate(self.captured):
             if isinstance(t, bool) or not isinstance(t, (torch.Tensor, int, float)):
                 raise TypeError(f"{self.kind}: captured value {n} must be a tensor, int or "
@@ -93,6 +103,12 @@ class _Mod:
             self.grad = triton.jit(self.grad)
         return self.grad
 
+    def jit_captured_grad(self):
+        if self.captured_grad is not None and not _is_jit(self.captured_grad):
+            import triton
+            self.captured_grad = triton.jit(self.captured_grad)
+        return self.captured_grad
+
     def kernel_args(self) -> tuple:
         """The captured values as the kernels take them (a tuple: tensors become pointers)."""
         return self.captured
@@ -119,7 +135,13 @@ class ScoreMod(_Mod):
     """score_mod(score, b, h, q_idx, kv_idx, *captured) -> score, with captured values bound.
 
     grad (optional, for the Triton backward): grad(score, b, h, q_idx, kv_idx, *captured) ->
-    d score_mod / d score at that score (1 for an additive bias)."""
+    d score_mod / d score at that score (1 for an additive bias).
+    captured_grad (optional, for the Triton backward of captured tensors that require a
+    gradient): captured_grad(ds, score, b, h, q_idx, kv_idx, *captured, *grads) adds
+    ds * d score_mod / d captured into grads (one float32 buffer per captured value, flat like
+    it, None where no gradient is wanted) with tl.atomic_add; ds is dL / d score_mod(score)
+    on a [BLOCK_M, BLOCK_N] tile (rows queries, 0 where masked), score the score before
+    score_mod."""
     kind = "score_mod"
     _arg_names = _SCORE_ARGS
 
@@ -133,12 +155,13 @@ class MaskMod(_Mod):
         super().__init__(fn, *captured)
 
 
-def _check_signature(py, names: tuple, n_captured: int, role: str) -> None:
+def _check_signature(py, names: tuple, n_extra: int, role: str) -> None:
     params = list(inspect.signature(py).parameters.values())
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    expected = len(names) + n_captured
+    expected = len(names) + n_extra
     if len(positional) != expected or len(positional) != len(params):
-        want = ", ".join(names) + (f", <{n_captured} captured>" if n_captured else "")
+        what = "captured and grads" if names is _CAPTURED_GRAD_ARGS else "captured"
+        want = ", ".join(names) + (f", <{n_extra} {what}>" if n_extra else "")
         raise TypeError(f"{role}: {py.__name__}{inspect.signature(py)} must take exactly "
                         f"{expected} positional arguments ({want})")
 
@@ -178,11 +201,15 @@ class Variant:
     """The modifiers of one call, as every backend reads them (AttentionParams.variant).
 
     captured_grads: during a backward, one float buffer per captured tensor of score_mod that
-    requires a gradient (None for the others); the tiled backward adds into them."""
+    requires a gradient (None for the others); the tiled backward adds into them, the Triton
+    backward through the score_mod's captured_grad rule."""
     score_mod: ScoreMod | None = None
     mask_mod: MaskMod | None = None
     block_mask: object | None = None  # flashkit.variants.BlockMask
     captured_grads: list | None = field(default=None, repr=False)
+    # the Triton run of a varlen call with a block mask: the mask's packing (its kernels take
+    # the packed tokens as one sequence, common.mod_indices); () otherwise
+    packing: tuple = ()
 
     # --- torch backends ------------------------------------------------------------------
     def grouped_tile(self, s, batch0: int, i0: int, i1: int, j0: int, j1: int, chain=None,
@@ -249,7 +276,8 @@ class Variant:
                     SCORE_GRAD=None if score is None else score.jit_grad(),
                     MASK_MOD=None if mask is None else mask.jit(),
                     score_args=() if score is None else score.kernel_args(),
-                    mask_args=() if mask is None else mask.kernel_args())
+                    mask_args=() if mask is None else mask.kernel_args(),
+                    packing=self.packing)
 
 
 def _checked_score(out, s):
@@ -300,13 +328,14 @@ def attach(params, q, score_mod, mask_mod, block_mask, batch: int, nheads: int,
         if mask is not None and mask.fn is not block_mask.mask_mod.fn:
             raise ValueError("mask_mod: differs from block_mask's; pass block_mask alone (its "
                              "mask_mod is the mask)")
-        if params.is_varlen:
-            raise NotImplementedError("block_mask: varlen calls take mask_mod alone (a block "
-                                      "mask's blocks are positions of one padded length)")
         if params.window_left is not None or params.window_right is not None:
             raise ValueError("block_mask: causal and window_size are masks too; write them "
                              "into the block mask's mask_mod")
-        block_mask.check(batch, nheads, seqlen_q, seqlen_k, q.device)
+        if params.is_varlen:
+            block_mask.check_packing(q.shape[0], nheads, params.cu_seqlens_q,
+                                     params.cu_seqlens_k)
+        else:
+            block_mask.check(batch, nheads, seqlen_q, seqlen_k, q.device)
         mask = block_mask.mask_mod
     for mod in (score, mask):
         if mod is not None:

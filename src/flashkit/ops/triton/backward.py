@@ -38,6 +38,7 @@ from flashkit.ops.triton.common import (
     LOG2E_JIT,
     SCORE_GRAD_FROM_S_JIT,
     block_args,
+    captured_grad_args,
     cdiv,
     exp_units,
     gradient_pairs,
@@ -46,11 +47,13 @@ from flashkit.ops.triton.common import (
     key_tile_ranges,
     load_alibi_log2,
     load_tile,
+    mod_indices,
     query_tile_ranges,
     score_mod,
     sequence,
     store_tile,
     tile_ptrs,
+    user_captured_grad,
     user_score,
     user_score_grad,
     user_visible,
@@ -113,12 +116,13 @@ def _bwd_dkdv_tiles(dk, dv, k_tile, v_tile, rows, start, end, offs, band, mods, 
                     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
                     ONE_KEY_ZERO: tl.constexpr, PRECISION: tl.constexpr,
                     SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr,
-                    LISTED: tl.constexpr = False, SPAN: tl.constexpr = 1):
+                    PACKED: tl.constexpr, LISTED: tl.constexpr = False, SPAN: tl.constexpr = 1):
     """Accumulate dK, dV of one key block over query tiles [start, end). rows = (q_base,
     do_base, lse_base, delta_base, stride_qs, stride_qd, stride_dos, stride_dod, stride_ls,
     stride_deltas) of this query head; offs = (offs_n, offs_d, offs_dv); band and mods as
     common.score_mod; drop = (seed_lo, seed_hi, threshold, dropout_scale, off_b, off_h,
-    start_n) of the keep-mask; variant = (score_args, mask_args, Blocks) of a user score_mod /
+    start_n) of the keep-mask; variant = (score_args, mask_args, packing, Blocks) of a user
+    score_mod /
     mask_mod (SCORE_MOD with its derivative SCORE_GRAD, MASK_MOD) and a block mask: LISTED,
     [start, end) counts query rows of the SPAN-row blocks listed at Blocks, as the forward's
     _fwd_tiles counts keys."""
@@ -127,7 +131,7 @@ def _bwd_dkdv_tiles(dk, dv, k_tile, v_tile, rows, start, end, offs, band, mods, 
     offs_n, offs_d, offs_dv = offs
     seqlen_q, seqlen_k, window_left, window_right = band
     seed_lo, seed_hi, dropout_threshold, dropout_scale, off_b, off_h, start_n = drop
-    score_args, mask_args, Blocks = variant
+    score_args, mask_args, packing, Blocks = variant
     for pos in tl.range(start, end, BLOCK_M):
         start_m = pos
         if LISTED:
@@ -141,19 +145,22 @@ def _bwd_dkdv_tiles(dk, dv, k_tile, v_tile, rows, start, end, offs, band, mods, 
         qk_t = tl.dot(k_tile, tl.trans(q_tile), input_precision=PRECISION)
         s_t, dcap_t = score_mod(qk_t, offs_m[None, :], offs_n[:, None], band, mods, SOFTCAP,
                                 ALIBI, SCORE_GRAD_FROM_S_JIT)
+        mod_b, mod_i, mod_j, mod_lq, mod_lk, same_t = mod_indices(
+            off_b, offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k, packing, PACKED)
         if SCORE_MOD is not None:  # d score_mod / d score, then the modified score
-            dmod_t = user_score_grad(s_t, off_b, off_h, offs_m[None, :], offs_n[:, None],
-                                     seqlen_q, seqlen_k, SCORE_GRAD, score_args,
-                                     q_tile.dtype == tl.float32)
-            s_t = user_score(s_t, off_b, off_h, offs_m[None, :], offs_n[:, None], seqlen_q,
-                             seqlen_k, SCORE_MOD, score_args, q_tile.dtype == tl.float32)
+            dmod_t = user_score_grad(s_t, mod_b, off_h, mod_i, mod_j, mod_lq, mod_lk,
+                                     SCORE_GRAD, score_args, q_tile.dtype == tl.float32)
+            s_t = user_score(s_t, mod_b, off_h, mod_i, mod_j, mod_lq, mod_lk, SCORE_MOD,
+                             score_args, q_tile.dtype == tl.float32)
         p_t = exp_units(s_t - lse2[None, :], q_tile.dtype == tl.float32)
         if MASKED:
             keep_t = visible(offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k, window_left,
                              window_right, HAS_LEFT, HAS_RIGHT)
+            if PACKED:
+                keep_t = keep_t & same_t
             if MASK_MOD is not None:
-                keep_t = user_visible(keep_t, off_b, off_h, offs_m[None, :], offs_n[:, None],
-                                      seqlen_q, seqlen_k, MASK_MOD, mask_args)
+                keep_t = user_visible(keep_t, mod_b, off_h, mod_i, mod_j, mod_lq, mod_lk,
+                                      MASK_MOD, mask_args)
             p_t = tl.where(keep_t, p_t, 0.0)
         do_tile = load_tile(tile_ptrs(do_base, offs_m, offs_dv, stride_dos, stride_dod), offs_m,
                             seqlen_q, offs_dv, HEAD_DIM_V, MASKED, HEAD_DIM_V != BLOCK_DV)
@@ -200,7 +207,8 @@ def _bwd_dkdv_program(pid_n, pid_bh, Q, K, V, DO, Lse, Delta, DK, DV,
                      nheads_k, group, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
                      softcap_scale, Alibi, stride_ab, stride_ah,
                      softmax_scale, seed_lo, seed_hi, dropout_threshold, dropout_scale, Cu_q,
-                     Cu_k, score_args, mask_args, QNum, QIdx, FullQNum, FullQIdx, stride_tb,
+                     Cu_k, score_args, mask_args, packing, QNum, QIdx, FullQNum, FullQIdx,
+                     stride_tb,
                      stride_th, n_q_blocks,
                      HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                      BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -208,7 +216,8 @@ def _bwd_dkdv_program(pid_n, pid_bh, Q, K, V, DO, Lse, Delta, DK, DV,
                      ALIBI: tl.constexpr, DROPOUT: tl.constexpr, ONE_KEY_ZERO: tl.constexpr,
                      VARLEN: tl.constexpr, EVEN_N: tl.constexpr, PRECISION: tl.constexpr,
                      SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr,
-                     SPARSE: tl.constexpr, SPARSE_Q: tl.constexpr, SPARSE_KV: tl.constexpr):
+                     PACKED: tl.constexpr, SPARSE: tl.constexpr, SPARSE_Q: tl.constexpr,
+                     SPARSE_KV: tl.constexpr):
     """dK, dV of key block pid_n of (batch, kv head) pid_bh. SPARSE: the query blocks come from
     the block mask's transposed lists (row start_n // SPARSE_KV of each query head)."""
     off_b = (pid_bh // nheads_k).to(tl.int64)
@@ -258,18 +267,18 @@ def _bwd_dkdv_program(pid_n, pid_bh, Q, K, V, DO, Lse, Delta, DK, DV,
                 Idx = QIdx if listed == 0 else FullQIdx
                 dk, dv = _bwd_dkdv_tiles(
                     dk, dv, k_tile, v_tile, rows, 0, tl.load(Num + row) * SPARSE_Q, offs, band,
-                    mods, drop, (score_args, mask_args, Idx + row * n_q_blocks), HEAD_DIM,
-                    HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, listed == 0, HAS_LEFT,
-                    HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, ONE_KEY_ZERO, PRECISION, SCORE_MOD,
-                    SCORE_GRAD, MASK_MOD, True, SPARSE_Q)
+                    mods, drop, (score_args, mask_args, packing, Idx + row * n_q_blocks),
+                    HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, listed == 0,
+                    HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, ONE_KEY_ZERO, PRECISION,
+                    SCORE_MOD, SCORE_GRAD, MASK_MOD, PACKED, True, SPARSE_Q)
             bounds = (0, 0, 0, 0)
         for segment in tl.static_range(3):  # masked edge, unmasked middle, masked edge
             dk, dv = _bwd_dkdv_tiles(
                 dk, dv, k_tile, v_tile, rows, bounds[segment], bounds[segment + 1], offs, band,
-                mods, drop, (score_args, mask_args, QIdx), HEAD_DIM, HEAD_DIM_V, BLOCK_D,
-                BLOCK_DV, BLOCK_M, BLOCK_N, segment != 1 or MASK_MOD is not None, HAS_LEFT,
-                HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, ONE_KEY_ZERO, PRECISION, SCORE_MOD, SCORE_GRAD,
-                MASK_MOD)
+                mods, drop, (score_args, mask_args, packing, QIdx), HEAD_DIM, HEAD_DIM_V,
+                BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, segment != 1 or MASK_MOD is not None,
+                HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, ONE_KEY_ZERO, PRECISION, SCORE_MOD,
+                SCORE_GRAD, MASK_MOD, PACKED)
 
     dk_ptrs = tile_ptrs(head_ptr(DK, off_b, off_hk, k_start, stride_dkb, stride_dkh, stride_dks),
                         offs_n, offs_d, stride_dks, stride_dkd)
@@ -288,16 +297,20 @@ def _bwd_dq_tiles(dq, q_tile, do_tile, lse2, delta, kv, start, end, offs, band, 
                   HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                   ALIBI: tl.constexpr, DROPOUT: tl.constexpr, ONE_KEY_ZERO: tl.constexpr,
                   PRECISION: tl.constexpr, SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr,
-                  MASK_MOD: tl.constexpr, LISTED: tl.constexpr = False, SPAN: tl.constexpr = 1):
+                  MASK_MOD: tl.constexpr, CAPTURED_GRAD: tl.constexpr, PACKED: tl.constexpr,
+                  LISTED: tl.constexpr = False, SPAN: tl.constexpr = 1):
     """Accumulate dQ of one query block over key tiles [start, end). kv = (k_base, v_base,
     stride_ks, stride_kd, stride_vs, stride_vd); offs = (offs_m, offs_d, offs_dv); band and mods
     as common.score_mod; drop = (seed_lo, seed_hi, threshold, dropout_scale, off_b, off_h);
-    variant and LISTED as the forward's _fwd_tiles."""
+    variant = (score_args, mask_args, grad_args, packing, Blocks) and LISTED as the forward's
+    _fwd_tiles, plus grad_args, the buffers CAPTURED_GRAD (the score_mod's captured_grad rule)
+    adds the captured tensors' gradients into: here, where every visible (query, key) pair is
+    visited once, in its [BLOCK_M, BLOCK_N] orientation."""
     k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd = kv
     offs_m, offs_d, offs_dv = offs
     seqlen_q, seqlen_k, window_left, window_right = band
     seed_lo, seed_hi, dropout_threshold, dropout_scale, off_b, off_h = drop
-    score_args, mask_args, Blocks = variant
+    score_args, mask_args, grad_args, packing, Blocks = variant
     for pos in tl.range(start, end, BLOCK_N):
         start_n = pos
         if LISTED:
@@ -311,18 +324,23 @@ def _bwd_dq_tiles(dq, q_tile, do_tile, lse2, delta, kv, start, end, offs, band, 
         qk = tl.dot(q_tile, tl.trans(k_tile), input_precision=PRECISION)
         s, dcap = score_mod(qk, offs_m[:, None], offs_n[None, :], band, mods, SOFTCAP, ALIBI,
                             SCORE_GRAD_FROM_S_JIT)
+        s_in = s  # the score before score_mod, for CAPTURED_GRAD
+        mod_b, mod_i, mod_j, mod_lq, mod_lk, same = mod_indices(
+            off_b, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, packing, PACKED)
         if SCORE_MOD is not None:  # d score_mod / d score, then the modified score
-            dmod = user_score_grad(s, off_b, off_h, offs_m[:, None], offs_n[None, :], seqlen_q,
-                                   seqlen_k, SCORE_GRAD, score_args, q_tile.dtype == tl.float32)
-            s = user_score(s, off_b, off_h, offs_m[:, None], offs_n[None, :], seqlen_q,
-                           seqlen_k, SCORE_MOD, score_args, q_tile.dtype == tl.float32)
+            dmod = user_score_grad(s, mod_b, off_h, mod_i, mod_j, mod_lq, mod_lk, SCORE_GRAD,
+                                   score_args, q_tile.dtype == tl.float32)
+            s = user_score(s, mod_b, off_h, mod_i, mod_j, mod_lq, mod_lk, SCORE_MOD, score_args,
+                           q_tile.dtype == tl.float32)
         p = exp_units(s - lse2[:, None], q_tile.dtype == tl.float32)
         if MASKED:
             keep = visible(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, window_left,
                            window_right, HAS_LEFT, HAS_RIGHT)
+            if PACKED:
+                keep = keep & same
             if MASK_MOD is not None:
-                keep = user_visible(keep, off_b, off_h, offs_m[:, None], offs_n[None, :],
-                                    seqlen_q, seqlen_k, MASK_MOD, mask_args)
+                keep = user_visible(keep, mod_b, off_h, mod_i, mod_j, mod_lq, mod_lk, MASK_MOD,
+                                    mask_args)
             p = tl.where(keep, p, 0.0)
         # [BLOCK_M, BLOCK_N] = [BLOCK_M, BLOCK_DV] @ [BLOCK_DV, BLOCK_N]
         dp = tl.dot(do_tile, tl.trans(v_tile), input_precision=PRECISION)
@@ -334,6 +352,9 @@ def _bwd_dq_tiles(dq, q_tile, do_tile, lse2, delta, kv, start, end, offs, band, 
         if MASKED:  # see gradient_pairs
             ds = tl.where(gradient_pairs(keep, offs_m[:, None], seqlen_q, seqlen_k, window_left,
                                          window_right, HAS_LEFT, HAS_RIGHT, ONE_KEY_ZERO), ds, 0.0)
+        if CAPTURED_GRAD is not None:  # ds is dL / d score_mod(score) here
+            user_captured_grad(ds, s_in, mod_b, off_h, mod_i, mod_j, mod_lq, mod_lk,
+                               CAPTURED_GRAD, score_args, grad_args, q_tile.dtype == tl.float32)
         if SCORE_MOD is not None:
             ds = ds * dmod
         if SOFTCAP:
@@ -355,15 +376,16 @@ def _bwd_dq_program(pid_m, pid_bh, Q, K, V, DO, Lse, Delta, DQ,
                    nheads, group, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
                    softcap_scale, Alibi, stride_ab, stride_ah,
                    softmax_scale, seed_lo, seed_hi, dropout_threshold, dropout_scale, Cu_q, Cu_k,
-                   score_args, mask_args, KvNum, KvIdx, FullNum, FullIdx, stride_sb, stride_sh,
-                   n_kv_blocks,
+                   score_args, mask_args, grad_args, packing, KvNum, KvIdx, FullNum, FullIdx,
+                   stride_sb, stride_sh, n_kv_blocks,
                    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                    ALIBI: tl.constexpr, DROPOUT: tl.constexpr, ONE_KEY_ZERO: tl.constexpr,
                    VARLEN: tl.constexpr, EVEN_M: tl.constexpr, PRECISION: tl.constexpr,
                    SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr,
-                   SPARSE: tl.constexpr, SPARSE_Q: tl.constexpr, SPARSE_KV: tl.constexpr):
+                   CAPTURED_GRAD: tl.constexpr, PACKED: tl.constexpr, SPARSE: tl.constexpr,
+                   SPARSE_Q: tl.constexpr, SPARSE_KV: tl.constexpr):
     """dQ of query block pid_m of (batch, head) pid_bh; SPARSE as the forward kernel's."""
     off_b = (pid_bh // nheads).to(tl.int64)
     off_h = (pid_bh % nheads).to(tl.int64)
@@ -413,18 +435,20 @@ def _bwd_dq_program(pid_m, pid_bh, Q, K, V, DO, Lse, Delta, DQ,
             Idx = KvIdx if listed == 0 else FullIdx
             dq = _bwd_dq_tiles(dq, q_tile, do_tile, lse2, delta, kv, 0,
                                tl.load(Num + row) * SPARSE_KV, offs, band, mods, drop,
-                               (score_args, mask_args, Idx + row * n_kv_blocks), HEAD_DIM,
-                               HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, listed == 0, HAS_LEFT,
-                               HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, ONE_KEY_ZERO, PRECISION,
-                               SCORE_MOD, SCORE_GRAD, MASK_MOD, True, SPARSE_KV)
+                               (score_args, mask_args, grad_args, packing,
+                                Idx + row * n_kv_blocks), HEAD_DIM, HEAD_DIM_V, BLOCK_D,
+                               BLOCK_DV, BLOCK_N, listed == 0, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+                               ALIBI, DROPOUT, ONE_KEY_ZERO, PRECISION, SCORE_MOD, SCORE_GRAD,
+                               MASK_MOD, CAPTURED_GRAD, PACKED, True, SPARSE_KV)
         bounds = (0, 0, 0, 0)
     for segment in tl.static_range(3):  # masked edge, unmasked middle, masked edge
         dq = _bwd_dq_tiles(dq, q_tile, do_tile, lse2, delta, kv, bounds[segment],
                            bounds[segment + 1], offs, band, mods, drop,
-                           (score_args, mask_args, KvIdx), HEAD_DIM, HEAD_DIM_V, BLOCK_D,
-                           BLOCK_DV, BLOCK_N, segment != 1 or MASK_MOD is not None, HAS_LEFT,
-                           HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, ONE_KEY_ZERO, PRECISION, SCORE_MOD,
-                           SCORE_GRAD, MASK_MOD)
+                           (score_args, mask_args, grad_args, packing, KvIdx), HEAD_DIM,
+                           HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
+                           segment != 1 or MASK_MOD is not None, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+                           ALIBI, DROPOUT, ONE_KEY_ZERO, PRECISION, SCORE_MOD, SCORE_GRAD,
+                           MASK_MOD, CAPTURED_GRAD, PACKED)
 
     dq_ptrs = tile_ptrs(head_ptr(DQ, off_b, off_h, q_start, stride_dqb, stride_dqh, stride_dqs),
                         offs_m, offs_d, stride_dqs, stride_dqd)
@@ -447,9 +471,9 @@ def _bwd_kernel(Q, K, V, DO, Lse, Delta, DQ, DK, DV,
                 batch, nheads, nheads_k, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
                 softcap_scale, Alibi, stride_ab, stride_ah,
                 softmax_scale, seed_lo, seed_hi, dropout_threshold, dropout_scale, Cu_q, Cu_k,
-                num_kv_blocks, num_q_blocks, score_args, mask_args, KvNum, KvIdx, FullNum,
-                FullIdx, stride_sb, stride_sh, n_kv_blocks, QNum, QIdx, FullQNum, FullQIdx,
-                stride_tb, stride_th, n_q_blocks,
+                num_kv_blocks, num_q_blocks, score_args, mask_args, grad_args, packing, KvNum,
+                KvIdx, FullNum, FullIdx, stride_sb, stride_sh, n_kv_blocks, QNum, QIdx, FullQNum,
+                FullQIdx, stride_tb, stride_th, n_q_blocks,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_DV: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
                 BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr, HAS_LEFT: tl.constexpr,
@@ -457,8 +481,9 @@ def _bwd_kernel(Q, K, V, DO, Lse, Delta, DQ, DK, DV,
                 DROPOUT: tl.constexpr, VARLEN: tl.constexpr, ONE_KEY_ZERO: tl.constexpr,
                 EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, DO_DKDV: tl.constexpr,
                 DO_DQ: tl.constexpr, PRECISION: tl.constexpr, SCORE_MOD: tl.constexpr,
-                SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr, SPARSE: tl.constexpr,
-                SPARSE_Q: tl.constexpr, SPARSE_KV: tl.constexpr):
+                SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr, PACKED: tl.constexpr,
+                CAPTURED_GRAD: tl.constexpr, SPARSE: tl.constexpr, SPARSE_Q: tl.constexpr,
+                SPARSE_KV: tl.constexpr):
     """The dK/dV programs (DO_DKDV: axis 0 < num_kv_blocks) or the dQ programs (DO_DQ, heaviest
     query block first), launched one after the other; axis 1 is batch * nheads, of which the
     dK/dV programs use the first batch * nheads_k."""
@@ -480,11 +505,11 @@ def _bwd_kernel(Q, K, V, DO, Lse, Delta, DQ, DK, DV,
                               nheads_k, group, seqlen_q, seqlen_k, window_left, window_right,
                               qk_scale, softcap_scale, Alibi, stride_ab, stride_ah, softmax_scale,
                               seed_lo, seed_hi, dropout_threshold, dropout_scale, Cu_q, Cu_k,
-                              score_args, mask_args, QNum, QIdx, FullQNum, FullQIdx, stride_tb,
-                              stride_th, n_q_blocks,
+                              score_args, mask_args, packing, QNum, QIdx, FullQNum, FullQIdx,
+                              stride_tb, stride_th, n_q_blocks,
                               HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M1, BLOCK_N1,
                               HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, ONE_KEY_ZERO, VARLEN,
-                              EVEN_N, PRECISION, SCORE_MOD, SCORE_GRAD, MASK_MOD, SPARSE,
+                              EVEN_N, PRECISION, SCORE_MOD, SCORE_GRAD, MASK_MOD, PACKED, SPARSE,
                               SPARSE_Q, SPARSE_KV)
     elif DO_DQ:
         pid_m = num_q_blocks - 1 - (pid - num_kv_blocks if DO_DKDV else pid)
@@ -499,11 +524,12 @@ def _bwd_kernel(Q, K, V, DO, Lse, Delta, DQ, DK, DV,
                         nheads, group, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
                         softcap_scale, Alibi, stride_ab, stride_ah,
                         softmax_scale, seed_lo, seed_hi, dropout_threshold, dropout_scale, Cu_q,
-                        Cu_k, score_args, mask_args, KvNum, KvIdx, FullNum, FullIdx, stride_sb,
-                        stride_sh, n_kv_blocks, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M2,
-                        BLOCK_N2, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, ONE_KEY_ZERO,
-                        VARLEN, EVEN_M, PRECISION, SCORE_MOD, SCORE_GRAD, MASK_MOD, SPARSE,
-                        SPARSE_Q, SPARSE_KV)
+                        Cu_k, score_args, mask_args, grad_args, packing, KvNum, KvIdx, FullNum,
+                        FullIdx,
+                        stride_sb, stride_sh, n_kv_blocks, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
+                        BLOCK_DV, BLOCK_M2, BLOCK_N2, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI,
+                        DROPOUT, ONE_KEY_ZERO, VARLEN, EVEN_M, PRECISION, SCORE_MOD, SCORE_GRAD,
+                        MASK_MOD, CAPTURED_GRAD, PACKED, SPARSE, SPARSE_Q, SPARSE_KV)
 
 
 _BWD_TENSORS = ("Q", "K", "V", "DO", "Lse", "Delta", "DQ", "DK", "DV", "Alibi", "Cu_q", "Cu_k",
@@ -549,14 +575,16 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     if dlse is not None:
         delta -= dlse
 
+    one_key_zero = params.sink is None and dlse is None and own_lse
     if gluon:
         backward_hopper.attention_backward_dkdv(dout, q, k, v, lse, delta, params, dk, dv,
-                                                block=tiles.get("hopper"), features=f)
+                                                block=tiles.get("hopper"), features=f,
+                                                one_key_zero=one_key_zero)
         backward_hopper.attention_backward_dq(dout, q, k, v, lse, delta, params, dq,
-                                              block=tiles.get("hopper_dq"), features=f)
+                                              block=tiles.get("hopper_dq"), features=f,
+                                              one_key_zero=one_key_zero)
     else:
-        _triton_dkdv_dq(dout, q, k, v, lse, delta, params, f, dq, dk, dv, tiles,
-                        params.sink is None and dlse is None and own_lse)
+        _triton_dkdv_dq(dout, q, k, v, lse, delta, params, f, dq, dk, dv, tiles, one_key_zero)
 
     dsink = None
     if params.sink is not None:
@@ -581,7 +609,8 @@ def _triton_dkdv_dq(dout, q, k, v, lse, delta, params: AttentionParams, f: Kerne
         "dkdv", d_max, q.element_size(), interpreting(), has_variant)
     block_m2, block_n2, dq_warps, dq_stages = tiles.get("dq") or tile_config(
         "dq", d_max, q.element_size(), interpreting(), has_variant)
-    score_mod_args, mask_mod_args, variant = variant_args(params)
+    score_mod_args, mask_mod_args, packing, variant = variant_args(params)
+    grad_args, captured_grad = captured_grad_args(params)
     kv_blocks, sparse = block_args(params, lse)
     q_blocks, _ = block_args(params, lse, transposed=True)
     if sparse["SPARSE"]:  # the kernels' tiles must divide the block mask's
@@ -594,7 +623,7 @@ def _triton_dkdv_dq(dout, q, k, v, lse, delta, params: AttentionParams, f: Kerne
                  for stride in f.strides(t)),
                f.batch, f.nheads, f.nheads_k, *f.band, *f.scores, *f.alibi_strides,
                params.softmax_scale, *f.dropout, num_kv_blocks, num_q_blocks, score_mod_args,
-               mask_mod_args, *kv_blocks[4:], *q_blocks[4:])
+               mask_mod_args, grad_args, packing, *kv_blocks[4:], *q_blocks[4:])
     varlen = f.varlen
     meta = dict(HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
                 BLOCK_M1=block_m1, BLOCK_N1=block_n1, BLOCK_M2=block_m2, BLOCK_N2=block_n2,
@@ -606,4 +635,5 @@ def _triton_dkdv_dq(dout, q, k, v, lse, delta, params: AttentionParams, f: Kerne
         # constexprs in the kernel's signature order (launch passes them positionally)
         launch(_bwd_kernel, (programs, *fold(f.batch * f.nheads)), tensors, scalars,
                dict(meta, DO_DKDV=do_dkdv, DO_DQ=not do_dkdv, PRECISION=DOT_PRECISION,
-                    **variant, **sparse), _BWD_TENSORS, num_warps=warps, num_stages=stages)
+                    **variant, **captured_grad, **sparse), _BWD_TENSORS, num_warps=warps,
+               num_stages=stages)

@@ -62,6 +62,7 @@ from flashkit.ops.triton.common import (
     LOG2E,
     SCORE_GRAD_FROM_TANH_JIT,
     cdiv,
+    gradient_pairs,
     key_tile_ranges,
     load_alibi_log2,
     query_tile_ranges,
@@ -72,8 +73,8 @@ from flashkit.ops.triton.common import (
 from flashkit.ops.triton.configs import GLUON_BACKWARD, GLUON_BACKWARD_DKDV, GLUON_BACKWARD_DQ
 from flashkit.ops.triton.features import GRADIENT_FLAGS, KernelFeatures, kernel_features
 from flashkit.ops.triton.forward_hopper import gluon_declines
-from flashkit.ops.triton.hopper_common import flash_descriptor, flash_layout_2d
-from flashkit.ops.triton.launch import fold
+from flashkit.ops.triton.hopper_common import flash_descriptor, flash_layout_2d, rows_descriptor
+from flashkit.ops.triton.launch import fold, launch
 
 try:
     from triton.experimental import gluon
@@ -84,7 +85,6 @@ try:
         warpgroup_mma,
         warpgroup_mma_wait,
     )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 except ImportError:  # a Triton without Gluon: the Triton kernels do everything
     gluon = None
 if gluon is not None:  # the forward's K/V ring fill (hopper_common) serves the dQ kernel
@@ -179,24 +179,27 @@ if gluon is not None:
                          NUM_STAGES: gl.constexpr, MASK: gl.constexpr, HAS_LEFT: gl.constexpr,
                          HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
                          DROPOUT: gl.constexpr, VARLEN: gl.constexpr,
-                         st_layout: gl.constexpr, kv_layout: gl.constexpr,
-                         op_layout: gl.constexpr):
+                         ONE_KEY_ZERO: gl.constexpr, st_layout: gl.constexpr,
+                         kv_layout: gl.constexpr, op_layout: gl.constexpr):
         """Add query tile m (ring job `job`) to dK, dV; MASK applies the band predicate
         (common.visible), with VARLEN also to the query rows: those past seqlen_q are the next
-        sequence's (TMA reads on), their P and dS columns must be exactly 0 (key rows past seqlen_k
-        need no mask: they only reach dK/dV rows that are never stored). Since 0 * NaN/inf is NaN,
-        the tile that crosses the end also zeroes its Q and dO rows past it in shared memory
-        (hopper_common.zero_tile_tail: they feed dK += dS^T Q, dV += P^T dO and dP^T) and its delta
-        there, so rows of a neighbour holding NaN/inf weigh exactly 0. geo = (seqlen_q, seqlen_k,
-        window_left, window_right, qk_scale, softcap_scale, dropout_scale); alibi_log2 is this
-        query head's slope * log2(e) (ALIBI); drop = (seed_lo, seed_hi, threshold, batch, query
-        head) of the keep-mask (DROPOUT: dV = (P o Z)^T dO, dP = Z o (dO V^T) with Z = keep / (1 -
-        p), dS = P o (dP - delta) with the pre-dropout P; the tile computes dS and P o Z over 1 /
-        (1 - p), a select per element instead of a select and a multiply, and the kernel scales dK
-        and dV once). smem = (k, v, q ring, dO ring, lse ring, delta ring), bars = (q, dO) ring
-        barriers, descs = (q, dO, lse, delta) descriptors, ring = (n_jobs, jobs_per_head, m_first,
-        q_row, q_col, lse_row, lse_stride_h, start_n) as _issue_q_do_load takes them (start_n: the
-        key block's first key). Returns (dk, dv)."""
+        sequence's (TMA reads on), their P and dS columns must be exactly 0 (key rows past
+        seqlen_k need no mask: they only reach dK/dV rows that are never stored). Since 0 *
+        NaN/inf is NaN, the tile that crosses the end also zeroes its Q and dO rows past it in
+        shared memory (hopper_common.zero_tile_tail: they feed dK += dS^T Q and dV += P^T dO), so
+        rows of a neighbour holding NaN/inf weigh exactly 0. A masked tile's dS^T is selected on
+        the pairs common.gradient_pairs gives: a value V_j the query cannot see makes dP^T = V
+        dO^T NaN in its whole row j (as does a neighbour's delta past seqlen_q), which P = 0
+        would not stop (0 * NaN), and with ONE_KEY_ZERO rows that see one key get exactly zero
+        dS. geo = (seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale,
+        dropout_scale); alibi_log2 is this query head's slope * log2(e) (ALIBI); drop = (seed_lo,
+        seed_hi, threshold, batch, query head) of the keep-mask (DROPOUT: dV = (P o Z)^T dO, dP =
+        Z o (dO V^T) with Z = keep / (1 - p), dS = P o (dP - delta) with the pre-dropout P; the
+        tile computes dS and P o Z over 1 / (1 - p), a select per element instead of a select and
+        a multiply, and the kernel scales dK and dV once). smem = (k, v, q ring, dO ring, lse
+        ring, delta ring), bars = (q, dO) ring barriers, descs = (q, dO, lse, delta) descriptors,
+        ring = (n_jobs, jobs_per_head, m_first, q_row, q_col, lse_row, lse_stride_h, start_n) as
+        _issue_q_do_load takes them (start_n: the key block's first key). Returns (dk, dv)."""
         seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale, dropout_scale = geo
         k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem = smem
         q_bars, do_bars = bars
@@ -248,9 +251,6 @@ if gluon is not None:
             p_t = gl.where(keep, p_t, 0.0)
         dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, ))
         delta = delta_smem.index(stage).load(col_layout)
-        if MASK and VARLEN:  # the next sequence's delta (maybe NaN/inf) would meet P = 0
-            delta = gl.where(start_m + gl.arange(0, BLOCK_M, layout=col_layout) < seqlen_q,
-                             delta, 0.0)
         if DROPOUT:  # dS / (1 / (1 - p)) = P o (keep o dP - (1 - p) delta): see the kernel
             kept_t = unpack_keep_t(bits_t, start_n, BLOCK_M, BLOCK_N, st_layout, gl.num_warps())
             delta = delta * (1.0 / dropout_scale)
@@ -267,6 +267,10 @@ if gluon is not None:
                 ds_t = p_t * (gl.where(kept_t, dp_t, 0.0) - gl.expand_dims(delta, 0))
         else:
             ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
+        if MASK:  # see the docstring (common.gradient_pairs)
+            ds_t = gl.where(gradient_pairs(keep, i_t, seqlen_q, seqlen_k, window_left,
+                                           window_right, HAS_LEFT, HAS_RIGHT, ONE_KEY_ZERO),
+                            ds_t, 0.0)
         if SOFTCAP:
             ds_t = ds_t * dcap_t
         ds_t = ds_t.to(dtype)
@@ -301,7 +305,7 @@ if gluon is not None:
                                 HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                                 SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
                                 DROPOUT: gl.constexpr, VARLEN: gl.constexpr,
-                                num_warps: gl.constexpr):
+                                ONE_KEY_ZERO: gl.constexpr, num_warps: gl.constexpr):
         """dK, dV of key block program_id(0) of (batch, kv head) program_id(1), heaviest causal
         blocks first. q/k/v/do descriptors over (batch * seqlen, heads * HEAD_DIM), lse/delta
         descriptors over their flat (batch * nheads * seqlen) rows (varlen: the aligned copies
@@ -403,7 +407,8 @@ if gluon is not None:
                             dk, dv, job, m, smem, bars, descs, ring, geo, alibi_log2, drop,
                             HEAD_DIM, BLOCK_M,
                             BLOCK_N, NUM_STAGES, segment != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-                            ALIBI, DROPOUT, VARLEN, st_layout, kv_layout, op_layout)
+                            ALIBI, DROPOUT, VARLEN, ONE_KEY_ZERO, st_layout, kv_layout,
+                            op_layout)
                         job += 1
 
         mbarrier.invalidate(kv_bar)
@@ -434,7 +439,8 @@ if gluon is not None:
                           NUM_STAGES: gl.constexpr, MASK: gl.constexpr, HAS_LEFT: gl.constexpr,
                           HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
                           DROPOUT: gl.constexpr, VARLEN: gl.constexpr,
-                          s_layout: gl.constexpr, op_layout: gl.constexpr):
+                          ONE_KEY_ZERO: gl.constexpr, s_layout: gl.constexpr,
+                          op_layout: gl.constexpr):
         """Add key tile `tile` (keys key_lo + tile * BLOCK_N ..., at row key0 + tile * BLOCK_N
         of the 2-D view) to dQ (unscaled); MASK applies the band predicate. geo, alibi_log2 and
         drop as in _query_tile_step; the keep-mask is the forward's own (keep_tile, drawn in
@@ -442,7 +448,10 @@ if gluon is not None:
         from tile to tile); with DROPOUT, delta comes as (1 - p) delta and dQ is left over
         1 / (1 - p). Returns (dq, upper). VARLEN: the (last) tile that crosses the sequence's
         keys zeroes the next sequence's K and V rows it holds before the wgmmas read them (0 *
-        NaN/inf in dS K or in dP = dO V^T would be NaN; their P is masked to 0). smem = (q, dO,
+        NaN/inf in dS K or in dP = dO V^T would be NaN; their P is masked to 0). A masked tile's
+        dS is selected on common.gradient_pairs: a value V_j a row cannot see makes column j of
+        dP NaN for every row, which P = 0 would not stop, and with ONE_KEY_ZERO rows that see one
+        key get exactly zero dS. smem = (q, dO,
         K ring, V ring), bars = (K, V) ring barriers, descs = (K, V) descriptors, ring =
         (n_tiles, key0, kv_col, start_m, key_lo)."""
         seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale, dropout_scale = geo
@@ -481,12 +490,16 @@ if gluon is not None:
                             SCORE_GRAD_FROM_TANH_JIT)
         p = gl.exp2(s - gl.expand_dims(lse2, 1))  # lse -inf (no visible key): masked below
         if MASK:
-            p = gl.where(visible(i, j, seqlen_q, seqlen_k, window_left, window_right, HAS_LEFT,
-                                 HAS_RIGHT), p, 0.0)
+            keep = visible(i, j, seqlen_q, seqlen_k, window_left, window_right, HAS_LEFT,
+                           HAS_RIGHT)
+            p = gl.where(keep, p, 0.0)
         dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, ))
         if DROPOUT:  # dS / (1 / (1 - p)) = P o (keep o dP - (1 - p) delta): see the kernel
             dp = gl.where(kept, dp, 0.0)
         ds = p * (dp - gl.expand_dims(delta, 1))
+        if MASK:  # see the docstring (common.gradient_pairs)
+            ds = gl.where(gradient_pairs(keep, i, seqlen_q, seqlen_k, window_left, window_right,
+                                         HAS_LEFT, HAS_RIGHT, ONE_KEY_ZERO), ds, 0.0)
         if SOFTCAP:
             ds = ds * dcap
         ds = ds.to(q_smem.dtype)
@@ -510,7 +523,7 @@ if gluon is not None:
                               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                               SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
                               DROPOUT: gl.constexpr, VARLEN: gl.constexpr,
-                              num_warps: gl.constexpr):
+                              ONE_KEY_ZERO: gl.constexpr, num_warps: gl.constexpr):
         """dQ of BLOCK_M query rows of one (batch, head), heaviest causal rows first: Q and dO
         stay in shared memory, K/V tiles stream through a TMA ring (as the forward), each dQ
         element summed in one program in a fixed order (deterministic). VARLEN as the dK/dV
@@ -603,7 +616,8 @@ if gluon is not None:
                         dq, upper, tile, (q_smem, do_smem, k_smem, v_smem), (k_bars, v_bars),
                         (k_desc, v_desc), lse2, delta, (n_tiles, key0, kv_col, start_m, lo), geo,
                         alibi_log2, drop, BLOCK_M, BLOCK_N, NUM_STAGES, segment != 1, HAS_LEFT,
-                        HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, VARLEN, s_layout, op_layout)
+                        HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, VARLEN, ONE_KEY_ZERO, s_layout,
+                        op_layout)
 
         mbarrier.invalidate(q_bar)
         for i in gl.static_range(NUM_STAGES):
@@ -682,46 +696,49 @@ def dense_as_varlen(q, k, v, dout, lse, params: AttentionParams, dq, dk, dv, til
     return as_varlen_declines(q, k, v, dout, lse, params, dq, dk, dv, tiles) is None
 
 
+# The kernels' tensor parameters (descriptors and pointers), for launch's argument order
+_DKDV_TENSORS = ("q_desc", "k_desc", "v_desc", "do_desc", "lse_desc", "delta_desc", "DK", "DV",
+                 "Alibi", "Cu_q", "Cu_k")
+_DQ_TENSORS = ("q_desc", "k_desc", "v_desc", "do_desc", "Lse", "Delta", "DQ", "Alibi", "Cu_q",
+               "Cu_k")
+
+
 def attention_backward_dkdv(dout, q, k, v, lse, delta, params: AttentionParams, dk, dv,
-                            block=None, features: KernelFeatures | None = None):
+                            block=None, one_key_zero=False,
+                            features: KernelFeatures | None = None):
     """dK, dV of the eligible case into dk, dv. delta (laid out like lse) comes from
-    backward.py's preprocess; block overrides GLUON_BACKWARD_DKDV (the sweep); features: the
-    call's kernel_features (with lse as the placeholder), made here when not given."""
+    backward.py's preprocess; block overrides GLUON_BACKWARD_DKDV (the sweep); one_key_zero:
+    the kernels' ONE_KEY_ZERO (backward.py: no sink, no lse gradient, the call's own lse);
+    features: the call's kernel_features (lse the placeholder), made here when not given."""
     f = features or kernel_features(params, q, v, lse, q.dtype, flags=GRADIENT_FLAGS)
     head_dim = f.head_dim
     block_m, block_n, num_warps, num_stages = block or GLUON_BACKWARD_DKDV[head_dim]
-
-    def rows_descriptor(x):  # lse / delta (batch, nheads, seqlen_q), varlen (nheads, rows)
-        layout = gl.NVMMASharedLayout.get_default_for([block_m], gl.float32)
-        return TensorDescriptor(x.view(-1), [x.numel()], [1], [block_m], layout)
-
-    alibi, (cu_q, cu_k) = f.alibi, f.cu_seqlens
     if f.varlen:
         lse, delta = _aligned_lse_delta(lse, delta, params)
     grid = (cdiv(f.seqlen_k, block_n), *fold(f.batch * f.nheads_k))
-    _bwd_dkdv_hopper_kernel[grid](
+    launch(_bwd_dkdv_hopper_kernel, grid, (
         flash_descriptor(q, block_m), flash_descriptor(k, block_n), flash_descriptor(v, block_n),
-        flash_descriptor(dout, block_m), rows_descriptor(lse), rows_descriptor(delta), dk, dv,
-        *f.strides(dk)[:3], *f.strides(dv)[:3], alibi, *f.alibi_strides, f.nheads, f.nheads_k,
-        *f.band, *f.scores, params.softmax_scale, *f.dropout, lse.stride(-2), cu_q, cu_k,
-        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=num_stages,
-        **f.flags, num_warps=num_warps)
+        flash_descriptor(dout, block_m), rows_descriptor(lse, block_m),
+        rows_descriptor(delta, block_m), dk, dv, f.alibi, *f.cu_seqlens), (
+        *f.strides(dk)[:3], *f.strides(dv)[:3], *f.alibi_strides, f.nheads, f.nheads_k,
+        *f.band, *f.scores, params.softmax_scale, *f.dropout, lse.stride(-2)), dict(
+        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=num_stages, **f.flags,
+        ONE_KEY_ZERO=one_key_zero, num_warps=num_warps), _DKDV_TENSORS)
 
 
 def attention_backward_dq(dout, q, k, v, lse, delta, params: AttentionParams, dq, block=None,
-                          features: KernelFeatures | None = None):
+                          one_key_zero=False, features: KernelFeatures | None = None):
     """dQ of the eligible case into dq (deterministic); block overrides GLUON_BACKWARD_DQ;
-    features as attention_backward_dkdv's."""
+    one_key_zero and features as attention_backward_dkdv's."""
     f = features or kernel_features(params, q, v, lse, q.dtype, flags=GRADIENT_FLAGS)
     head_dim = f.head_dim
     block_m, block_n, num_warps, num_stages = block or GLUON_BACKWARD_DQ[head_dim]
-    alibi, (cu_q, cu_k) = f.alibi, f.cu_seqlens
     grid = (cdiv(f.seqlen_q, block_m), *fold(f.batch * f.nheads))
-    _bwd_dq_hopper_kernel[grid](
+    launch(_bwd_dq_hopper_kernel, grid, (
         flash_descriptor(q, block_m), flash_descriptor(k, block_n), flash_descriptor(v, block_n),
-        flash_descriptor(dout, block_m), lse, delta, dq, alibi,
+        flash_descriptor(dout, block_m), lse, delta, dq, f.alibi, *f.cu_seqlens), (
         *f.strides(lse)[:2], *f.strides(delta)[:2], *f.strides(dq)[:3], *f.alibi_strides,
         f.nheads, f.nheads // f.nheads_k, *f.band, *f.scores, params.softmax_scale,
-        *f.dropout, cu_q, cu_k,
-        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=num_stages,
-        **f.flags, num_warps=num_warps)
+        *f.dropout), dict(
+        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=num_stages, **f.flags,
+        ONE_KEY_ZERO=one_key_zero, num_warps=num_warps), _DQ_TENSORS)

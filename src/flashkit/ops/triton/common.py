@@ -279,6 +279,30 @@ def scores(qk, qk_scale, softcap_scale, SOFTCAP: tl.constexpr):
 
 
 @triton.jit
+def mod_indices(off_b, i, j, seqlen_q, seqlen_k, packing, PACKED: tl.constexpr):
+    """(b, q_idx, kv_idx, seqlen_q, seqlen_k, same) as a modifier sees the pairs of a tile (i
+    and j broadcast, [M, 1] and [1, N] or the transpose). Plain: as given. PACKED (a block mask
+    over varlen's packed tokens; the kernel runs the tokens as one sequence): packing = (SeqQ,
+    Cu_q, Cu_k) with SeqQ[t] the sequence of packed query t; b is the query's sequence, the
+    indices and lengths are within it, the key index clamped into it (in bounds for the
+    modifier's reads) and same says which keys are really in it."""
+    b = off_b
+    same = i == i
+    if PACKED:
+        SeqQ, Cu_q, Cu_k = packing
+        b = tl.load(SeqQ + tl.minimum(i, seqlen_q - 1))
+        q_start = tl.load(Cu_q + b)
+        k_start = tl.load(Cu_k + b)
+        seqlen_q = tl.load(Cu_q + b + 1) - q_start
+        seqlen_k = tl.load(Cu_k + b + 1) - k_start
+        same = (j >= k_start) & (j < k_start + seqlen_k)
+        i = i - q_start
+        j = tl.minimum(tl.maximum(j - k_start, 0), tl.maximum(seqlen_k - 1, 0))
+        seqlen_k = tl.maximum(seqlen_k, 1)
+    return b, i, j, seqlen_q, seqlen_k, same
+
+
+@triton.jit
 def user_score(s, off_b, off_h, i, j, seqlen_q, seqlen_k, SCORE_MOD: tl.constexpr, score_args,
                NATURAL: tl.constexpr = False):
     """A user score_mod (flashkit.variants) on log2-unit scores s (natural with NATURAL): it
@@ -306,6 +330,21 @@ def user_score_grad(s, off_b, off_h, i, j, seqlen_q, seqlen_k, SCORE_GRAD: tl.co
 
 
 @triton.jit
+def user_captured_grad(ds, s, off_b, off_h, i, j, seqlen_q, seqlen_k,
+                       CAPTURED_GRAD: tl.constexpr, score_args, grad_args,
+                       NATURAL: tl.constexpr = False):
+    """A score_mod's rule for its captured tensors' gradients: CAPTURED_GRAD(ds, score, b, h,
+    q_idx, kv_idx, *captured, *grads) adds into grads (float32 buffers, None for a captured
+    value without one). ds [M, N] = dL / d score_mod(score) (natural units, 0 where masked),
+    s the score before score_mod, units and indices as user_score."""
+    i_in = tl.minimum(i, seqlen_q - 1)
+    j_in = tl.minimum(j, seqlen_k - 1)
+    if not NATURAL:
+        s = s * LN2_JIT
+    CAPTURED_GRAD(ds, s, off_b, off_h, i_in, j_in, *score_args, *grad_args)
+
+
+@triton.jit
 def user_visible(keep, off_b, off_h, i, j, seqlen_q, seqlen_k, MASK_MOD: tl.constexpr,
                  mask_args):
     """keep & a user mask_mod (True = visible), indices clamped as in user_score."""
@@ -315,14 +354,28 @@ def user_visible(keep, off_b, off_h, i, j, seqlen_q, seqlen_k, MASK_MOD: tl.cons
 
 
 def variant_args(params):
-    """(score_args, mask_args, {SCORE_MOD, SCORE_GRAD, MASK_MOD}): a user modifier's captured
-    values (tuples, tensors passed as pointers) and its @triton.jit functions, compile-time
-    arguments (None without one)."""
+    """(score_args, mask_args, packing, {SCORE_MOD, SCORE_GRAD, MASK_MOD, PACKED}): a user
+    modifier's captured values (tuples, tensors passed as pointers), its @triton.jit functions,
+    compile-time arguments (None without one), and the packing of a block mask over varlen's
+    packed tokens (mod_indices; () and PACKED=False without one)."""
     variant = params.variant
     if variant is None:
-        return (), (), dict(SCORE_MOD=None, SCORE_GRAD=None, MASK_MOD=None)
+        return (), (), (), dict(SCORE_MOD=None, SCORE_GRAD=None, MASK_MOD=None, PACKED=False)
     args = variant.triton_args()
-    return args.pop("score_args"), args.pop("mask_args"), args
+    packing = args.pop("packing")
+    return (args.pop("score_args"), args.pop("mask_args"), packing,
+            dict(args, PACKED=bool(packing)))
+
+
+def captured_grad_args(params):
+    """(grad_args, {CAPTURED_GRAD}) of the backward: one float32 buffer per score_mod captured
+    value whose gradient is wanted (None for the others), and the score_mod's captured_grad rule
+    (None when no gradient is wanted: the rule is not compiled in)."""
+    variant = params.variant
+    grads = None if variant is None else variant.captured_grads
+    if not grads or all(g is None for g in grads):
+        return (), dict(CAPTURED_GRAD=None)
+    return tuple(grads), dict(CAPTURED_GRAD=variant.score_mod.jit_captured_grad())
 
 
 def block_args(params, placeholder, transposed: bool = False):

@@ -51,6 +51,7 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.runtime.errors import OutOfResources
 
 from flashkit.ops.params import AttentionParams
 from flashkit.ops.triton.append import CHECK_MESSAGE, TABLE_CHUNK, rotary_layout, rotate
@@ -655,6 +656,18 @@ def merge(out_part, lse_part, out, lse, use_pdl: bool = False) -> None:
         BLOCK_DV=block_dv, USE_PDL=use_pdl), num_warps=4, launch_pdl=use_pdl)
 
 
+def smaller_tile(tile: Tile) -> Tile:
+    """The next smaller launch shape after `tile` ran out of shared memory: one pipeline stage
+    fewer down to two, then half the keys per tile (and per sub-tile, down to 16). A page size
+    that BLOCK_N divided, half of it divides too."""
+    if tile.num_stages > 2:
+        return tile._replace(num_stages=tile.num_stages - 1)
+    if tile.block_n > 16:
+        return tile._replace(block_n=tile.block_n // 2,
+                             subtiles=max(1, min(tile.subtiles, tile.block_n // 32)))
+    raise OutOfResources(0, 0, "shared memory: no smaller decode tile")
+
+
 def launch_shape(q, nheads_k: int, page_size: int, num_splits: int,
                  max_seqlen_k: int) -> tuple[Tile, bool, int, int]:
     """(tile, page per tile, query row blocks, num_splits) of a launch (page_size 0:
@@ -672,6 +685,11 @@ def launch_shape(q, nheads_k: int, page_size: int, num_splits: int,
     if key_blocks is not None and key_blocks < tile.subtiled_from * num_splits:
         tile = tile._replace(subtiles=1)
     return tile, per_tile, m_blocks, num_splits
+
+
+# (tile, dtype, head dims, paged) -> the smaller tile that ran where the first one ran out of
+# shared memory (smaller_tile), so a later call launches it directly
+_fitted: dict = {}
 
 
 class Step(NamedTuple):
@@ -727,6 +745,8 @@ def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, bloc
                  and page_size % (tile.block_n // tile.subtiles) != 0)
     tile, per_sm = spill_free(tile, batch * nheads_k * m_blocks * num_splits, sms,
                               interleaved or row_pages)
+    fit_key = (tile, q.dtype, head_dim, head_dim_v, page_size > 0)
+    tile = _fitted.get(fit_key, tile)
 
     if out is None:
         out = torch.empty(batch, seqlen_q, nheads, head_dim_v, dtype=q.dtype, device=q.device)
@@ -761,31 +781,37 @@ def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, bloc
     f = kernel_features(params, q, v_cache, dummy, seqlen_k=capacity, float32_sink=False,
                         flags=DENSE_FLAGS)
     bhk_y, bhk_z = fold(batch * nheads_k)
-    launch(_decode_kernel, (num_splits * bhk_z, bhk_y, m_blocks), (
-        q, k_cache, v_cache, out_part, lse_part,
-        dummy if block_table is None else block_table,
-        dummy if cache_batch_idx is None else cache_batch_idx,
-        dummy if cache_leftpad is None else cache_leftpad, dummy, f.alibi, f.sink,
-        dummy if cos is None else cos, dummy if sin is None else sin, k_new, v_new), (
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), *out_part.stride(),
-        *lse_part.stride(), 0 if block_table is None else block_table.stride(0),
-        f.alibi_strides[0], *((0, 0) if cos is None else cos.stride()), *k_new.stride(),
-        *v_new.stride(), nheads_k, group, seqlen_q, num_splits, *f.band[2:], *f.scores,
-        0 if step is None or seqlens_tensor else int(step.cache_seqlens), seqlen_new,
-        1 if step is None else step.q_rows, capacity, k_cache.shape[0],
-        0 if cos is None else cos.shape[0]), dict(
-        HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=padded_head_dim(head_dim),
-        BLOCK_DV=padded_head_dim(head_dim_v), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
-        SUBTILES=tile.subtiles, PAGE_SIZE=page_size, PAGE_PER_TILE=per_tile,
-        HAS_BATCH_IDX=cache_batch_idx is not None, HAS_LEFTPAD=cache_leftpad is not None,
-        **f.flags, USE_PDL=use_pdl and num_splits > 1,
-        PRECISION=DOT_PRECISION, STEP=step is not None,
-        SEQLENS_TENSOR=step is None or seqlens_tensor,
-        ROTARY_HALF=0 if cos is None else cos.shape[1],
-        INTERLEAVED=interleaved,
-        BLOCK_NEW=max(1, next_power_of_2(seqlen_new)), TABLE_CHUNK=TABLE_CHUNK),
-        num_warps=tile.num_warps, num_stages=tile.num_stages, **checks,
-        **register_cap(tile, per_sm))
+    while True:  # a tile asking for more shared memory than the GPU has (a float32 prefill
+        # tile): fewer stages, then fewer keys per tile, remembered for the next call
+        try:
+            launch(_decode_kernel, (num_splits * bhk_z, bhk_y, m_blocks), (
+                q, k_cache, v_cache, out_part, lse_part,
+                dummy if block_table is None else block_table,
+                dummy if cache_batch_idx is None else cache_batch_idx,
+                dummy if cache_leftpad is None else cache_leftpad, dummy, f.alibi, f.sink,
+                dummy if cos is None else cos, dummy if sin is None else sin, k_new, v_new), (
+                *q.stride(), *k_cache.stride(), *v_cache.stride(), *out_part.stride(),
+                *lse_part.stride(), 0 if block_table is None else block_table.stride(0),
+                f.alibi_strides[0], *((0, 0) if cos is None else cos.stride()),
+                *k_new.stride(), *v_new.stride(), nheads_k, group, seqlen_q, num_splits,
+                *f.band[2:], *f.scores,
+                0 if step is None or seqlens_tensor else int(step.cache_seqlens), seqlen_new,
+                1 if step is None else step.q_rows, capacity, k_cache.shape[0],
+                0 if cos is None else cos.shape[0]), dict(
+                HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=padded_head_dim(head_dim),
+                BLOCK_DV=padded_head_dim(head_dim_v), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
+                SUBTILES=tile.subtiles, PAGE_SIZE=page_size, PAGE_PER_TILE=per_tile,
+                HAS_BATCH_IDX=cache_batch_idx is not None, HAS_LEFTPAD=cache_leftpad is not None,
+                **f.flags, USE_PDL=use_pdl and num_splits > 1, PRECISION=DOT_PRECISION,
+                STEP=step is not None, SEQLENS_TENSOR=step is None or seqlens_tensor,
+                ROTARY_HALF=0 if cos is None else cos.shape[1],
+                INTERLEAVED=interleaved,
+                BLOCK_NEW=max(1, next_power_of_2(seqlen_new)), TABLE_CHUNK=TABLE_CHUNK),
+                num_warps=tile.num_warps, num_stages=tile.num_stages, **checks,
+                **register_cap(tile, per_sm))
+            break
+        except OutOfResources:
+            tile = _fitted[fit_key] = smaller_tile(tile)
     if num_splits > 1:
         merge(out_part, lse_part, out, lse, use_pdl)
     return out, lse

@@ -123,13 +123,13 @@ def backward_call(dout, q, k, v, out, lse, params: AttentionParams, dq=None, dk=
         ("gluon as varlen", lambda: backward_hopper.as_varlen_declines(*args)),
         ("triton", lambda: None)])
     if plan.kernel == "gluon as varlen":
-        return _dense_as_varlen(dout, q, k, v, out, lse, params, dq, dk, dv, dlse)
+        return _dense_as_varlen(dout, q, k, v, out, lse, params, dq, dk, dv, dlse, own_lse)
     return backward.attention_backward(dout, q, k, v, out, lse, params, dq, dk, dv, dlse=dlse,
                                        gluon=plan.kernel == "gluon", own_lse=own_lse)
 
 
 def _dense_as_varlen(dout, q, k, v, out, lse, params: AttentionParams, dq, dk, dv, dlse,
-                     gluon: bool = True):
+                     own_lse: bool = True, gluon: bool = True):
     """A dense call whose lengths are not tile multiples (backward_hopper.as_varlen_declines)
     through the Gluon kernels as varlen with equal lengths, which they take at any length:
     tokens as (batch * seqlen, heads, d) views (dq, dk, dv written through theirs), lse and dlse
@@ -154,7 +154,7 @@ def _dense_as_varlen(dout, q, k, v, out, lse, params: AttentionParams, dq, dk, d
     dsink = backward.attention_backward(
         tokens(dout), tokens(q), tokens(k), tokens(v), tokens(out), rows(lse), packed,
         dq.view(-1, *dq.shape[2:]), dk.view(-1, *dk.shape[2:]), dv.view(-1, *dv.shape[2:]),
-        dlse=None if dlse is None else rows(dlse), gluon=gluon)[3]
+        dlse=None if dlse is None else rows(dlse), gluon=gluon, own_lse=own_lse)[3]
     return dq, dk, dv, dsink
 
 

@@ -35,6 +35,7 @@ from flashkit.ops.triton.common import (
     load_alibi_log2,
     load_tile,
     masked_values_product,
+    mod_indices,
     online_softmax_update,
     score_mod,
     sequence,
@@ -60,22 +61,22 @@ def _fwd_tiles(acc, m_i, l_i, q_tile, kv, start, end, offs, band, mods, drop, va
                BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                ALIBI: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
-               SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, LISTED: tl.constexpr = False,
-               SPAN: tl.constexpr = 1):
+               SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, PACKED: tl.constexpr,
+               LISTED: tl.constexpr = False, SPAN: tl.constexpr = 1):
     """Stream key tiles [start, end) into (acc, m_i, l_i); MASKED applies the band predicate.
     kv = (k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd) of this (batch, kv head);
     offs = (offs_m, offs_d, offs_dv); band and mods as common.score_mod; drop = (seed_lo,
     seed_hi, threshold, off_b, off_h) of the keep-mask. DROPOUT: l sums every probability, acc
-    only the kept ones (the 1 / (1 - p) comes last). variant = (score_args, mask_args, Blocks)
-    of a user score_mod / mask_mod (SCORE_MOD, MASK_MOD; MASKED applies MASK_MOD too) and a
-    block mask: LISTED, [start, end) counts keys of the SPAN-key blocks listed at Blocks,
-    position t being key Blocks[t // SPAN] * SPAN + t % SPAN, one loop over every listed block
-    so the software pipeline runs across them."""
+    only the kept ones (the 1 / (1 - p) comes last). variant = (score_args, mask_args, packing,
+    Blocks) of a user score_mod / mask_mod (SCORE_MOD, MASK_MOD; MASKED applies MASK_MOD too;
+    PACKED: packing as common.mod_indices) and a block mask: LISTED, [start, end) counts keys
+    of the SPAN-key blocks listed at Blocks, position t being key Blocks[t // SPAN] * SPAN +
+    t % SPAN, one loop over every listed block so the software pipeline runs across them."""
     k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd = kv
     offs_m, offs_d, offs_dv = offs
     seqlen_q, seqlen_k, window_left, window_right = band
     seed_lo, seed_hi, dropout_threshold, off_b, off_h = drop
-    score_args, mask_args, Blocks = variant
+    score_args, mask_args, packing, Blocks = variant
     for pos in tl.range(start, end, BLOCK_N):
         start_n = pos
         if LISTED:
@@ -86,15 +87,19 @@ def _fwd_tiles(acc, m_i, l_i, q_tile, kv, start, end, offs, band, mods, drop, va
         # [BLOCK_M, BLOCK_N] = [BLOCK_M, BLOCK_D] @ [BLOCK_D, BLOCK_N]
         qk = tl.dot(q_tile, tl.trans(k_tile), input_precision=PRECISION)
         s, _ = score_mod(qk, offs_m[:, None], offs_n[None, :], band, mods, SOFTCAP, ALIBI)
+        mod_b, mod_i, mod_j, mod_lq, mod_lk, same = mod_indices(
+            off_b, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, packing, PACKED)
         if SCORE_MOD is not None:
-            s = user_score(s, off_b, off_h, offs_m[:, None], offs_n[None, :], seqlen_q,
-                           seqlen_k, SCORE_MOD, score_args, q_tile.dtype == tl.float32)
+            s = user_score(s, mod_b, off_h, mod_i, mod_j, mod_lq, mod_lk, SCORE_MOD, score_args,
+                           q_tile.dtype == tl.float32)
         if MASKED:
             keep = visible(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, window_left,
                            window_right, HAS_LEFT, HAS_RIGHT)
+            if PACKED:
+                keep = keep & same
             if MASK_MOD is not None:
-                keep = user_visible(keep, off_b, off_h, offs_m[:, None], offs_n[None, :],
-                                    seqlen_q, seqlen_k, MASK_MOD, mask_args)
+                keep = user_visible(keep, mod_b, off_h, mod_i, mod_j, mod_lq, mod_lk, MASK_MOD,
+                                    mask_args)
             s = tl.where(keep, s, float("-inf"))
         p, alpha, m_i, l_i = online_softmax_update(m_i, l_i, s, MASKED,
                                                    q_tile.dtype == tl.float32)
@@ -121,7 +126,7 @@ def _fwd_kernel(Q, K, V, Out, Lse,
                 stride_lb, stride_lh, stride_ls,
                 nheads, group, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
                 softcap_scale, Alibi, stride_ab, stride_ah, Sink, seed_lo, seed_hi,
-                dropout_threshold, dropout_scale, Cu_q, Cu_k, score_args, mask_args,
+                dropout_threshold, dropout_scale, Cu_q, Cu_k, score_args, mask_args, packing,
                 KvNum, KvIdx, FullNum, FullIdx, stride_sb, stride_sh, n_kv_blocks,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -129,14 +134,16 @@ def _fwd_kernel(Q, K, V, Out, Lse,
                 ALIBI: tl.constexpr, SINK: tl.constexpr, DROPOUT: tl.constexpr,
                 VARLEN: tl.constexpr, EVEN_M: tl.constexpr, PRECISION: tl.constexpr,
                 SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr,
-                SPARSE: tl.constexpr, SPARSE_Q: tl.constexpr, SPARSE_KV: tl.constexpr):
+                PACKED: tl.constexpr, SPARSE: tl.constexpr, SPARSE_Q: tl.constexpr,
+                SPARSE_KV: tl.constexpr):
     """SINK: Sink holds one logit per query head that joins every row's denominator
     (common.softmax_start). VARLEN: the grid covers the longest sequence; blocks past a shorter
     one's end return. SCORE_MOD / MASK_MOD: user modifiers (common.user_score / user_visible);
     a MASK_MOD masks every tile. SPARSE: the key blocks come from a block mask
     (flashkit.variants.BlockMask): the row of query block start_m // SPARSE_Q lists its partial
     blocks (masked) and its full blocks (no mask at all); causal/window never come with one.
-    SCORE_GRAD is unused here."""
+    PACKED: that block mask is over varlen's packed tokens, run here as one sequence
+    (common.mod_indices). SCORE_GRAD is unused here."""
     # Heaviest query tiles first: under a causal band the last rows see the most keys.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_bh = tl.program_id(1) + tl.program_id(2) * tl.num_programs(1)  # launch.fold
@@ -186,18 +193,20 @@ def _fwd_kernel(Q, K, V, Out, Lse,
             Idx = KvIdx if listed == 0 else FullIdx
             acc, m_i, l_i = _fwd_tiles(
                 acc, m_i, l_i, q_tile, kv, 0, tl.load(Num + row) * SPARSE_KV, offs, band, mods,
-                drop, (score_args, mask_args, Idx + row * n_kv_blocks), HEAD_DIM, HEAD_DIM_V,
-                BLOCK_D, BLOCK_DV, BLOCK_N, listed == 0, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI,
-                DROPOUT, PRECISION, SCORE_MOD, MASK_MOD, True, SPARSE_KV)
+                drop, (score_args, mask_args, packing, Idx + row * n_kv_blocks), HEAD_DIM,
+                HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, listed == 0, HAS_LEFT, HAS_RIGHT,
+                SOFTCAP, ALIBI, DROPOUT, PRECISION, SCORE_MOD, MASK_MOD, PACKED, True,
+                SPARSE_KV)
         lo, mid_lo, mid_hi, hi = 0, 0, 0, 0
     bounds = (lo, mid_lo, mid_hi, hi)
     for segment in tl.static_range(3):  # masked edge, unmasked middle, masked edge
         acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q_tile, kv, bounds[segment],
                                    bounds[segment + 1], offs, band, mods, drop,
-                                   (score_args, mask_args, KvIdx), HEAD_DIM, HEAD_DIM_V,
-                                   BLOCK_D, BLOCK_DV, BLOCK_N,
+                                   (score_args, mask_args, packing, KvIdx), HEAD_DIM,
+                                   HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
                                    segment != 1 or MASK_MOD is not None, HAS_LEFT, HAS_RIGHT,
-                                   SOFTCAP, ALIBI, DROPOUT, PRECISION, SCORE_MOD, MASK_MOD)
+                                   SOFTCAP, ALIBI, DROPOUT, PRECISION, SCORE_MOD, MASK_MOD,
+                                   PACKED)
 
     has_mass = l_i > 0.0
     l_safe = softmax_denominator(l_i)
@@ -243,7 +252,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     block_m, block_n, num_warps, num_stages = tile or tile_config(
         "forward", max(head_dim, head_dim_v), q.element_size(), interpreting(),
         params.variant is not None)
-    score_mod_args, mask_mod_args, variant = variant_args(params)
+    score_mod_args, mask_mod_args, packing, variant = variant_args(params)
     blocks, sparse = block_args(params, lse)
     if sparse["SPARSE"]:  # the kernel's tiles must divide the block mask's
         block_m, block_n = min(block_m, sparse["SPARSE_Q"]), min(block_n, sparse["SPARSE_KV"])
@@ -252,7 +261,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     launch(_fwd_kernel, grid, (q, k, v, out, lse, f.alibi, f.sink, *f.cu_seqlens, *blocks[:4]), (
         *f.strides(q), *f.strides(k), *f.strides(v), *f.strides(out), *f.strides(lse),
         f.nheads, f.nheads // f.nheads_k, *f.band, *f.scores, *f.alibi_strides, *f.dropout,
-        score_mod_args, mask_mod_args, *blocks[4:]), dict(
+        score_mod_args, mask_mod_args, packing, *blocks[4:]), dict(
         HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
         BLOCK_M=block_m, BLOCK_N=block_n, **f.flags,
         EVEN_M=not f.varlen and f.seqlen_q % block_m == 0, PRECISION=DOT_PRECISION,

@@ -41,8 +41,35 @@ def flash_descriptor(x, rows, box_rows=None):
     such a tile (a paged cache's pages), in the tile's shared-memory layout."""
     heads, head_dim = x.shape[-2:]
     x2d = x.view(-1, heads * head_dim)
-    return TensorDescriptor(x2d, list(x2d.shape), [heads * head_dim, 1],
-                            [box_rows or rows, head_dim], tile_layout(rows, head_dim, x.dtype))
+    return descriptor(x2d, (box_rows or rows, head_dim), tile_layout(rows, head_dim, x.dtype))
+
+
+def rows_descriptor(x, rows):
+    """TMA descriptor of `rows`-element pieces of a contiguous float32 x read as one row (the
+    backward's lse and delta, (batch, nheads, seqlen_q) or varlen (nheads, total_q))."""
+    return descriptor(x.view(-1), (rows,), row_layout(rows))
+
+
+_checked: set = set()  # the geometries whose descriptors TensorDescriptor has checked
+
+
+def descriptor(base, block: tuple, layout):
+    """TensorDescriptor(base, its shape, its strides, block, layout) for a contiguous base with a
+    16-byte aligned address (which the kernels' eligibility checks). TensorDescriptor checks its
+    fields when made (~10 us on the host; a training step makes 13 descriptors); what it checks
+    depends only on the geometry (shape, strides, dtype, block, layout) besides that address,
+    so the check runs once per geometry and later descriptors are made without it."""
+    shape, strides = list(base.shape), list(base.stride())
+    key = (*shape, *strides, base.dtype, *block, layout)
+    if key not in _checked:
+        TensorDescriptor(base, shape, strides, list(block), layout)  # raises on a bad geometry
+        if len(_checked) >= 4096:
+            _checked.clear()
+        _checked.add(key)
+    desc = object.__new__(TensorDescriptor)
+    desc.base, desc.shape, desc.strides, desc.block_shape = base, shape, strides, list(block)
+    desc.layout, desc.padding = layout, "zero"
+    return desc
 
 
 @functools.cache
@@ -51,6 +78,12 @@ def tile_layout(rows, head_dim, dtype):
     per descriptor otherwise)."""
     gl_dtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
     return gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl_dtype)
+
+
+@functools.cache
+def row_layout(rows):
+    """The shared-memory layout of `rows` float32 values (made once, as tile_layout)."""
+    return gl.NVMMASharedLayout.get_default_for([rows], gl.float32)
 
 
 if gluon is not None:
