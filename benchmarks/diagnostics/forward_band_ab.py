@@ -32,12 +32,14 @@ def main(tag: str, path: str) -> None:
                 if mask == "window" and s != 4096:
                     continue
                 row = dict(tag=tag, d=d, seqlen=s, mask=mask, flashkit_ms=triton.testing.do_bench(
-                    lambda kw=kw: flashkit.flash_attn_func(q, k, v, **kw), warmup=50, rep=200))
+                    lambda q=q, k=k, v=v, kw=kw: flashkit.flash_attn_func(q, k, v, **kw),
+                    warmup=50, rep=200))
                 if mask == "causal":
                     qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))
                     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                         row["cudnn_ms"] = triton.testing.do_bench(
-                            lambda: F.scaled_dot_product_attention(qh, kh, vh, is_causal=True),
+                            lambda qh=qh, kh=kh, vh=vh: F.scaled_dot_product_attention(
+                                qh, kh, vh, is_causal=True),
                             warmup=50, rep=200)
                 rows.append(row)
                 print(row, flush=True)
