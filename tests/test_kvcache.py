@@ -558,6 +558,7 @@ def test_auto_num_splits_on_the_h200_tile(monkeypatch):
     assert decode.launch_shape(q, 4, 0, 3, None)[0].subtiles == 4
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's tile table")
 def test_a_tile_out_of_shared_memory_shrinks_and_is_remembered(monkeypatch):
     """A launch that runs out of shared memory (a float32 d64 paged prefill tile asked sm_90 for
     289 KiB) runs again with fewer stages, then fewer keys per tile; the tile that ran is kept

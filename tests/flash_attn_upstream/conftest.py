@@ -19,6 +19,10 @@ Options:
                        within --fa-max-seqlen ("in_range") and drawn ("drawn")
   --fa-cpu-collect     with --collect-only on a machine without CUDA: report the device as an
                        sm_90 GPU while the file is imported, to count and list the cases
+  --fa-lost-context P  a case after which the CUDA context is broken (an illegal address is
+                       sticky: every later case of the process would fail with it) ends its
+                       process after writing its id to P (JSON lines); with -n, xdist starts a
+                       fresh worker for the cases left
 Tests that exercise flash-attn's compiled extension module itself are marked not applicable.
 """
 
@@ -56,6 +60,9 @@ def pytest_addoption(parser):
     group.addoption("--fa-plan-out", default=None, help="write the drawn counts as JSON here")
     group.addoption("--fa-cpu-collect", action="store_true",
                     help="list the cases without CUDA (--collect-only only)")
+    group.addoption("--fa-lost-context", default=None,
+                    help="end the process after a case that breaks the CUDA context, "
+                         "writing its id here")
 
 
 def _option(config, name):
@@ -176,3 +183,18 @@ def pytest_runtest_setup(item):
     deadline = _option(item.config, "--fa-deadline")
     if deadline is not None and item.path.name == UPSTREAM_FILE and time.time() > deadline:
         pytest.skip(DEADLINE_REASON)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After each case, wait for its kernels: a broken context shows here at the latest, so the
+    case that broke it is this one (the previous case's wait passed). See --fa-lost-context."""
+    path = _option(item.config, "--fa-lost-context")
+    if path is None or item.path.name != UPSTREAM_FILE:
+        return
+    try:
+        torch.cuda.synchronize()
+    except Exception as error:  # torch.AcceleratorError: the context is gone for this process
+        with open(path, "a") as f:
+            f.write(json.dumps({"id": item.nodeid, "error": str(error).splitlines()[0]}) + "\n")
+        os._exit(3)

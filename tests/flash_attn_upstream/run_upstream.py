@@ -74,6 +74,7 @@ class Recorder:
             "kernels_compiled": _cached_kernels() - self.cached_kernels,
             "pytest_exit_code": self.exit_code,
             "plan": plan,
+            "lost_context": _lost_context(self.plan_file.parent / LOST_CONTEXT),
             **self.tally.as_dict(),
         }
 
@@ -83,6 +84,17 @@ class Recorder:
         (self.out / "flash_attn_upstream.json").write_text(json.dumps(summary, indent=1))
         (self.out / "flash_attn_upstream.md").write_text(upstream_summary.markdown(summary))
         return summary
+
+
+LOST_CONTEXT = "lost_context.jsonl"  # the cases that broke their worker's CUDA context
+
+
+def _lost_context(path: pathlib.Path) -> list:
+    """[{"id", "error"}] of the cases after which the CUDA context was broken (conftest's
+    --fa-lost-context), in the order they happened."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def _cached_kernels() -> int:
@@ -118,7 +130,8 @@ def pytest_args(args, plan_file) -> list[str]:
         if args.cpu_collect:
             command += ["--fa-cpu-collect"]
     else:
-        command += ["--fa-deadline", str(time.time() + args.budget)]
+        command += ["--fa-deadline", str(time.time() + args.budget),
+                    "--fa-lost-context", str(plan_file.parent / LOST_CONTEXT)]
         if args.workers:
             command += ["-n", str(args.workers)]
     return command
@@ -158,6 +171,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     plan_file = out / "flash_attn_upstream_plan.json"
     plan_file.unlink(missing_ok=True)
+    (out / LOST_CONTEXT).unlink(missing_ok=True)
     if args.co:
         start = time.time()
         code = pytest.main(pytest_args(args, plan_file))

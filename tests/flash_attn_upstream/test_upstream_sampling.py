@@ -191,3 +191,40 @@ def test_runner_counts_the_cases_it_would_run(tmp_path):
     # pairs stay, with their 96 combinations of the other parameters each
     assert plan["in_range"]["test_flash_attn_causal"] == 7 * 96
     assert all(plan["in_range"][name] <= plan["sizes"][name] for name in plan["sizes"])
+
+
+def test_a_case_that_breaks_the_cuda_context_ends_its_process(tmp_path, monkeypatch):
+    """The teardown wait: a case after which synchronising fails is written to the
+    --fa-lost-context file and its process ends; a case whose wait passes is not."""
+    import importlib.util
+    import types
+
+    import torch
+
+    # this directory's conftest, by path (other conftest modules share its module name)
+    spec = importlib.util.spec_from_file_location(
+        "upstream_conftest", pathlib.Path(__file__).with_name("conftest.py"))
+    conftest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conftest)
+
+    lost = tmp_path / "lost.jsonl"
+    item = types.SimpleNamespace(
+        nodeid="test_flash_attn.py::test_x[1]", path=pathlib.Path(upstream_summary.UPSTREAM_FILE),
+        config=types.SimpleNamespace(getoption=lambda name, default=None: str(lost)
+                                     if name == "--fa-lost-context" else default))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    conftest.pytest_runtest_teardown(item, None)
+    assert not lost.exists()
+
+    def broken():
+        raise RuntimeError("CUDA error: an illegal memory access was encountered\nmore")
+
+    def exit_(code):
+        raise SystemExit(code)
+
+    monkeypatch.setattr(torch.cuda, "synchronize", broken)
+    monkeypatch.setattr(os, "_exit", exit_)
+    with pytest.raises(SystemExit, match="3"):
+        conftest.pytest_runtest_teardown(item, None)
+    assert json.loads(lost.read_text()) == {
+        "id": item.nodeid, "error": "CUDA error: an illegal memory access was encountered"}

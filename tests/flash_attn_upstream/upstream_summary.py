@@ -179,6 +179,11 @@ def markdown(summary: dict) -> str:
                          f"{functions} | {_cell(f['ids'][0])} |")
     else:
         lines.append("None.")
+    lines += ["", "## Cases that broke the CUDA context", "",
+              "Each ended its worker process (a fresh one ran the cases left), so the cases "
+              "after it did not fail for it.", ""]
+    lost = summary.get("lost_context", [])
+    lines += [f"- `{_cell(case['id'])}`: {_cell(case['error'])}" for case in lost] or ["None."]
     lines += ["", "## Skips by reason", "",
               "Reasons starting with \"not applicable\" are where flashkit's drop-in deliberately "
               "differs from flash-attn (docs/dropin.md); the others are flash-attn's own skips.",

@@ -130,8 +130,8 @@ def gradient_pairs(keep, i, seqlen_q, seqlen_k, window_left, window_right,
         pairs = keep
     else:
         diag = i + (seqlen_k - seqlen_q)
-        first = tl.zeros_like(i)
-        last = tl.zeros_like(i) + seqlen_k - 1
+        first = i * 0  # (not zeros_like: Gluon's needs a layout; this serves both)
+        last = first + (seqlen_k - 1)
         if HAS_LEFT:
             first = tl.maximum(diag - window_left, 0)
         if HAS_RIGHT:

@@ -32,10 +32,7 @@ a sequence's end reads the next sequence's rows (or zeros past the tensor): thei
 masked to -inf, so P is 0 there, and with KEY_TAIL (varlen, or seqlen_k not a multiple of
 BLOCK_N) each consumer zeroes V's rows past the end in that last tile before its P V wgmma
 (hopper_common.zero_tile_tail), so NaN or inf there (0 * NaN) cannot reach the output; query
-rows past seqlen_q are never stored. With a band (HAS_LEFT / HAS_RIGHT) the masked tiles are the
-program's (every consumer masks a tile if any must), and each consumer guards their values before
-its P V wgmma (_guard_values): a non-finite value of a key a row cannot see is zeroed in the tile,
-and a row that sees one turns NaN.
+rows past seqlen_q are never stored.
 
 Varlen (VARLEN): the grid covers the longest sequence; each program reads its sequence's first
 rows and lengths (_sequence_rows) and returns past its end, so the per-sequence masks, band
@@ -93,7 +90,6 @@ try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared,
         mbarrier,
         tma,
         warpgroup_mma,
@@ -243,83 +239,6 @@ if gluon is not None:
         return p, alpha, m_new, l_new
 
     @gluon.jit
-    def _guard_values(acc, v_tile, flags, position, rows, col0, geo, CONSUMER: gl.constexpr,
-                      CONSUMERS: gl.constexpr, NUM_STAGES: gl.constexpr, HEAD_DIM: gl.constexpr,
-                      HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, s_layout: gl.constexpr,
-                      o_layout: gl.constexpr):
-        """Before the P V wgmma of a band-masked key tile (ring position `position`, keys col0
-        ..., V in v_tile [BLOCK_N, HEAD_DIM] in shared memory): a key that some query row cannot
-        see has P = 0 there, but 0 * NaN or 0 * inf in P V is NaN, so a non-finite value must
-        not reach the tensor cores. Returns acc.
-
-        Each consumer scans the tile (16-row slices, as zero_tile_tail). One that finds a
-        non-finite value writes which keys hold one into its row of flags [NUM_STAGES *
-        CONSUMERS, BLOCK_N] (int32: the tag position + 1, so a row left from an earlier tile in
-        this buffer never matches), then zeroes those values in the tile (a fence and a barrier
-        after, as zero_tile_tail). A row of acc whose query sees a flagged key (any consumer's
-        flags: another may have zeroed the value before this one's scan, always after writing
-        its flags) turns NaN. Zeroing the shared tile is safe because every consumer of the
-        program guards the same tiles (_consumer's masked ranges are the program's) and writes
-        zeros only where a value was non-finite. A row that sees a non-finite value gets NaN in
-        all of its columns (the math: in that value's column).
-
-        A finite tile costs the scan (a 16-byte load and a few integer operations per 8
-        values), a warpgroup reduction, and with several consumers a read of the others' flags
-        and a second reduction; unmasked tiles pay nothing."""
-        seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale = geo
-        BLOCK_N: gl.constexpr = v_tile.shape[0]
-        ROWS: gl.constexpr = 16
-        COLS: gl.constexpr = HEAD_DIM // 8  # threads along a row, 8 elements each
-        layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // COLS, COLS], [4, 1], [1, 0])
-        spread: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])  # across the warpgroup
-        tag = position + 1
-        first = position % NUM_STAGES * CONSUMERS  # this buffer's row of consumer 0
-        own = flags.index(first + CONSUMER)
-        # x * 0 is +-0 for a finite x, NaN for NaN and +-inf: its bits less the sign are 0
-        # exactly where x is finite
-        found = gl.zeros([ROWS, HEAD_DIM], gl.int16, layout)
-        for c in gl.static_range(BLOCK_N // ROWS):
-            zeroed = v_tile.slice(c * ROWS, ROWS).load(layout) * 0.0
-            found = gl.maximum(found, zeroed.to(gl.int16, bitcast=True) & 0x7FFF)
-        seen = gl.max(gl.max(found, 1), 0) != 0  # one value for the whole warpgroup
-        if seen:  # flag the keys, then zero their values
-            for c in gl.static_range(BLOCK_N // ROWS):
-                zeroed = v_tile.slice(c * ROWS, ROWS).load(layout) * 0.0
-                key_bad = gl.max(zeroed.to(gl.int16, bitcast=True) & 0x7FFF, 1) != 0
-                own.slice(c * ROWS, ROWS).store(gl.where(key_bad, tag, 0))
-            gl.thread_barrier()
-            for c in gl.static_range(BLOCK_N // ROWS):
-                piece = v_tile.slice(c * ROWS, ROWS)
-                values = piece.load(layout)
-                piece.store(gl.where(values * 0.0 == 0.0, values, gl.zeros_like(values)))
-            fence_async_shared()
-            gl.thread_barrier()
-        flagged = seen
-        if CONSUMERS > 1:  # another consumer's flags, read once by the whole warpgroup
-            tags = gl.zeros([BLOCK_N], gl.int32, spread)
-            for c in gl.static_range(CONSUMERS):
-                if c != CONSUMER:
-                    tags = gl.maximum(tags, flags.index(first + c).load(spread))
-            flagged = flagged | (gl.max(tags, 0) == tag)
-        if flagged:  # rows that see a flagged key turn NaN (key by key: rare, few registers)
-            cells = flags._reinterpret(gl.int32, [flags.shape[0] * BLOCK_N, 1],
-                                       gl.SwizzledSharedLayout(1, 1, 1, [0]))
-            one: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-            row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
-            rows_o = gl.sum(rows, 1).to(gl.int32)  # [BM], in s_layout's row slice
-            rows_o = gl.convert_layout(rows_o, row_layout)
-            hit = gl.zeros_like(rows_o)
-            for key in range(BLOCK_N):
-                cell = gl.zeros([1], gl.int32, one)
-                for c in gl.static_range(CONSUMERS):
-                    cell = gl.maximum(cell, cells.index((first + c) * BLOCK_N + key).load(one))
-                if gl.max(cell, 0) == tag:
-                    hit = hit | visible(rows_o, col0 + key, seqlen_q, seqlen_k, window_left,
-                                        window_right, HAS_LEFT, HAS_RIGHT).to(gl.int32)
-            acc = gl.where(gl.expand_dims(hit, 1) > 0, float("nan"), acc)
-        return acc
-
-    @gluon.jit
     def _release_k(k_empty, stage, SPECIALIZED: gl.constexpr):
         """This consumer's wgmma that read K buffer `stage` completed: hand it to the producer
         (the unspecialized consumer refills K and V together in _release_v)."""
@@ -348,7 +267,7 @@ if gluon is not None:
         V's buffer to the producer, or (unspecialized, ring 0) refill the buffer with tile +
         NUM_STAGES after every warp is done."""
         k_desc, v_desc = descs
-        q_smem, k_smem, v_smem, flags = smem
+        q_smem, k_smem, v_smem = smem
         q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, turns = bars
         stage = (ring + tile) % NUM_STAGES
         if SPECIALIZED:
@@ -373,7 +292,7 @@ if gluon is not None:
         (descs, smem, bars, q_tile, row0, rows, n_tiles, key0, key_start, kv_col, geo, alibi,
          drop, ring, turn0) = ctx
         acc, p_op, m_i, l_i = state
-        q_smem, k_smem, v_smem, flags = smem
+        q_smem, k_smem, v_smem = smem
         q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, turns = bars
         stage = (ring + tile) % NUM_STAGES
         mbarrier.wait(k_ready.index(stage), ((ring + tile) // NUM_STAGES) & 1)
@@ -412,11 +331,6 @@ if gluon is not None:
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
         _release_v((descs[1], descs[2]), smem, bars, tile - 1, ring, n_tiles, key0, kv_col,
                    BLOCK_N, NUM_STAGES, SPECIALIZED)
-        if MASK and (HAS_LEFT or HAS_RIGHT):  # before the next step's P_tile V_tile
-            mbarrier.wait(v_ready.index(stage), ((ring + tile) // NUM_STAGES) & 1)
-            acc = _guard_values(acc, v_smem.index(stage), flags, ring + tile, rows, col0, geo,
-                                CONSUMER, CONSUMERS, NUM_STAGES, v_smem.shape[2], HAS_LEFT,
-                                HAS_RIGHT, s_layout, o_layout)
         return acc, p_next, m_i, l_i
 
     @gluon.jit
@@ -451,7 +365,7 @@ if gluon is not None:
          softcap_scale, seed_lo, seed_hi, dropout_threshold, dropout_scale) = scalars
         geo = (seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale)
         drop = (seed_lo, seed_hi, dropout_threshold, off_b, off_h)
-        q_smem, k_smem, v_smem, flags = smem
+        q_smem, k_smem, v_smem = smem
         q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, turns = bars
         dtype: gl.constexpr = q_smem.dtype
 
@@ -481,11 +395,9 @@ if gluon is not None:
             m_i, l_i = softmax_start(m_i, l_i, gl.load(Sink + off_h) * LOG2E_GL)
         acc = gl.zeros([BM, HEAD_DIM], gl.float32, o_layout)
 
-        # Tiles [t_lo, t_hi) are fully visible from every row of the program (no mask): the
-        # consumers guard the same tiles (_guard_values).
-        _, mid_lo, mid_hi, _ = key_tile_ranges(start_m, seqlen_q, seqlen_k, window_left,
-                                               window_right, CONSUMERS * BM, BLOCK_N, HAS_LEFT,
-                                               HAS_RIGHT)
+        # Tiles [t_lo, t_hi) are fully visible from this warpgroup's rows (no mask).
+        _, mid_lo, mid_hi, _ = key_tile_ranges(row0, seqlen_q, seqlen_k, window_left,
+                                               window_right, BM, BLOCK_N, HAS_LEFT, HAS_RIGHT)
         t_lo = gl.maximum(gl.minimum(gl.cdiv(gl.maximum(mid_lo - lo, 0), BLOCK_N), n_tiles), 1)
         t_hi = gl.maximum(gl.minimum(gl.maximum((mid_hi - lo) // BLOCK_N, t_lo), n_tiles), 1)
         q_tile = q_smem.index(CONSUMER)
@@ -511,11 +423,6 @@ if gluon is not None:
             p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, rows, gl.expand_dims(cols, 0), lo,
                                                geo, alibi, True, HAS_LEFT, HAS_RIGHT, SOFTCAP,
                                                ALIBI, 0)
-            if HAS_LEFT or HAS_RIGHT:  # before P_0 V_0 (see _guard_values)
-                mbarrier.wait(v_ready.index(first), (ring // NUM_STAGES) & 1)
-                acc = _guard_values(acc, v_smem.index(first), flags, ring, rows, lo, geo,
-                                    CONSUMER, CONSUMERS, NUM_STAGES, HEAD_DIM, HAS_LEFT,
-                                    HAS_RIGHT, s_layout, o_layout)
             state = (acc, gl.convert_layout(_p_operand(p, kept, dtype, s_layout, DROPOUT),
                                             p_layout), m_i, l_i)
 
@@ -587,7 +494,7 @@ if gluon is not None:
         item's Q and the first NUM_STAGES tiles pass). keys: see hopper_common.kv_tile_rows. ROLE
         PRODUCER_QK loads Q and K only, PRODUCER_V V only (SPLIT_LOADS)."""
         q_desc, k_desc, v_desc = descs
-        q_smem, k_smem, v_smem, flags = smem
+        q_smem, k_smem, v_smem = smem
         q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, turns = bars
         if ROLE != PRODUCER_V:
             for c in gl.static_range(CONSUMERS):
@@ -614,7 +521,7 @@ if gluon is not None:
         """The producer's K and V loads of ring position `position` (pieces at rows), each once
         the consumers freed its buffer (PRODUCER_QK: K only, PRODUCER_V: V only)."""
         q_desc, k_desc, v_desc = descs
-        q_smem, k_smem, v_smem, flags = smem
+        q_smem, k_smem, v_smem = smem
         q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, turns = bars
         stage = position % NUM_STAGES
         phase = (position // NUM_STAGES) & 1
@@ -809,14 +716,6 @@ if gluon is not None:
         k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         turns = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
-        flags = q_bars  # a placeholder: only band-masked builds guard V (_guard_values)
-        if HAS_LEFT or HAS_RIGHT:  # keys with a non-finite value per buffer and consumer
-            flags = gl.allocate_shared_memory(gl.int32, [NUM_STAGES * CONSUMERS, BLOCK_N],
-                                              gl.SwizzledSharedLayout(1, 1, 1, [0]))
-            for i in gl.static_range(NUM_STAGES * CONSUMERS):  # 0: no tile's tag
-                flags.index(i).store(gl.zeros(
-                    [BLOCK_N], gl.int32, gl.BlockedLayout([1], [32], [num_warps], [0])))
-            gl.thread_barrier()
         for c in gl.static_range(CONSUMERS):
             mbarrier.init(q_bars.index(c), count=1)
             mbarrier.init(q_empty.index(c), count=1)
@@ -827,7 +726,7 @@ if gluon is not None:
             mbarrier.init(k_empty.index(i), count=CONSUMERS)  # one arrive per consumer
             mbarrier.init(v_empty.index(i), count=CONSUMERS)
 
-        smem = (q_smem, k_smem, v_smem, flags)
+        smem = (q_smem, k_smem, v_smem)
         bars = (q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, turns)
         descs = (q_desc, k_desc, v_desc)
         if SPECIALIZED:  # consumer 0 is the default partition, the others workers of 4 warps
