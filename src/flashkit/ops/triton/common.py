@@ -12,7 +12,7 @@ Notation (every kernel file of this backend uses it):
                   slope; exp2((s - m) log2 e), one multiply more per score): the saved natural
                   lse then matches s as the forward rounded it, where a log2-unit lse would
                   round twice more on its way through natural units (at sharp softmax 4-7x the
-                  torch backend's error in P and dV). Host: natural_units(dtype); kernels:
+                  torch backend's error in P and dV). Host: features.kernel_features; kernels:
                   NATURAL = (the q tile's dtype is fp32).
     features      compile-time flags (HAS_LEFT/HAS_RIGHT for the band, SOFTCAP, ALIBI, SINK,
                   DROPOUT, VARLEN: features.FLAGS, the host's one source of them): a kernel
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import os
 
-import torch
 import triton
 import triton.language as tl
 
@@ -61,12 +60,6 @@ def next_power_of_2(n: int) -> int:
 SOFTCAP_EXACT, SOFTCAP_FAST = 1, 2  # values of the SOFTCAP flag (0: no softcap)
 SOFTCAP_EXACT_JIT = tl.constexpr(SOFTCAP_EXACT)
 SOFTCAP_FAST_JIT = tl.constexpr(SOFTCAP_FAST)
-
-
-def natural_units(dtype: torch.dtype | None) -> bool:
-    """Whether kernels for inputs of `dtype` keep scores in natural units (fp32; see NATURAL in
-    the notation above)."""
-    return dtype == torch.float32
 
 
 @triton.jit

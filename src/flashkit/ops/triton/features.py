@@ -58,7 +58,7 @@ class KernelFeatures(NamedTuple):
         window_size=(-1, 2**31 - 1), a common spelling of "unbounded", is then exactly that.
     scores: (qk_scale, softcap_scale) for common.scores: softcap c > 0 gives (c * u,
         scale / c), else (scale * u, 1.0), with u = log2(e), or 1 in natural units (fp32
-        inputs: common.natural_units).
+        inputs: NATURAL in common.py's notation).
     alibi, alibi_strides: the float32 slopes (nheads,) or (batch, nheads) and their (batch,
         head) strides (batch stride 0 for one row); without ALiBi the placeholder, (0, 0).
     sink: the sink logits (nheads,) in float32 (as given with float32_sink=False); without one
@@ -130,7 +130,7 @@ def kernel_features(params: AttentionParams, q: torch.Tensor, v: torch.Tensor, p
     if right is not None and right >= seqlen_q - 1:
         right = None
 
-    units = 1.0 if dtype is _FLOAT32 else LOG2E  # common.natural_units
+    units = 1.0 if dtype is _FLOAT32 else LOG2E  # fp32 inputs: natural units (NATURAL)
     cap = params.softcap
     if cap > 0:
         fast = dtype in _HALF and not interpreting()

@@ -152,7 +152,7 @@ def _fwd_kernel(Q, K, V, Out, Lse,
     off_hk = off_h // group  # GQA: query head h reads kv head h // group
     q_start, k_start, seqlen_q, seqlen_k = sequence(off_b, seqlen_q, seqlen_k, Cu_q, Cu_k,
                                                     VARLEN)
-    NATURAL: tl.constexpr = Q.dtype.element_ty == tl.float32  # common.natural_units
+    NATURAL: tl.constexpr = Q.dtype.element_ty == tl.float32  # common.py's notation
     start_m = pid_m * BLOCK_M
     if VARLEN:
         if start_m >= seqlen_q:
