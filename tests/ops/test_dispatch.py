@@ -48,3 +48,18 @@ def test_environment_variable_turns_the_log_on():
                          text=True, timeout=300, check=True)
     assert "forward ran triton; declined: gluon: " in run.stderr
     assert torch.cuda.is_available() or "no Gluon" in run.stderr
+
+
+def test_backward_reads_an_expanded_dout_as_a_contiguous_copy(monkeypatch):
+    """out.sum().backward() hands the backward an expanded dout (stride 0), which the TMA
+    kernels cannot read: the Triton backend passes a contiguous copy to the kernel choice."""
+    seen, backward_call = [], dispatch.backward_call
+
+    def spy(dout, *args, **kwargs):
+        seen.append(dout)
+        return backward_call(dout, *args, **kwargs)
+
+    monkeypatch.setattr(dispatch, "backward_call", spy)
+    q, k, v = (torch.randn(1, 20, 2, 16, requires_grad=True) for _ in range(3))
+    flashkit.flash_attn_func(q, k, v, causal=True, backend="triton").sum().backward()
+    assert len(seen) == 1 and seen[0].is_contiguous() and 0 not in seen[0].stride()

@@ -66,6 +66,9 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     own_lse=False: lse is not this call's own but one over more keys (ring attention's merged
     lse), so a row that sees one key here is not a row whose softmax is 1."""
     _check_supported(params, q.dtype)
+    # out.sum()'s gradient is an expanded view (stride 0), which the TMA kernels cannot read:
+    # one copy (a no-op for a contiguous dout), as SDPA makes
+    dout = dout.contiguous()
     with _on_device_of(q):
         return dispatch.backward_call(dout, q, k, v, out, lse, params, dq=dq, dk=dk, dv=dv,
                                       dlse=dlse, own_lse=own_lse)
