@@ -107,8 +107,9 @@ def _cached_kernels() -> int:
 
 
 def _commit() -> str:
+    """The checkout's commit, "-dirty" when its files differ from it (a copied working tree)."""
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, text=True,
+        return subprocess.run(["git", "describe", "--always", "--dirty"], cwd=HERE, text=True,
                               capture_output=True, timeout=10).stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
