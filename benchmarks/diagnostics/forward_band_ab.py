@@ -7,8 +7,8 @@ bf16, batch x seqlen = 16k tokens, heads x head_dim = 2048; causal at 1k and 4k 
 window (255, 0) at 4k. Times are triton.testing.do_bench medians in ms.
 """
 
+import argparse
 import json
-import sys
 
 import torch
 import torch.nn.functional as F
@@ -48,4 +48,8 @@ def main(tag: str, path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("tag", help="a name for this source tree's rows")
+    parser.add_argument("out", help="the JSON file to write")
+    args = parser.parse_args()
+    main(args.tag, args.out)
