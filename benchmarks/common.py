@@ -169,6 +169,16 @@ def default_out(suite: str) -> str:
         RESULTS / suite)
 
 
+def name_list(parser, option: str, value: str, known) -> list[str]:
+    """The comma-separated names given to `option`, each one of `known`; an unknown name is the
+    parser's usage error."""
+    names = [name for name in value.split(",") if name]
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        parser.error(f"{option}: unknown {unknown}")
+    return names
+
+
 def add_out_argument(parser, suite: str) -> None:
     parser.add_argument("--out", default=None,
                         help=f"result folder (default: $OUT/{suite} or benchmarks/results/{suite})")

@@ -150,33 +150,29 @@ def builds():
         importlib.import_module(f"flashkit.ops.triton.{name}")
         for name in ("backward", "backward_hopper", "decode", "forward", "forward_hopper"))
 
+    from flashkit.ops.triton.features import lse_shape
+
     def lse_of(q, params):
-        if params.is_varlen:
-            return torch.empty(q.shape[1], q.shape[0], dtype=torch.float32)
-        return torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32)
+        return torch.empty(lse_shape(q, params), dtype=torch.float32)
+
+    def problem(head_dim, causal, features, varlen, seqlen=4096):
+        """q, k, v, params: two packed sequences (varlen), else one of seqlen tokens, h x d =
+        2048."""
+        if varlen:
+            return _varlen(head_dim, causal)
+        q, k, v = _qkv(1, seqlen, 2048 // head_dim, head_dim)
+        return q, k, v, _params(head_dim, causal, features, nheads=q.shape[2])
 
     def portable_fwd(head_dim, causal, features=False, varlen=False):
-        if varlen:
-            q, k, v, params = _varlen(head_dim, causal)
-        else:
-            q, k, v = _qkv(1, 4096, 2048 // head_dim, head_dim)
-            params = _params(head_dim, causal, features, nheads=q.shape[2])
+        q, k, v, params = problem(head_dim, causal, features, varlen)
         return lambda: forward.attention_forward(q, k, v, params)
 
     def portable_bwd(head_dim, causal, features=False, varlen=False):
-        if varlen:
-            q, k, v, params = _varlen(head_dim, causal)
-        else:
-            q, k, v = _qkv(1, 4096, 2048 // head_dim, head_dim)
-            params = _params(head_dim, causal, features, nheads=q.shape[2])
+        q, k, v, params = problem(head_dim, causal, features, varlen)
         return lambda: backward.attention_backward(q, q, k, v, q, lse_of(q, params), params)
 
     def gluon_fwd(head_dim, causal, seqlen=4096, features=False, varlen=False):
-        if varlen:
-            q, k, v, params = _varlen(head_dim, causal)
-        else:
-            q, k, v = _qkv(1, seqlen, 2048 // head_dim, head_dim)
-            params = _params(head_dim, causal, features, nheads=q.shape[2])
+        q, k, v, params = problem(head_dim, causal, features, varlen, seqlen)
         return lambda: forward_hopper.attention_forward(q, k, v, params)
 
     def gluon_paged(head_dim):
@@ -195,11 +191,7 @@ def builds():
                                                         block_table=table)
 
     def hopper_bwd(head_dim, causal, features=False, varlen=False):
-        if varlen:
-            q, k, v, params = _varlen(head_dim, causal)
-        else:
-            q, k, v = _qkv(1, 4096, 2048 // head_dim, head_dim)
-            params = _params(head_dim, causal, features, nheads=q.shape[2])
+        q, k, v, params = problem(head_dim, causal, features, varlen)
         lse = lse_of(q, params)
 
         def run():

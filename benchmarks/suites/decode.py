@@ -35,7 +35,17 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
-from common import Result, add_out_argument, bench, graphed, log, sdpa, table, tflops  # noqa: E402
+from common import (  # noqa: E402
+    Result,
+    add_out_argument,
+    bench,
+    graphed,
+    log,
+    name_list,
+    sdpa,
+    table,
+    tflops,
+)
 
 DTYPE, NHEADS, HEAD_DIM = torch.bfloat16, 32, 128
 STAGES = ("gate", "decode", "step", "prefill", "host")
@@ -294,9 +304,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tag", default="")
     add_out_argument(ap, "decode")
     args = ap.parse_args(argv)
-    stages = [s for s in args.stages.split(",") if s]
-    if set(stages) - set(STAGES):
-        ap.error(f"--stages: unknown {sorted(set(stages) - set(STAGES))}")
+    stages = name_list(ap, "--stages", args.stages, STAGES)
     torch.manual_seed(0)
     result = Result("decode", args.out, args.tag,
                     dict(dtype="bfloat16", nheads=NHEADS, head_dim=HEAD_DIM, quick=args.quick,

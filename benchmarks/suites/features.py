@@ -30,7 +30,17 @@ import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
-from common import Result, add_out_argument, anchor_flex_compiled, bench, log, sdpa, table, tflops  # noqa: E402
+from common import (  # noqa: E402
+    Result,
+    add_out_argument,
+    anchor_flex_compiled,
+    bench,
+    log,
+    name_list,
+    sdpa,
+    table,
+    tflops,
+)
 
 HEAD_DIM, NHEADS, DTYPE = 128, 16, torch.bfloat16
 WINDOW, WINDOW_SEQLEN = 1024, 16384
@@ -223,9 +233,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tag", default="")
     add_out_argument(ap, "features")
     args = ap.parse_args(argv)
-    parts = [p for p in args.parts.split(",") if p]
-    if set(parts) - set(PARTS):
-        ap.error(f"--parts: unknown {sorted(set(parts) - set(PARTS))}")
+    parts = name_list(ap, "--parts", args.parts, PARTS)
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
     FORWARD_ONLY = args.forward_only

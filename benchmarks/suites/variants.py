@@ -47,7 +47,15 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
-from common import Result, add_out_argument, anchor_flex_compiled, bench, log, table  # noqa: E402
+from common import (  # noqa: E402
+    Result,
+    add_out_argument,
+    anchor_flex_compiled,
+    bench,
+    log,
+    name_list,
+    table,
+)
 
 import flashkit  # noqa: E402
 from flashkit import variants  # noqa: E402
@@ -344,7 +352,7 @@ def main() -> None:
     ap.add_argument("--parts", default="first_call,examples,captured,builtins",
                     help="comma-separated: first_call, examples, captured, builtins, configs")
     args = ap.parse_args()
-    parts = args.parts.split(",")
+    parts = name_list(ap, "--parts", args.parts, COLUMNS)
     result = Result("variants", args.out, config=dict(head_dim=HEAD_DIM, nheads=NHEADS,
                                                       tokens=TOKENS, dtype=str(DTYPE)))
     rows = {part: [] for part in parts}

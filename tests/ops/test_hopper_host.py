@@ -1,5 +1,5 @@
-"""The host side of the sm_90 Gluon kernels on any machine: their TMA descriptors, and the
-arguments their launchers pass (checked against the kernels' signatures without a GPU)."""
+"""The host side of the sm_90 Gluon kernels on any machine: their TMA descriptors (the
+launchers' arguments against the kernels' signatures: tests/ops/test_features.py)."""
 
 from __future__ import annotations
 
@@ -49,28 +49,3 @@ def test_a_bad_geometry_still_raises():
         hopper_common.descriptor(torch.randn(256, 64, dtype=torch.bfloat16), (48, 64), layout)
     with pytest.raises(AssertionError, match="16-byte"):
         hopper_common.descriptor(torch.randn(256, 68, dtype=torch.bfloat16), (64, 64), layout)
-
-
-@pytest.mark.parametrize("causal", [False, True])
-def test_backward_launchers_match_the_kernel_signatures(causal, monkeypatch):
-    """The Gluon dK/dV and dQ launchers pass their tensors (any order), scalars and constexprs
-    as launch() needs them: constexprs in signature order after the runtime arguments."""
-    from flashkit.ops.params import AttentionParams
-    from flashkit.ops.triton import backward_hopper, launch
-
-    launched = []
-
-    def record(kernel, grid, tensors, scalars, constexprs, tensor_params=(), **options):
-        order = launch._order(kernel, tensor_params, len(tensors), len(scalars))
-        launch._check_constexpr_order(kernel, len(tensors) + len(scalars), constexprs)
-        launched.append((kernel.__name__, len(order(tensors + scalars))))
-
-    monkeypatch.setattr(backward_hopper, "launch", record)
-    q, k, v, dout = (torch.randn(2, 256, 4, 64, dtype=torch.bfloat16) for _ in range(4))
-    lse, delta = torch.randn(2, 4, 256), torch.randn(2, 4, 256)
-    params = AttentionParams(0.125, None, 0 if causal else None)
-    backward_hopper.attention_backward_dkdv(dout, q, k, v, lse, delta, params,
-                                            torch.empty_like(k), torch.empty_like(v))
-    backward_hopper.attention_backward_dq(dout, q, k, v, lse, delta, params,
-                                          torch.empty_like(q))
-    assert [name for name, _ in launched] == ["_bwd_dkdv_hopper_kernel", "_bwd_dq_hopper_kernel"]

@@ -195,24 +195,14 @@ def _fp8_fwd_kernel(Q, K, V, Out, Lse, Q_descale, K_descale, V_descale,
     lo, mid_lo, mid_hi, hi = key_tile_ranges(start_m, seqlen_q, seqlen_k, window_left,
                                              window_right, BLOCK_M, BLOCK_N, HAS_LEFT,
                                              HAS_RIGHT)
-    acc, m_i, l_i = _fp8_tiles(acc, m_i, l_i, q_tile, k_base, v_base, stride_ks, stride_kd,
-                               stride_vs, stride_vd, lo, mid_lo, offs_m, offs_d, offs_dv,
-                               seqlen_q, seqlen_k, window_left, window_right, qk_scale,
-                               softcap_scale, alibi_log2, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
-                               BLOCK_DV, BLOCK_N, P_SCALE, True, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-                               ALIBI)
-    acc, m_i, l_i = _fp8_tiles(acc, m_i, l_i, q_tile, k_base, v_base, stride_ks, stride_kd,
-                               stride_vs, stride_vd, mid_lo, mid_hi, offs_m, offs_d, offs_dv,
-                               seqlen_q, seqlen_k, window_left, window_right, qk_scale,
-                               softcap_scale, alibi_log2, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
-                               BLOCK_DV, BLOCK_N, P_SCALE, False, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-                               ALIBI)
-    acc, m_i, l_i = _fp8_tiles(acc, m_i, l_i, q_tile, k_base, v_base, stride_ks, stride_kd,
-                               stride_vs, stride_vd, mid_hi, hi, offs_m, offs_d, offs_dv,
-                               seqlen_q, seqlen_k, window_left, window_right, qk_scale,
-                               softcap_scale, alibi_log2, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
-                               BLOCK_DV, BLOCK_N, P_SCALE, True, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-                               ALIBI)
+    bounds = (lo, mid_lo, mid_hi, hi)
+    for segment in tl.static_range(3):  # masked edge, unmasked middle, masked edge
+        acc, m_i, l_i = _fp8_tiles(acc, m_i, l_i, q_tile, k_base, v_base, stride_ks, stride_kd,
+                                   stride_vs, stride_vd, bounds[segment], bounds[segment + 1],
+                                   offs_m, offs_d, offs_dv, seqlen_q, seqlen_k, window_left,
+                                   window_right, qk_scale, softcap_scale, alibi_log2, HEAD_DIM,
+                                   HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, P_SCALE, segment != 1,
+                                   HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI)
 
     has_mass = l_i > 0.0
     l_safe = softmax_denominator(l_i)
