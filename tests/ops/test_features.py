@@ -5,6 +5,7 @@ of constexpr order never sees them)."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 import pytest
@@ -47,6 +48,15 @@ def _inputs(varlen: bool, dtype=torch.bfloat16, head_dim=64):
         sink=torch.randn(nheads, generator=gen).to(torch.bfloat16), dropout_p=DROPOUT_P,
         dropout_seed=SEED, **lengths)
     return q, k, v, params
+
+
+def _on_device(q, k, v, params: AttentionParams):
+    """_inputs' tensors on the GPU when there is one (else as they are, for the interpreter)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    moved = {name: getattr(params, name).to(device) for name in
+             ("alibi_slopes", "sink", "cu_seqlens_q", "cu_seqlens_k")
+             if getattr(params, name) is not None}
+    return q.to(device), k.to(device), v.to(device), dataclasses.replace(params, **moved)
 
 
 def _expected(params: AttentionParams, varlen: bool) -> dict:
@@ -166,12 +176,13 @@ def test_gluon_forward_launcher_fills_the_kernel_signature(varlen, monkeypatch):
 @pytest.mark.parametrize("varlen", [False, True])
 @pytest.mark.parametrize("which", ["dkdv", "dq"])
 def test_gluon_backward_launchers_fill_the_kernel_signatures(varlen, which, monkeypatch):
-    q, k, v, params = _inputs(varlen)
+    # on the GPU: a varlen dK/dV call aligns lse and delta in a kernel of its own, before launch
+    q, k, v, params = _on_device(*_inputs(varlen))
     calls = []
     monkeypatch.setattr(backward_hopper, "launch", lambda kernel, grid, tensors, scalars,
                         constexprs, tensor_params=(), **options: calls.append(
                             (kernel, tensors, scalars, constexprs, tensor_params)))
-    lse = torch.zeros(lse_shape(q, params))
+    lse = torch.zeros(lse_shape(q, params), device=q.device)
     delta = torch.zeros_like(lse)
     if which == "dkdv":
         backward_hopper.attention_backward_dkdv(q, q, k, v, lse, delta, params,

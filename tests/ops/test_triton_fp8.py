@@ -182,3 +182,18 @@ def hadamard_errors(head_dim, dtype, seqlen=1024, causal=True):
         diff = out.double() - oracle
         errors[hadamard] = {"max": float(diff.abs().max()), "rms": float(diff.pow(2).mean().sqrt())}
     return errors
+
+
+@pytest.mark.parametrize("dtype", FORMATS, ids=FORMAT_IDS)
+def test_tensor_core_scores_are_the_per_head_products(dtype):
+    """The testing baseline's scores (forward_fp8.tensor_core_scores): q8 . k8 per query head,
+    GQA heads mapped as the kernel maps them, odd lengths and head dim masked. The FP8 tensor
+    cores keep about 14 significant bits per 32 products, so each score is within 2^-10 of the
+    sum of its products' magnitudes (the interpreter sums exactly)."""
+    (q8, _), (k8, _), _ = quantized(2, 19, 37, 4, 2, 40, dtype, per_head=False)
+    got = forward_fp8.tensor_core_scores(q8, k8)
+    q, k = q8.double(), k8.double().repeat_interleave(2, dim=2)
+    exact = torch.einsum("bqhd,bkhd->bhqk", q, k)
+    magnitude = torch.einsum("bqhd,bkhd->bhqk", q.abs(), k.abs())
+    assert got.shape == exact.shape and got.dtype == torch.float32
+    assert ((got.double() - exact).abs() <= 2.0 ** -10 * magnitude + 1e-6).all()

@@ -249,6 +249,48 @@ def descale_args(descale: torch.Tensor | None, heads: int, group: int, placehold
     return descale, descale.stride(0), descale.stride(1)
 
 
+@triton.jit
+def _fp8_scores_kernel(Q, K, S, stride_qb, stride_qs, stride_qh, stride_qd, stride_kb, stride_ks,
+                       stride_kh, stride_kd, stride_sb, stride_sh, stride_sm, nheads, group,
+                       seqlen_q, seqlen_k, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """S[b, h, m, n] = q8[b, m, h] . k8[b, n, h // group] for a [BLOCK_M, BLOCK_N] block, with
+    the forward kernel's own dot (_fp8_tiles: the head dim zero-padded to BLOCK_D, one tl.dot)."""
+    off_bh = tl.program_id(2)
+    off_b, off_h = off_bh // nheads, off_bh % nheads
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    q_base = head_ptr(Q, off_b, off_h, 0, stride_qb, stride_qh, stride_qs)
+    k_base = head_ptr(K, off_b, off_h // group, 0, stride_kb, stride_kh, stride_ks)
+    q_tile = load_tile(tile_ptrs(q_base, offs_m, offs_d, stride_qs, stride_qd), offs_m, seqlen_q,
+                       offs_d, HEAD_DIM, True, HEAD_DIM != BLOCK_D)
+    k_tile = load_tile(tile_ptrs(k_base, offs_n, offs_d, stride_ks, stride_kd), offs_n, seqlen_k,
+                       offs_d, HEAD_DIM, True, HEAD_DIM != BLOCK_D)
+    s = tl.dot(q_tile, tl.trans(k_tile))
+    s_base = S + off_b * stride_sb + off_h * stride_sh
+    tl.store(tile_ptrs(s_base, offs_m, offs_n, stride_sm, 1), s,
+             mask=(offs_m[:, None] < seqlen_q) & (offs_n[None, :] < seqlen_k))
+
+
+def tensor_core_scores(q8: torch.Tensor, k8: torch.Tensor) -> torch.Tensor:
+    """q8 . k8 per head, (batch, nheads, seqlen_q, seqlen_k) float32, summed by the FP8 tensor
+    cores exactly as the forward kernel sums its scores (the same dot over the same padded head
+    dim; each score's reduction does not depend on the tile around it). The testing baseline
+    (flashkit.fp8.rounded_reference) takes its scores from here on a GPU: no model of the
+    accumulator reproduces the hardware's rounding bit for bit."""
+    batch, seqlen_q, nheads, head_dim = q8.shape
+    seqlen_k, nheads_k = k8.shape[1], k8.shape[2]
+    s = torch.empty((batch, nheads, seqlen_q, seqlen_k), dtype=torch.float32, device=q8.device)
+    block_m = block_n = 64
+    grid = (cdiv(seqlen_q, block_m), cdiv(seqlen_k, block_n), batch * nheads)
+    _fp8_scores_kernel[grid](q8, k8, s, *q8.stride(), *k8.stride(), *s.stride()[:3], nheads,
+                             nheads // nheads_k, seqlen_q, seqlen_k, HEAD_DIM=head_dim,
+                             BLOCK_D=max(MIN_BLOCK_D, triton.next_power_of_2(head_dim)),
+                             BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4)
+    return s
+
+
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: AttentionParams,
                       q_descale: torch.Tensor | None = None,
                       k_descale: torch.Tensor | None = None,
