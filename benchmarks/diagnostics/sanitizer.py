@@ -10,7 +10,7 @@ tl.dot / wgmma operands staged in shared memory, the Gluon kernels' producer and
 warps). The caching allocator is off (PYTORCH_NO_CUDA_MEMORY_CACHING=1), so memcheck sees every
 tensor as its own allocation and an access past one is an error, not a read of a neighbour.
 Writes sanitizer.json and sanitizer.md to --out: per family and tool, the error count from the
-tool's ERROR SUMMARY (or why there is none: missing tool, timeout, crash) and the first lines of
+tool's summary line (or why there is none: missing tool, timeout, crash) and the first lines of
 any report. Exit status 0 when every run is clean.
 """
 
@@ -123,7 +123,11 @@ def sanitize(tool_path: str, tool: str, family: str, timeout: float) -> dict:
     except subprocess.TimeoutExpired:
         return dict(family=family, tool=tool, status="timeout", seconds=timeout)
     text = run.stdout + run.stderr
-    summary = re.findall(r"ERROR SUMMARY: (\d+) error", text)
+    # memcheck ends with "ERROR SUMMARY: N errors", racecheck with "RACECHECK SUMMARY: H
+    # hazards displayed (N errors, W warnings)"
+    summary = re.findall(r"ERROR SUMMARY: (\d+) error|RACECHECK SUMMARY: \d+ hazards? displayed "
+                         r"\((\d+) error", text)
+    summary = [memcheck or racecheck for memcheck, racecheck in summary]
     errors = int(summary[-1]) if summary else None
     skipped = "SKIP:" in text
     status = ("skipped" if skipped else "clean" if errors == 0 and run.returncode == 0
