@@ -47,7 +47,7 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():  # before any kernel is decorated: the interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from common import Result, add_out_argument, log, table  # noqa: E402
+from common import Result, add_out_argument, log, name_list, table  # noqa: E402
 
 import flashkit
 from flashkit import reference
@@ -413,11 +413,17 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plan", action="store_true",
                         help="print the buckets and exit")
+    parser.add_argument("--buckets", default="",
+                        help="comma-separated bucket names (b00, b01, ...: see --plan) to draw "
+                             "from; default all")
     args = parser.parse_args(argv)
     if args.cases < 1:
         parser.error("--cases must be at least 1")
     smoke = DEVICE == "cpu"
     plan = buckets(smoke)
+    if args.buckets:
+        wanted = name_list(parser, "--buckets", args.buckets, [v["name"] for v in plan])
+        plan = [v for v in plan if v["name"] in wanted]
     if args.plan:
         for v in plan:
             log(f"{v['name']}: {' '.join(features(v))} shape {v['shape']} "
