@@ -31,10 +31,14 @@ PAD = [3, 0, 5]  # left padding of each row
 SEQLEN = 11
 
 
-def _model(name, dtype):
+def _model(name, dtype, attn_implementation):
+    """The tiny model `name` (the same weights every time) with the given attention, chosen at
+    construction: the way every supported transformers version takes (set_attn_implementation
+    on a loaded model arrived later)."""
     config, _ = MODELS[name]
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config()).to(dtype).eval()
+    model = transformers.AutoModelForCausalLM.from_config(
+        config(), attn_implementation=attn_implementation).to(dtype).eval()
     return model
 
 
@@ -93,8 +97,7 @@ def test_padded_batch_logits_and_gradients_match_the_unpadded_oracle(name):
     for label, dtype, impl in (("oracle", torch.float64, oracle_impl),
                                ("baseline", torch.float32, oracle_impl),
                                ("flashkit", torch.float32, register())):
-        model = _model(name, dtype)
-        model.set_attn_implementation(impl)
+        model = _model(name, dtype, impl)
         model.train()  # gradients; the tiny configs have no dropout
         run = _logits_and_grads if label == "flashkit" else _alone
         results[label] = run(model, ids, mask, weights)
@@ -109,15 +112,15 @@ def test_greedy_generate_with_kv_cache_matches_each_sequence_alone(name):
     """float64 on both sides: a greedy token can only differ through a near tie, and float64
     leaves none at this size."""
     ids, mask = _batch()
-    model = _model(name, torch.float64)
+    model = _model(name, torch.float64, MODELS[name][1])
     model.generation_config.pad_token_id = 0
-    model.set_attn_implementation(MODELS[name][1])
     expected = []
     for b in range(ids.shape[0]):
         keep = mask[b].bool()
         out = model.generate(input_ids=ids[b:b + 1, keep], max_new_tokens=6, do_sample=False)
         expected.append(out[0, int(keep.sum()):].tolist())
-    model.set_attn_implementation(register())
+    model = _model(name, torch.float64, register())
+    model.generation_config.pad_token_id = 0
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
     assert out[:, SEQLEN:].tolist() == expected
 
@@ -125,9 +128,12 @@ def test_greedy_generate_with_kv_cache_matches_each_sequence_alone(name):
 def test_register_returns_a_name_transformers_accepts():
     name = register()
     assert name == NAME and "flash" not in name
-    model = _model("llama", torch.float32)
-    model.set_attn_implementation(name)
+    model = _model("llama", torch.float32, name)
     assert model.config._attn_implementation == name
+    if hasattr(model, "set_attn_implementation"):  # newer transformers: a loaded model switches
+        model.set_attn_implementation("sdpa")
+        model.set_attn_implementation(name)
+        assert model.config._attn_implementation == name
     ids, mask = _batch()
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=mask).logits
