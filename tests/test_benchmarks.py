@@ -75,3 +75,39 @@ def test_result_files(tmp_path):
     assert {"date", "device", "torch", "triton"} <= set(data["env"])
     assert result.path.name.endswith("_t.json")
     assert result.path.with_suffix(".md").read_text().splitlines()[2] == "| 1.5 | - |"
+
+
+def _differential():
+    sys.path.insert(0, str(BENCH / "suites"))
+    import differential
+    return differential
+
+
+def test_differential_gives_few_element_outputs_the_rounding_term():
+    """docs/design.md section 5: an output of at most TINY elements (dsink: one per head) adds
+    the rounding term, since its baseline can be exact by luck; a larger one does not."""
+    import torch
+
+    differential = _differential()
+    truth = torch.tensor([8.0005, -4.0005], dtype=torch.float64)  # near float16 values
+    lucky = truth.to(torch.float16)  # the baseline: 5e-4 off
+    off_by_one = lucky + torch.tensor([2 ** -7, 0], dtype=torch.float16)  # one step (7.8e-3) up
+    failures = []
+    differential.compare("dsink", off_by_one, truth, lucky, 3, torch.float16, failures)
+    assert failures == []
+    many = truth.repeat(64)
+    differential.compare("dq", off_by_one.repeat(64), many, lucky.repeat(64), 3, torch.float16,
+                         failures)
+    assert len(failures) == 1 and failures[0].startswith("dq: max error")
+
+
+def test_differential_draws_from_the_named_buckets(tmp_path, capsys):
+    differential = _differential()
+    with pytest.raises(SystemExit):
+        differential.main(["--buckets", "b99", "--out", str(tmp_path)])
+    assert "--buckets: unknown ['b99']" in capsys.readouterr().err
+    assert differential.main(["--buckets", "b06,b10", "--cases", "4", "--budget", "120",
+                              "--out", str(tmp_path)]) == 0
+    saved = json.loads(next(tmp_path.glob("*.json")).read_text())
+    assert saved["summary"]["cases_run"] == 4 and saved["summary"]["failed"] == 0
+    assert {row["bucket"] for row in saved["per_bucket"]} == {"b06", "b10"}
