@@ -36,17 +36,17 @@ def _check_supported(params: AttentionParams, dtype: torch.dtype) -> None:
     if dtype == torch.float64:
         raise NotImplementedError("triton backend: float64 is not supported (fp16, bf16, "
                                   "fp32); use backend='torch' or 'reference'")
-    unsupported = {
-        "attn_bias": params.attn_bias is not None,
-    }
-    for feature, used in unsupported.items():
-        if used:
-            raise NotImplementedError(f"triton backend: {feature} is not supported yet")
+    if params.attn_bias is not None:
+        raise NotImplementedError("triton backend: attn_bias is not supported yet")
 
 
 def _on_device_of(t: torch.Tensor):
-    """Triton launches on the current CUDA device: make it t's (multi-GPU)."""
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+    """Triton launches on the current CUDA device: make it t's (multi-GPU). Nothing to do when
+    it already is, the usual case (entering and leaving torch.cuda.device costs a few
+    microseconds of host time per call)."""
+    if t.is_cuda and t.get_device() != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: AttentionParams, *,
