@@ -23,8 +23,9 @@ A case passes when, for every output and gradient,
 
 with factor 2 for out / lse (and the appended cache) and 3 for dq, dk, dv, dsink; the oracle is
 flashkit.reference in float64, torch_in_t the same materialised math in the inputs' dtype, and
-problems with at most 256 output elements add flash-attn's rounding term (docs/design.md
-section 5). Dropout cases hand the oracle the keep-mask the kernels drew. Results: DIR/<date>_
+outputs of at most flashkit.testing.TINY elements (dsink: one per head) add flash-attn's
+rounding term (docs/design.md section 5). Dropout cases hand the oracle the keep-mask the
+kernels drew. Results: DIR/<date>_
 <device>.json (buckets with compiles and seconds, counts per feature, every failure with its
 case; common.Result) and .md. Exit status 1 when a case failed or fewer cases than --cases ran
 (the time budget ran out; the log says so).

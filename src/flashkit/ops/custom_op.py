@@ -3,7 +3,8 @@
 `flashkit::attention_forward` and `flashkit::attention_backward` take the backend's name and the
 fields of AttentionParams flattened in declaration order (custom ops take tensors and scalars,
 not dataclasses). Each has a fake implementation giving output shapes for tracing, and the
-forward op's autograd formula calls the backward op.
+forward op's autograd formula calls the backward op. The forward op's third output is the
+float32 O that calls with a sink keep for the backward (keeps_float32_out), else empty.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from torch import Tensor
 
 from flashkit.ops.params import AttentionParams, accumulation_dtype
 
-__all__ = ["attention", "backend_module", "BACKENDS"]
+__all__ = ["attention", "backend_module", "forward_for_backward", "keeps_float32_out", "BACKENDS"]
 
 BACKENDS = ("torch", "triton")
 _FIELDS = [f.name for f in dataclasses.fields(AttentionParams) if f.name != "variant"]
@@ -39,7 +40,29 @@ def backend_module(name: str):
 
 def attention(q: Tensor, k: Tensor, v: Tensor, params: AttentionParams, backend: str):
     """(out, lse) through the custom op; differentiable in q, k, v and the sink."""
-    return attention_forward(q, k, v, *(getattr(params, f) for f in _FIELDS), backend)
+    out, lse, _ = attention_forward(q, k, v, *(getattr(params, f) for f in _FIELDS), backend)
+    return out, lse
+
+
+def keeps_float32_out(q: Tensor, params: AttentionParams) -> bool:
+    """Whether forward keeps O in float32 for the backward: calls with a sink and 16-bit inputs.
+    The sink's gradient sums exp(sink - lse_i) * D_i over every row, D_i = rowsum(dO * O), and
+    D from the float16 / bfloat16 O that forward returns rounds each term (about 1e-3 on a
+    dsink of a few units), where the other gradients read each D once. Such calls keep twice
+    O's memory; every other call keeps O in its own dtype."""
+    return params.sink is not None and q.dtype in (torch.float16, torch.bfloat16)
+
+
+def forward_for_backward(module, q: Tensor, k: Tensor, v: Tensor,
+                         params: AttentionParams) -> tuple[Tensor, Tensor, Tensor]:
+    """(out, lse, o): a backend module's forward and the O its backward is to read, out itself
+    or, where keeps_float32_out, O in float32 (out is then that O rounded to q's dtype, the
+    same values the kernels' own rounding gives)."""
+    if not keeps_float32_out(q, params):
+        out, lse = module.forward(q, k, v, params)
+        return out, lse, out
+    o, lse = module.forward(q, k, v, params, out_dtype=torch.float32)
+    return o.to(q.dtype), lse, o
 
 
 def _params(args) -> AttentionParams:
@@ -65,15 +88,21 @@ def attention_forward(
     attn_bias: Tensor | None, dropout_p: float, dropout_seed: int, cu_seqlens_q: Tensor | None,
     cu_seqlens_k: Tensor | None, max_seqlen_q: int, max_seqlen_k: int, deterministic: bool,
     backend: str,
-) -> tuple[Tensor, Tensor]:
-    return backend_module(backend).forward(q, k, v, _params_named(locals()))
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(out, lse, float32 O or an empty tensor): forward_for_backward, whose third output is
+    empty where the backward reads out itself (a custom op returns no aliases)."""
+    out, lse, o = forward_for_backward(backend_module(backend), q, k, v, _params_named(locals()))
+    return out, lse, q.new_empty(0) if o is out else o
 
 
 @attention_forward.register_fake
 def _(q, k, v, *args):
     params = _params(args[:-1])
-    return (q.new_empty(*q.shape[:-1], v.shape[-1]),
-            q.new_empty(_lse_shape(q, params), dtype=accumulation_dtype(q.dtype)))
+    out_shape = (*q.shape[:-1], v.shape[-1])
+    o = (q.new_empty(out_shape, dtype=torch.float32) if keeps_float32_out(q, params)
+         else q.new_empty(0))
+    return (q.new_empty(out_shape),
+            q.new_empty(_lse_shape(q, params), dtype=accumulation_dtype(q.dtype)), o)
 
 
 @torch.library.custom_op("flashkit::attention_backward", mutates_args=())
@@ -103,15 +132,17 @@ def _setup_context(ctx, inputs, output):
     params = _params(param_args)
     ctx.params = dataclasses.replace(params, **dict.fromkeys(_TENSOR_FIELDS))  # scalars only
     ctx.backend = backend
-    ctx.save_for_backward(q, k, v, *output, *(getattr(params, f) for f in _TENSOR_FIELDS))
+    out, lse, o = output
+    ctx.save_for_backward(q, k, v, o if keeps_float32_out(q, params) else out, lse,
+                          *(getattr(params, f) for f in _TENSOR_FIELDS))
     ctx.set_materialize_grads(False)  # an unused lse passes None, not a tensor of zeros
 
 
-def _backward(ctx, dout, dlse):
+def _backward(ctx, dout, dlse, _):
     q, k, v, out, lse, *tensor_params = ctx.saved_tensors
     params = dataclasses.replace(ctx.params, **dict(zip(_TENSOR_FIELDS, tensor_params,
                                                          strict=True)))
-    dout = torch.zeros_like(out) if dout is None else dout
+    dout = out.new_zeros(out.shape, dtype=q.dtype) if dout is None else dout
     dq, dk, dv, dsink = attention_backward(dout, q, k, v, out, lse, dlse,
                                            *(getattr(params, f) for f in _FIELDS), ctx.backend)
     grads = dict.fromkeys(["q", "k", "v", *_FIELDS, "backend"])
