@@ -150,7 +150,7 @@ def builds():
         importlib.import_module(f"flashkit.ops.triton.{name}")
         for name in ("backward", "backward_hopper", "decode", "forward", "forward_hopper"))
 
-    from flashkit.ops.triton.features import lse_shape
+    from flashkit.ops.params import lse_shape
 
     def lse_of(q, params):
         return torch.empty(lse_shape(q, params), dtype=torch.float32)

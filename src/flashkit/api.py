@@ -243,7 +243,7 @@ class _Attention(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, _ = ctx.saved_tensors
         params = ctx.params
-        dout = out.new_zeros(out.shape, dtype=q.dtype) if dout is None else dout
+        dout = torch.zeros_like(out, dtype=q.dtype) if dout is None else dout
         dq, dk, dv, dsink = custom_op.backend_module(ctx.backend).backward(
             dout, q, k, v, out, lse, params, dlse=dlse)
         return dq, dk, dv, dsink, None, None

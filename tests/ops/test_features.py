@@ -11,7 +11,7 @@ import importlib
 import pytest
 import torch
 
-from flashkit.ops.params import AttentionParams
+from flashkit.ops.params import AttentionParams, lse_shape
 from flashkit.ops.triton import launch as launch_module
 from flashkit.ops.triton.common import LOG2E, SOFTCAP_EXACT, SOFTCAP_FAST, interpreting
 from flashkit.ops.triton.features import (
@@ -19,7 +19,6 @@ from flashkit.ops.triton.features import (
     FLAGS,
     GRADIENT_FLAGS,
     kernel_features,
-    lse_shape,
 )
 
 forward_hopper = importlib.import_module("flashkit.ops.triton.forward_hopper")

@@ -14,7 +14,7 @@ import dataclasses
 import torch
 from torch import Tensor
 
-from flashkit.ops.params import AttentionParams, accumulation_dtype
+from flashkit.ops.params import AttentionParams, accumulation_dtype, lse_shape
 
 __all__ = ["attention", "backend_module", "forward_for_backward", "keeps_float32_out", "BACKENDS"]
 
@@ -74,12 +74,6 @@ def _params_named(arguments: dict) -> AttentionParams:
     return AttentionParams(**{f: arguments[f] for f in _FIELDS})
 
 
-def _lse_shape(q: Tensor, params: AttentionParams):
-    if params.is_varlen:
-        return (q.shape[1], q.shape[0])  # (nheads, total_q)
-    return (q.shape[0], q.shape[2], q.shape[1])  # (batch, nheads, seqlen_q)
-
-
 # The op signatures spell out AttentionParams' fields in order; tests/ops check they agree.
 @torch.library.custom_op("flashkit::attention_forward", mutates_args=())
 def attention_forward(
@@ -102,7 +96,7 @@ def _(q, k, v, *args):
     o = (q.new_empty(out_shape, dtype=torch.float32) if keeps_float32_out(q, params)
          else q.new_empty(0))
     return (q.new_empty(out_shape),
-            q.new_empty(_lse_shape(q, params), dtype=accumulation_dtype(q.dtype)), o)
+            q.new_empty(lse_shape(q, params), dtype=accumulation_dtype(q.dtype)), o)
 
 
 @torch.library.custom_op("flashkit::attention_backward", mutates_args=())
@@ -142,7 +136,7 @@ def _backward(ctx, dout, dlse, _):
     q, k, v, out, lse, *tensor_params = ctx.saved_tensors
     params = dataclasses.replace(ctx.params, **dict(zip(_TENSOR_FIELDS, tensor_params,
                                                          strict=True)))
-    dout = out.new_zeros(out.shape, dtype=q.dtype) if dout is None else dout
+    dout = torch.zeros_like(out, dtype=q.dtype) if dout is None else dout
     dq, dk, dv, dsink = attention_backward(dout, q, k, v, out, lse, dlse,
                                            *(getattr(params, f) for f in _FIELDS), ctx.backend)
     grads = dict.fromkeys(["q", "k", "v", *_FIELDS, "backend"])

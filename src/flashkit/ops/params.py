@@ -27,6 +27,11 @@ from dataclasses import dataclass
 import torch
 
 
+def lse_shape(q: torch.Tensor, params: AttentionParams) -> tuple[int, ...]:
+    """The lse's shape for queries q: (batch, nheads, seqlen_q), varlen (nheads, total_q)."""
+    return (q.shape[1], q.shape[0]) if params.is_varlen else (q.shape[0], q.shape[2], q.shape[1])
+
+
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """The kernels' arithmetic and lse dtype: float64 for float64 inputs, else float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from flashkit.ops.params import AttentionParams, accumulation_dtype
+from flashkit.ops.params import AttentionParams, accumulation_dtype, lse_shape
 from flashkit.ops.tiled import dropout, layout, tile
 
 BLOCK_M = 128
@@ -26,7 +26,7 @@ def forward(q, k, v, params: AttentionParams, block_m: int = BLOCK_M, block_n: i
         return forward_dense(q, k, v, params, params.alibi_slopes, block_m, block_n,
                              out_dtype=out_dtype)
     out = q.new_empty(*q.shape[:-1], v.shape[-1], dtype=out_dtype)
-    lse = torch.empty(q.shape[1], q.shape[0], dtype=accumulation_dtype(q.dtype), device=q.device)
+    lse = torch.empty(lse_shape(q, params), dtype=accumulation_dtype(q.dtype), device=q.device)
     for b, sq, sk in layout.sequences(params):
         out_b, lse_b = forward_dense(q[None, sq], k[None, sk], v[None, sk], params,
                                      layout.sequence_slopes(params, b), block_m, block_n,

@@ -91,11 +91,6 @@ class KernelFeatures(NamedTuple):
         return (0, *x.stride()) if self.varlen else x.stride()
 
 
-def lse_shape(q: torch.Tensor, params: AttentionParams) -> tuple[int, ...]:
-    """The lse's shape for queries q: (batch, nheads, seqlen_q), varlen (nheads, total_q)."""
-    return (q.shape[1], q.shape[0]) if params.is_varlen else (q.shape[0], q.shape[2], q.shape[1])
-
-
 def kernel_features(params: AttentionParams, q: torch.Tensor, v: torch.Tensor, placeholder,
                     dtype: torch.dtype | None = None, seqlen_k: int | None = None,
                     float32_sink: bool = True, flags: tuple = FLAGS) -> KernelFeatures:

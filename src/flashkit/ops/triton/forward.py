@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashkit.ops.params import AttentionParams
+from flashkit.ops.params import AttentionParams, lse_shape
 from flashkit.ops.triton.common import (
     DOT_PRECISION,
     LOG2E_JIT,
@@ -51,7 +51,7 @@ from flashkit.ops.triton.common import (
 )
 from flashkit.ops.triton.configs import padded_head_dim, tile_config
 from flashkit.ops.triton.dropout import dropout_keep
-from flashkit.ops.triton.features import kernel_features, lse_shape
+from flashkit.ops.triton.features import kernel_features
 from flashkit.ops.triton.launch import fold, launch
 
 

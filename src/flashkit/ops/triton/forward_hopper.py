@@ -65,7 +65,7 @@ import functools
 
 import torch
 
-from flashkit.ops.params import AttentionParams
+from flashkit.ops.params import AttentionParams, lse_shape
 from flashkit.ops.triton.common import (
     LOG2E,
     SOFTCAP_FAST,
@@ -82,7 +82,7 @@ from flashkit.ops.triton.common import (
     visible,
 )
 from flashkit.ops.triton.configs import GLUON_FORWARD, gluon_forward_tile
-from flashkit.ops.triton.features import kernel_features, lse_shape
+from flashkit.ops.triton.features import kernel_features
 from flashkit.ops.triton.hopper_common import flash_descriptor, flash_layout_2d
 from flashkit.ops.triton.launch import device_properties, fold, launch
 
