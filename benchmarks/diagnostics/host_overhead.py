@@ -28,6 +28,7 @@ import time
 import types
 
 import torch
+import triton
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import sm90_probe as probe  # noqa: E402
@@ -35,6 +36,7 @@ import sm90_probe as probe  # noqa: E402
 
 def _fake_cuda():
     probe.install_fake_driver()
+    triton.runtime.driver.active.utils = _FakeUtils()
     compile_only = probe.JITFunction.run
 
     def run(self, *args, grid, warmup, **kwargs):  # a launch of the compiled kernel: a no-op
@@ -55,8 +57,25 @@ def _fake_cuda():
     api.require_available = kvcache.require_available = lambda name, device: None
 
 
-def _noop(*args):
-    return None
+class _Noop:
+    def __call__(self, *args):
+        return None
+
+
+class _NoopLauncher(_Noop):
+    """A CudaLauncher whose C entry launches nothing (launch.Prepared calls that entry)."""
+    global_scratch_size = profile_scratch_size = 0
+    launch_cooperative_grid = launch_pdl = False
+    launch = _Noop()
+
+
+_noop = _NoopLauncher()
+
+
+class _FakeUtils:
+    @staticmethod
+    def fill_tma_descriptor(*args):  # the encoded map's stand-in
+        return args[0]
 
 
 def per_call_us(fn, calls):
@@ -80,7 +99,7 @@ def main():
     _fake_cuda()
     from flashkit import flash_attn_func, flash_attn_with_kvcache
     from flashkit.ops.params import AttentionParams
-    from flashkit.ops.triton import forward_hopper  # the Gluon forward's launcher
+    from flashkit.ops.triton import dispatch  # the front door, with its launch plans
 
     bf = torch.bfloat16
     q, k, v = (torch.randn(1, 512, 32, 128, dtype=bf) for _ in range(3))
@@ -99,9 +118,9 @@ def main():
                                        causal=True, backend="triton")
 
     paths = {
-        "forward_hopper.attention_forward": lambda: forward_hopper.attention_forward(
+        "dispatch.forward_call (the Gluon forward, planned)": lambda: dispatch.forward_call(
             q, k, v, params, out=out, lse=lse),
-        "forward_hopper, dropout (a new seed each call)": lambda: forward_hopper.attention_forward(
+        "dispatch.forward_call, dropout (a new seed each call)": lambda: dispatch.forward_call(
             q, k, v, dataclasses.replace(params, dropout_p=0.1, dropout_seed=next(seeds)),
             out=out, lse=lse),
         "flash_attn_func": lambda: flash_attn_func(q, k, v, causal=True, backend="triton"),

@@ -148,14 +148,15 @@ def softcap(cap) -> float:
 def window_size(window, causal) -> tuple[int | None, int | None]:
     """flash-attn's (left, right), -1 = unbounded -> the backends' pair, None = unbounded."""
     if (not isinstance(window, (tuple, list)) or len(window) != 2
-            or not all(isinstance(w, numbers.Integral) for w in window)):
+            or not all(type(w) is int or isinstance(w, numbers.Integral) for w in window)):
         raise ValueError(f"window_size: expected a pair of ints (left, right), got {window!r}")
-    if min(window) < -1:
+    left, right = window
+    if left < -1 or right < -1:
         raise ValueError(f"window_size: entries must be >= -1 (-1 = unbounded), got {window!r}")
     if not isinstance(causal, bool):
         raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
-    left, right = (None if w == -1 else int(w) for w in window)
-    return left, 0 if causal else right
+    return (None if left == -1 else int(left)), 0 if causal else (
+        None if right == -1 else int(right))
 
 
 def alibi_slopes(slopes, batch: int, nheads: int, device) -> None:

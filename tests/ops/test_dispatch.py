@@ -60,6 +60,6 @@ def test_backward_reads_an_expanded_dout_as_a_contiguous_copy(monkeypatch):
         return backward_call(dout, *args, **kwargs)
 
     monkeypatch.setattr(dispatch, "backward_call", spy)
-    q, k, v = (torch.randn(1, 20, 2, 16, requires_grad=True) for _ in range(3))
+    q, k, v = (torch.randn(1, 20, 2, 16, device=DEVICE, requires_grad=True) for _ in range(3))
     flashkit.flash_attn_func(q, k, v, causal=True, backend="triton").sum().backward()
     assert len(seen) == 1 and seen[0].is_contiguous() and 0 not in seen[0].stride()

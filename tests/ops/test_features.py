@@ -154,7 +154,7 @@ def _softcap() -> int:
 def test_gluon_forward_launcher_fills_the_kernel_signature(varlen, monkeypatch):
     q, k, v, params = _inputs(varlen)
     calls = []
-    monkeypatch.setattr(forward_hopper, "launch", lambda kernel, grid, tensors, scalars,
+    monkeypatch.setattr(launch_module, "launch", lambda kernel, grid, tensors, scalars,
                         constexprs, *rest, **options: calls.append(
                             (kernel, tensors + scalars, constexprs, options)))
     forward_hopper.attention_forward(q, k, v, params, tile=(64, 2, 1, True, False, False))
@@ -178,7 +178,7 @@ def test_gluon_backward_launchers_fill_the_kernel_signatures(varlen, which, monk
     # on the GPU: a varlen dK/dV call aligns lse and delta in a kernel of its own, before launch
     q, k, v, params = _on_device(*_inputs(varlen))
     calls = []
-    monkeypatch.setattr(backward_hopper, "launch", lambda kernel, grid, tensors, scalars,
+    monkeypatch.setattr(launch_module, "launch", lambda kernel, grid, tensors, scalars,
                         constexprs, tensor_params=(), **options: calls.append(
                             (kernel, tensors, scalars, constexprs, tensor_params)))
     lse = torch.zeros(lse_shape(q, params), device=q.device)

@@ -63,7 +63,7 @@ from flashkit.ops.triton.common import (
 from flashkit.ops.triton.configs import padded_head_dim, tile_config
 from flashkit.ops.triton.dropout import dropout_keep, dropout_keep_t
 from flashkit.ops.triton.features import GRADIENT_FLAGS, KernelFeatures, kernel_features
-from flashkit.ops.triton.launch import fold, launch
+from flashkit.ops.triton.launch import Prepared, fold, launch, planned
 
 
 @triton.jit
@@ -542,7 +542,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                        dq: torch.Tensor | None = None, dk: torch.Tensor | None = None,
                        dv: torch.Tensor | None = None, tiles: dict | None = None,
                        dlse: torch.Tensor | None = None, gluon: bool = False,
-                       own_lse: bool = True):
+                       own_lse: bool = True, plan: dict | None = None):
     """Launch preprocess, dK/dV and dQ. Returns (dq, dk, dv, dsink), dsink None without a sink;
     dq/dk/dv may be preallocated. dlse, a gradient on the lse output, enters as D - dlse
     (d lse_i / d s_ij = P_ij, the same shape of term as D). own_lse=False: lse is one over more
@@ -553,37 +553,29 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     backward_hopper.declines), else this file's. tiles = {"dkdv": (BLOCK_M, BLOCK_N,
     num_warps, num_stages), "dq": ...} overrides configs.SM90 (the tuning sweep); tiles =
     {"hopper": ..., "hopper_dq": ...} override configs.GLUON_BACKWARD_DKDV and
-    configs.GLUON_BACKWARD_DQ.
+    configs.GLUON_BACKWARD_DQ. plan: the dispatch plan's prepared launches of the Gluon
+    kernels and the preprocess (launch.planned).
     """
     tiles = tiles or {}
-    f = kernel_features(params, q, v, lse, q.dtype, flags=GRADIENT_FLAGS)
-    head_dim_v = f.head_dim_v
     dq = torch.empty_like(q) if dq is None else dq
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
     delta = torch.empty(lse.shape, dtype=torch.float32, device=q.device)  # laid out like lse
-    block_dv = padded_head_dim(head_dim_v)
-
-    # delta row by row: varlen's packed rows are one long sequence here
-    preprocess_block_m = 64
-    rows_batch, rows = (1, q.shape[0]) if params.is_varlen else (f.batch, f.seqlen_q)
-    launch(_bwd_preprocess_kernel,
-           (cdiv(rows, preprocess_block_m), *fold(rows_batch * f.nheads)),
-           (out, dout, delta), (*f.strides(out), *f.strides(dout), *f.strides(delta), f.nheads,
-                                rows),
-           dict(HEAD_DIM_V=head_dim_v, BLOCK_DV=block_dv, BLOCK_M=preprocess_block_m))
+    planned(plan, "preprocess", lambda: _prepare_preprocess(out, dout, delta, params))(
+        out, dout, delta)
     if dlse is not None:
         delta -= dlse
 
     one_key_zero = params.sink is None and dlse is None and own_lse
     if gluon:
         backward_hopper.attention_backward_dkdv(dout, q, k, v, lse, delta, params, dk, dv,
-                                                block=tiles.get("hopper"), features=f,
-                                                one_key_zero=one_key_zero)
+                                                block=tiles.get("hopper"),
+                                                one_key_zero=one_key_zero, plan=plan)
         backward_hopper.attention_backward_dq(dout, q, k, v, lse, delta, params, dq,
-                                              block=tiles.get("hopper_dq"), features=f,
-                                              one_key_zero=one_key_zero)
+                                              block=tiles.get("hopper_dq"),
+                                              one_key_zero=one_key_zero, plan=plan)
     else:
+        f = kernel_features(params, q, v, lse, q.dtype, flags=GRADIENT_FLAGS)
         _triton_dkdv_dq(dout, q, k, v, lse, delta, params, f, dq, dk, dv, tiles, one_key_zero)
 
     dsink = None
@@ -592,8 +584,20 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         # (lse (batch, nheads, seqlen_q), varlen (nheads, total_q)): a fixed-order torch
         # reduction, deterministic like the rest.
         row_share = torch.exp(params.sink.to(torch.float32)[:, None] - lse) * delta
-        dsink = (-row_share.sum(-1).reshape(-1, f.nheads).sum(0)).to(params.sink.dtype)
+        dsink = (-row_share.sum(-1).reshape(-1, lse.shape[-2]).sum(0)).to(params.sink.dtype)
     return dq, dk, dv, dsink
+
+
+def _prepare_preprocess(out, dout, delta, params: AttentionParams) -> Prepared:
+    """The launch of delta = rowsum(dO * O) (launch.Prepared), row by row: varlen's packed rows
+    are one long sequence here."""
+    f = kernel_features(params, out, out, delta, flags=GRADIENT_FLAGS)
+    block_m = 64
+    rows_batch, rows = (1, out.shape[0]) if params.is_varlen else (f.batch, f.seqlen_q)
+    return Prepared(_bwd_preprocess_kernel, (cdiv(rows, block_m), *fold(rows_batch * f.nheads)),
+                    (*f.strides(out), *f.strides(dout), *f.strides(delta), f.nheads, rows),
+                    dict(HEAD_DIM_V=f.head_dim_v, BLOCK_DV=padded_head_dim(f.head_dim_v),
+                         BLOCK_M=block_m))
 
 
 def _triton_dkdv_dq(dout, q, k, v, lse, delta, params: AttentionParams, f: KernelFeatures, dq,

@@ -71,10 +71,16 @@ from flashkit.ops.triton.common import (
     visible,
 )
 from flashkit.ops.triton.configs import GLUON_BACKWARD, GLUON_BACKWARD_DKDV, GLUON_BACKWARD_DQ
-from flashkit.ops.triton.features import GRADIENT_FLAGS, KernelFeatures, kernel_features
+from flashkit.ops.triton.features import (
+    GRADIENT_FLAGS,
+    SEED,
+    dropout_seed,
+    feature_tensors,
+    kernel_features,
+)
 from flashkit.ops.triton.forward_hopper import gluon_declines
 from flashkit.ops.triton.hopper_common import flash_descriptor, flash_layout_2d, rows_descriptor
-from flashkit.ops.triton.launch import fold, launch
+from flashkit.ops.triton.launch import Prepared, fold, planned
 
 try:
     from triton.experimental import gluon
@@ -704,41 +710,59 @@ _DQ_TENSORS = ("q_desc", "k_desc", "v_desc", "do_desc", "Lse", "Delta", "DQ", "A
 
 
 def attention_backward_dkdv(dout, q, k, v, lse, delta, params: AttentionParams, dk, dv,
-                            block=None, one_key_zero=False,
-                            features: KernelFeatures | None = None):
+                            block=None, one_key_zero=False, plan: dict | None = None):
     """dK, dV of the eligible case into dk, dv. delta (laid out like lse) comes from
     backward.py's preprocess; block overrides GLUON_BACKWARD_DKDV (the sweep); one_key_zero:
     the kernels' ONE_KEY_ZERO (backward.py: no sink, no lse gradient, the call's own lse);
-    features: the call's kernel_features (lse the placeholder), made here when not given."""
-    f = features or kernel_features(params, q, v, lse, q.dtype, flags=GRADIENT_FLAGS)
+    plan: the dispatch plan's prepared launches (launch.planned)."""
+    if params.is_varlen:
+        lse, delta = _aligned_lse_delta(lse, delta, params)
+    prepared = planned(plan, "dkdv", lambda: _prepare_dkdv(q, k, v, dout, lse, delta, params, dk,
+                                                           dv, block, one_key_zero))
+    alibi, _, cu_q, cu_k = feature_tensors(params, lse)
+    prepared(q, k, v, dout, lse, delta, dk, dv, alibi, cu_q, cu_k, varying=dropout_seed(params))
+
+
+def _prepare_dkdv(q, k, v, dout, lse, delta, params: AttentionParams, dk, dv, block,
+                  one_key_zero: bool) -> Prepared:
+    """The dK/dV launch (launch.Prepared) of the call's shapes, strides and params' values;
+    lse and delta as the kernel reads them (varlen: aligned)."""
+    f = kernel_features(params, q, v, lse, q.dtype, flags=GRADIENT_FLAGS)
     head_dim = f.head_dim
     block_m, block_n, num_warps, num_stages = block or GLUON_BACKWARD_DKDV[head_dim]
-    if f.varlen:
-        lse, delta = _aligned_lse_delta(lse, delta, params)
     grid = (cdiv(f.seqlen_k, block_n), *fold(f.batch * f.nheads_k))
-    launch(_bwd_dkdv_hopper_kernel, grid, (
-        flash_descriptor(q, block_m), flash_descriptor(k, block_n), flash_descriptor(v, block_n),
-        flash_descriptor(dout, block_m), rows_descriptor(lse, block_m),
-        rows_descriptor(delta, block_m), dk, dv, f.alibi, *f.cu_seqlens), (
+    descriptors = {0: flash_descriptor(q, block_m), 1: flash_descriptor(k, block_n),
+                   2: flash_descriptor(v, block_n), 3: flash_descriptor(dout, block_m),
+                   4: rows_descriptor(lse, block_m), 5: rows_descriptor(delta, block_m)}
+    return Prepared(_bwd_dkdv_hopper_kernel, grid, (
         *f.strides(dk)[:3], *f.strides(dv)[:3], *f.alibi_strides, f.nheads, f.nheads_k,
         *f.band, *f.scores, params.softmax_scale, *f.dropout, lse.stride(-2)), dict(
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=num_stages, **f.flags,
-        ONE_KEY_ZERO=one_key_zero, num_warps=num_warps), _DKDV_TENSORS)
+        ONE_KEY_ZERO=one_key_zero, num_warps=num_warps), _DKDV_TENSORS, descriptors, SEED)
 
 
 def attention_backward_dq(dout, q, k, v, lse, delta, params: AttentionParams, dq, block=None,
-                          one_key_zero=False, features: KernelFeatures | None = None):
+                          one_key_zero=False, plan: dict | None = None):
     """dQ of the eligible case into dq (deterministic); block overrides GLUON_BACKWARD_DQ;
-    one_key_zero and features as attention_backward_dkdv's."""
-    f = features or kernel_features(params, q, v, lse, q.dtype, flags=GRADIENT_FLAGS)
+    one_key_zero and plan as attention_backward_dkdv's."""
+    prepared = planned(plan, "dq", lambda: _prepare_dq(q, k, v, dout, lse, delta, params, dq,
+                                                       block, one_key_zero))
+    alibi, _, cu_q, cu_k = feature_tensors(params, lse)
+    prepared(q, k, v, dout, lse, delta, dq, alibi, cu_q, cu_k, varying=dropout_seed(params))
+
+
+def _prepare_dq(q, k, v, dout, lse, delta, params: AttentionParams, dq, block,
+                one_key_zero: bool) -> Prepared:
+    """The dQ launch (launch.Prepared) of the call's shapes, strides and params' values."""
+    f = kernel_features(params, q, v, lse, q.dtype, flags=GRADIENT_FLAGS)
     head_dim = f.head_dim
     block_m, block_n, num_warps, num_stages = block or GLUON_BACKWARD_DQ[head_dim]
     grid = (cdiv(f.seqlen_q, block_m), *fold(f.batch * f.nheads))
-    launch(_bwd_dq_hopper_kernel, grid, (
-        flash_descriptor(q, block_m), flash_descriptor(k, block_n), flash_descriptor(v, block_n),
-        flash_descriptor(dout, block_m), lse, delta, dq, f.alibi, *f.cu_seqlens), (
+    descriptors = {0: flash_descriptor(q, block_m), 1: flash_descriptor(k, block_n),
+                   2: flash_descriptor(v, block_n), 3: flash_descriptor(dout, block_m)}
+    return Prepared(_bwd_dq_hopper_kernel, grid, (
         *f.strides(lse)[:2], *f.strides(delta)[:2], *f.strides(dq)[:3], *f.alibi_strides,
         f.nheads, f.nheads // f.nheads_k, *f.band, *f.scores, params.softmax_scale,
         *f.dropout), dict(
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=num_stages, **f.flags,
-        ONE_KEY_ZERO=one_key_zero, num_warps=num_warps), _DQ_TENSORS)
+        ONE_KEY_ZERO=one_key_zero, num_warps=num_warps), _DQ_TENSORS, descriptors, SEED)

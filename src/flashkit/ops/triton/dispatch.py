@@ -12,8 +12,11 @@
 
 Each kernel's predicate lives beside the kernel and returns why it declines a call (a string), or
 None when it takes it. A choice depends only on what the plan key holds (shapes, dtypes, the
-device, the layout and alignment class of the tensors, the feature flags), so it is made once
-per key and kept in a dict: a call whose key was seen costs one tuple hash here.
+device, the layout and alignment class of the tensors, params' values but not its tensors'
+contents), so it is made once per key and kept in a dict, with the launches the chosen
+kernels' launchers prepare (launch.Prepared: grid, scalars, constexprs, tensor descriptors'
+geometry): a call whose key was seen costs one tuple hash here and then passes its tensors to
+the prepared launches (a dropout seed, new every call, is passed to them as well).
 
 To see the choices, set the environment variable FLASHKIT_LOG_DISPATCH=1, or the logger
 "flashkit.dispatch" to DEBUG: every call then logs the kernel that ran and why the others
@@ -24,7 +27,6 @@ declined, e.g.
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
 
 import torch
 
@@ -48,10 +50,13 @@ MAX_PLANS = 4096  # forget every plan beyond this many keys (a safety bound)
 _plans: dict = {}
 
 
-class Plan(NamedTuple):
-    """A choice: the kernel that runs, and (kernel, why it declined) for the others."""
-    kernel: str
-    declined: tuple
+class Plan:
+    """A choice: the kernel that runs, (kernel, why it declined) for the others, and the
+    launches its launcher prepared (launch.planned), filled by the first call."""
+    __slots__ = ("kernel", "declined", "launches")
+
+    def __init__(self, kernel: str, declined: tuple):
+        self.kernel, self.declined, self.launches = kernel, declined, {}
 
 
 def forget_plans() -> None:
@@ -85,25 +90,28 @@ def _layout(t: torch.Tensor | None) -> tuple | None:
     return t.shape, t.dtype, t.stride(), t.data_ptr() % 16 == 0
 
 
-def _features(params: AttentionParams) -> tuple:
-    """The feature flags a kernel choice reads (the values of tensors are not read)."""
-    return (params.window_left is None, params.window_right is None, params.softcap > 0,
-            params.softmax_scale > 0, params.alibi_slopes is not None, params.sink is not None,
-            params.attn_bias is not None, params.dropout_p > 0, params.is_varlen,
-            params.deterministic, params.variant is not None)
+def _values(params: AttentionParams) -> tuple:
+    """What a kernel choice and a prepared launch read of params: its scalars' values and its
+    tensors' layouts (not their contents; nor the dropout seed, which each call passes)."""
+    return (params.softmax_scale, params.window_left, params.window_right, params.softcap,
+            params.dropout_p, params.deterministic, params.variant is None,
+            _layout(params.alibi_slopes), _layout(params.sink), _layout(params.attn_bias),
+            _layout(params.cu_seqlens_q), _layout(params.cu_seqlens_k), params.max_seqlen_q,
+            params.max_seqlen_k)
 
 
 # --- forward and backward ----------------------------------------------------------------------
 
 def forward_call(q, k, v, params: AttentionParams, out=None, lse=None):
     """(out, lse) of the attention forward; out and lse may be given preallocated."""
-    key = ("forward", _layout(q), _layout(k), _layout(v), q.device, _features(params),
-           None if out is None else out.stride(), None if lse is None else lse.stride())
+    key = ("forward", _layout(q), _layout(k), _layout(v), q.device, _values(params),
+           _layout(out), _layout(lse))
     plan = _choose("forward", key, [
         ("gluon", lambda: forward_hopper.declines(q, k, v, params, out, lse, None)),
         ("triton", lambda: None)])
     if plan.kernel == "gluon":
-        return forward_hopper.attention_forward(q, k, v, params, out=out, lse=lse)
+        return forward_hopper.attention_forward(q, k, v, params, out=out, lse=lse,
+                                                plan=plan.launches)
     return forward.attention_forward(q, k, v, params, out=out, lse=lse)
 
 
@@ -111,32 +119,38 @@ def backward_call(dout, q, k, v, out, lse, params: AttentionParams, dq=None, dk=
                   dlse=None, own_lse: bool = True):
     """(dq, dk, dv, dsink) of the attention backward; dq, dk, dv may be given preallocated.
     dQ comes from its own kernel, summed in a fixed order (bitwise reproducible)."""
+    # gradients allocated here are laid out as q, k, v (empty_like): only given ones add to the key
+    given = tuple(None if t is None else (_layout(t), t.is_contiguous()) for t in (dq, dk, dv))
+    key = ("backward", _layout(q), _layout(k), _layout(v), _layout(dout), _layout(out),
+           _layout(lse), q.device, _values(params), given, dlse is None, own_lse)
     dq = torch.empty_like(q) if dq is None else dq
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
     args = (q, k, v, dout, lse, params, dq, dk, dv, None)
-    key = ("backward", _layout(q), _layout(k), _layout(v), _layout(dout), _layout(lse),
-           q.device, _features(params), dq.stride(), dk.stride(), dv.stride(),
-           dq.is_contiguous() and dk.is_contiguous() and dv.is_contiguous())
     plan = _choose("backward", key, [
         ("gluon", lambda: backward_hopper.declines(*args)),
         ("gluon as varlen", lambda: backward_hopper.as_varlen_declines(*args)),
         ("triton", lambda: None)])
+    if plan.kernel == "triton":
+        return backward.attention_backward(dout, q, k, v, out, lse, params, dq, dk, dv,
+                                           dlse=dlse, own_lse=own_lse)
     if plan.kernel == "gluon as varlen":
-        return _dense_as_varlen(dout, q, k, v, out, lse, params, dq, dk, dv, dlse, own_lse)
+        return _dense_as_varlen(dout, q, k, v, out, lse, params, dq, dk, dv, dlse, own_lse,
+                                plan=plan.launches)
     return backward.attention_backward(dout, q, k, v, out, lse, params, dq, dk, dv, dlse=dlse,
-                                       gluon=plan.kernel == "gluon", own_lse=own_lse)
+                                       gluon=True, own_lse=own_lse, plan=plan.launches)
 
 
 def _dense_as_varlen(dout, q, k, v, out, lse, params: AttentionParams, dq, dk, dv, dlse,
-                     own_lse: bool = True, gluon: bool = True):
+                     own_lse: bool = True, gluon: bool = True, plan: dict | None = None):
     """A dense call whose lengths are not tile multiples (backward_hopper.as_varlen_declines)
     through the Gluon kernels as varlen with equal lengths, which they take at any length:
     tokens as (batch * seqlen, heads, d) views (dq, dk, dv written through theirs), lse and dlse
     as (nheads, batch * seqlen_q) copies. Sequence b is batch entry b: ALiBi's (batch, nheads)
     slopes and the dropout keep-mask, indexed (sequence, head, i, j), mean what they did dense.
     gluon=False runs the packed call on backward.py's varlen kernels instead (a test of the
-    packing, in the interpreter too)."""
+    packing, in the interpreter too). plan: the dense call's prepared launches (the packed
+    call's shapes and params follow from the dense key)."""
     batch, seqlen_q, nheads = q.shape[:3]
     seqlen_k = k.shape[1]
     starts = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
@@ -154,7 +168,7 @@ def _dense_as_varlen(dout, q, k, v, out, lse, params: AttentionParams, dq, dk, d
     dsink = backward.attention_backward(
         tokens(dout), tokens(q), tokens(k), tokens(v), tokens(out), rows(lse), packed,
         dq.view(-1, *dq.shape[2:]), dk.view(-1, *dk.shape[2:]), dv.view(-1, *dv.shape[2:]),
-        dlse=None if dlse is None else rows(dlse), gluon=gluon, own_lse=own_lse)[3]
+        dlse=None if dlse is None else rows(dlse), gluon=gluon, own_lse=own_lse, plan=plan)[3]
     return dq, dk, dv, dsink
 
 
@@ -199,11 +213,12 @@ def kvcache_call(q, k_cache, v_cache, cache: KVCacheArgs, params: AttentionParam
         return why
 
     key = ("prefill", _layout(q), _layout(k_cache), _layout(v_cache),
-           cache.block_table is None, cache.cache_batch_idx is None,
-           cache.cache_leftpad is None, keys_bound, _features(params))
+           _layout(cache.block_table), _layout(seqlens_k), cache.cache_batch_idx is None,
+           cache.cache_leftpad is None, keys_bound, _values(params))
     plan = _choose("kvcache", key, [("gluon prefill", prefill_declines), ("decode", lambda: None)])
     if plan.kernel == "gluon prefill":
-        return prefill.forward(q, k_cache, v_cache, seqlens_k, cache.block_table, packed())
+        return prefill.forward(q, k_cache, v_cache, seqlens_k, cache.block_table, packed(),
+                               plan=plan.launches)
     return decode.forward(q, k_cache, v_cache, seqlens_k, cache.cache_batch_idx,
                           cache.cache_leftpad, cache.block_table, params, cache.num_splits,
                           cache.max_seqlen_k)

@@ -40,6 +40,7 @@ from flashkit.ops.triton.dropout import dropout_args
 FLAGS = ("HAS_LEFT", "HAS_RIGHT", "SOFTCAP", "ALIBI", "SINK", "DROPOUT", "VARLEN")
 GRADIENT_FLAGS = ("HAS_LEFT", "HAS_RIGHT", "SOFTCAP", "ALIBI", "DROPOUT", "VARLEN")
 DENSE_FLAGS = ("HAS_LEFT", "HAS_RIGHT", "SOFTCAP", "ALIBI", "SINK")
+SEED = ("seed_lo", "seed_hi")  # the kernels' dropout seed parameters (dropout_seed)
 _NO_DROPOUT = dropout_args(0.0, 0)
 _FLOAT32, _HALF = torch.float32, (torch.float16, torch.bfloat16)
 
@@ -110,12 +111,10 @@ def kernel_features(params: AttentionParams, q: torch.Tensor, v: torch.Tensor, p
         batch, seqlen_q, keys = cu_q.numel() - 1, params.max_seqlen_q, params.max_seqlen_k
         _, nheads, head_dim = q.shape
         _, nheads_k, head_dim_v = v.shape
-        cu_seqlens = (cu_q, params.cu_seqlens_k)
     else:  # unpacked at once: each .shape builds a torch.Size, each [i] reads one
         varlen = False
         batch, seqlen_q, nheads, head_dim = q.shape
         _, keys, nheads_k, head_dim_v = v.shape
-        cu_seqlens = (placeholder, placeholder)
     if seqlen_k is None:
         seqlen_k = keys
 
@@ -135,17 +134,9 @@ def kernel_features(params: AttentionParams, q: torch.Tensor, v: torch.Tensor, p
         scores, softcap = (params.softmax_scale * units, 1.0), 0
 
     slopes = params.alibi_slopes  # float32 (checks.alibi_slopes)
-    if slopes is None:
-        alibi, alibi_strides = placeholder, (0, 0)
-    else:
-        alibi = slopes
-        alibi_strides = (0, slopes.stride(0)) if slopes.dim() == 1 else slopes.stride()
-
-    sink = params.sink  # any float dtype (checks.sink)
-    if sink is None:
-        sink = placeholder
-    elif float32_sink and sink.dtype is not _FLOAT32:  # .to costs ~1 us even as a no-op
-        sink = sink.to(_FLOAT32)
+    alibi_strides = ((0, 0) if slopes is None else
+                     (0, slopes.stride(0)) if slopes.dim() == 1 else slopes.stride())
+    alibi, sink, cu_q, cu_k = feature_tensors(params, placeholder, float32_sink)
 
     dropout = (dropout_args(params.dropout_p, params.dropout_seed) if params.dropout_p > 0
                else _NO_DROPOUT)
@@ -160,4 +151,27 @@ def kernel_features(params: AttentionParams, q: torch.Tensor, v: torch.Tensor, p
     band = (seqlen_q, seqlen_k, 0 if left is None else left, 0 if right is None else right)
     return tuple.__new__(KernelFeatures, (batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim,
                                           head_dim_v, band, scores, alibi, alibi_strides, sink,
-                                          dropout[:4], cu_seqlens, varlen, values))
+                                          dropout[:4], (cu_q, cu_k), varlen, values))
+
+
+def feature_tensors(params: AttentionParams, placeholder, float32_sink: bool = True) -> tuple:
+    """(alibi, sink, cu_seqlens_q, cu_seqlens_k) as the kernels take them, the placeholder for
+    each one the call has not (KernelFeatures' fields of the same names): what a launch plan
+    (launch.Prepared) passes again at every call, its other arguments being fixed."""
+    sink = params.sink  # any float dtype (checks.sink)
+    if sink is None:
+        sink = placeholder
+    elif float32_sink and sink.dtype is not _FLOAT32:  # .to costs ~1 us even as a no-op
+        sink = sink.to(_FLOAT32)
+    alibi = placeholder if params.alibi_slopes is None else params.alibi_slopes
+    if params.cu_seqlens_q is None:
+        return alibi, sink, placeholder, placeholder
+    return alibi, sink, params.cu_seqlens_q, params.cu_seqlens_k
+
+
+def dropout_seed(params: AttentionParams) -> tuple[int, int]:
+    """(seed_lo, seed_hi) of the call's dropout seed, as in KernelFeatures.dropout ((0, 0)
+    without dropout): what a prepared launch takes at every call (launch.Prepared's varying)."""
+    if params.dropout_p == 0:
+        return _NO_DROPOUT[:2]
+    return dropout_args(params.dropout_p, params.dropout_seed)[:2]

@@ -82,9 +82,9 @@ from flashkit.ops.triton.common import (
     visible,
 )
 from flashkit.ops.triton.configs import GLUON_FORWARD, gluon_forward_tile
-from flashkit.ops.triton.features import kernel_features
+from flashkit.ops.triton.features import SEED, dropout_seed, feature_tensors, kernel_features
 from flashkit.ops.triton.hopper_common import flash_descriptor, flash_layout_2d
-from flashkit.ops.triton.launch import device_properties, fold, launch
+from flashkit.ops.triton.launch import Prepared, device_properties, fold, planned
 
 try:
     from triton.experimental import gluon
@@ -890,8 +890,9 @@ def _programs_per_device(device, consumers) -> int:
 
 
 def attention_forward(q, k, v, params: AttentionParams, out=None, lse=None, tile=None,
-                      seqused_k=None, block_table=None):
+                      seqused_k=None, block_table=None, plan: dict | None = None):
     """(out, lse) of an eligible call; tile overrides configs.gluon_forward_tile (the bench).
+    plan: the dispatch plan's dict of prepared launches for this call's key (launch.planned).
 
     Varlen (params.cu_seqlens_q set): q (total_q, h, d), k/v (total_k, hk, d), out like q, lse
     (h, total_q). seqused_k (int32 (batch,), varlen only; flash-attn's name): sequence b's keys
@@ -906,14 +907,28 @@ def attention_forward(q, k, v, params: AttentionParams, out=None, lse=None, tile
     is slot j % page_size of page block_table[b, j // page_size]; cu_seqlens_k is not read
     (any int32 (batch + 1,), e.g. cu_seqlens_q). Only the table entries of pages below
     seqused_k[b] are read."""
-    paged = block_table is not None
-    if paged:  # (num_blocks, page_size, hk, d) -> rows (num_blocks * page_size, hk, d)
-        page_size = k.shape[1]
-        k, v = k.flatten(0, 1), v.flatten(0, 1)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if lse is None:
         lse = torch.empty(lse_shape(q, params), dtype=torch.float32, device=q.device)
+    prepared = planned(plan, "forward", lambda: _prepare(q, k, v, params, out, lse, tile,
+                                                        seqused_k, block_table))
+    alibi, sink, cu_q, cu_k = feature_tensors(params, lse)
+    prepared(q, k, v, out, lse, alibi, sink, cu_q, cu_k, lse if seqused_k is None else seqused_k,
+             lse if block_table is None else block_table, varying=dropout_seed(params))
+    return out, lse
+
+
+def _prepare(q, k, v, params: AttentionParams, out, lse, tile, seqused_k, block_table):
+    """The call's launch (launch.Prepared), from what a dispatch plan's key fixes: the shapes,
+    strides and dtypes of q, k, v, out and lse, params' values (its tensors' layouts, not their
+    contents), the tile, and whether seqused_k and block_table are given (the table's stride).
+    Its tensors: q, k, v (the descriptors' bases), out, lse, the feature tensors, seqused_k and
+    block_table (lse standing in for those absent); each call passes its dropout seed."""
+    paged = block_table is not None
+    if paged:  # (num_blocks, page_size, hk, d) -> rows (num_blocks * page_size, hk, d)
+        page_size = k.shape[1]
+        k, v = k.flatten(0, 1), v.flatten(0, 1)
     f = kernel_features(params, q, v, lse, q.dtype)
     head_dim = f.head_dim
     tile = tile or gluon_forward_tile(head_dim, f.seqlen_q, params.window_right is not None)
@@ -921,20 +936,18 @@ def attention_forward(q, k, v, params: AttentionParams, out=None, lse=None, tile
     persistent = persistent and specialized
 
     f.flags["SOFTCAP"] = softcap_mode(params, q.dtype, f.scores[0], f.flags["SOFTCAP"])
-    alibi, sink, (cu_q, cu_k) = f.alibi, f.sink, f.cu_seqlens
     n_m = cdiv(f.seqlen_q, BLOCK_M * consumers)
     n_items = n_m * f.batch * f.nheads
     grid = (min(n_items, _programs_per_device(q.device, consumers)), ) if persistent else (
         n_m, *fold(f.batch * f.nheads))
-    box_rows, table, paging = None, lse, (0, 0)
+    box_rows, paging = None, (0, 0)
     if paged:
         box_rows = min(page_size, block_n)
-        table, paging = block_table, (block_table.stride(0), page_size.bit_length() - 1)
+        paging = (block_table.stride(0), page_size.bit_length() - 1)
     config = launch_config(tile)
-    launch(_fwd_hopper_kernel, grid, (
-        flash_descriptor(q, BLOCK_M), flash_descriptor(k, block_n, box_rows),
-        flash_descriptor(v, block_n, box_rows), out, lse, alibi, sink, cu_q, cu_k,
-        lse if seqused_k is None else seqused_k, table), (
+    descriptors = {0: flash_descriptor(q, BLOCK_M), 1: flash_descriptor(k, block_n, box_rows),
+                   2: flash_descriptor(v, block_n, box_rows)}
+    return Prepared(_fwd_hopper_kernel, grid, (
         *f.strides(out)[:3], *f.strides(lse)[:2], *f.alibi_strides, f.nheads,
         f.nheads // f.nheads_k, *f.band, *f.scores, *f.dropout, n_items, *paging), dict(
         HEAD_DIM=head_dim, BLOCK_N=block_n, NUM_STAGES=num_stages, CONSUMERS=consumers,
@@ -942,5 +955,4 @@ def attention_forward(q, k, v, params: AttentionParams, out=None, lse=None, tile
         CONSUMER_REGS=config.pop("CONSUMER_REGS"), **f.flags, SEQUSED_K=seqused_k is not None,
         KEY_TAIL=f.varlen or f.seqlen_k % block_n != 0, PAGED=paged,
         SPLIT_LOADS=paged and specialized and consumers == 2,
-        num_warps=config.pop("num_warps")), **config)
-    return out, lse
+        num_warps=config.pop("num_warps")), descriptors=descriptors, varying=SEED, **config)

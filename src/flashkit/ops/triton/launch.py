@@ -31,10 +31,16 @@ from __future__ import annotations
 
 import functools
 import operator
+from typing import NamedTuple
 
 import torch
 import triton
 from triton import knobs
+
+try:  # the TMA dtype codes of the host API (fill_tma_descriptor) by the kernel's device codes
+    from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST as _TMA_HOST_DTYPE
+except ImportError:  # a Triton without the NVIDIA backend
+    _TMA_HOST_DTYPE = {}
 
 from flashkit.ops.triton.common import interpreting
 
@@ -46,7 +52,7 @@ _compiled: dict = {}  # key (scalars by code) -> Triton's compiled kernel
 _by_value: dict = {}  # the same key with the scalars' values instead of their codes -> kernel
 _plans: dict = {}  # (id(kernel), number of tensors, tensor names) -> each scalar's codes
 _orders: dict = {}  # (id(kernel), tensor names, counts) -> the arguments in signature order
-_globals_seen: dict = {}  # kernel -> the objects its globals were when last found unchanged
+_globals_seen: dict = {}  # id(kernel) -> (kernel, its globals when last found unchanged)
 _MISSING = object()
 
 
@@ -96,12 +102,14 @@ _CODES = {(specialize, align): _Codes(specialize, align)
 
 
 def launch(kernel, grid: tuple, tensors: tuple, scalars: tuple, constexprs: dict,
-           tensor_params: tuple = (), **options) -> None:
+           tensor_params: tuple = (), **options):
     """kernel[grid](*tensors, *scalars, **constexprs, **options), the compiled kernel launched
-    directly once it is known. The kernel's signature lists the tensor arguments, then the
-    scalars, then the constexprs, each in the order given here; or, with tensor_params (the
-    names of the tensor parameters), tensors and scalars interleaved in any way, each group in
-    signature order (put back in order by one precomputed itemgetter per kernel)."""
+    directly once it is known; returns that compiled kernel (None where Triton's entry ran it:
+    the interpreter, a launch hook, a scalar of another type). The kernel's signature lists the
+    tensor arguments, then the scalars, then the constexprs, each in the order given here; or,
+    with tensor_params (the names of the tensor parameters), tensors and scalars interleaved in
+    any way, each group in signature order (put back in order by one precomputed itemgetter per
+    kernel)."""
     args = tensors + scalars
     if tensor_params:
         args = _order(kernel, tensor_params, len(tensors), len(scalars))(args)
@@ -110,7 +118,7 @@ def launch(kernel, grid: tuple, tensors: tuple, scalars: tuple, constexprs: dict
         if interpreting():  # the CPU tests check the order the direct launch relies on
             _check_constexpr_order(kernel, len(args), constexprs)
         kernel[grid](*args, **constexprs, **options)
-        return
+        return None
     device = torch.cuda.current_device()
     key = (id(kernel), device, tuple([tensor_key(t) for t in tensors]), scalars, types,
            tuple(constexprs.values()), tuple(options.items()), knobs.runtime.debug,
@@ -130,11 +138,196 @@ def launch(kernel, grid: tuple, tensors: tuple, scalars: tuple, constexprs: dict
         if coded is not None:
             _remember(_compiled, coded, compiled)
             _remember(_by_value, key, compiled)
-        return
+        return compiled
     grid = tuple(grid) + (1,) * (3 - len(grid))
     stream = triton.runtime.driver.active.get_current_stream(device)
     compiled.run(*grid, stream, compiled.function, compiled.packed_metadata, None, None, None,
                  *args, *constexprs.values())
+    return compiled
+
+
+class Prepared:
+    """A launch whose grid, scalars, constexprs and options are fixed, called with its tensors
+    alone: `prepared(*tensors)` is launch(kernel, grid, tensors, scalars, constexprs,
+    tensor_params, **options). A launch plan (dispatch.py) keeps one per kernel it runs, made
+    once per plan key, so a call pays for its tensors only.
+
+    descriptors: {index in tensors: a TMA descriptor (hopper_common.descriptor)} for the
+    kernel's tensor-descriptor arguments; the call then passes, at that index, the tensor the
+    descriptor views (a contiguous tensor: its 2-D or 1-D view has the same address), and only
+    that address changes from call to call (the plan key fixes shapes and strides).
+    varying: names of scalar parameters whose values each call passes, as
+    `prepared(*tensors, varying=values)` (a dropout seed, new every call); Triton must not
+    specialise on them (the kernel's do_not_specialize), so every value runs the same kernel.
+
+    The first call for each (dtype, 16-byte alignment) of the pointer tensors goes through
+    `launch`, which compiles or finds the kernel; later calls fill the descriptors' TMA maps
+    (Triton's fill_tma_descriptor) into an argument list made once and call the compiled
+    launcher's C entry, skipping launch's key, the descriptor objects and Triton's Python
+    wrapper that would expand them (Triton 3.6's CudaLauncher: `_c_entry`). A launch hook, a
+    changed global of the kernel, Triton's debug or instrumentation knobs, the interpreter or a
+    kernel that needs scratch memory take `launch` every time."""
+
+    __slots__ = ("kernel", "grid", "scalars", "constexprs", "tensor_params", "options",
+                 "descriptors", "varying", "pointers", "launched", "_direct")
+
+    def __init__(self, kernel, grid: tuple, scalars: tuple, constexprs: dict,
+                 tensor_params: tuple = (), descriptors: dict | None = None,
+                 varying: tuple = (), **options):
+        self.kernel, self.scalars, self.constexprs = kernel, scalars, constexprs
+        self.grid = tuple(grid) + (1,) * (3 - len(grid))
+        self.tensor_params, self.options = tensor_params, options
+        self.varying = _scalar_indices(kernel, varying, len(scalars), len(constexprs),
+                                       tensor_params)
+        # the descriptors' geometry without their bases (a plan must not keep tensors alive)
+        self.descriptors = {i: _rebased(d, None) for i, d in (descriptors or {}).items()}
+        self.pointers = None  # the indices of the pointer tensors, known at the first call
+        self.launched = False
+        self._direct: dict = {}  # the pointer tensors' keys and the knobs -> _Direct
+
+    def __call__(self, *tensors, varying: tuple = ()) -> None:
+        if self.pointers is None:
+            self.pointers = tuple(i for i in range(len(tensors)) if i not in self.descriptors)
+        key = (tuple([(tensors[i].dtype, tensors[i].data_ptr() % 16 == 0)
+                      for i in self.pointers]),
+               knobs.runtime.debug, knobs.compilation.instrumentation_mode)
+        direct = self._direct.get(key)
+        if direct is None or _hooked() or _globals_changed(self.kernel):
+            self._launch(tensors, varying, key)
+            return
+        args = direct.args.copy()
+        fill = direct.fill_tma_descriptor
+        for at, i, tma in direct.slots:
+            t = tensors[i]
+            args[at] = t if tma is None else fill(t.data_ptr(), *tma)
+        for at, value in zip(direct.varying, varying, strict=True):
+            args[at] = value
+        stream = triton.runtime.driver.active.get_current_stream(direct.device)
+        direct.entry(*self.grid, stream, direct.function, direct.cooperative, direct.pdl, None,
+                     None, direct.packed_metadata, None, None, None, *args)
+
+    def _launch(self, tensors: tuple, varying: tuple, key: tuple) -> None:
+        """Through launch, with the descriptors over this call's tensors; from the second call
+        on (a Prepared made for one call never gets there), remembers the direct launch of the
+        compiled kernel that launch returns."""
+        args = tuple(_rebased(self.descriptors[i], t) if i in self.descriptors else t
+                     for i, t in enumerate(tensors))
+        scalars = list(self.scalars)
+        for i, value in zip(self.varying, varying, strict=True):
+            scalars[i] = value
+        compiled = launch(self.kernel, self.grid, args, tuple(scalars), self.constexprs,
+                          self.tensor_params, **self.options)
+        if compiled is not None and self.launched and not _hooked():
+            direct = _Direct.of(compiled, self, len(tensors))
+            if direct is not None:
+                if len(self._direct) >= MAX_ENTRIES:
+                    self._direct.clear()
+                self._direct[key] = direct
+        self.launched = True
+
+
+def planned(plan: dict | None, name: str, prepare) -> Prepared:
+    """plan[name], made by prepare() when the plan has none yet; a new one every call without a
+    plan (plan None: a call whose launches cannot be kept, e.g. dropout's new seed)."""
+    if plan is None:
+        return prepare()
+    prepared = plan.get(name)
+    if prepared is None:
+        prepared = plan[name] = prepare()
+    return prepared
+
+
+class _Direct(NamedTuple):
+    """A compiled kernel's C launch entry and its argument list in signature order, with
+    `slots` (position in args, index in the tensors, the TMA map's fill arguments after the
+    address or None for a pointer) where each call's tensors go."""
+    entry: object
+    function: int
+    packed_metadata: object
+    cooperative: bool
+    pdl: bool
+    device: int
+    args: list
+    slots: tuple
+    varying: tuple  # the positions in args of the varying scalars, in their order
+    fill_tma_descriptor: object
+
+    @staticmethod
+    def of(compiled, prepared: Prepared, n_tensors: int):
+        runner = compiled.run  # CudaLauncher (made on first use)
+        entry = _c_entry(getattr(runner, "launch", None))
+        if entry is None or runner.global_scratch_size or runner.profile_scratch_size:
+            return None
+        n_args = n_tensors + len(prepared.scalars)
+        sources = list(range(n_args))
+        if prepared.tensor_params:
+            sources = list(_order(prepared.kernel, prepared.tensor_params, n_tensors,
+                                  len(prepared.scalars))(sources))
+        metas = iter(getattr(compiled.metadata, "tensordesc_meta", None) or ())
+        args, slots, varying = [], [], {}
+        for source in sources:
+            if source >= n_tensors:
+                if source - n_tensors in prepared.varying:
+                    varying[source - n_tensors] = len(args)
+                args.append(prepared.scalars[source - n_tensors])
+                continue
+            template = prepared.descriptors.get(source)
+            if template is None:
+                slots.append((len(args), source, None))
+                args.append(None)
+                continue
+            meta = next(metas, None)
+            if meta is None or meta["fp4_padded"] or template.padding != "zero":
+                return None  # a descriptor lowered another way: Triton's own wrapper
+            shape, strides = list(template.shape), list(template.strides)
+            slots.append((len(args), source, (
+                meta["swizzle"], meta["elem_size"], _TMA_HOST_DTYPE[meta["elem_type"]],
+                meta["block_size"], shape, strides, 0)))
+            args.extend([None, *shape, *strides])
+        if next(metas, None) is not None:
+            return None
+        args.extend(prepared.constexprs.values())
+        return _Direct(entry, compiled.function, compiled.packed_metadata,
+                       runner.launch_cooperative_grid, runner.launch_pdl,
+                       torch.cuda.current_device(), args, tuple(slots),
+                       tuple(varying[i] for i in prepared.varying),
+                       triton.runtime.driver.active.utils.fill_tma_descriptor)
+
+
+def _scalar_indices(kernel, names: tuple, n_scalars: int, n_constexprs: int,
+                    tensor_params: tuple) -> tuple:
+    """The indices among a launch's scalars of the parameters `names`, which must be in the
+    kernel's do_not_specialize (Prepared's varying)."""
+    if not names:
+        return ()
+    runtime = kernel.arg_names[:len(kernel.arg_names) - n_constexprs]
+    scalar_names = ([n for n in runtime if n not in tensor_params] if tensor_params
+                    else runtime[len(runtime) - n_scalars:])
+    fixed = {p.name for p in kernel.params if not p.do_not_specialize}
+    if fixed.intersection(names) or not set(names) <= set(scalar_names):
+        raise ValueError(f"launch: {names} must be scalar parameters of {kernel.__name__} in "
+                         "its do_not_specialize")
+    return tuple(scalar_names.index(name) for name in names)
+
+
+def _rebased(template, base: torch.Tensor | None):
+    """A copy of the TensorDescriptor template over base, a tensor at the address it views
+    (its view of the template's shape), or over nothing (base None)."""
+    desc = object.__new__(type(template))  # copy.copy costs 5x more
+    desc.__dict__.update(template.__dict__)
+    desc.base = None if base is None else base.view(template.shape)
+    return desc
+
+
+def _c_entry(launcher):
+    """The C function under a CudaLauncher's `launch` (Triton 3.6): the compiled module's own
+    launch, or for a kernel with tensor-descriptor arguments the one that
+    wrap_handle_tensordesc's wrapper closes over as `launcher`; None for anything else."""
+    if launcher is None or not hasattr(launcher, "__code__"):
+        return launcher  # the C function itself
+    cells = dict(zip(launcher.__code__.co_freevars, launcher.__closure__ or (), strict=True))
+    cell = cells.get("launcher")
+    return None if cell is None else cell.cell_contents
 
 
 def _check_constexpr_order(kernel, n_args: int, constexprs: dict) -> None:
@@ -246,11 +439,13 @@ def _globals_changed(kernel) -> bool:
     unseen; the kernels' globals are constexprs."""
     current = [scope.get(name, _MISSING) for (name, _), (_, scope) in
                kernel.used_global_vals.items()]
-    seen = _globals_seen.get(kernel)
-    if seen is not None and len(seen) == len(current) and all(map(operator.is_, seen, current)):
+    # by id: a JITFunction's own hash builds its cache key; the entry holds the kernel itself
+    owner, seen = _globals_seen.get(id(kernel), (None, None))
+    if (owner is kernel and len(seen) == len(current)
+            and all(map(operator.is_, seen, current))):
         return False
     values = [value for value, _ in kernel.used_global_vals.values()]
     if any(now != value for now, value in zip(current, values, strict=True)):
         return True
-    _globals_seen[kernel] = current  # holds the objects, so an identity cannot be reused
+    _globals_seen[id(kernel)] = (kernel, current)  # held: their identities stay theirs
     return False

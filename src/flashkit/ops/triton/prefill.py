@@ -74,9 +74,9 @@ def as_varlen(q, k_cache, v_cache, cache_batch_idx, cache_leftpad, block_table,
     return q_packed, k, v, varlen
 
 
-def forward(q, k_cache, v_cache, seqlens_k, block_table, packed):
+def forward(q, k_cache, v_cache, seqlens_k, block_table, packed, plan: dict | None = None):
     """(out (batch, seqlen_q, h, dv), lse (batch, h, seqlen_q)) from the Gluon forward over
-    the cache, packed = as_varlen(...)."""
+    the cache, packed = as_varlen(...); plan: the dispatch plan's prepared launches."""
     from flashkit.ops.triton import forward_hopper
 
     batch, seqlen_q, nheads, _ = q.shape
@@ -84,7 +84,7 @@ def forward(q, k_cache, v_cache, seqlens_k, block_table, packed):
     out, lse = forward_hopper.attention_forward(
         q_packed, k if block_table is None else k_cache, v if block_table is None else v_cache,
         varlen, tile=tile(q, varlen, None if block_table is None else k_cache.shape[1]),
-        seqused_k=seqlens_k, block_table=block_table)
+        seqused_k=seqlens_k, block_table=block_table, plan=plan)
     # out (batch * seqlen_q, h, dv) -> (batch, seqlen_q, h, dv); lse (h, batch * seqlen_q)
     return (out.view(batch, seqlen_q, nheads, -1),
             lse.view(nheads, batch, seqlen_q).transpose(0, 1))

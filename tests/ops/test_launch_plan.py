@@ -1,0 +1,223 @@
+"""launch.Prepared, the launch a dispatch plan keeps: its direct launch passes the compiled
+kernel's C entry exactly the arguments Triton's own launcher would (descriptors expanded into
+TMA maps, shapes and strides; tensors and scalars in signature order; each call's seed), it
+keeps no tensor alive, and it refuses a per-call scalar Triton specialises on. On an sm_90
+GPU, the direct launches of a seen plan key give bitwise what the launches through Triton
+give.
+
+The CPU tests need no GPU: a stand-in compiled kernel carries Triton 3.6's real CudaLauncher and
+tensor-descriptor wrapper (wrap_handle_tensordesc) around a C entry that records its arguments,
+and the driver's fill_tma_descriptor returns its own arguments instead of an encoded map."""
+
+from __future__ import annotations
+
+import gc
+import types
+import weakref
+
+import pytest
+import torch
+
+import flashkit
+from flashkit.ops.triton import dispatch
+from flashkit.ops.triton import launch as launch_module
+from flashkit.ops.triton.hopper_common import descriptor, gluon, tile_layout
+
+pytestmark = pytest.mark.skipif(gluon is None, reason="a Triton without Gluon")
+
+if gluon is not None:
+    from triton.backends.nvidia.driver import CudaLauncher, wrap_handle_tensordesc
+    from triton.experimental.gluon import language as gl
+
+    @gluon.jit(do_not_specialize=["seed_lo", "seed_hi"])
+    def _stand_in(x_desc, n, Out, seed_lo, scale, seed_hi, y_desc, BLOCK: gl.constexpr,
+                  FLAG: gl.constexpr):
+        pass  # never compiled: the test's compiled kernel stands in for it
+
+TENSORS = ("x_desc", "Out", "y_desc")  # the tensor parameters, interleaved with the scalars
+META = {"swizzle": 3, "elem_size": 2, "elem_type": 10, "fp4_padded": False}
+STREAM, FUNCTION, PACKED = 7, 1234, ("packed metadata",)
+
+
+class _Driver:
+    """The active driver's stand-in: a stream, and fill_tma_descriptor returning its arguments."""
+
+    def __init__(self):
+        self.utils = types.SimpleNamespace(fill_tma_descriptor=lambda *args: ("tma", *args))
+
+    def get_current_stream(self, device=None):
+        return STREAM
+
+
+@pytest.fixture
+def compiled(monkeypatch):
+    """A compiled kernel whose launcher is Triton's CudaLauncher and descriptor wrapper around
+    a recording C entry; launch_module.launch returns it after launching through it, as
+    launch does."""
+    import triton
+
+    calls = []
+
+    def c_entry(*args):  # what the compiled module's launch receives
+        calls.append(args)
+
+    signature = {"x_desc": "tensordesc<bf16[64, 32]>", "n": "i32", "Out": "*fp32",
+                 "seed_lo": "i32", "scale": "fp32", "seed_hi": "i32",
+                 "y_desc": "tensordesc<bf16[64, 32]>", "BLOCK": "constexpr",
+                 "FLAG": "constexpr"}
+    metas = [dict(META, block_size=[64, 32]), dict(META, block_size=[64, 32])]
+    runner = object.__new__(CudaLauncher)
+    runner.launch = wrap_handle_tensordesc(c_entry, signature, metas)
+    runner.num_ctas, runner.launch_cooperative_grid, runner.launch_pdl = 1, False, True
+    runner.global_scratch_size = runner.profile_scratch_size = 0
+    runner.global_scratch_align = runner.profile_scratch_align = 1
+    kernel = types.SimpleNamespace(run=runner, function=FUNCTION, packed_metadata=PACKED,
+                                   metadata=types.SimpleNamespace(tensordesc_meta=metas))
+    slow = []
+
+    def through_launch(kern, grid, tensors, scalars, constexprs, tensor_params=(), **options):
+        slow.append(scalars)
+        args = launch_module._order(kern, tensor_params, len(tensors), len(scalars))(
+            tensors + scalars)
+        kernel.run(*grid, STREAM, FUNCTION, PACKED, None, None, None, *args,
+                   *constexprs.values())
+        return kernel
+
+    monkeypatch.setattr(triton.runtime.driver, "_active", _Driver())
+    monkeypatch.setattr(launch_module, "launch", through_launch)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    return types.SimpleNamespace(calls=calls, slow=slow)
+
+
+def _inputs(seed: int):
+    """x, y (bf16, read through descriptors of [64, 32] boxes) and out, as a call passes them."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(128, 4, 32, generator=gen).to(torch.bfloat16)
+    y = torch.randn(256, 2, 32, generator=gen).to(torch.bfloat16)
+    return x, torch.empty(16), y
+
+
+def _prepared(x, y):
+    layout = tile_layout(64, 32, torch.bfloat16)
+    descriptors = {0: descriptor(x.view(-1, 128), (64, 32), layout),
+                   2: descriptor(y.view(-1, 64), (64, 32), layout)}
+    return launch_module.Prepared(_stand_in, (3, 2), (128, 0, 0.5, 0), dict(BLOCK=64, FLAG=True),
+                                  TENSORS, descriptors, ("seed_lo", "seed_hi"))
+
+
+def test_the_direct_launch_passes_what_tritons_launcher_would(compiled):
+    x, out, y = _inputs(0)
+    prepared = _prepared(x, y)
+    prepared(x, out, y, varying=(5, 6))  # the first call goes through launch
+    prepared(*_inputs(1), varying=(7, 8))  # the second too, and keeps the direct launch
+    assert len(compiled.slow) == 2
+    for seed, varying in ((2, (-3, 9)), (3, (11, 0))):
+        tensors, launched = _inputs(seed), len(compiled.slow)
+        prepared(*tensors, varying=varying)
+        assert len(compiled.slow) == launched  # direct
+        direct = compiled.calls[-1]
+        prepared._launch(tensors, varying, key=None)  # the same call through Triton's wrapper
+        assert compiled.slow[-1] == (128, varying[0], 0.5, varying[1])
+        expected = compiled.calls[-1]
+        assert len(direct) == len(expected)
+        for got, want in zip(direct, expected, strict=True):
+            assert got is want or got == want, (got, want)
+        # the TMA maps hold this call's addresses: after the 13 launch arguments, x_desc's map,
+        # 2 dims and 2 strides, then n, Out, seed_lo, scale, seed_hi and y_desc's map
+        x, out, y = tensors
+        assert direct[13][:2] == ("tma", x.data_ptr()) and direct[19] is out
+        assert direct[23][:2] == ("tma", y.data_ptr())
+
+
+def test_a_new_alignment_goes_through_launch_again(compiled):
+    x, out, y = _inputs(0)
+    prepared = _prepared(x, y)
+    for _ in range(3):
+        prepared(x, out, y, varying=(1, 2))
+    assert len(compiled.slow) == 2
+    prepared(x, torch.empty(17)[1:], y, varying=(1, 2))  # out 4 bytes off 16-byte alignment
+    assert len(compiled.slow) == 3
+
+
+def test_the_plan_keeps_no_tensor_alive():
+    x, _, y = _inputs(0)
+    alive = weakref.ref(x)
+    prepared = _prepared(x, y)
+    del x
+    gc.collect()
+    assert alive() is None
+    assert all(d.base is None for d in prepared.descriptors.values())
+
+
+def test_a_varying_scalar_must_not_be_specialised():
+    x, _, y = _inputs(0)
+    layout = tile_layout(64, 32, torch.bfloat16)
+    with pytest.raises(ValueError, match="do_not_specialize"):
+        launch_module.Prepared(_stand_in, (1,), (128, 0, 0.5, 0), dict(BLOCK=64, FLAG=True),
+                               TENSORS, {0: descriptor(x.view(-1, 128), (64, 32), layout)},
+                               ("n",))
+
+
+# --- on the GPU: the direct launches compute what the launches through Triton compute ---------
+
+ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+# (batch, seqlen, nheads, nheads_k, headdim, varlen lengths or None, flash_attn_func kwargs)
+PLANNED = {
+    "causal d128": (2, 256, 8, 2, 128, None, dict(causal=True)),
+    "window, softcap, ALiBi, sink d64": (2, 256, 4, 2, 64, None, dict(
+        window_size=(64, 0), softcap=20.0, alibi=True, sink=True)),
+    "dropout": (1, 256, 4, 4, 64, None, dict(causal=True, dropout_p=0.2)),
+    "odd lengths (the Gluon backward as varlen)": (2, 200, 4, 4, 128, None, {}),
+    "d256": (1, 256, 4, 4, 256, None, dict(causal=True)),
+    "varlen": (None, None, 4, 2, 128, [100, 0, 257, 31], dict(causal=True, sink=True)),
+}
+
+
+def _planned_step(case: str, seed: int, draw: int) -> list:
+    """out, lse and the gradients of one step of `case` on inputs drawn with `draw` (new
+    tensors at new addresses), its dropout seed drawn from torch.manual_seed(seed)."""
+    batch, seqlen, nheads, nheads_k, headdim, lengths, kwargs = PLANNED[case]
+    kwargs = dict(kwargs)
+    gen = torch.Generator().manual_seed(draw)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to("cuda", torch.bfloat16).requires_grad_()
+
+    if lengths is None:
+        q, k, v = (randn(batch, seqlen, h, headdim) for h in (nheads, nheads_k, nheads_k))
+    else:
+        q, k, v = (randn(sum(lengths), h, headdim) for h in (nheads, nheads_k, nheads_k))
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32,
+                          device="cuda")
+    leaves = [q, k, v]
+    if kwargs.pop("alibi", False):
+        kwargs["alibi_slopes"] = torch.rand(nheads, generator=gen).cuda() * 0.5 + 0.1
+    if kwargs.pop("sink", False):
+        kwargs["sink"] = torch.randn(nheads, generator=gen).cuda().requires_grad_()
+        leaves.append(kwargs["sink"])
+    torch.manual_seed(seed)
+    if lengths is None:
+        out, lse = flashkit.flash_attn_func(q, k, v, return_softmax_lse=True, **kwargs)
+    else:
+        out, lse = flashkit.flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths),
+                                                   return_softmax_lse=True, **kwargs)
+    grads = torch.autograd.grad((out * torch.randn(out.shape, generator=gen).to(out)).sum(),
+                                leaves)
+    return [out, lse, *grads]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("case", list(PLANNED))
+def test_gpu_direct_launches_equal_the_launches_through_triton(case):
+    dispatch.forget_plans()
+    for draw in (1, 2):  # a key's first two calls go through launch; the second keeps it
+        _planned_step(case, seed=draw, draw=draw)
+    kept = [p for plan in dispatch._plans.values() for p in plan.launches.values()]
+    assert kept and all(p._direct for p in kept)
+    direct = _planned_step(case, seed=7, draw=3)  # new tensors and seed: the direct launches
+    dispatch.forget_plans()
+    through = _planned_step(case, seed=7, draw=3)  # the same call through Triton's launcher
+    for got, want in zip(direct, through, strict=True):
+        assert torch.equal(got, want)
