@@ -566,9 +566,10 @@ def test_a_tile_out_of_shared_memory_shrinks_and_is_remembered(monkeypatch):
     from triton.runtime.errors import OutOfResources
 
     from flashkit.ops.triton import decode
+    from flashkit.ops.triton import launch as launch_module
 
     monkeypatch.setattr(decode, "_fitted", {})
-    launch, shapes = decode.launch, []
+    launch, shapes = launch_module.launch, []
 
     def small_memory(kernel, grid, tensors, scalars, constexprs, *args, **options):
         if kernel is decode._decode_kernel:
@@ -577,7 +578,7 @@ def test_a_tile_out_of_shared_memory_shrinks_and_is_remembered(monkeypatch):
                 raise OutOfResources(1 << 20, 1 << 18, "shared memory")
         return launch(kernel, grid, tensors, scalars, constexprs, *args, **options)
 
-    monkeypatch.setattr(decode, "launch", small_memory)
+    monkeypatch.setattr(launch_module, "launch", small_memory)
     case = Case(batch=2, nheads=4, nheads_k=2, d=16, capacity=48, seqlen_q=3, seqlen_new=0,
                 page_size=16, causal=True, num_splits=1)
     case.check("triton", "cpu")

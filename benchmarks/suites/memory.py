@@ -11,6 +11,8 @@ requiring grad:
   peak_mib   the peak allocation during forward + backward above the same base (the
              gradients included).
 FlashAttention saves out and the float32 log-sum-exp, so held = out + lse (b h s 4 bytes).
+flashkit's calls with a sink and 16-bit inputs keep O in float32 besides (docs/design.md): the
+"flashkit, sink" row.
 Writes DIR/<date>_<device>.json and .md.
 """
 
@@ -72,8 +74,12 @@ def main(argv=None):
         douth = dout.transpose(1, 2).contiguous()
         lse_mib = B * H * seqlen * 4 / MIB
         out_mib = q.numel() * q.element_size() / MIB
+        sink = torch.zeros(H, device="cuda", requires_grad=True)
         runs = {"flashkit": (lambda *t: flashkit.flash_attn_func(*t, causal=True), (q, k, v),
-                             dout)}
+                             dout),
+                # a sink's gradient reads a float32 O, which such calls keep besides out
+                "flashkit, sink": (lambda *t, s=sink: flashkit.flash_attn_func(
+                    *t, causal=True, sink=s), (q, k, v), dout)}
         for name in ("cudnn", "flash"):
             runs[name] = (anchor_call(name, True), (qh, kh, vh), douth)
         for name, (attention, leaves, grad_out) in runs.items():

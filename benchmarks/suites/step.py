@@ -96,11 +96,15 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="bf16, d64/d128, 1k and 16k only")
     ap.add_argument("--no-flex", action="store_true", help="leave out compiled FlexAttention")
+    ap.add_argument("--dtype", choices=["bf16", "fp16"], default=None,
+                    help="one dtype of the grid only (the whole grid takes ~10 minutes)")
     ap.add_argument("--budget", type=float, default=300.0,
                     help="seconds after which no new cell starts")
     add_out_argument(ap, "step")
     args = ap.parse_args(argv)
-    grid = QUICK if args.quick else FULL
+    grid = dict(QUICK if args.quick else FULL)
+    if args.dtype is not None:
+        grid["dtypes"] = (torch.bfloat16 if args.dtype == "bf16" else torch.float16,)
     result = Result("step", args.out, config={
         "grid": {k: [str(x) for x in v] for k, v in grid.items()}, "flex": not args.no_flex})
     log(str(result.data["env"]))

@@ -221,3 +221,63 @@ def test_gpu_direct_launches_equal_the_launches_through_triton(case):
     through = _planned_step(case, seed=7, draw=3)  # the same call through Triton's launcher
     for got, want in zip(direct, through, strict=True):
         assert torch.equal(got, want)
+
+
+# (batch, nheads, nheads_k, capacity, filled, page size or None, num_splits, flash_attn_with_kvcache
+# kwargs): decoding steps (one new token) and a longer query block (the append, then attention)
+DECODED = {
+    "step": (2, 16, 4, 1024, 700, None, 0, dict(causal=True)),
+    "step, paged, split": (2, 16, 4, 1024, 900, 64, 3, dict(causal=True)),
+    "step, rotary, sink": (1, 8, 8, 512, 300, None, 1, dict(rotary=True, sink=True)),
+    "16 queries": (2, 8, 2, 1024, 500, None, 0, dict(causal=True, seqlen_q=16)),
+}
+
+
+def _decoded(case: str, draw: int) -> list:
+    """out, lse and the caches after a flash_attn_with_kvcache call of `case` on inputs drawn
+    with `draw` (the caches new tensors each draw)."""
+    batch, nheads, nheads_k, capacity, filled, page, splits, kwargs = DECODED[case]
+    kwargs = dict(kwargs)
+    gen = torch.Generator().manual_seed(draw)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to("cuda", torch.bfloat16)
+
+    seqlen_q = kwargs.pop("seqlen_q", 1)
+    q, k, v = randn(batch, seqlen_q, nheads, 128), *(randn(batch, seqlen_q, nheads_k, 128)
+                                                      for _ in range(2))
+    if page is None:
+        k_cache, v_cache = (randn(batch, capacity, nheads_k, 128) for _ in range(2))
+    else:
+        pages = batch * capacity // page
+        k_cache, v_cache = (randn(pages, page, nheads_k, 128) for _ in range(2))
+        kwargs["block_table"] = torch.randperm(pages, generator=gen).view(batch, -1).to(
+            "cuda", torch.int32)
+    if kwargs.pop("rotary", False):
+        angles = torch.rand(capacity, 32, generator=gen).cuda() * 6.28
+        kwargs.update(rotary_cos=angles.cos().to(torch.bfloat16),
+                      rotary_sin=angles.sin().to(torch.bfloat16))
+    if kwargs.pop("sink", False):
+        kwargs["sink"] = torch.randn(nheads, generator=gen).cuda()
+    lengths = torch.full((batch,), filled, dtype=torch.int32, device="cuda")
+    out, lse = flashkit.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths,
+                                                num_splits=splits, return_softmax_lse=True,
+                                                **kwargs)
+    return [out, lse, k_cache, v_cache]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("case", list(DECODED))
+def test_gpu_direct_decoding_equals_the_launches_through_triton(case):
+    dispatch.forget_plans()
+    for draw in (1, 2):
+        _decoded(case, draw)
+    kept = [p for plan in dispatch._plans.values() for p in plan.launches.values()
+            if isinstance(p, launch_module.Prepared)]
+    assert kept and all(p._direct for p in kept)
+    direct = _decoded(case, 3)
+    dispatch.forget_plans()
+    through = _decoded(case, 3)
+    for got, want in zip(direct, through, strict=True):
+        assert torch.equal(got, want)

@@ -86,8 +86,8 @@ from flashkit.ops.triton.configs.decode import (
     STEP_MAX_NEW,
     Tile,
 )
-from flashkit.ops.triton.features import DENSE_FLAGS, kernel_features
-from flashkit.ops.triton.launch import device_facts, fold, launch
+from flashkit.ops.triton.features import DENSE_FLAGS, feature_tensors, kernel_features
+from flashkit.ops.triton.launch import Prepared, device_facts, fold, planned
 
 
 @triton.jit
@@ -645,13 +645,19 @@ def _launch_facts(device: torch.device) -> tuple[int, bool]:
     return sms, has_pdl and LAUNCH_PDL
 
 
-def merge(out_part, lse_part, out, lse, use_pdl: bool = False) -> None:
-    """out, lse from the splits' partial results (layouts in the module docstring)."""
+def merge(out_part, lse_part, out, lse, use_pdl: bool = False, plan: dict | None = None) -> None:
+    """out, lse from the splits' partial results (layouts in the module docstring); plan: the
+    dispatch plan's prepared launches (launch.planned)."""
+    planned(plan, "merge", lambda: _prepare_merge(out_part, lse_part, out, lse, use_pdl))(
+        out_part, lse_part, out, lse)
+
+
+def _prepare_merge(out_part, lse_part, out, lse, use_pdl: bool) -> Prepared:
     num_splits, batch, seqlen_q, nheads, head_dim_v = out_part.shape
     block_dv = min(MERGE_BLOCK_DV, padded_head_dim(head_dim_v))
-    launch(_merge_kernel, (batch * seqlen_q * nheads, cdiv(head_dim_v, block_dv)), (
-        out_part, lse_part, out, lse), (*out_part.stride(), *lse_part.stride(),
-        *out.stride(), *lse.stride(), nheads, seqlen_q, num_splits), dict(
+    return Prepared(_merge_kernel, (batch * seqlen_q * nheads, cdiv(head_dim_v, block_dv)), (
+        *out_part.stride(), *lse_part.stride(), *out.stride(), *lse.stride(), nheads, seqlen_q,
+        num_splits), dict(
         HEAD_DIM_V=head_dim_v, BLOCK_S=max(2, next_power_of_2(num_splits)),
         BLOCK_DV=block_dv, USE_PDL=use_pdl), num_warps=4, launch_pdl=use_pdl)
 
@@ -717,36 +723,60 @@ def step_declines(q, nheads_k: int, seqlen_new: int) -> str | None:
     return None
 
 
+class _Shape(NamedTuple):
+    """A decode launch's shape (forward): the tile, page per tile, query row blocks, splits,
+    programs per SM for register_cap, whether PDL is used, and the key under which a smaller
+    tile that fitted is remembered (_fitted)."""
+    tile: Tile
+    per_tile: bool
+    m_blocks: int
+    num_splits: int
+    per_sm: int
+    use_pdl: bool
+    fit_key: tuple
+
+
+def _shape(q, k_cache, v_cache, block_table, num_splits: int, max_seqlen_k: int | None,
+           interleaved: bool) -> _Shape:
+    """The launch shape of a call from its shapes (launch_shape, spill_free, _fitted)."""
+    head_dim, (nheads_k, head_dim_v) = q.shape[3], v_cache.shape[2:]
+    page_size = 0 if block_table is None else k_cache.shape[1]
+    tile, per_tile, m_blocks, num_splits = launch_shape(q, nheads_k, page_size, num_splits,
+                                                        max_seqlen_k)
+    sms, use_pdl = _launch_facts(q.device)
+    # Pages looked up per key row: neither a tile nor a sub-tile lies in one page
+    row_pages = (page_size > 0 and not per_tile
+                 and page_size % (tile.block_n // tile.subtiles) != 0)
+    tile, per_sm = spill_free(tile, q.shape[0] * nheads_k * m_blocks * num_splits, sms,
+                              interleaved or row_pages)
+    fit_key = (tile, q.dtype, head_dim, head_dim_v, page_size > 0)
+    return _Shape(_fitted.get(fit_key, tile), per_tile, m_blocks, num_splits, per_sm, use_pdl,
+                  fit_key)
+
+
 def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, block_table,
             params: AttentionParams, num_splits: int, max_seqlen_k: int | None = None, *,
             out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
-            step: Step | None = None):
+            step: Step | None = None, plan: dict | None = None):
     """(out, lse) as flashkit.ops.tiled.kvcache.forward; num_splits 0 = auto_num_splits.
     max_seqlen_k (the longest seqlens_k, or a bound such as the cache capacity, as flash-attn
     uses) saves a device sync when auto splitting; cache_batch_idx / cache_leftpad None mean
     rows 0..b-1 and no padding; out and lse may be given preallocated. With `step` (where
     step_declines), the kernel appends step.k, step.v to the cache and rotates q and step.k;
-    seqlens_k is not read (the kernel takes step.cache_seqlens) and max_seqlen_k is required."""
+    seqlens_k is not read (the kernel takes step.cache_seqlens) and max_seqlen_k is required.
+    plan: the dispatch plan's prepared launches (launch.planned), for calls whose launch depends
+    on their layouts and params' values alone (not a step's int cache_seqlens)."""
     check_supported(q.dtype, params)
     batch, seqlen_q, nheads, head_dim = q.shape
-    nheads_k, head_dim_v = v_cache.shape[2], v_cache.shape[3]
-    group = nheads // nheads_k
-    page_size = 0 if block_table is None else k_cache.shape[1]
+    head_dim_v = v_cache.shape[3]
     if num_splits == 0 and max_seqlen_k is None:
         max_seqlen_k = int(seqlens_k.max())
-    tile, per_tile, m_blocks, num_splits = launch_shape(q, nheads_k, page_size, num_splits,
-                                                        max_seqlen_k)
-    sms, use_pdl = _launch_facts(q.device)
-    if step is not None and m_blocks != 1:
-        raise ValueError("decode.forward: a step needs one program per kv head (step_declines)")
     interleaved = step is not None and step.cos is not None and step.interleaved
-    # Pages looked up per key row: neither a tile nor a sub-tile lies in one page
-    row_pages = (page_size > 0 and not per_tile
-                 and page_size % (tile.block_n // tile.subtiles) != 0)
-    tile, per_sm = spill_free(tile, batch * nheads_k * m_blocks * num_splits, sms,
-                              interleaved or row_pages)
-    fit_key = (tile, q.dtype, head_dim, head_dim_v, page_size > 0)
-    tile = _fitted.get(fit_key, tile)
+    shape = planned(plan, "shape", lambda: _shape(q, k_cache, v_cache, block_table, num_splits,
+                                                  max_seqlen_k, interleaved))
+    if step is not None and shape.m_blocks != 1:
+        raise ValueError("decode.forward: a step needs one program per kv head (step_declines)")
+    num_splits = shape.num_splits
 
     if out is None:
         out = torch.empty(batch, seqlen_q, nheads, head_dim_v, dtype=q.dtype, device=q.device)
@@ -766,52 +796,71 @@ def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, bloc
         cos, sin = step.cos, step.sin
         if step.k is not None:
             k_new, v_new = step.k, step.v
-        seqlens_tensor = isinstance(step.cache_seqlens, torch.Tensor)
-        seqlens_k = step.cache_seqlens if seqlens_tensor else seqlens_k
+        if isinstance(step.cache_seqlens, torch.Tensor):
+            seqlens_k = step.cache_seqlens
+    # seqlens_k, or q where a step takes an int cache_seqlens: stands in for absent pointer
+    # arguments (never read)
+    dummy = q if seqlens_k is None else seqlens_k
+    alibi, sink, _, _ = feature_tensors(params, dummy, float32_sink=False)
+    tensors = (q, k_cache, v_cache, out_part, lse_part,
+               dummy if block_table is None else block_table,
+               dummy if cache_batch_idx is None else cache_batch_idx,
+               dummy if cache_leftpad is None else cache_leftpad, dummy, alibi, sink,
+               dummy if cos is None else cos, dummy if sin is None else sin, k_new, v_new)
+    while True:  # a tile asking for more shared memory than the GPU has (a float32 prefill
+        # tile): fewer stages, then fewer keys per tile, remembered for the next call
+        try:
+            planned(plan, "decode", lambda shape=shape: _prepare(
+                q, k_cache, v_cache, block_table, cache_batch_idx, cache_leftpad, params,
+                shape, out_part, lse_part, step, cos, k_new, v_new, dummy))(*tensors)
+            break
+        except OutOfResources:
+            shape = shape._replace(tile=smaller_tile(shape.tile))
+            _fitted[shape.fit_key] = shape.tile
+            if plan is not None:
+                plan["shape"] = shape
+                plan.pop("decode", None)
+    if num_splits > 1:
+        merge(out_part, lse_part, out, lse, shape.use_pdl, plan)
+    return out, lse
+
+
+def _prepare(q, k_cache, v_cache, block_table, cache_batch_idx, cache_leftpad,
+             params: AttentionParams, shape: _Shape, out_part, lse_part, step: Step | None, cos,
+             k_new, v_new, dummy) -> Prepared:
+    """The decode kernel's launch (launch.Prepared) of forward's call: its tensors as forward
+    passes them."""
+    batch, seqlen_q, nheads, head_dim = q.shape
+    nheads_k, head_dim_v = v_cache.shape[2], v_cache.shape[3]
+    tile, num_splits = shape.tile, shape.num_splits
+    page_size = 0 if block_table is None else k_cache.shape[1]
+    seqlens_tensor = step is None or isinstance(step.cache_seqlens, torch.Tensor)
     seqlen_new = 0 if step is None or step.k is None else step.k.shape[1]
     # The step's device assertion needs debug=True; the overflow sanitiser that comes with it
     # is off (index arithmetic as compiled without it).
     checks = {} if step is None else dict(debug=True, sanitize_overflow=False)
     capacity = k_cache.shape[1] if block_table is None else block_table.shape[1] * page_size
-    # seqlens_k, or q where a step takes an int cache_seqlens: stands in for absent pointer
-    # arguments (never read)
-    dummy = q if seqlens_k is None else seqlens_k
     # log2-unit scores and the exact tanh whatever the dtype; the sink as given (the kernel
     # converts it as it loads it); slopes (nheads,) or (batch, nheads) with head stride 1
     f = kernel_features(params, q, v_cache, dummy, seqlen_k=capacity, float32_sink=False,
                         flags=DENSE_FLAGS)
     bhk_y, bhk_z = fold(batch * nheads_k)
-    while True:  # a tile asking for more shared memory than the GPU has (a float32 prefill
-        # tile): fewer stages, then fewer keys per tile, remembered for the next call
-        try:
-            launch(_decode_kernel, (num_splits * bhk_z, bhk_y, m_blocks), (
-                q, k_cache, v_cache, out_part, lse_part,
-                dummy if block_table is None else block_table,
-                dummy if cache_batch_idx is None else cache_batch_idx,
-                dummy if cache_leftpad is None else cache_leftpad, dummy, f.alibi, f.sink,
-                dummy if cos is None else cos, dummy if sin is None else sin, k_new, v_new), (
-                *q.stride(), *k_cache.stride(), *v_cache.stride(), *out_part.stride(),
-                *lse_part.stride(), 0 if block_table is None else block_table.stride(0),
-                f.alibi_strides[0], *((0, 0) if cos is None else cos.stride()),
-                *k_new.stride(), *v_new.stride(), nheads_k, group, seqlen_q, num_splits,
-                *f.band[2:], *f.scores,
-                0 if step is None or seqlens_tensor else int(step.cache_seqlens), seqlen_new,
-                1 if step is None else step.q_rows, capacity, k_cache.shape[0],
-                0 if cos is None else cos.shape[0]), dict(
-                HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=padded_head_dim(head_dim),
-                BLOCK_DV=padded_head_dim(head_dim_v), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
-                SUBTILES=tile.subtiles, PAGE_SIZE=page_size, PAGE_PER_TILE=per_tile,
-                HAS_BATCH_IDX=cache_batch_idx is not None, HAS_LEFTPAD=cache_leftpad is not None,
-                **f.flags, USE_PDL=use_pdl and num_splits > 1, PRECISION=DOT_PRECISION,
-                STEP=step is not None, SEQLENS_TENSOR=step is None or seqlens_tensor,
-                ROTARY_HALF=0 if cos is None else cos.shape[1],
-                INTERLEAVED=interleaved,
-                BLOCK_NEW=max(1, next_power_of_2(seqlen_new)), TABLE_CHUNK=TABLE_CHUNK),
-                num_warps=tile.num_warps, num_stages=tile.num_stages, **checks,
-                **register_cap(tile, per_sm))
-            break
-        except OutOfResources:
-            tile = _fitted[fit_key] = smaller_tile(tile)
-    if num_splits > 1:
-        merge(out_part, lse_part, out, lse, use_pdl)
-    return out, lse
+    return Prepared(_decode_kernel, (num_splits * bhk_z, bhk_y, shape.m_blocks), (
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *out_part.stride(),
+        *lse_part.stride(), 0 if block_table is None else block_table.stride(0),
+        f.alibi_strides[0], *((0, 0) if cos is None else cos.stride()),
+        *k_new.stride(), *v_new.stride(), nheads_k, nheads // nheads_k, seqlen_q, num_splits,
+        *f.band[2:], *f.scores, 0 if seqlens_tensor else int(step.cache_seqlens), seqlen_new,
+        1 if step is None else step.q_rows, capacity, k_cache.shape[0],
+        0 if cos is None else cos.shape[0]), dict(
+        HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=padded_head_dim(head_dim),
+        BLOCK_DV=padded_head_dim(head_dim_v), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
+        SUBTILES=tile.subtiles, PAGE_SIZE=page_size, PAGE_PER_TILE=shape.per_tile,
+        HAS_BATCH_IDX=cache_batch_idx is not None, HAS_LEFTPAD=cache_leftpad is not None,
+        **f.flags, USE_PDL=shape.use_pdl and num_splits > 1, PRECISION=DOT_PRECISION,
+        STEP=step is not None, SEQLENS_TENSOR=seqlens_tensor,
+        ROTARY_HALF=0 if cos is None else cos.shape[1],
+        INTERLEAVED=step is not None and cos is not None and step.interleaved,
+        BLOCK_NEW=max(1, next_power_of_2(seqlen_new)), TABLE_CHUNK=TABLE_CHUNK),
+        num_warps=tile.num_warps, num_stages=tile.num_stages, **checks,
+        **register_cap(tile, shape.per_sm))

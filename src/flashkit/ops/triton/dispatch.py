@@ -179,7 +179,14 @@ def kvcache_call(q, k_cache, v_cache, cache: KVCacheArgs, params: AttentionParam
     decode.check_supported(q.dtype, params)
     seqlens = cache.host_seqlen if cache.cache_seqlens is None else cache.cache_seqlens
     nheads_k, seqlen_new = k_cache.shape[2], cache.seqlen_new
-    plan = _choose("kvcache", ("kvcache", q.shape, nheads_k, seqlen_new), [
+    # the cache's arguments as a launch reads them (an int cache_seqlens: its value, so a call
+    # with a new one prepares its launch; see below)
+    cache_key = (_layout(k_cache), _layout(v_cache), _layout(cache.k), _layout(cache.v),
+                 _layout(cache.rotary_cos), _layout(cache.rotary_sin), cache.rotary_interleaved,
+                 cache.q_rows, _layout(cache.cache_seqlens), _layout(cache.cache_batch_idx),
+                 _layout(cache.cache_leftpad), _layout(cache.block_table), cache.num_splits,
+                 cache.max_seqlen_k, cache.capacity)
+    plan = _choose("kvcache", ("kvcache", _layout(q), q.device, cache_key, _values(params)), [
         # an append without queries takes the append kernel alone
         ("decode step", lambda: "no query row" if q.shape[1] == 0 else
          decode.step_declines(q, nheads_k, seqlen_new)),
@@ -187,9 +194,11 @@ def kvcache_call(q, k_cache, v_cache, cache: KVCacheArgs, params: AttentionParam
     if plan.kernel == "decode step":  # one kernel rotates, appends and attends (decode.Step)
         step = decode.Step(seqlens, cache.k, cache.v, cache.rotary_cos, cache.rotary_sin,
                            cache.rotary_interleaved, cache.q_rows)
+        # an int cache_seqlens is a scalar Triton specialises on: such steps are not kept
         return decode.forward(q, k_cache, v_cache, None, cache.cache_batch_idx,
                               cache.cache_leftpad, cache.block_table, params, cache.num_splits,
-                              cache.max_seqlen_k, step=step)
+                              cache.max_seqlen_k, step=step,
+                              plan=None if cache.cache_seqlens is None else plan.launches)
     # A bad index fails a device-side assertion in the append kernel (kvcache.py's docstring).
     q, seqlens_k = append.append(q, k_cache, v_cache, cache.k, cache.v, cache.rotary_cos,
                                  cache.rotary_sin, seqlens, cache.cache_batch_idx,
@@ -212,13 +221,12 @@ def kvcache_call(q, k_cache, v_cache, cache: KVCacheArgs, params: AttentionParam
                    else forward_hopper.declines(*view, None, None, None))
         return why
 
-    key = ("prefill", _layout(q), _layout(k_cache), _layout(v_cache),
-           _layout(cache.block_table), _layout(seqlens_k), cache.cache_batch_idx is None,
-           cache.cache_leftpad is None, keys_bound, _values(params))
+    key = ("prefill", _layout(q), q.device, cache_key, _layout(seqlens_k), keys_bound,
+           _values(params))
     plan = _choose("kvcache", key, [("gluon prefill", prefill_declines), ("decode", lambda: None)])
     if plan.kernel == "gluon prefill":
         return prefill.forward(q, k_cache, v_cache, seqlens_k, cache.block_table, packed(),
                                plan=plan.launches)
     return decode.forward(q, k_cache, v_cache, seqlens_k, cache.cache_batch_idx,
                           cache.cache_leftpad, cache.block_table, params, cache.num_splits,
-                          cache.max_seqlen_k)
+                          cache.max_seqlen_k, plan=plan.launches)

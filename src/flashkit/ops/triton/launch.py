@@ -226,9 +226,11 @@ class Prepared:
         self.launched = True
 
 
-def planned(plan: dict | None, name: str, prepare) -> Prepared:
-    """plan[name], made by prepare() when the plan has none yet; a new one every call without a
-    plan (plan None: a call whose launches cannot be kept, e.g. dropout's new seed)."""
+def planned(plan: dict | None, name: str, prepare):
+    """plan[name] (a Prepared, or what a launcher keeps beside its Prepared), made by prepare()
+    when the plan has none yet; a new one every call without a plan (plan None: a call whose
+    launches cannot be kept, e.g. a decoding step's int cache_seqlens, a scalar Triton
+    specialises on)."""
     if plan is None:
         return prepare()
     prepared = plan.get(name)
