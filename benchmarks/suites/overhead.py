@@ -14,7 +14,9 @@ FlexAttention; and an eager decoding step of flashkit.flash_attn_with_kvcache (b
            next, so the loop is host-bound and this is what a user's loop pays per call.
   cpu_us   CPU time of the calling thread per call (time.thread_time over the same loop): the
            Python, dispatch and driver work alone. wall_us well above cpu_us means the host
-           waited (a synchronisation, or a GPU slower than the host).
+           waited (a synchronisation, or a GPU slower than the host), or worked on another
+           thread (autograd runs a CUDA backward on its own device thread).
+Each is the median of --rounds loops, the implementations' loops interleaved.
 Also a cProfile of flashkit's forward and step (the top functions by own time). Writes
 DIR/<date>_<device>.json (profiles included) and .md.
 """
@@ -26,6 +28,7 @@ import cProfile
 import io
 import os
 import pstats
+import statistics
 import sys
 import time
 
@@ -48,9 +51,7 @@ CACHED = (1024, 4096, 16384)
 
 
 def per_call(fn, calls: int) -> dict:
-    """{"wall_us", "cpu_us"} per call of fn over a tight loop (after a warm-up)."""
-    for _ in range(20):
-        fn()
+    """{"wall_us", "cpu_us"} per call of fn over one tight loop of `calls` calls."""
     torch.cuda.synchronize()
     wall, cpu = time.perf_counter(), time.thread_time()
     for _ in range(calls):
@@ -59,6 +60,28 @@ def per_call(fn, calls: int) -> dict:
     torch.cuda.synchronize()
     wall = time.perf_counter() - wall
     return {"wall_us": 1e6 * wall / calls, "cpu_us": 1e6 * cpu / calls}
+
+
+def interleaved(fns: dict, calls: int, rounds: int) -> dict:
+    """name -> the median over `rounds` rounds of per_call, each round timing every fn in turn
+    (this host's speed drifts by tens of percent within a run: interleaving puts the drift on
+    every implementation alike), after a warm-up; None values for a fn that does not run here."""
+    samples = {}
+    for name, fn in fns.items():
+        try:
+            for _ in range(20):
+                fn()
+            samples[name] = []
+        except Exception as e:  # an anchor that does not run here: recorded
+            log(f"{name}: {type(e).__name__}: {e}")
+    for _ in range(rounds):
+        for name in samples:
+            samples[name].append(per_call(fns[name], calls))
+    rows = {name: {"wall_us": None, "cpu_us": None} for name in fns}
+    for name, runs in samples.items():
+        rows[name] = {key: statistics.median(run[key] for run in runs)
+                      for key in ("wall_us", "cpu_us")}
+    return rows
 
 
 def profile(fn, calls: int, top: int = 20) -> str:
@@ -125,45 +148,46 @@ def decode_calls(cached: int) -> dict:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--calls", type=int, default=1000, help="calls per timed loop")
+    ap.add_argument("--calls", type=int, default=300, help="calls per timed loop")
+    ap.add_argument("--rounds", type=int, default=7,
+                    help="timed loops per call, interleaved with the other implementations'")
     add_out_argument(ap, "overhead")
     args = ap.parse_args(argv)
-    result = Result("overhead", args.out, config={"calls": args.calls})
+    result = Result("overhead", args.out, config={"calls": args.calls, "rounds": args.rounds})
     log(str(result.data["env"]))
     rows, profiles = [], {}
+
+    def add(problem: str, kind: str, fns: dict) -> None:
+        timed = interleaved(fns, args.calls, args.rounds)
+        cudnn = timed.get("cudnn", {}).get("wall_us")
+        for name, row in timed.items():
+            ratio = None if cudnn is None or row["wall_us"] is None else row["wall_us"] / cudnn
+            rows.append({"problem": problem, "call": kind, "impl": name, **row,
+                         "wall_x_cudnn": ratio})
+
     with torch.inference_mode(False):
         for causal in (False, True):
-            for name, (forward, step) in tiny_calls(causal).items():
-                for kind, fn in (("forward", forward), ("step", step)):
-                    try:
-                        row = per_call(fn, args.calls)
-                    except Exception as e:  # an anchor that does not run here: recorded
-                        log(f"{name} {kind}: {type(e).__name__}: {e}")
-                        row = {"wall_us": None, "cpu_us": None}
-                    rows.append({"problem": f"b{B} s{S} h{H} d{D}" + (" causal" if causal
-                                                                      else ""),
-                                 "call": kind, "impl": name, **row})
-                    if name == "flashkit":
-                        profiles[f"{kind}{' causal' if causal else ''}"] = profile(fn, 200)
+            problem = f"b{B} s{S} h{H} d{D}" + (" causal" if causal else "")
+            calls = tiny_calls(causal)
+            for index, kind in enumerate(("forward", "step")):
+                add(problem, kind, {name: pair[index] for name, pair in calls.items()})
+                profiles[f"{kind}{' causal' if causal else ''}"] = profile(
+                    calls["flashkit"][index], 200)
         with torch.no_grad():
             for cached in CACHED:
-                for name, fn in decode_calls(cached).items():
-                    try:
-                        row = per_call(fn, args.calls)
-                    except Exception as e:
-                        log(f"{name} decode: {type(e).__name__}: {e}")
-                        row = {"wall_us": None, "cpu_us": None}
-                    rows.append({"problem": f"decode b1 {DECODE_Q_HEADS}/{DECODE_KV_HEADS} "
-                                            f"heads d{DECODE_D} {cached} keys",
-                                 "call": "decode", "impl": name, **row})
+                add(f"decode b1 {DECODE_Q_HEADS}/{DECODE_KV_HEADS} heads d{DECODE_D} {cached} "
+                    "keys", "decode", decode_calls(cached))
     notes = ("wall_us: wall time per call of a tight loop with one synchronisation at the end "
              "(host-bound here, so the host time a loop pays per call); cpu_us: the calling "
-             "thread's CPU time per call (Python, dispatch and driver work alone).")
+             "thread's CPU time per call (Python, dispatch and driver work alone); medians of "
+             f"{args.rounds} loops of {args.calls} calls, the implementations interleaved; "
+             "wall_x_cudnn: wall_us over SDPA cuDNN's (lower is faster).")
     result.save("notes", notes)
     result.save("rows", rows)
     result.save("profiles", profiles)
     result.markdown(f"# overhead\n\n{notes}\n\n"
-                    + table(rows, ["problem", "call", "impl", "wall_us", "cpu_us"]))
+                    + table(rows, ["problem", "call", "impl", "wall_us", "cpu_us",
+                                   "wall_x_cudnn"]))
     log(f"wrote {result.path}")
 
 
