@@ -25,6 +25,12 @@ under the scalars' values as well: a call whose values were seen before costs on
 a new code Triton's entry. Anything else (a registered launch hook, the interpreter, a scalar of
 another type) takes Triton's entry. tests/test_kvcache.py checks the keys against Triton's
 specialiser and launches a stand-in kernel through both caches.
+
+`Prepared` goes one step further for a launch plan (dispatch.py), whose key fixes everything
+but the tensors' addresses: its grid, scalars and constexprs are computed once, and a repeated
+call fills only the tensors and TMA maps into an argument list made once, then calls the
+compiled launcher's C entry. tests/ops/test_launch_plan.py checks that list against Triton's
+own launcher and, on the GPU, the results against launches through Triton.
 """
 
 from __future__ import annotations
