@@ -104,15 +104,18 @@ def _compiled() -> int:
     return sum(len(caches[0]) for kernel in kernels for caches in kernel.device_caches.values())
 
 
-def test_new_length_compiles_nothing():
-    """The same variant at a new length (same divisibility class) reuses its kernels."""
+@pytest.mark.parametrize("lengths", [(1001, 1501, 1701), (2048, 1920)])
+def test_new_length_compiles_nothing(lengths):
+    """The same variant at a new length (same divisibility class) reuses its kernels: odd
+    lengths, and lengths on the tiles whose tile counts differ in their divisibility by 16
+    (2048 / 128 = 16, 1920 / 128 = 15), which the kernels do not specialise on."""
     table = torch.randn(8, 2 * 6 + 1, device="cuda")
     mod = variants.relative_bias(table)
-    for seqlen in (1000, 1500, 1700):  # all off the 16-multiple specialisation, like each other
-        q, k, v = random_qkv(batch=1, seqlen_q=seqlen + 1, nheads=8, headdim=64,
+    for seqlen in lengths:
+        q, k, v = random_qkv(batch=1, seqlen_q=seqlen, nheads=8, headdim=64,
                              dtype=torch.bfloat16)
         q, k, v = (x.cuda().requires_grad_() for x in (q, k, v))
         flashkit.flash_attn_func(q, k, v, score_mod=mod).sum().backward()
-        if seqlen == 1000:
+        if seqlen == lengths[0]:
             before = _compiled()
     assert _compiled() == before

@@ -457,7 +457,11 @@ def _bwd_dq_program(pid_m, pid_bh, Q, K, V, DO, Lse, Delta, DQ,
 
 
 
-@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "dropout_threshold"])
+# Not specialised on: the dropout seed (new every call) and the sizes that follow the lengths
+# (program counts, the block masks' sizes), so a variant at a new length keeps its kernels
+@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "dropout_threshold", "num_kv_blocks",
+                               "num_q_blocks", "stride_sb", "stride_sh", "n_kv_blocks",
+                               "stride_tb", "stride_th", "n_q_blocks"])
 def _bwd_kernel(Q, K, V, DO, Lse, Delta, DQ, DK, DV,
                 stride_qb, stride_qs, stride_qh, stride_qd,
                 stride_kb, stride_ks, stride_kh, stride_kd,

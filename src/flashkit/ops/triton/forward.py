@@ -117,7 +117,10 @@ def _fwd_tiles(acc, m_i, l_i, q_tile, kv, start, end, offs, band, mods, drop, va
     return acc, m_i, l_i
 
 
-@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "dropout_threshold"])
+# Not specialised on: the dropout seed (new every call) and the block mask's length-dependent
+# sizes, so a variant at a new length keeps its kernel
+@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "dropout_threshold", "stride_sb",
+                               "stride_sh", "n_kv_blocks"])
 def _fwd_kernel(Q, K, V, Out, Lse,
                 stride_qb, stride_qs, stride_qh, stride_qd,
                 stride_kb, stride_ks, stride_kh, stride_kd,
