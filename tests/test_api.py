@@ -194,6 +194,28 @@ def test_bad_dense_input(case):
         flashkit.flash_attn_func(**make())
 
 
+def test_kept_params_never_let_a_refused_argument_through():
+    """Calls without tensor arguments or dropout reuse the params checked for the same scalar
+    arguments; an argument that the checks refuse by its type (causal=1, a float window
+    entry) is refused after a call whose arguments compare equal to it, and a list window,
+    which is accepted, is checked each time."""
+    from flashkit import api
+    q, k, v = random_qkv(1, 5, 5, 2, 2, headdim=16)
+    first = api.build_params(q, 0.0, None, True, (-1, -1), 0.0, None, False, None, batch=1)
+    assert api.build_params(q, 0, None, True, (-1, -1), 0.0, None, False, None,
+                            batch=1) is first
+    flashkit.flash_attn_func(q, k, v, causal=True, window_size=(3, -1))
+    with pytest.raises(TypeError, match="^causal"):
+        flashkit.flash_attn_func(q, k, v, causal=1, window_size=(3, -1))
+    with pytest.raises(ValueError, match="^window_size"):
+        flashkit.flash_attn_func(q, k, v, causal=True, window_size=(3.0, -1))
+    torch.testing.assert_close(flashkit.flash_attn_func(q, k, v, window_size=[3, -1]),
+                               flashkit.flash_attn_func(q, k, v, window_size=(3, -1)),
+                               rtol=0, atol=0)
+    with pytest.raises(ValueError, match="^softmax_scale"):  # NaN never matches a kept key
+        flashkit.flash_attn_func(q, k, v, softmax_scale=math.nan)
+
+
 VARLEN_ERRORS = {
     "cu_not_int32": (lambda: _varlen(cu_seqlens_q=torch.tensor([0, 3, 5])), TypeError,
                      "cu_seqlens_q"),

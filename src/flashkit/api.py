@@ -166,9 +166,43 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     return _run(q, k, v, params, backend, return_attn_probs, return_softmax_lse)
 
 
+_SCALAR_CALLS: dict = {}  # a call's scalar arguments -> its AttentionParams (see build_params)
+MAX_SCALAR_CALLS = 256
+
+
 def build_params(q, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
             deterministic, sink, batch, nheads=None, **varlen) -> AttentionParams:
-    """Check the scalar and per-head arguments and gather them for the backends."""
+    """Check the scalar and per-head arguments and gather them for the backends.
+
+    A call with no tensor argument among them and no dropout (whose seed is new every call)
+    gets the AttentionParams checked and built for the same scalar arguments before (an
+    immutable value; checking and building them costs several microseconds of host time a
+    call). Only arguments that passed the checks are kept, and the key holds causal's and the
+    window entries' types, so an argument refused by type never matches an accepted one."""
+    key = None  # (under torch.compile nothing is kept: the compiler would guard on the dict)
+    if (alibi_slopes is None and sink is None and not varlen and type(dropout_p) in (int, float)
+            and not torch.compiler.is_compiling()
+            and dropout_p == 0 and type(window_size) is tuple and len(window_size) == 2
+            and type(window_size[0]) is int and type(window_size[1]) is int):
+        key = (q.shape[-1], softmax_scale, type(softmax_scale), causal, type(causal),
+               window_size, softcap, type(softcap), deterministic)
+        try:
+            params = _SCALAR_CALLS.get(key)
+        except TypeError:  # an unhashable argument: checked below, and refused or not kept
+            params, key = None, None
+        if params is not None:
+            return params
+    params = _checked_params(q, dropout_p, softmax_scale, causal, window_size, softcap,
+                             alibi_slopes, deterministic, sink, batch, nheads, **varlen)
+    if key is not None:
+        if len(_SCALAR_CALLS) >= MAX_SCALAR_CALLS:
+            _SCALAR_CALLS.clear()
+        _SCALAR_CALLS[key] = params
+    return params
+
+
+def _checked_params(q, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                    deterministic, sink, batch, nheads=None, **varlen) -> AttentionParams:
     nheads = q.shape[2] if nheads is None else nheads
     window_left, window_right = checks.window_size(window_size, causal)
     checks.alibi_slopes(alibi_slopes, batch, nheads, q.device)
