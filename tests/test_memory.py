@@ -73,7 +73,10 @@ def peaks():
 def test_tiled_is_linear_and_reference_quadratic(peaks, pass_):
     short, long = SEQLENS
     naive = peaks[f"reference/{pass_}/{long}"] / peaks[f"reference/{pass_}/{short}"]
-    tiled = peaks[f"torch/{pass_}/{long}"] / max(peaks[f"torch/{pass_}/{short}"], 1)
+    # Below 1 MiB the resident set's page and allocator granularity decide the ratio (the
+    # tiled forward holds 0.3 MiB at 1024, 0.8 at 2048 on one machine): the ratio's base is at
+    # least 1 MiB, where a quadratic tiled pass would hold ~27 MiB as the reference does.
+    tiled = peaks[f"torch/{pass_}/{long}"] / max(peaks[f"torch/{pass_}/{short}"], 2**20)
     summary = {key: f"{value / 2**20:.1f} MiB" for key, value in peaks.items()}
     assert naive >= 3.5, f"reference: doubling seqlen grew peak memory {naive:.2f}x; {summary}"
     assert tiled <= 2.5, f"tiled: doubling seqlen grew peak memory {tiled:.2f}x; {summary}"
