@@ -63,3 +63,33 @@ def test_backward_reads_an_expanded_dout_as_a_contiguous_copy(monkeypatch):
     q, k, v = (torch.randn(1, 20, 2, 16, device=DEVICE, requires_grad=True) for _ in range(3))
     flashkit.flash_attn_func(q, k, v, causal=True, backend="triton").sum().backward()
     assert len(seen) == 1 and seen[0].is_contiguous() and 0 not in seen[0].stride()
+
+
+def test_the_plan_key_holds_every_field_a_launch_reads():
+    """A launch plan bakes params' values into its prepared launches, so two params that differ
+    in any field but the dropout seed (passed per call) and a tensor's contents must differ in
+    the key: a new AttentionParams field fails this until dispatch._values reads it."""
+    import dataclasses
+
+    from flashkit.ops.params import AttentionParams
+
+    base = AttentionParams(0.125, window_left=3, window_right=0, softcap=5.0,
+                           alibi_slopes=torch.rand(4), sink=torch.randn(4), dropout_p=0.1,
+                           dropout_seed=7, cu_seqlens_q=torch.tensor([0, 5], dtype=torch.int32),
+                           cu_seqlens_k=torch.tensor([0, 5], dtype=torch.int32),
+                           max_seqlen_q=5, max_seqlen_k=5)
+    changed = dict(softmax_scale=0.25, window_left=None, window_right=None, softcap=0.0,
+                   alibi_slopes=torch.rand(2, 4), sink=torch.randn(4, dtype=torch.float16),
+                   attn_bias=torch.zeros(1, 4, 5, 5), dropout_p=0.0,
+                   cu_seqlens_q=torch.tensor([0, 2, 5], dtype=torch.int32),
+                   cu_seqlens_k=torch.tensor([0, 1, 5], dtype=torch.int32), max_seqlen_q=3,
+                   max_seqlen_k=4, deterministic=True, variant=object())
+    per_call = {"dropout_seed"}
+    fields = {f.name for f in dataclasses.fields(AttentionParams)}
+    assert fields == set(changed) | per_call, "a new AttentionParams field: add it here"
+    for name, value in changed.items():
+        assert dispatch._values(dataclasses.replace(base, **{name: value})) != \
+            dispatch._values(base), name
+    same = dataclasses.replace(base, dropout_seed=8, alibi_slopes=torch.rand(4),
+                               sink=torch.randn(4))
+    assert dispatch._values(same) == dispatch._values(base)
