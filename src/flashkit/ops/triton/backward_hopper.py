@@ -719,7 +719,7 @@ def attention_backward_dkdv(dout, q, k, v, lse, delta, params: AttentionParams, 
         lse, delta = _aligned_lse_delta(lse, delta, params)
     prepared = planned(plan, "dkdv", lambda: _prepare_dkdv(q, k, v, dout, lse, delta, params, dk,
                                                            dv, block, one_key_zero))
-    alibi, _, cu_q, cu_k = feature_tensors(params, lse)
+    alibi, _, cu_q, cu_k = feature_tensors(params, lse, float32_sink=False)  # no sink
     prepared(q, k, v, dout, lse, delta, dk, dv, alibi, cu_q, cu_k, varying=dropout_seed(params))
 
 
@@ -747,7 +747,7 @@ def attention_backward_dq(dout, q, k, v, lse, delta, params: AttentionParams, dq
     one_key_zero and plan as attention_backward_dkdv's."""
     prepared = planned(plan, "dq", lambda: _prepare_dq(q, k, v, dout, lse, delta, params, dq,
                                                        block, one_key_zero))
-    alibi, _, cu_q, cu_k = feature_tensors(params, lse)
+    alibi, _, cu_q, cu_k = feature_tensors(params, lse, float32_sink=False)  # no sink
     prepared(q, k, v, dout, lse, delta, dq, alibi, cu_q, cu_k, varying=dropout_seed(params))
 
 

@@ -153,10 +153,10 @@ def _dense_as_varlen(dout, q, k, v, out, lse, params: AttentionParams, dq, dk, d
     call's shapes and params follow from the dense key)."""
     batch, seqlen_q, nheads = q.shape[:3]
     seqlen_k = k.shape[1]
-    starts = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
-    packed = dataclasses.replace(params, cu_seqlens_q=starts * seqlen_q,
-                                 cu_seqlens_k=starts * seqlen_k, max_seqlen_q=seqlen_q,
-                                 max_seqlen_k=seqlen_k)
+    packed = dataclasses.replace(params, cu_seqlens_q=prefill.multiples(seqlen_q, batch + 1,
+                                                                         q.device),
+                                 cu_seqlens_k=prefill.multiples(seqlen_k, batch + 1, q.device),
+                                 max_seqlen_q=seqlen_q, max_seqlen_k=seqlen_k)
 
     def tokens(x):  # (batch, seqlen, heads, d) -> (batch * seqlen, heads, d)
         return x.reshape(-1, *x.shape[2:])

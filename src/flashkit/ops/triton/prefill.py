@@ -15,6 +15,7 @@ import torch
 
 from flashkit.ops.params import AttentionParams
 from flashkit.ops.triton.configs.decode import GLUON_PREFILL_MIN_QUERIES, GLUON_PREFILL_MIN_WORK
+from flashkit.ops.triton.launch import planned
 
 __all__ = ["declines", "as_varlen", "forward", "tile", "GLUON_PREFILL_MIN_QUERIES",
            "GLUON_PREFILL_MIN_WORK"]
@@ -58,13 +59,13 @@ def as_varlen(q, k_cache, v_cache, cache_batch_idx, cache_leftpad, block_table,
     if not (forward_hopper.flash_layout_2d(k_cache) and forward_hopper.flash_layout_2d(v_cache)):
         return None
     k, v = k_cache.view(-1, nheads_k, head_dim), v_cache.view(-1, nheads_k, v_cache.shape[-1])
-    cu_q = _multiples(seqlen_q, batch + 1, q.device)
+    cu_q = multiples(seqlen_q, batch + 1, q.device)
     if block_table is not None:
         starts = cu_q  # unread with a block table
     elif cache_batch_idx is None and cache_leftpad is None:
-        starts = _multiples(slots, batch + 1, q.device)
+        starts = multiples(slots, batch + 1, q.device)
     else:  # (batch + 1,): the last entry is never read
-        rows = _multiples(1, batch, q.device) if cache_batch_idx is None else cache_batch_idx
+        rows = multiples(1, batch, q.device) if cache_batch_idx is None else cache_batch_idx
         starts = torch.nn.functional.pad(rows * slots if cache_leftpad is None
                                          else rows * slots + cache_leftpad, (0, 1))
     capacity = slots if block_table is None else block_table.shape[1] * slots
@@ -83,8 +84,9 @@ def forward(q, k_cache, v_cache, seqlens_k, block_table, packed, plan: dict | No
     q_packed, k, v, varlen = packed
     out, lse = forward_hopper.attention_forward(
         q_packed, k if block_table is None else k_cache, v if block_table is None else v_cache,
-        varlen, tile=tile(q, varlen, None if block_table is None else k_cache.shape[1]),
-        seqused_k=seqlens_k, block_table=block_table, plan=plan)
+        varlen, seqused_k=seqlens_k, block_table=block_table, plan=plan,
+        tile=planned(plan, "tile", lambda: tile(q, varlen, None if block_table is None
+                                                else k_cache.shape[1])))
     # out (batch * seqlen_q, h, dv) -> (batch, seqlen_q, h, dv); lse (h, batch * seqlen_q)
     return (out.view(batch, seqlen_q, nheads, -1),
             lse.view(nheads, batch, seqlen_q).transpose(0, 1))
@@ -123,11 +125,12 @@ def tile(q, params: AttentionParams, page_size: int | None) -> tuple:
     return tile
 
 
-def _multiples(step: int, count: int, device) -> torch.Tensor:
-    """int32 [0, step, ..., (count - 1) * step] on device (prefill's cu_seqlens; read-only),
-    made once per (step, count, device) to spare a launch per call; made afresh under CUDA graph
-    capture (a tensor made there holds its values only once the graph replays)."""
-    if torch.cuda.is_current_stream_capturing():
+def multiples(step: int, count: int, device) -> torch.Tensor:
+    """int32 [0, step, ..., (count - 1) * step] on device (the cu_seqlens of sequences of one
+    length; read-only), made once per (step, count, device) to spare a launch per call; made
+    afresh under CUDA graph capture (a tensor made there holds its values only once the graph
+    replays)."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return torch.arange(0, count * step, step, dtype=torch.int32, device=device)
     return _cached_multiples(step, count, device)
 
