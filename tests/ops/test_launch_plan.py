@@ -116,7 +116,7 @@ def test_the_direct_launch_passes_what_tritons_launcher_would(compiled):
         prepared(*tensors, varying=varying)
         assert len(compiled.slow) == launched  # direct
         direct = compiled.calls[-1]
-        prepared._launch(tensors, varying, key=None)  # the same call through Triton's wrapper
+        prepared._launch(tensors, varying)  # the same call through Triton's wrapper
         assert compiled.slow[-1] == (128, varying[0], 0.5, varying[1])
         expected = compiled.calls[-1]
         assert len(direct) == len(expected)
@@ -129,7 +129,7 @@ def test_the_direct_launch_passes_what_tritons_launcher_would(compiled):
         assert direct[23][:2] == ("tma", y.data_ptr())
 
 
-def test_a_new_alignment_goes_through_launch_again(compiled):
+def test_a_new_alignment_or_dtype_goes_through_launch_again(compiled):
     x, out, y = _inputs(0)
     prepared = _prepared(x, y)
     for _ in range(3):
@@ -137,6 +137,10 @@ def test_a_new_alignment_goes_through_launch_again(compiled):
     assert len(compiled.slow) == 2
     prepared(x, torch.empty(17)[1:], y, varying=(1, 2))  # out 4 bytes off 16-byte alignment
     assert len(compiled.slow) == 3
+    prepared(x, torch.empty(16, dtype=torch.float64), y, varying=(1, 2))  # another dtype
+    assert len(compiled.slow) == 4
+    prepared(x, out, y, varying=(1, 2))  # the kept direct launch again
+    assert len(compiled.slow) == 4
 
 
 def test_the_plan_keeps_no_tensor_alive():

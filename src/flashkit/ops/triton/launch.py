@@ -166,16 +166,18 @@ class Prepared:
     `prepared(*tensors, varying=values)` (a dropout seed, new every call); Triton must not
     specialise on them (the kernel's do_not_specialize), so every value runs the same kernel.
 
-    The first call for each (dtype, 16-byte alignment) of the pointer tensors goes through
-    `launch`, which compiles or finds the kernel; later calls fill the descriptors' TMA maps
-    (Triton's fill_tma_descriptor) into an argument list made once and call the compiled
-    launcher's C entry, skipping launch's key, the descriptor objects and Triton's Python
-    wrapper that would expand them (Triton 3.6's CudaLauncher: `_c_entry`). A launch hook, a
-    changed global of the kernel, Triton's debug or instrumentation knobs, the interpreter or a
-    kernel that needs scratch memory take `launch` every time."""
+    The first two calls go through `launch`, which compiles or finds the kernel; the second
+    keeps the compiled kernel's direct launch (`_Direct`) when every pointer tensor is 16-byte
+    aligned. Later calls whose pointer tensors have the same dtypes and are aligned (a plan's
+    key fixes both) fill the TMA maps (Triton's fill_tma_descriptor) and the tensors into an
+    argument list made once and call the compiled launcher's C entry, skipping launch's key,
+    the descriptor objects and Triton's Python wrapper that would expand them (Triton 3.6's
+    CudaLauncher: `_c_entry`). Any other call, a launch hook, a changed global of the kernel,
+    Triton's debug or instrumentation knobs, the interpreter or a kernel that needs scratch
+    memory take `launch`."""
 
     __slots__ = ("kernel", "grid", "scalars", "constexprs", "tensor_params", "options",
-                 "descriptors", "varying", "pointers", "launched", "_direct")
+                 "descriptors", "varying", "launched", "_direct")
 
     def __init__(self, kernel, grid: tuple, scalars: tuple, constexprs: dict,
                  tensor_params: tuple = (), descriptors: dict | None = None,
@@ -187,35 +189,39 @@ class Prepared:
                                        tensor_params)
         # the descriptors' geometry without their bases (a plan must not keep tensors alive)
         self.descriptors = {i: _rebased(d, None) for i, d in (descriptors or {}).items()}
-        self.pointers = None  # the indices of the pointer tensors, known at the first call
         self.launched = False
-        self._direct: dict = {}  # the pointer tensors' keys and the knobs -> _Direct
+        self._direct: _Direct | None = None
 
     def __call__(self, *tensors, varying: tuple = ()) -> None:
-        if self.pointers is None:
-            self.pointers = tuple(i for i in range(len(tensors)) if i not in self.descriptors)
-        key = (tuple([(tensors[i].dtype, tensors[i].data_ptr() % 16 == 0)
-                      for i in self.pointers]),
-               knobs.runtime.debug, knobs.compilation.instrumentation_mode)
-        direct = self._direct.get(key)
+        direct = self._direct
         if direct is None or _hooked() or _globals_changed(self.kernel):
-            self._launch(tensors, varying, key)
+            self._launch(tensors, varying)
             return
         args = direct.args.copy()
+        addresses = 0  # the pointers' addresses OR-ed: 16-byte aligned iff its low bits are 0
+        for at, i, dtype in direct.pointers:
+            t = args[at] = tensors[i]
+            if t.dtype is not dtype:
+                addresses = 1
+                break
+            addresses |= t.data_ptr()
+        if addresses & 15 or direct.knobs != (knobs.runtime.debug,
+                                              knobs.compilation.instrumentation_mode):
+            self._launch(tensors, varying)
+            return
         fill = direct.fill_tma_descriptor
-        for at, i, tma in direct.slots:
-            t = tensors[i]
-            args[at] = t if tma is None else fill(t.data_ptr(), *tma)
+        for at, i, tma in direct.maps:
+            args[at] = fill(tensors[i].data_ptr(), *tma)
         for at, value in zip(direct.varying, varying, strict=True):
             args[at] = value
-        stream = triton.runtime.driver.active.get_current_stream(direct.device)
-        direct.entry(*self.grid, stream, direct.function, direct.cooperative, direct.pdl, None,
-                     None, direct.packed_metadata, None, None, None, *args)
+        direct.entry(*self.grid, direct.current_stream(direct.device), direct.function,
+                     direct.cooperative, direct.pdl, None, None, direct.packed_metadata, None,
+                     None, None, *args)
 
-    def _launch(self, tensors: tuple, varying: tuple, key: tuple) -> None:
-        """Through launch, with the descriptors over this call's tensors; from the second call
-        on (a Prepared made for one call never gets there), remembers the direct launch of the
-        compiled kernel that launch returns."""
+    def _launch(self, tensors: tuple, varying: tuple) -> None:
+        """Through launch, with the descriptors over this call's tensors; at the second call
+        (a Prepared made for one call never gets there), keeps the direct launch of the
+        compiled kernel that launch returns if every pointer tensor is 16-byte aligned."""
         args = tuple(_rebased(self.descriptors[i], t) if i in self.descriptors else t
                      for i, t in enumerate(tensors))
         scalars = list(self.scalars)
@@ -223,12 +229,10 @@ class Prepared:
             scalars[i] = value
         compiled = launch(self.kernel, self.grid, args, tuple(scalars), self.constexprs,
                           self.tensor_params, **self.options)
-        if compiled is not None and self.launched and not _hooked():
-            direct = _Direct.of(compiled, self, len(tensors))
-            if direct is not None:
-                if len(self._direct) >= MAX_ENTRIES:
-                    self._direct.clear()
-                self._direct[key] = direct
+        if (compiled is not None and self.launched and self._direct is None and not _hooked()
+                and all(t.data_ptr() % 16 == 0 for i, t in enumerate(tensors)
+                        if i not in self.descriptors)):
+            self._direct = _Direct.of(compiled, self, tensors)
         self.launched = True
 
 
@@ -246,9 +250,10 @@ def planned(plan: dict | None, name: str, prepare):
 
 
 class _Direct(NamedTuple):
-    """A compiled kernel's C launch entry and its argument list in signature order, with
-    `slots` (position in args, index in the tensors, the TMA map's fill arguments after the
-    address or None for a pointer) where each call's tensors go."""
+    """A compiled kernel's C launch entry and its argument list in signature order, with where
+    each call's tensors go: `pointers` (position in args, index in the tensors, the dtype the
+    kernel was compiled for) and `maps` (position in args, index in the tensors, the TMA map's
+    fill arguments after the address)."""
     entry: object
     function: int
     packed_metadata: object
@@ -256,23 +261,27 @@ class _Direct(NamedTuple):
     pdl: bool
     device: int
     args: list
-    slots: tuple
+    pointers: tuple
+    maps: tuple
     varying: tuple  # the positions in args of the varying scalars, in their order
+    knobs: tuple  # Triton's debug and instrumentation knobs when compiled
     fill_tma_descriptor: object
+    current_stream: object
 
     @staticmethod
-    def of(compiled, prepared: Prepared, n_tensors: int):
+    def of(compiled, prepared: Prepared, tensors: tuple):
         runner = compiled.run  # CudaLauncher (made on first use)
         entry = _c_entry(getattr(runner, "launch", None))
         if entry is None or runner.global_scratch_size or runner.profile_scratch_size:
             return None
+        n_tensors = len(tensors)
         n_args = n_tensors + len(prepared.scalars)
         sources = list(range(n_args))
         if prepared.tensor_params:
             sources = list(_order(prepared.kernel, prepared.tensor_params, n_tensors,
                                   len(prepared.scalars))(sources))
         metas = iter(getattr(compiled.metadata, "tensordesc_meta", None) or ())
-        args, slots, varying = [], [], {}
+        args, pointers, maps, varying = [], [], [], {}
         for source in sources:
             if source >= n_tensors:
                 if source - n_tensors in prepared.varying:
@@ -281,25 +290,27 @@ class _Direct(NamedTuple):
                 continue
             template = prepared.descriptors.get(source)
             if template is None:
-                slots.append((len(args), source, None))
+                pointers.append((len(args), source, tensors[source].dtype))
                 args.append(None)
                 continue
             meta = next(metas, None)
             if meta is None or meta["fp4_padded"] or template.padding != "zero":
                 return None  # a descriptor lowered another way: Triton's own wrapper
             shape, strides = list(template.shape), list(template.strides)
-            slots.append((len(args), source, (
+            maps.append((len(args), source, (
                 meta["swizzle"], meta["elem_size"], _TMA_HOST_DTYPE[meta["elem_type"]],
                 meta["block_size"], shape, strides, 0)))
             args.extend([None, *shape, *strides])
         if next(metas, None) is not None:
             return None
         args.extend(prepared.constexprs.values())
+        driver = triton.runtime.driver.active
         return _Direct(entry, compiled.function, compiled.packed_metadata,
                        runner.launch_cooperative_grid, runner.launch_pdl,
-                       torch.cuda.current_device(), args, tuple(slots),
+                       torch.cuda.current_device(), args, tuple(pointers), tuple(maps),
                        tuple(varying[i] for i in prepared.varying),
-                       triton.runtime.driver.active.utils.fill_tma_descriptor)
+                       (knobs.runtime.debug, knobs.compilation.instrumentation_mode),
+                       driver.utils.fill_tma_descriptor, driver.get_current_stream)
 
 
 def _scalar_indices(kernel, names: tuple, n_scalars: int, n_constexprs: int,
@@ -445,15 +456,15 @@ def _globals_changed(kernel) -> bool:
     compares deep copies by value: 6.4 us a launch for the Gluon forward's nine gl.constexpr
     globals, whose != builds new constexprs). A global mutated in place (a list) would go
     unseen; the kernels' globals are constexprs."""
-    current = [scope.get(name, _MISSING) for (name, _), (_, scope) in
-               kernel.used_global_vals.items()]
+    used = kernel.used_global_vals  # (name, id(scope)) -> (value when compiled, scope)
     # by id: a JITFunction's own hash builds its cache key; the entry holds the kernel itself
-    owner, seen = _globals_seen.get(id(kernel), (None, None))
-    if (owner is kernel and len(seen) == len(current)
-            and all(map(operator.is_, seen, current))):
+    owner, where, seen = _globals_seen.get(id(kernel), (None, (), ()))
+    if owner is kernel and len(where) == len(used) and all(map(
+            operator.is_, seen, [scope.get(name, _MISSING) for scope, name in where])):
         return False
-    values = [value for value, _ in kernel.used_global_vals.values()]
-    if any(now != value for now, value in zip(current, values, strict=True)):
+    where = tuple((scope, name) for (name, _), (_, scope) in used.items())
+    current = [scope.get(name, _MISSING) for scope, name in where]
+    if any(now != value for now, (value, _) in zip(current, used.values(), strict=True)):
         return True
-    _globals_seen[id(kernel)] = (kernel, current)  # held: their identities stay theirs
+    _globals_seen[id(kernel)] = (kernel, where, current)  # held: their identities stay theirs
     return False
