@@ -216,6 +216,30 @@ def test_kept_params_never_let_a_refused_argument_through():
         flashkit.flash_attn_func(q, k, v, softmax_scale=math.nan)
 
 
+
+def test_kept_calls_check_every_tensor_fact_again():
+    """flash_attn_func keeps a call's checked params under its tensors' types, shapes, dtypes and
+    devices too: a tensor that differs in any of them from an accepted call's is checked (and
+    refused) as if it were the first call, and an unhashable backend is refused by name."""
+    q, k, v = random_qkv(1, 5, 5, 4, 2, headdim=16)
+    for _ in range(2):
+        flashkit.flash_attn_func(q, k, v, causal=True)
+    with pytest.raises(ValueError, match="^v: 2 heads differ from k's 3"):
+        flashkit.flash_attn_func(q, k[:, :, :1].expand(1, 5, 3, 16), v, causal=True)
+    with pytest.raises(TypeError, match="^k: dtype"):
+        flashkit.flash_attn_func(q, k.double(), v, causal=True)
+    with pytest.raises(ValueError, match="^v: seqlen"):
+        flashkit.flash_attn_func(q, k, v[:, :4], causal=True)
+    with pytest.raises(TypeError, match="^q: expected a torch.Tensor"):
+        flashkit.flash_attn_func(q.tolist(), k, v, causal=True)
+    with pytest.raises(ValueError, match="^backend"):
+        flashkit.flash_attn_func(q, k, v, causal=True, backend="cuda")
+    with pytest.raises(ValueError, match="^backend"):
+        flashkit.flash_attn_func(q, k, v, causal=True, backend=["torch"])
+    torch.testing.assert_close(flashkit.flash_attn_func(q, k, v, causal=True),
+                               flashkit.flash_attn_func(q, k, v, causal=True, backend="reference"))
+
+
 VARLEN_ERRORS = {
     "cu_not_int32": (lambda: _varlen(cu_seqlens_q=torch.tensor([0, 3, 5])), TypeError,
                      "cu_seqlens_q"),

@@ -143,7 +143,7 @@ def main():
             prof = cProfile.Profile()
             prof.runcall(per_call_us, fn, args.calls)
             stats = pstats.Stats(prof)
-            stats.dump_stats(f"{args.profile}.{name.split()[0]}")
+            stats.dump_stats(f"{args.profile}.{len(result['host_us'])}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

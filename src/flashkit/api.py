@@ -96,11 +96,27 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
         ValueError / TypeError naming the argument, before any kernel runs, for a wrong rank,
         shape, dtype or device, a bad scale, window, dropout_p or softcap.
     """
+    key = None  # the call's tensor facts and scalar arguments, for _DENSE_CALLS
+    if (alibi_slopes is None and sink is None and q_descale is None and k_descale is None
+            and v_descale is None and score_mod is None and mask_mod is None
+            and block_mask is None and isinstance(q, torch.Tensor)
+            and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
+            and (backend is None or type(backend) is str)):
+        scalars = _scalar_key(dropout_p, softmax_scale, causal, window_size, softcap,
+                              deterministic)
+        if scalars is not None:
+            key = (scalars, backend, type(q), q.shape, q.dtype, q.device, type(k), k.shape,
+                   k.dtype, k.device, type(v), v.shape, v.dtype, v.device)
+            params = _DENSE_CALLS.get(key)
+            if params is not None:
+                return _run(q, k, v, params, backend, return_attn_probs, return_softmax_lse)
     checks.dense_qkv(q, k, v, checks.DTYPES + checks.FLOAT8_DTYPES)
     checks.warn_if_sdpa_layout(q, k)
     float8 = checks.descales(q, k, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
     params = build_params(q, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                      deterministic, sink, batch=q.shape[0])
+    if key is not None and not float8:
+        _remember(_DENSE_CALLS, key, params)
     params = variant_mods.attach(params, q, score_mod, mask_mod, block_mask, q.shape[0],
                                  q.shape[2], q.shape[1], k.shape[1])
     if float8:
@@ -166,38 +182,59 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     return _run(q, k, v, params, backend, return_attn_probs, return_softmax_lse)
 
 
-_SCALAR_CALLS: dict = {}  # a call's scalar arguments -> its AttentionParams (see build_params)
-MAX_SCALAR_CALLS = 256
+# Checking a call's arguments and building its AttentionParams costs several microseconds of
+# host time, more than launching its kernel on small problems, so calls repeat what an equal
+# earlier call found. Only calls with no tensor argument besides q, k, v and no dropout (whose
+# seed is new every call) are kept, never under torch.compile (the compiler would guard on the
+# dicts), and only after every check passed. The keys hold the types that the checks refuse by
+# (causal's, the window entries'), so an argument refused by type never matches an accepted one.
+_SCALAR_CALLS: dict = {}  # scalar arguments -> AttentionParams (build_params: every entry point)
+_DENSE_CALLS: dict = {}  # those and q's, k's, v's type, shape, dtype and device -> AttentionParams
+#                          (flash_attn_func: its tensor checks too)
+MAX_CALLS = 256  # forget every kept call of a dict beyond this many
+
+
+def _scalar_key(dropout_p, softmax_scale, causal, window_size, softcap,
+                deterministic) -> tuple | None:
+    """The key of a call's scalar arguments, or None for a call that is not kept: dropout, an
+    argument that is not a Python bool, int, float or None (a tensor would be kept alive and
+    could change in place), a window that is not a tuple of two ints, torch.compile."""
+    if (type(dropout_p) not in _PLAIN or dropout_p != 0 or type(window_size) is not tuple
+            or len(window_size) != 2 or type(window_size[0]) is not int
+            or type(window_size[1]) is not int or type(softmax_scale) not in _PLAIN
+            or type(causal) not in _PLAIN or type(softcap) not in _PLAIN
+            or type(deterministic) not in _PLAIN or torch.compiler.is_compiling()):
+        return None
+    return (softmax_scale, type(softmax_scale), causal, type(causal), window_size, softcap,
+            type(softcap), deterministic)
+
+
+_PLAIN = frozenset((bool, int, float, type(None)))
+
+
+def _remember(calls: dict, key: tuple, params: AttentionParams) -> None:
+    if len(calls) >= MAX_CALLS:
+        calls.clear()
+    calls[key] = params
 
 
 def build_params(q, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
             deterministic, sink, batch, nheads=None, **varlen) -> AttentionParams:
-    """Check the scalar and per-head arguments and gather them for the backends.
-
-    A call with no tensor argument among them and no dropout (whose seed is new every call)
-    gets the AttentionParams checked and built for the same scalar arguments before (an
-    immutable value; checking and building them costs several microseconds of host time a
-    call). Only arguments that passed the checks are kept, and the key holds causal's and the
-    window entries' types, so an argument refused by type never matches an accepted one."""
-    key = None  # (under torch.compile nothing is kept: the compiler would guard on the dict)
-    if (alibi_slopes is None and sink is None and not varlen and type(dropout_p) in (int, float)
-            and not torch.compiler.is_compiling()
-            and dropout_p == 0 and type(window_size) is tuple and len(window_size) == 2
-            and type(window_size[0]) is int and type(window_size[1]) is int):
-        key = (q.shape[-1], softmax_scale, type(softmax_scale), causal, type(causal),
-               window_size, softcap, type(softcap), deterministic)
-        try:
-            params = _SCALAR_CALLS.get(key)
-        except TypeError:  # an unhashable argument: checked below, and refused or not kept
-            params, key = None, None
+    """Check the scalar and per-head arguments and gather them for the backends (an equal
+    earlier call's AttentionParams, an immutable value, when it had no tensor argument among
+    them: see _SCALAR_CALLS)."""
+    key = None
+    if alibi_slopes is None and sink is None and not varlen:
+        key = _scalar_key(dropout_p, softmax_scale, causal, window_size, softcap,
+                          deterministic)
+        key = None if key is None else (q.shape[-1], key)
+        params = None if key is None else _SCALAR_CALLS.get(key)
         if params is not None:
             return params
     params = _checked_params(q, dropout_p, softmax_scale, causal, window_size, softcap,
                              alibi_slopes, deterministic, sink, batch, nheads, **varlen)
     if key is not None:
-        if len(_SCALAR_CALLS) >= MAX_SCALAR_CALLS:
-            _SCALAR_CALLS.clear()
-        _SCALAR_CALLS[key] = params
+        _remember(_SCALAR_CALLS, key, params)
     return params
 
 
