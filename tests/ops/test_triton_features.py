@@ -364,8 +364,11 @@ def test_malformed_input_raises_before_launch(case, monkeypatch):
         raise AssertionError("a kernel launched on malformed input")
 
     monkeypatch.setattr(triton_backend, "forward", launched)
+    # sync_checks: CUDA cu_seqlens are otherwise checked by a device-side assertion, which
+    # fails the call asynchronously (and the process's CUDA context with it), not by a
+    # ValueError before the launch
     with pytest.raises(error, match=pattern):
-        flashkit.flash_attn_varlen_func(**make(), backend="triton")
+        flashkit.flash_attn_varlen_func(**make(), backend="triton", sync_checks=True)
 
 
 # ---- GPU: real sizes, bf16 (skipped without CUDA) ----------------------------------------------
