@@ -44,7 +44,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
             256. Note the layout: PyTorch's SDPA uses (batch, nheads, seqlen, headdim) instead
             (see `scaled_dot_product_attention`); a UserWarning is raised when q and k both have
             fewer positions than heads and at least 128 heads, the usual sign of SDPA-layout
-            tensors passed here.
+            tensors passed here (on the first call of those shapes: later equal calls skip the
+            checks they passed).
         k: (batch, seqlen_k, nheads_k, headdim), nheads_k dividing nheads (GQA/MQA: query head
             h reads kv head h // (nheads // nheads_k)).
         v: (batch, seqlen_k, nheads_k, headdim_v); headdim_v may differ from headdim.
