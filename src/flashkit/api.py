@@ -189,10 +189,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 # seed is new every call) are kept, never under torch.compile (the compiler would guard on the
 # dicts), and only after every check passed. The keys hold the types that the checks refuse by
 # (causal's, the window entries'), so an argument refused by type never matches an accepted one.
-_SCALAR_CALLS: dict = {}  # scalar arguments -> AttentionParams (build_params: every entry point)
-_DENSE_CALLS: dict = {}  # those and q's, k's, v's type, shape, dtype and device -> AttentionParams
-#                          (flash_attn_func: its tensor checks too)
+# _SCALAR_CALLS (build_params, every entry point): scalar arguments -> AttentionParams.
+# _DENSE_CALLS (flash_attn_func, whose tensor checks it skips too): those and q's, k's and v's
+# types, shapes, dtypes and devices -> AttentionParams.
+_SCALAR_CALLS: dict = {}
+_DENSE_CALLS: dict = {}
 MAX_CALLS = 256  # forget every kept call of a dict beyond this many
+_PLAIN = frozenset((bool, int, float, type(None)))  # the scalar types a key may hold
 
 
 def _scalar_key(dropout_p, softmax_scale, causal, window_size, softcap,
@@ -208,9 +211,6 @@ def _scalar_key(dropout_p, softmax_scale, causal, window_size, softcap,
         return None
     return (softmax_scale, type(softmax_scale), causal, type(causal), window_size, softcap,
             type(softcap), deterministic)
-
-
-_PLAIN = frozenset((bool, int, float, type(None)))
 
 
 def _remember(calls: dict, key: tuple, params: AttentionParams) -> None:

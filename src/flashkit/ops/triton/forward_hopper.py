@@ -907,10 +907,10 @@ def attention_forward(q, k, v, params: AttentionParams, out=None, lse=None, tile
     is slot j % page_size of page block_table[b, j // page_size]; cu_seqlens_k is not read
     (any int32 (batch + 1,), e.g. cu_seqlens_q). Only the table entries of pages below
     seqused_k[b] are read."""
-    if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if out is None:  # empty_like: a third of torch.empty's host time for the same tensor
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if lse is None:
-        lse = torch.empty(lse_shape(q, params), dtype=torch.float32, device=q.device)
+        lse = q.new_empty(lse_shape(q, params), dtype=torch.float32)
     prepared = planned(plan, "forward", lambda: _prepare(q, k, v, params, out, lse, tile,
                                                         seqused_k, block_table))
     alibi, sink, cu_q, cu_k = feature_tensors(params, lse)

@@ -194,19 +194,17 @@ class Prepared:
 
     def __call__(self, *tensors, varying: tuple = ()) -> None:
         direct = self._direct
-        if direct is None or _hooked() or _globals_changed(self.kernel):
+        if (direct is None or direct.knobs != (knobs.runtime.debug,
+                                               knobs.compilation.instrumentation_mode)
+                or _hooked() or _globals_changed(self.kernel)):
             self._launch(tensors, varying)
             return
         args = direct.args.copy()
-        addresses = 0  # the pointers' addresses OR-ed: 16-byte aligned iff its low bits are 0
+        misfit = False  # a pointer of another dtype, or off the 16-byte alignment, than compiled
         for at, i, dtype in direct.pointers:
             t = args[at] = tensors[i]
-            if t.dtype is not dtype:
-                addresses = 1
-                break
-            addresses |= t.data_ptr()
-        if addresses & 15 or direct.knobs != (knobs.runtime.debug,
-                                              knobs.compilation.instrumentation_mode):
+            misfit = misfit or t.dtype is not dtype or t.data_ptr() % 16 != 0
+        if misfit:
             self._launch(tensors, varying)
             return
         fill = direct.fill_tma_descriptor
