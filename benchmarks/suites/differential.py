@@ -103,6 +103,7 @@ GPU_BUCKETS = (
     kv_bucket(F32, (4, 1, 1024, 8, 1, 64), "left", None, None, 0, 1, leftpad=True, softcap=True,
               sink=True),
     kv_bucket(BF16, (2, 7, 256, 6, 2, 80), "causal", 64, None, 0, 0),
+    attention_bucket("dense", F16, (128, 128), (2, 200, 200, 4, 2), "causal", sink=True),
 )
 
 
@@ -203,7 +204,8 @@ def attention_case(v: dict, rng: random.Random, case_seed: int) -> list[str]:
     torch.manual_seed(case_seed)
     q, k, val = (torch.randn(s, device=DEVICE).to(dtype) for s in shapes)
     dout = torch.randn(*shapes[0][:-1], dv, device=DEVICE).to(dtype)
-    sink = torch.randn(h, device=DEVICE) if v["sink"] else None
+    # in the tested dtype, as q, k, v: every run, the oracle's included, sees the same logits
+    sink = torch.randn(h, device=DEVICE).to(dtype) if v["sink"] else None
     dropout_p = rng.choice([0.1, 0.3]) if v["dropout"] else 0.0
 
     def run(backend, cast, mask=None):
@@ -287,7 +289,7 @@ def kvcache_case(v: dict, rng: random.Random, case_seed: int) -> list[str]:
         angles = torch.rand(capacity + sq, rot // 2, device=DEVICE) * 6.28
         rotary = dict(rotary_cos=angles.cos(), rotary_sin=angles.sin(),
                       rotary_interleaved=v["rotary"])
-    sink = torch.randn(h, device=DEVICE) if v["sink"] else None
+    sink = torch.randn(h, device=DEVICE).to(dtype) if v["sink"] else None
 
     def run(backend, cast):
         caches = [c.to(cast).clone() for c in (kc, vc)]
@@ -389,9 +391,15 @@ class CompileCounter:
             self.names.setdefault(self.bucket, []).append(kernel)
 
 
-def run_case(v: dict, n: int, seed: int) -> list[str]:
-    """Case n of bucket v; its failures (a crash is one, recorded with its bucket)."""
-    case_seed = seed * 1_000_003 + n
+def case_seed_of(v: dict, n: int, seed: int) -> int:
+    """The seed of case n of bucket v in a run of --seed seed (recorded with each failure:
+    attention_case / kvcache_case(v, random.Random(s), s) repeats the case)."""
+    return (seed * 1000 + int(v["name"][1:])) * 1_000_003 + n
+
+
+def run_case(v: dict, case_seed: int) -> list[str]:
+    """The case of bucket v drawn from case_seed; its failures (a crash is one, recorded with
+    its bucket)."""
     try:
         return (kvcache_case if v["kind"] == "kvcache" else attention_case)(
             v, random.Random(case_seed), case_seed)
@@ -441,7 +449,8 @@ def main(argv=None) -> int:
             counts[tag] += 1
             passed[tag] += not fails
         if fails:
-            failures.append(dict(case=n, bucket=v["name"], variant=describe(v), failures=fails))
+            failures.append(dict(case=n, case_seed=case_seed_of(v, n, args.seed),
+                                 bucket=v["name"], variant=describe(v), failures=fails))
             log(f"case {n} {v['name']} {features(v)}: {fails[0]}")
 
     start = time.perf_counter()
@@ -449,7 +458,7 @@ def main(argv=None) -> int:
     for v in plan:  # phase one: every bucket's first case, the compiles
         counter.bucket = v["name"]
         t = time.perf_counter()
-        record(v, 0, run_case(v, 0, args.seed * 1000 + int(v["name"][1:])), 0.0)
+        record(v, 0, run_case(v, case_seed_of(v, 0, args.seed)), 0.0)
         warm[v["name"]] = time.perf_counter() - t
         log(f"warm {v['name']}: {counter.per_bucket[v['name']]} compiles, "
             f"{warm[v['name']]:.1f} s")
@@ -463,7 +472,7 @@ def main(argv=None) -> int:
             break
         v = plan[n % len(plan)]
         t = time.perf_counter()
-        fails = run_case(v, n, args.seed * 1000 + int(v["name"][1:]))
+        fails = run_case(v, case_seed_of(v, n, args.seed))
         record(v, n, fails, time.perf_counter() - t)
         n += 1
     total = sum(ran.values())

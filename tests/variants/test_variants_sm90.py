@@ -102,7 +102,7 @@ def record_launches(name: str, head_dim: int) -> dict:
     fwd, bwd = recorders["_fwd_kernel"], recorders["_bwd_kernel"]
     found = {"forward": (fwd.kernel, *fwd.calls[0])}
     for args, kw in bwd.calls:
-        found["dq" if kw["DO_DQ"] else "dkdv"] = (bwd.kernel, args, kw)
+        found["dkdv" if kw["DO_DKDV"] else "dq"] = (bwd.kernel, args, kw)
     for module, kernel in launches:
         setattr(module, kernel, recorders[kernel].kernel)
     return found

@@ -4,6 +4,11 @@ P is recomputed from the saved log-sum-exp instead of being stored, and the soft
 collapses to dS = P * (dP - D) with D = rowsum(dO * O), one number per query row: that is what
 lets the backward pass see one tile at a time. A gradient on the lse output adds to D's role:
 d(lse_i)/d(s_ij) = P_ij, so D becomes D - dlse.
+
+A sink's gradient sums exp(sink - lse_i) * D_i over every row. D_i = rowsum(P_i * dP_i) too, and
+that sum, taken over the tiles from P and dP in the accumulation dtype, carries none of the
+rounding of O's values that the forward's products leave in dO * O: where each other gradient
+reads D once per row, dsink adds up every row's error, so it takes the tiles' sum.
 """
 
 from __future__ import annotations
@@ -22,20 +27,22 @@ def backward(dout, q, k, v, out, lse, params: AttentionParams, dlse=None,
     """(dq, dk, dv, dsink) for dense or varlen inputs; dsink is None without a sink.
     own_lse=False: lse is one over more keys than this call's (ring attention's merged lse)."""
     if not params.is_varlen:
-        return backward_dense(dout, q, k, v, out, lse, params, params.alibi_slopes, dlse,
-                              block_m, block_n, own_lse=own_lse)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    dsink = None if params.sink is None else torch.zeros_like(params.sink)
-    for b, sq, sk in layout.sequences(params):
-        grads = backward_dense(dout[None, sq], q[None, sq], k[None, sk], v[None, sk],
-                               out[None, sq], lse[None, :, sq], params,
-                               layout.sequence_slopes(params, b),
-                               None if dlse is None else dlse[None, :, sq], block_m, block_n,
-                               batch0=b, own_lse=own_lse)
-        dq[sq], dk[sk], dv[sk] = grads[0][0], grads[1][0], grads[2][0]
-        if dsink is not None:
-            dsink += grads[3]
-    return dq, dk, dv, dsink
+        dq, dk, dv, dsink = backward_dense(dout, q, k, v, out, lse, params, params.alibi_slopes,
+                                           dlse, block_m, block_n, own_lse=own_lse)
+    else:
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        dsink = None
+        for b, sq, sk in layout.sequences(params):
+            grads = backward_dense(dout[None, sq], q[None, sq], k[None, sk], v[None, sk],
+                                   out[None, sq], lse[None, :, sq], params,
+                                   layout.sequence_slopes(params, b),
+                                   None if dlse is None else dlse[None, :, sq], block_m,
+                                   block_n, batch0=b, own_lse=own_lse)
+            dq[sq], dk[sk], dv[sk] = grads[0][0], grads[1][0], grads[2][0]
+            if grads[3] is not None:
+                dsink = grads[3] if dsink is None else dsink + grads[3]
+    # dsink is summed in the accumulation dtype and rounded to the sink's once
+    return dq, dk, dv, None if dsink is None else dsink.to(params.sink.dtype)
 
 
 def backward_dense(dout, q, k, v, out, lse, params: AttentionParams, alibi_slopes, dlse=None,
@@ -61,6 +68,8 @@ def backward_dense(dout, q, k, v, out, lse, params: AttentionParams, alibi_slope
         delta = delta - dlse.unflatten(1, (nheads_k, -1)).to(acc_dtype)
 
     dq_acc = torch.zeros(q_g.shape, dtype=acc_dtype, device=q.device)  # (b, hk, g, sq, d)
+    # rowsum(P * dP) from the tiles, for dsink (see the module docstring): (b, hk, g, sq)
+    row_pdp = None if params.sink is None else torch.zeros_like(lse_g)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     dk_g, dv_g = layout.group_heads(dk, nheads_k), layout.group_heads(dv, nheads_k)
 
@@ -84,6 +93,8 @@ def backward_dense(dout, q, k, v, out, lse, params: AttentionParams, alibi_slope
             dp = do_t @ v_t.transpose(-1, -2)  # [BM, BN] = [BM, dv] @ [dv, BN]
             if drop is not None:
                 dp = dp * drop
+            if row_pdp is not None:  # masked pairs out: a value a row cannot see may be NaN
+                row_pdp[..., i0:i1] += torch.where(s > -math.inf, p * dp, 0.0).sum(-1)
             ds = torch.where(tile.gradient_pairs(s, i0, i1, seqlen_k, shift, params,
                                                  dlse is not None or not own_lse),
                              p * (dp - delta[..., i0:i1, None]), 0.0)
@@ -96,8 +107,10 @@ def backward_dense(dout, q, k, v, out, lse, params: AttentionParams, alibi_slope
     dq = torch.empty_like(q)
     layout.group_heads(dq, nheads_k)[...] = dq_acc
     dsink = None
-    if params.sink is not None:
-        # d(lse_i)/d(sink) = P_sink,i and out_i scales by (1 - ...) alike: dsink = -sum P_sink D.
+    if row_pdp is not None:
+        # d(lse_i)/d(sink) = P_sink,i and dL/d(lse_i) = dlse_i - D_i: dsink = -sum P_sink (D - dlse)
+        if dlse is not None:
+            row_pdp = row_pdp - dlse.unflatten(1, (nheads_k, -1)).to(acc_dtype)
         p_sink = torch.exp(params.sink.to(acc_dtype).reshape(1, nheads_k, -1, 1) - lse_g)
-        dsink = -(p_sink * delta).sum((0, 3)).reshape(nheads).to(params.sink.dtype)
+        dsink = -(p_sink * row_pdp).sum((0, 3)).reshape(nheads)  # accumulation dtype
     return dq, dk, dv, dsink

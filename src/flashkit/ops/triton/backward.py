@@ -291,15 +291,17 @@ def _bwd_dkdv_program(pid_n, pid_bh, Q, K, V, DO, Lse, Delta, DK, DV,
 
 
 @triton.jit
-def _bwd_dq_tiles(dq, q_tile, do_tile, lse2, delta, kv, start, end, offs, band, mods, drop,
+def _bwd_dq_tiles(dq, pdp, q_tile, do_tile, lse2, delta, kv, start, end, offs, band, mods, drop,
                   variant, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                   HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-                  ALIBI: tl.constexpr, DROPOUT: tl.constexpr, ONE_KEY_ZERO: tl.constexpr,
+                  ALIBI: tl.constexpr, SINK: tl.constexpr, DROPOUT: tl.constexpr,
+                  ONE_KEY_ZERO: tl.constexpr,
                   PRECISION: tl.constexpr, SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr,
                   MASK_MOD: tl.constexpr, CAPTURED_GRAD: tl.constexpr, PACKED: tl.constexpr,
                   LISTED: tl.constexpr = False, SPAN: tl.constexpr = 1):
-    """Accumulate dQ of one query block over key tiles [start, end). kv = (k_base, v_base,
+    """Accumulate dQ of one query block over key tiles [start, end), and with SINK pdp, the
+    rows' sums of P * dP ([BLOCK_M], float32); returns (dq, pdp). kv = (k_base, v_base,
     stride_ks, stride_kd, stride_vs, stride_vd); offs = (offs_m, offs_d, offs_dv); band and mods
     as common.score_mod; drop = (seed_lo, seed_hi, threshold, dropout_scale, off_b, off_h);
     variant = (score_args, mask_args, grad_args, packing, Blocks) and LISTED as the forward's
@@ -348,6 +350,11 @@ def _bwd_dq_tiles(dq, q_tile, do_tile, lse2, delta, kv, start, end, offs, band, 
             kept = dropout_keep(seed_lo, seed_hi, off_b, off_h, offs_m, start_n,
                                 dropout_threshold, BLOCK_N)
             dp = tl.where(kept, dp * dropout_scale, 0.0)
+        if SINK:
+            pdp_tile = p * dp
+            if MASKED:  # a value the row cannot see may make its dP NaN
+                pdp_tile = tl.where(keep, pdp_tile, 0.0)
+            pdp += tl.sum(pdp_tile, 1)
         ds = p * (dp - delta[:, None])
         if MASKED:  # see gradient_pairs
             ds = tl.where(gradient_pairs(keep, offs_m[:, None], seqlen_q, seqlen_k, window_left,
@@ -361,7 +368,7 @@ def _bwd_dq_tiles(dq, q_tile, do_tile, lse2, delta, kv, start, end, offs, band, 
             ds = ds * dcap
         # [BLOCK_M, BLOCK_D] = [BLOCK_M, BLOCK_N] @ [BLOCK_N, BLOCK_D]
         dq = tl.dot(ds.to(k_tile.dtype), k_tile, dq, input_precision=PRECISION)
-    return dq
+    return dq, pdp
 
 
 @triton.jit
@@ -382,11 +389,13 @@ def _bwd_dq_program(pid_m, pid_bh, Q, K, V, DO, Lse, Delta, DQ,
                    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                    ALIBI: tl.constexpr, DROPOUT: tl.constexpr, ONE_KEY_ZERO: tl.constexpr,
-                   VARLEN: tl.constexpr, EVEN_M: tl.constexpr, PRECISION: tl.constexpr,
-                   SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr,
-                   CAPTURED_GRAD: tl.constexpr, PACKED: tl.constexpr, SPARSE: tl.constexpr,
-                   SPARSE_Q: tl.constexpr, SPARSE_KV: tl.constexpr):
-    """dQ of query block pid_m of (batch, head) pid_bh; SPARSE as the forward kernel's."""
+                   SINK: tl.constexpr, VARLEN: tl.constexpr, EVEN_M: tl.constexpr,
+                   PRECISION: tl.constexpr, SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr,
+                   MASK_MOD: tl.constexpr, CAPTURED_GRAD: tl.constexpr, PACKED: tl.constexpr,
+                   SPARSE: tl.constexpr, SPARSE_Q: tl.constexpr, SPARSE_KV: tl.constexpr):
+    """dQ of query block pid_m of (batch, head) pid_bh; SPARSE as the forward kernel's. SINK:
+    the block's rows' delta is then replaced by their rowsum(P * dP) from the tiles, which
+    dsink reads (attention_backward); every dK/dV program has read delta by then."""
     off_b = (pid_bh // nheads).to(tl.int64)
     off_h = (pid_bh % nheads).to(tl.int64)
     off_hk = off_h // group
@@ -410,12 +419,13 @@ def _bwd_dq_program(pid_m, pid_bh, Q, K, V, DO, Lse, Delta, DQ,
                         HEAD_DIM_V != BLOCK_DV)
     lse2 = _load_lse2(head_ptr(Lse, off_b, off_h, q_start, stride_lb, stride_lh, stride_ls)
                       + offs_m * stride_ls, offs_m, seqlen_q, True, q_tile.dtype == tl.float32)
-    delta = tl.load(head_ptr(Delta, off_b, off_h, q_start, stride_deltab, stride_deltah,
-                             stride_deltas) + offs_m * stride_deltas,
-                    mask=offs_m < seqlen_q, other=0.0)
+    delta_ptrs = head_ptr(Delta, off_b, off_h, q_start, stride_deltab, stride_deltah,
+                          stride_deltas) + offs_m * stride_deltas
+    delta = tl.load(delta_ptrs, mask=offs_m < seqlen_q, other=0.0)
     k_base = head_ptr(K, off_b, off_hk, k_start, stride_kb, stride_kh, stride_ks)
     v_base = head_ptr(V, off_b, off_hk, k_start, stride_vb, stride_vh, stride_vs)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    pdp = tl.zeros([BLOCK_M], dtype=tl.float32)  # with SINK: rowsum(P * dP)
     alibi_log2 = load_alibi_log2(Alibi, off_b, off_h, stride_ab, stride_ah, ALIBI,
                                  Q.dtype.element_ty == tl.float32)
 
@@ -433,22 +443,25 @@ def _bwd_dq_program(pid_m, pid_bh, Q, K, V, DO, Lse, Delta, DQ,
         for listed in tl.static_range(2):  # partial key blocks (masked), then full ones
             Num = KvNum if listed == 0 else FullNum
             Idx = KvIdx if listed == 0 else FullIdx
-            dq = _bwd_dq_tiles(dq, q_tile, do_tile, lse2, delta, kv, 0,
-                               tl.load(Num + row) * SPARSE_KV, offs, band, mods, drop,
-                               (score_args, mask_args, grad_args, packing,
-                                Idx + row * n_kv_blocks), HEAD_DIM, HEAD_DIM_V, BLOCK_D,
-                               BLOCK_DV, BLOCK_N, listed == 0, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-                               ALIBI, DROPOUT, ONE_KEY_ZERO, PRECISION, SCORE_MOD, SCORE_GRAD,
-                               MASK_MOD, CAPTURED_GRAD, PACKED, True, SPARSE_KV)
+            dq, pdp = _bwd_dq_tiles(dq, pdp, q_tile, do_tile, lse2, delta, kv, 0,
+                                    tl.load(Num + row) * SPARSE_KV, offs, band, mods, drop,
+                                    (score_args, mask_args, grad_args, packing,
+                                     Idx + row * n_kv_blocks), HEAD_DIM, HEAD_DIM_V, BLOCK_D,
+                                    BLOCK_DV, BLOCK_N, listed == 0, HAS_LEFT, HAS_RIGHT,
+                                    SOFTCAP, ALIBI, SINK, DROPOUT, ONE_KEY_ZERO, PRECISION,
+                                    SCORE_MOD, SCORE_GRAD, MASK_MOD, CAPTURED_GRAD, PACKED, True,
+                                    SPARSE_KV)
         bounds = (0, 0, 0, 0)
     for segment in tl.static_range(3):  # masked edge, unmasked middle, masked edge
-        dq = _bwd_dq_tiles(dq, q_tile, do_tile, lse2, delta, kv, bounds[segment],
-                           bounds[segment + 1], offs, band, mods, drop,
-                           (score_args, mask_args, grad_args, packing, KvIdx), HEAD_DIM,
-                           HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
-                           segment != 1 or MASK_MOD is not None, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-                           ALIBI, DROPOUT, ONE_KEY_ZERO, PRECISION, SCORE_MOD, SCORE_GRAD,
-                           MASK_MOD, CAPTURED_GRAD, PACKED)
+        dq, pdp = _bwd_dq_tiles(dq, pdp, q_tile, do_tile, lse2, delta, kv, bounds[segment],
+                                bounds[segment + 1], offs, band, mods, drop,
+                                (score_args, mask_args, grad_args, packing, KvIdx), HEAD_DIM,
+                                HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
+                                segment != 1 or MASK_MOD is not None, HAS_LEFT, HAS_RIGHT,
+                                SOFTCAP, ALIBI, SINK, DROPOUT, ONE_KEY_ZERO, PRECISION,
+                                SCORE_MOD, SCORE_GRAD, MASK_MOD, CAPTURED_GRAD, PACKED)
+    if SINK:
+        tl.store(delta_ptrs, pdp, mask=offs_m < seqlen_q)
 
     dq_ptrs = tile_ptrs(head_ptr(DQ, off_b, off_h, q_start, stride_dqb, stride_dqh, stride_dqs),
                         offs_m, offs_d, stride_dqs, stride_dqd)
@@ -459,9 +472,9 @@ def _bwd_dq_program(pid_m, pid_bh, Q, K, V, DO, Lse, Delta, DQ,
 
 # Not specialised on: the dropout seed (new every call) and the sizes that follow the lengths
 # (program counts, the block masks' sizes), so a variant at a new length keeps its kernels
-@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "dropout_threshold", "num_kv_blocks",
-                               "num_q_blocks", "stride_sb", "stride_sh", "n_kv_blocks",
-                               "stride_tb", "stride_th", "n_q_blocks"])
+@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "dropout_threshold", "num_q_blocks",
+                               "stride_sb", "stride_sh", "n_kv_blocks", "stride_tb", "stride_th",
+                               "n_q_blocks"])
 def _bwd_kernel(Q, K, V, DO, Lse, Delta, DQ, DK, DV,
                 stride_qb, stride_qs, stride_qh, stride_qd,
                 stride_kb, stride_ks, stride_kh, stride_kd,
@@ -475,7 +488,7 @@ def _bwd_kernel(Q, K, V, DO, Lse, Delta, DQ, DK, DV,
                 batch, nheads, nheads_k, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
                 softcap_scale, Alibi, stride_ab, stride_ah,
                 softmax_scale, seed_lo, seed_hi, dropout_threshold, dropout_scale, Cu_q, Cu_k,
-                num_kv_blocks, num_q_blocks, score_args, mask_args, grad_args, packing, KvNum,
+                num_q_blocks, score_args, mask_args, grad_args, packing, KvNum,
                 KvIdx, FullNum, FullIdx, stride_sb, stride_sh, n_kv_blocks, QNum, QIdx, FullQNum,
                 FullQIdx, stride_tb, stride_th, n_q_blocks,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -483,19 +496,18 @@ def _bwd_kernel(Q, K, V, DO, Lse, Delta, DQ, DK, DV,
                 BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr, HAS_LEFT: tl.constexpr,
                 HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
                 DROPOUT: tl.constexpr, VARLEN: tl.constexpr, ONE_KEY_ZERO: tl.constexpr,
-                EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, DO_DKDV: tl.constexpr,
-                DO_DQ: tl.constexpr, PRECISION: tl.constexpr, SCORE_MOD: tl.constexpr,
+                SINK: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+                DO_DKDV: tl.constexpr, PRECISION: tl.constexpr, SCORE_MOD: tl.constexpr,
                 SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr, PACKED: tl.constexpr,
                 CAPTURED_GRAD: tl.constexpr, SPARSE: tl.constexpr, SPARSE_Q: tl.constexpr,
                 SPARSE_KV: tl.constexpr):
-    """The dK/dV programs (DO_DKDV: axis 0 < num_kv_blocks) or the dQ programs (DO_DQ, heaviest
-    query block first), launched one after the other; axis 1 is batch * nheads, of which the
-    dK/dV programs use the first batch * nheads_k."""
+    """The dK/dV programs (DO_DKDV, num_kv_blocks on axis 0) or the dQ programs (heaviest query
+    block first), in two launches, dK/dV first; axis 1 is batch * nheads, of which the dK/dV
+    programs use the first batch * nheads_k. SINK (the dQ launch's): see _bwd_dq_program."""
     pid = tl.program_id(0)
     pid_bh = tl.program_id(1) + tl.program_id(2) * tl.num_programs(1)  # launch.fold
     group = nheads // nheads_k
-    is_dkdv = pid < num_kv_blocks if DO_DKDV else False
-    if is_dkdv:
+    if DO_DKDV:
         if pid_bh < batch * nheads_k:
             _bwd_dkdv_program(pid, pid_bh, Q, K, V, DO, Lse, Delta, DK, DV,
                               stride_qb, stride_qs, stride_qh, stride_qd,
@@ -515,8 +527,8 @@ def _bwd_kernel(Q, K, V, DO, Lse, Delta, DQ, DK, DV,
                               HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, ONE_KEY_ZERO, VARLEN,
                               EVEN_N, PRECISION, SCORE_MOD, SCORE_GRAD, MASK_MOD, PACKED, SPARSE,
                               SPARSE_Q, SPARSE_KV)
-    elif DO_DQ:
-        pid_m = num_q_blocks - 1 - (pid - num_kv_blocks if DO_DKDV else pid)
+    else:
+        pid_m = num_q_blocks - 1 - pid
         _bwd_dq_program(pid_m, pid_bh, Q, K, V, DO, Lse, Delta, DQ,
                         stride_qb, stride_qs, stride_qh, stride_qd,
                         stride_kb, stride_ks, stride_kh, stride_kd,
@@ -532,8 +544,8 @@ def _bwd_kernel(Q, K, V, DO, Lse, Delta, DQ, DK, DV,
                         FullIdx,
                         stride_sb, stride_sh, n_kv_blocks, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
                         BLOCK_DV, BLOCK_M2, BLOCK_N2, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI,
-                        DROPOUT, ONE_KEY_ZERO, VARLEN, EVEN_M, PRECISION, SCORE_MOD, SCORE_GRAD,
-                        MASK_MOD, CAPTURED_GRAD, PACKED, SPARSE, SPARSE_Q, SPARSE_KV)
+                        DROPOUT, ONE_KEY_ZERO, SINK, VARLEN, EVEN_M, PRECISION, SCORE_MOD,
+                        SCORE_GRAD, MASK_MOD, CAPTURED_GRAD, PACKED, SPARSE, SPARSE_Q, SPARSE_KV)
 
 
 _BWD_TENSORS = ("Q", "K", "V", "DO", "Lse", "Delta", "DQ", "DK", "DV", "Alibi", "Cu_q", "Cu_k",
@@ -584,10 +596,13 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
 
     dsink = None
     if params.sink is not None:
-        # d lse_i / d sink = exp(sink - lse_i) and dL/d lse_i = -delta_i, summed over rows
+        # d lse_i / d sink = exp(sink - lse_i) and dL/d lse_i = dlse_i - D_i, summed over rows
         # (lse (batch, nheads, seqlen_q), varlen (nheads, total_q)): a fixed-order torch
-        # reduction, deterministic like the rest.
-        row_share = torch.exp(params.sink.to(torch.float32)[:, None] - lse) * delta
+        # reduction, deterministic like the rest. The dQ kernels have replaced delta by each
+        # row's D = rowsum(P * dP) from the float32 tiles: rowsum(dO * O) would carry the
+        # rounding of O's values, once per row, into a sum over every row.
+        row_share = torch.exp(params.sink.to(torch.float32)[:, None] - lse) * (
+            delta if dlse is None else delta - dlse)
         dsink = (-row_share.sum(-1).reshape(-1, lse.shape[-2]).sum(0)).to(params.sink.dtype)
     return dq, dk, dv, dsink
 
@@ -630,18 +645,20 @@ def _triton_dkdv_dq(dout, q, k, v, lse, delta, params: AttentionParams, f: Kerne
     scalars = (*(stride for t in (q, k, v, dout, lse, delta, dq, dk, dv)
                  for stride in f.strides(t)),
                f.batch, f.nheads, f.nheads_k, *f.band, *f.scores, *f.alibi_strides,
-               params.softmax_scale, *f.dropout, num_kv_blocks, num_q_blocks, score_mod_args,
+               params.softmax_scale, *f.dropout, num_q_blocks, score_mod_args,
                mask_mod_args, grad_args, packing, *kv_blocks[4:], *q_blocks[4:])
     varlen = f.varlen
     meta = dict(HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
                 BLOCK_M1=block_m1, BLOCK_N1=block_n1, BLOCK_M2=block_m2, BLOCK_N2=block_n2,
-                **f.flags, ONE_KEY_ZERO=one_key_zero,
-                EVEN_M=not varlen and f.seqlen_q % block_m2 == 0,
-                EVEN_N=not varlen and f.seqlen_k % block_n1 == 0)
+                **f.flags, ONE_KEY_ZERO=one_key_zero)
+    sink = params.sink is not None
+    even_m = not varlen and f.seqlen_q % block_m2 == 0
+    even_n = not varlen and f.seqlen_k % block_n1 == 0
     for programs, do_dkdv, warps, stages in ((num_kv_blocks, True, num_warps, num_stages),
                                              (num_q_blocks, False, dq_warps, dq_stages)):
         # constexprs in the kernel's signature order (launch passes them positionally)
         launch(_bwd_kernel, (programs, *fold(f.batch * f.nheads)), tensors, scalars,
-               dict(meta, DO_DKDV=do_dkdv, DO_DQ=not do_dkdv, PRECISION=DOT_PRECISION,
+               dict(meta, SINK=sink and not do_dkdv, EVEN_M=even_m, EVEN_N=even_n,
+                    DO_DKDV=do_dkdv, PRECISION=DOT_PRECISION,
                     **variant, **captured_grad, **sparse), _BWD_TENSORS, num_warps=warps,
                num_stages=stages)

@@ -29,8 +29,9 @@ layout as the forward does, each call once for both 64-key tiles that use it, th
 drawing each call once per program and moving the packed bits into the S^T layout) with
 dV = (P o Z)^T dO, dP = Z o (dO V^T), Z = keep / (1 - p), as
 backward.py; the tiles select the kept elements and leave out 1 / (1 - p), which each kernel
-multiplies into its gradients once (delta enters as (1 - p) delta). A sink needs nothing
-here: it lives in lse (and dsink comes from lse and delta). A row with no visible key (lse -inf)
+multiplies into its gradients once (delta enters as (1 - p) delta). A sink lives in lse; for
+its gradient the dQ kernel also sums each row's rowsum(P * dP) (SINK), which backward.py
+reduces to dsink. A row with no visible key (lse -inf)
 only meets masked tiles, where its P (inf before the mask) becomes 0.
 
 VARLEN (packed sequences, cu_seqlens): the grid covers the longest sequence; each program reads
@@ -440,19 +441,20 @@ if gluon is not None:
 
 
     @gluon.jit
-    def _key_tile_dq_step(dq, upper, tile, smem, bars, descs, lse2, delta, ring, geo,
+    def _key_tile_dq_step(dq, upper, pdp, tile, smem, bars, descs, lse2, delta, ring, geo,
                           alibi_log2, drop, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                           NUM_STAGES: gl.constexpr, MASK: gl.constexpr, HAS_LEFT: gl.constexpr,
                           HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
                           DROPOUT: gl.constexpr, VARLEN: gl.constexpr,
-                          ONE_KEY_ZERO: gl.constexpr, s_layout: gl.constexpr,
-                          op_layout: gl.constexpr):
+                          ONE_KEY_ZERO: gl.constexpr, SINK: gl.constexpr,
+                          s_layout: gl.constexpr, op_layout: gl.constexpr):
         """Add key tile `tile` (keys key_lo + tile * BLOCK_N ..., at row key0 + tile * BLOCK_N
         of the 2-D view) to dQ (unscaled); MASK applies the band predicate. geo, alibi_log2 and
         drop as in _query_tile_step; the keep-mask is the forward's own (keep_tile, drawn in
         this same score layout; 64-key tiles through keep_half_tiles, upper its words carried
         from tile to tile); with DROPOUT, delta comes as (1 - p) delta and dQ is left over
-        1 / (1 - p). Returns (dq, upper). VARLEN: the (last) tile that crosses the sequence's
+        1 / (1 - p). SINK adds the tile's rowsum(P * dP) to pdp (with DROPOUT, (1 - p) times
+        it). Returns (dq, upper, pdp). VARLEN: the (last) tile that crosses the sequence's
         keys zeroes the next sequence's K and V rows it holds before the wgmmas read them (0 *
         NaN/inf in dS K or in dP = dO V^T would be NaN; their P is masked to 0). A masked tile's
         dS is selected on common.gradient_pairs: a value V_j a row cannot see makes column j of
@@ -502,6 +504,11 @@ if gluon is not None:
         dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, ))
         if DROPOUT:  # dS / (1 / (1 - p)) = P o (keep o dP - (1 - p) delta): see the kernel
             dp = gl.where(kept, dp, 0.0)
+        if SINK:
+            pdp_tile = p * dp
+            if MASK:  # a value the row cannot see may make its dP NaN
+                pdp_tile = gl.where(keep, pdp_tile, 0.0)
+            pdp += gl.sum(pdp_tile, axis=1)
         ds = p * (dp - gl.expand_dims(delta, 1))
         if MASK:  # see the docstring (common.gradient_pairs)
             ds = gl.where(gradient_pairs(keep, i, seqlen_q, seqlen_k, window_left, window_right,
@@ -515,7 +522,7 @@ if gluon is not None:
         gl.thread_barrier()  # every warp's reads of this buffer are done: refill it
         issue_kv_load(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, tile + NUM_STAGES,
                         n_tiles, key0, kv_col, BLOCK_N, NUM_STAGES)
-        return dq, upper
+        return dq, upper, pdp
 
     @gluon.jit(do_not_specialize=["seed_lo", "seed_hi", "dropout_threshold"])
     def _bwd_dq_hopper_kernel(q_desc, k_desc, v_desc, do_desc, Lse, Delta, DQ, Alibi,
@@ -529,12 +536,15 @@ if gluon is not None:
                               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                               SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
                               DROPOUT: gl.constexpr, VARLEN: gl.constexpr,
-                              ONE_KEY_ZERO: gl.constexpr, num_warps: gl.constexpr):
+                              ONE_KEY_ZERO: gl.constexpr, SINK: gl.constexpr,
+                              num_warps: gl.constexpr):
         """dQ of BLOCK_M query rows of one (batch, head), heaviest causal rows first: Q and dO
         stay in shared memory, K/V tiles stream through a TMA ring (as the forward), each dQ
         element summed in one program in a fixed order (deterministic). VARLEN as the dK/dV
         kernel; key columns past the sequence's end (the next one's, read by TMA) are masked in
-        the last key tile, query rows past it are never stored."""
+        the last key tile, query rows past it are never stored. SINK: the rows' delta is then
+        replaced by their rowsum(P * dP) from the tiles, which dsink reads (backward.py); the
+        dK/dV kernel, launched first, has read delta by then."""
         pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
         pid_bh = gl.program_id(1) + gl.program_id(2) * gl.num_programs(1)  # launch.fold
         off_b = pid_bh // nheads
@@ -601,11 +611,13 @@ if gluon is not None:
             row_mask = rows < seqlen_q
         lse2 = gl.load(Lse + off_b.to(gl.int64) * stride_lb + off_h * stride_lh + q_start + rows,
                        mask=row_mask) * LOG2E_G
-        delta = gl.load(Delta + off_b.to(gl.int64) * stride_deltab + off_h * stride_deltah
-                        + q_start + rows, mask=row_mask)
+        delta_ptrs = (Delta + off_b.to(gl.int64) * stride_deltab + off_h * stride_deltah
+                      + q_start + rows)
+        delta = gl.load(delta_ptrs, mask=row_mask)
         if DROPOUT:  # the tiles select dP without the keep scale 1 / (1 - p): dQ takes it once
             delta = delta * (1.0 / dropout_scale)
         dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout)
+        pdp = gl.zeros([BLOCK_M], gl.float32, row_layout)  # with SINK: rowsum(P * dP)
         mbarrier.wait(q_bar, 0)
 
         alibi_log2 = load_alibi_log2(Alibi, off_b, off_h, stride_ab, stride_ah, ALIBI)
@@ -618,12 +630,16 @@ if gluon is not None:
             if (segment == 1 or (segment == 0 and HAS_LEFT)
                     or (segment == 2 and (HAS_RIGHT or VARLEN))):
                 for tile in range(bounds[segment], bounds[segment + 1]):
-                    dq, upper = _key_tile_dq_step(
-                        dq, upper, tile, (q_smem, do_smem, k_smem, v_smem), (k_bars, v_bars),
-                        (k_desc, v_desc), lse2, delta, (n_tiles, key0, kv_col, start_m, lo), geo,
-                        alibi_log2, drop, BLOCK_M, BLOCK_N, NUM_STAGES, segment != 1, HAS_LEFT,
-                        HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, VARLEN, ONE_KEY_ZERO, s_layout,
-                        op_layout)
+                    dq, upper, pdp = _key_tile_dq_step(
+                        dq, upper, pdp, tile, (q_smem, do_smem, k_smem, v_smem),
+                        (k_bars, v_bars), (k_desc, v_desc), lse2, delta,
+                        (n_tiles, key0, kv_col, start_m, lo), geo, alibi_log2, drop, BLOCK_M,
+                        BLOCK_N, NUM_STAGES, segment != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI,
+                        DROPOUT, VARLEN, ONE_KEY_ZERO, SINK, s_layout, op_layout)
+        if SINK:
+            if DROPOUT:  # the tiles summed (1 - p) D
+                pdp = pdp * dropout_scale
+            gl.store(delta_ptrs, pdp, mask=row_mask)
 
         mbarrier.invalidate(q_bar)
         for i in gl.static_range(NUM_STAGES):
@@ -765,4 +781,5 @@ def _prepare_dq(q, k, v, dout, lse, delta, params: AttentionParams, dq, block,
         f.nheads, f.nheads // f.nheads_k, *f.band, *f.scores, params.softmax_scale,
         *f.dropout), dict(
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=num_stages, **f.flags,
-        ONE_KEY_ZERO=one_key_zero, num_warps=num_warps), _DQ_TENSORS, descriptors, SEED)
+        ONE_KEY_ZERO=one_key_zero, SINK=params.sink is not None, num_warps=num_warps),
+        _DQ_TENSORS, descriptors, SEED)
