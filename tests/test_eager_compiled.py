@@ -20,7 +20,7 @@ FEATURES = {  # name -> (shape keywords of random_qkv, flash_attn_func keywords)
                        dict(window_size=(3, 1), softcap=2.5)),
     "alibi_sink": (dict(batch=2, seqlen_q=5, seqlen_k=9, nheads=2),
                    dict(alibi_slopes="batch", sink=True, causal=True)),
-    # 16-bit inputs with a sink: forward keeps a float32 O, the custom op's third output
+    # 16-bit inputs with a sink: the custom op's backward returns the sink's gradient
     "sink_fp16": (dict(batch=2, seqlen_q=5, seqlen_k=9, nheads=2, dtype=torch.float16),
                   dict(sink=True, causal=True)),
     "dropout": (dict(batch=1, seqlen_q=8, seqlen_k=8, nheads=2), dict(dropout_p=0.25)),

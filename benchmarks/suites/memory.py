@@ -77,7 +77,7 @@ def main(argv=None):
         sink = torch.zeros(H, device="cuda", requires_grad=True)
         runs = {"flashkit": (lambda *t: flashkit.flash_attn_func(*t, causal=True), (q, k, v),
                              dout),
-                # a sink's gradient reads a float32 O, which such calls keep besides out
+                # a sink keeps what any call keeps (its gradient reads the backward's tiles)
                 "flashkit, sink": (lambda *t, s=sink: flashkit.flash_attn_func(
                     *t, causal=True, sink=s), (q, k, v), dout)}
         for name in ("cudnn", "flash"):

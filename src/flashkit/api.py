@@ -297,16 +297,15 @@ def _run(q, k, v, params: AttentionParams, backend, return_attn_probs, return_so
 class _Attention(torch.autograd.Function):
     """(out, lse) of a backend, differentiable in q, k, v and the sink. Saves the inputs, out
     (in q's dtype) and the float32 lse, nothing else; the backward reads D = rowsum(dO * O)
-    from that out, as every FlashAttention does. Calls with a sink and 16-bit inputs save O in
-    float32 instead (custom_op.keeps_float32_out: their sink gradient sums D over every row)."""
+    from that out, as every FlashAttention does (and the sink's gradient sums rowsum(P * dP)
+    from the backward's float32 tiles)."""
 
     @staticmethod
     def forward(ctx, q, k, v, sink, params: AttentionParams, backend: str):
-        out, lse, o = custom_op.forward_for_backward(custom_op.backend_module(backend), q, k, v,
-                                                     params)
+        out, lse = custom_op.backend_module(backend).forward(q, k, v, params)
         # The sink too, so autograd sees it modified in place before the backward (it is an
         # input: no extra memory); params' other tensors take no gradient.
-        ctx.save_for_backward(q, k, v, o, lse, sink)
+        ctx.save_for_backward(q, k, v, out, lse, sink)
         ctx.params, ctx.backend = params, backend
         ctx.set_materialize_grads(False)  # an unused lse passes None, not a tensor of zeros
         return out, lse

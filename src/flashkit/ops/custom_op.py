@@ -3,8 +3,8 @@
 `flashkit::attention_forward` and `flashkit::attention_backward` take the backend's name and the
 fields of AttentionParams flattened in declaration order (custom ops take tensors and scalars,
 not dataclasses). Each has a fake implementation giving output shapes for tracing, and the
-forward op's autograd formula calls the backward op. The forward op's third output is the
-float32 O that calls with a sink keep for the backward (keeps_float32_out), else empty.
+forward op's autograd formula calls the backward op. What the forward keeps for the backward
+is what every FlashAttention keeps: q, k, v, out and the float32 lse (and the params' tensors).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from torch import Tensor
 
 from flashkit.ops.params import AttentionParams, accumulation_dtype, lse_shape
 
-__all__ = ["attention", "backend_module", "forward_for_backward", "keeps_float32_out", "BACKENDS"]
+__all__ = ["attention", "backend_module", "BACKENDS"]
 
 BACKENDS = ("torch", "triton")
 _FIELDS = [f.name for f in dataclasses.fields(AttentionParams) if f.name != "variant"]
@@ -40,29 +40,7 @@ def backend_module(name: str):
 
 def attention(q: Tensor, k: Tensor, v: Tensor, params: AttentionParams, backend: str):
     """(out, lse) through the custom op; differentiable in q, k, v and the sink."""
-    out, lse, _ = attention_forward(q, k, v, *(getattr(params, f) for f in _FIELDS), backend)
-    return out, lse
-
-
-def keeps_float32_out(q: Tensor, params: AttentionParams) -> bool:
-    """Whether forward keeps O in float32 for the backward: calls with a sink and 16-bit inputs.
-    The sink's gradient sums exp(sink - lse_i) * D_i over every row, D_i = rowsum(dO * O), and
-    D from the float16 / bfloat16 O that forward returns rounds each term (about 1e-3 on a
-    dsink of a few units), where the other gradients read each D once. Such calls keep twice
-    O's memory; every other call keeps O in its own dtype."""
-    return params.sink is not None and q.dtype in (torch.float16, torch.bfloat16)
-
-
-def forward_for_backward(module, q: Tensor, k: Tensor, v: Tensor,
-                         params: AttentionParams) -> tuple[Tensor, Tensor, Tensor]:
-    """(out, lse, o): a backend module's forward and the O its backward is to read, out itself
-    or, where keeps_float32_out, O in float32 (out is then that O rounded to q's dtype, the
-    same values the kernels' own rounding gives)."""
-    if not keeps_float32_out(q, params):
-        out, lse = module.forward(q, k, v, params)
-        return out, lse, out
-    o, lse = module.forward(q, k, v, params, out_dtype=torch.float32)
-    return o.to(q.dtype), lse, o
+    return attention_forward(q, k, v, *(getattr(params, f) for f in _FIELDS), backend)
 
 
 def _params(args) -> AttentionParams:
@@ -82,21 +60,15 @@ def attention_forward(
     attn_bias: Tensor | None, dropout_p: float, dropout_seed: int, cu_seqlens_q: Tensor | None,
     cu_seqlens_k: Tensor | None, max_seqlen_q: int, max_seqlen_k: int, deterministic: bool,
     backend: str,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """(out, lse, float32 O or an empty tensor): forward_for_backward, whose third output is
-    empty where the backward reads out itself (a custom op returns no aliases)."""
-    out, lse, o = forward_for_backward(backend_module(backend), q, k, v, _params_named(locals()))
-    return out, lse, q.new_empty(0) if o is out else o
+) -> tuple[Tensor, Tensor]:
+    return backend_module(backend).forward(q, k, v, _params_named(locals()))
 
 
 @attention_forward.register_fake
 def _(q, k, v, *args):
     params = _params(args[:-1])
-    out_shape = (*q.shape[:-1], v.shape[-1])
-    o = (q.new_empty(out_shape, dtype=torch.float32) if keeps_float32_out(q, params)
-         else q.new_empty(0))
-    return (q.new_empty(out_shape),
-            q.new_empty(lse_shape(q, params), dtype=accumulation_dtype(q.dtype)), o)
+    return (q.new_empty((*q.shape[:-1], v.shape[-1])),
+            q.new_empty(lse_shape(q, params), dtype=accumulation_dtype(q.dtype)))
 
 
 @torch.library.custom_op("flashkit::attention_backward", mutates_args=())
@@ -126,13 +98,12 @@ def _setup_context(ctx, inputs, output):
     params = _params(param_args)
     ctx.params = dataclasses.replace(params, **dict.fromkeys(_TENSOR_FIELDS))  # scalars only
     ctx.backend = backend
-    out, lse, o = output
-    ctx.save_for_backward(q, k, v, o if keeps_float32_out(q, params) else out, lse,
-                          *(getattr(params, f) for f in _TENSOR_FIELDS))
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, *(getattr(params, f) for f in _TENSOR_FIELDS))
     ctx.set_materialize_grads(False)  # an unused lse passes None, not a tensor of zeros
 
 
-def _backward(ctx, dout, dlse, _):
+def _backward(ctx, dout, dlse):
     q, k, v, out, lse, *tensor_params = ctx.saved_tensors
     params = dataclasses.replace(ctx.params, **dict(zip(_TENSOR_FIELDS, tensor_params,
                                                          strict=True)))

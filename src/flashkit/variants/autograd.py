@@ -12,17 +12,15 @@ import dataclasses
 
 import torch
 
-from flashkit.ops.custom_op import forward_for_backward
 from flashkit.variants.mods import Variant
 
 
 class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sink, params, backend, *captured):
-        # what the backward reads: out, or a float32 O with a sink (custom_op.keeps_float32_out)
-        out, lse, o = forward_for_backward(backend, q, k, v, params)
+        out, lse = backend.forward(q, k, v, params)
         ctx.params, ctx.backend = params, backend
-        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.save_for_backward(q, k, v, out, lse)
         ctx.set_materialize_grads(False)
         return out, lse
 

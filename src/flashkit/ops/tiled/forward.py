@@ -17,28 +17,23 @@ BLOCK_M = 128
 BLOCK_N = 128
 
 
-def forward(q, k, v, params: AttentionParams, block_m: int = BLOCK_M, block_n: int = BLOCK_N,
-            out_dtype: torch.dtype | None = None):
-    """(out, lse) for dense or varlen inputs; see flashkit.ops.params for the layouts. out is in
-    q's dtype, or out_dtype."""
-    out_dtype = out_dtype or q.dtype
+def forward(q, k, v, params: AttentionParams, block_m: int = BLOCK_M, block_n: int = BLOCK_N):
+    """(out, lse) for dense or varlen inputs; see flashkit.ops.params for the layouts."""
     if not params.is_varlen:
-        return forward_dense(q, k, v, params, params.alibi_slopes, block_m, block_n,
-                             out_dtype=out_dtype)
-    out = q.new_empty(*q.shape[:-1], v.shape[-1], dtype=out_dtype)
+        return forward_dense(q, k, v, params, params.alibi_slopes, block_m, block_n)
+    out = q.new_empty(*q.shape[:-1], v.shape[-1])
     lse = torch.empty(lse_shape(q, params), dtype=accumulation_dtype(q.dtype), device=q.device)
     for b, sq, sk in layout.sequences(params):
         out_b, lse_b = forward_dense(q[None, sq], k[None, sk], v[None, sk], params,
                                      layout.sequence_slopes(params, b), block_m, block_n,
-                                     batch0=b, out_dtype=out_dtype)
+                                     batch0=b)
         out[sq], lse[:, sq] = out_b[0], lse_b[0]
     return out, lse
 
 
 def forward_dense(q, k, v, params: AttentionParams, alibi_slopes, block_m=BLOCK_M,
-                  block_n=BLOCK_N, batch0=0, out_dtype=None):
-    """One dense batch; batch0 is the index of its first sequence (for the dropout mask); out
-    in q's dtype, or out_dtype."""
+                  block_n=BLOCK_N, batch0=0):
+    """One dense batch; batch0 is the index of its first sequence (for the dropout mask)."""
     batch, seqlen_q, nheads, _ = q.shape
     seqlen_k, nheads_k, head_dim_v = k.shape[1], k.shape[2], v.shape[-1]
     shift = seqlen_k - seqlen_q
@@ -50,7 +45,7 @@ def forward_dense(q, k, v, params: AttentionParams, alibi_slopes, block_m=BLOCK_
     slopes = layout.group_slopes(alibi_slopes, nheads_k, acc_dtype)
     bias = layout.group_bias(params.attn_bias, nheads_k)
 
-    out = q.new_empty(batch, seqlen_q, nheads, head_dim_v, dtype=out_dtype or q.dtype)
+    out = q.new_empty(batch, seqlen_q, nheads, head_dim_v)
     lse = torch.empty(batch, nheads, seqlen_q, dtype=acc_dtype, device=q.device)
     out_g = layout.group_heads(out, nheads_k)  # views we write through
     lse_g = lse.unflatten(1, (nheads_k, -1))  # (b, hk, g, sq)

@@ -50,13 +50,10 @@ def _on_device_of(t: torch.Tensor):
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: AttentionParams, *,
-            out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
-            out_dtype: torch.dtype | None = None):
-    """(out, lse): out like q with v's head dim (in out_dtype if given: the kernels store their
-    float32 result in out's dtype), lse float32 (batch, nheads, seqlen_q)."""
+            out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
+    """(out, lse): out like q with v's head dim, lse float32 (batch, nheads, seqlen_q); out
+    and lse may be given preallocated."""
     _check_supported(params, q.dtype)
-    if out is None and out_dtype is not None:
-        out = torch.empty((*q.shape[:-1], v.shape[-1]), dtype=out_dtype, device=q.device)
     with _on_device_of(q):
         return dispatch.forward_call(q, k, v, params, out=out, lse=lse)
 
