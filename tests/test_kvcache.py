@@ -17,7 +17,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from flashkit import reference
+from flashkit import checks, kvcache, reference
 from flashkit.kvcache import flash_attn_with_kvcache
 from flashkit.ops.params import AttentionParams
 from flashkit.testing import assert_close_to_oracle, poison
@@ -349,12 +349,20 @@ def _call(q, kc, vc, k=None, v=None, **kw):
     ("num_splits", "num_splits"),
     ("dtype", "dtype"),
 ])
-def test_errors(case, match):
+@pytest.mark.parametrize("after_accepted", [False, True], ids=["first", "after_accepted"])
+def test_errors(case, match, after_accepted, monkeypatch):
+    """Each bad argument is refused, on a first call and after an accepted call of the same
+    shapes (whose checks are kept: the index values are still read every call, and a tensor
+    that differs in a kept fact is checked again)."""
+    monkeypatch.setattr(kvcache, "_KEPT_CALLS", {})
     paged = case.startswith(("block_table", "paged", "page_size", "batch_idx_paged"))
     q, kc, vc, k, v, table = _inputs(page_size=16 if paged else None)
     lens = torch.tensor([3, 5], dtype=torch.int32)
     kw = {"cache_seqlens": lens, "block_table": table}
     args = (q, kc, vc, k, v)
+    if after_accepted:
+        _call(q, kc.clone(), vc.clone(), k, v, **kw)
+        assert len(kvcache._KEPT_CALLS) == 1
     if case == "block_table_out_of_range":
         table[1, 0] = 4
     elif case == "block_table_negative":
@@ -412,10 +420,38 @@ def test_errors(case, match):
 
 def test_requires_grad_is_refused():
     q, kc, vc, k, v, _ = _inputs()
+    lens = torch.tensor([3, 5], dtype=torch.int32)
     with pytest.raises(NotImplementedError, match="no backward"):
         _call(q.requires_grad_(), kc, vc, k, v, cache_seqlens=3)
-    with torch.no_grad():
-        _call(q, kc, vc, k, v, cache_seqlens=3)
+    for _ in range(2):  # accepted (and kept) under no_grad, refused again with grad on
+        with torch.no_grad():
+            _call(q, kc, vc, k, v, cache_seqlens=lens)
+        with pytest.raises(NotImplementedError, match="no backward"):
+            _call(q, kc, vc, k, v, cache_seqlens=lens)
+
+
+def test_kept_calls_skip_the_checks_and_match(monkeypatch):
+    """An equal call (same tensors' facts and scalars) skips the argument checks and gives the
+    first call's result; a call with the caches aliased, or strided so their slots overlap,
+    is checked (and refused) again."""
+    monkeypatch.setattr(kvcache, "_KEPT_CALLS", {})
+    q, kc, vc, k, v, _ = _inputs()
+    lens = torch.tensor([3, 5], dtype=torch.int32)
+    caches = [(kc.clone(), vc.clone()) for _ in range(2)]
+    first = _call(q, *caches[0], k, v, cache_seqlens=lens, causal=True)
+    calls = []
+    monkeypatch.setattr(checks, "kvcache_tensors", lambda *a: calls.append(a))
+    again = _call(q, *caches[1], k, v, cache_seqlens=lens, causal=True)
+    assert calls == [] and torch.equal(first, again)
+    assert all(torch.equal(a, b) for a, b in zip(caches[0], caches[1], strict=True))
+    monkeypatch.undo()
+    monkeypatch.setattr(kvcache, "_KEPT_CALLS", {0: 0})  # anything kept so far is gone
+    _call(q, kc, vc, k, v, cache_seqlens=lens, causal=True)
+    with pytest.raises(ValueError, match="^v_cache: is the same memory as k_cache"):
+        _call(q, kc, kc, k, v, cache_seqlens=lens, causal=True)
+    overlapping = kc[:1].expand(3, -1, -1, -1)
+    with pytest.raises(ValueError, match="^k_cache: is written in place but its elements"):
+        _call(q, overlapping, vc, k, v, cache_seqlens=lens, causal=True)
 
 
 def test_poisoned_spare_cache_does_not_leak():

@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from flashkit import checks, fp8, reference
+from flashkit import checks, fp8, kept, reference
 from flashkit.ops import custom_op
 from flashkit.ops.params import AttentionParams, accumulation_dtype
 from flashkit.variants import autograd as variant_autograd
@@ -103,7 +103,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
             and block_mask is None and isinstance(q, torch.Tensor)
             and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
             and (backend is None or type(backend) is str)):
-        scalars = _scalar_key(dropout_p, softmax_scale, causal, window_size, softcap,
+        scalars = kept.scalar_key(dropout_p, softmax_scale, causal, window_size, softcap,
                               deterministic)
         if scalars is not None:
             key = (scalars, backend, type(q), q.shape, q.dtype, q.device, type(k), k.shape,
@@ -117,7 +117,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     params = build_params(q, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                      deterministic, sink, batch=q.shape[0])
     if key is not None and not float8:
-        _remember(_DENSE_CALLS, key, params)
+        kept.remember(_DENSE_CALLS, key, params)
     params = variant_mods.attach(params, q, score_mod, mask_mod, block_mask, q.shape[0],
                                  q.shape[2], q.shape[1], k.shape[1])
     if float8:
@@ -183,40 +183,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     return _run(q, k, v, params, backend, return_attn_probs, return_softmax_lse)
 
 
-# Checking a call's arguments and building its AttentionParams costs several microseconds of
-# host time, more than launching its kernel on small problems, so calls repeat what an equal
-# earlier call found. Only calls with no tensor argument besides q, k, v and no dropout (whose
-# seed is new every call) are kept, never under torch.compile (the compiler would guard on the
-# dicts), and only after every check passed. The keys hold the types that the checks refuse by
-# (causal's, the window entries'), so an argument refused by type never matches an accepted one.
+# Kept calls (flashkit.kept): calls with no tensor argument besides q, k, v repeat what an
+# equal earlier call's checks found.
 # _SCALAR_CALLS (build_params, every entry point): scalar arguments -> AttentionParams.
 # _DENSE_CALLS (flash_attn_func, whose tensor checks it skips too): those and q's, k's and v's
 # types, shapes, dtypes and devices -> AttentionParams.
 _SCALAR_CALLS: dict = {}
 _DENSE_CALLS: dict = {}
-MAX_CALLS = 256  # forget every kept call of a dict beyond this many
-_PLAIN = frozenset((bool, int, float, type(None)))  # the scalar types a key may hold
-
-
-def _scalar_key(dropout_p, softmax_scale, causal, window_size, softcap,
-                deterministic) -> tuple | None:
-    """The key of a call's scalar arguments, or None for a call that is not kept: dropout, an
-    argument that is not a Python bool, int, float or None (a tensor would be kept alive and
-    could change in place), a window that is not a tuple of two ints, torch.compile."""
-    if (type(dropout_p) not in _PLAIN or dropout_p != 0 or type(window_size) is not tuple
-            or len(window_size) != 2 or type(window_size[0]) is not int
-            or type(window_size[1]) is not int or type(softmax_scale) not in _PLAIN
-            or type(causal) not in _PLAIN or type(softcap) not in _PLAIN
-            or type(deterministic) not in _PLAIN or torch.compiler.is_compiling()):
-        return None
-    return (softmax_scale, type(softmax_scale), causal, type(causal), window_size, softcap,
-            type(softcap), deterministic)
-
-
-def _remember(calls: dict, key: tuple, params: AttentionParams) -> None:
-    if len(calls) >= MAX_CALLS:
-        calls.clear()
-    calls[key] = params
 
 
 def build_params(q, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
@@ -226,7 +199,7 @@ def build_params(q, dropout_p, softmax_scale, causal, window_size, softcap, alib
     them: see _SCALAR_CALLS)."""
     key = None
     if alibi_slopes is None and sink is None and not varlen:
-        key = _scalar_key(dropout_p, softmax_scale, causal, window_size, softcap,
+        key = kept.scalar_key(dropout_p, softmax_scale, causal, window_size, softcap,
                           deterministic)
         key = None if key is None else (q.shape[-1], key)
         params = None if key is None else _SCALAR_CALLS.get(key)
@@ -235,7 +208,7 @@ def build_params(q, dropout_p, softmax_scale, causal, window_size, softcap, alib
     params = _checked_params(q, dropout_p, softmax_scale, causal, window_size, softcap,
                              alibi_slopes, deterministic, sink, batch, nheads, **varlen)
     if key is not None:
-        _remember(_SCALAR_CALLS, key, params)
+        kept.remember(_SCALAR_CALLS, key, params)
     return params
 
 

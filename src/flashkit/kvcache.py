@@ -24,11 +24,6 @@ such as a shared prefix, may repeat). The host checks reject a repeated written 
 path does not look for one (it would take a sort of the table on every step, and such writes
 stay in bounds), so there the caller must keep written pages unshared. k_cache and v_cache are
 checked, from their strides alone, to give every slot its own memory when an append writes them.
-A page an append writes must appear once among the used block_table entries (pages only read,
-such as a shared prefix, may repeat). The host checks reject a repeated written page; the device
-path does not look for one (it would take a sort of the table on every step, and such writes
-stay in bounds), so there the caller must keep written pages unshared. k_cache and v_cache are
-checked, from their strides alone, to give every slot its own memory when an append writes them.
 
 On CUDA with the Triton backend a call does not synchronise and allocates only through the
 caching allocator, and auto num_splits depends on shapes alone (the cache capacity), so a decoding
@@ -37,13 +32,17 @@ q, k, v and cache_seqlens tensors (an int cache_seqlens is frozen into the graph
 test_kvcache.py checks replays against eager calls and the oracle. Such a step (a few new keys,
 a few query rows per kv head) is the decode kernel, which appends the new keys itself, and,
 with more than one split, the merge kernel: at most two graph nodes.
+
+A decoding loop calls with the same tensors' shapes every step: an accepted call's checked
+arguments are kept under those facts (_KEPT_CALLS, flashkit.kept), and an equal call skips
+the checks that read them alone. The index values are checked every call.
 """
 
 from __future__ import annotations
 
 import torch
 
-from flashkit import checks, reference
+from flashkit import checks, kept, reference
 from flashkit.api import build_params, require_available
 from flashkit.checks import MIN_PAGE_SIZE
 from flashkit.ops.custom_op import backend_module
@@ -89,31 +88,22 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     Returns out (batch, seqlen_q, nheads, d_v), and lse (batch, nheads, seqlen_q) float32 with
     return_softmax_lse.
     """
-    checks.kvcache_tensors(q, k_cache, v_cache, k, v)
-    batch, device = q.shape[0], q.device
     seqlen_new = 0 if k is None else k.shape[1]
-    if k is not None:  # the append writes the caches: each slot must be its own memory
-        checks.no_overlap("k_cache", k_cache)
-        checks.no_overlap("v_cache", v_cache)
-        checks.distinct(("k_cache", "v_cache"), k_cache, v_cache)
-    capacity = checks.paging(block_table, k_cache, batch, device, cache_batch_idx,
-                             cache_leftpad)
-    cache_batch_idx = checks.index_vector("cache_batch_idx", cache_batch_idx, batch, device)
-    cache_leftpad = checks.index_vector("cache_leftpad", cache_leftpad, batch, device)
+    key = _kept_key(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                    cache_batch_idx, cache_leftpad, block_table, alibi_slopes, sink,
+                    (softmax_scale, causal, window_size, softcap, rotary_interleaved,
+                     num_splits, backend, sync_checks))
+    checked = None if key is None else _KEPT_CALLS.get(key)
+    if checked is None:
+        checked = _check(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                         cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
+                         window_size, softcap, alibi_slopes, num_splits, backend, sink)
+        if key is not None:
+            kept.remember(_KEPT_CALLS, key, checked)
+    params, name, capacity, q_rows, num_splits = checked
+    batch, device = q.shape[0], q.device
     host_seqlen = checks.host_seqlen(cache_seqlens, seqlen_new, capacity)
-    if host_seqlen is None:
-        cache_seqlens = checks.index_vector("cache_seqlens", cache_seqlens, batch, device)
-    params = build_params(q, 0.0, softmax_scale, causal, window_size, softcap, alibi_slopes, False,
-                          sink, batch=batch)
-    num_splits = checks.num_splits(num_splits)
-    name = checks.backend(backend, device)
     rotary = rotary_cos is not None or rotary_sin is not None
-    # flash-attn: with a causal or local mask the query rows are consecutive positions, without
-    # one they all sit at the first new position.
-    q_rows = q.shape[1] if params.window_left is not None or params.window_right is not None \
-        else 1
-    if rotary:
-        checks.rotary(rotary_cos, rotary_sin, q, k)
     max_seqlen_k = capacity  # a bound for the split heuristic, as flash-attn's
     host_checks = device.type == "cpu" or sync_checks or name != "triton"
     if host_seqlen is not None and host_checks:  # the device path passes the int itself
@@ -142,3 +132,69 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         out, lse = backend_module(name).kvcache_attention(q, k_cache, v_cache, cache,
                                                           params)
     return (out, lse) if return_softmax_lse else out
+
+
+def _check(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+           cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
+           alibi_slopes, num_splits, backend, sink) -> tuple:
+    """Every check of flash_attn_with_kvcache's arguments but those of the index values;
+    returns (params, backend name, capacity per sequence, q_rows, num_splits)."""
+    checks.kvcache_tensors(q, k_cache, v_cache, k, v)
+    batch, device = q.shape[0], q.device
+    if k is not None:  # the append writes the caches: each slot must be its own memory
+        checks.no_overlap("k_cache", k_cache)
+        checks.no_overlap("v_cache", v_cache)
+        checks.distinct(("k_cache", "v_cache"), k_cache, v_cache)
+    capacity = checks.paging(block_table, k_cache, batch, device, cache_batch_idx,
+                             cache_leftpad)
+    checks.index_vector("cache_batch_idx", cache_batch_idx, batch, device)
+    checks.index_vector("cache_leftpad", cache_leftpad, batch, device)
+    if checks.host_seqlen(cache_seqlens, 0 if k is None else k.shape[1], capacity) is None:
+        checks.index_vector("cache_seqlens", cache_seqlens, batch, device)
+    params = build_params(q, 0.0, softmax_scale, causal, window_size, softcap, alibi_slopes, False,
+                          sink, batch=batch)
+    num_splits = checks.num_splits(num_splits)
+    name = checks.backend(backend, device)
+    # flash-attn: with a causal or local mask the query rows are consecutive positions, without
+    # one they all sit at the first new position.
+    q_rows = q.shape[1] if params.window_left is not None or params.window_right is not None \
+        else 1
+    if rotary_cos is not None or rotary_sin is not None:
+        checks.rotary(rotary_cos, rotary_sin, q, k)
+    return params, name, capacity, q_rows, num_splits
+
+
+_KEPT_CALLS: dict = {}
+
+
+def _kept_key(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+              cache_batch_idx, cache_leftpad, block_table, alibi_slopes, sink,
+              scalars) -> tuple | None:
+    """The key under which a call's checked arguments are kept (_check's result), or None for
+    a call that is not kept: one with ALiBi slopes or a sink (the params would hold them), an
+    int cache_seqlens (its value is checked against the capacity), an argument that is neither
+    a tensor nor None, or scalars that flash_attn_func would not keep either. The key holds
+    what _check reads: each tensor's type, shape, dtype, device and requires_grad, whether
+    grad mode is on, and, where an append writes the caches, their strides and whether they
+    share a first address."""
+    softmax_scale, causal, window_size, softcap, interleaved, num_splits, backend, sync = scalars
+    if (alibi_slopes is not None or sink is not None or type(interleaved) not in kept.PLAIN
+            or type(num_splits) not in kept.PLAIN or type(sync) not in kept.PLAIN
+            or not (backend is None or type(backend) is str)):
+        return None
+    plain = kept.scalar_key(0.0, softmax_scale, causal, window_size, softcap, False)
+    if plain is None:
+        return None
+    key = [plain, interleaved, num_splits, type(num_splits), backend, sync,
+           torch.is_grad_enabled()]
+    for t in (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+              cache_batch_idx, cache_leftpad, block_table):
+        if t is None:
+            key.append(None)
+        elif isinstance(t, torch.Tensor):
+            key.append((type(t), t.shape, t.dtype, t.device, t.requires_grad))
+        else:  # an int cache_seqlens, or an argument the checks will refuse
+            return None
+    if k is not None:
+        key += (k_cache.stride(), v_cache.stride(), k_cache.data_ptr() == v_cache.data_ptr())
+    return tuple(key)

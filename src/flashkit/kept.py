@@ -1,0 +1,40 @@
+"""Kept calls: what an accepted call's checks found, kept under what they read, so an equal later
+call skips them. Checking a call's arguments costs several microseconds of host time, more than
+launching its kernel on small problems.
+
+A kept call is one whose checks all passed. Keys hold Python scalars (of the types in PLAIN,
+with the types the checks refuse by, such as causal's) and tensors' facts (type, shape, dtype,
+device, ...), never a tensor: nothing is kept alive, and a tensor changed in place is not read
+stale. Calls with dropout (a new seed every call) and calls under torch.compile (the compiler
+would guard on the dicts) are never kept. The dicts: flashkit.api's _SCALAR_CALLS
+(build_params) and _DENSE_CALLS (flash_attn_func), flashkit.kvcache's _KEPT_CALLS.
+"""
+
+from __future__ import annotations
+
+import torch
+
+PLAIN = frozenset((bool, int, float, type(None)))  # the scalar types a key may hold
+MAX_CALLS = 256  # forget every kept call of a dict beyond this many
+
+
+def scalar_key(dropout_p, softmax_scale, causal, window_size, softcap,
+               deterministic) -> tuple | None:
+    """The key of a call's scalar arguments, or None for a call that is not kept: dropout, an
+    argument that is not a Python bool, int, float or None (a tensor would be kept alive and
+    could change in place), a window that is not a tuple of two ints, torch.compile."""
+    if (type(dropout_p) not in PLAIN or dropout_p != 0 or type(window_size) is not tuple
+            or len(window_size) != 2 or type(window_size[0]) is not int
+            or type(window_size[1]) is not int or type(softmax_scale) not in PLAIN
+            or type(causal) not in PLAIN or type(softcap) not in PLAIN
+            or type(deterministic) not in PLAIN or torch.compiler.is_compiling()):
+        return None
+    return (softmax_scale, type(softmax_scale), causal, type(causal), window_size, softcap,
+            type(softcap), deterministic)
+
+
+def remember(calls: dict, key: tuple, value) -> None:
+    """calls[key] = value, forgetting every kept call first once calls holds MAX_CALLS."""
+    if len(calls) >= MAX_CALLS:
+        calls.clear()
+    calls[key] = value
