@@ -104,7 +104,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
             and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
             and (backend is None or type(backend) is str)):
         scalars = kept.scalar_key(dropout_p, softmax_scale, causal, window_size, softcap,
-                              deterministic)
+                                  deterministic)
         if scalars is not None:
             key = (scalars, backend, type(q), q.shape, q.dtype, q.device, type(k), k.shape,
                    k.dtype, k.device, type(v), v.shape, v.dtype, v.device)
@@ -200,7 +200,7 @@ def build_params(q, dropout_p, softmax_scale, causal, window_size, softcap, alib
     key = None
     if alibi_slopes is None and sink is None and not varlen:
         key = kept.scalar_key(dropout_p, softmax_scale, causal, window_size, softcap,
-                          deterministic)
+                              deterministic)
         key = None if key is None else (q.shape[-1], key)
         params = None if key is None else _SCALAR_CALLS.get(key)
         if params is not None:
