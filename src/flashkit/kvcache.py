@@ -172,11 +172,11 @@ def _kept_key(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
               scalars) -> tuple | None:
     """The key under which a call's checked arguments are kept (_check's result), or None for
     a call that is not kept: one with ALiBi slopes or a sink (the params would hold them), an
-    int cache_seqlens (its value is checked against the capacity), an argument that is neither
-    a tensor nor None, or scalars that flash_attn_func would not keep either. The key holds
-    what _check reads: each tensor's type, shape, dtype, device and requires_grad, whether
-    grad mode is on, and, where an append writes the caches, their strides and whether they
-    share a first address."""
+    argument that is neither a tensor nor None (but an int cache_seqlens, whose value every
+    call checks), or scalars that flash_attn_func would not keep either. The key holds what
+    _check reads: each tensor's type, shape, dtype, device and requires_grad, whether grad
+    mode is on, and, where an append writes the caches, their strides and whether they share
+    a first address."""
     softmax_scale, causal, window_size, softcap, interleaved, num_splits, backend, sync = scalars
     if (alibi_slopes is not None or sink is not None or type(interleaved) not in kept.PLAIN
             or type(num_splits) not in kept.PLAIN or type(sync) not in kept.PLAIN
@@ -193,7 +193,9 @@ def _kept_key(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
             key.append(None)
         elif isinstance(t, torch.Tensor):
             key.append((type(t), t.shape, t.dtype, t.device, t.requires_grad))
-        else:  # an int cache_seqlens, or an argument the checks will refuse
+        elif t is cache_seqlens and type(t) is int:
+            key.append(int)
+        else:  # an argument the checks will refuse
             return None
     if k is not None:
         key += (k_cache.stride(), v_cache.stride(), k_cache.data_ptr() == v_cache.data_ptr())

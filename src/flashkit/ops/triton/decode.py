@@ -328,7 +328,9 @@ def _pages_ok(table_row, lo, hi, num_pages, PAGE_SIZE: tl.constexpr, TABLE_CHUNK
     return bad == 0
 
 
-@triton.jit
+# Not specialised on: a step's int cache_seqlens (a new value every step), so one launch plan
+# serves the whole decoding loop
+@triton.jit(do_not_specialize=["seqlen_fixed"])
 def _decode_kernel(Q, K, V, Out, Lse, BlockTable, CacheBatchIdx, Leftpad, SeqlensK, Slopes, Sink,
                    Cos, Sin, KNew, VNew,
                    stride_qb, stride_qs, stride_qh, stride_qd,
@@ -764,8 +766,8 @@ def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, bloc
     rows 0..b-1 and no padding; out and lse may be given preallocated. With `step` (where
     step_declines), the kernel appends step.k, step.v to the cache and rotates q and step.k;
     seqlens_k is not read (the kernel takes step.cache_seqlens) and max_seqlen_k is required.
-    plan: the dispatch plan's prepared launches (launch.planned), for calls whose launch depends
-    on their layouts and params' values alone (not a step's int cache_seqlens)."""
+    plan: the dispatch plan's prepared launches (launch.planned): a step's int cache_seqlens
+    is the one scalar each call passes (varying)."""
     check_supported(q.dtype, params)
     batch, seqlen_q, nheads, head_dim = q.shape
     head_dim_v = v_cache.shape[3]
@@ -789,6 +791,7 @@ def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, bloc
         lse_part = torch.empty(num_splits, *lse.shape, dtype=torch.float32, device=q.device)
 
     cos = sin = None
+    seqlen_fixed = 0  # a step's int cache_seqlens, else unread
     # absent new keys: the cache stands in, never read (an empty view of it would cost ~2 us
     # of host time a call)
     k_new = v_new = k_cache
@@ -798,6 +801,8 @@ def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, bloc
             k_new, v_new = step.k, step.v
         if isinstance(step.cache_seqlens, torch.Tensor):
             seqlens_k = step.cache_seqlens
+        else:
+            seqlen_fixed = step.cache_seqlens
     # seqlens_k, or q where a step takes an int cache_seqlens: stands in for absent pointer
     # arguments (never read)
     dummy = q if seqlens_k is None else seqlens_k
@@ -812,7 +817,8 @@ def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, bloc
         try:
             planned(plan, "decode", lambda shape=shape: _prepare(
                 q, k_cache, v_cache, block_table, cache_batch_idx, cache_leftpad, params,
-                shape, out_part, lse_part, step, cos, k_new, v_new, dummy))(*tensors)
+                shape, out_part, lse_part, step, cos, k_new, v_new, dummy))(
+                *tensors, varying=(seqlen_fixed,))
             break
         except OutOfResources:
             shape = shape._replace(tile=smaller_tile(shape.tile))
@@ -850,7 +856,7 @@ def _prepare(q, k_cache, v_cache, block_table, cache_batch_idx, cache_leftpad,
         *lse_part.stride(), 0 if block_table is None else block_table.stride(0),
         f.alibi_strides[0], *((0, 0) if cos is None else cos.stride()),
         *k_new.stride(), *v_new.stride(), nheads_k, nheads // nheads_k, seqlen_q, num_splits,
-        *f.band[2:], *f.scores, 0 if seqlens_tensor else int(step.cache_seqlens), seqlen_new,
+        *f.band[2:], *f.scores, 0, seqlen_new,
         1 if step is None else step.q_rows, capacity, k_cache.shape[0],
         0 if cos is None else cos.shape[0]), dict(
         HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=padded_head_dim(head_dim),
@@ -862,5 +868,5 @@ def _prepare(q, k_cache, v_cache, block_table, cache_batch_idx, cache_leftpad,
         ROTARY_HALF=0 if cos is None else cos.shape[1],
         INTERLEAVED=step is not None and cos is not None and step.interleaved,
         BLOCK_NEW=max(1, next_power_of_2(seqlen_new)), TABLE_CHUNK=TABLE_CHUNK),
-        num_warps=tile.num_warps, num_stages=tile.num_stages, **checks,
-        **register_cap(tile, shape.per_sm))
+        varying=("seqlen_fixed",), num_warps=tile.num_warps, num_stages=tile.num_stages,
+        **checks, **register_cap(tile, shape.per_sm))

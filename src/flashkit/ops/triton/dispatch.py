@@ -179,8 +179,8 @@ def kvcache_call(q, k_cache, v_cache, cache: KVCacheArgs, params: AttentionParam
     decode.check_supported(q.dtype, params)
     seqlens = cache.host_seqlen if cache.cache_seqlens is None else cache.cache_seqlens
     nheads_k, seqlen_new = k_cache.shape[2], cache.seqlen_new
-    # the cache's arguments as a launch reads them (an int cache_seqlens: its value, so a call
-    # with a new one prepares its launch; see below)
+    # the cache's arguments as a launch reads them (an int cache_seqlens: each call passes its
+    # value to the planned launch)
     cache_key = (_layout(k_cache), _layout(v_cache), _layout(cache.k), _layout(cache.v),
                  _layout(cache.rotary_cos), _layout(cache.rotary_sin), cache.rotary_interleaved,
                  cache.q_rows, _layout(cache.cache_seqlens), _layout(cache.cache_batch_idx),
@@ -194,11 +194,9 @@ def kvcache_call(q, k_cache, v_cache, cache: KVCacheArgs, params: AttentionParam
     if plan.kernel == "decode step":  # one kernel rotates, appends and attends (decode.Step)
         step = decode.Step(seqlens, cache.k, cache.v, cache.rotary_cos, cache.rotary_sin,
                            cache.rotary_interleaved, cache.q_rows)
-        # an int cache_seqlens is a scalar Triton specialises on: such steps are not kept
         return decode.forward(q, k_cache, v_cache, None, cache.cache_batch_idx,
                               cache.cache_leftpad, cache.block_table, params, cache.num_splits,
-                              cache.max_seqlen_k, step=step,
-                              plan=None if cache.cache_seqlens is None else plan.launches)
+                              cache.max_seqlen_k, step=step, plan=plan.launches)
     # A bad index fails a device-side assertion in the append kernel (kvcache.py's docstring).
     q, seqlens_k = append.append(q, k_cache, v_cache, cache.k, cache.v, cache.rotary_cos,
                                  cache.rotary_sin, seqlens, cache.cache_batch_idx,

@@ -236,9 +236,8 @@ class Prepared:
 
 def planned(plan: dict | None, name: str, prepare):
     """plan[name] (a Prepared, or what a launcher keeps beside its Prepared), made by prepare()
-    when the plan has none yet; a new one every call without a plan (plan None: a call whose
-    launches cannot be kept, e.g. a decoding step's int cache_seqlens, a scalar Triton
-    specialises on)."""
+    when the plan has none yet; a new one every call without a plan (plan None: a launcher
+    called directly, outside dispatch's plans)."""
     if plan is None:
         return prepare()
     prepared = plan.get(name)
@@ -314,17 +313,29 @@ class _Direct(NamedTuple):
 def _scalar_indices(kernel, names: tuple, n_scalars: int, n_constexprs: int,
                     tensor_params: tuple) -> tuple:
     """The indices among a launch's scalars of the parameters `names`, which must be in the
-    kernel's do_not_specialize (Prepared's varying)."""
+    kernel's do_not_specialize (Prepared's varying); found once per kernel and arguments
+    (_indices: reading the kernel's parameters costs tens of microseconds)."""
     if not names:
         return ()
+    key = (id(kernel), names, n_scalars, n_constexprs, tensor_params)
+    found = _indices.get(key)
+    if found is not None and found[0] is kernel:
+        return found[1]
     runtime = kernel.arg_names[:len(kernel.arg_names) - n_constexprs]
     scalar_names = ([n for n in runtime if n not in tensor_params] if tensor_params
                     else runtime[len(runtime) - n_scalars:])
-    fixed = {p.name for p in kernel.params if not p.do_not_specialize}
-    if fixed.intersection(names) or not set(names) <= set(scalar_names):
+    params = getattr(kernel, "params", None)  # an InterpretedFunction has its kwargs instead
+    free = ([p.name for p in params if p.do_not_specialize] if params is not None
+            else kernel.kwargs.get("do_not_specialize") or ())
+    if not set(names) <= set(free) or not set(names) <= set(scalar_names):
         raise ValueError(f"launch: {names} must be scalar parameters of {kernel.__name__} in "
                          "its do_not_specialize")
-    return tuple(scalar_names.index(name) for name in names)
+    indices = tuple(scalar_names.index(name) for name in names)
+    _indices[key] = (kernel, indices)  # the kernel held: its id stays its own
+    return indices
+
+
+_indices: dict = {}
 
 
 def _rebased(template, base: torch.Tensor | None):
