@@ -1200,3 +1200,35 @@ def test_launch_cache_separates_misaligned_tensors_on_gpu():
     assert all(torch.equal(outs[0], out) for out in outs[1:])
     aligned = {key[2][0] for key in launch._compiled if key[0] == id(decode._decode_kernel)}
     assert {(torch.bfloat16, True), (torch.bfloat16, False)} <= aligned
+
+
+def test_triton_int_steps_keep_one_plan(monkeypatch):
+    """A decoding step with an int cache_seqlens, as the CUDA path passes it (KVCacheArgs with
+    host_seqlen and no tensor), keeps one launch plan while the int changes every step: the
+    decode kernel is prepared once and takes each value per call. Each step gives what the same
+    step with its lengths as a tensor gives."""
+    from flashkit.ops.params import KVCacheArgs
+    from flashkit.ops.triton import decode, dispatch
+    from flashkit.ops.triton import kvcache_attention as triton_kvcache
+
+    dispatch.forget_plans()
+    prepared = []
+    real_prepare = decode._prepare
+    monkeypatch.setattr(decode, "_prepare", lambda *a: prepared.append(1) or real_prepare(*a))
+    q, kc, vc, k, v, _ = _inputs()
+    params = AttentionParams(0.25, None, 0)  # causal
+    for n in (3, 9, 20):
+        outs = []
+        for seqlens in (n, torch.full((2,), n, dtype=torch.int32)):
+            tensor = isinstance(seqlens, torch.Tensor)
+            cache = KVCacheArgs(k=k, v=v, rotary_cos=None, rotary_sin=None,
+                                rotary_interleaved=False,
+                                cache_seqlens=seqlens if tensor else None,
+                                host_seqlen=None if tensor else n, cache_batch_idx=None,
+                                cache_leftpad=None, block_table=None, q_rows=1, capacity=32,
+                                max_seqlen_k=32, num_splits=2, host_checked=False)
+            caches = (kc.clone(), vc.clone())
+            outs.append((*triton_kvcache(q, *caches, cache, params), *caches))
+        for a, b in zip(*outs, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert len(prepared) == 2  # one decode launch per plan: the int's and the tensor's
