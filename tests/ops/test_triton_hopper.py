@@ -55,8 +55,7 @@ def _on_hopper() -> bool:
 
 def test_eligibility():
     """Every feature and varlen are taken (varlen only where the caller of gluon_declines says
-    it takes it), head dim 256 by the forward only (gluon_declines' default head dims are the
-    backward's); an SDPA bias and other head dims are not."""
+    it takes it), head dims 64, 128 and 256; an SDPA bias and other head dims are not."""
     q, k, v, _ = make_inputs(1, 100, 37, 2, 1, 64, 64, torch.float16)
     taken = DEVICE == "cuda" and _on_hopper()
     slopes = torch.ones(2, device=q.device)
@@ -76,7 +75,7 @@ def test_eligibility():
     assert not hopper.eligible(q80, k80, v80, AttentionParams(0.125), None, None, None)
     q256, k256, v256, _ = make_inputs(1, 64, 64, 2, 2, 256, 256, torch.float16)
     assert hopper.eligible(q256, k256, v256, AttentionParams(0.125), None, None, None) == taken
-    assert hopper.gluon_declines(q256, k256, v256, AttentionParams(0.125))  # the backward
+    assert (hopper.gluon_declines(q256, k256, v256, AttentionParams(0.125)) is None) == taken
     assert not hopper.eligible(q, k, v, AttentionParams(0.125), None, None, (64, 64, 4, 2))
 
 

@@ -22,7 +22,8 @@ Transposed tiles carry a _t suffix: s_t is [BLOCK_N, BLOCK_M] = s^T.
 On sm_90 dK/dV and dQ run the Gluon kernels of backward_hopper.py instead (configs.GLUON_BACKWARD;
 every feature, varlen included, see backward_hopper.declines; dense calls whose lengths are
 not tile multiples run there as varlen with equal lengths, dispatch._dense_as_varlen; the
-choice is dispatch.backward_call's); the preprocess and dsink here serve both.
+choice is dispatch.backward_call's); at head dim 256 only dQ does, after this file's dK/dV
+programs. The preprocess and dsink here serve both.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ from flashkit.ops.triton.common import (
 )
 from flashkit.ops.triton.configs import padded_head_dim, tile_config
 from flashkit.ops.triton.dropout import dropout_keep, dropout_keep_t
-from flashkit.ops.triton.features import GRADIENT_FLAGS, KernelFeatures, kernel_features
+from flashkit.ops.triton.features import GRADIENT_FLAGS, kernel_features
 from flashkit.ops.triton.launch import Prepared, fold, launch, planned
 
 
@@ -569,8 +570,10 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     keys than this call's (ring attention), so rows seeing one key here keep their dS. Which
     kernels run is chosen by dispatch.backward_call; this launches that choice.
 
-    gluon: dK/dV and dQ in backward_hopper's kernels (the call must be one they take,
-    backward_hopper.declines), else this file's. tiles = {"dkdv": (BLOCK_M, BLOCK_N,
+    gluon: dQ in backward_hopper's kernel (the call must be one it takes,
+    backward_hopper.declines), and dK/dV too where it takes the head dim
+    (backward_hopper.takes_dkdv; else this file's dK/dV programs); else all in this file's
+    kernels. tiles = {"dkdv": (BLOCK_M, BLOCK_N,
     num_warps, num_stages), "dq": ...} overrides configs.SM90 (the tuning sweep); tiles =
     {"hopper": ..., "hopper_dq": ...} override configs.GLUON_BACKWARD_DKDV and
     configs.GLUON_BACKWARD_DQ. plan: the dispatch plan's prepared launches of the Gluon
@@ -588,15 +591,18 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
 
     one_key_zero = params.sink is None and dlse is None and own_lse
     if gluon:
-        backward_hopper.attention_backward_dkdv(dout, q, k, v, lse, delta, params, dk, dv,
-                                                block=tiles.get("hopper"),
-                                                one_key_zero=one_key_zero, plan=plan)
+        if backward_hopper.takes_dkdv(q):
+            backward_hopper.attention_backward_dkdv(dout, q, k, v, lse, delta, params, dk, dv,
+                                                    block=tiles.get("hopper"),
+                                                    one_key_zero=one_key_zero, plan=plan)
+        else:  # head dim 256: dK/dV do not fit one warpgroup's registers (configs.gluon)
+            _triton_dkdv_dq(dout, q, k, v, lse, delta, params, dq, dk, dv, tiles, one_key_zero,
+                            parts=("dkdv", ))
         backward_hopper.attention_backward_dq(dout, q, k, v, lse, delta, params, dq,
                                               block=tiles.get("hopper_dq"),
                                               one_key_zero=one_key_zero, plan=plan)
     else:
-        f = kernel_features(params, q, v, lse, q.dtype, flags=GRADIENT_FLAGS)
-        _triton_dkdv_dq(dout, q, k, v, lse, delta, params, f, dq, dk, dv, tiles, one_key_zero)
+        _triton_dkdv_dq(dout, q, k, v, lse, delta, params, dq, dk, dv, tiles, one_key_zero)
 
     dsink = None
     if params.sink is not None:
@@ -623,11 +629,12 @@ def _prepare_preprocess(out, dout, delta, params: AttentionParams) -> Prepared:
                          BLOCK_M=block_m))
 
 
-def _triton_dkdv_dq(dout, q, k, v, lse, delta, params: AttentionParams, f: KernelFeatures, dq,
-                    dk, dv, tiles, one_key_zero: bool):
-    """dK, dV and dQ in this file's kernels, the dK/dV programs then the dQ programs; delta
-    (laid out like lse) is ready; f: the call's kernel_features. one_key_zero: the kernels'
-    ONE_KEY_ZERO (no sink and no lse gradient)."""
+def _triton_dkdv_dq(dout, q, k, v, lse, delta, params: AttentionParams, dq, dk, dv, tiles,
+                    one_key_zero: bool, parts: tuple = ("dkdv", "dq")):
+    """dK, dV and dQ in this file's kernels, the dK/dV programs then the dQ programs (those of
+    `parts` only: dK/dV alone where the Gluon dQ kernel follows); delta (laid out like lse) is
+    ready. one_key_zero: the kernels' ONE_KEY_ZERO (no sink and no lse gradient)."""
+    f = kernel_features(params, q, v, lse, q.dtype, flags=GRADIENT_FLAGS)
     head_dim, head_dim_v = f.head_dim, f.head_dim_v
     block_d, block_dv = padded_head_dim(head_dim), padded_head_dim(head_dim_v)
     d_max = max(head_dim, head_dim_v)
@@ -658,8 +665,11 @@ def _triton_dkdv_dq(dout, q, k, v, lse, delta, params: AttentionParams, f: Kerne
     sink = params.sink is not None
     even_m = not varlen and f.seqlen_q % block_m2 == 0
     even_n = not varlen and f.seqlen_k % block_n1 == 0
-    for programs, do_dkdv, warps, stages in ((num_kv_blocks, True, num_warps, num_stages),
-                                             (num_q_blocks, False, dq_warps, dq_stages)):
+    launches = {"dkdv": (num_kv_blocks, num_warps, num_stages),
+                "dq": (num_q_blocks, dq_warps, dq_stages)}
+    for part in parts:  # dK/dV first: the dQ programs of a sink call overwrite delta
+        programs, warps, stages = launches[part]
+        do_dkdv = part == "dkdv"
         # constexprs in the kernel's signature order (launch passes them positionally)
         launch(_bwd_kernel, (programs, *fold(f.batch * f.nheads)), tensors, scalars,
                dict(meta, SINK=sink and not do_dkdv, EVEN_M=even_m, EVEN_N=even_n,

@@ -45,9 +45,12 @@ but lse and delta reach the dK/dV kernel as copies in which every sequence start
 (_aligned_lse_delta: a TMA box must start there; the dQ kernel loads them per row).
 The keep-mask is indexed (sequence, head, i, j) with i, j within the sequence, as forward.py's.
 
+Head dim 256 runs the dQ kernel only (takes_dkdv): dK and dV, [BLOCK_N, 256] fp32 each, would
+not fit one warpgroup's registers, so backward.py's dK/dV programs run before it.
+
 Eligible (see `eligible`): what the Gluon forward takes (forward_hopper.gluon_declines: sm_90,
-fp16/bf16, head dim 64 or 128, q/k/v in the flash layout so (tokens, heads * d) is a plain 2-D
-view for TMA), dense with seqlen_q and seqlen_k multiples of every tile, or varlen; a dense
+fp16/bf16, head dim 64, 128 or 256, q/k/v in the flash layout so (tokens, heads * d) is a plain
+2-D view for TMA), dense with seqlen_q and seqlen_k multiples of every tile, or varlen; a dense
 call at other lengths runs as varlen with equal lengths (dense_as_varlen), whose tails are
 NaN-safe: nothing the TMA tiles read past a batch entry's end reaches its gradients.
 """
@@ -676,9 +679,21 @@ def _declines(q, k, v, dout, lse, params: AttentionParams, dq, dk, dv, tiles) ->
     return why
 
 
+def takes_dkdv(q) -> bool:
+    """Whether the Gluon dK/dV kernel takes q's head dim (64, 128; at 256 dK and dV, [BLOCK_N,
+    256] fp32 each, would not fit one warpgroup's registers: backward.py's dK/dV programs run
+    before the Gluon dQ kernel)."""
+    return q.shape[-1] in GLUON_BACKWARD_DKDV
+
+
 def _whole_tiles(q, k) -> bool:
-    """Dense seqlen_q and seqlen_k are multiples of every tile of both kernels."""
-    tile = max(*GLUON_BACKWARD_DKDV[q.shape[-1]][:2], *GLUON_BACKWARD_DQ[q.shape[-1]][:2])
+    """Dense seqlen_q and seqlen_k are multiples of every tile of the Gluon kernels that run
+    (backward.py's dK/dV programs take any lengths)."""
+    head_dim = q.shape[-1]
+    tiles = GLUON_BACKWARD_DQ[head_dim][:2]
+    if takes_dkdv(q):
+        tiles += GLUON_BACKWARD_DKDV[head_dim][:2]
+    tile = max(tiles)
     return q.shape[1] % tile == 0 and k.shape[1] % tile == 0
 
 

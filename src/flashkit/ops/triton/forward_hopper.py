@@ -100,7 +100,7 @@ except ImportError:  # a Triton without Gluon: the Triton kernel does everything
 
 BLOCK_M = 64  # query rows per consumer warpgroup (the wgmma M of one warpgroup)
 PRODUCER_REGS = 24  # registers per thread of the producer warp (the least setmaxnreg allows)
-FORWARD_HEAD_DIMS = (64, 128, 256)  # this forward's; the backward's stay gluon_declines'
+HEAD_DIMS = (64, 128, 256)  # of every Gluon kernel (backward_hopper's dK/dV: takes_dkdv's)
 # SOFTCAP value of a softcap whose scores are bounded tightly enough for a fixed row max
 # (softcap_mode): SOFTCAP_FAST's tanh, no running max, no rescaling of O.
 SOFTCAP_BOUNDED = 3
@@ -805,13 +805,11 @@ if gluon is not None:
             mbarrier.invalidate(v_empty.index(i))
 
 
-def gluon_declines(q, k, v, params: AttentionParams, varlen: bool = False,
-                   head_dims: tuple = (64, 128)) -> str | None:
+def gluon_declines(q, k, v, params: AttentionParams, varlen: bool = False) -> str | None:
     """Why the Gluon kernels (this forward, backward_hopper's backward) cannot take a call, or
     None: they need Gluon on an sm_90 GPU, non-empty fp16/bf16 q/k/v of one head dim in
-    head_dims (the backward's 64 and 128 by default; this forward passes FORWARD_HEAD_DIMS) in
-    the flash layout, no bias, a positive scale; dense, or varlen too where the caller says it
-    takes it (varlen=True). Each kernel's `declines` adds its own conditions."""
+    HEAD_DIMS in the flash layout, no bias, a positive scale; dense, or varlen too where the
+    caller says it takes it (varlen=True). Each kernel's `declines` adds its own conditions."""
     if gluon is None or interpreting():
         return "no Gluon (the interpreter, or a Triton without it)"
     if params.is_varlen and not varlen:
@@ -823,8 +821,8 @@ def gluon_declines(q, k, v, params: AttentionParams, varlen: bool = False,
     if not (q.is_cuda and device_properties(q.device).major == 9):
         return "not an sm_90 GPU"
     head_dim = q.shape[-1]
-    if not (head_dim in head_dims and head_dim == v.shape[-1] == k.shape[-1]):
-        return f"head dims {k.shape[-1]}/{v.shape[-1]} (takes {head_dims}, q/k/v alike)"
+    if not (head_dim in HEAD_DIMS and head_dim == v.shape[-1] == k.shape[-1]):
+        return f"head dims {k.shape[-1]}/{v.shape[-1]} (takes {HEAD_DIMS}, q/k/v alike)"
     if not (q.dtype in (torch.float16, torch.bfloat16) and q.dtype == k.dtype == v.dtype):
         return f"dtype {q.dtype}"
     tokens = 0 if params.is_varlen else 1  # varlen (total, h, d), dense (b, seqlen, h, d)
@@ -841,7 +839,7 @@ def declines(q, k, v, params: AttentionParams, out, lse, tile) -> str | None:
         return "switched off (configs.GLUON_FORWARD)"
     if tile is not None:
         return "a Triton tile was asked for"
-    why = gluon_declines(q, k, v, params, varlen=True, head_dims=FORWARD_HEAD_DIMS)
+    why = gluon_declines(q, k, v, params, varlen=True)
     if why is None and not ((out is None or out.stride(-1) == 1)
                             and (lse is None or lse.stride(-1) == 1)):
         why = "out or lse has a strided last dim"
