@@ -227,13 +227,13 @@ if gluon is not None:
 
         mbarrier.wait(q_bars.index(stage), phase)
         if MASK and VARLEN:  # the tile that crosses the sequence's end: its Q rows past it
-            zero_tile_tail(q_buf, seqlen_q - start_m, BLOCK_M, HEAD_DIM)
+            zero_tile_tail(q_buf, seqlen_q - start_m, BLOCK_M, HEAD_DIM, 0, 1)
         # [BLOCK_N, BLOCK_M] = [BLOCK_N, D] @ [D, BLOCK_M]
         s_tok = warpgroup_mma(k_smem, q_buf.permute((1, 0)), zero_st, use_acc=False,
                               is_async=True)
         mbarrier.wait(do_bars.index(stage), phase)
         if MASK and VARLEN:  # and its dO rows
-            zero_tile_tail(do_buf, seqlen_q - start_m, BLOCK_M, HEAD_DIM)
+            zero_tile_tail(do_buf, seqlen_q - start_m, BLOCK_M, HEAD_DIM, 0, 1)
         # [BLOCK_N, BLOCK_M] = [BLOCK_N, D] @ [D, BLOCK_M]
         dp_tok = warpgroup_mma(v_smem, do_buf.permute((1, 0)), zero_st, use_acc=False,
                                is_async=True)
@@ -478,13 +478,13 @@ if gluon is not None:
         zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
         mbarrier.wait(k_bars.index(stage), phase)
         if MASK and VARLEN:  # never refilled: the crossing tile is the program's last
-            zero_tile_tail(k_buf, seqlen_k - start_n, BLOCK_N, k_buf.shape[1])
+            zero_tile_tail(k_buf, seqlen_k - start_n, BLOCK_N, k_buf.shape[1], 0, 1)
         # [BLOCK_M, BLOCK_N] = [BLOCK_M, D] @ [D, BLOCK_N]
         s_tok = warpgroup_mma(q_smem, k_buf.permute((1, 0)), zero_s, use_acc=False,
                               is_async=True)
         mbarrier.wait(v_bars.index(stage), phase)
         if MASK and VARLEN:
-            zero_tile_tail(v_buf, seqlen_k - start_n, BLOCK_N, v_buf.shape[1])
+            zero_tile_tail(v_buf, seqlen_k - start_n, BLOCK_N, v_buf.shape[1], 0, 1)
         # [BLOCK_M, BLOCK_N] = [BLOCK_M, D] @ [D, BLOCK_N]
         dp_tok = warpgroup_mma(do_smem, v_buf.permute((1, 0)), zero_s, use_acc=False,
                                is_async=True)

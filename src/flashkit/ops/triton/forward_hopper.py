@@ -30,9 +30,10 @@ Masking: every tile of the program's key range outside a consumer's fully visibl
 2-D views (tokens, heads * d) of dense (batch * seqlen) or packed varlen tokens, so a tile past
 a sequence's end reads the next sequence's rows (or zeros past the tensor): their scores are
 masked to -inf, so P is 0 there, and with KEY_TAIL (varlen, or seqlen_k not a multiple of
-BLOCK_N) each consumer zeroes V's rows past the end in that last tile before its P V wgmma
-(hopper_common.zero_tile_tail), so NaN or inf there (0 * NaN) cannot reach the output; query
-rows past seqlen_q are never stored.
+BLOCK_N) the consumers zero V's rows past the end in that last tile before their P V wgmma
+(hopper_common.zero_tile_tail; consumers that share the tile each zero a share of its rows and
+wait on the `tails` mbarrier for the others'), so NaN or inf there (0 * NaN) cannot reach the
+output; query rows past seqlen_q are never stored.
 
 Varlen (VARLEN): the grid covers the longest sequence; each program reads its sequence's first
 rows and lengths (_sequence_rows) and returns past its end, so the per-sequence masks, band
@@ -268,7 +269,7 @@ if gluon is not None:
         NUM_STAGES after every warp is done."""
         k_desc, v_desc = descs
         q_smem, k_smem, v_smem = smem
-        q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, turns = bars
+        q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, turns, tails = bars
         stage = (ring + tile) % NUM_STAGES
         if SPECIALIZED:
             mbarrier.arrive(v_empty.index(stage), count=1)
@@ -293,7 +294,7 @@ if gluon is not None:
          drop, ring, turn0) = ctx
         acc, p_op, m_i, l_i = state
         q_smem, k_smem, v_smem = smem
-        q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, turns = bars
+        q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, turns, tails = bars
         stage = (ring + tile) % NUM_STAGES
         mbarrier.wait(k_ready.index(stage), ((ring + tile) // NUM_STAGES) & 1)
         prev = (ring + tile - 1) % NUM_STAGES
@@ -366,7 +367,7 @@ if gluon is not None:
         geo = (seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale)
         drop = (seed_lo, seed_hi, dropout_threshold, off_b, off_h)
         q_smem, k_smem, v_smem = smem
-        q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, turns = bars
+        q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, turns, tails = bars
         dtype: gl.constexpr = q_smem.dtype
 
         # Accumulators in the wgmma layout: warps stacked along the rows, 16 rows per warp.
@@ -462,7 +463,10 @@ if gluon is not None:
             mbarrier.wait(v_ready.index(last), ((ring + n_tiles - 1) // NUM_STAGES) & 1)
             if KEY_TAIL:  # only the last tile can reach past the sequence's keys
                 zero_tile_tail(v_smem.index(last), seqlen_k - lo - (n_tiles - 1) * BLOCK_N,
-                               BLOCK_N, HEAD_DIM)
+                               BLOCK_N, HEAD_DIM, CONSUMER, CONSUMERS)
+                if CONSUMERS > 1:  # the other consumers' shares are zero too (phase: items)
+                    mbarrier.arrive(tails, count=1)
+                    mbarrier.wait(tails, items & 1)
             _take_turn(turns, turn0 + n_tiles, CONSUMER, PINGPONG)
             o_tok = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
             _pass_turn(turns, CONSUMER, CONSUMERS, PINGPONG)
@@ -495,7 +499,7 @@ if gluon is not None:
         PRODUCER_QK loads Q and K only, PRODUCER_V V only (SPLIT_LOADS)."""
         q_desc, k_desc, v_desc = descs
         q_smem, k_smem, v_smem = smem
-        q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, turns = bars
+        q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, turns, tails = bars
         if ROLE != PRODUCER_V:
             for c in gl.static_range(CONSUMERS):
                 mbarrier.wait(q_empty.index(c), (items & 1) ^ 1, pred=n_tiles > 0)
@@ -522,7 +526,7 @@ if gluon is not None:
         the consumers freed its buffer (PRODUCER_QK: K only, PRODUCER_V: V only)."""
         q_desc, k_desc, v_desc = descs
         q_smem, k_smem, v_smem = smem
-        q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, turns = bars
+        q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, turns, tails = bars
         stage = position % NUM_STAGES
         phase = (position // NUM_STAGES) & 1
         if ROLE != PRODUCER_V:
@@ -716,6 +720,10 @@ if gluon is not None:
         k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         turns = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+        # KEY_TAIL with several consumers: each zeroes its share of the last V tile's tail, and
+        # all wait here for every share before their P V wgmma (_consumer)
+        tails = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(tails, count=CONSUMERS)
         for c in gl.static_range(CONSUMERS):
             mbarrier.init(q_bars.index(c), count=1)
             mbarrier.init(q_empty.index(c), count=1)
@@ -727,7 +735,7 @@ if gluon is not None:
             mbarrier.init(v_empty.index(i), count=CONSUMERS)
 
         smem = (q_smem, k_smem, v_smem)
-        bars = (q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, turns)
+        bars = (q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, turns, tails)
         descs = (q_desc, k_desc, v_desc)
         if SPECIALIZED:  # consumer 0 is the default partition, the others workers of 4 warps
             # (written out per count: Triton 3.6 takes no constexpr tuple in a worker's args)
@@ -794,6 +802,7 @@ if gluon is not None:
                       CONSUMERS, SPECIALIZED, PINGPONG, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, SINK,
                       DROPOUT, KEY_TAIL)
 
+        mbarrier.invalidate(tails)
         for c in gl.static_range(CONSUMERS):
             mbarrier.invalidate(q_bars.index(c))
             mbarrier.invalidate(q_empty.index(c))

@@ -1,0 +1,86 @@
+"""Does compute-sanitizer's racecheck report Triton's own gl.warp_specialize code? (GPU, sm_90)
+
+    PYTHONPATH=src python3 benchmarks/diagnostics/racecheck_warp_specialize.py
+
+Runs three bare Gluon kernels, each under `compute-sanitizer --tool racecheck`, and prints each
+report. Every kernel splits into the Gluon forward's roles (4 default warps, workers of 1 and 4
+warps with 24 and 240 registers) and only stores to global memory:
+  1  nothing else
+  2  two mbarriers initialised before the split and invalidated after it
+  3  as 2, with the workers arriving on and the default warps waiting for them
+flashkit's Gluon forward has the shape of 3. A hazard in 2 or 3 and none in 1 places the one
+racecheck reports for the forward (kernel start against the split and the invalidation) in the
+code Triton generates around the split, not in flashkit's kernels.
+"""
+
+from __future__ import annotations
+
+import glob
+import shutil
+import subprocess
+import sys
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+
+
+@gluon.jit
+def _role(x_ptr, bars, ROLE: gl.constexpr, SYNC: gl.constexpr):
+    """Each role stores its own slice of x; with SYNC, role 0 waits for role 1's arrival."""
+    if ROLE == 0:
+        offs = gl.arange(0, 128, layout=gl.BlockedLayout([1], [32], [4], [0]))
+        if SYNC:
+            mbarrier.wait(bars.index(0), 0)
+        gl.store(x_ptr + offs, offs.to(gl.float32))
+    elif ROLE == 1:
+        offs = gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [1], [0]))
+        gl.store(x_ptr + 128 + offs, offs.to(gl.float32))
+        if SYNC:
+            mbarrier.arrive(bars.index(0), count=1)
+    else:
+        offs = gl.arange(0, 128, layout=gl.BlockedLayout([1], [32], [4], [0]))
+        if SYNC:
+            mbarrier.arrive(bars.index(1), count=1)
+        gl.store(x_ptr + 160 + offs, offs.to(gl.float32))
+
+
+@gluon.jit
+def _split_kernel(x_ptr, BARS: gl.constexpr, SYNC: gl.constexpr):
+    bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    if BARS:
+        mbarrier.init(bars.index(0), count=1)
+        mbarrier.init(bars.index(1), count=1)
+    gl.warp_specialize([(_role, (x_ptr, bars, 0, SYNC)), (_role, (x_ptr, bars, 1, SYNC)),
+                        (_role, (x_ptr, bars, 2, SYNC))], [1, 4], [24, 240])
+    if BARS:
+        mbarrier.invalidate(bars.index(0))
+        mbarrier.invalidate(bars.index(1))
+
+
+def run(variant: int) -> None:
+    x = torch.zeros(288, device="cuda")
+    _split_kernel[(4,)](x, BARS=variant >= 2, SYNC=variant >= 3, num_warps=4)
+    torch.cuda.synchronize()
+
+
+def main() -> int:
+    if len(sys.argv) > 1:  # one variant, under the sanitizer
+        run(int(sys.argv[1]))
+        return 0
+    tool = shutil.which("compute-sanitizer") or (
+        sorted(glob.glob("/usr/local/cuda*/bin/compute-sanitizer")) or [None])[-1]
+    if tool is None:
+        print("compute-sanitizer not found")
+        return 1
+    for variant in (1, 2, 3):
+        done = subprocess.run([tool, "--tool", "racecheck", sys.executable, __file__,
+                               str(variant)], capture_output=True, text=True, timeout=120)
+        print(f"== variant {variant}")
+        print("\n".join(line for line in done.stdout.splitlines() if line.startswith("=====")))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
