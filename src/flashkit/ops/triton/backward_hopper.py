@@ -84,7 +84,7 @@ from flashkit.ops.triton.features import (
 )
 from flashkit.ops.triton.forward_hopper import gluon_declines
 from flashkit.ops.triton.hopper_common import flash_descriptor, flash_layout_2d, rows_descriptor
-from flashkit.ops.triton.launch import Prepared, fold, planned
+from flashkit.ops.triton.launch import Prepared, fold, launch, planned
 
 try:
     from triton.experimental import gluon
@@ -146,8 +146,8 @@ def _aligned_lse_delta(lse, delta, params: AttentionParams):
     aligned = torch.zeros((2, nheads, rows), dtype=torch.float32, device=lse.device)
     block = 128
     grid = (batch, triton.cdiv(params.max_seqlen_q, block), nheads)
-    _align_rows_kernel[grid](lse, delta, aligned[0], aligned[1], params.cu_seqlens_q,
-                             lse.stride(0), rows, BLOCK=block)
+    launch(_align_rows_kernel, grid, (lse, delta, aligned[0], aligned[1], params.cu_seqlens_q),
+           (lse.stride(0), rows), dict(BLOCK=block))
     return aligned[0], aligned[1]
 
 

@@ -34,6 +34,7 @@ from flashkit._dispatch_log import log_choice, logger
 from flashkit.ops.params import AttentionParams, KVCacheArgs
 from flashkit.ops.tiled.kvcache import empty_result
 from flashkit.ops.triton import (
+    ahead,
     append,
     backward,
     backward_hopper,
@@ -52,11 +53,13 @@ _plans: dict = {}
 
 class Plan:
     """A choice: the kernel that runs, (kernel, why it declined) for the others, and the
-    launches its launcher prepared (launch.planned), filled by the first call."""
-    __slots__ = ("kernel", "declined", "launches")
+    launches its launcher prepared (launch.planned), filled by the first call; fresh until
+    that first call ran."""
+    __slots__ = ("kernel", "declined", "launches", "fresh")
 
     def __init__(self, kernel: str, declined: tuple):
         self.kernel, self.declined, self.launches = kernel, declined, {}
+        self.fresh = True
 
 
 def forget_plans() -> None:
@@ -109,10 +112,40 @@ def forward_call(q, k, v, params: AttentionParams, out=None, lse=None):
     plan = _choose("forward", key, [
         ("gluon", lambda: forward_hopper.declines(q, k, v, params, out, lse, None)),
         ("triton", lambda: None)])
+    if plan.fresh:
+        plan.fresh = False
+        _compile_ahead(plan, q, k, v, params, out, lse)
+    return _forward(plan, q, k, v, params, out, lse)
+
+
+def _forward(plan: Plan, q, k, v, params: AttentionParams, out, lse):
     if plan.kernel == "gluon":
         return forward_hopper.attention_forward(q, k, v, params, out=out, lse=lse,
                                                 plan=plan.launches)
     return forward.attention_forward(q, k, v, params, out=out, lse=lse)
+
+
+def _compiles_ahead(q, k, v) -> bool:
+    """Whether a forward plan's first call compiles its backward too (_compile_ahead): on a
+    GPU, for q, k or v requiring grad, not while a CUDA graph is being captured."""
+    return (q.is_cuda and any(x.requires_grad for x in (q, k, v))
+            and not torch.cuda.is_current_stream_capturing())
+
+
+def _compile_ahead(plan: Plan, q, k, v, params: AttentionParams, out, lse) -> None:
+    """The first call of a forward plan on a GPU whose q, k or v require grad: run the
+    forward and its backward (dout laid out as out, as a loss's gradient is) with every launch
+    only compiling, each kernel in its own thread (ahead.py), so the call and its first
+    backward wait for the slowest compile instead of all of them in turn. Nothing runs; an
+    error here is left to the calls themselves."""
+    if not _compiles_ahead(q, k, v) or ahead.active():
+        return
+    with ahead.compiling():
+        try:
+            out, lse = _forward(plan, q, k, v, params, out, lse)
+            backward_call(out, q, k, v, out, lse, params)
+        except Exception as error:  # the call itself raises what it must
+            logger.debug("compiling ahead stopped: %r", error)
 
 
 def backward_call(dout, q, k, v, out, lse, params: AttentionParams, dq=None, dk=None, dv=None,
