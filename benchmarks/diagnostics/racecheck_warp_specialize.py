@@ -15,6 +15,7 @@ code Triton generates around the split, not in flashkit's kernels.
 
 from __future__ import annotations
 
+import argparse
 import glob
 import shutil
 import subprocess
@@ -65,9 +66,13 @@ def run(variant: int) -> None:
     torch.cuda.synchronize()
 
 
-def main() -> int:
-    if len(sys.argv) > 1:  # one variant, under the sanitizer
-        run(int(sys.argv[1]))
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--variant", type=int, choices=(1, 2, 3),
+                        help="(internal) run one kernel, under the sanitizer")
+    args = parser.parse_args(argv)
+    if args.variant:
+        run(args.variant)
         return 0
     tool = shutil.which("compute-sanitizer") or (
         sorted(glob.glob("/usr/local/cuda*/bin/compute-sanitizer")) or [None])[-1]
@@ -76,7 +81,8 @@ def main() -> int:
         return 1
     for variant in (1, 2, 3):
         done = subprocess.run([tool, "--tool", "racecheck", sys.executable, __file__,
-                               str(variant)], capture_output=True, text=True, timeout=120)
+                               "--variant", str(variant)], capture_output=True, text=True,
+                              timeout=120)
         print(f"== variant {variant}")
         print("\n".join(line for line in done.stdout.splitlines() if line.startswith("=====")))
     return 0

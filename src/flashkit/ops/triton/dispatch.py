@@ -18,6 +18,10 @@ kernels' launchers prepare (launch.Prepared: grid, scalars, constexprs, tensor d
 geometry): a call whose key was seen costs one tuple hash here and then passes its tensors to
 the prepared launches (a dropout seed, new every call, is passed to them as well).
 
+The first call of a forward plan whose q, k or v require grad also compiles the kernels of
+its backward, all at once in threads (ahead.py), so a new shape's first step waits for its
+slowest compile rather than for each in turn.
+
 To see the choices, set the environment variable FLASHKIT_LOG_DISPATCH=1, or the logger
 "flashkit.dispatch" to DEBUG: every call then logs the kernel that ran and why the others
 declined, e.g.

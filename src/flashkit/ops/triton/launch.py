@@ -127,6 +127,7 @@ def launch(kernel, grid: tuple, tensors: tuple, scalars: tuple, constexprs: dict
     if interpreting() or _hooked() or not _plain(types, scalars):
         if interpreting():  # the CPU tests check the order the direct launch relies on
             _check_constexpr_order(kernel, len(args), constexprs)
+        ahead.settle()
         kernel[grid](*args, **constexprs, **options)
         return None
     device = torch.cuda.current_device()
