@@ -446,6 +446,37 @@ def test_gpu_gluon_backward_varlen_deterministic_is_bitwise_reproducible(monkeyp
         assert torch.equal(a, b), name
 
 
+def test_head_dim_256_runs_the_portable_dkdv_then_the_gluon_dq(monkeypatch):
+    """At head dim 256 the Gluon dK/dV kernel does not run (takes_dkdv): backward.py's dK/dV
+    programs do, then the Gluon dQ kernel, whose sink sums replace delta after the dK/dV
+    programs read it. Here (the interpreter) a stand-in for the dQ launcher runs backward.py's
+    dQ programs: the split gives bitwise the gradients of the whole portable backward."""
+    assert hopper.takes_dkdv(torch.empty(1, 1, 1, 64))
+    assert hopper.takes_dkdv(torch.empty(1, 1, 1, 128))
+    assert not hopper.takes_dkdv(torch.empty(1, 1, 1, 256))
+    assert hopper._whole_tiles(torch.empty(1, 192, 1, 256), torch.empty(1, 64, 1, 256))
+    assert not hopper._whole_tiles(torch.empty(1, 160, 1, 256), torch.empty(1, 64, 1, 256))
+    launched = []
+
+    def dq_stand_in(dout, q, k, v, lse, delta, params, dq, block=None, one_key_zero=False,
+                    plan=None):
+        launched.append("dq")
+        backward._triton_dkdv_dq(dout, q, k, v, lse, delta, params, dq, torch.empty_like(k),
+                                 torch.empty_like(v), {}, one_key_zero, parts=("dq", ))
+
+    monkeypatch.setattr(hopper, "attention_backward_dq", dq_stand_in)
+    monkeypatch.setattr(hopper, "attention_backward_dkdv",
+                        lambda *a, **k: pytest.fail("the Gluon dK/dV kernel ran at d256"))
+    q, k, v, dout = make_inputs(1, 21, 19, 2, 1, 256, 256, torch.float32)
+    params = AttentionParams(256 ** -0.5, None, 0, sink=torch.randn(2, device=DEVICE))
+    out, lse = triton_backend.forward(q, k, v, params)
+    split = backward.attention_backward(dout, q, k, v, out, lse, params, gluon=True)
+    whole = backward.attention_backward(dout, q, k, v, out, lse, params)
+    assert launched == ["dq"]
+    for name, a, b in zip(("dq", "dk", "dv", "dsink"), split, whole, strict=True):
+        assert torch.equal(a, b), name
+
+
 def test_varlen_lse_delta_copies_start_every_sequence_aligned():
     """The dK/dV kernel's TMA boxes of lse / delta must start on 16 bytes: the aligned copies put
     sequence b at _aligned_row (a multiple of 4 rows), in order, the gaps zero (interpreter)."""
