@@ -64,6 +64,14 @@ def test_a_failed_compile_is_left_to_the_launch():
     assert not ahead._pending
 
 
+def test_nested_compiling_restores_the_outer_block():
+    with ahead.compiling():
+        with ahead.compiling():
+            pass
+        assert ahead.active()
+    assert not ahead.active()
+
+
 def test_compiling_is_per_thread():
     seen = []
     with ahead.compiling():

@@ -37,12 +37,12 @@ def active() -> bool:
 @contextlib.contextmanager
 def compiling():
     """Launches in this block (this thread's) hand their kernels to compile threads instead
-    of running them."""
-    _local.on = True
+    of running them (nested blocks too: leaving one restores what held before it)."""
+    before, _local.on = active(), True
     try:
         yield
     finally:
-        _local.on = False
+        _local.on = before
 
 
 def submit(kernel, grid: tuple, args: tuple, constexprs: dict, options: dict) -> None:

@@ -142,7 +142,7 @@ def _compile_ahead(plan: Plan, q, k, v, params: AttentionParams, out, lse) -> No
     only compiling, each kernel in its own thread (ahead.py), so the call and its first
     backward wait for the slowest compile instead of all of them in turn. Nothing runs; an
     error here is left to the calls themselves."""
-    if not _compiles_ahead(q, k, v) or ahead.active():
+    if not _compiles_ahead(q, k, v):
         return
     with ahead.compiling():
         try:
