@@ -1202,6 +1202,7 @@ def test_launch_cache_separates_misaligned_tensors_on_gpu():
     assert {(torch.bfloat16, True), (torch.bfloat16, False)} <= aligned
 
 
+@interpreted
 def test_triton_int_steps_keep_one_plan(monkeypatch):
     """A decoding step with an int cache_seqlens, as the CUDA path passes it (KVCacheArgs with
     host_seqlen and no tensor), keeps one launch plan while the int changes every step: the

@@ -10,7 +10,9 @@ the device queries are patched), so torch ops are CPU ones.
 Shapes: bf16 d128, 32 query heads; dense 512 x 512 causal; the kvcache route 512 queries over a
 contiguous 8k cache (7.7k filled, GQA 8:1), over its work threshold; a decoding step appends
 one token to that cache (its lengths a tensor, or an int that changes every call); the
-dropout forward draws with a new seed every call.
+dropout forward draws with a new seed every call. The step is the dense call with grad, then
+its backward: CPU tensors, so autograd runs the backward on the calling thread (on a GPU it
+runs on autograd's device thread, which costs more: step_threads.py).
 """
 
 from __future__ import annotations
@@ -117,6 +119,13 @@ def main():
         return flash_attn_with_kvcache(q1, k_cache, v_cache, k1, v1, cache_seqlens=lengths,
                                        causal=True, backend="triton")
 
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    dout = torch.randn_like(q)
+
+    def step():  # forward with grad + backward (autograd runs it on this thread: CPU tensors)
+        return torch.autograd.grad(flash_attn_func(*leaves, causal=True, backend="triton"),
+                                   leaves, dout)
+
     paths = {
         "dispatch.forward_call (the Gluon forward, planned)": lambda: dispatch.forward_call(
             q, k, v, params, out=out, lse=lse),
@@ -126,6 +135,7 @@ def main():
         "flash_attn_func": lambda: flash_attn_func(q, k, v, causal=True, backend="triton"),
         "flash_attn_with_kvcache, 512 queries (the prefill route)": lambda: flash_attn_with_kvcache(
             q, k_cache, v_cache, cache_seqlens=lens, causal=True, backend="triton"),
+        "step (forward with grad + backward)": step,
         "decode step (tensor cache_seqlens)": lambda: decode_step(False),
         "decode step (int cache_seqlens, a new one each call)": lambda: decode_step(True),
     }

@@ -31,7 +31,8 @@ Parts:
                 seen before, each in a new process: with a cold disk cache (Triton's and
                 Inductor's, fresh folders: every compile, the launchers' C builds included),
                 then a second process on the same, now warm, cache (what a user's next run
-                pays); and in the warm process the kernels built or loaded at a new length of
+                pays); torch's own lazy imports at a first autograd.grad are paid before
+                timing; and in the warm process the kernels built or loaded at a new length of
                 the same divisibility class (the target: none) and at an odd length
 Results: DIR/<date>_<device>.json and .md (common.Result: rewritten after every case, so an
 interrupted run keeps what it measured), with date, device and versions.
@@ -327,7 +328,12 @@ def part_first_call(record) -> None:
 
 
 def first_forward_backward(run, leaves, dout) -> tuple[float, float]:
-    """(seconds to the first forward's result, then seconds to its gradients)."""
+    """(seconds to the first forward's result, then seconds to its gradients). torch's own
+    first `autograd.grad` with a gradient argument imports its symbolic-shapes module (sympy
+    with it: 3.0 s on the benchmark machine, whose site-packages keep no bytecode), whatever
+    the library; that happens before the clock starts, for every library alike."""
+    probe = torch.ones(2, requires_grad=True)
+    torch.autograd.grad(probe * 2, probe, torch.ones(2))
     torch.cuda.synchronize()
     start = time.perf_counter()
     out = run()
