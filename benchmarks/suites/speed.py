@@ -1,15 +1,17 @@
 """speed: forward, backward and step TFLOP/s of flash_attn_func against the anchors.
 
     PYTHONPATH=src python3 benchmarks/suites/speed.py [--grid main|quick|d256|fp16|full]
-        [--directions fwd,bwd,step] [--anchors cudnn,flash,efficient,flex] [--backend triton]
-        [--budget SECONDS] [--out DIR]
+        [--head-dims 64,128] [--directions fwd,bwd,step] [--anchors cudnn,flash,efficient,flex]
+        [--backend triton] [--budget SECONDS] [--out DIR]
 
 The public call as a user makes it, eager: forward under no_grad, backward as autograd.grad on
 a retained graph, step as forward with grad + backward. batch = 16k tokens / seqlen,
 nheads = 2048 / head_dim, causal and not. The anchors run in the same process on
 (b, h, s, d) copies of the same inputs: PyTorch SDPA with the CUDNN, FLASH_ATTENTION (FA2) and
 EFFICIENT backends, and FlexAttention compiled. TFLOP/s count 4 b h s^2 d (causal: half),
-backward 2.5x, step 3.5x; every number is also a ratio to cuDNN's.
+backward 2.5x, step 3.5x; every number is also a ratio to cuDNN's, and flashkit's a percentage
+of the matmul ceiling: the TFLOP/s of one 8192 x 8192 x 8192 torch.matmul in the grid's dtype,
+measured in the same run.
 """
 
 from __future__ import annotations
@@ -44,6 +46,15 @@ GRIDS = {
                  seqlens=[1024, 2048, 4096, 8192, 16384]),
 }
 DIRECTIONS = ("fwd", "bwd", "step")
+CEILING_SIZE = 8192
+
+
+def matmul_ceiling(dtype: str) -> float:
+    """TFLOP/s of one CEILING_SIZE-cubed torch.matmul in dtype: the dense tensor-core rate
+    this GPU sustains, against which an attention kernel's TFLOP/s are a percentage."""
+    a, b = (torch.randn(CEILING_SIZE, CEILING_SIZE, device="cuda", dtype=getattr(torch, dtype))
+            for _ in range(2))
+    return tflops(2 * CEILING_SIZE ** 3, bench(lambda: a @ b))
 
 
 def timings(run, q, k, v, dout, directions) -> dict:
@@ -88,7 +99,7 @@ def cell(dtype, head_dim, seqlen, causal, anchors, directions, backend) -> dict:
     return row
 
 
-def summary(rows, directions) -> str:
+def summary(rows, directions, ceilings: dict) -> str:
     flat = []
     for r in rows:
         for d in directions:
@@ -98,10 +109,16 @@ def summary(rows, directions) -> str:
                 line[name] = tf.get(d)
             ratio = r.get("ratio_to_cudnn", {}).get("flashkit", {}).get(d)
             line["flashkit/cudnn"] = ratio
+            mine = r["tflops"].get("flashkit", {}).get(d)
+            line["flashkit % of matmul"] = (None if mine is None else
+                                            100 * mine / ceilings[r["dtype"]])
             flat.append(line)
     names = sorted({n for r in rows for n in r["tflops"]}, key=lambda n: n != "flashkit")
-    return ("TFLOP/s (flashkit.flash_attn_func and the anchors, same process)\n\n"
-            + table(flat, ["dtype", "d", "seqlen", "mask", "dir", *names, "flashkit/cudnn"]))
+    ceiling = ", ".join(f"{dtype} {tf:.0f}" for dtype, tf in ceilings.items())
+    return ("TFLOP/s (flashkit.flash_attn_func and the anchors, same process); the matmul "
+            f"ceiling ({CEILING_SIZE}^3 torch.matmul, same run): {ceiling} TFLOP/s\n\n"
+            + table(flat, ["dtype", "d", "seqlen", "mask", "dir", *names, "flashkit/cudnn",
+                           "flashkit % of matmul"]))
 
 
 def main(argv=None) -> int:
@@ -109,6 +126,8 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="\n".join(__doc__.splitlines()[1:]))
     ap.add_argument("--grid", choices=sorted(GRIDS), default="main")
+    ap.add_argument("--head-dims", default=None,
+                    help="comma-separated: only these of the grid's head dims")
     ap.add_argument("--directions", default=",".join(DIRECTIONS))
     ap.add_argument("--anchors", default="cudnn,flash,flex",
                     help=f"comma-separated, of {','.join(ANCHORS)} (empty: none)")
@@ -123,11 +142,19 @@ def main(argv=None) -> int:
     bad = set(directions) - set(DIRECTIONS) or set(anchors) - set(ANCHORS)
     if bad:
         ap.error(f"unknown direction or anchor: {sorted(bad)}")
-    grid = GRIDS[args.grid]
+    grid = dict(GRIDS[args.grid])
+    if args.head_dims:
+        wanted = {int(d) for d in args.head_dims.split(",")}
+        if not wanted <= set(grid["head_dims"]):
+            ap.error(f"--head-dims: the {args.grid} grid has {grid['head_dims']}")
+        grid["head_dims"] = [d for d in grid["head_dims"] if d in wanted]
     result = Result("speed", args.out, args.tag,
                     dict(grid=args.grid, **grid, directions=directions, anchors=anchors,
                          backend=args.backend))
     log(str(result.data["env"]))
+    ceilings = {dtype: matmul_ceiling(dtype) for dtype in grid["dtypes"]}
+    result.save("matmul_ceiling_tflops", ceilings)
+    log(f"matmul ceiling: {ceilings}")
     rows, deadline = [], time.time() + args.budget
     for dtype in grid["dtypes"]:
         for head_dim in grid["head_dims"]:
@@ -144,7 +171,7 @@ def main(argv=None) -> int:
                                      for n, tf in r["tflops"].items()))
                     result.save("rows", rows)
                     torch.cuda.empty_cache()
-    result.markdown(summary(rows, directions))
+    result.markdown(summary(rows, directions, ceilings))
     log(f"wrote {result.path}")
     return 0
 
