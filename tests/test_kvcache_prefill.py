@@ -202,7 +202,7 @@ def test_prefill_tile_choice(seqlen_q, nheads, page_size, tile, monkeypatch):
     """prefill.tile at d128 causal on a device of 132 SMs (no GPU needed)."""
     from flashkit.ops.triton import forward_hopper
 
-    monkeypatch.setattr(forward_hopper, "_programs_per_device",
+    monkeypatch.setattr(forward_hopper, "programs_per_device",
                         lambda device, consumers: 132 * (2 if consumers == 1 else 1))
     q = torch.empty(1, seqlen_q, nheads, 128, dtype=torch.bfloat16, device="meta")
     params = kvcache.build_params(q, 0.0, None, True, (-1, -1), 0.0, None, False, None, batch=1)

@@ -110,7 +110,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                    k.dtype, k.device, type(v), v.shape, v.dtype, v.device)
             params = _DENSE_CALLS.get(key)
             if params is not None:
-                return _run(q, k, v, params, backend, return_attn_probs, return_softmax_lse)
+                return run_backend(q, k, v, params, backend, return_attn_probs, return_softmax_lse)
     checks.dense_qkv(q, k, v, checks.DTYPES + checks.FLOAT8_DTYPES)
     checks.warn_if_sdpa_layout(q, k)
     float8 = checks.descales(q, k, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
@@ -127,7 +127,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
             raise NotImplementedError("return_softmax_lse: not offered for float8 inputs")
         return fp8.attention(q, k, v, params, q_descale, k_descale, v_descale,
                              checks.backend(backend, q.device), return_attn_probs)
-    return _run(q, k, v, params, backend, return_attn_probs, return_softmax_lse)
+    return run_backend(q, k, v, params, backend, return_attn_probs, return_softmax_lse)
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -180,7 +180,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                      max_seqlen_q=int(max_seqlen_q), max_seqlen_k=int(max_seqlen_k))
     params = variant_mods.attach(params, q, score_mod, mask_mod, block_mask, batch, q.shape[1],
                                  int(max_seqlen_q), int(max_seqlen_k))
-    return _run(q, k, v, params, backend, return_attn_probs, return_softmax_lse)
+    return run_backend(q, k, v, params, backend, return_attn_probs, return_softmax_lse)
 
 
 # Kept calls (flashkit.kept): calls with no tensor argument besides q, k, v repeat what an
@@ -232,7 +232,7 @@ def draw_dropout_seed() -> int:
     return int(torch.randint(0, 2**62, (), device="cpu"))
 
 
-def _run(q, k, v, params: AttentionParams, backend, return_attn_probs, return_softmax_lse):
+def run_backend(q, k, v, params: AttentionParams, backend, return_attn_probs, return_softmax_lse):
     """Dispatch to a backend; returns out, (out, lse, probs), or (out, lse) with
     return_softmax_lse alone."""
     name = checks.backend(backend, q.device)

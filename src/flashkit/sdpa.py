@@ -13,7 +13,7 @@ import math
 import torch
 
 from flashkit import checks
-from flashkit.api import _run, draw_dropout_seed
+from flashkit.api import draw_dropout_seed, run_backend
 from flashkit.ops.params import AttentionParams
 
 __all__ = ["scaled_dot_product_attention"]
@@ -79,7 +79,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         window_right=seqlen_q - seqlen_k if is_causal else None,  # top-left: j <= i
         attn_bias=_bias(attn_mask, batch, nheads, seqlen_q, seqlen_k, query.device),
         dropout_p=dropout_p, dropout_seed=draw_dropout_seed() if dropout_p > 0 else 0)
-    out = _run(*(t.transpose(1, 2) for t in (query, key, value)), params, backend, False, False)
+    out = run_backend(*(t.transpose(1, 2) for t in (query, key, value)), params, backend, False,
+                      False)
     out = out.transpose(1, 2)  # (batch, nheads, L, Ev)
     return out.squeeze(0) if squeeze else out
 

@@ -341,7 +341,7 @@ def test_gpu_gluon_persistent_programs_take_many_items(case, schedule, programs,
     """A persistent grid of 1 or 5 programs: each walks many (query tile, head) items, so the
     K/V ring, Q's buffer and the ping-pong turns carry over from item to item (with the
     configured grid of one program per SM the test shapes give most programs one item)."""
-    monkeypatch.setattr(hopper, "_programs_per_device", lambda device, consumers: programs)
+    monkeypatch.setattr(hopper, "programs_per_device", lambda device, consumers: programs)
     tile = PERSISTENT[schedule]
     _run_case(at_head_dim(case, 256) if schedule.startswith("d256") else case, tile)
 
@@ -453,7 +453,7 @@ def test_gpu_gluon_varlen_d256_matches_oracle(case, schedule):
 def test_gpu_gluon_varlen_persistent_programs_take_many_items(case, schedule, monkeypatch):
     """Varlen through 3 persistent programs: items past a sequence's end (lengths 0, 1, 3)
     take no tiles and store nothing between items that do."""
-    monkeypatch.setattr(hopper, "_programs_per_device", lambda device, consumers: 3)
+    monkeypatch.setattr(hopper, "programs_per_device", lambda device, consumers: 3)
     tile = PERSISTENT[schedule]
     check_varlen(at_head_dim(case, 256) if schedule.startswith("d256") else case, tile)
 

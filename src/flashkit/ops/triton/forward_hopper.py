@@ -890,7 +890,7 @@ def launch_config(tile) -> dict:
 
 
 @functools.cache
-def _programs_per_device(device, consumers) -> int:
+def programs_per_device(device, consumers) -> int:
     """A persistent grid: one specialized program per SM (two at one consumer)."""
     programs = 2 if consumers == 1 else 1
     return programs * device_properties(device).multi_processor_count
@@ -945,7 +945,7 @@ def _prepare(q, k, v, params: AttentionParams, out, lse, tile, seqused_k, block_
     f.flags["SOFTCAP"] = softcap_mode(params, q.dtype, f.scores[0], f.flags["SOFTCAP"])
     n_m = cdiv(f.seqlen_q, BLOCK_M * consumers)
     n_items = n_m * f.batch * f.nheads
-    grid = (min(n_items, _programs_per_device(q.device, consumers)), ) if persistent else (
+    grid = (min(n_items, programs_per_device(q.device, consumers)), ) if persistent else (
         n_m, *fold(f.batch * f.nheads))
     box_rows, paging = None, (0, 0)
     if paged:

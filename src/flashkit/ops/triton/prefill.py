@@ -117,7 +117,7 @@ def tile(q, params: AttentionParams, page_size: int | None) -> tuple:
         return tile
     long = gluon_forward_tile(head_dim, 2**31, banded)
     programs = -(-seqlen_q // (forward_hopper.BLOCK_M * long[2])) * batch * nheads
-    sms = forward_hopper._programs_per_device(q.device, long[2])
+    sms = forward_hopper.programs_per_device(q.device, long[2])
     if 4 * programs >= 3 * sms:
         return long
     if page_size is not None:
