@@ -12,7 +12,9 @@ contiguous 8k cache (7.7k filled, GQA 8:1), over its work threshold; a decoding 
 one token to that cache (its lengths a tensor, or an int that changes every call); the
 dropout forward draws with a new seed every call. The step is the dense call with grad, then
 its backward: CPU tensors, so autograd runs the backward on the calling thread (on a GPU it
-runs on autograd's device thread, which costs more: step_threads.py).
+runs on autograd's device thread, which costs more: step_threads.py). The int decoding step
+plans anew every call here and not on a GPU: CPU tensors take the host checks, whose
+max_seqlen_k (part of the plan's key) follows the int; a CUDA call passes the capacity.
 """
 
 from __future__ import annotations
