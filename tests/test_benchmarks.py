@@ -77,6 +77,25 @@ def test_result_files(tmp_path):
     assert result.path.with_suffix(".md").read_text().splitlines()[2] == "| 1.5 | - |"
 
 
+
+def test_speed_summary_gives_flashkit_as_a_share_of_the_matmul_ceiling():
+    """Each flashkit cell's TFLOP/s as a percentage of the same run's matmul rate in its dtype;
+    a cell flashkit did not run stays empty."""
+    sys.path.insert(0, str(BENCH / "suites"))
+    import speed
+
+    rows = [dict(dtype="float16", head_dim=256, seqlen=1024, causal=True,
+                 tflops={"flashkit": {"fwd": 600.0}, "cudnn": {"fwd": 500.0}},
+                 ratio_to_cudnn={"flashkit": {"fwd": 1.2}}),
+            dict(dtype="bfloat16", head_dim=64, seqlen=4096, causal=False,
+                 tflops={"cudnn": {"fwd": 400.0}}, ratio_to_cudnn={})]
+    text = speed.summary(rows, ["fwd"], {"float16": 800.0, "bfloat16": 700.0})
+    assert "ceiling (8192^3 torch.matmul, same run): float16 800, bfloat16 700 TFLOP/s" in text
+    lines = [line for line in text.splitlines() if line.startswith("| float16")
+             or line.startswith("| bfloat16")]
+    assert lines[0].endswith("| 1.2 | 75 |")  # 600 of 800
+    assert lines[1].endswith("| - | - |")
+
 def _differential():
     sys.path.insert(0, str(BENCH / "suites"))
     import differential
