@@ -127,6 +127,7 @@ def main(argv=None) -> int:
                                  epilog="\n".join(__doc__.splitlines()[1:]))
     ap.add_argument("--grid", choices=sorted(GRIDS), default="main")
     ap.add_argument("--head-dims", default=None,
+                    type=lambda text: {int(d) for d in text.split(",")},
                     help="comma-separated: only these of the grid's head dims")
     ap.add_argument("--directions", default=",".join(DIRECTIONS))
     ap.add_argument("--anchors", default="cudnn,flash,flex",
@@ -144,10 +145,9 @@ def main(argv=None) -> int:
         ap.error(f"unknown direction or anchor: {sorted(bad)}")
     grid = dict(GRIDS[args.grid])
     if args.head_dims:
-        wanted = {int(d) for d in args.head_dims.split(",")}
-        if not wanted <= set(grid["head_dims"]):
+        if not args.head_dims <= set(grid["head_dims"]):
             ap.error(f"--head-dims: the {args.grid} grid has {grid['head_dims']}")
-        grid["head_dims"] = [d for d in grid["head_dims"] if d in wanted]
+        grid["head_dims"] = [d for d in grid["head_dims"] if d in args.head_dims]
     result = Result("speed", args.out, args.tag,
                     dict(grid=args.grid, **grid, directions=directions, anchors=anchors,
                          backend=args.backend))
