@@ -9,16 +9,15 @@ take microseconds and a step's time is its host work.
 """
 
 import argparse
+import os
 import statistics
-import time
+import sys
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
-import flashkit
-
-B, S, H, D = 1, 128, 8, 64
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "suites"))
+from overhead import B, D, H, S, per_call, tiny_calls  # noqa: E402
 
 
 class _Empty(torch.autograd.Function):
@@ -33,43 +32,25 @@ class _Empty(torch.autograd.Function):
         return grad, grad, grad
 
 
-def per_step_us(step, steps: int = 1000) -> float:
-    for _ in range(30):
-        step()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / steps * 1e6
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=1000, help="steps per timed loop")
     args = ap.parse_args()
-    q, k, v, dout = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16)
-                     for _ in range(4))
-    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-    heads_first = [x.transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v)]
-    dout_heads_first = dout.transpose(1, 2).contiguous()
-
-    def cudnn():
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            out = F.scaled_dot_product_attention(*heads_first)
-        return torch.autograd.grad(out, heads_first, dout_heads_first)
-
-    steps = {"flashkit": lambda: torch.autograd.grad(flashkit.flash_attn_func(*leaves), leaves,
-                                                     dout),
-             "cudnn": cudnn,
+    calls = tiny_calls(causal=False)  # the overhead suite's (forward, step) of each library
+    leaves = [torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+              for _ in range(3)]
+    dout = torch.randn_like(leaves[0])
+    steps = {"flashkit": calls["flashkit"][1], "cudnn": calls["cudnn"][1],
              "empty Function": lambda: torch.autograd.grad(_Empty.apply(*leaves), leaves, dout)}
     times = {}
     for _ in range(5):
         for device_thread in (True, False):
             torch.autograd.set_multithreading_enabled(device_thread)
             for name, step in steps.items():
+                for _ in range(30):  # warm-up
+                    step()
                 times.setdefault((name, device_thread), []).append(
-                    per_step_us(step, args.steps))
+                    per_call(step, args.steps)["wall_us"])
     torch.autograd.set_multithreading_enabled(True)
     for (name, device_thread), us in times.items():
         print(f"{name:16s} device thread={device_thread!s:5s} median "

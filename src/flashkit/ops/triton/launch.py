@@ -60,6 +60,7 @@ _by_value: dict = {}  # the same key with the scalars' values instead of their c
 _plans: dict = {}  # (id(kernel), number of tensors, tensor names) -> each scalar's codes
 _orders: dict = {}  # (id(kernel), tensor names, counts) -> the arguments in signature order
 _globals_seen: dict = {}  # id(kernel) -> (kernel, its globals when last found unchanged)
+_indices: dict = {}  # (id(kernel), varying names, counts) -> (kernel, their scalar indices)
 _MISSING = object()
 
 
@@ -339,9 +340,6 @@ def _scalar_indices(kernel, names: tuple, n_scalars: int, n_constexprs: int,
     indices = tuple(scalar_names.index(name) for name in names)
     _indices[key] = (kernel, indices)  # the kernel held: its id stays its own
     return indices
-
-
-_indices: dict = {}
 
 
 def _rebased(template, base: torch.Tensor | None):
