@@ -211,6 +211,40 @@ def _planned_step(case: str, seed: int, draw: int) -> list:
     return [out, lse, *grads]
 
 
+_KEYS_IN_ORDER = """
+import importlib, json, sys
+from flashkit.ops.triton import launch
+names = sys.argv[1].split(",")
+kernels = {name: getattr(importlib.import_module("flashkit.ops.triton." + name.split(".")[0]),
+                         name.split(".")[1]) for name in names}
+for name in names:  # this process's order of first compiles
+    launch.settle_cache_keys(kernels[name])
+print(json.dumps({name: kernel.cache_key for name, kernel in kernels.items()}))
+"""
+
+
+def test_kernel_cache_keys_do_not_depend_on_the_order_of_first_compiles():
+    """Triton keys a kernel with what its helpers' own keys have found so far, so two portable
+    kernels sharing helpers get other keys when hashed in the other order (and a process that
+    compiles in another order misses the disk cache). settle_cache_keys keys the helpers first:
+    every order gives the same keys, compiled for the GPU (not the interpreter)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    names = ["forward._fwd_kernel", "backward._bwd_kernel", "forward_hopper._fwd_hopper_kernel",
+             "backward._bwd_preprocess_kernel"]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    keys = [json.loads(subprocess.run([sys.executable, "-c", _KEYS_IN_ORDER, ",".join(order)],
+                                      env=env, check=True, capture_output=True,
+                                      text=True).stdout)
+            for order in (names, names[::-1], names[1:] + names[:1])]
+    assert keys[0] == keys[1] == keys[2]
+    assert len(set(keys[0].values())) == len(names)
+
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("case", list(PLANNED))

@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from flashkit.ops.triton.common import interpreting
+from flashkit.ops.triton.launch import settle_cache_keys
 
 DRAW_BITS = 8  # bits of one uniform draw: sixteen draws per Philox call
 PHILOX_ROUNDS = tl.constexpr(7)  # rounds per Philox4x32 call (see the module docstring)
@@ -272,6 +273,7 @@ def keep_mask(seed: int, dropout_p: float, batch: int, nheads: int, seqlen_q: in
     block_m, block_n = 16, 128
     grid = (triton.cdiv(seqlen_q, block_m), triton.cdiv(seqlen_k, block_n), batch * nheads)
     if mask.numel():
+        settle_cache_keys(_keep_mask_kernel)
         with torch.cuda.device(mask.device) if mask.is_cuda else contextlib.nullcontext():
             _keep_mask_kernel[grid](mask, seed_lo, seed_hi, threshold, nheads, seqlen_q,
                                     seqlen_k, *mask.stride()[:3], BLOCK_M=block_m,

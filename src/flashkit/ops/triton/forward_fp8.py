@@ -58,6 +58,7 @@ from flashkit.ops.triton.common import (
     visible,
 )
 from flashkit.ops.triton.features import DENSE_FLAGS, kernel_features
+from flashkit.ops.triton.launch import settle_cache_keys
 
 interpreter.patch_float8_casts()
 
@@ -284,6 +285,7 @@ def tensor_core_scores(q8: torch.Tensor, k8: torch.Tensor) -> torch.Tensor:
     s = torch.empty((batch, nheads, seqlen_q, seqlen_k), dtype=torch.float32, device=q8.device)
     block_m = block_n = 64
     grid = (cdiv(seqlen_q, block_m), cdiv(seqlen_k, block_n), batch * nheads)
+    settle_cache_keys(_fp8_scores_kernel)
     _fp8_scores_kernel[grid](q8, k8, s, *q8.stride(), *k8.stride(), *s.stride()[:3], nheads,
                              nheads // nheads_k, seqlen_q, seqlen_k, HEAD_DIM=head_dim,
                              BLOCK_D=max(MIN_BLOCK_D, triton.next_power_of_2(head_dim)),
@@ -322,6 +324,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params:
     v_desc = descale_args(v_descale, nheads_k, 1, one)
     f = kernel_features(params, q, v, lse, flags=DENSE_FLAGS)  # dtype None: exact tanh
     grid = (cdiv(seqlen_q, block_m), batch * nheads)
+    settle_cache_keys(_fp8_fwd_kernel)
     _fp8_fwd_kernel[grid](
         q, k, v, out, lse, q_desc[0], k_desc[0], v_desc[0],
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),

@@ -37,11 +37,13 @@ from __future__ import annotations
 
 import functools
 import operator
+import types
 from typing import NamedTuple
 
 import torch
 import triton
 from triton import knobs
+from triton.runtime.jit import JITCallable
 
 try:  # the TMA dtype codes of the host API (fill_tma_descriptor) by the kernel's device codes
     from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST as _TMA_HOST_DTYPE
@@ -122,6 +124,7 @@ def launch(kernel, grid: tuple, tensors: tuple, scalars: tuple, constexprs: dict
     if tensor_params:
         args = _order(kernel, tensor_params, len(tensors), len(scalars))(args)
     if ahead.active():  # a first call's kernels, compiled together (ahead.py): nothing runs
+        settle_cache_keys(kernel, *constexprs.values())
         ahead.submit(kernel, grid, args, constexprs, options)
         return None
     types = tuple(map(type, scalars))
@@ -142,6 +145,7 @@ def launch(kernel, grid: tuple, tensors: tuple, scalars: tuple, constexprs: dict
         if compiled is not None:
             _remember(_by_value, key, compiled)
     if compiled is None or _globals_changed(kernel):
+        settle_cache_keys(kernel, *constexprs.values())
         ahead.settle()  # Triton's cache then holds what was compiled ahead
         compiled = kernel[grid](*args, **constexprs, **options)
         if hasattr(compiled, "result"):  # asynchronous compilation
@@ -315,6 +319,43 @@ class _Direct(NamedTuple):
                        tuple(varying[i] for i in prepared.varying),
                        (knobs.runtime.debug, knobs.compilation.instrumentation_mode),
                        driver.utils.fill_tma_descriptor, driver.get_current_stream)
+
+
+def settle_cache_keys(*fns) -> None:
+    """Compute the Triton cache key of each jit function in fns (other values are skipped),
+    each callee's before its caller's, so that a kernel's key is the same whatever order a
+    process compiles its kernels in.
+
+    Why: Triton 3.6 folds into a function's key the global constexprs of the functions it
+    calls, read when it visits them; a callee's are only filled in once its own key has been
+    computed. So a kernel hashed after another kernel that shares its helpers gets another key
+    than hashed first (the forward's and the backward's portable kernels: two keys each), and
+    its disk-cache entry from a process that compiled in the other order is never found: a
+    warm process compiles again. Keys computed callee first depend on the sources alone.
+    Costs an attribute read for a function already keyed."""
+    for fn in fns:
+        if isinstance(fn, JITCallable) and fn.hash is None:
+            _key_callees_first(fn, set())
+
+
+def _key_callees_first(fn, visiting: set) -> None:
+    visiting.add(id(fn))
+    for callee in _callees(fn):
+        if callee.hash is None and id(callee) not in visiting:
+            _key_callees_first(callee, visiting)
+    fn.cache_key  # noqa: B018 (computed and kept by Triton)
+
+
+def _callees(fn) -> list:
+    """The jit functions fn's body may call: its globals, closure cells and attributes of the
+    modules among them (`common.helper`) named in its code (a superset of what Triton's
+    dependency finder visits, which only costs keys computed early)."""
+    code = fn.fn.__code__
+    values = [fn.__globals__.get(name) for name in code.co_names]
+    values += [cell.cell_contents for cell in fn.fn.__closure__ or ()]
+    for module in [v for v in values if isinstance(v, types.ModuleType)]:
+        values += [getattr(module, name, None) for name in code.co_names]
+    return [v for v in values if isinstance(v, JITCallable)]
 
 
 def _scalar_indices(kernel, names: tuple, n_scalars: int, n_constexprs: int,
