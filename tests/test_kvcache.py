@@ -1233,3 +1233,107 @@ def test_triton_int_steps_keep_one_plan(monkeypatch):
         for a, b in zip(*outs, strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert len(prepared) == 2  # one decode launch per plan: the int's and the tensor's
+
+
+@interpreted
+def test_triton_planned_step_runs_what_dispatch_runs():
+    """The planned decoding step that flash_attn_with_kvcache keeps with a call's checks
+    (dispatch.PlannedStep) gives bitwise what kvcache_attention gives for the same call, with
+    an int and with a tensor cache_seqlens; forget_plans empties it, and it then declines to
+    run (None), so the caller goes through dispatch again."""
+    from flashkit.ops.params import KVCacheArgs
+    from flashkit.ops.triton import dispatch, kvcache_step
+    from flashkit.ops.triton import kvcache_attention as triton_kvcache
+
+    dispatch.forget_plans()
+    q, kc, vc, k, v, _ = _inputs()
+    params = AttentionParams(0.25, None, 0)  # causal
+    for seqlens in (9, torch.full((2,), 9, dtype=torch.int32)):
+        tensor = isinstance(seqlens, torch.Tensor)
+        cache = KVCacheArgs(k=k, v=v, rotary_cos=None, rotary_sin=None,
+                            rotary_interleaved=False, cache_seqlens=seqlens if tensor else None,
+                            host_seqlen=None if tensor else seqlens, cache_batch_idx=None,
+                            cache_leftpad=None, block_table=None, q_rows=1, capacity=32,
+                            max_seqlen_k=32, num_splits=2, host_checked=False)
+        step = kvcache_step(q, kc, vc, cache, params)
+        assert isinstance(step, dispatch.PlannedStep)
+        caches = (kc.clone(), vc.clone())
+        want = (*triton_kvcache(q, *caches, cache, params), *caches)
+        caches = (kc.clone(), vc.clone())
+        got = (*step(q, *caches, k, v, seqlens, None, None, None, None, None), *caches)
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    dispatch.forget_plans()
+    assert step(q, kc.clone(), vc.clone(), k, v, seqlens, None, None, None, None, None) is None
+
+
+class _NeverKept(dict):
+    """A _KEPT_CALLS that keeps nothing: every call is checked and dispatched anew."""
+
+    def __setitem__(self, key, value):
+        pass
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lengths", ["tensor", "int"])
+@pytest.mark.parametrize("page_size", [None, 16], ids=["contiguous", "paged"])
+def test_gpu_kept_decoding_steps_equal_the_steps_through_dispatch(lengths, page_size,
+                                                                  monkeypatch):
+    """A decoding loop (rotary, one new token a step, a growing cache, GQA 8:1) through
+    flash_attn_with_kvcache: from the second step on, each call runs the planned step kept with
+    its checks (dispatch.PlannedStep), skipping the checks and dispatch. Outputs, lse and the
+    caches equal bitwise those of the same loop with nothing kept; after forget_plans the next
+    call goes through dispatch and keeps a new step."""
+    from flashkit.ops.triton import dispatch
+
+    ran = []
+    real_call = dispatch.PlannedStep.__call__
+
+    def counted(self, *args):
+        result = real_call(self, *args)
+        ran.append(result is not None)
+        return result
+
+    monkeypatch.setattr(dispatch.PlannedStep, "__call__", counted)
+
+    def loop(kept):
+        monkeypatch.setattr(kvcache, "_KEPT_CALLS", {} if kept else _NeverKept())
+        dispatch.forget_plans()
+        gen = torch.Generator().manual_seed(0)
+
+        def randn(*shape):
+            return torch.randn(*shape, generator=gen).to("cuda", torch.bfloat16)
+
+        batch, nheads, nheads_k, d, capacity = 2, 16, 2, 128, 256
+        if page_size is None:
+            k_cache, v_cache = randn(batch, capacity, nheads_k, d), randn(batch, capacity,
+                                                                          nheads_k, d)
+            table = None
+        else:
+            pages = batch * capacity // page_size
+            k_cache, v_cache = (randn(pages, page_size, nheads_k, d) for _ in range(2))
+            table = torch.randperm(pages, generator=gen).view(batch, -1).to("cuda",
+                                                                            torch.int32)
+        angles = torch.rand(capacity, 32, generator=gen).cuda() * 6.28
+        cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
+        results = []
+        for n in range(100, 110):
+            if n == 105:
+                dispatch.forget_plans()
+            q, k, v = randn(batch, 1, nheads, d), *(randn(batch, 1, nheads_k, d)
+                                                     for _ in range(2))
+            lens = n if lengths == "int" else torch.full((batch,), n, dtype=torch.int32,
+                                                         device="cuda")
+            results += flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos=cos,
+                                               rotary_sin=sin, cache_seqlens=lens,
+                                               block_table=table, causal=True,
+                                               return_softmax_lse=True)
+        return results + [k_cache, v_cache]
+
+    through_dispatch = loop(kept=False)
+    assert ran == []
+    kept = loop(kept=True)
+    # steps 2-5 ran kept; step 6 found its step forgotten (None), then steps 7-10 ran kept
+    assert ran == [True] * 4 + [False] + [True] * 4
+    for got, want in zip(kept, through_dispatch, strict=True):
+        assert torch.equal(got, want)

@@ -100,7 +100,18 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                          window_size, softcap, alibi_slopes, num_splits, backend, sink)
         if key is not None:
             kept.remember(_KEPT_CALLS, key, checked)
-    params, name, capacity, q_rows, num_splits = checked
+    step = checked.step
+    if step is not None and q.get_device() == torch.cuda.current_device():
+        # a decoding step seen before: its planned launches take the tensors straight away
+        lengths = cache_seqlens
+        if lengths is None or type(lengths) is int:
+            lengths = checks.host_seqlen(lengths, seqlen_new, checked.capacity)
+        result = step(q, k_cache, v_cache, k, v, lengths, rotary_cos, rotary_sin,
+                      cache_batch_idx, cache_leftpad, block_table)
+        if result is not None:  # None: the plans were forgotten since
+            return result if return_softmax_lse else result[0]
+    params, name, capacity, q_rows = (checked.params, checked.backend, checked.capacity,
+                                      checked.q_rows)
     batch, device = q.shape[0], q.device
     host_seqlen = checks.host_seqlen(cache_seqlens, seqlen_new, capacity)
     rotary = rotary_cos is not None or rotary_sin is not None
@@ -121,7 +132,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         cache_seqlens=cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None,
         host_seqlen=host_seqlen, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
         block_table=block_table, q_rows=q_rows, capacity=capacity, max_seqlen_k=max_seqlen_k,
-        num_splits=num_splits, host_checked=host_checks)
+        num_splits=checked.num_splits, host_checked=host_checks)
     if name == "reference":  # the tiled backend's rotary and append, then the oracle
         q, seqlens_k, cache_batch_idx, cache_leftpad = tiled_kvcache.prepare(q, k_cache,
                                                                              v_cache, cache)
@@ -129,16 +140,29 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                                cache_leftpad, block_table, params)
     else:
         require_available(name, device)
-        out, lse = backend_module(name).kvcache_attention(q, k_cache, v_cache, cache,
-                                                          params)
+        backend = backend_module(name)
+        out, lse = backend.kvcache_attention(q, k_cache, v_cache, cache, params)
+        if key is not None and not host_checks:  # kept: an equal call runs the same launches
+            checked.step = backend.kvcache_step(q, k_cache, v_cache, cache, params)
     return (out, lse) if return_softmax_lse else out
+
+
+class _Checked:
+    """What _check found for a kept call: its params, backend name, cache capacity per
+    sequence, query rows taking consecutive rotary positions and key splits; and, once an
+    equal call ran as a decoding step on the device path, that step's planned launches
+    (the Triton backend's kvcache_step), which later equal calls run directly."""
+    __slots__ = ("params", "backend", "capacity", "q_rows", "num_splits", "step")
+
+    def __init__(self, params, backend: str, capacity: int, q_rows: int, num_splits: int):
+        self.params, self.backend, self.capacity = params, backend, capacity
+        self.q_rows, self.num_splits, self.step = q_rows, num_splits, None
 
 
 def _check(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
            cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
-           alibi_slopes, num_splits, backend, sink) -> tuple:
-    """Every check of flash_attn_with_kvcache's arguments but those of the index values;
-    returns (params, backend name, capacity per sequence, q_rows, num_splits)."""
+           alibi_slopes, num_splits, backend, sink) -> _Checked:
+    """Every check of flash_attn_with_kvcache's arguments but those of the index values."""
     checks.kvcache_tensors(q, k_cache, v_cache, k, v)
     batch, device = q.shape[0], q.device
     if k is not None:  # the append writes the caches: each slot must be its own memory
@@ -161,7 +185,7 @@ def _check(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cac
         else 1
     if rotary_cos is not None or rotary_sin is not None:
         checks.rotary(rotary_cos, rotary_sin, q, k)
-    return params, name, capacity, q_rows, num_splits
+    return _Checked(params, name, capacity, q_rows, num_splits)
 
 
 _KEPT_CALLS: dict = {}
@@ -174,9 +198,10 @@ def _kept_key(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
     a call that is not kept: one with ALiBi slopes or a sink (the params would hold them), an
     argument that is neither a tensor nor None (but an int cache_seqlens, whose value every
     call checks), or scalars that flash_attn_func would not keep either. The key holds what
-    _check reads: each tensor's type, shape, dtype, device and requires_grad, whether grad
-    mode is on, and, where an append writes the caches, their strides and whether they share
-    a first address."""
+    _check reads and what a kept decoding step's planned launches fix: each tensor's type,
+    shape, dtype, device, requires_grad, strides and whether its address is 16-byte aligned,
+    whether grad mode is on, and, where an append writes the caches, whether they share a
+    first address."""
     softmax_scale, causal, window_size, softcap, interleaved, num_splits, backend, sync = scalars
     if (alibi_slopes is not None or sink is not None or type(interleaved) not in kept.PLAIN
             or type(num_splits) not in kept.PLAIN or type(sync) not in kept.PLAIN
@@ -191,12 +216,13 @@ def _kept_key(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
               cache_batch_idx, cache_leftpad, block_table):
         if t is None:
             key.append(None)
-        elif isinstance(t, torch.Tensor):
-            key.append((type(t), t.shape, t.dtype, t.device, t.requires_grad))
+        elif isinstance(t, torch.Tensor):  # with the layout a planned step's launches fix
+            key.append((type(t), t.shape, t.dtype, t.device, t.requires_grad, t.stride(),
+                        t.data_ptr() % 16 == 0))
         elif t is cache_seqlens and type(t) is int:
             key.append(int)
         else:  # an argument the checks will refuse
             return None
     if k is not None:
-        key += (k_cache.stride(), v_cache.stride(), k_cache.data_ptr() == v_cache.data_ptr())
+        key.append(k_cache.data_ptr() == v_cache.data_ptr())
     return tuple(key)

@@ -26,7 +26,7 @@ from flashkit.ops.params import AttentionParams, KVCacheArgs
 from flashkit.ops.tiled.probs import attention_probs as tiled_probs
 from flashkit.ops.triton import dispatch, dropout, interpreter
 
-__all__ = ["forward", "backward", "kvcache_attention", "attention_probs"]
+__all__ = ["forward", "backward", "kvcache_attention", "kvcache_step", "attention_probs"]
 
 interpreter.patch_for_numpy()
 
@@ -82,6 +82,14 @@ def kvcache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     with _on_device_of(q):
         out, lse = dispatch.kvcache_call(q, k_cache, v_cache, cache, params)
     return out, lse.contiguous()
+
+
+def kvcache_step(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 cache: KVCacheArgs, params: AttentionParams):
+    """The planned decoding step that runs every call equal to this one (dispatch.kvcache_step:
+    calling it with the call's tensors gives kvcache_attention's result, on the current CUDA
+    device, which must be q's), or None where the call takes other kernels."""
+    return dispatch.kvcache_step(q, k_cache, v_cache, cache, params)
 
 
 def attention_probs(q, k, v, lse, params: AttentionParams):

@@ -47,6 +47,7 @@ from flashkit.ops.triton import (
     forward_hopper,
     prefill,
 )
+from flashkit.ops.triton.launch import planned
 
 __all__ = ["forward_call", "backward_call", "kvcache_call", "forget_plans", "logger",
            "MAX_PLANS"]
@@ -67,7 +68,10 @@ class Plan:
 
 
 def forget_plans() -> None:
-    """Forget every cached choice (after changing a threshold or a switch in configs)."""
+    """Forget every cached choice (after changing a threshold or a switch in configs), and the
+    launches kept with them (a PlannedStep held elsewhere then declines to run)."""
+    for plan in _plans.values():
+        plan.launches.clear()
     _plans.clear()
 
 
@@ -213,27 +217,12 @@ def _dense_as_varlen(dout, q, k, v, out, lse, params: AttentionParams, dq, dk, d
 
 def kvcache_call(q, k_cache, v_cache, cache: KVCacheArgs, params: AttentionParams):
     """(out, lse) of flash_attn_with_kvcache on the Triton kernels; appends in place."""
-    decode.check_supported(q.dtype, params)
-    seqlens = cache.host_seqlen if cache.cache_seqlens is None else cache.cache_seqlens
-    nheads_k, seqlen_new = k_cache.shape[2], cache.seqlen_new
-    # the cache's arguments as a launch reads them (an int cache_seqlens: each call passes its
-    # value to the planned launch)
-    cache_key = (_layout(k_cache), _layout(v_cache), _layout(cache.k), _layout(cache.v),
-                 _layout(cache.rotary_cos), _layout(cache.rotary_sin), cache.rotary_interleaved,
-                 cache.q_rows, _layout(cache.cache_seqlens), _layout(cache.cache_batch_idx),
-                 _layout(cache.cache_leftpad), _layout(cache.block_table), cache.num_splits,
-                 cache.max_seqlen_k, cache.capacity)
-    plan = _choose("kvcache", ("kvcache", _layout(q), q.device, cache_key, _values(params)), [
-        # an append without queries takes the append kernel alone
-        ("decode step", lambda: "no query row" if q.shape[1] == 0 else
-         decode.step_declines(q, nheads_k, seqlen_new)),
-        ("append, then attention", lambda: None)])
-    if plan.kernel == "decode step":  # one kernel rotates, appends and attends (decode.Step)
-        step = decode.Step(seqlens, cache.k, cache.v, cache.rotary_cos, cache.rotary_sin,
-                           cache.rotary_interleaved, cache.q_rows)
-        return decode.forward(q, k_cache, v_cache, None, cache.cache_batch_idx,
-                              cache.cache_leftpad, cache.block_table, params, cache.num_splits,
-                              cache.max_seqlen_k, step=step, plan=plan.launches)
+    step = kvcache_step(q, k_cache, v_cache, cache, params)
+    if step is not None:  # one kernel rotates, appends and attends (decode.Step)
+        return step.run(q, k_cache, v_cache, cache.k, cache.v, _seqlens(cache),
+                        cache.rotary_cos, cache.rotary_sin, cache.cache_batch_idx,
+                        cache.cache_leftpad, cache.block_table)
+    seqlens, seqlen_new = _seqlens(cache), cache.seqlen_new
     # A bad index fails a device-side assertion in the append kernel (kvcache.py's docstring).
     q, seqlens_k = append.append(q, k_cache, v_cache, cache.k, cache.v, cache.rotary_cos,
                                  cache.rotary_sin, seqlens, cache.cache_batch_idx,
@@ -256,7 +245,8 @@ def kvcache_call(q, k_cache, v_cache, cache: KVCacheArgs, params: AttentionParam
                    else forward_hopper.declines(*view, None, None, None))
         return why
 
-    key = ("prefill", _layout(q), q.device, cache_key, _layout(seqlens_k), keys_bound,
+    key = ("prefill", _layout(q), q.device, _kvcache_key(k_cache, v_cache, cache),
+           _layout(seqlens_k), keys_bound,
            _values(params))
     plan = _choose("kvcache", key, [("gluon prefill", prefill_declines), ("decode", lambda: None)])
     if plan.kernel == "gluon prefill":
@@ -265,3 +255,71 @@ def kvcache_call(q, k_cache, v_cache, cache: KVCacheArgs, params: AttentionParam
     return decode.forward(q, k_cache, v_cache, seqlens_k, cache.cache_batch_idx,
                           cache.cache_leftpad, cache.block_table, params, cache.num_splits,
                           cache.max_seqlen_k, plan=plan.launches)
+
+
+def kvcache_step(q, k_cache, v_cache, cache: KVCacheArgs, params: AttentionParams):
+    """The planned decoding step (PlannedStep) that runs every call with this call's
+    plan key, or None where the step is not the decode kernel's alone (the append kernel, then
+    attention). flash_attn_with_kvcache keeps it with the call's checked arguments, so an equal
+    call passes its tensors to it straight away."""
+    decode.check_supported(q.dtype, params)
+    nheads_k = k_cache.shape[2]
+    plan = _choose("kvcache", ("kvcache", _layout(q), q.device, _kvcache_key(k_cache, v_cache,
+                                                                             cache),
+                               _values(params)), [
+        # an append without queries takes the append kernel alone
+        ("decode step", lambda: "no query row" if q.shape[1] == 0 else
+         decode.step_declines(q, nheads_k, cache.seqlen_new)),
+        ("append, then attention", lambda: None)])
+    if plan.kernel != "decode step":
+        return None
+    return planned(plan.launches, "step", lambda: PlannedStep(
+        plan.launches, plan.declined, params, cache.num_splits, cache.max_seqlen_k,
+        cache.q_rows, cache.rotary_interleaved))
+
+
+class PlannedStep:
+    """A decoding step in the decode kernel alone (decode.Step), as every call of one plan key
+    runs it: params, splits, the cache-length bound and the rotary layout fixed, so a call
+    passes its tensors and cache lengths alone. `run` launches; calling the object also writes
+    the dispatch log, as a call that finds the plan does."""
+    __slots__ = ("launches", "declined", "params", "num_splits", "max_seqlen_k", "q_rows",
+                 "interleaved")
+
+    def __init__(self, launches: dict, declined: tuple, params: AttentionParams,
+                 num_splits: int, max_seqlen_k: int, q_rows: int, interleaved: bool):
+        self.launches, self.declined, self.params = launches, declined, params
+        self.num_splits, self.max_seqlen_k = num_splits, max_seqlen_k
+        self.q_rows, self.interleaved = q_rows, interleaved
+
+    def __call__(self, *args):
+        """run(*args), or None once forget_plans has emptied the plan's launches (the choice
+        may differ now: the caller goes through kvcache_call)."""
+        if not self.launches:
+            return None
+        log_choice("kvcache", "decode step", self.declined)
+        return self.run(*args)
+
+    def run(self, q, k_cache, v_cache, k, v, cache_seqlens, cos, sin, cache_batch_idx,
+            cache_leftpad, block_table):
+        """(out, lse); cache_seqlens the lengths before the append, an int32 (batch,) tensor
+        or an int."""
+        step = decode.Step(cache_seqlens, k, v, cos, sin, self.interleaved, self.q_rows)
+        return decode.forward(q, k_cache, v_cache, None, cache_batch_idx, cache_leftpad,
+                              block_table, self.params, self.num_splits, self.max_seqlen_k,
+                              step=step, plan=self.launches)
+
+
+def _seqlens(cache: KVCacheArgs):
+    """The cache lengths before the append: cache_seqlens, or the int that stands for it."""
+    return cache.host_seqlen if cache.cache_seqlens is None else cache.cache_seqlens
+
+
+def _kvcache_key(k_cache, v_cache, cache: KVCacheArgs) -> tuple:
+    """The cache's arguments as a launch reads them (an int cache_seqlens: each call passes
+    its value to the planned launch)."""
+    return (_layout(k_cache), _layout(v_cache), _layout(cache.k), _layout(cache.v),
+            _layout(cache.rotary_cos), _layout(cache.rotary_sin), cache.rotary_interleaved,
+            cache.q_rows, _layout(cache.cache_seqlens), _layout(cache.cache_batch_idx),
+            _layout(cache.cache_leftpad), _layout(cache.block_table), cache.num_splits,
+            cache.max_seqlen_k, cache.capacity)
