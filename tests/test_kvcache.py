@@ -1239,15 +1239,22 @@ def test_triton_int_steps_keep_one_plan(monkeypatch):
 def test_triton_planned_step_runs_what_dispatch_runs():
     """The planned decoding step that flash_attn_with_kvcache keeps with a call's checks
     (dispatch.PlannedStep) gives bitwise what kvcache_attention gives for the same call, with
-    an int and with a tensor cache_seqlens; forget_plans empties it, and it then declines to
+    an int and with a tensor cache_seqlens, and with the params of each call (a sink that
+    differs between two calls of one plan); forget_plans empties it, and it then declines to
     run (None), so the caller goes through dispatch again."""
+    import dataclasses
+
     from flashkit.ops.params import KVCacheArgs
     from flashkit.ops.triton import dispatch, kvcache_step
     from flashkit.ops.triton import kvcache_attention as triton_kvcache
 
     dispatch.forget_plans()
     q, kc, vc, k, v, _ = _inputs()
-    params = AttentionParams(0.25, None, 0)  # causal
+    causal = AttentionParams(0.25, None, 0)
+
+    def with_sink():  # the plan key holds the sink's layout; each call brings its own values
+        return dataclasses.replace(causal, sink=torch.randn(4) * 3)
+
     for seqlens in (9, torch.full((2,), 9, dtype=torch.int32)):
         tensor = isinstance(seqlens, torch.Tensor)
         cache = KVCacheArgs(k=k, v=v, rotary_cos=None, rotary_sin=None,
@@ -1255,16 +1262,22 @@ def test_triton_planned_step_runs_what_dispatch_runs():
                             host_seqlen=None if tensor else seqlens, cache_batch_idx=None,
                             cache_leftpad=None, block_table=None, q_rows=1, capacity=32,
                             max_seqlen_k=32, num_splits=2, host_checked=False)
-        step = kvcache_step(q, kc, vc, cache, params)
-        assert isinstance(step, dispatch.PlannedStep)
-        caches = (kc.clone(), vc.clone())
-        want = (*triton_kvcache(q, *caches, cache, params), *caches)
-        caches = (kc.clone(), vc.clone())
-        got = (*step(q, *caches, k, v, seqlens, None, None, None, None, None), *caches)
-        for a, b in zip(got, want, strict=True):
-            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        step = kvcache_step(q, kc, vc, cache, with_sink())
+        for draw in range(2):  # the step kept from the call before, against a fresh plan's
+            params = with_sink()
+            assert isinstance(step, dispatch.PlannedStep)
+            caches = (kc.clone(), vc.clone())
+            got = (*step(params, q, *caches, k, v, seqlens, None, None, None, None, None),
+                   *caches)
+            dispatch.forget_plans()
+            caches = (kc.clone(), vc.clone())
+            want = (*triton_kvcache(q, *caches, cache, params), *caches)
+            for a, b in zip(got, want, strict=True):
+                torch.testing.assert_close(a, b, rtol=0, atol=0)
+            step = kvcache_step(q, kc, vc, cache, params)
     dispatch.forget_plans()
-    assert step(q, kc.clone(), vc.clone(), k, v, seqlens, None, None, None, None, None) is None
+    assert step(params, q, kc.clone(), vc.clone(), k, v, seqlens, None, None, None, None,
+                None) is None
 
 
 class _NeverKept(dict):

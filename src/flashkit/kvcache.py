@@ -106,8 +106,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         lengths = cache_seqlens
         if lengths is None or type(lengths) is int:
             lengths = checks.host_seqlen(lengths, seqlen_new, checked.capacity)
-        result = step(q, k_cache, v_cache, k, v, lengths, rotary_cos, rotary_sin,
-                      cache_batch_idx, cache_leftpad, block_table)
+        result = step(checked.params, q, k_cache, v_cache, k, v, lengths, rotary_cos,
+                      rotary_sin, cache_batch_idx, cache_leftpad, block_table)
         if result is not None:  # None: the plans were forgotten since
             return result if return_softmax_lse else result[0]
     params, name, capacity, q_rows = (checked.params, checked.backend, checked.capacity,

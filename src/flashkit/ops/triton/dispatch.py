@@ -219,7 +219,7 @@ def kvcache_call(q, k_cache, v_cache, cache: KVCacheArgs, params: AttentionParam
     """(out, lse) of flash_attn_with_kvcache on the Triton kernels; appends in place."""
     step = kvcache_step(q, k_cache, v_cache, cache, params)
     if step is not None:  # one kernel rotates, appends and attends (decode.Step)
-        return step.run(q, k_cache, v_cache, cache.k, cache.v, _seqlens(cache),
+        return step.run(params, q, k_cache, v_cache, cache.k, cache.v, _seqlens(cache),
                         cache.rotary_cos, cache.rotary_sin, cache.cache_batch_idx,
                         cache.cache_leftpad, cache.block_table)
     seqlens, seqlen_new = _seqlens(cache), cache.seqlen_new
@@ -274,21 +274,21 @@ def kvcache_step(q, k_cache, v_cache, cache: KVCacheArgs, params: AttentionParam
     if plan.kernel != "decode step":
         return None
     return planned(plan.launches, "step", lambda: PlannedStep(
-        plan.launches, plan.declined, params, cache.num_splits, cache.max_seqlen_k,
-        cache.q_rows, cache.rotary_interleaved))
+        plan.launches, plan.declined, cache.num_splits, cache.max_seqlen_k, cache.q_rows,
+        cache.rotary_interleaved))
 
 
 class PlannedStep:
     """A decoding step in the decode kernel alone (decode.Step), as every call of one plan key
-    runs it: params, splits, the cache-length bound and the rotary layout fixed, so a call
-    passes its tensors and cache lengths alone. `run` launches; calling the object also writes
-    the dispatch log, as a call that finds the plan does."""
-    __slots__ = ("launches", "declined", "params", "num_splits", "max_seqlen_k", "q_rows",
-                 "interleaved")
+    runs it: splits, the cache-length bound and the rotary layout fixed, so a call passes its
+    params, tensors and cache lengths alone (params' tensors, a sink or ALiBi slopes, change
+    from call to call with the layout the key fixes). `run` launches; calling the object also
+    writes the dispatch log, as a call that finds the plan does."""
+    __slots__ = ("launches", "declined", "num_splits", "max_seqlen_k", "q_rows", "interleaved")
 
-    def __init__(self, launches: dict, declined: tuple, params: AttentionParams,
-                 num_splits: int, max_seqlen_k: int, q_rows: int, interleaved: bool):
-        self.launches, self.declined, self.params = launches, declined, params
+    def __init__(self, launches: dict, declined: tuple, num_splits: int, max_seqlen_k: int,
+                 q_rows: int, interleaved: bool):
+        self.launches, self.declined = launches, declined
         self.num_splits, self.max_seqlen_k = num_splits, max_seqlen_k
         self.q_rows, self.interleaved = q_rows, interleaved
 
@@ -300,13 +300,13 @@ class PlannedStep:
         log_choice("kvcache", "decode step", self.declined)
         return self.run(*args)
 
-    def run(self, q, k_cache, v_cache, k, v, cache_seqlens, cos, sin, cache_batch_idx,
-            cache_leftpad, block_table):
+    def run(self, params: AttentionParams, q, k_cache, v_cache, k, v, cache_seqlens, cos, sin,
+            cache_batch_idx, cache_leftpad, block_table):
         """(out, lse); cache_seqlens the lengths before the append, an int32 (batch,) tensor
         or an int."""
         step = decode.Step(cache_seqlens, k, v, cos, sin, self.interleaved, self.q_rows)
         return decode.forward(q, k_cache, v_cache, None, cache_batch_idx, cache_leftpad,
-                              block_table, self.params, self.num_splits, self.max_seqlen_k,
+                              block_table, params, self.num_splits, self.max_seqlen_k,
                               step=step, plan=self.launches)
 
 
