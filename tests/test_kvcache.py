@@ -1263,7 +1263,7 @@ def test_triton_planned_step_runs_what_dispatch_runs():
                             cache_leftpad=None, block_table=None, q_rows=1, capacity=32,
                             max_seqlen_k=32, num_splits=2, host_checked=False)
         step = kvcache_step(q, kc, vc, cache, with_sink())
-        for draw in range(2):  # the step kept from the call before, against a fresh plan's
+        for _ in range(2):  # the step kept from the call before, against a fresh plan's
             params = with_sink()
             assert isinstance(step, dispatch.PlannedStep)
             caches = (kc.clone(), vc.clone())

@@ -23,10 +23,9 @@ Parts:
                 flash_attn_func: ALiBi (alibi_slopes=), softcap (softcap=30), causal and a causal
                 window of 1024 (block masks against causal=True / window_size=(1024, 0));
                 ratio = modifier ms / built-in ms (the target is <= 1.05)
-    configs     each example under candidate tiles of the portable kernels for variant calls
-                (configs.VARIANT, swapped in for the run): which (BLOCK_M, BLOCK_N, warps,
-                stages) is fastest for forward, dK/dV and dQ at head dim 128; every candidate
-                fits sm_90's shared memory with every built-in (offline compiles)
+    configs     each example under candidate tile sets of the portable kernels for variant
+                calls (CANDIDATES: forward, dK/dV and dQ tiles at head dim 128, swapped into
+                configs.VARIANT together for the run), forward, backward and step
     first_call  time to the first forward, then to the first backward, of a variant never
                 seen before, each in a new process: with a cold disk cache (Triton's and
                 Inductor's, fresh folders: every compile, the launchers' C builds included),
@@ -193,36 +192,37 @@ def part_captured(p: dict, compiled, record) -> None:
                                 batch=p["batch"], **comparison(ours, theirs)))
 
 
-# Candidate d128 tiles of the variant kernels, (BLOCK_M, BLOCK_N, num_warps, num_stages), each
-# checked offline for sm_90 (every built-in within 232448 bytes of shared memory; spill bytes
-# of ptxas, bench shape, worst built-in): forward (128, 64, 8, 2) none (the default),
-# (64, 64, 4, 3) none, (128, 128, 8, 2) up to 100 bytes; dK/dV (32, 128, 8, 2) up to 144 (the
-# default), (64, 64, 8, 2) up to 216, (64, 128, 8, 2) up to 524; dQ none.
+# Candidate d128 tile sets of the variant kernels, each (forward, dK/dV, dQ) as (BLOCK_M, BLOCK_N,
+# num_warps, num_stages), swapped into configs.VARIANT whole (the kernels share the backward's
+# time). "sm90" (the plain kernels' tiles) overflows shared memory with relative_bias's table.
 CANDIDATES = {
-    "forward": [(128, 64, 8, 2), (64, 64, 4, 3), (128, 128, 8, 2)],
-    "dkdv": [(32, 128, 8, 2), (64, 64, 8, 2), (64, 128, 8, 2)],
-    "dq": [(128, 32, 8, 2), (128, 64, 8, 2), (64, 64, 4, 2)],
+    "spill_free": ((128, 64, 8, 2), (32, 128, 8, 2), (128, 32, 8, 2)),
+    "sm90": ((128, 128, 8, 3), (64, 128, 8, 3), (128, 32, 8, 3)),
+    "wide2": ((128, 128, 8, 2), (64, 128, 8, 2), (128, 64, 8, 2)),
+    "flexlike": ((128, 64, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3)),
 }
+_KERNELS = ("forward", "dkdv", "dq")
 
 
 def part_configs(p: dict, record) -> None:
-    """Each candidate tile of one kernel swapped into configs.VARIANT (the others at their
-    defaults); forward candidates time the forward, dK/dV and dQ ones the backward."""
-    for kernel, tiles in CANDIDATES.items():
-        default = configs.VARIANT[kernel][HEAD_DIM]
-        for tile in tiles:
+    """Each candidate set swapped into configs.VARIANT at d128, every example timed (forward,
+    backward, step); a set that fails to launch for an example is a result too."""
+    defaults = {kernel: configs.VARIANT[kernel][HEAD_DIM] for kernel in _KERNELS}
+    for name, tiles in CANDIDATES.items():
+        for kernel, tile in zip(_KERNELS, tiles, strict=True):
             configs.VARIANT[kernel][HEAD_DIM] = tile
-            try:
-                for name in ("document", "softcap", "relative_bias"):
-                    fwd, bwd, _ = time_ours(p, **ours_mods(name, p))
-                    record("configs", dict(kernel=kernel, tile=str(tile), example=name,
-                                           seqlen=p["seqlen"], fwd_ms=fwd, bwd_ms=bwd))
-            except Exception as err:  # a candidate that fails to launch is a result too
-                record("configs", dict(kernel=kernel, tile=str(tile), example="error",
-                                       seqlen=p["seqlen"], fwd_ms=float("nan"),
-                                       bwd_ms=float("nan"), error=repr(err)[:200]))
-            finally:
-                configs.VARIANT[kernel][HEAD_DIM] = default
+        try:
+            for example in EXAMPLES:
+                row = dict(tiles=name, example=example, seqlen=p["seqlen"])
+                try:
+                    fwd, bwd, step = time_ours(p, **ours_mods(example, p))
+                    record("configs", dict(row, fwd_ms=fwd, bwd_ms=bwd, step_ms=step))
+                except Exception as err:
+                    record("configs", dict(row, fwd_ms=float("nan"), bwd_ms=float("nan"),
+                                           step_ms=float("nan"), error=repr(err)[:200]))
+        finally:
+            for kernel, tile in defaults.items():
+                configs.VARIANT[kernel][HEAD_DIM] = tile
 
 
 def part_builtins(p: dict, record) -> None:
@@ -351,7 +351,7 @@ COLUMNS = {
     "captured": ["example", "learned", "seqlen", *_COMPARED],
     "builtins": ["feature", "seqlen", "builtin_fwd_ms", "mod_fwd_ms", "ratio_fwd",
                  "builtin_bwd_ms", "mod_bwd_ms", "ratio_bwd"],
-    "configs": ["kernel", "tile", "example", "seqlen", "fwd_ms", "bwd_ms"],
+    "configs": ["tiles", "example", "seqlen", "fwd_ms", "bwd_ms", "step_ms"],
     "first_call": ["library", "disk_cache", "seqlen", "fwd_s", "bwd_s", "total_s",
                    "new_length_kernels", "odd_length_kernels"],
 }

@@ -43,29 +43,31 @@ SM90 = {
 # Calls with a score_mod / mask_mod / block mask (flashkit.variants; the Gluon kernels decline
 # them): a modifier's table read is an elementwise fp32 gather that the pipeliner buffers in
 # shared memory per stage, and its code adds registers, so SM90's d128 tiles overflow or spill
-# there. Chosen offline (sm_90 compiles of every built-in variant, ptxas counts; checked by
-# tests/variants/test_variants_sm90.py), d64 / d256 for shared memory only; speed:
-# benchmarks/suites/variants.py --parts configs, numbers in benchmarks/notes/kernel-choices.md.
+# there. Every row fits sm_90's shared memory with every built-in (offline compiles, checked by
+# tests/variants/test_variants_sm90.py). d128: the fastest of five whole (forward, dK/dV, dQ)
+# sets over the six built-in examples on one H200 (bf16, 4 x 4096 tokens, 16 heads; step
+# 2-19% faster than the spill-free set before; benchmarks/results/variants/
+# tiles_20261128_h200.md); d64 / d256 for shared memory only.
 VARIANT = {
     "forward": {
         16: (128, 64, 4, 2),  # as d64
         32: (128, 64, 4, 2),  # as d64
         64: (128, 64, 4, 2),  # fits shared memory with every built-in
-        128: (128, 64, 8, 2),  # no spills, 98-131 KB (SM90's row: 232448 B, 300-1384 B spills)
+        128: (128, 128, 8, 2),  # up to 100 B spills; SM90's 3 stages overflow (relative_bias)
         256: (64, 64, 8, 2),  # fits shared memory
     },
     "dkdv": {
         16: (32, 128, 4, 2),  # as d64
         32: (32, 128, 4, 2),  # as d64
         64: (32, 128, 4, 2),  # fits shared memory
-        128: (32, 128, 8, 2),  # fewest spills: 0, relative_bias 144 B ((64, 64, 8, 2): 84-216)
+        128: (64, 128, 8, 2),  # up to 524 B spills, faster than (32, 128, 8, 2)'s none
         256: (64, 64, 8, 1),  # fits shared memory
     },
     "dq": {
         16: (128, 64, 8, 2),  # as d64
         32: (128, 64, 8, 2),  # as d64
         64: (128, 64, 8, 2),  # fits shared memory
-        128: (128, 32, 8, 2),  # no spills with any built-in
+        128: (128, 64, 8, 2),
         256: (64, 16, 4, 2),  # fits shared memory
     },
 }
