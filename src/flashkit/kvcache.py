@@ -35,7 +35,10 @@ with more than one split, the merge kernel: at most two graph nodes.
 
 A decoding loop calls with the same tensors' shapes every step: an accepted call's checked
 arguments are kept under those facts (_KEPT_CALLS, flashkit.kept), and an equal call skips
-the checks that read them alone. The index values are checked every call.
+the checks that read them alone. The index values are checked every call. On the device path,
+where the call was a decoding step in the decode kernel alone, the kept entry also holds that
+step's planned launches (the Triton backend's kvcache_step), and an equal call hands its
+tensors to them directly.
 """
 
 from __future__ import annotations
