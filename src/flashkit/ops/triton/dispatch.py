@@ -103,12 +103,23 @@ def _layout(t: torch.Tensor | None) -> tuple | None:
 
 def _values(params: AttentionParams) -> tuple:
     """What a kernel choice and a prepared launch read of params: its scalars' values and its
-    tensors' layouts (not their contents; nor the dropout seed, which each call passes)."""
-    return (params.softmax_scale, params.window_left, params.window_right, params.softcap,
-            params.dropout_p, params.deterministic, params.variant is None,
-            _layout(params.alibi_slopes), _layout(params.sink), _layout(params.attn_bias),
-            _layout(params.cu_seqlens_q), _layout(params.cu_seqlens_k), params.max_seqlen_q,
-            params.max_seqlen_k)
+    tensors' layouts (not their contents; nor the dropout seed, which each call passes). Kept
+    for the last params object seen: a call's backward, and the next call of a kept shape,
+    pass the same one (params is frozen; its tensors are its own)."""
+    global _last_values
+    last = _last_values  # one read: autograd's device thread may replace it meanwhile
+    if last[0] is params:
+        return last[1]
+    values = (params.softmax_scale, params.window_left, params.window_right, params.softcap,
+              params.dropout_p, params.deterministic, params.variant is None,
+              _layout(params.alibi_slopes), _layout(params.sink), _layout(params.attn_bias),
+              _layout(params.cu_seqlens_q), _layout(params.cu_seqlens_k), params.max_seqlen_q,
+              params.max_seqlen_k)
+    _last_values = (params, values)
+    return values
+
+
+_last_values: tuple = (None, None)  # (params, _values(params)) of the last params seen
 
 
 # --- forward and backward ----------------------------------------------------------------------
