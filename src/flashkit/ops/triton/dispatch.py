@@ -16,7 +16,10 @@ device, the layout and alignment class of the tensors, params' values but not it
 contents), so it is made once per key and kept in a dict, with the launches the chosen
 kernels' launchers prepare (launch.Prepared: grid, scalars, constexprs, tensor descriptors'
 geometry): a call whose key was seen costs one tuple hash here and then passes its tensors to
-the prepared launches (a dropout seed, new every call, is passed to them as well).
+the prepared launches (a dropout seed, new every call, is passed to them as well). A decoding
+step's plan goes one step further: flash_attn_with_kvcache keeps it (kvcache_step, a
+PlannedStep) with the call's checked arguments, so an equal decoding call skips this module's
+key and goes to its launches.
 
 The first call of a forward plan whose q, k or v require grad also compiles the kernels of
 its backward, all at once in threads (ahead.py), so a new shape's first step waits for its
@@ -257,8 +260,7 @@ def kvcache_call(q, k_cache, v_cache, cache: KVCacheArgs, params: AttentionParam
         return why
 
     key = ("prefill", _layout(q), q.device, _kvcache_key(k_cache, v_cache, cache),
-           _layout(seqlens_k), keys_bound,
-           _values(params))
+           _layout(seqlens_k), keys_bound, _values(params))
     plan = _choose("kvcache", key, [("gluon prefill", prefill_declines), ("decode", lambda: None)])
     if plan.kernel == "gluon prefill":
         return prefill.forward(q, k_cache, v_cache, seqlens_k, cache.block_table, packed(),
@@ -269,15 +271,16 @@ def kvcache_call(q, k_cache, v_cache, cache: KVCacheArgs, params: AttentionParam
 
 
 def kvcache_step(q, k_cache, v_cache, cache: KVCacheArgs, params: AttentionParams):
-    """The planned decoding step (PlannedStep) that runs every call with this call's
-    plan key, or None where the step is not the decode kernel's alone (the append kernel, then
+    """The planned decoding step (PlannedStep) that runs every call with this call's plan key,
+    or None where the step is not the decode kernel's alone (the append kernel, then
     attention). flash_attn_with_kvcache keeps it with the call's checked arguments, so an equal
-    call passes its tensors to it straight away."""
+    call passes its tensors to it straight away. Refuses (NotImplementedError) what the decode
+    kernels do not do, before anything writes the cache."""
     decode.check_supported(q.dtype, params)
     nheads_k = k_cache.shape[2]
-    plan = _choose("kvcache", ("kvcache", _layout(q), q.device, _kvcache_key(k_cache, v_cache,
-                                                                             cache),
-                               _values(params)), [
+    key = ("kvcache", _layout(q), q.device, _kvcache_key(k_cache, v_cache, cache),
+           _values(params))
+    plan = _choose("kvcache", key, [
         # an append without queries takes the append kernel alone
         ("decode step", lambda: "no query row" if q.shape[1] == 0 else
          decode.step_declines(q, nheads_k, cache.seqlen_new)),
