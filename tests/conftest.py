@@ -31,3 +31,16 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def fresh_plans():
+    """Kernel choices made anew in the test and forgotten after it (dispatch.forget_plans, which
+    also retires the plans that the entry points keep with their kept calls): a test that
+    patches a threshold or a kernel makes its choices under the patch, and no later test runs
+    them."""
+    from flashkit.ops.triton import dispatch
+
+    dispatch.forget_plans()
+    yield
+    dispatch.forget_plans()

@@ -934,12 +934,11 @@ def _prefill_case(mask, options, call):
 
 def _spy_gluon_prefill(monkeypatch):
     """Route every contiguous prefill to the Gluon forward; returns the list its calls land in."""
-    from flashkit.ops.triton import dispatch, forward_hopper, prefill
+    from flashkit.ops.triton import forward_hopper, prefill
 
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon forward runs on sm_90")
     monkeypatch.setattr(prefill, "GLUON_PREFILL_MIN_WORK", 0)  # small cases take the route
-    monkeypatch.setattr(dispatch, "_plans", {})  # choices made under other thresholds
     calls = []
     forward = forward_hopper.attention_forward
     monkeypatch.setattr(forward_hopper, "attention_forward",
@@ -949,6 +948,7 @@ def _spy_gluon_prefill(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(PREFILL_CASES))
+@pytest.mark.usefixtures("fresh_plans")  # choices made under the patched thresholds
 def test_prefill_takes_the_gluon_forward_on_gpu(name, monkeypatch):
     """512 new tokens over a contiguous cache: the Gluon forward (seqused_k) computes the
     attention, against the oracle; the cache is appended (rotated) and nothing else changed."""
@@ -961,6 +961,7 @@ def test_prefill_takes_the_gluon_forward_on_gpu(name, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mask", ["causal", "full"])
+@pytest.mark.usefixtures("fresh_plans")  # choices made under the patched thresholds
 def test_prefill_poisoned_spare_cache_does_not_leak_on_gpu(mask, monkeypatch):
     """NaN, inf and -inf in every slot outside the valid keys (the spare cache row, slots past
     each sequence's keys, slots before its leftpad) never reach the Gluon prefill's output: TMA

@@ -14,8 +14,11 @@ import torch
 from tests.test_kvcache import MASKS, Case
 
 from flashkit import kvcache
-from flashkit.ops.triton import dispatch, prefill
+from flashkit.ops.triton import prefill
 from flashkit.testing import assert_close_to_oracle
+
+# choices made under _spy's patched thresholds: made anew in each test, forgotten after it
+pytestmark = pytest.mark.usefixtures("fresh_plans")
 
 
 def _spy(monkeypatch):
@@ -27,7 +30,6 @@ def _spy(monkeypatch):
         pytest.skip("the Gluon forward runs on sm_90")
     monkeypatch.setattr(prefill, "GLUON_PREFILL_MIN_QUERIES", 0)
     monkeypatch.setattr(prefill, "GLUON_PREFILL_MIN_WORK", 0)
-    monkeypatch.setattr(dispatch, "_plans", {})  # choices made under other thresholds
     calls, forward = [], forward_hopper.attention_forward
     monkeypatch.setattr(forward_hopper, "attention_forward",
                         lambda *a, **kw: calls.append(kw.get("block_table")) or forward(*a, **kw))

@@ -56,6 +56,7 @@ def _fake_cuda():
     torch.cuda.device = lambda device: contextlib.nullcontext()
     torch.cuda.is_current_stream_capturing = lambda: False
     torch.Tensor.is_cuda = property(lambda self: True)
+    torch.Tensor.get_device = lambda self: 0
     import flashkit.api as api
     import flashkit.kvcache as kvcache
     api.require_available = kvcache.require_available = lambda name, device: None

@@ -100,24 +100,26 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     key = None  # the call's tensor facts and scalar arguments, for _DENSE_CALLS
     if (alibi_slopes is None and sink is None and q_descale is None and k_descale is None
             and v_descale is None and score_mod is None and mask_mod is None
-            and block_mask is None and isinstance(q, torch.Tensor)
-            and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
+            and block_mask is None and type(q) in _PLAIN_TENSORS
+            and type(k) in _PLAIN_TENSORS and type(v) in _PLAIN_TENSORS
             and (backend is None or type(backend) is str)):
         scalars = kept.scalar_key(dropout_p, softmax_scale, causal, window_size, softcap,
                                   deterministic)
         if scalars is not None:
-            key = (scalars, backend, type(q), q.shape, q.dtype, q.device, type(k), k.shape,
-                   k.dtype, k.device, type(v), v.shape, v.dtype, v.device)
-            params = _DENSE_CALLS.get(key)
-            if params is not None:
-                return run_backend(q, k, v, params, backend, return_attn_probs, return_softmax_lse)
+            key = (scalars, backend, *_tensor_facts(q), *_tensor_facts(k), *_tensor_facts(v))
+            kept_call = _DENSE_CALLS.get(key)
+            if kept_call is not None:
+                return _run_kept(kept_call, q, k, v, backend, return_attn_probs,
+                                 return_softmax_lse)
     checks.dense_qkv(q, k, v, checks.DTYPES + checks.FLOAT8_DTYPES)
     checks.warn_if_sdpa_layout(q, k)
     float8 = checks.descales(q, k, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
     params = build_params(q, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                      deterministic, sink, batch=q.shape[0])
-    if key is not None and not float8:
-        kept.remember(_DENSE_CALLS, key, params)
+    if key is not None and not float8:  # no modifier either (the key would be None)
+        kept_call = _KeptDense(params, checks.backend(backend, q.device))
+        kept.remember(_DENSE_CALLS, key, kept_call)
+        return _run_kept(kept_call, q, k, v, backend, return_attn_probs, return_softmax_lse)
     params = variant_mods.attach(params, q, score_mod, mask_mod, block_mask, q.shape[0],
                                  q.shape[2], q.shape[1], k.shape[1])
     if float8:
@@ -187,9 +189,44 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 # equal earlier call's checks found.
 # _SCALAR_CALLS (build_params, every entry point): scalar arguments -> AttentionParams.
 # _DENSE_CALLS (flash_attn_func, whose tensor checks it skips too): those and q's, k's and v's
-# types, shapes, dtypes and devices -> AttentionParams.
+# facts (_tensor_facts) -> _KeptDense.
 _SCALAR_CALLS: dict = {}
 _DENSE_CALLS: dict = {}
+
+
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)  # kept calls take no tensor subclass
+
+
+def _tensor_facts(t) -> tuple:
+    """What the checks and a kept forward plan read of q, k or v: type, shape, dtype, device,
+    strides and whether its address is 16-byte aligned (TMA)."""
+    return type(t), t.shape, t.dtype, t.device, t.stride(), t.data_ptr() % 16 == 0
+
+
+class _KeptDense:
+    """A kept flash_attn_func call: its AttentionParams, the backend name its arguments give,
+    and, once an equal call ran without grad on the Triton backend, that forward's plan (the
+    backend's planned_forward), which later equal calls without grad run directly."""
+    __slots__ = ("params", "backend", "forward")
+
+    def __init__(self, params: AttentionParams, backend: str):
+        self.params, self.backend, self.forward = params, backend, None
+
+
+def _run_kept(kept_call: _KeptDense, q, k, v, backend, return_attn_probs, return_softmax_lse):
+    """run_backend for a kept call; one that needs no gradient (and no probabilities) runs the
+    forward plan kept with it, where there is one."""
+    params = kept_call.params
+    if return_attn_probs or (torch.is_grad_enabled() and (
+            q.requires_grad or k.requires_grad or v.requires_grad)):
+        return run_backend(q, k, v, params, backend, return_attn_probs, return_softmax_lse)
+    result = None if kept_call.forward is None else kept_call.forward(params, q, k, v)
+    if result is None:  # no plan yet, or it declined (forgotten, another device)
+        result = run_backend(q, k, v, params, backend, False, True)
+        if kept_call.backend == "triton" and not (kept_call.forward and kept_call.forward.live):
+            kept_call.forward = custom_op.backend_module("triton").planned_forward(q, k, v,
+                                                                                  params)
+    return result if return_softmax_lse else result[0]
 
 
 def build_params(q, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,

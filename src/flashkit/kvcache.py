@@ -104,14 +104,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if key is not None:
             kept.remember(_KEPT_CALLS, key, checked)
     step = checked.step
-    if step is not None and q.get_device() == torch.cuda.current_device():
-        # a decoding step seen before: its planned launches take the tensors straight away
+    if step is not None:  # a decoding step seen before: its planned launches take the tensors
         lengths = cache_seqlens
         if lengths is None or type(lengths) is int:
             lengths = checks.host_seqlen(lengths, seqlen_new, checked.capacity)
         result = step(checked.params, q, k_cache, v_cache, k, v, lengths, rotary_cos,
                       rotary_sin, cache_batch_idx, cache_leftpad, block_table)
-        if result is not None:  # None: the plans were forgotten since
+        if result is not None:  # None: the plans were forgotten since, or another device
             return result if return_softmax_lse else result[0]
     params, name, capacity, q_rows = (checked.params, checked.backend, checked.capacity,
                                       checked.q_rows)
@@ -145,7 +144,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         require_available(name, device)
         backend = backend_module(name)
         out, lse = backend.kvcache_attention(q, k_cache, v_cache, cache, params)
-        if key is not None and not host_checks:  # kept: an equal call runs the same launches
+        if key is not None and not host_checks and not (checked.step and checked.step.live):
+            # kept: an equal call runs the same launches
             checked.step = backend.kvcache_step(q, k_cache, v_cache, cache, params)
     return (out, lse) if return_softmax_lse else out
 

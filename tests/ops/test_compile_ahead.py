@@ -81,12 +81,12 @@ def test_compiling_is_per_thread():
     assert seen == [False]
 
 
+@pytest.mark.usefixtures("fresh_plans")
 def test_first_differentiated_call_compiles_forward_and_backward_ahead(monkeypatch):
     """A forward plan's first call with q requiring grad hands the forward's and the
     backward's kernels to the compile threads (here recorded, not compiled), once; the call and
     its backward then run as usual and match the oracle."""
     submitted = []
-    monkeypatch.setattr(dispatch, "_plans", {})
     monkeypatch.setattr(dispatch, "_compiles_ahead", lambda q, k, v: True)  # a GPU's condition
     monkeypatch.setattr(ahead, "submit", lambda kernel, *a: submitted.append(
         getattr(kernel, "__name__", None) or kernel.fn.__name__))
@@ -108,9 +108,9 @@ def test_first_differentiated_call_compiles_forward_and_backward_ahead(monkeypat
 
 
 @pytest.mark.parametrize("requires_grad", [False, True])
+@pytest.mark.usefixtures("fresh_plans")
 def test_no_compile_ahead_without_grad_or_off_the_gpu(monkeypatch, requires_grad):
     submitted = []
-    monkeypatch.setattr(dispatch, "_plans", {})
     monkeypatch.setattr(ahead, "submit", lambda *a: submitted.append(a))
     q, k, v = (t.to(DEVICE).requires_grad_(requires_grad) for t in random_qkv(1, 9, 9, 2,
                                                                                headdim=16))

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import flashkit
@@ -18,8 +19,8 @@ from helpers import random_qkv
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton kernels' (else interpreted)
 
 
-def test_log_names_the_kernel_and_the_declines(caplog, monkeypatch):
-    monkeypatch.setattr(dispatch, "_plans", {})
+@pytest.mark.usefixtures("fresh_plans")
+def test_log_names_the_kernel_and_the_declines(caplog):
     q, k, v = (t.to(DEVICE).requires_grad_() for t in random_qkv(1, 5, 5, 2, headdim=16))
     with caplog.at_level(logging.DEBUG, logger="flashkit.dispatch"):
         flashkit.flash_attn_func(q, k, v, causal=True, backend="triton").sum().backward()
@@ -29,8 +30,8 @@ def test_log_names_the_kernel_and_the_declines(caplog, monkeypatch):
     assert "gluon as varlen: " in messages[1]
 
 
-def test_choices_are_cached_per_key(monkeypatch):
-    monkeypatch.setattr(dispatch, "_plans", {})
+@pytest.mark.usefixtures("fresh_plans")
+def test_choices_are_cached_per_key():
     q, k, v = (t.to(DEVICE) for t in random_qkv(1, 5, 5, 2, headdim=16))
     for _ in range(3):
         flashkit.flash_attn_func(q, k, v, backend="triton")
@@ -94,3 +95,40 @@ def test_the_plan_key_holds_every_field_a_launch_reads():
     same = dataclasses.replace(base, dropout_seed=8, alibi_slopes=torch.rand(4),
                                sink=torch.randn(4))
     assert dispatch._values(same) == dispatch._values(base)
+
+
+@pytest.mark.usefixtures("fresh_plans")
+def test_a_kept_call_without_grad_runs_its_kept_forward_plan(caplog, monkeypatch):
+    """flash_attn_func keeps, with a call's checked arguments, the forward plan its first run
+    without grad chose (dispatch.PlannedForward): an equal call runs it without the dispatch's
+    key, gives what the first gave and logs the choice. A call with another layout, one with
+    grad, and a call after forget_plans go through the dispatch."""
+    from flashkit import api
+
+    monkeypatch.setattr(api, "_DENSE_CALLS", {})
+    chosen, choose = [], dispatch._choose
+    monkeypatch.setattr(dispatch, "_choose", lambda op, *a: chosen.append(op) or choose(op, *a))
+    q, k, v = (t.to(DEVICE) for t in random_qkv(2, 37, 45, 2, headdim=16))
+
+    def call(*qkv):
+        return flashkit.flash_attn_func(*qkv, causal=True, backend="triton")
+
+    with torch.no_grad():
+        first = call(q, k, v)
+        planned = len(chosen)  # the call's choice, then the plan's lookup to keep it
+        (kept_call,) = api._DENSE_CALLS.values()
+        assert isinstance(kept_call.forward, dispatch.PlannedForward)
+        with caplog.at_level(logging.DEBUG, logger="flashkit.dispatch"):
+            again = call(q, k, v)
+        assert len(chosen) == planned  # the kept plan ran
+        assert torch.equal(again, first)
+        assert [r.getMessage()[:18] for r in caplog.records] == ["forward ran triton"]
+        strided = q.transpose(1, 2).contiguous().transpose(1, 2)  # same shape, other strides
+        assert torch.equal(call(strided, k, v), first)
+        assert len(chosen) == 2 * planned and len(api._DENSE_CALLS) == 2
+        dispatch.forget_plans()
+        assert torch.equal(call(q, k, v), first)
+        assert len(chosen) == 3 * planned
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    assert torch.equal(call(*leaves), first)
+    assert chosen[3 * planned:] == ["forward"]

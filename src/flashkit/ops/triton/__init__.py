@@ -26,7 +26,8 @@ from flashkit.ops.params import AttentionParams, KVCacheArgs
 from flashkit.ops.tiled.probs import attention_probs as tiled_probs
 from flashkit.ops.triton import dispatch, dropout, interpreter
 
-__all__ = ["forward", "backward", "kvcache_attention", "kvcache_step", "attention_probs"]
+__all__ = ["forward", "backward", "planned_forward", "kvcache_attention", "kvcache_step",
+           "attention_probs"]
 
 interpreter.patch_for_numpy()
 
@@ -73,6 +74,13 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     with _on_device_of(q):
         return dispatch.backward_call(dout, q, k, v, out, lse, params, dq=dq, dk=dk, dv=dv,
                                       dlse=dlse, own_lse=own_lse)
+
+
+def planned_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    params: AttentionParams):
+    """The forward plan that runs every call equal to this one (dispatch.planned_forward:
+    calling it with (params, q, k, v) gives forward's (out, lse), or None where it declines)."""
+    return dispatch.planned_forward(q, k, v, params)
 
 
 def kvcache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

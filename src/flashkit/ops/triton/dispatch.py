@@ -16,10 +16,11 @@ device, the layout and alignment class of the tensors, params' values but not it
 contents), so it is made once per key and kept in a dict, with the launches the chosen
 kernels' launchers prepare (launch.Prepared: grid, scalars, constexprs, tensor descriptors'
 geometry): a call whose key was seen costs one tuple hash here and then passes its tensors to
-the prepared launches (a dropout seed, new every call, is passed to them as well). A decoding
-step's plan goes one step further: flash_attn_with_kvcache keeps it (kvcache_step, a
-PlannedStep) with the call's checked arguments, so an equal decoding call skips this module's
-key and goes to its launches.
+the prepared launches (a dropout seed, new every call, is passed to them as well). The entry
+points go one step further for their most repeated calls: flash_attn_func keeps a forward plan
+without grad (planned_forward, a PlannedForward) and flash_attn_with_kvcache a decoding step's
+(kvcache_step, a PlannedStep) with the call's checked arguments, so an equal call skips this
+module's key and goes to its launches; forget_plans retires them too.
 
 The first call of a forward plan whose q, k or v require grad also compiles the kernels of
 its backward, all at once in threads (ahead.py), so a new shape's first step waits for its
@@ -52,8 +53,8 @@ from flashkit.ops.triton import (
 )
 from flashkit.ops.triton.launch import planned
 
-__all__ = ["forward_call", "backward_call", "kvcache_call", "forget_plans", "logger",
-           "MAX_PLANS"]
+__all__ = ["forward_call", "backward_call", "kvcache_call", "planned_forward", "kvcache_step",
+           "forget_plans", "logger", "MAX_PLANS"]
 
 MAX_PLANS = 4096  # forget every plan beyond this many keys (a safety bound)
 _plans: dict = {}
@@ -62,20 +63,41 @@ _plans: dict = {}
 class Plan:
     """A choice: the kernel that runs, (kernel, why it declined) for the others, and the
     launches its launcher prepared (launch.planned), filled by the first call; fresh until
-    that first call ran."""
-    __slots__ = ("kernel", "declined", "launches", "fresh")
+    that first call ran; live until forget_plans."""
+    __slots__ = ("kernel", "declined", "launches", "fresh", "live")
 
     def __init__(self, kernel: str, declined: tuple):
         self.kernel, self.declined, self.launches = kernel, declined, {}
-        self.fresh = True
+        self.fresh = self.live = True
 
 
 def forget_plans() -> None:
-    """Forget every cached choice (after changing a threshold or a switch in configs), and the
-    launches kept with them (a PlannedStep held elsewhere then declines to run)."""
+    """Forget every cached choice (after changing a threshold or a switch in configs); a plan
+    kept elsewhere (PlannedForward, PlannedStep) then declines to run."""
     for plan in _plans.values():
-        plan.launches.clear()
+        plan.live = False
     _plans.clear()
+
+
+class _Kept:
+    """A plan kept by a front door with a call's checked arguments, so an equal call runs it
+    without this module's key: calling it returns None (the caller then goes through the
+    dispatch) once forget_plans has forgotten the plan, or where q is not on the current CUDA
+    device (the launches run there); else it writes the dispatch log, as a call that finds the
+    plan does, and returns run's result (run takes params, then q, then the rest)."""
+    __slots__ = ("plan", "op")
+
+    @property
+    def live(self) -> bool:
+        """Whether the plan is still the dispatch's (not forgotten)."""
+        return self.plan.live
+
+    def __call__(self, *args):
+        q = args[1]
+        if not self.plan.live or (q.is_cuda and q.get_device() != torch.cuda.current_device()):
+            return None
+        log_choice(self.op, self.plan.kernel, self.plan.declined)
+        return self.run(*args)
 
 
 def _choose(op: str, key: tuple, candidates) -> Plan:
@@ -129,15 +151,38 @@ _last_values: tuple = (None, None)  # (params, _values(params)) of the last para
 
 def forward_call(q, k, v, params: AttentionParams, out=None, lse=None):
     """(out, lse) of the attention forward; out and lse may be given preallocated."""
-    key = ("forward", _layout(q), _layout(k), _layout(v), q.device, _values(params),
-           _layout(out), _layout(lse))
-    plan = _choose("forward", key, [
-        ("gluon", lambda: forward_hopper.declines(q, k, v, params, out, lse, None)),
-        ("triton", lambda: None)])
+    plan = _forward_plan(q, k, v, params, out, lse)
     if plan.fresh:
         plan.fresh = False
         _compile_ahead(plan, q, k, v, params, out, lse)
     return _forward(plan, q, k, v, params, out, lse)
+
+
+def planned_forward(q, k, v, params: AttentionParams) -> PlannedForward:
+    """The forward plan that runs every call with this call's plan key (out and lse allocated),
+    as a PlannedForward; flash_attn_func keeps it with the call's checked arguments."""
+    plan = _forward_plan(q, k, v, params, None, None)
+    return planned(plan.launches, "planned", lambda: PlannedForward(plan))
+
+
+class PlannedForward(_Kept):
+    """A forward plan as a front door keeps it (_Kept): `run(params, q, k, v)` gives
+    (out, lse)."""
+    __slots__ = ()
+
+    def __init__(self, plan: Plan):
+        self.plan, self.op = plan, "forward"
+
+    def run(self, params: AttentionParams, q, k, v):
+        return _forward(self.plan, q, k, v, params, None, None)
+
+
+def _forward_plan(q, k, v, params: AttentionParams, out, lse) -> Plan:
+    key = ("forward", _layout(q), _layout(k), _layout(v), q.device, _values(params),
+           _layout(out), _layout(lse))
+    return _choose("forward", key, [
+        ("gluon", lambda: forward_hopper.declines(q, k, v, params, out, lse, None)),
+        ("triton", lambda: None)])
 
 
 def _forward(plan: Plan, q, k, v, params: AttentionParams, out, lse):
@@ -287,32 +332,23 @@ def kvcache_step(q, k_cache, v_cache, cache: KVCacheArgs, params: AttentionParam
         ("append, then attention", lambda: None)])
     if plan.kernel != "decode step":
         return None
-    return planned(plan.launches, "step", lambda: PlannedStep(
-        plan.launches, plan.declined, cache.num_splits, cache.max_seqlen_k, cache.q_rows,
-        cache.rotary_interleaved))
+    return planned(plan.launches, "planned", lambda: PlannedStep(
+        plan, cache.num_splits, cache.max_seqlen_k, cache.q_rows, cache.rotary_interleaved))
 
 
-class PlannedStep:
+class PlannedStep(_Kept):
     """A decoding step in the decode kernel alone (decode.Step), as every call of one plan key
-    runs it: splits, the cache-length bound and the rotary layout fixed, so a call passes its
-    params, tensors and cache lengths alone (params' tensors, a sink or ALiBi slopes, change
-    from call to call with the layout the key fixes). `run` launches; calling the object also
-    writes the dispatch log, as a call that finds the plan does."""
-    __slots__ = ("launches", "declined", "num_splits", "max_seqlen_k", "q_rows", "interleaved")
+    runs it, kept by flash_attn_with_kvcache (_Kept): splits, the cache-length bound and the
+    rotary layout fixed, so a call passes its params, tensors and cache lengths alone (params'
+    tensors, a sink or ALiBi slopes, change from call to call with the layout the key
+    fixes)."""
+    __slots__ = ("num_splits", "max_seqlen_k", "q_rows", "interleaved")
 
-    def __init__(self, launches: dict, declined: tuple, num_splits: int, max_seqlen_k: int,
-                 q_rows: int, interleaved: bool):
-        self.launches, self.declined = launches, declined
+    def __init__(self, plan: Plan, num_splits: int, max_seqlen_k: int, q_rows: int,
+                 interleaved: bool):
+        self.plan, self.op = plan, "kvcache"
         self.num_splits, self.max_seqlen_k = num_splits, max_seqlen_k
         self.q_rows, self.interleaved = q_rows, interleaved
-
-    def __call__(self, *args):
-        """run(*args), or None once forget_plans has emptied the plan's launches (the choice
-        may differ now: the caller goes through kvcache_call)."""
-        if not self.launches:
-            return None
-        log_choice("kvcache", "decode step", self.declined)
-        return self.run(*args)
 
     def run(self, params: AttentionParams, q, k_cache, v_cache, k, v, cache_seqlens, cos, sin,
             cache_batch_idx, cache_leftpad, block_table):
@@ -321,7 +357,7 @@ class PlannedStep:
         step = decode.Step(cache_seqlens, k, v, cos, sin, self.interleaved, self.q_rows)
         return decode.forward(q, k_cache, v_cache, None, cache_batch_idx, cache_leftpad,
                               block_table, params, self.num_splits, self.max_seqlen_k,
-                              step=step, plan=self.launches)
+                              step=step, plan=self.plan.launches)
 
 
 def _seqlens(cache: KVCacheArgs):
