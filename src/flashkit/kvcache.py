@@ -103,19 +103,16 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                          window_size, softcap, alibi_slopes, num_splits, backend, sink)
         if key is not None:
             kept.remember(_KEPT_CALLS, key, checked)
-    step = checked.step
-    if step is not None:  # a decoding step seen before: its planned launches take the tensors
-        lengths = cache_seqlens
-        if lengths is None or type(lengths) is int:
-            lengths = checks.host_seqlen(lengths, seqlen_new, checked.capacity)
-        result = step(checked.params, q, k_cache, v_cache, k, v, lengths, rotary_cos,
-                      rotary_sin, cache_batch_idx, cache_leftpad, block_table)
-        if result is not None:  # None: the plans were forgotten since, or another device
-            return result if return_softmax_lse else result[0]
     params, name, capacity, q_rows = (checked.params, checked.backend, checked.capacity,
                                       checked.q_rows)
-    batch, device = q.shape[0], q.device
     host_seqlen = checks.host_seqlen(cache_seqlens, seqlen_new, capacity)
+    if checked.step is not None:  # a decoding step seen before: its planned launches
+        result = checked.step(params, q, k_cache, v_cache, k, v,
+                              cache_seqlens if host_seqlen is None else host_seqlen, rotary_cos,
+                              rotary_sin, cache_batch_idx, cache_leftpad, block_table)
+        if result is not None:  # None: the plans were forgotten since, or another device
+            return result if return_softmax_lse else result[0]
+    batch, device = q.shape[0], q.device
     rotary = rotary_cos is not None or rotary_sin is not None
     max_seqlen_k = capacity  # a bound for the split heuristic, as flash-attn's
     host_checks = device.type == "cpu" or sync_checks or name != "triton"

@@ -84,7 +84,7 @@ class _Kept:
     without this module's key: calling it returns None (the caller then goes through the
     dispatch) once forget_plans has forgotten the plan, or where q is not on the current CUDA
     device (the launches run there); else it writes the dispatch log, as a call that finds the
-    plan does, and returns run's result (run takes params, then q, then the rest)."""
+    plan does, and returns run's result."""
     __slots__ = ("plan", "op")
 
     @property
@@ -92,12 +92,11 @@ class _Kept:
         """Whether the plan is still the dispatch's (not forgotten)."""
         return self.plan.live
 
-    def __call__(self, *args):
-        q = args[1]
+    def __call__(self, params: AttentionParams, q, *tensors):
         if not self.plan.live or (q.is_cuda and q.get_device() != torch.cuda.current_device()):
             return None
         log_choice(self.op, self.plan.kernel, self.plan.declined)
-        return self.run(*args)
+        return self.run(params, q, *tensors)
 
 
 def _choose(op: str, key: tuple, candidates) -> Plan:
