@@ -13,7 +13,9 @@ import pytest
 import torch
 
 import flashkit
+from flashkit import variants
 from flashkit.ops.triton import ahead, dispatch
+from flashkit.variants.mods import Variant
 from helpers import random_qkv
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton kernels' (else interpreted)
@@ -85,7 +87,8 @@ def test_the_plan_key_holds_every_field_a_launch_reads():
                    attn_bias=torch.zeros(1, 4, 5, 5), dropout_p=0.0,
                    cu_seqlens_q=torch.tensor([0, 2, 5], dtype=torch.int32),
                    cu_seqlens_k=torch.tensor([0, 1, 5], dtype=torch.int32), max_seqlen_q=3,
-                   max_seqlen_k=4, deterministic=True, variant=object())
+                   max_seqlen_k=4, deterministic=True,
+                   variant=Variant(mask_mod=variants.causal_mask()))
     per_call = {"dropout_seed"}
     fields = {f.name for f in dataclasses.fields(AttentionParams)}
     assert fields == set(changed) | per_call, "a new AttentionParams field: add it here"
@@ -95,6 +98,24 @@ def test_the_plan_key_holds_every_field_a_launch_reads():
     same = dataclasses.replace(base, dropout_seed=8, alibi_slopes=torch.rand(4),
                                sink=torch.randn(4))
     assert dispatch._values(same) == dispatch._values(base)
+
+
+def test_the_plan_key_tells_the_kinds_of_user_modifiers_apart():
+    """The Gluon forward takes a score_mod and a mask_mod but not a block mask: calls with
+    other kinds of modifiers must not share a kernel choice; calls with the same kinds do
+    (each call's own functions and captured values reach the kernels from its params)."""
+    import dataclasses
+
+    from flashkit.ops.params import AttentionParams
+
+    base = AttentionParams(0.125)
+    mask = flashkit.create_block_mask(variants.causal_mask(), None, None, 64, 64, device="cpu")
+    kinds = [Variant(score_mod=variants.softcap(5.0)), Variant(mask_mod=variants.causal_mask()),
+             Variant(mask_mod=variants.causal_mask(), block_mask=mask), None]
+    keys = [dispatch._values(dataclasses.replace(base, variant=v)) for v in kinds]
+    assert len(set(keys)) == len(kinds)
+    other = Variant(score_mod=variants.relative_bias(torch.randn(2, 5)))
+    assert dispatch._values(dataclasses.replace(base, variant=other)) == keys[0]
 
 
 @pytest.mark.usefixtures("fresh_plans")

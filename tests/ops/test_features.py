@@ -137,6 +137,9 @@ def _check_call(kernel, args: tuple, constexprs: dict, expected: dict, flags: tu
     for name, value in expected.items():
         assert bound[name] == pytest.approx(value), name
     for name, value in bound.items():
+        if name in ("score_args", "mask_args"):  # a user modifier's captured values: none here
+            assert value == (), name
+            continue
         pointer = name[0].isupper() or name.endswith("_desc")
         assert pointer == (not isinstance(value, (int, float))), name
     assert {name: constexprs[name] for name in flags} == {
@@ -169,6 +172,35 @@ def test_gluon_forward_launcher_fills_the_kernel_signature(varlen, monkeypatch):
     assert bound["Sink"].dtype == torch.float32
     if varlen:
         assert bound["Cu_q"] is params.cu_seqlens_q
+
+
+@pytest.mark.skipif(forward_hopper.gluon is None, reason="a Triton without Gluon")
+def test_gluon_forward_launcher_passes_user_modifiers(monkeypatch):
+    """A score_mod's and a mask_mod's functions reach the kernel's SCORE_MOD / MASK_MOD and
+    their captured values its score_args / mask_args, and the launch is prepared for this call
+    alone: a dispatch plan must not keep one call's captured tensors for the next."""
+    import dataclasses
+
+    from flashkit import variants
+    from flashkit.variants.mods import Variant
+
+    q, k, v, params = _inputs(False)
+    table, doc = torch.randn(4, 9), torch.zeros(2, 128, dtype=torch.int32)
+    score, mask = variants.relative_bias(table), variants.document_mask(doc)
+    params = dataclasses.replace(params, variant=Variant(score_mod=score, mask_mod=mask))
+    calls = []
+    monkeypatch.setattr(launch_module, "launch", lambda kernel, grid, tensors, scalars,
+                        constexprs, *rest, **options: calls.append((tensors + scalars,
+                                                                    constexprs)))
+    plan = {}
+    forward_hopper.attention_forward(q, k, v, params, tile=(64, 2, 1, True, False, False),
+                                     plan=plan)
+    (args, constexprs), = calls
+    bound = dict(zip(forward_hopper._fwd_hopper_kernel.arg_names, args, strict=False))
+    assert bound["score_args"] == score.kernel_args()
+    assert bound["mask_args"] == mask.kernel_args()
+    assert constexprs["SCORE_MOD"] is score.jit() and constexprs["MASK_MOD"] is mask.jit()
+    assert plan == {}
 
 
 @pytest.mark.skipif(backward_hopper.gluon is None, reason="a Triton without Gluon")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import logging
 
 import pytest
 import torch
@@ -98,8 +99,10 @@ def test_block_mask_matches_oracle(seqlen, block):
 
 
 def _compiled() -> int:
-    """Kernels compiled so far by the portable forward and backward (every device)."""
+    """Kernels compiled so far by the forwards (portable, sm_90 Gluon) and the portable
+    backward (every device)."""
     kernels = [importlib.import_module("flashkit.ops.triton.forward")._fwd_kernel,
+               importlib.import_module("flashkit.ops.triton.forward_hopper")._fwd_hopper_kernel,
                importlib.import_module("flashkit.ops.triton.backward")._bwd_kernel]
     return sum(len(caches[0]) for kernel in kernels for caches in kernel.device_caches.values())
 
@@ -119,3 +122,56 @@ def test_new_length_compiles_nothing(lengths):
         if seqlen == lengths[0]:
             before = _compiled()
     assert _compiled() == before
+
+
+def _sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.usefixtures("fresh_plans")
+def test_gluon_forward_runs_score_and_mask_mods(caplog):
+    """On sm_90 the Gluon forward takes a score_mod and a mask_mod; a block mask's tile lists
+    are the portable kernel's; the backward is the portable one for every modifier."""
+    q, k, v = (x.cuda().requires_grad_() for x in random_qkv(
+        batch=1, seqlen_q=300, nheads=8, headdim=128, dtype=torch.bfloat16))
+    doc = documents(300, batch=1).cuda()
+    mask = flashkit.create_block_mask(variants.document_mask(doc), 1, None, 300, 300,
+                                      device="cuda")
+    calls = {"score_mod": dict(score_mod=variants.relative_bias(torch.randn(8, 9).cuda())),
+             "mask_mod": dict(mask_mod=variants.document_mask(doc)),
+             "block_mask": dict(block_mask=mask)}
+    ran = {}
+    for name, kwargs in calls.items():
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG, logger="flashkit.dispatch"):
+            flashkit.flash_attn_func(q, k, v, **kwargs).sum().backward()
+        ran[name] = [r.getMessage() for r in caplog.records if r.name == "flashkit.dispatch"]
+    assert ran["score_mod"][0].startswith("forward ran gluon")
+    assert ran["mask_mod"][0].startswith("forward ran gluon")
+    assert ran["block_mask"][0].startswith("forward ran triton; declined: gluon: a block_mask")
+    for messages in ran.values():
+        assert messages[-1].startswith("backward ran triton")
+
+
+@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("dtype, headdim", [(torch.bfloat16, 128), (torch.float16, 64),
+                                            (torch.bfloat16, 256)])
+@pytest.mark.parametrize("lengths", [(203, 461), (640, 640)])
+def test_gluon_forward_combines_modifiers_with_builtin_features(lengths, headdim, dtype):
+    """score_mod after softcap and ALiBi, mask_mod inside a causal window, a sink, GQA, odd
+    lengths: the Gluon forward against the oracle, gradients through the portable backward."""
+    seqlen_q, seqlen_k = lengths
+    q, k, v = random_qkv(batch=2, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads=8, nheads_k=2,
+                         headdim=headdim, dtype=dtype)
+    sink, slopes, table = torch.randn(8), torch.rand(8).cuda(), torch.randn(8, 13)
+
+    def run(backend, q, k, v, sink, table):
+        return (flashkit.flash_attn_func(
+            q, k, v, causal=True, window_size=(97, -1), softcap=20.0, alibi_slopes=slopes,
+            sink=sink, backend=backend, score_mod=variants.relative_bias(table),
+            mask_mod=variants.sliding_window_with_globals(40, 3)),)
+    check_against_oracle(functools.partial(run, "triton"),
+                         _cuda(dict(q=q, k=k, v=v, sink=sink, table=table)),
+                         output_names=("out",), oracle_fn=functools.partial(run, "reference"),
+                         grad_names=("q", "k", "v", "table"))

@@ -52,7 +52,8 @@ Eligible (see `eligible`): what the Gluon forward takes (forward_hopper.gluon_de
 fp16/bf16, head dim 64, 128 or 256, q/k/v in the flash layout so (tokens, heads * d) is a plain
 2-D view for TMA), dense with seqlen_q and seqlen_k multiples of every tile, or varlen; a dense
 call at other lengths runs as varlen with equal lengths (dense_as_varlen), whose tails are
-NaN-safe: nothing the TMA tiles read past a batch entry's end reaches its gradients.
+NaN-safe: nothing the TMA tiles read past a batch entry's end reaches its gradients. No user
+modifiers (flashkit.variants): backward.py's kernels differentiate those.
 """
 
 from __future__ import annotations
@@ -670,6 +671,8 @@ def _declines(q, k, v, dout, lse, params: AttentionParams, dq, dk, dv, tiles) ->
         return "switched off (configs.GLUON_BACKWARD)"
     if set(tiles or {}) - {"hopper", "hopper_dq"}:
         return "a Triton tile was asked for"
+    if params.variant is not None:
+        return "a score_mod, mask_mod or block_mask"
     why = gluon_declines(q, k, v, params, varlen=True)
     if why is None and not (dout.dtype == q.dtype and flash_layout_2d(dout)
                             and flash_layout_2d(lse)):

@@ -135,7 +135,7 @@ def _values(params: AttentionParams) -> tuple:
     if last[0] is params:
         return last[1]
     values = (params.softmax_scale, params.window_left, params.window_right, params.softcap,
-              params.dropout_p, params.deterministic, params.variant is None,
+              params.dropout_p, params.deterministic, _variant_kind(params.variant),
               _layout(params.alibi_slopes), _layout(params.sink), _layout(params.attn_bias),
               _layout(params.cu_seqlens_q), _layout(params.cu_seqlens_k), params.max_seqlen_q,
               params.max_seqlen_k)
@@ -144,6 +144,15 @@ def _values(params: AttentionParams) -> tuple:
 
 
 _last_values: tuple = (None, None)  # (params, _values(params)) of the last params seen
+
+
+def _variant_kind(variant) -> tuple | None:
+    """What a kernel choice reads of a user's modifiers: which of them the call has (the
+    kernels take their functions and captured values from each call's params)."""
+    if variant is None:
+        return None
+    return (variant.score_mod is not None, variant.mask_mod is not None,
+            variant.block_mask is not None, bool(variant.packing))
 
 
 # --- forward and backward ----------------------------------------------------------------------

@@ -54,8 +54,9 @@ own Philox core), so either backward regenerates what this forward dropped.
 
 Eligible (see `eligible`): CUDA sm_90, fp16/bf16, head dim 64, 128 or 256 (q, k, v alike),
 dense or varlen, any seqlen_q / seqlen_k, any window (causal included), softcap, ALiBi, sink,
-GQA, dropout; not an SDPA bias; q/k/v contiguous in the flash-attn layout (so (tokens, heads * d) is
-a plain 2-D view for TMA). Same outputs as forward.py: out in out's dtype, lse (batch, heads,
+GQA, dropout, a user's score_mod and mask_mod (flashkit.variants, called where the built-in
+terms are: _softmax_step); not an SDPA bias or a block mask; q/k/v contiguous in the
+flash-attn layout (so (tokens, heads * d) is a plain 2-D view for TMA). Same outputs as forward.py: out in out's dtype, lse (batch, heads,
 seqlen_q) or varlen (heads, total_q) float32 natural log, a row with no visible key (and no
 sink) gives out 0, lse -inf.
 """
@@ -80,6 +81,9 @@ from flashkit.ops.triton.common import (
     softmax_denominator,
     softmax_lse,
     softmax_start,
+    user_score,
+    user_visible,
+    variant_args,
     visible,
 )
 from flashkit.ops.triton.configs import GLUON_FORWARD, gluon_forward_tile
@@ -177,9 +181,10 @@ if gluon is not None:
         return op
 
     @gluon.jit
-    def _softmax_step(qk, m_i, l_i, rows, cols, col0, geo, alibi, MASK: gl.constexpr,
+    def _softmax_step(qk, m_i, l_i, rows, cols, col0, geo, alibi, user, MASK: gl.constexpr,
                       HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-                      ALIBI: gl.constexpr, ALIBI_SIDE: gl.constexpr):
+                      ALIBI: gl.constexpr, ALIBI_SIDE: gl.constexpr, SCORE_MOD: gl.constexpr,
+                      MASK_MOD: gl.constexpr):
         """Online softmax of raw scores qk [BLOCK_M, BLOCK_N] for query rows `rows` [BLOCK_M, 1]
         and key columns `cols` = col0 + [0, BLOCK_N) as [1, BLOCK_N]. Plain scores take the row
         max on qk and scale it after (qk_scale > 0), so s - m is one FMA per element; softcap
@@ -195,9 +200,16 @@ if gluon is not None:
         for every tile (alibi[1]), so the tile costs one add per element more than plain.
 
         SOFTCAP_BOUNDED: m_i is a fixed bound of the row's scores (_consumer, softcap_mode), so
-        there is no row max and alpha is 1 (the caller skips rescaling O)."""
+        there is no row max and alpha is 1 (the caller skips rescaling O).
+
+        A user's modifiers (flashkit.variants; user = (off_b, off_h, score_args, mask_args)):
+        SCORE_MOD takes the whole score in log2 units after the built-in terms (so no ALiBi
+        side split: the caller passes ALIBI_SIDE 0), MASK_MOD joins the band predicate (the
+        caller masks every tile), both as the portable kernels call them
+        (common.user_score, common.user_visible)."""
         seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale = geo
         alibi_log2, alibi_cols = alibi
+        off_b, off_h, score_args, mask_args = user
         row_bias = gl.zeros_like(m_i)  # subtracted from each row after the max (side tiles)
         BOUNDED: gl.constexpr = SOFTCAP == SOFTCAP_BOUNDED_GL
         if SOFTCAP and not ALIBI:  # tanh(scale qk / c), scaled by qk_scale as plain qk
@@ -216,9 +228,16 @@ if gluon is not None:
         else:
             s = qk
             scale = qk_scale
+        if SCORE_MOD is not None:
+            s = user_score(s * scale, off_b, off_h, rows, cols, seqlen_q, seqlen_k, SCORE_MOD,
+                           score_args)
+            scale = 1.0
         if MASK:
             keep = visible(rows, cols, seqlen_q, seqlen_k, window_left, window_right, HAS_LEFT,
                            HAS_RIGHT)
+            if MASK_MOD is not None:
+                keep = user_visible(keep, off_b, off_h, rows, cols, seqlen_q, seqlen_k, MASK_MOD,
+                                    mask_args)
             s = gl.where(keep, s, float("-inf"))
         if BOUNDED:
             m_new = m_i
@@ -284,14 +303,15 @@ if gluon is not None:
                         CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, MASK: gl.constexpr,
                         HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                         SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, ALIBI_SIDE: gl.constexpr,
-                        DROPOUT: gl.constexpr, s_layout: gl.constexpr,
-                        o_layout: gl.constexpr, p_layout: gl.constexpr):
+                        DROPOUT: gl.constexpr, SCORE_MOD: gl.constexpr, MASK_MOD: gl.constexpr,
+                        s_layout: gl.constexpr, o_layout: gl.constexpr,
+                        p_layout: gl.constexpr):
         """S_tile and P_{tile-1} V_{tile-1} in flight together, softmax of S_tile meant to run
         under the second (see the wait below); state (acc, P, m, l) -> (acc rescaled to
         m_tile, P_tile as the next A operand, m, l). ctx: see _consumer. DROPOUT zeroes
         dropped P after l summed it (lse and l stay pre-dropout)."""
         (descs, smem, bars, q_tile, row0, rows, n_tiles, key0, key_start, kv_col, geo, alibi,
-         drop, ring, turn0) = ctx
+         user, drop, ring, turn0) = ctx
         acc, p_op, m_i, l_i = state
         q_smem, k_smem, v_smem = smem
         q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, turns, tails = bars
@@ -315,8 +335,8 @@ if gluon is not None:
         col0 = key_start + tile * BLOCK_N
         cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, rows, gl.expand_dims(cols, 0), col0,
-                                           geo, alibi, MASK, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-                                           ALIBI, ALIBI_SIDE)
+                                           geo, alibi, user, MASK, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+                                           ALIBI, ALIBI_SIDE, SCORE_MOD, MASK_MOD)
         p_next = gl.convert_layout(_p_operand(p, kept, q_tile.dtype, s_layout, DROPOUT),
                                    p_layout)
         # The softmax results pass through the wait so that the compiler cannot sink the softmax
@@ -339,14 +359,15 @@ if gluon is not None:
                SPECIALIZED: gl.constexpr, CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr,
                PINGPONG: gl.constexpr, MASK: gl.constexpr, HAS_LEFT: gl.constexpr,
                HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
-               ALIBI_SIDE: gl.constexpr, DROPOUT: gl.constexpr, s_layout: gl.constexpr,
-               o_layout: gl.constexpr, p_layout: gl.constexpr):
+               ALIBI_SIDE: gl.constexpr, DROPOUT: gl.constexpr, SCORE_MOD: gl.constexpr,
+               MASK_MOD: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
+               p_layout: gl.constexpr):
         """_pipelined_step over tiles [start, end), one variant of masking and ALiBi side."""
         for tile in range(start, end):
             state = _pipelined_step(ctx, state, tile, BLOCK_N, NUM_STAGES, SPECIALIZED,
                                     CONSUMER, CONSUMERS, PINGPONG, MASK, HAS_LEFT, HAS_RIGHT,
-                                    SOFTCAP, ALIBI, ALIBI_SIDE, DROPOUT, s_layout, o_layout,
-                                    p_layout)
+                                    SOFTCAP, ALIBI, ALIBI_SIDE, DROPOUT, SCORE_MOD, MASK_MOD,
+                                    s_layout, o_layout, p_layout)
         return state
 
     @gluon.jit
@@ -355,17 +376,22 @@ if gluon is not None:
                   CONSUMERS: gl.constexpr, SPECIALIZED: gl.constexpr, PINGPONG: gl.constexpr,
                   HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
                   ALIBI: gl.constexpr, SINK: gl.constexpr, DROPOUT: gl.constexpr,
-                  KEY_TAIL: gl.constexpr):
+                  KEY_TAIL: gl.constexpr, SCORE_MOD: gl.constexpr, MASK_MOD: gl.constexpr):
         """One warpgroup: query rows start_m + CONSUMER * BLOCK_M ... over the work item's key
         tiles [lo, lo + n_tiles * BLOCK_N), then out and lse of its rows. ring: the K/V tiles
         the program consumed before this item (ring buffer positions continue across a
         persistent program's items), items: its earlier items with tiles (Q's phase; each took
-        n_tiles + 1 turns, so this item's turns start at ring + items)."""
+        n_tiles + 1 turns, so this item's turns start at ring + items). A MASK_MOD masks every
+        tile, the visible middle's too; a SCORE_MOD takes the middle's ALiBi tiles whole."""
         (out_base, lse_base, Alibi, Sink, stride_os, stride_ab, stride_ah, off_b, off_h, start_m,
          lo, n_tiles, key0, kv_col, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
-         softcap_scale, seed_lo, seed_hi, dropout_threshold, dropout_scale) = scalars
+         softcap_scale, seed_lo, seed_hi, dropout_threshold, dropout_scale, score_args,
+         mask_args) = scalars
         geo = (seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale)
+        user = (off_b, off_h, score_args, mask_args)
         drop = (seed_lo, seed_hi, dropout_threshold, off_b, off_h)
+        MIDDLE_MASK: gl.constexpr = MASK_MOD is not None
+        ALIBI_SIDES: gl.constexpr = ALIBI and SCORE_MOD is None
         q_smem, k_smem, v_smem = smem
         q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, turns, tails = bars
         dtype: gl.constexpr = q_smem.dtype
@@ -404,7 +430,7 @@ if gluon is not None:
         q_tile = q_smem.index(CONSUMER)
         turn0 = ring + items
         ctx = (descs, smem, bars, q_tile, row0, rows, n_tiles, key0, lo, kv_col, geo, alibi,
-               drop, ring, turn0)
+               user, drop, ring, turn0)
         if n_tiles > 0:
             # Tile 0 on its own: its scores, nothing to add to O yet (masked: exact anywhere).
             first = ring % NUM_STAGES
@@ -422,39 +448,42 @@ if gluon is not None:
             _release_k(k_empty, first, SPECIALIZED)
             cols = lo + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
             p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, rows, gl.expand_dims(cols, 0), lo,
-                                               geo, alibi, True, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-                                               ALIBI, 0)
+                                               geo, alibi, user, True, HAS_LEFT, HAS_RIGHT,
+                                               SOFTCAP, ALIBI, 0, SCORE_MOD, MASK_MOD)
             state = (acc, gl.convert_layout(_p_operand(p, kept, dtype, s_layout, DROPOUT),
                                             p_layout), m_i, l_i)
 
             if HAS_LEFT:  # masked tiles left of the visible middle
                 state = _steps(ctx, state, 1, t_lo, BLOCK_N, NUM_STAGES, SPECIALIZED, CONSUMER,
                                CONSUMERS, PINGPONG, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, 0,
-                               DROPOUT, s_layout, o_layout, p_layout)
-            if ALIBI:  # the middle by the side of the diagonal it lies on (see _softmax_step)
+                               DROPOUT, SCORE_MOD, MASK_MOD, s_layout, o_layout, p_layout)
+            if ALIBI_SIDES:  # the middle by the side of the diagonal it lies on (_softmax_step)
                 shift = seqlen_k - seqlen_q
                 left_end = gl.minimum(gl.maximum(gl.maximum(row0 + shift - lo + 1, 0) // BLOCK_N,
                                                  t_lo), t_hi)
                 right_start = gl.minimum(gl.maximum(
                     gl.cdiv(gl.maximum(row0 + BM - 1 + shift - lo, 0), BLOCK_N), left_end), t_hi)
                 state = _steps(ctx, state, t_lo, left_end, BLOCK_N, NUM_STAGES, SPECIALIZED,
-                               CONSUMER, CONSUMERS, PINGPONG, False, HAS_LEFT, HAS_RIGHT,
-                               SOFTCAP, ALIBI, 1, DROPOUT, s_layout, o_layout, p_layout)
+                               CONSUMER, CONSUMERS, PINGPONG, MIDDLE_MASK, HAS_LEFT, HAS_RIGHT,
+                               SOFTCAP, ALIBI, 1, DROPOUT, SCORE_MOD, MASK_MOD, s_layout,
+                               o_layout, p_layout)
                 state = _steps(ctx, state, left_end, right_start, BLOCK_N, NUM_STAGES,
-                               SPECIALIZED, CONSUMER, CONSUMERS, PINGPONG, False, HAS_LEFT,
-                               HAS_RIGHT, SOFTCAP, ALIBI, 0, DROPOUT, s_layout, o_layout,
-                               p_layout)
+                               SPECIALIZED, CONSUMER, CONSUMERS, PINGPONG, MIDDLE_MASK, HAS_LEFT,
+                               HAS_RIGHT, SOFTCAP, ALIBI, 0, DROPOUT, SCORE_MOD, MASK_MOD,
+                               s_layout, o_layout, p_layout)
                 state = _steps(ctx, state, right_start, t_hi, BLOCK_N, NUM_STAGES, SPECIALIZED,
-                               CONSUMER, CONSUMERS, PINGPONG, False, HAS_LEFT, HAS_RIGHT,
-                               SOFTCAP, ALIBI, -1, DROPOUT, s_layout, o_layout, p_layout)
+                               CONSUMER, CONSUMERS, PINGPONG, MIDDLE_MASK, HAS_LEFT, HAS_RIGHT,
+                               SOFTCAP, ALIBI, -1, DROPOUT, SCORE_MOD, MASK_MOD, s_layout,
+                               o_layout, p_layout)
             else:
                 state = _steps(ctx, state, t_lo, t_hi, BLOCK_N, NUM_STAGES, SPECIALIZED,
-                               CONSUMER, CONSUMERS, PINGPONG, False, HAS_LEFT, HAS_RIGHT,
-                               SOFTCAP, ALIBI, 0, DROPOUT, s_layout, o_layout, p_layout)
+                               CONSUMER, CONSUMERS, PINGPONG, MIDDLE_MASK, HAS_LEFT, HAS_RIGHT,
+                               SOFTCAP, ALIBI, 0, DROPOUT, SCORE_MOD, MASK_MOD, s_layout,
+                               o_layout, p_layout)
             # diagonal, right bound, last tile
             state = _steps(ctx, state, t_hi, n_tiles, BLOCK_N, NUM_STAGES, SPECIALIZED,
                            CONSUMER, CONSUMERS, PINGPONG, True, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-                           ALIBI, 0, DROPOUT, s_layout, o_layout, p_layout)
+                           ALIBI, 0, DROPOUT, SCORE_MOD, MASK_MOD, s_layout, o_layout, p_layout)
             acc, p_op, m_i, l_i = state
             if SPECIALIZED:  # every S wgmma of this item completed: Q's buffer is free
                 mbarrier.arrive(q_empty.index(CONSUMER), count=1)
@@ -570,7 +599,7 @@ if gluon is not None:
         (Out, Lse, Alibi, Sink, Cu_q, Cu_k, Used_k, stride_ob, stride_os, stride_oh, stride_lb,
          stride_lh, stride_ab, stride_ah, nheads, group, seqlen_q, seqlen_k, window_left,
          window_right, qk_scale, softcap_scale, seed_lo, seed_hi, dropout_threshold,
-         dropout_scale, paging) = problem
+         dropout_scale, paging, score_args, mask_args) = problem
         off_b = pid_bh // nheads
         off_h = pid_bh % nheads
         start_m = pid_m * BLOCK_Q
@@ -593,7 +622,7 @@ if gluon is not None:
         scalars = (out_base, lse_base, Alibi, Sink, stride_os, stride_ab, stride_ah, off_b, off_h,
                    start_m, lo, n_tiles, key0, kv_col, seqlen_q, seqlen_k, window_left,
                    window_right, qk_scale, softcap_scale, seed_lo, seed_hi, dropout_threshold,
-                   dropout_scale)
+                   dropout_scale, score_args, mask_args)
         return scalars, (n_tiles, key0, kv_col, q_row0 + start_m, off_h * HEAD_DIM), in_sequence
 
     @gluon.jit
@@ -619,7 +648,8 @@ if gluon is not None:
                    PINGPONG: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                    SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINK: gl.constexpr,
                    DROPOUT: gl.constexpr, KEY_TAIL: gl.constexpr, VARLEN: gl.constexpr,
-                   SEQUSED_K: gl.constexpr, PERSISTENT: gl.constexpr):
+                   SEQUSED_K: gl.constexpr, PERSISTENT: gl.constexpr, SCORE_MOD: gl.constexpr,
+                   MASK_MOD: gl.constexpr):
         """One partition of a specialized program, consumer ROLE (0 ..) or the producer warp
         (ROLE == PRODUCER), over the program's one item (work = (scalars, loads) of
         _work_item) or, PERSISTENT, items program_id, + num_programs, ... < n_items (work =
@@ -634,7 +664,7 @@ if gluon is not None:
                                                BLOCK_N, HAS_LEFT, HAS_RIGHT, VARLEN, SEQUSED_K)
                 _item_partition(descs, smem, bars, scalars, loads, ring, items, ROLE, HEAD_DIM,
                                 BLOCK_N, NUM_STAGES, CONSUMERS, PINGPONG, HAS_LEFT, HAS_RIGHT,
-                                SOFTCAP, ALIBI, SINK, DROPOUT, KEY_TAIL)
+                                SOFTCAP, ALIBI, SINK, DROPOUT, KEY_TAIL, SCORE_MOD, MASK_MOD)
                 n_tiles = loads[0]
                 ring += n_tiles
                 items += (n_tiles > 0).to(gl.int32)
@@ -642,7 +672,7 @@ if gluon is not None:
             scalars, loads = work
             _item_partition(descs, smem, bars, scalars, loads, 0, 0, ROLE, HEAD_DIM, BLOCK_N,
                             NUM_STAGES, CONSUMERS, PINGPONG, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-                            ALIBI, SINK, DROPOUT, KEY_TAIL)
+                            ALIBI, SINK, DROPOUT, KEY_TAIL, SCORE_MOD, MASK_MOD)
 
     @gluon.jit
     def _item_partition(descs, smem, bars, scalars, loads, ring, items, ROLE: gl.constexpr,
@@ -650,7 +680,8 @@ if gluon is not None:
                         NUM_STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
                         PINGPONG: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                         SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINK: gl.constexpr,
-                        DROPOUT: gl.constexpr, KEY_TAIL: gl.constexpr):
+                        DROPOUT: gl.constexpr, KEY_TAIL: gl.constexpr, SCORE_MOD: gl.constexpr,
+                        MASK_MOD: gl.constexpr):
         """_partition's work on one item: the producer's loads or a consumer's rows."""
         if ROLE < 0:
             n_tiles, key0, kv_col, q_row, q_col = loads
@@ -659,7 +690,7 @@ if gluon is not None:
         else:
             _consumer(descs, smem, bars, scalars, ring, items, ROLE, HEAD_DIM, BLOCK_N,
                       NUM_STAGES, CONSUMERS, True, PINGPONG, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-                      ALIBI, SINK, DROPOUT, KEY_TAIL)
+                      ALIBI, SINK, DROPOUT, KEY_TAIL, SCORE_MOD, MASK_MOD)
 
     @gluon.jit(do_not_specialize=["seed_lo", "seed_hi", "dropout_threshold", "n_items"])
     def _fwd_hopper_kernel(q_desc, k_desc, v_desc, Out, Lse, Alibi, Sink, Cu_q, Cu_k, Used_k,
@@ -667,7 +698,7 @@ if gluon is not None:
                            stride_ab, stride_ah, nheads, group, seqlen_q, seqlen_k, window_left,
                            window_right, qk_scale, softcap_scale, seed_lo, seed_hi,
                            dropout_threshold, dropout_scale, n_items, stride_table, page_shift,
-                           HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                           score_args, mask_args, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                            NUM_STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
                            SPECIALIZED: gl.constexpr, PINGPONG: gl.constexpr,
                            PERSISTENT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
@@ -676,6 +707,7 @@ if gluon is not None:
                            DROPOUT: gl.constexpr, VARLEN: gl.constexpr,
                            SEQUSED_K: gl.constexpr, KEY_TAIL: gl.constexpr,
                            PAGED: gl.constexpr, SPLIT_LOADS: gl.constexpr,
+                           SCORE_MOD: gl.constexpr, MASK_MOD: gl.constexpr,
                            num_warps: gl.constexpr):
         """Work items (_work_item) of CONSUMERS * 64 query rows of one (batch, head), n_items =
         n_m * batch * heads with n_m = cdiv(seqlen_q, CONSUMERS * 64). One program per item
@@ -688,7 +720,9 @@ if gluon is not None:
         paged cache (num_blocks * page_size, hk * HEAD_DIM) in [min(page_size, BLOCK_N),
         HEAD_DIM] boxes, sequence b's key j in page Table[b * stride_table + (j >> page_shift)]
         (kv_tile_rows); Cu_k is not read for rows then. SPLIT_LOADS (PAGED, two consumers): two
-        producer warps, one loading Q and K, one V."""
+        producer warps, one loading Q and K, one V. SCORE_MOD / MASK_MOD: a user's modifiers
+        (flashkit.variants: their @triton.jit functions, captured values in score_args /
+        mask_args), as _softmax_step applies them."""
         BLOCK_Q: gl.constexpr = CONSUMERS * BM
         paging = ()
         if PAGED:
@@ -696,7 +730,7 @@ if gluon is not None:
         problem = (Out, Lse, Alibi, Sink, Cu_q, Cu_k, Used_k, stride_ob, stride_os, stride_oh,
                    stride_lb, stride_lh, stride_ab, stride_ah, nheads, group, seqlen_q,
                    seqlen_k, window_left, window_right, qk_scale, softcap_scale, seed_lo,
-                   seed_hi, dropout_threshold, dropout_scale, paging)
+                   seed_hi, dropout_threshold, dropout_scale, paging, score_args, mask_args)
         if PERSISTENT:
             work = (problem, gl.cdiv(seqlen_q, BLOCK_Q), n_items)
         else:  # heaviest causal rows first
@@ -744,26 +778,26 @@ if gluon is not None:
                     (_partition, (descs, smem, bars, work, 0, HEAD_DIM, BLOCK_N,
                                         NUM_STAGES, CONSUMERS, PINGPONG, HAS_LEFT, HAS_RIGHT,
                                         SOFTCAP, ALIBI, SINK, DROPOUT, KEY_TAIL, VARLEN,
-                                        SEQUSED_K, PERSISTENT)),
+                                        SEQUSED_K, PERSISTENT, SCORE_MOD, MASK_MOD)),
                     (_partition, (descs, smem, bars, work, PRODUCER, HEAD_DIM, BLOCK_N,
                                         NUM_STAGES, CONSUMERS, PINGPONG, HAS_LEFT, HAS_RIGHT,
                                         SOFTCAP, ALIBI, SINK, DROPOUT, KEY_TAIL, VARLEN,
-                                        SEQUSED_K, PERSISTENT))],
+                                        SEQUSED_K, PERSISTENT, SCORE_MOD, MASK_MOD))],
                     [1], [PRODUCER_REGS_GL])
             elif CONSUMERS == 2 and not SPLIT_LOADS:
                 gl.warp_specialize([
                     (_partition, (descs, smem, bars, work, 0, HEAD_DIM, BLOCK_N,
                                         NUM_STAGES, CONSUMERS, PINGPONG, HAS_LEFT, HAS_RIGHT,
                                         SOFTCAP, ALIBI, SINK, DROPOUT, KEY_TAIL, VARLEN,
-                                        SEQUSED_K, PERSISTENT)),
+                                        SEQUSED_K, PERSISTENT, SCORE_MOD, MASK_MOD)),
                     (_partition, (descs, smem, bars, work, PRODUCER, HEAD_DIM, BLOCK_N,
                                         NUM_STAGES, CONSUMERS, PINGPONG, HAS_LEFT, HAS_RIGHT,
                                         SOFTCAP, ALIBI, SINK, DROPOUT, KEY_TAIL, VARLEN,
-                                        SEQUSED_K, PERSISTENT)),
+                                        SEQUSED_K, PERSISTENT, SCORE_MOD, MASK_MOD)),
                     (_partition, (descs, smem, bars, work, 1, HEAD_DIM, BLOCK_N,
                                         NUM_STAGES, CONSUMERS, PINGPONG, HAS_LEFT, HAS_RIGHT,
                                         SOFTCAP, ALIBI, SINK, DROPOUT, KEY_TAIL, VARLEN,
-                                        SEQUSED_K, PERSISTENT))],
+                                        SEQUSED_K, PERSISTENT, SCORE_MOD, MASK_MOD))],
                     [1, 4], [PRODUCER_REGS_GL, CONSUMER_REGS])
             else:  # three consumers, or two with SPLIT_LOADS: V's producer warp, then consumer 1
                 ROLE_1: gl.constexpr = PRODUCER_QK if SPLIT_LOADS else PRODUCER
@@ -773,19 +807,19 @@ if gluon is not None:
                     (_partition, (descs, smem, bars, work, 0, HEAD_DIM, BLOCK_N,
                                         NUM_STAGES, CONSUMERS, PINGPONG, HAS_LEFT, HAS_RIGHT,
                                         SOFTCAP, ALIBI, SINK, DROPOUT, KEY_TAIL, VARLEN,
-                                        SEQUSED_K, PERSISTENT)),
+                                        SEQUSED_K, PERSISTENT, SCORE_MOD, MASK_MOD)),
                     (_partition, (descs, smem, bars, work, ROLE_1, HEAD_DIM, BLOCK_N,
                                         NUM_STAGES, CONSUMERS, PINGPONG, HAS_LEFT, HAS_RIGHT,
                                         SOFTCAP, ALIBI, SINK, DROPOUT, KEY_TAIL, VARLEN,
-                                        SEQUSED_K, PERSISTENT)),
+                                        SEQUSED_K, PERSISTENT, SCORE_MOD, MASK_MOD)),
                     (_partition, (descs, smem, bars, work, ROLE_2, HEAD_DIM, BLOCK_N,
                                         NUM_STAGES, CONSUMERS, PINGPONG, HAS_LEFT, HAS_RIGHT,
                                         SOFTCAP, ALIBI, SINK, DROPOUT, KEY_TAIL, VARLEN,
-                                        SEQUSED_K, PERSISTENT)),
+                                        SEQUSED_K, PERSISTENT, SCORE_MOD, MASK_MOD)),
                     (_partition, (descs, smem, bars, work, ROLE_3, HEAD_DIM, BLOCK_N,
                                         NUM_STAGES, CONSUMERS, PINGPONG, HAS_LEFT, HAS_RIGHT,
                                         SOFTCAP, ALIBI, SINK, DROPOUT, KEY_TAIL, VARLEN,
-                                        SEQUSED_K, PERSISTENT))],
+                                        SEQUSED_K, PERSISTENT, SCORE_MOD, MASK_MOD))],
                     [1, 1 if SPLIT_LOADS else 4, 4],
                     [PRODUCER_REGS_GL, PRODUCER_REGS_GL if SPLIT_LOADS else CONSUMER_REGS,
                      CONSUMER_REGS])
@@ -800,7 +834,7 @@ if gluon is not None:
                                key0, kv_col, BLOCK_N, NUM_STAGES)
             _consumer(descs, smem, bars, scalars, 0, 0, 0, HEAD_DIM, BLOCK_N, NUM_STAGES,
                       CONSUMERS, SPECIALIZED, PINGPONG, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, SINK,
-                      DROPOUT, KEY_TAIL)
+                      DROPOUT, KEY_TAIL, SCORE_MOD, MASK_MOD)
 
         mbarrier.invalidate(tails)
         for c in gl.static_range(CONSUMERS):
@@ -818,15 +852,14 @@ def gluon_declines(q, k, v, params: AttentionParams, varlen: bool = False) -> st
     """Why the Gluon kernels (this forward, backward_hopper's backward) cannot take a call, or
     None: they need Gluon on an sm_90 GPU, non-empty fp16/bf16 q/k/v of one head dim in
     HEAD_DIMS in the flash layout, no bias, a positive scale; dense, or varlen too where the
-    caller says it takes it (varlen=True). Each kernel's `declines` adds its own conditions."""
+    caller says it takes it (varlen=True). Each kernel's `declines` adds its own conditions
+    (a user's modifiers among them)."""
     if gluon is None or interpreting():
         return "no Gluon (the interpreter, or a Triton without it)"
     if params.is_varlen and not varlen:
         return "varlen"
     if params.attn_bias is not None or not params.softmax_scale > 0:
         return "an attention bias or a scale <= 0"
-    if params.variant is not None:
-        return "a score_mod, mask_mod or block_mask"
     if not (q.is_cuda and device_properties(q.device).major == 9):
         return "not an sm_90 GPU"
     head_dim = q.shape[-1]
@@ -843,11 +876,14 @@ def gluon_declines(q, k, v, params: AttentionParams, varlen: bool = False) -> st
 
 
 def declines(q, k, v, params: AttentionParams, out, lse, tile) -> str | None:
-    """Why this kernel does not compute the call (forward.py's kernel does), or None."""
+    """Why this kernel does not compute the call (forward.py's kernel does), or None. It takes
+    a user's score_mod and mask_mod, not yet a block mask's lists of tiles."""
     if not GLUON_FORWARD:
         return "switched off (configs.GLUON_FORWARD)"
     if tile is not None:
         return "a Triton tile was asked for"
+    if params.variant is not None and params.variant.block_mask is not None:
+        return "a block_mask"
     why = gluon_declines(q, k, v, params, varlen=True)
     if why is None and not ((out is None or out.stride(-1) == 1)
                             and (lse is None or lse.stride(-1) == 1)):
@@ -867,9 +903,11 @@ def softcap_mode(params: AttentionParams, dtype, qk_scale, softcap) -> int:
     bf16 (offset 0) keeps P <= 1 like the running max and needs 2 c log2(e) <= 100 (c <= 34.6),
     so a row's largest P is >= 2^-100 and whatever fp32's flush to zero below 2^-126 drops is
     < 2^-26 of it; fp16 (offset 15) keeps P <= 2^15 (< 65504) and a row's largest P >= 1, as
-    the running max's, with 2 c log2(e) <= 15 (c <= 5.2)."""
+    the running max's, with 2 c log2(e) <= 15 (c <= 5.2). A user's score_mod may move the
+    scores anywhere: the running max then."""
     width, _ = BOUNDED_RANGE.get(dtype, (0.0, 0.0))
     if (softcap == SOFTCAP_FAST and params.alibi_slopes is None and params.sink is None
+            and (params.variant is None or params.variant.score_mod is None)
             and 2 * qk_scale <= width):
         return SOFTCAP_BOUNDED
     return softcap
@@ -913,7 +951,12 @@ def attention_forward(q, k, v, params: AttentionParams, out=None, lse=None, tile
     page_size, hk, d) with page_size a power of two >= 16: key j of sequence b
     is slot j % page_size of page block_table[b, j // page_size]; cu_seqlens_k is not read
     (any int32 (batch + 1,), e.g. cu_seqlens_q). Only the table entries of pages below
-    seqused_k[b] are read."""
+    seqused_k[b] are read.
+
+    A user's modifiers (params.variant) capture this call's own tensors, which a prepared
+    launch would keep: such a call prepares its launch afresh (plan unused)."""
+    if params.variant is not None:
+        plan = None
     if out is None:  # empty_like: a third of torch.empty's host time for the same tensor
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if lse is None:
@@ -931,7 +974,9 @@ def _prepare(q, k, v, params: AttentionParams, out, lse, tile, seqused_k, block_
     strides and dtypes of q, k, v, out and lse, params' values (its tensors' layouts, not their
     contents), the tile, and whether seqused_k and block_table are given (the table's stride).
     Its tensors: q, k, v (the descriptors' bases), out, lse, the feature tensors, seqused_k and
-    block_table (lse standing in for those absent); each call passes its dropout seed."""
+    block_table (lse standing in for those absent); each call passes its dropout seed. A
+    user's modifiers' captured values are scalars of this launch (a call with them prepares
+    its own: attention_forward)."""
     paged = block_table is not None
     if paged:  # (num_blocks, page_size, hk, d) -> rows (num_blocks * page_size, hk, d)
         page_size = k.shape[1]
@@ -954,12 +999,14 @@ def _prepare(q, k, v, params: AttentionParams, out, lse, tile, seqused_k, block_
     config = launch_config(tile)
     descriptors = {0: flash_descriptor(q, BLOCK_M), 1: flash_descriptor(k, block_n, box_rows),
                    2: flash_descriptor(v, block_n, box_rows)}
+    score_args, mask_args, _, variant = variant_args(params)
     return Prepared(_fwd_hopper_kernel, grid, (
         *f.strides(out)[:3], *f.strides(lse)[:2], *f.alibi_strides, f.nheads,
-        f.nheads // f.nheads_k, *f.band, *f.scores, *f.dropout, n_items, *paging), dict(
+        f.nheads // f.nheads_k, *f.band, *f.scores, *f.dropout, n_items, *paging, score_args,
+        mask_args), dict(
         HEAD_DIM=head_dim, BLOCK_N=block_n, NUM_STAGES=num_stages, CONSUMERS=consumers,
         SPECIALIZED=specialized, PINGPONG=pingpong and consumers >= 2, PERSISTENT=persistent,
         CONSUMER_REGS=config.pop("CONSUMER_REGS"), **f.flags, SEQUSED_K=seqused_k is not None,
         KEY_TAIL=f.varlen or f.seqlen_k % block_n != 0, PAGED=paged,
-        SPLIT_LOADS=paged and specialized and consumers == 2,
-        num_warps=config.pop("num_warps")), descriptors=descriptors, varying=SEED, **config)
+        SPLIT_LOADS=paged and specialized and consumers == 2, SCORE_MOD=variant["SCORE_MOD"],
+        MASK_MOD=variant["MASK_MOD"], num_warps=config.pop("num_warps")), descriptors=descriptors, varying=SEED, **config)
