@@ -187,9 +187,13 @@ def part_captured(p: dict, compiled, record) -> None:
     for name, tensor in CAPTURED.items():
         learned = dict(p, **{tensor: p[tensor].detach().clone().requires_grad_()})
         ours = time_ours(learned, [learned[tensor]], **ours_mods(name, learned))
-        theirs = time_flex(learned, compiled, [learned[tensor]], **flex_mods(name, learned))
+        failed = {}
+        try:
+            theirs = time_flex(learned, compiled, [learned[tensor]], **flex_mods(name, learned))
+        except Exception as error:  # Flex's compile can fail (shared memory): say so, go on
+            theirs, failed = (float("nan"),) * 3, dict(flex_error=str(error).splitlines()[-1])
         record("captured", dict(example=name, learned=tensor, seqlen=p["seqlen"],
-                                batch=p["batch"], **comparison(ours, theirs)))
+                                batch=p["batch"], **comparison(ours, theirs), **failed))
 
 
 # Candidate d128 tile sets of the variant kernels, each (forward, dK/dV, dQ) as (BLOCK_M, BLOCK_N,
@@ -351,7 +355,7 @@ _COMPARED = ["flashkit_fwd_ms", "flex_fwd_ms", "speedup_fwd", "flashkit_bwd_ms",
              "speedup_bwd", "flashkit_step_ms", "flex_step_ms", "speedup_step"]
 COLUMNS = {
     "examples": ["example", "seqlen", *_COMPARED],
-    "captured": ["example", "learned", "seqlen", *_COMPARED],
+    "captured": ["example", "learned", "seqlen", *_COMPARED, "flex_error"],
     "builtins": ["feature", "seqlen", "builtin_fwd_ms", "mod_fwd_ms", "ratio_fwd",
                  "builtin_bwd_ms", "mod_bwd_ms", "ratio_bwd"],
     "configs": ["tiles", "example", "seqlen", "fwd_ms", "bwd_ms", "step_ms"],
