@@ -205,8 +205,9 @@ def _tensor_facts(t) -> tuple:
 
 class _KeptDense:
     """A kept flash_attn_func call: its AttentionParams, the backend name its arguments give,
-    and, once an equal call ran without grad on the Triton backend, that forward's plan (the
-    backend's planned_forward), which later equal calls without grad run directly."""
+    and, once an equal call ran on the Triton backend, that forward's plan (the backend's
+    planned_forward), which later equal calls run directly, and whose backward plans their
+    gradients run (_Attention)."""
     __slots__ = ("params", "backend", "forward")
 
     def __init__(self, params: AttentionParams, backend: str):
@@ -214,16 +215,21 @@ class _KeptDense:
 
 
 def _run_kept(kept_call: _KeptDense, q, k, v, backend, return_attn_probs, return_softmax_lse):
-    """run_backend for a kept call; one that needs no gradient (and no probabilities) runs the
-    forward plan kept with it, where there is one."""
+    """run_backend for a kept call: through the forward plan kept with it, where there is one
+    (under autograd when q, k or v needs a gradient), unless it asks for the probabilities."""
     params = kept_call.params
-    if return_attn_probs or (torch.is_grad_enabled() and (
-            q.requires_grad or k.requires_grad or v.requires_grad)):
-        return run_backend(q, k, v, params, backend, return_attn_probs, return_softmax_lse)
-    result = None if kept_call.forward is None else kept_call.forward(params, q, k, v)
+    if return_attn_probs:
+        return run_backend(q, k, v, params, backend, True, return_softmax_lse)
+    planned = kept_call.forward
+    result = None
+    if planned is not None and planned.live:
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            result = _Attention.apply(q, k, v, None, params, kept_call.backend, planned)
+        else:
+            result = planned(params, q, k, v)
     if result is None:  # no plan yet, or it declined (forgotten, another device)
         result = run_backend(q, k, v, params, backend, False, True)
-        if kept_call.backend == "triton" and not (kept_call.forward and kept_call.forward.live):
+        if kept_call.backend == "triton" and not (planned and planned.live):
             kept_call.forward = custom_op.backend_module("triton").planned_forward(q, k, v,
                                                                                   params)
     return result if return_softmax_lse else result[0]
@@ -308,15 +314,19 @@ class _Attention(torch.autograd.Function):
     """(out, lse) of a backend, differentiable in q, k, v and the sink. Saves the inputs, out
     (in q's dtype) and the float32 lse, nothing else; the backward reads D = rowsum(dO * O)
     from that out, as every FlashAttention does (and the sink's gradient sums rowsum(P * dP)
-    from the backward's float32 tiles)."""
+    from the backward's float32 tiles). planned: a kept call's forward plan (the Triton
+    backend's planned_forward), which runs the forward and finds the backward's plan, or None
+    (the backend's forward and backward choose; so do they where the plan declines)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sink, params: AttentionParams, backend: str):
-        out, lse = custom_op.backend_module(backend).forward(q, k, v, params)
+    def forward(ctx, q, k, v, sink, params: AttentionParams, backend: str, planned=None):
+        result = None if planned is None else planned(params, q, k, v)
+        out, lse = (custom_op.backend_module(backend).forward(q, k, v, params) if result is None
+                    else result)
         # The sink too, so autograd sees it modified in place before the backward (it is an
         # input: no extra memory); params' other tensors take no gradient.
         ctx.save_for_backward(q, k, v, out, lse, sink)
-        ctx.params, ctx.backend = params, backend
+        ctx.params, ctx.backend, ctx.planned = params, backend, planned
         ctx.set_materialize_grads(False)  # an unused lse passes None, not a tensor of zeros
         return out, lse
 
@@ -325,9 +335,13 @@ class _Attention(torch.autograd.Function):
         q, k, v, out, lse, _ = ctx.saved_tensors
         params = ctx.params
         dout = torch.zeros_like(out, dtype=q.dtype) if dout is None else dout
-        dq, dk, dv, dsink = custom_op.backend_module(ctx.backend).backward(
-            dout, q, k, v, out, lse, params, dlse=dlse)
-        return dq, dk, dv, dsink, None, None
+        grads = (None if ctx.planned is None else
+                 ctx.planned.backward(dout, q, k, v, out, lse, params, dlse=dlse))
+        if grads is None:
+            grads = custom_op.backend_module(ctx.backend).backward(dout, q, k, v, out, lse,
+                                                                   params, dlse=dlse)
+        dq, dk, dv, dsink = grads
+        return dq, dk, dv, dsink, None, None, None
 
 
 def require_available(name: str, device: torch.device) -> None:

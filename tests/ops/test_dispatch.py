@@ -122,8 +122,8 @@ def test_the_plan_key_tells_the_kinds_of_user_modifiers_apart():
 def test_a_kept_call_without_grad_runs_its_kept_forward_plan(caplog, monkeypatch):
     """flash_attn_func keeps, with a call's checked arguments, the forward plan its first run
     without grad chose (dispatch.PlannedForward): an equal call runs it without the dispatch's
-    key, gives what the first gave and logs the choice. A call with another layout, one with
-    grad, and a call after forget_plans go through the dispatch."""
+    key, gives what the first gave and logs the choice. A call with another layout and a call
+    after forget_plans go through the dispatch; one with grad runs the kept plan too."""
     from flashkit import api
 
     monkeypatch.setattr(api, "_DENSE_CALLS", {})
@@ -152,4 +152,60 @@ def test_a_kept_call_without_grad_runs_its_kept_forward_plan(caplog, monkeypatch
         assert len(chosen) == 3 * planned
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     assert torch.equal(call(*leaves), first)
-    assert chosen[3 * planned:] == ["forward"]
+    assert len(chosen) == 3 * planned
+
+
+@pytest.mark.usefixtures("fresh_plans")
+def test_a_kept_call_with_grad_runs_its_kept_forward_and_backward_plans(caplog, monkeypatch):
+    """A kept call whose q, k or v needs a gradient runs the kept forward plan under autograd,
+    and its backward the backward plan that the first such backward chose, kept with the
+    forward plan (PlannedForward.backward): no dispatch key, the same gradients, the choice
+    logged. A dout of another layout (off 16 bytes) and a backward after forget_plans choose
+    again; an lse gradient is part of the key."""
+    from flashkit import api
+
+    monkeypatch.setattr(api, "_DENSE_CALLS", {})
+    chosen, choose = [], dispatch._choose
+    monkeypatch.setattr(dispatch, "_choose", lambda op, *a: chosen.append(op) or choose(op, *a))
+    leaves = [t.to(DEVICE).requires_grad_() for t in random_qkv(2, 37, 45, 2, headdim=16)]
+    dout = torch.randn(2, 37, 2, 16, device=DEVICE)
+
+    def step(dout=dout, lse_grad=False):
+        out, lse = flashkit.flash_attn_func(*leaves, causal=True, backend="triton",
+                                            return_softmax_lse=True)
+        outputs, grads = (out, lse), (dout, torch.ones_like(lse))
+        if not lse_grad:
+            outputs, grads = out, dout
+        return out, torch.autograd.grad(outputs, leaves, grads)
+
+    first, first_grads = step()  # the dispatch chooses; the forward plan is kept
+    assert chosen == ["forward", "forward", "backward"]  # the call's, the plan's to keep it
+    (kept_call,) = api._DENSE_CALLS.values()
+    planned = kept_call.forward
+    assert isinstance(planned, dispatch.PlannedForward) and not planned.backwards
+    chosen.clear()
+    out, grads = step()  # the kept forward plan; the backward chooses (a plan lookup) and keeps
+    assert chosen == ["backward"] and len(planned.backwards) == 1
+    with caplog.at_level(logging.DEBUG, logger="flashkit.dispatch"):
+        again, again_grads = step()
+    assert chosen == ["backward"]  # both kept plans ran
+    assert [r.getMessage()[:19] for r in caplog.records] == ["forward ran triton;",
+                                                              "backward ran triton"]
+    for result in (out, again):
+        assert torch.equal(result, first)
+    for result in (grads, again_grads):
+        assert all(torch.equal(a, b) for a, b in zip(result, first_grads, strict=True))
+    step(dout=torch.ones((), device=DEVICE).expand(2, 37, 2, 16))  # read as a contiguous copy
+    assert chosen == ["backward"] and len(planned.backwards) == 1
+    misaligned = torch.empty(dout.numel() + 1, device=DEVICE)[1:].view(dout.shape)
+    misaligned.copy_(dout)  # its address off 16 bytes: another key
+    _, moved = step(dout=misaligned)
+    assert chosen == ["backward"] * 2 and len(planned.backwards) == 2
+    assert all(torch.equal(a, b) for a, b in zip(moved, first_grads, strict=True))
+    _, with_lse = step(lse_grad=True)
+    assert chosen == ["backward"] * 3 and len(planned.backwards) == 3
+    assert not torch.equal(with_lse[0], first_grads[0])
+    dispatch.forget_plans()  # retires the kept plans: the dispatch chooses again
+    _, forgotten = step()
+    assert chosen == ["backward"] * 3 + ["forward", "forward", "backward"]
+    assert all(torch.equal(a, b) for a, b in zip(forgotten, first_grads, strict=True))

@@ -18,9 +18,10 @@ kernels' launchers prepare (launch.Prepared: grid, scalars, constexprs, tensor d
 geometry): a call whose key was seen costs one tuple hash here and then passes its tensors to
 the prepared launches (a dropout seed, new every call, is passed to them as well). The entry
 points go one step further for their most repeated calls: flash_attn_func keeps a forward plan
-without grad (planned_forward, a PlannedForward) and flash_attn_with_kvcache a decoding step's
-(kvcache_step, a PlannedStep) with the call's checked arguments, so an equal call skips this
-module's key and goes to its launches; forget_plans retires them too.
+(planned_forward, a PlannedForward, which also keeps the backward plans of its calls' gradients)
+and flash_attn_with_kvcache a decoding step's (kvcache_step, a PlannedStep) with the call's
+checked arguments, so an equal call skips this module's key and goes to its launches;
+forget_plans retires them too.
 
 The first call of a forward plan whose q, k or v require grad also compiles the kernels of
 its backward, all at once in threads (ahead.py), so a new shape's first step waits for its
@@ -57,6 +58,7 @@ __all__ = ["forward_call", "backward_call", "kvcache_call", "planned_forward", "
            "forget_plans", "logger", "MAX_PLANS"]
 
 MAX_PLANS = 4096  # forget every plan beyond this many keys (a safety bound)
+MAX_KEPT_BACKWARDS = 16  # backward plans a PlannedForward keeps (one per dout layout, usually)
 _plans: dict = {}
 
 
@@ -99,9 +101,10 @@ class _Kept:
         return self.run(params, q, *tensors)
 
 
-def _choose(op: str, key: tuple, candidates) -> Plan:
+def _choose(op: str, key: tuple, candidates, log: bool = True) -> Plan:
     """The first candidate (name, thunk giving a decline reason or None) that takes the call;
-    the last candidate is the portable kernel, which takes every call. Cached under key."""
+    the last candidate is the portable kernel, which takes every call. Cached under key.
+    Logged, unless log is False (a plan looked up again for a call that logged it)."""
     plan = _plans.get(key)
     if plan is None:
         declined = []
@@ -113,7 +116,8 @@ def _choose(op: str, key: tuple, candidates) -> Plan:
         if len(_plans) >= MAX_PLANS:
             _plans.clear()
         plan = _plans[key] = Plan(name, tuple(declined))
-    log_choice(op, plan.kernel, plan.declined)
+    if log:
+        log_choice(op, plan.kernel, plan.declined)
     return plan
 
 
@@ -168,29 +172,53 @@ def forward_call(q, k, v, params: AttentionParams, out=None, lse=None):
 
 def planned_forward(q, k, v, params: AttentionParams) -> PlannedForward:
     """The forward plan that runs every call with this call's plan key (out and lse allocated),
-    as a PlannedForward; flash_attn_func keeps it with the call's checked arguments."""
-    plan = _forward_plan(q, k, v, params, None, None)
+    as a PlannedForward; flash_attn_func keeps it with the call's checked arguments after the
+    call ran (which logged the choice)."""
+    plan = _forward_plan(q, k, v, params, None, None, log=False)
     return planned(plan.launches, "planned", lambda: PlannedForward(plan))
 
 
 class PlannedForward(_Kept):
     """A forward plan as a front door keeps it (_Kept): `run(params, q, k, v)` gives
-    (out, lse)."""
-    __slots__ = ()
+    (out, lse), and `backward` the gradients of a call it ran, from the backward plans of its
+    key that the calls' gradients found (`backwards`)."""
+    __slots__ = ("backwards",)
 
     def __init__(self, plan: Plan):
         self.plan, self.op = plan, "forward"
+        # backward plans by what a backward adds to the forward's key (_backward_layouts)
+        self.backwards: dict = {}
 
     def run(self, params: AttentionParams, q, k, v):
         return _forward(self.plan, q, k, v, params, None, None)
 
+    def backward(self, dout, q, k, v, out, lse, params: AttentionParams, dlse=None):
+        """(dq, dk, dv, dsink) as backward_call gives them, for a call this plan's forward ran
+        (out, lse its results, params its own); None where it declines (as calling it does:
+        the plan forgotten, q not on the current CUDA device). dout may be strided: the
+        backward reads a contiguous copy, as the backend's backward does."""
+        if not self.plan.live or (q.is_cuda and q.get_device() != torch.cuda.current_device()):
+            return None
+        dout = dout.contiguous()
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        layouts = _backward_layouts(dout, q, k, v, out, lse, dlse)
+        plan = self.backwards.get(layouts)
+        if plan is None or not plan.live:
+            if len(self.backwards) >= MAX_KEPT_BACKWARDS:
+                self.backwards.clear()
+            plan = self.backwards[layouts] = _backward_plan(dout, q, k, v, lse, params, dq, dk,
+                                                            dv, True, layouts)
+        else:
+            log_choice("backward", plan.kernel, plan.declined)
+        return _backward(plan, dout, q, k, v, out, lse, params, dq, dk, dv, dlse, True)
 
-def _forward_plan(q, k, v, params: AttentionParams, out, lse) -> Plan:
+
+def _forward_plan(q, k, v, params: AttentionParams, out, lse, log: bool = True) -> Plan:
     key = ("forward", _layout(q), _layout(k), _layout(v), q.device, _values(params),
            _layout(out), _layout(lse))
     return _choose("forward", key, [
         ("gluon", lambda: forward_hopper.declines(q, k, v, params, out, lse, None)),
-        ("triton", lambda: None)])
+        ("triton", lambda: None)], log)
 
 
 def _forward(plan: Plan, q, k, v, params: AttentionParams, out, lse):
@@ -229,16 +257,37 @@ def backward_call(dout, q, k, v, out, lse, params: AttentionParams, dq=None, dk=
     dQ comes from its own kernel, summed in a fixed order (bitwise reproducible)."""
     # gradients allocated here are laid out as q, k, v (empty_like): only given ones add to the key
     given = tuple(None if t is None else (_layout(t), t.is_contiguous()) for t in (dq, dk, dv))
-    key = ("backward", _layout(q), _layout(k), _layout(v), _layout(dout), _layout(out),
-           _layout(lse), q.device, _values(params), given, dlse is None, own_lse)
     dq = torch.empty_like(q) if dq is None else dq
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
+    plan = _backward_plan(dout, q, k, v, lse, params, dq, dk, dv, own_lse,
+                          _backward_layouts(dout, q, k, v, out, lse, dlse), given)
+    return _backward(plan, dout, q, k, v, out, lse, params, dq, dk, dv, dlse, own_lse)
+
+
+def _backward_layouts(dout, q, k, v, out, lse, dlse) -> tuple:
+    """What a backward plan's key reads of the call's tensors besides params and the given
+    gradients: each one's _layout, and whether there is an lse gradient."""
+    return (_layout(q), _layout(k), _layout(v), _layout(dout), _layout(out), _layout(lse),
+            dlse is None)
+
+
+def _backward_plan(dout, q, k, v, lse, params: AttentionParams, dq, dk, dv, own_lse: bool,
+                   layouts: tuple, given: tuple = (None, None, None)) -> Plan:
+    """The backward's choice for the call: layouts, _backward_layouts of its tensors; given,
+    the layouts of dq, dk and dv where the caller gave them (None for one allocated like q, k
+    or v, which the layouts fix)."""
+    key = ("backward", layouts, q.device, _values(params), given, own_lse)
     args = (q, k, v, dout, lse, params, dq, dk, dv, None)
-    plan = _choose("backward", key, [
+    return _choose("backward", key, [
         ("gluon", lambda: backward_hopper.declines(*args)),
         ("gluon as varlen", lambda: backward_hopper.as_varlen_declines(*args)),
         ("triton", lambda: None)])
+
+
+def _backward(plan: Plan, dout, q, k, v, out, lse, params: AttentionParams, dq, dk, dv, dlse,
+              own_lse: bool):
+    """Run the backward's chosen kernels into dq, dk, dv."""
     if plan.kernel == "triton":
         return backward.attention_backward(dout, q, k, v, out, lse, params, dq, dk, dv,
                                            dlse=dlse, own_lse=own_lse)
