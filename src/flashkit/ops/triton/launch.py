@@ -64,9 +64,12 @@ _compiled: dict = {}  # key (scalars by code) -> Triton's compiled kernel
 _by_value: dict = {}  # the same key with the scalars' values instead of their codes -> kernel
 _plans: dict = {}  # (id(kernel), number of tensors, tensor names) -> each scalar's codes
 _orders: dict = {}  # (id(kernel), tensor names, counts) -> the arguments in signature order
-_globals_seen: dict = {}  # id(kernel) -> (kernel, its globals when last found unchanged)
+# id(kernel) -> (kernel, number of globals, (scope, itemgetter of its names) per scope, the
+# globals those read when last found unchanged)
+_globals_seen: dict = {}
 _indices: dict = {}  # (id(kernel), varying names, counts) -> (kernel, their scalar indices)
 _MISSING = object()
+_UNSEEN = (None, 0, (), ())
 
 
 def tensor_key(t) -> tuple:
@@ -510,8 +513,9 @@ def device_facts(device: torch.device) -> tuple[int, bool]:
 def _hooked() -> bool:
     """Whether a launch hook is registered (Triton 3.6 keeps them in HookChain objects that are
     never None; an empty chain calls nothing, so the direct launch passes no hook)."""
-    return any(hook is not None and getattr(hook, "calls", True)
-               for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook))
+    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    return bool(enter is not None and getattr(enter, "calls", True)
+                or leave is not None and getattr(leave, "calls", True))
 
 
 def _globals_changed(kernel) -> bool:
@@ -519,16 +523,29 @@ def _globals_changed(kernel) -> bool:
     again only when one of them is another object than at the last check that passed (Triton
     compares deep copies by value: 6.4 us a launch for the Gluon forward's nine gl.constexpr
     globals, whose != builds new constexprs). A global mutated in place (a list) would go
-    unseen; the kernels' globals are constexprs."""
+    unseen; the kernels' globals are constexprs. The repeated check reads the globals of each
+    scope with one itemgetter and compares them to those seen by identity (list and tuple
+    equality test identity first; an equal value that is another object is what Triton's
+    check accepts too)."""
     used = kernel.used_global_vals  # (name, id(scope)) -> (value when compiled, scope)
     # by id: a JITFunction's own hash builds its cache key; the entry holds the kernel itself
-    owner, where, seen = _globals_seen.get(id(kernel), (None, (), ()))
-    if owner is kernel and len(where) == len(used) and all(map(
-            operator.is_, seen, [scope.get(name, _MISSING) for scope, name in where])):
-        return False
-    where = tuple((scope, name) for (name, _), (_, scope) in used.items())
+    owner, count, getters, seen = _globals_seen.get(id(kernel), _UNSEEN)
+    if owner is kernel and count == len(used):
+        try:
+            if [get(scope) for scope, get in getters] == seen:
+                return False
+        except KeyError:  # a global deleted since
+            pass
+    where = [(scope, name) for (name, _), (_, scope) in used.items()]
     current = [scope.get(name, _MISSING) for scope, name in where]
     if any(now != value for now, (value, _) in zip(current, used.values(), strict=True)):
         return True
-    _globals_seen[id(kernel)] = (kernel, where, current)  # held: their identities stay theirs
+    names_by_scope: dict = {}  # id(scope) -> (scope, its names), in first-seen order
+    for scope, name in where:
+        names_by_scope.setdefault(id(scope), (scope, []))[1].append(name)
+    getters = tuple((scope, operator.itemgetter(*names))
+                    for scope, names in names_by_scope.values())
+    # held: their identities stay theirs
+    _globals_seen[id(kernel)] = (kernel, len(used), getters,
+                                 [get(scope) for scope, get in getters])
     return False
