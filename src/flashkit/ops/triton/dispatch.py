@@ -186,31 +186,40 @@ class PlannedForward(_Kept):
 
     def __init__(self, plan: Plan):
         self.plan, self.op = plan, "forward"
-        # backward plans by what a backward adds to the forward's key (_backward_layouts)
-        self.backwards: dict = {}
+        self.backwards: dict = {}  # backward plans by _kept_backward_key
 
     def run(self, params: AttentionParams, q, k, v):
         return _forward(self.plan, q, k, v, params, None, None)
 
     def backward(self, dout, q, k, v, out, lse, params: AttentionParams, dlse=None):
         """(dq, dk, dv, dsink) as backward_call gives them, for a call this plan's forward ran
-        (out, lse its results, params its own); None where it declines (as calling it does:
-        the plan forgotten, q not on the current CUDA device). dout may be strided: the
-        backward reads a contiguous copy, as the backend's backward does."""
+        (q, k, v, out and lse as it saw and gave them, params its own); None where it declines
+        (as calling it does: the plan forgotten, q not on the current CUDA device). dout may
+        be strided: the backward reads a contiguous copy, as the backend's backward does."""
         if not self.plan.live or (q.is_cuda and q.get_device() != torch.cuda.current_device()):
             return None
         dout = dout.contiguous()
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        layouts = _backward_layouts(dout, q, k, v, out, lse, dlse)
-        plan = self.backwards.get(layouts)
+        key = _kept_backward_key(dout, out, lse, dlse)
+        plan = self.backwards.get(key)
         if plan is None or not plan.live:
             if len(self.backwards) >= MAX_KEPT_BACKWARDS:
                 self.backwards.clear()
-            plan = self.backwards[layouts] = _backward_plan(dout, q, k, v, lse, params, dq, dk,
-                                                            dv, True, layouts)
+            plan = self.backwards[key] = _backward_plan(
+                dout, q, k, v, lse, params, dq, dk, dv, True,
+                _backward_layouts(dout, q, k, v, out, lse, dlse))
         else:
             log_choice("backward", plan.kernel, plan.declined)
         return _backward(plan, dout, q, k, v, out, lse, params, dq, dk, dv, dlse, True)
+
+
+def _kept_backward_key(dout, out, lse, dlse) -> tuple:
+    """What a backward plan's key adds to that of the forward plan whose call it
+    differentiates: dout's layout, the alignment of out and lse, whether there is an lse
+    gradient. The forward's key fixed the rest: q, k and v are the tensors it read (autograd
+    refuses them changed in place before the backward), and the forward allocated out and lse,
+    laid out by its plan but for their addresses."""
+    return _layout(dout), out.data_ptr() % 16 == 0, lse.data_ptr() % 16 == 0, dlse is None
 
 
 def _forward_plan(q, k, v, params: AttentionParams, out, lse, log: bool = True) -> Plan:
