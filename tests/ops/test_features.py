@@ -137,7 +137,7 @@ def _check_call(kernel, args: tuple, constexprs: dict, expected: dict, flags: tu
     for name, value in expected.items():
         assert bound[name] == pytest.approx(value), name
     for name, value in bound.items():
-        if name in ("score_args", "mask_args"):  # a user modifier's captured values: none here
+        if name in ("score_args", "mask_args", "blocks"):  # a user's modifiers: none here
             assert value == (), name
             continue
         pointer = name[0].isupper() or name.endswith("_desc")
@@ -201,6 +201,60 @@ def test_gluon_forward_launcher_passes_user_modifiers(monkeypatch):
     assert bound["mask_args"] == mask.kernel_args()
     assert constexprs["SCORE_MOD"] is score.jit() and constexprs["MASK_MOD"] is mask.jit()
     assert plan == {}
+
+
+@pytest.mark.skipif(forward_hopper.gluon is None, reason="a Triton without Gluon")
+@pytest.mark.parametrize("shared", [True, False])
+def test_gluon_forward_launcher_passes_a_block_mask(shared, monkeypatch):
+    """A block mask's lists, their batch and head strides (0 where one row serves every batch
+    entry or head), its query rows per block and key tiles per block reach the kernel's
+    `blocks`, on the block-mask tile."""
+    import dataclasses
+
+    import flashkit
+    from flashkit import variants
+    from flashkit.ops.triton.configs import GLUON_FORWARD_BLOCK_MASK
+    from flashkit.variants.mods import Variant
+
+    q = torch.randn(2, 256, 4, 64, dtype=torch.bfloat16)
+    mask = flashkit.create_block_mask(variants.causal_mask(), None if shared else 2,
+                                      None if shared else 4, 256, 256, device="cpu")
+    params = dataclasses.replace(AttentionParams(SCALE),
+                                 variant=Variant(mask_mod=mask.mask_mod, block_mask=mask))
+    calls = []
+    monkeypatch.setattr(launch_module, "launch", lambda kernel, grid, tensors, scalars,
+                        constexprs, *rest, **options: calls.append((tensors + scalars,
+                                                                    constexprs)))
+    forward_hopper.attention_forward(q, q, q, params)
+    (args, constexprs), = calls
+    blocks = dict(zip(forward_hopper._fwd_hopper_kernel.arg_names, args, strict=False))["blocks"]
+    block_n, _, consumers = GLUON_FORWARD_BLOCK_MASK[64][:3]
+    assert constexprs["BLOCK_N"] == block_n and constexprs["CONSUMERS"] == consumers
+    assert blocks[:4] == (mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks,
+                          mask.full_kv_indices)
+    assert blocks[4:] == ((0, 0) if shared else (4 * 2, 2)) + (2, 128, 128 // block_n)
+
+
+@pytest.mark.parametrize("block, seqlen_k, why", [
+    (128, 256, None), ((128, 64), 256, "block mask blocks 128 x 64"),
+    ((64, 128), 256, "block mask blocks 64 x 128"),
+    (128, 200, "a block mask with seqlen_k off the 128-key tiles")])
+def test_gluon_forward_block_mask_declines(block, seqlen_k, why):
+    """The Gluon forward takes a block mask whose blocks hold whole tiles and whose keys fill
+    whole key tiles; it names what it declines."""
+    import dataclasses
+
+    import flashkit
+    from flashkit import variants
+    from flashkit.variants.mods import Variant
+
+    q, k = torch.randn(1, 256, 2, 128), torch.randn(1, seqlen_k, 2, 128)
+    mask = flashkit.create_block_mask(variants.causal_mask(), None, None, 256, seqlen_k,
+                                      device="cpu", BLOCK_SIZE=block)
+    params = dataclasses.replace(AttentionParams(SCALE),
+                                 variant=Variant(mask_mod=mask.mask_mod, block_mask=mask))
+    found = forward_hopper.block_mask_declines(q, k, params)
+    assert found == why or found.startswith(why)
 
 
 @pytest.mark.skipif(backward_hopper.gluon is None, reason="a Triton without Gluon")

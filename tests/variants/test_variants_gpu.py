@@ -9,6 +9,8 @@ import logging
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from variant_cases import CAPTURED_GRADS, EXAMPLES, attention, documents, extras
 
 import flashkit
@@ -124,34 +126,74 @@ def test_new_length_compiles_nothing(lengths):
     assert _compiled() == before
 
 
+@triton.jit
+def _same_document(b, h, q_idx, kv_idx, ids, stride_b, stride_h):
+    """Document ids per batch entry and head (stride_h 0: one row for every head)."""
+    row = ids + b * stride_b + h * stride_h
+    return tl.load(row + q_idx) == tl.load(row + kv_idx)
+
+
 def _sm90() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
 @pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
 @pytest.mark.usefixtures("fresh_plans")
-def test_gluon_forward_runs_score_and_mask_mods(caplog):
-    """On sm_90 the Gluon forward takes a score_mod and a mask_mod; a block mask's tile lists
-    are the portable kernel's; the backward is the portable one for every modifier."""
+def test_gluon_forward_runs_user_modifiers(caplog):
+    """On sm_90 the Gluon forward takes a score_mod, a mask_mod and a block mask of whole
+    tiles, and names why it declines one of other blocks; the backward is the portable one."""
     q, k, v = (x.cuda().requires_grad_() for x in random_qkv(
-        batch=1, seqlen_q=300, nheads=8, headdim=128, dtype=torch.bfloat16))
-    doc = documents(300, batch=1).cuda()
-    mask = flashkit.create_block_mask(variants.document_mask(doc), 1, None, 300, 300,
-                                      device="cuda")
+        batch=1, seqlen_q=512, nheads=8, headdim=128, dtype=torch.bfloat16))
+    doc = documents(512, batch=1).cuda()
+    masks = {block: flashkit.create_block_mask(variants.document_mask(doc), 1, None, 512, 512,
+                                               device="cuda", BLOCK_SIZE=block)
+             for block in (128, (128, 64))}
     calls = {"score_mod": dict(score_mod=variants.relative_bias(torch.randn(8, 9).cuda())),
              "mask_mod": dict(mask_mod=variants.document_mask(doc)),
-             "block_mask": dict(block_mask=mask)}
+             "block_mask": dict(block_mask=masks[128]),
+             "small blocks": dict(block_mask=masks[(128, 64)])}
     ran = {}
     for name, kwargs in calls.items():
         caplog.clear()
         with caplog.at_level(logging.DEBUG, logger="flashkit.dispatch"):
             flashkit.flash_attn_func(q, k, v, **kwargs).sum().backward()
         ran[name] = [r.getMessage() for r in caplog.records if r.name == "flashkit.dispatch"]
-    assert ran["score_mod"][0].startswith("forward ran gluon")
-    assert ran["mask_mod"][0].startswith("forward ran gluon")
-    assert ran["block_mask"][0].startswith("forward ran triton; declined: gluon: a block_mask")
+    for name in ("score_mod", "mask_mod", "block_mask"):
+        assert ran[name][0].startswith("forward ran gluon"), name
+    assert ran["small blocks"][0].startswith(
+        "forward ran triton; declined: gluon: block mask blocks 128 x 64")
     for messages in ran.values():
         assert messages[-1].startswith("backward ran triton")
+
+
+@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("dtype, headdim", [(torch.bfloat16, 128), (torch.float16, 64),
+                                            (torch.bfloat16, 256)])
+@pytest.mark.parametrize("per_head", [False, True])
+def test_gluon_forward_walks_a_block_mask(per_head, headdim, dtype):
+    """A document mask (per batch entry, or per batch entry and head) as a block mask with its
+    mask_mod, a score_mod and built-in ALiBi and a sink on top, GQA, odd query length: the
+    Gluon forward's listed tiles against the oracle, which materialises the mask."""
+    batch, nheads, seqlen_q, seqlen_k = 2, 8, 333, 512
+    doc = torch.cat([documents(seqlen_k, batch=batch)[:, None]] * (nheads if per_head else 1), 1)
+    if per_head:  # other documents per head: shift the ids along the positions
+        doc = torch.stack([d.roll(37 * h, dims=-1) for h, d in enumerate(doc.unbind(1))], 1)
+    doc = doc.cuda()
+    mod = flashkit.MaskMod(_same_document, doc, doc.stride(0), doc.stride(1) if per_head else 0)
+    mask = flashkit.create_block_mask(mod, batch, nheads if per_head else None, seqlen_q,
+                                      seqlen_k, device="cuda")
+    q, k, v = random_qkv(batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads=nheads,
+                         nheads_k=2, headdim=headdim, dtype=dtype)
+    sink, slopes, table = torch.randn(nheads), torch.rand(nheads).cuda(), torch.randn(nheads, 13)
+
+    def run(backend, q, k, v, sink, table):
+        return (flashkit.flash_attn_func(
+            q, k, v, alibi_slopes=slopes, sink=sink, backend=backend, mask_mod=mod,
+            block_mask=mask, score_mod=variants.relative_bias(table)),)
+    check_against_oracle(functools.partial(run, "triton"),
+                         _cuda(dict(q=q, k=k, v=v, sink=sink, table=table)),
+                         output_names=("out",), oracle_fn=functools.partial(run, "reference"),
+                         grad_names=("q", "k", "v"))
 
 
 @pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")

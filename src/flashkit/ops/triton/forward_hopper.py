@@ -55,10 +55,11 @@ own Philox core), so either backward regenerates what this forward dropped.
 Eligible (see `eligible`): CUDA sm_90, fp16/bf16, head dim 64, 128 or 256 (q, k, v alike),
 dense or varlen, any seqlen_q / seqlen_k, any window (causal included), softcap, ALiBi, sink,
 GQA, dropout, a user's score_mod and mask_mod (flashkit.variants, called where the built-in
-terms are: _softmax_step); not an SDPA bias or a block mask; q/k/v contiguous in the
-flash-attn layout (so (tokens, heads * d) is a plain 2-D view for TMA). Same outputs as forward.py: out in out's dtype, lse (batch, heads,
-seqlen_q) or varlen (heads, total_q) float32 natural log, a row with no visible key (and no
-sink) gives out 0, lse -inf.
+terms are: _softmax_step) and a dense call's block mask whose blocks hold whole tiles (the
+producer and the consumers walk its lists: _tile_key); not an SDPA bias; q/k/v contiguous in
+the flash-attn layout (so (tokens, heads * d) is a plain 2-D view for TMA). Same outputs as
+forward.py: out in out's dtype, lse (batch, heads, seqlen_q) or varlen (heads, total_q) float32
+natural log, a row with no visible key (and no sink) gives out 0, lse -inf.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ from flashkit.ops.triton.common import (
     LOG2E,
     SOFTCAP_FAST,
     alibi_bias,
+    block_args,
     cdiv,
     interpreting,
     key_tile_ranges,
@@ -86,7 +88,11 @@ from flashkit.ops.triton.common import (
     variant_args,
     visible,
 )
-from flashkit.ops.triton.configs import GLUON_FORWARD, gluon_forward_tile
+from flashkit.ops.triton.configs import (
+    GLUON_FORWARD,
+    GLUON_FORWARD_BLOCK_MASK,
+    gluon_forward_tile,
+)
 from flashkit.ops.triton.features import SEED, dropout_seed, feature_tensors, kernel_features
 from flashkit.ops.triton.hopper_common import flash_descriptor, flash_layout_2d
 from flashkit.ops.triton.launch import Prepared, device_properties, fold, planned
@@ -259,6 +265,26 @@ if gluon is not None:
         return p, alpha, m_new, l_new
 
     @gluon.jit
+    def _tile_key(listing, lo, tile, BLOCK_N: gl.constexpr):
+        """The first key of a work item's key tile `tile`: lo + tile * BLOCK_N over the band's
+        range (listing ()), or under a block mask (listing = (Partial, n_partial, Full, span):
+        the item's rows of the mask's lists of partial and full key blocks, how many tiles the
+        partial blocks make, tiles per block) tile t of the listed blocks' tiles, the partial
+        blocks' first (_work_item)."""
+        if len(listing) > 0:
+            partial, n_partial, full, span = listing
+            if tile < n_partial:
+                t = tile
+                block = gl.load(partial + t // span)
+            else:
+                t = tile - n_partial
+                block = gl.load(full + t // span)
+            key = (block * span + t % span) * BLOCK_N
+        else:
+            key = lo + tile * BLOCK_N
+        return key
+
+    @gluon.jit
     def _release_k(k_empty, stage, SPECIALIZED: gl.constexpr):
         """This consumer's wgmma that read K buffer `stage` completed: hand it to the producer
         (the unspecialized consumer refills K and V together in _release_v)."""
@@ -310,8 +336,8 @@ if gluon is not None:
         under the second (see the wait below); state (acc, P, m, l) -> (acc rescaled to
         m_tile, P_tile as the next A operand, m, l). ctx: see _consumer. DROPOUT zeroes
         dropped P after l summed it (lse and l stay pre-dropout)."""
-        (descs, smem, bars, q_tile, row0, rows, n_tiles, key0, key_start, kv_col, geo, alibi,
-         user, drop, ring, turn0) = ctx
+        (descs, smem, bars, q_tile, row0, rows, n_tiles, key0, key_start, listing, kv_col, geo,
+         alibi, user, drop, ring, turn0) = ctx
         acc, p_op, m_i, l_i = state
         q_smem, k_smem, v_smem = smem
         q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, turns, tails = bars
@@ -327,12 +353,12 @@ if gluon is not None:
         # [BLOCK_M, D] += [BLOCK_M, BLOCK_N] @ [BLOCK_N, D]
         o_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
         _pass_turn(turns, CONSUMER, CONSUMERS, PINGPONG)
+        col0 = _tile_key(listing, key_start, tile, BLOCK_N)
         kept = None
         if DROPOUT:  # independent of the scores; ptxas schedules it among the softmax anyway
-            kept = keep_words(drop, row0, key_start + tile * BLOCK_N, BLOCK_N)
+            kept = keep_words(drop, row0, col0, BLOCK_N)
         qk = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
         _release_k(k_empty, stage, SPECIALIZED)
-        col0 = key_start + tile * BLOCK_N
         cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, rows, gl.expand_dims(cols, 0), col0,
                                            geo, alibi, user, MASK, HAS_LEFT, HAS_RIGHT, SOFTCAP,
@@ -382,16 +408,19 @@ if gluon is not None:
         the program consumed before this item (ring buffer positions continue across a
         persistent program's items), items: its earlier items with tiles (Q's phase; each took
         n_tiles + 1 turns, so this item's turns start at ring + items). A MASK_MOD masks every
-        tile, the visible middle's too; a SCORE_MOD takes the middle's ALiBi tiles whole."""
+        tile, the visible middle's too; a SCORE_MOD takes the middle's ALiBi tiles whole. Under
+        a block mask (listing, _tile_key) the item's tiles are its partial blocks' (masked,
+        MASK_MOD too), then its full blocks' (unmasked)."""
         (out_base, lse_base, Alibi, Sink, stride_os, stride_ab, stride_ah, off_b, off_h, start_m,
          lo, n_tiles, key0, kv_col, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
          softcap_scale, seed_lo, seed_hi, dropout_threshold, dropout_scale, score_args,
-         mask_args) = scalars
+         mask_args, listing) = scalars
         geo = (seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale)
         user = (off_b, off_h, score_args, mask_args)
         drop = (seed_lo, seed_hi, dropout_threshold, off_b, off_h)
-        MIDDLE_MASK: gl.constexpr = MASK_MOD is not None
-        ALIBI_SIDES: gl.constexpr = ALIBI and SCORE_MOD is None
+        SPARSE: gl.constexpr = len(listing) > 0  # a block mask's tiles (_tile_key)
+        MIDDLE_MASK: gl.constexpr = MASK_MOD is not None and not SPARSE
+        ALIBI_SIDES: gl.constexpr = ALIBI and SCORE_MOD is None and not SPARSE
         q_smem, k_smem, v_smem = smem
         q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, turns, tails = bars
         dtype: gl.constexpr = q_smem.dtype
@@ -429,8 +458,8 @@ if gluon is not None:
         t_hi = gl.maximum(gl.minimum(gl.maximum((mid_hi - lo) // BLOCK_N, t_lo), n_tiles), 1)
         q_tile = q_smem.index(CONSUMER)
         turn0 = ring + items
-        ctx = (descs, smem, bars, q_tile, row0, rows, n_tiles, key0, lo, kv_col, geo, alibi,
-               user, drop, ring, turn0)
+        ctx = (descs, smem, bars, q_tile, row0, rows, n_tiles, key0, lo, listing, kv_col, geo,
+               alibi, user, drop, ring, turn0)
         if n_tiles > 0:
             # Tile 0 on its own: its scores, nothing to add to O yet (masked: exact anywhere).
             first = ring % NUM_STAGES
@@ -441,19 +470,28 @@ if gluon is not None:
                                   gl.zeros([BM, BLOCK_N], gl.float32, s_layout), use_acc=False,
                                   is_async=True)
             _pass_turn(turns, CONSUMER, CONSUMERS, PINGPONG)
+            col0 = _tile_key(listing, lo, 0, BLOCK_N)
             kept = None
             if DROPOUT:
-                kept = keep_words(drop, row0, lo, BLOCK_N)
+                kept = keep_words(drop, row0, col0, BLOCK_N)
             qk = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
             _release_k(k_empty, first, SPECIALIZED)
-            cols = lo + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-            p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, rows, gl.expand_dims(cols, 0), lo,
+            cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, rows, gl.expand_dims(cols, 0), col0,
                                                geo, alibi, user, True, HAS_LEFT, HAS_RIGHT,
                                                SOFTCAP, ALIBI, 0, SCORE_MOD, MASK_MOD)
             state = (acc, gl.convert_layout(_p_operand(p, kept, dtype, s_layout, DROPOUT),
                                             p_layout), m_i, l_i)
 
-            if HAS_LEFT:  # masked tiles left of the visible middle
+            if SPARSE:  # a block mask: its partial blocks' tiles masked, its full ones not
+                n_partial = listing[1]
+                state = _steps(ctx, state, 1, n_partial, BLOCK_N, NUM_STAGES, SPECIALIZED,
+                               CONSUMER, CONSUMERS, PINGPONG, True, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+                               ALIBI, 0, DROPOUT, SCORE_MOD, MASK_MOD, s_layout, o_layout,
+                               p_layout)
+                t_lo = gl.maximum(n_partial, 1)
+                t_hi = n_tiles
+            elif HAS_LEFT:  # masked tiles left of the visible middle
                 state = _steps(ctx, state, 1, t_lo, BLOCK_N, NUM_STAGES, SPECIALIZED, CONSUMER,
                                CONSUMERS, PINGPONG, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, 0,
                                DROPOUT, SCORE_MOD, MASK_MOD, s_layout, o_layout, p_layout)
@@ -518,14 +556,15 @@ if gluon is not None:
         gl.store(lse_base + rows_1d, lse, mask=rows_1d < seqlen_q)
 
     @gluon.jit
-    def _producer(descs, smem, bars, n_tiles, keys, kv_col, q_row, q_col, ring, items,
+    def _producer(descs, smem, bars, n_tiles, keys, listing, kv_col, q_row, q_col, ring, items,
                   CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                   ROLE: gl.constexpr):
         """The producer warp, one work item: Q of every consumer once that consumer's last S of
         the program's previous item completed, then K and V tiles into the ring (positions ring ..)
         as the consumers free its buffers (a fresh mbarrier passes a wait on phase 1, so the first
-        item's Q and the first NUM_STAGES tiles pass). keys: see hopper_common.kv_tile_rows. ROLE
-        PRODUCER_QK loads Q and K only, PRODUCER_V V only (SPLIT_LOADS)."""
+        item's Q and the first NUM_STAGES tiles pass). keys: see hopper_common.kv_tile_rows;
+        listing: a block mask's tiles (_tile_key), or (). ROLE PRODUCER_QK loads Q and K only,
+        PRODUCER_V V only (SPLIT_LOADS)."""
         q_desc, k_desc, v_desc = descs
         q_smem, k_smem, v_smem = smem
         q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, turns, tails = bars
@@ -543,6 +582,14 @@ if gluon is not None:
                 next_rows = kv_tile_rows(keys, tile + 1, BLOCK_N, ROWS)
                 _produce_tile(descs, smem, bars, ring + tile, rows, kv_col, NUM_STAGES, ROLE)
                 rows = next_rows
+        elif len(listing) > 0:  # a block mask: tile t + 1's list entry loads while tile t waits
+            key = _tile_key(listing, 0, 0, BLOCK_N)
+            for tile in range(n_tiles):
+                next_key = _tile_key(listing, 0, gl.minimum(tile + 1, n_tiles - 1), BLOCK_N)
+                _produce_tile(descs, smem, bars, ring + tile,
+                              kv_tile_rows(keys + key, 0, BLOCK_N, ROWS), kv_col, NUM_STAGES,
+                              ROLE)
+                key = next_key
         else:  # contiguous rows are arithmetic: nothing to fetch ahead
             for tile in range(n_tiles):
                 _produce_tile(descs, smem, bars, ring + tile,
@@ -595,11 +642,13 @@ if gluon is not None:
         inside its sequence (VARLEN: no tiles past the sequence's end). key0 (kv_tile_rows' keys):
         the first key row in the 2-D view, or with paging = (Table, stride_table, page_shift)
         (a paged cache; else ()) the tuple (first key index, block_table row, key count,
-        log2 page_size)."""
+        log2 page_size). blocks: a block mask's (KvNum, KvIdx, FullNum, FullIdx, stride_b,
+        stride_h, n_kv_blocks, query rows per block, key tiles per block) (else ()): the item's
+        tiles are then its mask row's listed blocks (listing, _tile_key), not the band's."""
         (Out, Lse, Alibi, Sink, Cu_q, Cu_k, Used_k, stride_ob, stride_os, stride_oh, stride_lb,
          stride_lh, stride_ab, stride_ah, nheads, group, seqlen_q, seqlen_k, window_left,
          window_right, qk_scale, softcap_scale, seed_lo, seed_hi, dropout_threshold,
-         dropout_scale, paging, score_args, mask_args) = problem
+         dropout_scale, paging, score_args, mask_args, blocks) = problem
         off_b = pid_bh // nheads
         off_h = pid_bh % nheads
         start_m = pid_m * BLOCK_Q
@@ -609,6 +658,13 @@ if gluon is not None:
         lo, _, _, hi = key_tile_ranges(start_m, seqlen_q, seqlen_k, window_left, window_right,
                                        BLOCK_Q, BLOCK_N, HAS_LEFT, HAS_RIGHT)
         n_tiles = gl.cdiv(hi - lo, BLOCK_N)
+        listing = ()
+        if len(blocks) > 0:  # the mask's row of this query tile (its blocks hold whole tiles)
+            KvNum, KvIdx, FullNum, FullIdx, stride_sb, stride_sh, n_kv, block_q, span = blocks
+            row = off_b * stride_sb + off_h * stride_sh + start_m // block_q
+            n_partial = gl.load(KvNum + row) * span
+            n_tiles = n_partial + gl.load(FullNum + row) * span
+            listing = (KvIdx + row * n_kv, n_partial, FullIdx + row * n_kv, span)
         in_sequence = start_m < seqlen_q
         if VARLEN:
             n_tiles = gl.where(in_sequence, n_tiles, 0)
@@ -622,8 +678,9 @@ if gluon is not None:
         scalars = (out_base, lse_base, Alibi, Sink, stride_os, stride_ab, stride_ah, off_b, off_h,
                    start_m, lo, n_tiles, key0, kv_col, seqlen_q, seqlen_k, window_left,
                    window_right, qk_scale, softcap_scale, seed_lo, seed_hi, dropout_threshold,
-                   dropout_scale, score_args, mask_args)
-        return scalars, (n_tiles, key0, kv_col, q_row0 + start_m, off_h * HEAD_DIM), in_sequence
+                   dropout_scale, score_args, mask_args, listing)
+        return scalars, (n_tiles, key0, listing, kv_col, q_row0 + start_m, off_h * HEAD_DIM), \
+            in_sequence
 
     @gluon.jit
     def _item_tile(item, n_m, n_items, LONGEST_FIRST: gl.constexpr):
@@ -684,9 +741,9 @@ if gluon is not None:
                         MASK_MOD: gl.constexpr):
         """_partition's work on one item: the producer's loads or a consumer's rows."""
         if ROLE < 0:
-            n_tiles, key0, kv_col, q_row, q_col = loads
-            _producer(descs, smem, bars, n_tiles, key0, kv_col, q_row, q_col, ring, items,
-                      CONSUMERS, BLOCK_N, NUM_STAGES, ROLE)
+            n_tiles, key0, listing, kv_col, q_row, q_col = loads
+            _producer(descs, smem, bars, n_tiles, key0, listing, kv_col, q_row, q_col, ring,
+                      items, CONSUMERS, BLOCK_N, NUM_STAGES, ROLE)
         else:
             _consumer(descs, smem, bars, scalars, ring, items, ROLE, HEAD_DIM, BLOCK_N,
                       NUM_STAGES, CONSUMERS, True, PINGPONG, HAS_LEFT, HAS_RIGHT, SOFTCAP,
@@ -698,7 +755,8 @@ if gluon is not None:
                            stride_ab, stride_ah, nheads, group, seqlen_q, seqlen_k, window_left,
                            window_right, qk_scale, softcap_scale, seed_lo, seed_hi,
                            dropout_threshold, dropout_scale, n_items, stride_table, page_shift,
-                           score_args, mask_args, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                           score_args, mask_args, blocks, HEAD_DIM: gl.constexpr,
+                           BLOCK_N: gl.constexpr,
                            NUM_STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
                            SPECIALIZED: gl.constexpr, PINGPONG: gl.constexpr,
                            PERSISTENT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
@@ -722,7 +780,8 @@ if gluon is not None:
         (kv_tile_rows); Cu_k is not read for rows then. SPLIT_LOADS (PAGED, two consumers): two
         producer warps, one loading Q and K, one V. SCORE_MOD / MASK_MOD: a user's modifiers
         (flashkit.variants: their @triton.jit functions, captured values in score_args /
-        mask_args), as _softmax_step applies them."""
+        mask_args), as _softmax_step applies them; blocks: a block mask's lists (_work_item;
+        specialized programs only), or ()."""
         BLOCK_Q: gl.constexpr = CONSUMERS * BM
         paging = ()
         if PAGED:
@@ -730,7 +789,8 @@ if gluon is not None:
         problem = (Out, Lse, Alibi, Sink, Cu_q, Cu_k, Used_k, stride_ob, stride_os, stride_oh,
                    stride_lb, stride_lh, stride_ab, stride_ah, nheads, group, seqlen_q,
                    seqlen_k, window_left, window_right, qk_scale, softcap_scale, seed_lo,
-                   seed_hi, dropout_threshold, dropout_scale, paging, score_args, mask_args)
+                   seed_hi, dropout_threshold, dropout_scale, paging, score_args, mask_args,
+                   blocks)
         if PERSISTENT:
             work = (problem, gl.cdiv(seqlen_q, BLOCK_Q), n_items)
         else:  # heaviest causal rows first
@@ -824,8 +884,8 @@ if gluon is not None:
                     [PRODUCER_REGS_GL, PRODUCER_REGS_GL if SPLIT_LOADS else CONSUMER_REGS,
                      CONSUMER_REGS])
         else:
-            scalars, loads = work
-            n_tiles, key0, kv_col, q_row, q_col = loads
+            scalars, loads = work  # (no block mask here: attention_forward's tile)
+            n_tiles, key0, _, kv_col, q_row, q_col = loads
             mbarrier.expect(q_bars.index(0), q_desc.block_type.nbytes, pred=n_tiles > 0)
             tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bars.index(0),
                                             q_smem.index(0), pred=n_tiles > 0)
@@ -877,18 +937,35 @@ def gluon_declines(q, k, v, params: AttentionParams, varlen: bool = False) -> st
 
 def declines(q, k, v, params: AttentionParams, out, lse, tile) -> str | None:
     """Why this kernel does not compute the call (forward.py's kernel does), or None. It takes
-    a user's score_mod and mask_mod, not yet a block mask's lists of tiles."""
+    a user's score_mod, mask_mod and block mask (block_mask_declines)."""
     if not GLUON_FORWARD:
         return "switched off (configs.GLUON_FORWARD)"
     if tile is not None:
         return "a Triton tile was asked for"
-    if params.variant is not None and params.variant.block_mask is not None:
-        return "a block_mask"
     why = gluon_declines(q, k, v, params, varlen=True)
     if why is None and not ((out is None or out.stride(-1) == 1)
                             and (lse is None or lse.stride(-1) == 1)):
         why = "out or lse has a strided last dim"
+    if why is None and params.variant is not None and params.variant.block_mask is not None:
+        why = block_mask_declines(q, k, params)
     return why
+
+
+def block_mask_declines(q, k, params: AttentionParams) -> str | None:
+    """Why this kernel does not take the call's block mask, or None: dense calls whose mask
+    blocks hold whole tiles (configs.GLUON_FORWARD_BLOCK_MASK) and whose keys fill whole key
+    tiles (a tile never reaches past a sequence's keys, so no tail needs zeroing)."""
+    variant = params.variant
+    if params.is_varlen or variant.packing:
+        return "a block mask over packed sequences"
+    block_n, _, consumers = GLUON_FORWARD_BLOCK_MASK[q.shape[-1]][:3]
+    block_q, block_kv = variant.block_mask.BLOCK_SIZE
+    if block_q % (BLOCK_M * consumers) or block_kv % block_n:
+        return (f"block mask blocks {block_q} x {block_kv} (takes multiples of "
+                f"{BLOCK_M * consumers} x {block_n} at head dim {q.shape[-1]})")
+    if k.shape[1] % block_n:
+        return f"a block mask with seqlen_k off the {block_n}-key tiles"
+    return None
 
 
 def eligible(q, k, v, params: AttentionParams, out, lse, tile) -> bool:
@@ -983,6 +1060,9 @@ def _prepare(q, k, v, params: AttentionParams, out, lse, tile, seqused_k, block_
         k, v = k.flatten(0, 1), v.flatten(0, 1)
     f = kernel_features(params, q, v, lse, q.dtype)
     head_dim = f.head_dim
+    mask = None if params.variant is None else params.variant.block_mask
+    if mask is not None:
+        tile = tile or GLUON_FORWARD_BLOCK_MASK[head_dim]
     tile = tile or gluon_forward_tile(head_dim, f.seqlen_q, params.window_right is not None)
     block_n, num_stages, consumers, specialized, pingpong, persistent = tile
     persistent = persistent and specialized
@@ -1000,13 +1080,20 @@ def _prepare(q, k, v, params: AttentionParams, out, lse, tile, seqused_k, block_
     descriptors = {0: flash_descriptor(q, BLOCK_M), 1: flash_descriptor(k, block_n, box_rows),
                    2: flash_descriptor(v, block_n, box_rows)}
     score_args, mask_args, _, variant = variant_args(params)
+    blocks = ()
+    if mask is not None:  # its tiles: block_mask_declines; the lists' rows per query block
+        if not specialized or mask.BLOCK_SIZE[1] % block_n:
+            raise ValueError(f"a block mask needs a specialized tile of whole blocks, not {tile}")
+        lists, sizes = block_args(params, lse)
+        blocks = (*lists, sizes["SPARSE_Q"], sizes["SPARSE_KV"] // block_n)
     return Prepared(_fwd_hopper_kernel, grid, (
         *f.strides(out)[:3], *f.strides(lse)[:2], *f.alibi_strides, f.nheads,
         f.nheads // f.nheads_k, *f.band, *f.scores, *f.dropout, n_items, *paging, score_args,
-        mask_args), dict(
+        mask_args, blocks), dict(
         HEAD_DIM=head_dim, BLOCK_N=block_n, NUM_STAGES=num_stages, CONSUMERS=consumers,
         SPECIALIZED=specialized, PINGPONG=pingpong and consumers >= 2, PERSISTENT=persistent,
         CONSUMER_REGS=config.pop("CONSUMER_REGS"), **f.flags, SEQUSED_K=seqused_k is not None,
         KEY_TAIL=f.varlen or f.seqlen_k % block_n != 0, PAGED=paged,
         SPLIT_LOADS=paged and specialized and consumers == 2, SCORE_MOD=variant["SCORE_MOD"],
-        MASK_MOD=variant["MASK_MOD"], num_warps=config.pop("num_warps")), descriptors=descriptors, varying=SEED, **config)
+        MASK_MOD=variant["MASK_MOD"], num_warps=config.pop("num_warps")),
+        descriptors=descriptors, varying=SEED, **config)

@@ -14,6 +14,7 @@ from flashkit.ops.triton.configs.gluon import (
     GLUON_BACKWARD_DKDV,
     GLUON_BACKWARD_DQ,
     GLUON_FORWARD,
+    GLUON_FORWARD_BLOCK_MASK,
     GLUON_FORWARD_TILES,
     gluon_forward_tile,
 )
@@ -27,5 +28,5 @@ from flashkit.ops.triton.configs.portable import (
 )
 
 __all__ = ["FP32", "GLUON_BACKWARD", "GLUON_BACKWARD_DKDV", "GLUON_BACKWARD_DQ", "GLUON_FORWARD",
-           "GLUON_FORWARD_TILES", "INTERPRETER", "SM90", "VARIANT", "gluon_forward_tile",
-           "padded_head_dim", "tile_config"]
+           "GLUON_FORWARD_BLOCK_MASK", "GLUON_FORWARD_TILES", "INTERPRETER", "SM90", "VARIANT",
+           "gluon_forward_tile", "padded_head_dim", "tile_config"]

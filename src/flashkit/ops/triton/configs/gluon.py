@@ -41,6 +41,17 @@ GLUON_FORWARD_TILES = (
 )
 
 
+# Tiles of a call with a user's block mask (flashkit.variants.BlockMask), per head dim: its
+# blocks must hold whole tiles (query blocks of 128 rows, two consumers; key blocks of 128 keys,
+# 64 at d256); the plain kernel's long-sequence tiles, not persistent (one item's tiles are its
+# mask row's listed blocks).
+GLUON_FORWARD_BLOCK_MASK = {
+    64: (128, 2, 2, True, True, False),
+    128: (128, 2, 2, True, True, False),
+    256: (64, 2, 2, True, True, False),
+}
+
+
 def gluon_forward_tile(head_dim: int, seqlen_q: int, banded: bool) -> tuple:
     """The Gluon forward's tile for a head dim (64, 128 or 256), query length and band."""
     for row_dim, row_banded, longest, tile in GLUON_FORWARD_TILES:
