@@ -101,17 +101,19 @@ def test_the_plan_key_holds_every_field_a_launch_reads():
 
 
 def test_the_plan_key_tells_the_kinds_of_user_modifiers_apart():
-    """The Gluon forward takes a score_mod and a mask_mod but not a block mask: calls with
-    other kinds of modifiers must not share a kernel choice; calls with the same kinds do
-    (each call's own functions and captured values reach the kernels from its params)."""
+    """The Gluon forward takes a score_mod, a mask_mod and a block mask of some block sizes:
+    calls with other kinds of modifiers or other block sizes must not share a kernel choice;
+    calls with the same kinds do (each call's own functions, captured values and lists reach
+    the kernels from its params)."""
     import dataclasses
 
     from flashkit.ops.params import AttentionParams
 
     base = AttentionParams(0.125)
-    mask = flashkit.create_block_mask(variants.causal_mask(), None, None, 64, 64, device="cpu")
+    masks = [flashkit.create_block_mask(variants.causal_mask(), None, None, 64, 64, device="cpu",
+                                        BLOCK_SIZE=block) for block in (32, (32, 16))]
     kinds = [Variant(score_mod=variants.softcap(5.0)), Variant(mask_mod=variants.causal_mask()),
-             Variant(mask_mod=variants.causal_mask(), block_mask=mask), None]
+             *[Variant(mask_mod=variants.causal_mask(), block_mask=m) for m in masks], None]
     keys = [dispatch._values(dataclasses.replace(base, variant=v)) for v in kinds]
     assert len(set(keys)) == len(kinds)
     other = Variant(score_mod=variants.relative_bias(torch.randn(2, 5)))
