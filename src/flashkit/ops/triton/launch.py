@@ -217,13 +217,18 @@ class Prepared:
             self._launch(tensors, varying)
             return
         args = direct.args.copy()
-        misfit = False  # a pointer of another dtype, or off the 16-byte alignment, than compiled
+        # the last pointer checked and the dtype it was checked for: a placeholder tensor
+        # stands for every absent feature tensor in turn, checked once
+        checked, checked_dtype = None, None
         for at, i, dtype in direct.pointers:
             t = args[at] = tensors[i]
-            misfit = misfit or t.dtype is not dtype or t.data_ptr() % 16 != 0
-        if misfit:
-            self._launch(tensors, varying)
-            return
+            if t is checked and dtype is checked_dtype:
+                continue
+            # a pointer of another dtype, or off the 16-byte alignment, than compiled
+            if t.dtype is not dtype or t.data_ptr() % 16 != 0:
+                self._launch(tensors, varying)
+                return
+            checked, checked_dtype = t, dtype
         for at, i, tma, encoded in direct.maps:
             address = tensors[i].data_ptr()
             tensor_map = encoded.get(address)
