@@ -101,8 +101,9 @@ def test_the_plan_key_holds_every_field_a_launch_reads():
 
 
 def test_the_plan_key_tells_the_kinds_of_user_modifiers_apart():
-    """The Gluon forward takes a score_mod, a mask_mod and a block mask of some block sizes:
-    calls with other kinds of modifiers or other block sizes must not share a kernel choice;
+    """The Gluon forward takes a score_mod, a mask_mod and a block mask of some block sizes,
+    the Gluon backward no gradients for captured tensors: calls with other kinds of modifiers,
+    other block sizes or captured gradients must not share a kernel choice;
     calls with the same kinds do (each call's own functions, captured values and lists reach
     the kernels from its params)."""
     import dataclasses
@@ -112,8 +113,11 @@ def test_the_plan_key_tells_the_kinds_of_user_modifiers_apart():
     base = AttentionParams(0.125)
     masks = [flashkit.create_block_mask(variants.causal_mask(), None, None, 64, 64, device="cpu",
                                         BLOCK_SIZE=block) for block in (32, (32, 16))]
+    table = torch.randn(2, 5)
     kinds = [Variant(score_mod=variants.softcap(5.0)), Variant(mask_mod=variants.causal_mask()),
-             *[Variant(mask_mod=variants.causal_mask(), block_mask=m) for m in masks], None]
+             *[Variant(mask_mod=variants.causal_mask(), block_mask=m) for m in masks],
+             Variant(score_mod=variants.relative_bias(table), captured_grads=[table, None]),
+             None]
     keys = [dispatch._values(dataclasses.replace(base, variant=v)) for v in kinds]
     assert len(set(keys)) == len(kinds)
     other = Variant(score_mod=variants.relative_bias(torch.randn(2, 5)))

@@ -286,6 +286,44 @@ def test_gluon_backward_launchers_fill_the_kernel_signatures(varlen, which, monk
     assert constexprs["ONE_KEY_ZERO"] is False
 
 
+@pytest.mark.skipif(backward_hopper.gluon is None, reason="a Triton without Gluon")
+@pytest.mark.parametrize("which", ["dkdv", "dq"])
+def test_gluon_backward_launchers_pass_user_modifiers(which, monkeypatch):
+    """A score_mod's function, derivative and captured values and a mask_mod's reach the Gluon
+    backward kernels' parameters of their names, each call's own (no plan keeps them)."""
+    import dataclasses
+
+    from flashkit import variants
+    from flashkit.variants.mods import Variant
+
+    q, k, v, params = _inputs(False)
+    score = variants.relative_bias(torch.randn(4, 9))
+    mask = variants.document_mask(torch.zeros(2, 128, dtype=torch.int32))
+    params = dataclasses.replace(params, variant=Variant(score_mod=score, mask_mod=mask))
+    calls = []
+    monkeypatch.setattr(launch_module, "launch", lambda kernel, grid, tensors, scalars,
+                        constexprs, tensor_params=(), **options: calls.append(
+                            (kernel, tensors, scalars, constexprs, tensor_params)))
+    lse = torch.zeros(lse_shape(q, params))
+    plan = {}
+    if which == "dkdv":
+        backward_hopper.attention_backward_dkdv(q, q, k, v, lse, torch.zeros_like(lse), params,
+                                                torch.empty_like(k), torch.empty_like(v),
+                                                plan=plan)
+    else:
+        backward_hopper.attention_backward_dq(q, q, k, v, lse, torch.zeros_like(lse), params,
+                                              torch.empty_like(q), plan=plan)
+    (kernel, tensors, scalars, constexprs, tensor_params), = calls
+    args = launch_module._order(kernel, tensor_params, len(tensors), len(scalars))(
+        tensors + scalars)
+    bound = dict(zip(kernel.arg_names, args, strict=False))
+    assert bound["score_args"] == score.kernel_args()
+    assert bound["mask_args"] == mask.kernel_args()
+    assert constexprs["SCORE_MOD"] is score.jit() and constexprs["MASK_MOD"] is mask.jit()
+    assert constexprs["SCORE_GRAD"] is score.jit_grad()
+    assert plan == {}
+
+
 def test_flag_subsets_keep_the_vocabulary_order():
     for subset in (GRADIENT_FLAGS, DENSE_FLAGS):
         assert [name for name in FLAGS if name in subset] == list(subset)

@@ -141,14 +141,18 @@ def _sm90() -> bool:
 @pytest.mark.usefixtures("fresh_plans")
 def test_gluon_forward_runs_user_modifiers(caplog):
     """On sm_90 the Gluon forward takes a score_mod, a mask_mod and a block mask of whole
-    tiles, and names why it declines one of other blocks; the backward is the portable one."""
+    tiles, and names why it declines one of other blocks; the Gluon backward takes a score_mod
+    and a mask_mod, not a block mask or gradients for captured tensors."""
     q, k, v = (x.cuda().requires_grad_() for x in random_qkv(
         batch=1, seqlen_q=512, nheads=8, headdim=128, dtype=torch.bfloat16))
     doc = documents(512, batch=1).cuda()
     masks = {block: flashkit.create_block_mask(variants.document_mask(doc), 1, None, 512, 512,
                                                device="cuda", BLOCK_SIZE=block)
              for block in (128, (128, 64))}
-    calls = {"score_mod": dict(score_mod=variants.relative_bias(torch.randn(8, 9).cuda())),
+    table, learned = torch.randn(8, 9).cuda(), torch.randn(8, 9, device="cuda",
+                                                         requires_grad=True)
+    calls = {"score_mod": dict(score_mod=variants.relative_bias(table)),
+             "learned table": dict(score_mod=variants.relative_bias(learned)),
              "mask_mod": dict(mask_mod=variants.document_mask(doc)),
              "block_mask": dict(block_mask=masks[128]),
              "small blocks": dict(block_mask=masks[(128, 64)])}
@@ -158,12 +162,16 @@ def test_gluon_forward_runs_user_modifiers(caplog):
         with caplog.at_level(logging.DEBUG, logger="flashkit.dispatch"):
             flashkit.flash_attn_func(q, k, v, **kwargs).sum().backward()
         ran[name] = [r.getMessage() for r in caplog.records if r.name == "flashkit.dispatch"]
-    for name in ("score_mod", "mask_mod", "block_mask"):
+    for name in ("score_mod", "learned table", "mask_mod", "block_mask"):
         assert ran[name][0].startswith("forward ran gluon"), name
     assert ran["small blocks"][0].startswith(
         "forward ran triton; declined: gluon: block mask blocks 128 x 64")
-    for messages in ran.values():
-        assert messages[-1].startswith("backward ran triton")
+    for name in ("score_mod", "mask_mod"):
+        assert ran[name][-1].startswith("backward ran gluon"), name
+    assert ran["learned table"][-1].startswith(
+        "backward ran triton; declined: gluon: a gradient for a score_mod's captured tensors")
+    for name in ("block_mask", "small blocks"):
+        assert ran[name][-1].startswith("backward ran triton; declined: gluon: a block_mask")
 
 
 @pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
@@ -200,9 +208,10 @@ def test_gluon_forward_walks_a_block_mask(per_head, headdim, dtype):
 @pytest.mark.parametrize("dtype, headdim", [(torch.bfloat16, 128), (torch.float16, 64),
                                             (torch.bfloat16, 256)])
 @pytest.mark.parametrize("lengths", [(203, 461), (640, 640)])
-def test_gluon_forward_combines_modifiers_with_builtin_features(lengths, headdim, dtype):
+def test_gluon_kernels_combine_modifiers_with_builtin_features(lengths, headdim, dtype):
     """score_mod after softcap and ALiBi, mask_mod inside a causal window, a sink, GQA, odd
-    lengths: the Gluon forward against the oracle, gradients through the portable backward."""
+    lengths (the Gluon backward as varlen) and whole tiles: the Gluon forward and backward
+    against the oracle, the sink's gradient too."""
     seqlen_q, seqlen_k = lengths
     q, k, v = random_qkv(batch=2, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads=8, nheads_k=2,
                          headdim=headdim, dtype=dtype)
@@ -216,4 +225,4 @@ def test_gluon_forward_combines_modifiers_with_builtin_features(lengths, headdim
     check_against_oracle(functools.partial(run, "triton"),
                          _cuda(dict(q=q, k=k, v=v, sink=sink, table=table)),
                          output_names=("out",), oracle_fn=functools.partial(run, "reference"),
-                         grad_names=("q", "k", "v", "table"))
+                         grad_names=("q", "k", "v", "sink"))

@@ -52,8 +52,10 @@ Eligible (see `eligible`): what the Gluon forward takes (forward_hopper.gluon_de
 fp16/bf16, head dim 64, 128 or 256, q/k/v in the flash layout so (tokens, heads * d) is a plain
 2-D view for TMA), dense with seqlen_q and seqlen_k multiples of every tile, or varlen; a dense
 call at other lengths runs as varlen with equal lengths (dense_as_varlen), whose tails are
-NaN-safe: nothing the TMA tiles read past a batch entry's end reaches its gradients. No user
-modifiers (flashkit.variants): backward.py's kernels differentiate those.
+NaN-safe: nothing the TMA tiles read past a batch entry's end reaches its gradients. A user's
+score_mod (through its derivative) and mask_mod (flashkit.variants) are applied where the
+built-in terms are (_user_scores, _visible), as backward.py's kernels apply them; a block mask
+or gradients for a score_mod's captured tensors run backward.py's kernels.
 """
 
 from __future__ import annotations
@@ -73,6 +75,10 @@ from flashkit.ops.triton.common import (
     query_tile_ranges,
     score_mod,
     sequence,
+    user_score,
+    user_score_grad,
+    user_visible,
+    variant_args,
     visible,
 )
 from flashkit.ops.triton.configs import GLUON_BACKWARD, GLUON_BACKWARD_DKDV, GLUON_BACKWARD_DQ
@@ -156,6 +162,32 @@ if gluon is not None:
     LOG2E_G = gl.constexpr(LOG2E)
 
     @gluon.jit
+    def _user_scores(s, i, j, seqlen_q, seqlen_k, user, SCORE_MOD: gl.constexpr,
+                     SCORE_GRAD: gl.constexpr):
+        """(s, dmod): a user's score_mod on the log2-unit scores s of query rows i and key
+        columns j (broadcasting), and its derivative at s, which dS is multiplied by (1.0
+        without one), as backward.py's kernels apply them. user = (batch, query head,
+        score_args, mask_args)."""
+        off_b, off_h, score_args, mask_args = user
+        dmod = 1.0
+        if SCORE_MOD is not None:
+            dmod = user_score_grad(s, off_b, off_h, i, j, seqlen_q, seqlen_k, SCORE_GRAD,
+                                   score_args)
+            s = user_score(s, off_b, off_h, i, j, seqlen_q, seqlen_k, SCORE_MOD, score_args)
+        return s, dmod
+
+    @gluon.jit
+    def _visible(i, j, seqlen_q, seqlen_k, window_left, window_right, user,
+                 HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, MASK_MOD: gl.constexpr):
+        """common.visible and a user's mask_mod (user as in _user_scores)."""
+        off_b, off_h, score_args, mask_args = user
+        keep = visible(i, j, seqlen_q, seqlen_k, window_left, window_right, HAS_LEFT, HAS_RIGHT)
+        if MASK_MOD is not None:
+            keep = user_visible(keep, off_b, off_h, i, j, seqlen_q, seqlen_k, MASK_MOD,
+                                mask_args)
+        return keep
+
+    @gluon.jit
     def _issue_q_do_load(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem,
                          delta_smem, q_bars, do_bars, job, n_jobs, jobs_per_head, m_first, q_row,
                          q_col, lse_row, lse_stride_h, BLOCK_M: gl.constexpr,
@@ -185,13 +217,15 @@ if gluon is not None:
                                         pred=valid)
 
     @gluon.jit
-    def _query_tile_step(dk, dv, job, m, smem, bars, descs, ring, geo, alibi_log2, drop,
+    def _query_tile_step(dk, dv, job, m, smem, bars, descs, ring, geo, alibi_log2, drop, user,
                          HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                          NUM_STAGES: gl.constexpr, MASK: gl.constexpr, HAS_LEFT: gl.constexpr,
                          HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
                          DROPOUT: gl.constexpr, VARLEN: gl.constexpr,
-                         ONE_KEY_ZERO: gl.constexpr, st_layout: gl.constexpr,
-                         kv_layout: gl.constexpr, op_layout: gl.constexpr):
+                         ONE_KEY_ZERO: gl.constexpr, SCORE_MOD: gl.constexpr,
+                         SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr,
+                         st_layout: gl.constexpr, kv_layout: gl.constexpr,
+                         op_layout: gl.constexpr):
         """Add query tile m (ring job `job`) to dK, dV; MASK applies the band predicate
         (common.visible), with VARLEN also to the query rows: those past seqlen_q are the next
         sequence's (TMA reads on), their P and dS columns must be exactly 0 (key rows past
@@ -210,7 +244,8 @@ if gluon is not None:
         a multiply, and the kernel scales dK and dV once). smem = (k, v, q ring, dO ring, lse
         ring, delta ring), bars = (q, dO) ring barriers, descs = (q, dO, lse, delta) descriptors,
         ring = (n_jobs, jobs_per_head, m_first, q_row, q_col, lse_row, lse_stride_h, start_n) as
-        _issue_q_do_load takes them (start_n: the key block's first key). Returns (dk, dv)."""
+        _issue_q_do_load takes them (start_n: the key block's first key). user = (batch, query
+        head, score_args, mask_args) of a user's modifiers (_user_scores). Returns (dk, dv)."""
         seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale, dropout_scale = geo
         k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem = smem
         q_bars, do_bars = bars
@@ -251,12 +286,14 @@ if gluon is not None:
         s_t, dcap_t = score_mod(s_t, i_t, j_t, (seqlen_q, seqlen_k, window_left, window_right),
                                 (qk_scale, softcap_scale, alibi_log2), SOFTCAP, ALIBI,
                                 SCORE_GRAD_FROM_TANH_JIT)
+        s_t, dmod_t = _user_scores(s_t, i_t, j_t, seqlen_q, seqlen_k, user, SCORE_MOD,
+                                   SCORE_GRAD)
         # A row with no visible key has lse -inf: its P is inf before the mask, 0 after (such a
         # row only meets masked tiles).
         p_t = gl.exp2(s_t - gl.expand_dims(lse2, 0))
         if MASK:
-            keep = visible(i_t, j_t, seqlen_q, seqlen_k, window_left, window_right, HAS_LEFT,
-                           HAS_RIGHT)
+            keep = _visible(i_t, j_t, seqlen_q, seqlen_k, window_left, window_right, user,
+                            HAS_LEFT, HAS_RIGHT, MASK_MOD)
             if VARLEN:
                 keep = keep & (i_t < seqlen_q)
             p_t = gl.where(keep, p_t, 0.0)
@@ -282,6 +319,8 @@ if gluon is not None:
             ds_t = gl.where(gradient_pairs(keep, i_t, seqlen_q, seqlen_k, window_left,
                                            window_right, HAS_LEFT, HAS_RIGHT, ONE_KEY_ZERO),
                             ds_t, 0.0)
+        if SCORE_MOD is not None:
+            ds_t = ds_t * dmod_t
         if SOFTCAP:
             ds_t = ds_t * dcap_t
         ds_t = ds_t.to(dtype)
@@ -310,20 +349,24 @@ if gluon is not None:
                                 Alibi, stride_ab, stride_ah, nheads, nheads_k, seqlen_q,
                                 seqlen_k, window_left, window_right, qk_scale, softcap_scale,
                                 softmax_scale, seed_lo, seed_hi, dropout_threshold,
-                                dropout_scale, stride_lh, Cu_q, Cu_k,
+                                dropout_scale, stride_lh, Cu_q, Cu_k, score_args, mask_args,
                                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                                 BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                                 HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                                 SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
                                 DROPOUT: gl.constexpr, VARLEN: gl.constexpr,
-                                ONE_KEY_ZERO: gl.constexpr, num_warps: gl.constexpr):
+                                ONE_KEY_ZERO: gl.constexpr, SCORE_MOD: gl.constexpr,
+                                SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr,
+                                num_warps: gl.constexpr):
         """dK, dV of key block program_id(0) of (batch, kv head) program_id(1), heaviest causal
         blocks first. q/k/v/do descriptors over (batch * seqlen, heads * HEAD_DIM), lse/delta
         descriptors over their flat (batch * nheads * seqlen) rows (varlen: the aligned copies
         of _aligned_lse_delta), stride_lh rows per head. VARLEN: batch entry = sequence
         (common.sequence: first rows from Cu_q/Cu_k, its own lengths; seqlen_q/k arrive as the
         longest), descriptors over (total, heads * HEAD_DIM), lse/delta (nheads, total_q); blocks
-        past the sequence's end return."""
+        past the sequence's end return. SCORE_MOD (with its derivative SCORE_GRAD) and
+        MASK_MOD: a user's modifiers, their captured values in score_args / mask_args; a
+        MASK_MOD masks every query tile."""
         pid_n = gl.program_id(0)
         pid_bh = gl.program_id(1) + gl.program_id(2) * gl.num_programs(1)  # launch.fold
         off_b = pid_bh // nheads_k
@@ -406,6 +449,7 @@ if gluon is not None:
             off_h = off_hk * group + g
             alibi_log2 = load_alibi_log2(Alibi, off_b, off_h, stride_ab, stride_ah, ALIBI)
             drop = (seed_lo, seed_hi, dropout_threshold, off_b, off_h)
+            user = (off_b, off_h, score_args, mask_args)
             # Masked rows that see part of the block on its right side (HAS_RIGHT), the rows
             # that see all of it, masked rows of the window's left edge and varlen's last
             # query tile (HAS_LEFT); a masked segment is compiled only where it can exist.
@@ -416,10 +460,10 @@ if gluon is not None:
                     for m in range(bounds[segment], bounds[segment + 1]):
                         dk, dv = _query_tile_step(
                             dk, dv, job, m, smem, bars, descs, ring, geo, alibi_log2, drop,
-                            HEAD_DIM, BLOCK_M,
-                            BLOCK_N, NUM_STAGES, segment != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-                            ALIBI, DROPOUT, VARLEN, ONE_KEY_ZERO, st_layout, kv_layout,
-                            op_layout)
+                            user, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
+                            segment != 1 or MASK_MOD is not None, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+                            ALIBI, DROPOUT, VARLEN, ONE_KEY_ZERO, SCORE_MOD, SCORE_GRAD,
+                            MASK_MOD, st_layout, kv_layout, op_layout)
                         job += 1
 
         mbarrier.invalidate(kv_bar)
@@ -446,17 +490,19 @@ if gluon is not None:
 
     @gluon.jit
     def _key_tile_dq_step(dq, upper, pdp, tile, smem, bars, descs, lse2, delta, ring, geo,
-                          alibi_log2, drop, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                          alibi_log2, drop, user, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                           NUM_STAGES: gl.constexpr, MASK: gl.constexpr, HAS_LEFT: gl.constexpr,
                           HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
                           DROPOUT: gl.constexpr, VARLEN: gl.constexpr,
                           ONE_KEY_ZERO: gl.constexpr, SINK: gl.constexpr,
-                          s_layout: gl.constexpr, op_layout: gl.constexpr):
+                          SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr,
+                          MASK_MOD: gl.constexpr, s_layout: gl.constexpr,
+                          op_layout: gl.constexpr):
         """Add key tile `tile` (keys key_lo + tile * BLOCK_N ..., at row key0 + tile * BLOCK_N
-        of the 2-D view) to dQ (unscaled); MASK applies the band predicate. geo, alibi_log2 and
-        drop as in _query_tile_step; the keep-mask is the forward's own (keep_tile, drawn in
-        this same score layout; 64-key tiles through keep_half_tiles, upper its words carried
-        from tile to tile); with DROPOUT, delta comes as (1 - p) delta and dQ is left over
+        of the 2-D view) to dQ (unscaled); MASK applies the band predicate. geo, alibi_log2,
+        drop and user as in _query_tile_step; the keep-mask is the forward's own (keep_tile,
+        drawn in this same score layout; 64-key tiles through keep_half_tiles, upper its words
+        carried from tile to tile); with DROPOUT, delta comes as (1 - p) delta and dQ is left over
         1 / (1 - p). SINK adds the tile's rowsum(P * dP) to pdp (with DROPOUT, (1 - p) times
         it). Returns (dq, upper, pdp). VARLEN: the (last) tile that crosses the sequence's
         keys zeroes the next sequence's K and V rows it holds before the wgmmas read them (0 *
@@ -500,10 +546,11 @@ if gluon is not None:
         s, dcap = score_mod(s, i, j, (seqlen_q, seqlen_k, window_left, window_right),
                             (qk_scale, softcap_scale, alibi_log2), SOFTCAP, ALIBI,
                             SCORE_GRAD_FROM_TANH_JIT)
+        s, dmod = _user_scores(s, i, j, seqlen_q, seqlen_k, user, SCORE_MOD, SCORE_GRAD)
         p = gl.exp2(s - gl.expand_dims(lse2, 1))  # lse -inf (no visible key): masked below
         if MASK:
-            keep = visible(i, j, seqlen_q, seqlen_k, window_left, window_right, HAS_LEFT,
-                           HAS_RIGHT)
+            keep = _visible(i, j, seqlen_q, seqlen_k, window_left, window_right, user, HAS_LEFT,
+                            HAS_RIGHT, MASK_MOD)
             p = gl.where(keep, p, 0.0)
         dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, ))
         if DROPOUT:  # dS / (1 / (1 - p)) = P o (keep o dP - (1 - p) delta): see the kernel
@@ -517,6 +564,8 @@ if gluon is not None:
         if MASK:  # see the docstring (common.gradient_pairs)
             ds = gl.where(gradient_pairs(keep, i, seqlen_q, seqlen_k, window_left, window_right,
                                          HAS_LEFT, HAS_RIGHT, ONE_KEY_ZERO), ds, 0.0)
+        if SCORE_MOD is not None:
+            ds = ds * dmod
         if SOFTCAP:
             ds = ds * dcap
         ds = ds.to(q_smem.dtype)
@@ -534,21 +583,23 @@ if gluon is not None:
                               stride_dqb, stride_dqs, stride_dqh, stride_ab, stride_ah,
                               nheads, group, seqlen_q, seqlen_k, window_left, window_right,
                               qk_scale, softcap_scale, softmax_scale, seed_lo, seed_hi,
-                              dropout_threshold, dropout_scale, Cu_q, Cu_k,
-                              HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                              dropout_threshold, dropout_scale, Cu_q, Cu_k, score_args,
+                              mask_args, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                               BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                               SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
                               DROPOUT: gl.constexpr, VARLEN: gl.constexpr,
                               ONE_KEY_ZERO: gl.constexpr, SINK: gl.constexpr,
-                              num_warps: gl.constexpr):
+                              SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr,
+                              MASK_MOD: gl.constexpr, num_warps: gl.constexpr):
         """dQ of BLOCK_M query rows of one (batch, head), heaviest causal rows first: Q and dO
         stay in shared memory, K/V tiles stream through a TMA ring (as the forward), each dQ
         element summed in one program in a fixed order (deterministic). VARLEN as the dK/dV
         kernel; key columns past the sequence's end (the next one's, read by TMA) are masked in
         the last key tile, query rows past it are never stored. SINK: the rows' delta is then
         replaced by their rowsum(P * dP) from the tiles, which dsink reads (backward.py); the
-        dK/dV kernel, launched first, has read delta by then."""
+        dK/dV kernel, launched first, has read delta by then. A user's modifiers as in the
+        dK/dV kernel (a MASK_MOD masks every key tile)."""
         pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
         pid_bh = gl.program_id(1) + gl.program_id(2) * gl.num_programs(1)  # launch.fold
         off_b = pid_bh // nheads
@@ -568,6 +619,7 @@ if gluon is not None:
         geo = (seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale,
                dropout_scale)
         drop = (seed_lo, seed_hi, dropout_threshold, off_b, off_h)
+        user = (off_b, off_h, score_args, mask_args)
         dtype: gl.constexpr = q_desc.dtype
         gl.static_assert(not DROPOUT or (BLOCK_M == 64 and num_warps == 4),
                          "keep_tile draws for the forward's 64-row, one-warpgroup tile")
@@ -637,9 +689,10 @@ if gluon is not None:
                     dq, upper, pdp = _key_tile_dq_step(
                         dq, upper, pdp, tile, (q_smem, do_smem, k_smem, v_smem),
                         (k_bars, v_bars), (k_desc, v_desc), lse2, delta,
-                        (n_tiles, key0, kv_col, start_m, lo), geo, alibi_log2, drop, BLOCK_M,
-                        BLOCK_N, NUM_STAGES, segment != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI,
-                        DROPOUT, VARLEN, ONE_KEY_ZERO, SINK, s_layout, op_layout)
+                        (n_tiles, key0, kv_col, start_m, lo), geo, alibi_log2, drop, user,
+                        BLOCK_M, BLOCK_N, NUM_STAGES, segment != 1 or MASK_MOD is not None,
+                        HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, VARLEN, ONE_KEY_ZERO, SINK,
+                        SCORE_MOD, SCORE_GRAD, MASK_MOD, s_layout, op_layout)
         if SINK:
             if DROPOUT:  # the tiles summed (1 - p) D
                 pdp = pdp * dropout_scale
@@ -671,8 +724,11 @@ def _declines(q, k, v, dout, lse, params: AttentionParams, dq, dk, dv, tiles) ->
         return "switched off (configs.GLUON_BACKWARD)"
     if set(tiles or {}) - {"hopper", "hopper_dq"}:
         return "a Triton tile was asked for"
-    if params.variant is not None:
-        return "a score_mod, mask_mod or block_mask"
+    variant = params.variant
+    if variant is not None and variant.block_mask is not None:
+        return "a block_mask"
+    if variant is not None and wants_captured_grads(variant):
+        return "a gradient for a score_mod's captured tensors"
     why = gluon_declines(q, k, v, params, varlen=True)
     if why is None and not (dout.dtype == q.dtype and flash_layout_2d(dout)
                             and flash_layout_2d(lse)):
@@ -680,6 +736,12 @@ def _declines(q, k, v, dout, lse, params: AttentionParams, dq, dk, dv, tiles) ->
     if why is None and not all(x.stride(-1) == 1 for x in (dq, dk, dv)):
         why = "dq, dk or dv has a strided last dim"
     return why
+
+
+def wants_captured_grads(variant) -> bool:
+    """Whether a backward computes gradients for a score_mod's captured tensors (its
+    captured_grad rule: backward.py's kernels run it)."""
+    return any(g is not None for g in variant.captured_grads or ())
 
 
 def takes_dkdv(q) -> bool:
@@ -748,7 +810,10 @@ def attention_backward_dkdv(dout, q, k, v, lse, delta, params: AttentionParams, 
     """dK, dV of the eligible case into dk, dv. delta (laid out like lse) comes from
     backward.py's preprocess; block overrides GLUON_BACKWARD_DKDV (the sweep); one_key_zero:
     the kernels' ONE_KEY_ZERO (backward.py: no sink, no lse gradient, the call's own lse);
-    plan: the dispatch plan's prepared launches (launch.planned)."""
+    plan: the dispatch plan's prepared launches (launch.planned), unused for a call with a
+    user's modifiers (their captured tensors are the call's own)."""
+    if params.variant is not None:
+        plan = None
     if params.is_varlen:
         lse, delta = _aligned_lse_delta(lse, delta, params)
     prepared = planned(plan, "dkdv", lambda: _prepare_dkdv(q, k, v, dout, lse, delta, params, dk,
@@ -768,17 +833,22 @@ def _prepare_dkdv(q, k, v, dout, lse, delta, params: AttentionParams, dk, dv, bl
     descriptors = {0: flash_descriptor(q, block_m), 1: flash_descriptor(k, block_n),
                    2: flash_descriptor(v, block_n), 3: flash_descriptor(dout, block_m),
                    4: rows_descriptor(lse, block_m), 5: rows_descriptor(delta, block_m)}
+    score_args, mask_args, _, variant = variant_args(params)
     return Prepared(_bwd_dkdv_hopper_kernel, grid, (
         *f.strides(dk)[:3], *f.strides(dv)[:3], *f.alibi_strides, f.nheads, f.nheads_k,
-        *f.band, *f.scores, params.softmax_scale, *f.dropout, lse.stride(-2)), dict(
+        *f.band, *f.scores, params.softmax_scale, *f.dropout, lse.stride(-2), score_args,
+        mask_args), dict(
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=num_stages, **f.flags,
-        ONE_KEY_ZERO=one_key_zero, num_warps=num_warps), _DKDV_TENSORS, descriptors, SEED)
+        ONE_KEY_ZERO=one_key_zero, **_user_modifiers(variant), num_warps=num_warps),
+        _DKDV_TENSORS, descriptors, SEED)
 
 
 def attention_backward_dq(dout, q, k, v, lse, delta, params: AttentionParams, dq, block=None,
                           one_key_zero=False, plan: dict | None = None):
     """dQ of the eligible case into dq (deterministic); block overrides GLUON_BACKWARD_DQ;
     one_key_zero and plan as attention_backward_dkdv's."""
+    if params.variant is not None:
+        plan = None
     prepared = planned(plan, "dq", lambda: _prepare_dq(q, k, v, dout, lse, delta, params, dq,
                                                        block, one_key_zero))
     alibi, _, cu_q, cu_k = feature_tensors(params, lse, float32_sink=False)  # no sink
@@ -794,10 +864,17 @@ def _prepare_dq(q, k, v, dout, lse, delta, params: AttentionParams, dq, block,
     grid = (cdiv(f.seqlen_q, block_m), *fold(f.batch * f.nheads))
     descriptors = {0: flash_descriptor(q, block_m), 1: flash_descriptor(k, block_n),
                    2: flash_descriptor(v, block_n), 3: flash_descriptor(dout, block_m)}
+    score_args, mask_args, _, variant = variant_args(params)
     return Prepared(_bwd_dq_hopper_kernel, grid, (
         *f.strides(lse)[:2], *f.strides(delta)[:2], *f.strides(dq)[:3], *f.alibi_strides,
         f.nheads, f.nheads // f.nheads_k, *f.band, *f.scores, params.softmax_scale,
-        *f.dropout), dict(
+        *f.dropout, score_args, mask_args), dict(
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=num_stages, **f.flags,
-        ONE_KEY_ZERO=one_key_zero, SINK=params.sink is not None, num_warps=num_warps),
-        _DQ_TENSORS, descriptors, SEED)
+        ONE_KEY_ZERO=one_key_zero, SINK=params.sink is not None, **_user_modifiers(variant),
+        num_warps=num_warps), _DQ_TENSORS, descriptors, SEED)
+
+
+def _user_modifiers(variant: dict) -> dict:
+    """The kernels' SCORE_MOD, SCORE_GRAD and MASK_MOD of common.variant_args' dict."""
+    return dict(SCORE_MOD=variant["SCORE_MOD"], SCORE_GRAD=variant["SCORE_GRAD"],
+                MASK_MOD=variant["MASK_MOD"])

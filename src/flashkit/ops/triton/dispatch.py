@@ -151,14 +151,16 @@ _last_values: tuple = (None, None)  # (params, _values(params)) of the last para
 
 
 def _variant_kind(variant) -> tuple | None:
-    """What a kernel choice reads of a user's modifiers: which of them the call has, and a
-    block mask's block sizes (the kernels take the functions, captured values and the mask's
-    lists from each call's params)."""
+    """What a kernel choice reads of a user's modifiers: which of them the call has, a block
+    mask's block sizes and whether a backward computes gradients for the captured tensors (the
+    kernels take the functions, captured values and the mask's lists from each call's
+    params)."""
     if variant is None:
         return None
     mask = variant.block_mask
     return (variant.score_mod is not None, variant.mask_mod is not None,
-            None if mask is None else mask.BLOCK_SIZE, bool(variant.packing))
+            None if mask is None else mask.BLOCK_SIZE, bool(variant.packing),
+            backward_hopper.wants_captured_grads(variant))
 
 
 # --- forward and backward ----------------------------------------------------------------------
