@@ -206,9 +206,9 @@ def test_gluon_forward_launcher_passes_user_modifiers(monkeypatch):
 @pytest.mark.skipif(forward_hopper.gluon is None, reason="a Triton without Gluon")
 @pytest.mark.parametrize("shared", [True, False])
 def test_gluon_forward_launcher_passes_a_block_mask(shared, monkeypatch):
-    """A block mask's lists, their batch and head strides (0 where one row serves every batch
-    entry or head), its query rows per block and key tiles per block reach the kernel's
-    `blocks`, on the block-mask tile."""
+    """A block mask's lists with their blocks per row and key tiles per block, their batch and
+    head strides (0 where one row serves every batch entry or head) and its query rows per
+    block reach the kernel's `blocks`, on the block-mask tile."""
     import dataclasses
 
     import flashkit
@@ -230,9 +230,10 @@ def test_gluon_forward_launcher_passes_a_block_mask(shared, monkeypatch):
     blocks = dict(zip(forward_hopper._fwd_hopper_kernel.arg_names, args, strict=False))["blocks"]
     block_n, _, consumers = GLUON_FORWARD_BLOCK_MASK[64][:3]
     assert constexprs["BLOCK_N"] == block_n and constexprs["CONSUMERS"] == consumers
-    assert blocks[:4] == (mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks,
-                          mask.full_kv_indices)
-    assert blocks[4:] == ((0, 0) if shared else (4 * 2, 2)) + (2, 128, 128 // block_n)
+    lists, stride_b, stride_h, rows = blocks
+    assert lists == (mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks,
+                     mask.full_kv_indices, 2, 128 // block_n)
+    assert (stride_b, stride_h, rows) == ((0, 0) if shared else (4 * 2, 2)) + (128,)
 
 
 @pytest.mark.parametrize("block, seqlen_k, why", [
@@ -255,6 +256,70 @@ def test_gluon_forward_block_mask_declines(block, seqlen_k, why):
                                  variant=Variant(mask_mod=mask.mask_mod, block_mask=mask))
     found = forward_hopper.block_mask_declines(q, k, params)
     assert found == why or found.startswith(why)
+
+
+@pytest.mark.parametrize("block, heads, dropout, why", [
+    (128, None, 0.0, None), ((128, 64), None, 0.0, None),
+    ((64, 32), None, 0.0, "block mask blocks 64 x 32"),
+    (128, 2, 0.0, "a block mask per head"), (128, None, 0.1, "a block mask with dropout")])
+def test_gluon_backward_block_mask_declines(block, heads, dropout, why):
+    """The Gluon backward takes a dense call's block mask shared by the heads, without dropout,
+    whose blocks hold whole tiles of its dK/dV and dQ kernels (64 x 64 at head dim 128)."""
+    import dataclasses
+
+    import flashkit
+    from flashkit import variants
+    from flashkit.variants.mods import Variant
+
+    q = torch.randn(1, 256, 2, 128)
+    mask = flashkit.create_block_mask(variants.causal_mask(), None, heads, 256, 256,
+                                      device="cpu", BLOCK_SIZE=block)
+    params = dataclasses.replace(AttentionParams(SCALE, dropout_p=dropout),
+                                 variant=Variant(mask_mod=mask.mask_mod, block_mask=mask))
+    found = backward_hopper.block_mask_declines(q, params)
+    assert found == why or found.startswith(why)
+
+
+@pytest.mark.skipif(backward_hopper.gluon is None, reason="a Triton without Gluon")
+@pytest.mark.parametrize("which", ["dkdv", "dq"])
+def test_gluon_backward_launchers_pass_a_block_mask(which, monkeypatch):
+    """The dQ kernel gets the mask's rows (one per query block: 2 of 4 key blocks here), the
+    dK/dV kernel its transposed rows (one per key block: 4 of 2 query blocks), each with
+    blocks per row, tiles per block, the batch stride (rows per batch entry) and the rows or
+    keys a list row covers."""
+    import dataclasses
+
+    import flashkit
+    from flashkit import variants
+    from flashkit.ops.triton.configs import GLUON_BACKWARD_DKDV, GLUON_BACKWARD_DQ
+    from flashkit.variants.mods import Variant
+
+    q = torch.randn(2, 256, 4, 64, dtype=torch.bfloat16)
+    mask = flashkit.create_block_mask(variants.causal_mask(), 2, None, 256, 256, device="cpu",
+                                      BLOCK_SIZE=(128, 64))
+    params = dataclasses.replace(AttentionParams(SCALE),
+                                 variant=Variant(mask_mod=mask.mask_mod, block_mask=mask))
+    calls = []
+    monkeypatch.setattr(launch_module, "launch", lambda kernel, grid, tensors, scalars,
+                        constexprs, tensor_params=(), **options: calls.append(
+                            (kernel, tensors, scalars, tensor_params)))
+    lse = torch.zeros(lse_shape(q, params))
+    if which == "dkdv":
+        backward_hopper.attention_backward_dkdv(q, q, q, q, lse, torch.zeros_like(lse), params,
+                                                torch.empty_like(q), torch.empty_like(q))
+        block_m, block_n = GLUON_BACKWARD_DKDV[64][:2]
+        expected = ((mask.q_num_blocks, mask.q_indices, mask.full_q_num_blocks,
+                     mask.full_q_indices, 2, 128 // block_m), 4, 64)
+    else:
+        backward_hopper.attention_backward_dq(q, q, q, q, lse, torch.zeros_like(lse), params,
+                                              torch.empty_like(q))
+        block_m, block_n = GLUON_BACKWARD_DQ[64][:2]
+        expected = ((mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks,
+                     mask.full_kv_indices, 4, 64 // block_n), 2, 128)
+    (kernel, tensors, scalars, tensor_params), = calls
+    args = launch_module._order(kernel, tensor_params, len(tensors), len(scalars))(
+        tensors + scalars)
+    assert dict(zip(kernel.arg_names, args, strict=False))["blocks"] == expected
 
 
 @pytest.mark.skipif(backward_hopper.gluon is None, reason="a Triton without Gluon")

@@ -54,8 +54,11 @@ fp16/bf16, head dim 64, 128 or 256, q/k/v in the flash layout so (tokens, heads 
 call at other lengths runs as varlen with equal lengths (dense_as_varlen), whose tails are
 NaN-safe: nothing the TMA tiles read past a batch entry's end reaches its gradients. A user's
 score_mod (through its derivative) and mask_mod (flashkit.variants) are applied where the
-built-in terms are (_user_scores, _visible), as backward.py's kernels apply them; a block mask
-or gradients for a score_mod's captured tensors run backward.py's kernels.
+built-in terms are (_user_scores, _visible), as backward.py's kernels apply them; a dense
+call's block mask shared by the heads replaces the tile ranges by its listed tiles
+(hopper_common.block_listing: the dK/dV kernel walks a key block's column of query blocks, the
+dQ kernel a query block's row of key blocks). Other block masks and gradients for a
+score_mod's captured tensors run backward.py's kernels.
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ from flashkit.ops.params import AttentionParams
 from flashkit.ops.triton.common import (
     LOG2E,
     SCORE_GRAD_FROM_TANH_JIT,
+    block_args,
     cdiv,
     gradient_pairs,
     key_tile_ranges,
@@ -112,7 +116,12 @@ if gluon is not None:  # the forward's K/V ring fill (hopper_common) serves the 
         no_upper_words,
         unpack_keep_t,
     )
-    from flashkit.ops.triton.hopper_common import issue_kv_load, zero_tile_tail
+    from flashkit.ops.triton.hopper_common import (
+        block_listing,
+        issue_kv_load,
+        listed_tile,
+        zero_tile_tail,
+    )
 
 
 
@@ -162,6 +171,15 @@ if gluon is not None:
     LOG2E_G = gl.constexpr(LOG2E)
 
     @gluon.jit
+    def _query_tile(listing, m_first, t):
+        """A key block's t-th query tile: m_first + t, or a block mask's listed tile t."""
+        if len(listing) > 0:
+            m = listed_tile(listing, t)
+        else:
+            m = m_first + t
+        return m
+
+    @gluon.jit
     def _user_scores(s, i, j, seqlen_q, seqlen_k, user, SCORE_MOD: gl.constexpr,
                      SCORE_GRAD: gl.constexpr):
         """(s, dmod): a user's score_mod on the log2-unit scores s of query rows i and key
@@ -189,17 +207,19 @@ if gluon is not None:
 
     @gluon.jit
     def _issue_q_do_load(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem,
-                         delta_smem, q_bars, do_bars, job, n_jobs, jobs_per_head, m_first, q_row,
-                         q_col, lse_row, lse_stride_h, BLOCK_M: gl.constexpr,
+                         delta_smem, q_bars, do_bars, job, n_jobs, jobs_per_head, m_first,
+                         listing, q_row, q_col, lse_row, lse_stride_h, BLOCK_M: gl.constexpr,
                          HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr):
         """TMA the Q and dO tiles of job `job` (with their lse and delta rows) into ring buffer
         job % NUM_STAGES, skipped past n_jobs. Job j is query tile m_first + j % jobs_per_head of
-        group head j // jobs_per_head (jobs_per_head >= 1: a block no query sees has n_jobs 0);
-        lse_row is the first group head's first lse row, lse_stride_h the rows between heads."""
+        group head j // jobs_per_head (jobs_per_head >= 1: a block no query sees has n_jobs 0),
+        or under a block mask (listing: hopper_common.block_listing) that head's listed tile
+        j % jobs_per_head; lse_row is the first group head's first lse row, lse_stride_h the
+        rows between heads."""
         stage = job % NUM_STAGES
         valid = job < n_jobs
         g = job // jobs_per_head
-        start_m = (m_first + job % jobs_per_head) * BLOCK_M
+        start_m = _query_tile(listing, m_first, job % jobs_per_head) * BLOCK_M
         col = q_col + g * HEAD_DIM
         row_1d = lse_row + g * lse_stride_h + start_m
         q_bar = q_bars.index(stage)
@@ -243,14 +263,15 @@ if gluon is not None:
         tile computes dS and P o Z over 1 / (1 - p), a select per element instead of a select and
         a multiply, and the kernel scales dK and dV once). smem = (k, v, q ring, dO ring, lse
         ring, delta ring), bars = (q, dO) ring barriers, descs = (q, dO, lse, delta) descriptors,
-        ring = (n_jobs, jobs_per_head, m_first, q_row, q_col, lse_row, lse_stride_h, start_n) as
-        _issue_q_do_load takes them (start_n: the key block's first key). user = (batch, query
-        head, score_args, mask_args) of a user's modifiers (_user_scores). Returns (dk, dv)."""
+        ring = (n_jobs, jobs_per_head, m_first, listing, q_row, q_col, lse_row, lse_stride_h,
+        start_n) as _issue_q_do_load takes them (start_n: the key block's first key). user =
+        (batch, query head, score_args, mask_args) of a user's modifiers (_user_scores).
+        Returns (dk, dv)."""
         seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale, dropout_scale = geo
         k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem = smem
         q_bars, do_bars = bars
         q_desc, do_desc, lse_desc, delta_desc = descs
-        n_jobs, jobs_per_head, m_first, q_row, q_col, lse_row, lse_stride_h, start_n = ring
+        n_jobs, jobs_per_head, m_first, listing, q_row, q_col, lse_row, lse_stride_h, start_n = ring
         stage = job % NUM_STAGES
         phase = (job // NUM_STAGES) & 1
         start_m = m * BLOCK_M
@@ -338,8 +359,8 @@ if gluon is not None:
         gl.thread_barrier()
         _issue_q_do_load(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem,
                          delta_smem, q_bars, do_bars, job + NUM_STAGES, n_jobs, jobs_per_head,
-                         m_first, q_row, q_col, lse_row, lse_stride_h, BLOCK_M, HEAD_DIM,
-                         NUM_STAGES)
+                         m_first, listing, q_row, q_col, lse_row, lse_stride_h, BLOCK_M,
+                         HEAD_DIM, NUM_STAGES)
         return dk, dv
 
     @gluon.jit(do_not_specialize=["seed_lo", "seed_hi", "dropout_threshold"])
@@ -350,7 +371,7 @@ if gluon is not None:
                                 seqlen_k, window_left, window_right, qk_scale, softcap_scale,
                                 softmax_scale, seed_lo, seed_hi, dropout_threshold,
                                 dropout_scale, stride_lh, Cu_q, Cu_k, score_args, mask_args,
-                                HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                                blocks, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                                 BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                                 HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                                 SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
@@ -366,7 +387,10 @@ if gluon is not None:
         longest), descriptors over (total, heads * HEAD_DIM), lse/delta (nheads, total_q); blocks
         past the sequence's end return. SCORE_MOD (with its derivative SCORE_GRAD) and
         MASK_MOD: a user's modifiers, their captured values in score_args / mask_args; a
-        MASK_MOD masks every query tile."""
+        MASK_MOD masks every query tile. blocks: a block mask shared by the heads, (lists,
+        stride_b, keys per block) with its transposed lists as hopper_common.block_listing takes
+        them (else ()): the block's query tiles are then its mask column's listed ones, the
+        partial blocks' masked, the full blocks' not."""
         pid_n = gl.program_id(0)
         pid_bh = gl.program_id(1) + gl.program_id(2) * gl.num_programs(1)  # launch.fold
         off_b = pid_bh // nheads_k
@@ -427,6 +451,13 @@ if gluon is not None:
         m_mid_hi = gl.cdiv(mid_hi, BLOCK_M)
         m_end = gl.cdiv(hi, BLOCK_M)
         n_jobs = group * (m_end - m_first)
+        listing = ()
+        if len(blocks) > 0:  # a block mask: the listed query tiles of this key block's column
+            lists, stride_sb, block_kv = blocks
+            listing, tiles = block_listing(lists, off_b * stride_sb + start_n // block_kv)
+            m_first = 0
+            m_end = tiles
+            n_jobs = group * tiles
         jobs_per_head = gl.maximum(m_end - m_first, 1)
 
         mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
@@ -435,7 +466,8 @@ if gluon is not None:
         for i in gl.static_range(NUM_STAGES):
             _issue_q_do_load(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem,
                              delta_smem, q_bars, do_bars, i, n_jobs, jobs_per_head, m_first,
-                             q_row, q_col, lse_row, stride_lh, BLOCK_M, HEAD_DIM, NUM_STAGES)
+                             listing, q_row, q_col, lse_row, stride_lh, BLOCK_M, HEAD_DIM,
+                             NUM_STAGES)
         mbarrier.wait(kv_bar, 0)
 
         dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
@@ -443,7 +475,8 @@ if gluon is not None:
         smem = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem)
         bars = (q_bars, do_bars)
         descs = (q_desc, do_desc, lse_desc, delta_desc)
-        ring = (n_jobs, jobs_per_head, m_first, q_row, q_col, lse_row, stride_lh, start_n)
+        ring = (n_jobs, jobs_per_head, m_first, listing, q_row, q_col, lse_row, stride_lh,
+                start_n)
         job = 0
         for g in range(group):  # the query heads that share this kv head, in a fixed order
             off_h = off_hk * group + g
@@ -453,18 +486,35 @@ if gluon is not None:
             # Masked rows that see part of the block on its right side (HAS_RIGHT), the rows
             # that see all of it, masked rows of the window's left edge and varlen's last
             # query tile (HAS_LEFT); a masked segment is compiled only where it can exist.
-            bounds = (m_first, m_mid_lo, m_mid_hi, m_end)
-            for segment in gl.static_range(3):
-                if (segment == 1 or (segment == 0 and (HAS_RIGHT or VARLEN))
-                        or (segment == 2 and (HAS_LEFT or VARLEN))):
-                    for m in range(bounds[segment], bounds[segment + 1]):
-                        dk, dv = _query_tile_step(
-                            dk, dv, job, m, smem, bars, descs, ring, geo, alibi_log2, drop,
-                            user, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
-                            segment != 1 or MASK_MOD is not None, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-                            ALIBI, DROPOUT, VARLEN, ONE_KEY_ZERO, SCORE_MOD, SCORE_GRAD,
-                            MASK_MOD, st_layout, kv_layout, op_layout)
-                        job += 1
+            if len(listing) > 0:  # the partial blocks' tiles (masked), then the full blocks'
+                n_partial = listing[1]
+                for t in range(0, n_partial):
+                    dk, dv = _query_tile_step(
+                        dk, dv, job, listed_tile(listing, t), smem, bars, descs, ring, geo,
+                        alibi_log2, drop, user, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, True,
+                        HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, VARLEN, ONE_KEY_ZERO,
+                        SCORE_MOD, SCORE_GRAD, MASK_MOD, st_layout, kv_layout, op_layout)
+                    job += 1
+                for t in range(n_partial, m_end):
+                    dk, dv = _query_tile_step(
+                        dk, dv, job, listed_tile(listing, t), smem, bars, descs, ring, geo,
+                        alibi_log2, drop, user, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, False,
+                        HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, VARLEN, ONE_KEY_ZERO,
+                        SCORE_MOD, SCORE_GRAD, MASK_MOD, st_layout, kv_layout, op_layout)
+                    job += 1
+            else:
+                bounds = (m_first, m_mid_lo, m_mid_hi, m_end)
+                for segment in gl.static_range(3):
+                    if (segment == 1 or (segment == 0 and (HAS_RIGHT or VARLEN))
+                            or (segment == 2 and (HAS_LEFT or VARLEN))):
+                        for m in range(bounds[segment], bounds[segment + 1]):
+                            dk, dv = _query_tile_step(
+                                dk, dv, job, m, smem, bars, descs, ring, geo, alibi_log2, drop,
+                                user, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
+                                segment != 1 or MASK_MOD is not None, HAS_LEFT, HAS_RIGHT,
+                                SOFTCAP, ALIBI, DROPOUT, VARLEN, ONE_KEY_ZERO, SCORE_MOD,
+                                SCORE_GRAD, MASK_MOD, st_layout, kv_layout, op_layout)
+                            job += 1
 
         mbarrier.invalidate(kv_bar)
         for i in gl.static_range(NUM_STAGES):
@@ -511,17 +561,21 @@ if gluon is not None:
         dP NaN for every row, which P = 0 would not stop, and with ONE_KEY_ZERO rows that see one
         key get exactly zero dS. smem = (q, dO,
         K ring, V ring), bars = (K, V) ring barriers, descs = (K, V) descriptors, ring =
-        (n_tiles, key0, kv_col, start_m, key_lo)."""
+        (n_tiles, key0, kv_col, start_m, key_lo, listing): under a block mask (listing:
+        hopper_common.block_listing) tile t is the listed one, key0 the sequence's first key."""
         seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale, dropout_scale = geo
         q_smem, do_smem, k_smem, v_smem = smem
         k_bars, v_bars = bars
         k_desc, v_desc = descs
-        n_tiles, key0, kv_col, start_m, key_lo = ring
+        n_tiles, key0, kv_col, start_m, key_lo, listing = ring
         stage = tile % NUM_STAGES
         phase = (tile // NUM_STAGES) & 1
         k_buf = k_smem.index(stage)
         v_buf = v_smem.index(stage)
-        start_n = key_lo + tile * BLOCK_N
+        if len(listing) > 0:
+            start_n = listed_tile(listing, tile) * BLOCK_N
+        else:
+            start_n = key_lo + tile * BLOCK_N
         zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
         mbarrier.wait(k_bars.index(stage), phase)
         if MASK and VARLEN:  # never refilled: the crossing tile is the program's last
@@ -574,7 +628,7 @@ if gluon is not None:
         dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq_tok, ))
         gl.thread_barrier()  # every warp's reads of this buffer are done: refill it
         issue_kv_load(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, tile + NUM_STAGES,
-                        n_tiles, key0, kv_col, BLOCK_N, NUM_STAGES)
+                      n_tiles, key0, listing, kv_col, BLOCK_N, NUM_STAGES)
         return dq, upper, pdp
 
     @gluon.jit(do_not_specialize=["seed_lo", "seed_hi", "dropout_threshold"])
@@ -584,7 +638,8 @@ if gluon is not None:
                               nheads, group, seqlen_q, seqlen_k, window_left, window_right,
                               qk_scale, softcap_scale, softmax_scale, seed_lo, seed_hi,
                               dropout_threshold, dropout_scale, Cu_q, Cu_k, score_args,
-                              mask_args, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                              mask_args, blocks, HEAD_DIM: gl.constexpr,
+                              BLOCK_M: gl.constexpr,
                               BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                               SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
@@ -599,7 +654,9 @@ if gluon is not None:
         the last key tile, query rows past it are never stored. SINK: the rows' delta is then
         replaced by their rowsum(P * dP) from the tiles, which dsink reads (backward.py); the
         dK/dV kernel, launched first, has read delta by then. A user's modifiers as in the
-        dK/dV kernel (a MASK_MOD masks every key tile)."""
+        dK/dV kernel (a MASK_MOD masks every key tile); blocks: a block mask shared by the
+        heads, (lists, stride_b, query rows per block) (else ()): the rows' key tiles are then
+        their mask row's listed ones."""
         pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
         pid_bh = gl.program_id(1) + gl.program_id(2) * gl.num_programs(1)  # launch.fold
         off_b = pid_bh // nheads
@@ -653,6 +710,10 @@ if gluon is not None:
         n_tiles = gl.cdiv(hi - lo, BLOCK_N)
         t_mid_lo = gl.cdiv(mid_lo - lo, BLOCK_N)
         t_mid_hi = gl.cdiv(mid_hi - lo, BLOCK_N)
+        listing = ()
+        if len(blocks) > 0:  # a block mask: the listed key tiles of this query block's row
+            lists, stride_sb, block_q = blocks
+            listing, n_tiles = block_listing(lists, off_b * stride_sb + start_m // block_q)
         key0 = key_row0 + lo
 
         mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
@@ -660,7 +721,7 @@ if gluon is not None:
         tma.async_copy_global_to_shared(do_desc, [q_row, off_h * HEAD_DIM], q_bar, do_smem)
         for i in gl.static_range(NUM_STAGES):
             issue_kv_load(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, i, n_tiles, key0,
-                            kv_col, BLOCK_N, NUM_STAGES)
+                          listing, kv_col, BLOCK_N, NUM_STAGES)
         rows = start_m + gl.arange(0, BLOCK_M, layout=row_layout)
         row_mask = None
         if VARLEN:  # rows past the sequence's end: any value, never stored
@@ -680,19 +741,35 @@ if gluon is not None:
         # Masked tiles of the window's left edge (HAS_LEFT), the fully visible ones, masked
         # tiles of the diagonal (causal), the window's right edge or a sequence's last key
         # tile (HAS_RIGHT, VARLEN); a masked segment is compiled only where it can exist.
-        bounds = (0, t_mid_lo, t_mid_hi, n_tiles)
         upper = no_upper_words() if DROPOUT else ()  # keep_half_tiles' carried words
-        for segment in gl.static_range(3):
-            if (segment == 1 or (segment == 0 and HAS_LEFT)
-                    or (segment == 2 and (HAS_RIGHT or VARLEN))):
-                for tile in range(bounds[segment], bounds[segment + 1]):
-                    dq, upper, pdp = _key_tile_dq_step(
-                        dq, upper, pdp, tile, (q_smem, do_smem, k_smem, v_smem),
-                        (k_bars, v_bars), (k_desc, v_desc), lse2, delta,
-                        (n_tiles, key0, kv_col, start_m, lo), geo, alibi_log2, drop, user,
-                        BLOCK_M, BLOCK_N, NUM_STAGES, segment != 1 or MASK_MOD is not None,
-                        HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, VARLEN, ONE_KEY_ZERO, SINK,
-                        SCORE_MOD, SCORE_GRAD, MASK_MOD, s_layout, op_layout)
+        smem = (q_smem, do_smem, k_smem, v_smem)
+        ring = (n_tiles, key0, kv_col, start_m, lo, listing)
+        if len(listing) > 0:  # the partial blocks' tiles (masked), then the full blocks'
+            n_partial = listing[1]
+            for tile in range(0, n_partial):
+                dq, upper, pdp = _key_tile_dq_step(
+                    dq, upper, pdp, tile, smem, (k_bars, v_bars), (k_desc, v_desc), lse2, delta,
+                    ring, geo, alibi_log2, drop, user, BLOCK_M, BLOCK_N, NUM_STAGES, True,
+                    HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, VARLEN, ONE_KEY_ZERO, SINK,
+                    SCORE_MOD, SCORE_GRAD, MASK_MOD, s_layout, op_layout)
+            for tile in range(n_partial, n_tiles):
+                dq, upper, pdp = _key_tile_dq_step(
+                    dq, upper, pdp, tile, smem, (k_bars, v_bars), (k_desc, v_desc), lse2, delta,
+                    ring, geo, alibi_log2, drop, user, BLOCK_M, BLOCK_N, NUM_STAGES, False,
+                    HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, VARLEN, ONE_KEY_ZERO, SINK,
+                    SCORE_MOD, SCORE_GRAD, MASK_MOD, s_layout, op_layout)
+        else:
+            bounds = (0, t_mid_lo, t_mid_hi, n_tiles)
+            for segment in gl.static_range(3):
+                if (segment == 1 or (segment == 0 and HAS_LEFT)
+                        or (segment == 2 and (HAS_RIGHT or VARLEN))):
+                    for tile in range(bounds[segment], bounds[segment + 1]):
+                        dq, upper, pdp = _key_tile_dq_step(
+                            dq, upper, pdp, tile, smem, (k_bars, v_bars), (k_desc, v_desc),
+                            lse2, delta, ring, geo, alibi_log2, drop, user, BLOCK_M, BLOCK_N,
+                            NUM_STAGES, segment != 1 or MASK_MOD is not None, HAS_LEFT,
+                            HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, VARLEN, ONE_KEY_ZERO, SINK,
+                            SCORE_MOD, SCORE_GRAD, MASK_MOD, s_layout, op_layout)
         if SINK:
             if DROPOUT:  # the tiles summed (1 - p) D
                 pdp = pdp * dropout_scale
@@ -725,10 +802,12 @@ def _declines(q, k, v, dout, lse, params: AttentionParams, dq, dk, dv, tiles) ->
     if set(tiles or {}) - {"hopper", "hopper_dq"}:
         return "a Triton tile was asked for"
     variant = params.variant
-    if variant is not None and variant.block_mask is not None:
-        return "a block_mask"
     if variant is not None and wants_captured_grads(variant):
         return "a gradient for a score_mod's captured tensors"
+    if variant is not None and variant.block_mask is not None:
+        why = block_mask_declines(q, params)
+        if why is not None:
+            return why
     why = gluon_declines(q, k, v, params, varlen=True)
     if why is None and not (dout.dtype == q.dtype and flash_layout_2d(dout)
                             and flash_layout_2d(lse)):
@@ -736,6 +815,27 @@ def _declines(q, k, v, dout, lse, params: AttentionParams, dq, dk, dv, tiles) ->
     if why is None and not all(x.stride(-1) == 1 for x in (dq, dk, dv)):
         why = "dq, dk or dv has a strided last dim"
     return why
+
+
+def block_mask_declines(q, params: AttentionParams) -> str | None:
+    """Why the Gluon kernels do not take the call's block mask, or None: a dense call's mask
+    shared by the heads (one list row serves each head of a kv group), without dropout, whose
+    blocks hold whole tiles of both kernels."""
+    mask = params.variant.block_mask
+    if params.is_varlen or params.variant.packing:
+        return "a block mask over packed sequences"
+    if mask.kv_num_blocks.shape[1] != 1:
+        return "a block mask per head"
+    if params.dropout_p > 0:
+        return "a block mask with dropout"
+    head_dim = q.shape[-1]
+    tiles = [GLUON_BACKWARD_DQ[head_dim][:2]]
+    if takes_dkdv(q):
+        tiles.append(GLUON_BACKWARD_DKDV[head_dim][:2])
+    block_q, block_kv = mask.BLOCK_SIZE
+    if any(block_q % rows or block_kv % keys for rows, keys in tiles):
+        return f"block mask blocks {block_q} x {block_kv} (takes whole tiles of {tiles})"
+    return None
 
 
 def wants_captured_grads(variant) -> bool:
@@ -785,6 +885,8 @@ def as_varlen_declines(q, k, v, dout, lse, params: AttentionParams, dq, dk, dv,
     too (their (batch * seqlen, heads, d) views are written)."""
     if params.is_varlen:
         return "varlen already"
+    if params.variant is not None and params.variant.block_mask is not None:
+        return "a block_mask (its lists are of the dense tiles)"
     why = _declines(q, k, v, dout, lse, params, dq, dk, dv, tiles)
     if why is None and _whole_tiles(q, k):
         why = "lengths on the tiles (taken as dense)"
@@ -837,7 +939,7 @@ def _prepare_dkdv(q, k, v, dout, lse, delta, params: AttentionParams, dk, dv, bl
     return Prepared(_bwd_dkdv_hopper_kernel, grid, (
         *f.strides(dk)[:3], *f.strides(dv)[:3], *f.alibi_strides, f.nheads, f.nheads_k,
         *f.band, *f.scores, params.softmax_scale, *f.dropout, lse.stride(-2), score_args,
-        mask_args), dict(
+        mask_args, _block_lists(params, lse, block_m, transposed=True)), dict(
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=num_stages, **f.flags,
         ONE_KEY_ZERO=one_key_zero, **_user_modifiers(variant), num_warps=num_warps),
         _DKDV_TENSORS, descriptors, SEED)
@@ -868,10 +970,24 @@ def _prepare_dq(q, k, v, dout, lse, delta, params: AttentionParams, dq, block,
     return Prepared(_bwd_dq_hopper_kernel, grid, (
         *f.strides(lse)[:2], *f.strides(delta)[:2], *f.strides(dq)[:3], *f.alibi_strides,
         f.nheads, f.nheads // f.nheads_k, *f.band, *f.scores, params.softmax_scale,
-        *f.dropout, score_args, mask_args), dict(
+        *f.dropout, score_args, mask_args, _block_lists(params, lse, block_n)), dict(
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=num_stages, **f.flags,
         ONE_KEY_ZERO=one_key_zero, SINK=params.sink is not None, **_user_modifiers(variant),
         num_warps=num_warps), _DQ_TENSORS, descriptors, SEED)
+
+
+def _block_lists(params: AttentionParams, placeholder, tile: int,
+                 transposed: bool = False) -> tuple:
+    """The kernels' `blocks` of the call's block mask (() without one): ((Num, Idx, FullNum,
+    FullIdx, n_blocks, tiles of `tile` per block), the lists' batch stride, the rows per list
+    row) of its rows per query block (dQ), or transposed per key block (dK/dV), its heads
+    sharing one row (block_mask_declines)."""
+    if params.variant is None or params.variant.block_mask is None:
+        return ()
+    lists, sizes = block_args(params, placeholder, transposed)
+    along, across = ((sizes["SPARSE_Q"], sizes["SPARSE_KV"]) if transposed else
+                     (sizes["SPARSE_KV"], sizes["SPARSE_Q"]))
+    return (*lists[:4], lists[6], along // tile), lists[4], across
 
 
 def _user_modifiers(variant: dict) -> dict:

@@ -123,8 +123,10 @@ BOUNDED_RANGE = {torch.bfloat16: (100.0, 0.0), torch.float16: (15.0, 15.0)}
 if gluon is not None:
     from flashkit.ops.triton.dropout_gluon import keep_words
     from flashkit.ops.triton.hopper_common import (
+        block_listing,
         issue_kv_load,
         kv_tile_rows,
+        listed_tile,
         tma_load_tile,
         zero_tile_tail,
     )
@@ -267,19 +269,10 @@ if gluon is not None:
     @gluon.jit
     def _tile_key(listing, lo, tile, BLOCK_N: gl.constexpr):
         """The first key of a work item's key tile `tile`: lo + tile * BLOCK_N over the band's
-        range (listing ()), or under a block mask (listing = (Partial, n_partial, Full, span):
-        the item's rows of the mask's lists of partial and full key blocks, how many tiles the
-        partial blocks make, tiles per block) tile t of the listed blocks' tiles, the partial
-        blocks' first (_work_item)."""
+        range (listing ()), or under a block mask the listed tile's (hopper_common.listed_tile:
+        the mask row's partial blocks' tiles, then its full blocks')."""
         if len(listing) > 0:
-            partial, n_partial, full, span = listing
-            if tile < n_partial:
-                t = tile
-                block = gl.load(partial + t // span)
-            else:
-                t = tile - n_partial
-                block = gl.load(full + t // span)
-            key = (block * span + t % span) * BLOCK_N
+            key = listed_tile(listing, tile) * BLOCK_N
         else:
             key = lo + tile * BLOCK_N
         return key
@@ -321,7 +314,7 @@ if gluon is not None:
         else:
             gl.thread_barrier()
             issue_kv_load(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, tile + NUM_STAGES,
-                           n_tiles, key0, kv_col, BLOCK_N, NUM_STAGES)
+                          n_tiles, key0, (), kv_col, BLOCK_N, NUM_STAGES)
 
     @gluon.jit
     def _pipelined_step(ctx, state, tile, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
@@ -642,9 +635,9 @@ if gluon is not None:
         inside its sequence (VARLEN: no tiles past the sequence's end). key0 (kv_tile_rows' keys):
         the first key row in the 2-D view, or with paging = (Table, stride_table, page_shift)
         (a paged cache; else ()) the tuple (first key index, block_table row, key count,
-        log2 page_size). blocks: a block mask's (KvNum, KvIdx, FullNum, FullIdx, stride_b,
-        stride_h, n_kv_blocks, query rows per block, key tiles per block) (else ()): the item's
-        tiles are then its mask row's listed blocks (listing, _tile_key), not the band's."""
+        log2 page_size). blocks: a block mask's (lists, stride_b, stride_h, query rows per
+        block) (else ()), lists as hopper_common.block_listing takes them: the item's tiles are
+        then its mask row's listed blocks (listing, _tile_key), not the band's."""
         (Out, Lse, Alibi, Sink, Cu_q, Cu_k, Used_k, stride_ob, stride_os, stride_oh, stride_lb,
          stride_lh, stride_ab, stride_ah, nheads, group, seqlen_q, seqlen_k, window_left,
          window_right, qk_scale, softcap_scale, seed_lo, seed_hi, dropout_threshold,
@@ -660,11 +653,9 @@ if gluon is not None:
         n_tiles = gl.cdiv(hi - lo, BLOCK_N)
         listing = ()
         if len(blocks) > 0:  # the mask's row of this query tile (its blocks hold whole tiles)
-            KvNum, KvIdx, FullNum, FullIdx, stride_sb, stride_sh, n_kv, block_q, span = blocks
-            row = off_b * stride_sb + off_h * stride_sh + start_m // block_q
-            n_partial = gl.load(KvNum + row) * span
-            n_tiles = n_partial + gl.load(FullNum + row) * span
-            listing = (KvIdx + row * n_kv, n_partial, FullIdx + row * n_kv, span)
+            lists, stride_sb, stride_sh, block_q = blocks
+            listing, n_tiles = block_listing(
+                lists, off_b * stride_sb + off_h * stride_sh + start_m // block_q)
         in_sequence = start_m < seqlen_q
         if VARLEN:
             n_tiles = gl.where(in_sequence, n_tiles, 0)
@@ -891,7 +882,7 @@ if gluon is not None:
                                             q_smem.index(0), pred=n_tiles > 0)
             for i in gl.static_range(NUM_STAGES):
                 issue_kv_load(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, i, n_tiles,
-                               key0, kv_col, BLOCK_N, NUM_STAGES)
+                              key0, (), kv_col, BLOCK_N, NUM_STAGES)
             _consumer(descs, smem, bars, scalars, 0, 0, 0, HEAD_DIM, BLOCK_N, NUM_STAGES,
                       CONSUMERS, SPECIALIZED, PINGPONG, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, SINK,
                       DROPOUT, KEY_TAIL, SCORE_MOD, MASK_MOD)
@@ -1085,7 +1076,8 @@ def _prepare(q, k, v, params: AttentionParams, out, lse, tile, seqused_k, block_
         if not specialized or mask.BLOCK_SIZE[1] % block_n:
             raise ValueError(f"a block mask needs a specialized tile of whole blocks, not {tile}")
         lists, sizes = block_args(params, lse)
-        blocks = (*lists, sizes["SPARSE_Q"], sizes["SPARSE_KV"] // block_n)
+        blocks = ((*lists[:4], lists[6], sizes["SPARSE_KV"] // block_n), *lists[4:6],
+                  sizes["SPARSE_Q"])
     return Prepared(_fwd_hopper_kernel, grid, (
         *f.strides(out)[:3], *f.strides(lse)[:2], *f.alibi_strides, f.nheads,
         f.nheads // f.nheads_k, *f.band, *f.scores, *f.dropout, n_items, *paging, score_args,

@@ -1,6 +1,12 @@
 """Shared pieces of the sm_90 Gluon kernels (forward_hopper.py, backward_hopper.py): the TMA
 descriptors of the flash layout on the host; on the device, a K/V tile's rows (contiguous or
-paged), its TMA load into a ring buffer, and the zeroing of a tile's rows past a sequence's end.
+paged), its TMA load into a ring buffer, the zeroing of a tile's rows past a sequence's end, and
+a work item's tiles under a user's block mask (block_listing, listed_tile).
+
+A block mask (flashkit.variants.BlockMask) lists, per row of blocks (a query block's key
+blocks, or transposed a key block's query blocks), its partial blocks and its full ones; a
+kernel whose tiles divide the blocks walks one row: the partial blocks' tiles (masked), then
+the full blocks' (not masked), span tiles per block.
 
 A paged cache (num_blocks, page_size, hk, d) is read as the 2-D view (num_blocks * page_size,
 hk * d): key j of a sequence is row table[j >> log2(page_size)] * page_size + j % page_size, and
@@ -111,6 +117,31 @@ if gluon is not None:
         return rows
 
     @gluon.jit
+    def block_listing(lists, row):
+        """(listing, n_tiles) of row `row` of a block mask's lists = (Num, Idx, FullNum,
+        FullIdx, n_blocks, span): Num/FullNum the partial/full block counts per row, Idx/FullIdx
+        their block indices (n_blocks per row), span tiles per block. listing = (the row's
+        partial indices, the partial blocks' tile count, its full indices, span), as
+        listed_tile reads it; n_tiles: every listed tile."""
+        Num, Idx, FullNum, FullIdx, n_blocks, span = lists
+        n_partial = gl.load(Num + row) * span
+        n_tiles = n_partial + gl.load(FullNum + row) * span
+        return (Idx + row * n_blocks, n_partial, FullIdx + row * n_blocks, span), n_tiles
+
+    @gluon.jit
+    def listed_tile(listing, t):
+        """The index (in tiles from the sequence's start) of tile t of a block_listing: the
+        partial blocks' tiles first, in list order, then the full blocks'."""
+        partial, n_partial, full, span = listing
+        if t < n_partial:
+            u = t
+            block = gl.load(partial + u // span)
+        else:
+            u = t - n_partial
+            block = gl.load(full + u // span)
+        return block * span + u % span
+
+    @gluon.jit
     def tma_load_tile(desc, bar, buf, rows, kv_col, pred):
         """TMA the pieces at `rows` (kv_tile_rows) into consecutive row slices of buf, one
         transaction count on bar for the whole tile."""
@@ -125,12 +156,18 @@ if gluon is not None:
 
     @gluon.jit
     def issue_kv_load(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, tile, n_tiles, keys,
-                       kv_col, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+                       listing, kv_col, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
         """TMA K and V tile `tile` (keys: see kv_tile_rows) into ring buffer tile % NUM_STAGES;
-        skipped past n_tiles."""
+        skipped past n_tiles. listing: a block mask's tiles (block_listing; keys then the
+        sequence's first key row), or ()."""
         stage = tile % NUM_STAGES
         valid = tile < n_tiles
-        rows = kv_tile_rows(keys, tile, BLOCK_N, k_desc.block_type.shape[0])
+        ROWS: gl.constexpr = k_desc.block_type.shape[0]
+        if len(listing) > 0:  # the lookup stays in the row past n_tiles (nothing loads there)
+            last = gl.maximum(gl.minimum(tile, n_tiles - 1), 0)
+            rows = kv_tile_rows(keys + listed_tile(listing, last) * BLOCK_N, 0, BLOCK_N, ROWS)
+        else:
+            rows = kv_tile_rows(keys, tile, BLOCK_N, ROWS)
         tma_load_tile(k_desc, k_bars.index(stage), k_smem.index(stage), rows, kv_col, valid)
         tma_load_tile(v_desc, v_bars.index(stage), v_smem.index(stage), rows, kv_col, valid)
 
