@@ -804,11 +804,9 @@ def _declines(q, k, v, dout, lse, params: AttentionParams, dq, dk, dv, tiles) ->
     variant = params.variant
     if variant is not None and wants_captured_grads(variant):
         return "a gradient for a score_mod's captured tensors"
-    if variant is not None and variant.block_mask is not None:
-        why = block_mask_declines(q, params)
-        if why is not None:
-            return why
     why = gluon_declines(q, k, v, params, varlen=True)
+    if why is None and variant is not None and variant.block_mask is not None:
+        why = block_mask_declines(q, params)
     if why is None and not (dout.dtype == q.dtype and flash_layout_2d(dout)
                             and flash_layout_2d(lse)):
         why = "dout or lse not contiguous in q's dtype"
