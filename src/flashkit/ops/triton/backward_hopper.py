@@ -487,21 +487,16 @@ if gluon is not None:
             # that see all of it, masked rows of the window's left edge and varlen's last
             # query tile (HAS_LEFT); a masked segment is compiled only where it can exist.
             if len(listing) > 0:  # the partial blocks' tiles (masked), then the full blocks'
-                n_partial = listing[1]
-                for t in range(0, n_partial):
-                    dk, dv = _query_tile_step(
-                        dk, dv, job, listed_tile(listing, t), smem, bars, descs, ring, geo,
-                        alibi_log2, drop, user, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, True,
-                        HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, VARLEN, ONE_KEY_ZERO,
-                        SCORE_MOD, SCORE_GRAD, MASK_MOD, st_layout, kv_layout, op_layout)
-                    job += 1
-                for t in range(n_partial, m_end):
-                    dk, dv = _query_tile_step(
-                        dk, dv, job, listed_tile(listing, t), smem, bars, descs, ring, geo,
-                        alibi_log2, drop, user, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, False,
-                        HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, VARLEN, ONE_KEY_ZERO,
-                        SCORE_MOD, SCORE_GRAD, MASK_MOD, st_layout, kv_layout, op_layout)
-                    job += 1
+                listed = (0, listing[1], m_end)
+                for full in gl.static_range(2):
+                    for t in range(listed[full], listed[full + 1]):
+                        dk, dv = _query_tile_step(
+                            dk, dv, job, listed_tile(listing, t), smem, bars, descs, ring, geo,
+                            alibi_log2, drop, user, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
+                            full == 0, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, VARLEN,
+                            ONE_KEY_ZERO, SCORE_MOD, SCORE_GRAD, MASK_MOD, st_layout,
+                            kv_layout, op_layout)
+                        job += 1
             else:
                 bounds = (m_first, m_mid_lo, m_mid_hi, m_end)
                 for segment in gl.static_range(3):
@@ -745,19 +740,15 @@ if gluon is not None:
         smem = (q_smem, do_smem, k_smem, v_smem)
         ring = (n_tiles, key0, kv_col, start_m, lo, listing)
         if len(listing) > 0:  # the partial blocks' tiles (masked), then the full blocks'
-            n_partial = listing[1]
-            for tile in range(0, n_partial):
-                dq, upper, pdp = _key_tile_dq_step(
-                    dq, upper, pdp, tile, smem, (k_bars, v_bars), (k_desc, v_desc), lse2, delta,
-                    ring, geo, alibi_log2, drop, user, BLOCK_M, BLOCK_N, NUM_STAGES, True,
-                    HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, VARLEN, ONE_KEY_ZERO, SINK,
-                    SCORE_MOD, SCORE_GRAD, MASK_MOD, s_layout, op_layout)
-            for tile in range(n_partial, n_tiles):
-                dq, upper, pdp = _key_tile_dq_step(
-                    dq, upper, pdp, tile, smem, (k_bars, v_bars), (k_desc, v_desc), lse2, delta,
-                    ring, geo, alibi_log2, drop, user, BLOCK_M, BLOCK_N, NUM_STAGES, False,
-                    HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, VARLEN, ONE_KEY_ZERO, SINK,
-                    SCORE_MOD, SCORE_GRAD, MASK_MOD, s_layout, op_layout)
+            listed = (0, listing[1], n_tiles)
+            for full in gl.static_range(2):
+                for tile in range(listed[full], listed[full + 1]):
+                    dq, upper, pdp = _key_tile_dq_step(
+                        dq, upper, pdp, tile, smem, (k_bars, v_bars), (k_desc, v_desc), lse2,
+                        delta, ring, geo, alibi_log2, drop, user, BLOCK_M, BLOCK_N, NUM_STAGES,
+                        full == 0, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, VARLEN,
+                        ONE_KEY_ZERO, SINK, SCORE_MOD, SCORE_GRAD, MASK_MOD, s_layout,
+                        op_layout)
         else:
             bounds = (0, t_mid_lo, t_mid_hi, n_tiles)
             for segment in gl.static_range(3):
