@@ -94,8 +94,12 @@ class _Kept:
         """Whether the plan is still the dispatch's (not forgotten)."""
         return self.plan.live
 
+    def declines(self, q) -> bool:
+        """Whether the plan cannot run a call on q: forgotten, or q on another CUDA device."""
+        return not self.plan.live or (q.is_cuda and q.get_device() != torch.cuda.current_device())
+
     def __call__(self, params: AttentionParams, q, *tensors):
-        if not self.plan.live or (q.is_cuda and q.get_device() != torch.cuda.current_device()):
+        if self.declines(q):
             return None
         log_choice(self.op, self.plan.kernel, self.plan.declined)
         return self.run(params, q, *tensors)
@@ -200,7 +204,7 @@ class PlannedForward(_Kept):
         (q, k, v, out and lse as it saw and gave them, params its own); None where it declines
         (as calling it does: the plan forgotten, q not on the current CUDA device). dout may
         be strided: the backward reads a contiguous copy, as the backend's backward does."""
-        if not self.plan.live or (q.is_cuda and q.get_device() != torch.cuda.current_device()):
+        if self.declines(q):
             return None
         dout = dout.contiguous()
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
