@@ -54,7 +54,8 @@ fp16/bf16, head dim 64, 128 or 256, q/k/v in the flash layout so (tokens, heads 
 call at other lengths runs as varlen with equal lengths (dense_as_varlen), whose tails are
 NaN-safe: nothing the TMA tiles read past a batch entry's end reaches its gradients. A user's
 score_mod (through its derivative) and mask_mod (flashkit.variants) are applied where the
-built-in terms are (_user_scores, _visible), as backward.py's kernels apply them; a dense
+built-in terms are (hopper_common.user_scores, visible_with_mod), as backward.py's kernels
+apply them; a dense
 call's block mask shared by the heads replaces the tile ranges by its listed tiles
 (hopper_common.block_listing: the dK/dV kernel walks a key block's column of query blocks, the
 dQ kernel a query block's row of key blocks). Other block masks and gradients for a
@@ -71,7 +72,6 @@ from flashkit.ops.params import AttentionParams
 from flashkit.ops.triton.common import (
     LOG2E,
     SCORE_GRAD_FROM_TANH_JIT,
-    block_args,
     cdiv,
     gradient_pairs,
     key_tile_ranges,
@@ -79,11 +79,7 @@ from flashkit.ops.triton.common import (
     query_tile_ranges,
     score_mod,
     sequence,
-    user_score,
-    user_score_grad,
-    user_visible,
     variant_args,
-    visible,
 )
 from flashkit.ops.triton.configs import GLUON_BACKWARD, GLUON_BACKWARD_DKDV, GLUON_BACKWARD_DQ
 from flashkit.ops.triton.features import (
@@ -94,7 +90,12 @@ from flashkit.ops.triton.features import (
     kernel_features,
 )
 from flashkit.ops.triton.forward_hopper import gluon_declines
-from flashkit.ops.triton.hopper_common import flash_descriptor, flash_layout_2d, rows_descriptor
+from flashkit.ops.triton.hopper_common import (
+    block_lists,
+    flash_descriptor,
+    flash_layout_2d,
+    rows_descriptor,
+)
 from flashkit.ops.triton.launch import Prepared, fold, launch, planned
 
 try:
@@ -120,6 +121,9 @@ if gluon is not None:  # the forward's K/V ring fill (hopper_common) serves the 
         block_listing,
         issue_kv_load,
         listed_tile,
+        tile_start,
+        user_scores,
+        visible_with_mod,
         zero_tile_tail,
     )
 
@@ -171,41 +175,6 @@ if gluon is not None:
     LOG2E_G = gl.constexpr(LOG2E)
 
     @gluon.jit
-    def _query_tile(listing, m_first, t):
-        """A key block's t-th query tile: m_first + t, or a block mask's listed tile t."""
-        if len(listing) > 0:
-            m = listed_tile(listing, t)
-        else:
-            m = m_first + t
-        return m
-
-    @gluon.jit
-    def _user_scores(s, i, j, seqlen_q, seqlen_k, user, SCORE_MOD: gl.constexpr,
-                     SCORE_GRAD: gl.constexpr):
-        """(s, dmod): a user's score_mod on the log2-unit scores s of query rows i and key
-        columns j (broadcasting), and its derivative at s, which dS is multiplied by (1.0
-        without one), as backward.py's kernels apply them. user = (batch, query head,
-        score_args, mask_args)."""
-        off_b, off_h, score_args, mask_args = user
-        dmod = 1.0
-        if SCORE_MOD is not None:
-            dmod = user_score_grad(s, off_b, off_h, i, j, seqlen_q, seqlen_k, SCORE_GRAD,
-                                   score_args)
-            s = user_score(s, off_b, off_h, i, j, seqlen_q, seqlen_k, SCORE_MOD, score_args)
-        return s, dmod
-
-    @gluon.jit
-    def _visible(i, j, seqlen_q, seqlen_k, window_left, window_right, user,
-                 HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, MASK_MOD: gl.constexpr):
-        """common.visible and a user's mask_mod (user as in _user_scores)."""
-        off_b, off_h, score_args, mask_args = user
-        keep = visible(i, j, seqlen_q, seqlen_k, window_left, window_right, HAS_LEFT, HAS_RIGHT)
-        if MASK_MOD is not None:
-            keep = user_visible(keep, off_b, off_h, i, j, seqlen_q, seqlen_k, MASK_MOD,
-                                mask_args)
-        return keep
-
-    @gluon.jit
     def _issue_q_do_load(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem,
                          delta_smem, q_bars, do_bars, job, n_jobs, jobs_per_head, m_first,
                          listing, q_row, q_col, lse_row, lse_stride_h, BLOCK_M: gl.constexpr,
@@ -219,7 +188,11 @@ if gluon is not None:
         stage = job % NUM_STAGES
         valid = job < n_jobs
         g = job // jobs_per_head
-        start_m = _query_tile(listing, m_first, job % jobs_per_head) * BLOCK_M
+        t = job % jobs_per_head
+        if len(listing) > 0:
+            start_m = listed_tile(listing, t) * BLOCK_M
+        else:  # (not tile_start's lo + t * TILE: this form is the plain kernel's machine code)
+            start_m = (m_first + t) * BLOCK_M
         col = q_col + g * HEAD_DIM
         row_1d = lse_row + g * lse_stride_h + start_m
         q_bar = q_bars.index(stage)
@@ -265,7 +238,8 @@ if gluon is not None:
         ring, delta ring), bars = (q, dO) ring barriers, descs = (q, dO, lse, delta) descriptors,
         ring = (n_jobs, jobs_per_head, m_first, listing, q_row, q_col, lse_row, lse_stride_h,
         start_n) as _issue_q_do_load takes them (start_n: the key block's first key). user =
-        (batch, query head, score_args, mask_args) of a user's modifiers (_user_scores).
+        (batch, query head, score_args, mask_args) of a user's modifiers
+        (hopper_common.user_scores).
         Returns (dk, dv)."""
         seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale, dropout_scale = geo
         k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem = smem
@@ -307,14 +281,14 @@ if gluon is not None:
         s_t, dcap_t = score_mod(s_t, i_t, j_t, (seqlen_q, seqlen_k, window_left, window_right),
                                 (qk_scale, softcap_scale, alibi_log2), SOFTCAP, ALIBI,
                                 SCORE_GRAD_FROM_TANH_JIT)
-        s_t, dmod_t = _user_scores(s_t, i_t, j_t, seqlen_q, seqlen_k, user, SCORE_MOD,
-                                   SCORE_GRAD)
+        s_t, dmod_t = user_scores(s_t, i_t, j_t, seqlen_q, seqlen_k, user, SCORE_MOD,
+                                  SCORE_GRAD)
         # A row with no visible key has lse -inf: its P is inf before the mask, 0 after (such a
         # row only meets masked tiles).
         p_t = gl.exp2(s_t - gl.expand_dims(lse2, 0))
         if MASK:
-            keep = _visible(i_t, j_t, seqlen_q, seqlen_k, window_left, window_right, user,
-                            HAS_LEFT, HAS_RIGHT, MASK_MOD)
+            keep = visible_with_mod(i_t, j_t, seqlen_q, seqlen_k, window_left, window_right,
+                                    user, HAS_LEFT, HAS_RIGHT, MASK_MOD)
             if VARLEN:
                 keep = keep & (i_t < seqlen_q)
             p_t = gl.where(keep, p_t, 0.0)
@@ -567,10 +541,7 @@ if gluon is not None:
         phase = (tile // NUM_STAGES) & 1
         k_buf = k_smem.index(stage)
         v_buf = v_smem.index(stage)
-        if len(listing) > 0:
-            start_n = listed_tile(listing, tile) * BLOCK_N
-        else:
-            start_n = key_lo + tile * BLOCK_N
+        start_n = tile_start(listing, key_lo, tile, BLOCK_N)
         zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
         mbarrier.wait(k_bars.index(stage), phase)
         if MASK and VARLEN:  # never refilled: the crossing tile is the program's last
@@ -595,11 +566,11 @@ if gluon is not None:
         s, dcap = score_mod(s, i, j, (seqlen_q, seqlen_k, window_left, window_right),
                             (qk_scale, softcap_scale, alibi_log2), SOFTCAP, ALIBI,
                             SCORE_GRAD_FROM_TANH_JIT)
-        s, dmod = _user_scores(s, i, j, seqlen_q, seqlen_k, user, SCORE_MOD, SCORE_GRAD)
+        s, dmod = user_scores(s, i, j, seqlen_q, seqlen_k, user, SCORE_MOD, SCORE_GRAD)
         p = gl.exp2(s - gl.expand_dims(lse2, 1))  # lse -inf (no visible key): masked below
         if MASK:
-            keep = _visible(i, j, seqlen_q, seqlen_k, window_left, window_right, user, HAS_LEFT,
-                            HAS_RIGHT, MASK_MOD)
+            keep = visible_with_mod(i, j, seqlen_q, seqlen_k, window_left, window_right, user,
+                                    HAS_LEFT, HAS_RIGHT, MASK_MOD)
             p = gl.where(keep, p, 0.0)
         dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, ))
         if DROPOUT:  # dS / (1 / (1 - p)) = P o (keep o dP - (1 - p) delta): see the kernel
@@ -967,16 +938,13 @@ def _prepare_dq(q, k, v, dout, lse, delta, params: AttentionParams, dq, block,
 
 def _block_lists(params: AttentionParams, placeholder, tile: int,
                  transposed: bool = False) -> tuple:
-    """The kernels' `blocks` of the call's block mask (() without one): ((Num, Idx, FullNum,
-    FullIdx, n_blocks, tiles of `tile` per block), the lists' batch stride, the rows per list
-    row) of its rows per query block (dQ), or transposed per key block (dK/dV), its heads
-    sharing one row (block_mask_declines)."""
-    if params.variant is None or params.variant.block_mask is None:
+    """The kernels' `blocks` (hopper_common.block_lists less the head stride: the heads share
+    one list row, block_mask_declines)."""
+    blocks = block_lists(params, placeholder, tile, transposed)
+    if not blocks:
         return ()
-    lists, sizes = block_args(params, placeholder, transposed)
-    along, across = ((sizes["SPARSE_Q"], sizes["SPARSE_KV"]) if transposed else
-                     (sizes["SPARSE_KV"], sizes["SPARSE_Q"]))
-    return (*lists[:4], lists[6], along // tile), lists[4], across
+    lists, stride_b, _, covered = blocks
+    return lists, stride_b, covered
 
 
 def _user_modifiers(variant: dict) -> dict:

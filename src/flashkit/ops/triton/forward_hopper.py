@@ -56,10 +56,10 @@ Eligible (see `eligible`): CUDA sm_90, fp16/bf16, head dim 64, 128 or 256 (q, k,
 dense or varlen, any seqlen_q / seqlen_k, any window (causal included), softcap, ALiBi, sink,
 GQA, dropout, a user's score_mod and mask_mod (flashkit.variants, called where the built-in
 terms are: _softmax_step) and a dense call's block mask whose blocks hold whole tiles (the
-producer and the consumers walk its lists: _tile_key); not an SDPA bias; q/k/v contiguous in
-the flash-attn layout (so (tokens, heads * d) is a plain 2-D view for TMA). Same outputs as
-forward.py: out in out's dtype, lse (batch, heads, seqlen_q) or varlen (heads, total_q) float32
-natural log, a row with no visible key (and no sink) gives out 0, lse -inf.
+producer and the consumers walk its lists: hopper_common.tile_start); not an SDPA bias;
+q/k/v contiguous in the flash-attn layout (so (tokens, heads * d) is a plain 2-D view for TMA).
+Same outputs as forward.py: out in out's dtype, lse (batch, heads, seqlen_q) or varlen (heads,
+total_q) float32 natural log, a row with no visible key (and no sink) gives out 0, lse -inf.
 """
 
 from __future__ import annotations
@@ -73,7 +73,6 @@ from flashkit.ops.triton.common import (
     LOG2E,
     SOFTCAP_FAST,
     alibi_bias,
-    block_args,
     cdiv,
     interpreting,
     key_tile_ranges,
@@ -83,10 +82,7 @@ from flashkit.ops.triton.common import (
     softmax_denominator,
     softmax_lse,
     softmax_start,
-    user_score,
-    user_visible,
     variant_args,
-    visible,
 )
 from flashkit.ops.triton.configs import (
     GLUON_FORWARD,
@@ -94,7 +90,7 @@ from flashkit.ops.triton.configs import (
     gluon_forward_tile,
 )
 from flashkit.ops.triton.features import SEED, dropout_seed, feature_tensors, kernel_features
-from flashkit.ops.triton.hopper_common import flash_descriptor, flash_layout_2d
+from flashkit.ops.triton.hopper_common import block_lists, flash_descriptor, flash_layout_2d
 from flashkit.ops.triton.launch import Prepared, device_properties, fold, planned
 
 try:
@@ -126,8 +122,10 @@ if gluon is not None:
         block_listing,
         issue_kv_load,
         kv_tile_rows,
-        listed_tile,
+        tile_start,
         tma_load_tile,
+        user_scores,
+        visible_with_mod,
         zero_tile_tail,
     )
 
@@ -214,10 +212,9 @@ if gluon is not None:
         SCORE_MOD takes the whole score in log2 units after the built-in terms (so no ALiBi
         side split: the caller passes ALIBI_SIDE 0), MASK_MOD joins the band predicate (the
         caller masks every tile), both as the portable kernels call them
-        (common.user_score, common.user_visible)."""
+        (hopper_common.user_scores, visible_with_mod)."""
         seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale = geo
         alibi_log2, alibi_cols = alibi
-        off_b, off_h, score_args, mask_args = user
         row_bias = gl.zeros_like(m_i)  # subtracted from each row after the max (side tiles)
         BOUNDED: gl.constexpr = SOFTCAP == SOFTCAP_BOUNDED_GL
         if SOFTCAP and not ALIBI:  # tanh(scale qk / c), scaled by qk_scale as plain qk
@@ -237,15 +234,11 @@ if gluon is not None:
             s = qk
             scale = qk_scale
         if SCORE_MOD is not None:
-            s = user_score(s * scale, off_b, off_h, rows, cols, seqlen_q, seqlen_k, SCORE_MOD,
-                           score_args)
+            s, _ = user_scores(s * scale, rows, cols, seqlen_q, seqlen_k, user, SCORE_MOD, None)
             scale = 1.0
         if MASK:
-            keep = visible(rows, cols, seqlen_q, seqlen_k, window_left, window_right, HAS_LEFT,
-                           HAS_RIGHT)
-            if MASK_MOD is not None:
-                keep = user_visible(keep, off_b, off_h, rows, cols, seqlen_q, seqlen_k, MASK_MOD,
-                                    mask_args)
+            keep = visible_with_mod(rows, cols, seqlen_q, seqlen_k, window_left, window_right,
+                                    user, HAS_LEFT, HAS_RIGHT, MASK_MOD)
             s = gl.where(keep, s, float("-inf"))
         if BOUNDED:
             m_new = m_i
@@ -265,17 +258,6 @@ if gluon is not None:
             alpha = gl.exp2(m_i - m_use)
             l_new = l_i * alpha + gl.sum(p, 1)
         return p, alpha, m_new, l_new
-
-    @gluon.jit
-    def _tile_key(listing, lo, tile, BLOCK_N: gl.constexpr):
-        """The first key of a work item's key tile `tile`: lo + tile * BLOCK_N over the band's
-        range (listing ()), or under a block mask the listed tile's (hopper_common.listed_tile:
-        the mask row's partial blocks' tiles, then its full blocks')."""
-        if len(listing) > 0:
-            key = listed_tile(listing, tile) * BLOCK_N
-        else:
-            key = lo + tile * BLOCK_N
-        return key
 
     @gluon.jit
     def _release_k(k_empty, stage, SPECIALIZED: gl.constexpr):
@@ -346,7 +328,7 @@ if gluon is not None:
         # [BLOCK_M, D] += [BLOCK_M, BLOCK_N] @ [BLOCK_N, D]
         o_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
         _pass_turn(turns, CONSUMER, CONSUMERS, PINGPONG)
-        col0 = _tile_key(listing, key_start, tile, BLOCK_N)
+        col0 = tile_start(listing, key_start, tile, BLOCK_N)
         kept = None
         if DROPOUT:  # independent of the scores; ptxas schedules it among the softmax anyway
             kept = keep_words(drop, row0, col0, BLOCK_N)
@@ -402,8 +384,8 @@ if gluon is not None:
         persistent program's items), items: its earlier items with tiles (Q's phase; each took
         n_tiles + 1 turns, so this item's turns start at ring + items). A MASK_MOD masks every
         tile, the visible middle's too; a SCORE_MOD takes the middle's ALiBi tiles whole. Under
-        a block mask (listing, _tile_key) the item's tiles are its partial blocks' (masked,
-        MASK_MOD too), then its full blocks' (unmasked)."""
+        a block mask (listing, hopper_common.tile_start) the item's tiles are its partial
+        blocks' (masked, MASK_MOD too), then its full blocks' (unmasked)."""
         (out_base, lse_base, Alibi, Sink, stride_os, stride_ab, stride_ah, off_b, off_h, start_m,
          lo, n_tiles, key0, kv_col, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
          softcap_scale, seed_lo, seed_hi, dropout_threshold, dropout_scale, score_args,
@@ -411,7 +393,7 @@ if gluon is not None:
         geo = (seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale)
         user = (off_b, off_h, score_args, mask_args)
         drop = (seed_lo, seed_hi, dropout_threshold, off_b, off_h)
-        SPARSE: gl.constexpr = len(listing) > 0  # a block mask's tiles (_tile_key)
+        SPARSE: gl.constexpr = len(listing) > 0  # a block mask's tiles (tile_start)
         MIDDLE_MASK: gl.constexpr = MASK_MOD is not None and not SPARSE
         ALIBI_SIDES: gl.constexpr = ALIBI and SCORE_MOD is None and not SPARSE
         q_smem, k_smem, v_smem = smem
@@ -463,7 +445,7 @@ if gluon is not None:
                                   gl.zeros([BM, BLOCK_N], gl.float32, s_layout), use_acc=False,
                                   is_async=True)
             _pass_turn(turns, CONSUMER, CONSUMERS, PINGPONG)
-            col0 = _tile_key(listing, lo, 0, BLOCK_N)
+            col0 = tile_start(listing, lo, 0, BLOCK_N)
             kept = None
             if DROPOUT:
                 kept = keep_words(drop, row0, col0, BLOCK_N)
@@ -556,8 +538,8 @@ if gluon is not None:
         the program's previous item completed, then K and V tiles into the ring (positions ring ..)
         as the consumers free its buffers (a fresh mbarrier passes a wait on phase 1, so the first
         item's Q and the first NUM_STAGES tiles pass). keys: see hopper_common.kv_tile_rows;
-        listing: a block mask's tiles (_tile_key), or (). ROLE PRODUCER_QK loads Q and K only,
-        PRODUCER_V V only (SPLIT_LOADS)."""
+        listing: a block mask's tiles (hopper_common.block_listing), or (). ROLE PRODUCER_QK
+        loads Q and K only, PRODUCER_V V only (SPLIT_LOADS)."""
         q_desc, k_desc, v_desc = descs
         q_smem, k_smem, v_smem = smem
         q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, turns, tails = bars
@@ -576,9 +558,9 @@ if gluon is not None:
                 _produce_tile(descs, smem, bars, ring + tile, rows, kv_col, NUM_STAGES, ROLE)
                 rows = next_rows
         elif len(listing) > 0:  # a block mask: tile t + 1's list entry loads while tile t waits
-            key = _tile_key(listing, 0, 0, BLOCK_N)
+            key = tile_start(listing, 0, 0, BLOCK_N)
             for tile in range(n_tiles):
-                next_key = _tile_key(listing, 0, gl.minimum(tile + 1, n_tiles - 1), BLOCK_N)
+                next_key = tile_start(listing, 0, gl.minimum(tile + 1, n_tiles - 1), BLOCK_N)
                 _produce_tile(descs, smem, bars, ring + tile,
                               kv_tile_rows(keys + key, 0, BLOCK_N, ROWS), kv_col, NUM_STAGES,
                               ROLE)
@@ -637,7 +619,7 @@ if gluon is not None:
         (a paged cache; else ()) the tuple (first key index, block_table row, key count,
         log2 page_size). blocks: a block mask's (lists, stride_b, stride_h, query rows per
         block) (else ()), lists as hopper_common.block_listing takes them: the item's tiles are
-        then its mask row's listed blocks (listing, _tile_key), not the band's."""
+        then its mask row's listed blocks (listing, hopper_common.tile_start), not the band's."""
         (Out, Lse, Alibi, Sink, Cu_q, Cu_k, Used_k, stride_ob, stride_os, stride_oh, stride_lb,
          stride_lh, stride_ab, stride_ah, nheads, group, seqlen_q, seqlen_k, window_left,
          window_right, qk_scale, softcap_scale, seed_lo, seed_hi, dropout_threshold,
@@ -1071,17 +1053,12 @@ def _prepare(q, k, v, params: AttentionParams, out, lse, tile, seqused_k, block_
     descriptors = {0: flash_descriptor(q, BLOCK_M), 1: flash_descriptor(k, block_n, box_rows),
                    2: flash_descriptor(v, block_n, box_rows)}
     score_args, mask_args, _, variant = variant_args(params)
-    blocks = ()
-    if mask is not None:  # its tiles: block_mask_declines; the lists' rows per query block
-        if not specialized or mask.BLOCK_SIZE[1] % block_n:
-            raise ValueError(f"a block mask needs a specialized tile of whole blocks, not {tile}")
-        lists, sizes = block_args(params, lse)
-        blocks = ((*lists[:4], lists[6], sizes["SPARSE_KV"] // block_n), *lists[4:6],
-                  sizes["SPARSE_Q"])
+    if mask is not None and (not specialized or mask.BLOCK_SIZE[1] % block_n):
+        raise ValueError(f"a block mask needs a specialized tile of whole blocks, not {tile}")
     return Prepared(_fwd_hopper_kernel, grid, (
         *f.strides(out)[:3], *f.strides(lse)[:2], *f.alibi_strides, f.nheads,
         f.nheads // f.nheads_k, *f.band, *f.scores, *f.dropout, n_items, *paging, score_args,
-        mask_args, blocks), dict(
+        mask_args, block_lists(params, lse, block_n)), dict(
         HEAD_DIM=head_dim, BLOCK_N=block_n, NUM_STAGES=num_stages, CONSUMERS=consumers,
         SPECIALIZED=specialized, PINGPONG=pingpong and consumers >= 2, PERSISTENT=persistent,
         CONSUMER_REGS=config.pop("CONSUMER_REGS"), **f.flags, SEQUSED_K=seqused_k is not None,

@@ -1,7 +1,9 @@
 """Shared pieces of the sm_90 Gluon kernels (forward_hopper.py, backward_hopper.py): the TMA
 descriptors of the flash layout on the host; on the device, a K/V tile's rows (contiguous or
 paged), its TMA load into a ring buffer, the zeroing of a tile's rows past a sequence's end, and
-a work item's tiles under a user's block mask (block_listing, listed_tile).
+a work item's tiles under a user's block mask (block_lists on the host; block_listing,
+listed_tile, tile_start), and a user's score and mask modifiers as both kernels apply them
+(user_scores, visible_with_mod).
 
 A block mask (flashkit.variants.BlockMask) lists, per row of blocks (a query block's key
 blocks, or transposed a key block's query blocks), its partial blocks and its full ones; a
@@ -21,6 +23,14 @@ from __future__ import annotations
 import functools
 
 import torch
+
+from flashkit.ops.triton.common import (
+    block_args,
+    user_score,
+    user_score_grad,
+    user_visible,
+    visible,
+)
 
 try:
     from triton.experimental import gluon
@@ -54,6 +64,19 @@ def rows_descriptor(x, rows):
     """TMA descriptor of `rows`-element pieces of a contiguous float32 x read as one row (the
     backward's lse and delta, (batch, nheads, seqlen_q) or varlen (nheads, total_q))."""
     return descriptor(x.view(-1), (rows,), row_layout(rows))
+
+
+def block_lists(params, placeholder, tile: int, transposed: bool = False) -> tuple:
+    """A call's block mask as the Gluon kernels take it (() without one): ((Num, Idx,
+    FullNum, FullIdx, blocks per list row, tiles of `tile` per block), the lists' batch stride,
+    their head stride, the rows (or, transposed, keys) a list row covers), its rows per query
+    block, or transposed per key block (common.block_args); block_listing reads the first."""
+    if params.variant is None or params.variant.block_mask is None:
+        return ()
+    lists, sizes = block_args(params, placeholder, transposed)
+    along, across = ((sizes["SPARSE_Q"], sizes["SPARSE_KV"]) if transposed else
+                     (sizes["SPARSE_KV"], sizes["SPARSE_Q"]))
+    return (*lists[:4], lists[6], along // tile), lists[4], lists[5], across
 
 
 _checked: set = set()  # the geometries whose descriptors TensorDescriptor has checked
@@ -140,6 +163,45 @@ if gluon is not None:
             u = t - n_partial
             block = gl.load(full + u // span)
         return block * span + u % span
+
+    @gluon.jit
+    def tile_start(listing, lo, t, TILE: gl.constexpr):
+        """The first row (or key) of a work item's tile t: lo + t * TILE over a range, or the
+        listed tile's under a block mask (listing: block_listing)."""
+        if len(listing) > 0:
+            start = listed_tile(listing, t) * TILE
+        else:
+            start = lo + t * TILE
+        return start
+
+    @gluon.jit
+    def user_scores(s, i, j, seqlen_q, seqlen_k, user, SCORE_MOD: gl.constexpr,
+                    SCORE_GRAD: gl.constexpr):
+        """(s, dmod): a user's score_mod (common.user_score) on the log2-unit scores s of
+        query rows i and key columns j (broadcasting), and, with SCORE_GRAD, its derivative at
+        s, which a backward multiplies dS by (1.0 otherwise). user = (batch, query head,
+        score_args, mask_args)."""
+        off_b, off_h, score_args, mask_args = user
+        dmod = 1.0
+        if SCORE_MOD is not None:
+            if SCORE_GRAD is not None:
+                dmod = user_score_grad(s, off_b, off_h, i, j, seqlen_q, seqlen_k, SCORE_GRAD,
+                                       score_args)
+            s = user_score(s, off_b, off_h, i, j, seqlen_q, seqlen_k, SCORE_MOD, score_args)
+        return s, dmod
+
+    @gluon.jit
+    def visible_with_mod(i, j, seqlen_q, seqlen_k, window_left, window_right, user,
+                         HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                         MASK_MOD: gl.constexpr):
+        """common.visible and a user's mask_mod (common.user_visible; user as in
+        user_scores)."""
+        off_b, off_h, score_args, mask_args = user
+        keep = visible(i, j, seqlen_q, seqlen_k, window_left, window_right, HAS_LEFT, HAS_RIGHT)
+        if MASK_MOD is not None:
+            keep = user_visible(keep, off_b, off_h, i, j, seqlen_q, seqlen_k, MASK_MOD,
+                                mask_args)
+        return keep
 
     @gluon.jit
     def tma_load_tile(desc, bar, buf, rows, kv_col, pred):
