@@ -17,11 +17,11 @@ from flashkit.ops.params import AttentionParams
 from flashkit.ops.triton import ahead
 from flashkit.reference import attention_with_params
 from flashkit.testing import assert_close_to_oracle
+from helpers import ON_HOPPER
 
 forward_hopper = importlib.import_module("flashkit.ops.triton.forward_hopper")
 backward_hopper = importlib.import_module("flashkit.ops.triton.backward_hopper")
 
-ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU")]
 
 def _spy(monkeypatch) -> list:

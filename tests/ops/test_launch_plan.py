@@ -22,6 +22,7 @@ import flashkit
 from flashkit.ops.triton import dispatch
 from flashkit.ops.triton import launch as launch_module
 from flashkit.ops.triton.hopper_common import descriptor, gluon, tile_layout
+from helpers import ON_HOPPER
 
 pytestmark = pytest.mark.skipif(gluon is None, reason="a Triton without Gluon")
 
@@ -190,7 +191,6 @@ def test_a_varying_scalar_must_not_be_specialised():
 
 # --- on the GPU: the direct launches compute what the launches through Triton compute ---------
 
-ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 # (batch, seqlen, nheads, nheads_k, headdim, varlen lengths or None, flash_attn_func kwargs)
 PLANNED = {

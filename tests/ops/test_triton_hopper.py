@@ -24,6 +24,7 @@ from flashkit.ops.triton.configs import (
 )
 from flashkit.reference import attention_with_params
 from flashkit.testing import assert_close_to_oracle, dropout_keep_mask, poison
+from helpers import ON_HOPPER
 
 hopper = importlib.import_module("flashkit.ops.triton.forward_hopper")
 triton_forward = importlib.import_module("flashkit.ops.triton.forward")  # the module
@@ -49,15 +50,11 @@ D256_SCHEDULES = {
 }
 
 
-def _on_hopper() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
-
-
 def test_eligibility():
     """Every feature and varlen are taken (varlen only where the caller of gluon_declines says
     it takes it), head dims 64, 128 and 256; an SDPA bias and other head dims are not."""
     q, k, v, _ = make_inputs(1, 100, 37, 2, 1, 64, 64, torch.float16)
-    taken = DEVICE == "cuda" and _on_hopper()
+    taken = DEVICE == "cuda" and ON_HOPPER
     slopes = torch.ones(2, device=q.device)
     for params in (AttentionParams(0.125, None, 0), AttentionParams(0.125, 7, 3),
                    AttentionParams(0.125, None, None, softcap=5.0, alibi_slopes=slopes,
@@ -197,7 +194,7 @@ def _run_case(case, tile):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _on_hopper(), reason="needs an sm_90 GPU")
+@pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("case", GPU_CASES, ids=str)
 def test_gpu_gluon_forward_matches_oracle(case):
     """Every case with the configured tiles (what forward.py dispatches to)."""
@@ -205,7 +202,7 @@ def test_gpu_gluon_forward_matches_oracle(case):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _on_hopper(), reason="needs an sm_90 GPU")
+@pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))
 @pytest.mark.parametrize("case", [GPU_CASES[i] for i in (1, 6, 10, 19, 20, 22, 24)], ids=str)
 def test_gpu_gluon_schedules_match_oracle(case, schedule):
@@ -215,7 +212,7 @@ def test_gpu_gluon_schedules_match_oracle(case, schedule):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _on_hopper(), reason="needs an sm_90 GPU")
+@pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("case", [GPU_CASES[i] for i in (10, 15, 23)], ids=str)
 def test_gpu_gluon_wide_tile_matches_oracle(case):
     """d64's 256-key tile (two Philox chunks per dropout draw)."""
@@ -253,7 +250,7 @@ SOFTCAP_BOUND_CASES = [
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _on_hopper(), reason="needs an sm_90 GPU")
+@pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("schedule", [None, "inline", "persistent"])
 @pytest.mark.parametrize("case", SOFTCAP_BOUND_CASES, ids=str)
 def test_gpu_gluon_softcap_saturated_rows_match_oracle(case, schedule):
@@ -274,7 +271,7 @@ def at_head_dim(case, head_dim):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _on_hopper(), reason="needs an sm_90 GPU")
+@pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("schedule", [None, *sorted(D256_SCHEDULES)])
 @pytest.mark.parametrize("case", [at_head_dim(c, 256) for c in GPU_CASES], ids=str)
 def test_gpu_gluon_d256_matches_oracle(case, schedule):
@@ -304,7 +301,7 @@ TAIL_SCHEDULES = [(case, tile) for case in TAIL_CASES for tile in SCHEDULES.valu
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _on_hopper(), reason="needs an sm_90 GPU")
+@pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU")
 @pytest.mark.parametrize(("case", "tile"), TAIL_SCHEDULES, ids=str)
 def test_gpu_gluon_next_batch_entry_does_not_leak(case, tile):
     """Dense, seqlen_k not a multiple of the key tile: entry b's last tile reads entry b + 1's
@@ -333,7 +330,7 @@ PERSISTENT = {name: tile for name, tile in (*SCHEDULES.items(), *(
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _on_hopper(), reason="needs an sm_90 GPU")
+@pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("programs", [1, 5])
 @pytest.mark.parametrize("schedule", sorted(PERSISTENT))
 @pytest.mark.parametrize("case", [GPU_CASES[i] for i in (1, 10, 19, 22)], ids=str)
@@ -412,7 +409,7 @@ def check_varlen(case, tile, lengths_q=LENGTHS_Q, lengths_k=LENGTHS_K):
     assert_close_to_oracle("lse", lse, oracle[1], baseline[1])
 
 
-gpu_hopper = pytest.mark.skipif(not _on_hopper(), reason="needs an sm_90 GPU")
+gpu_hopper = pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU")
 
 
 @pytest.mark.gpu

@@ -15,7 +15,7 @@ from variant_cases import CAPTURED_GRADS, EXAMPLES, attention, documents, extras
 
 import flashkit
 from flashkit import variants
-from helpers import check_against_oracle, random_qkv, random_varlen
+from helpers import ON_HOPPER, check_against_oracle, random_qkv, random_varlen
 
 pytestmark = pytest.mark.gpu
 
@@ -133,11 +133,7 @@ def _same_document(b, h, q_idx, kv_idx, ids, stride_b, stride_h):
     return tl.load(row + q_idx) == tl.load(row + kv_idx)
 
 
-def _sm90() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
-
-
-@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU")
 @pytest.mark.usefixtures("fresh_plans")
 def test_gluon_forward_runs_user_modifiers(caplog):
     """On sm_90 the Gluon kernels take a score_mod, a mask_mod and a block mask shared by the
@@ -172,7 +168,7 @@ def test_gluon_forward_runs_user_modifiers(caplog):
         "backward ran triton; declined: gluon: a gradient for a score_mod's captured tensors")
 
 
-@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("dtype, headdim", [(torch.bfloat16, 128), (torch.float16, 64),
                                             (torch.bfloat16, 256)])
 @pytest.mark.parametrize("per_head", [False, True])
@@ -204,7 +200,7 @@ def test_gluon_kernels_walk_a_block_mask(seqlen_q, per_head, headdim, dtype):
                          grad_names=("q", "k", "v", "sink"))
 
 
-@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("dtype, headdim", [(torch.bfloat16, 128), (torch.float16, 64),
                                             (torch.bfloat16, 256)])
 @pytest.mark.parametrize("lengths", [(203, 461), (640, 640)])
