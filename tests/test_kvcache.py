@@ -1006,8 +1006,9 @@ def test_launch_key_determines_tritons_specialisation():
     """Equal launch keys imply equal Triton specialisations (the launch cache's premise):
     tensors of several dtypes at aligned and misaligned addresses by tensor_key; scalars by
     type and code, under each pair of do_not_specialize flags, with floats and bools equal to
-    ints looked up first; two ints share a code exactly when Triton marks them alike."""
-    from flashkit.ops.triton.launch import _Codes, scalar_code, tensor_key
+    ints looked up first; two ints share a code exactly when Triton marks them alike; bundles
+    (tuples) of scalars by their members' types and codes, of tensors by their members'."""
+    from flashkit.ops.triton.launch import _Codes, scalar_code, scalar_types, tensor_key
 
     base = [torch.zeros(64, dtype=dtype) for dtype in (torch.float32, torch.bfloat16,
                                                         torch.int32)]
@@ -1029,6 +1030,19 @@ def test_launch_key_determines_tritons_specialisation():
             with pytest.raises(OverflowError):
                 _triton_spec(too_large, specialize, align)
             assert scalar_code(too_large, specialize, align) not in {codes[a] for a in _INTS}
+        # bundles of scalars (features.KernelFeatures.score_values): Triton marks each member
+        members = [0.5, 1.0, 0, 1, 16, 17, 2**31]
+        bundles = [()] + [tuple(c) for n in (1, 2) for c in itertools.product(members, repeat=n)]
+        for a, b in itertools.combinations(bundles, 2):
+            if (scalar_types((a,)), codes[a]) == (scalar_types((b,)), codes[b]):
+                assert _triton_spec(a, specialize, align) == _triton_spec(b, specialize, align), (
+                    a, b, specialize, align)
+    # bundles of tensors (features.KernelFeatures.score_tensors)
+    pairs = [(a,) for a in tensors[:6]] + [(a, b) for a in tensors[:3] for b in tensors[3:6]]
+    for a, b in itertools.combinations(pairs, 2):
+        if tensor_key(a) == tensor_key(b):
+            assert _triton_spec(a) == _triton_spec(b), (tensor_key(a), a, b)
+    assert len({tensor_key(a) for a in pairs}) == len({_triton_spec(a) for a in pairs})
 
 
 class _StandInKernel:

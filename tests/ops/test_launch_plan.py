@@ -35,6 +35,10 @@ if gluon is not None:
                   FLAG: gl.constexpr):
         pass  # never compiled: the test's compiled kernel stands in for it
 
+    @gluon.jit
+    def _bundled_stand_in(x_desc, Out, Bundle, values, BLOCK: gl.constexpr):
+        pass  # a kernel taking a bundle of tensors and one of scalars (features.py's)
+
 TENSORS = ("x_desc", "Out", "y_desc")  # the tensor parameters, interleaved with the scalars
 META = {"swizzle": 3, "elem_size": 2, "elem_type": 10, "fp4_padded": False}
 STREAM, FUNCTION, PACKED = 7, 1234, ("packed metadata",)
@@ -55,6 +59,23 @@ def compiled(monkeypatch):
     """A compiled kernel whose launcher is Triton's CudaLauncher and descriptor wrapper around
     a recording C entry; launch_module.launch returns it after launching through it, as
     launch does."""
+    signature = {"x_desc": "tensordesc<bf16[64, 32]>", "n": "i32", "Out": "*fp32",
+                 "seed_lo": "i32", "scale": "fp32", "seed_hi": "i32",
+                 "y_desc": "tensordesc<bf16[64, 32]>", "BLOCK": "constexpr",
+                 "FLAG": "constexpr"}
+    return _compiled(monkeypatch, signature, 2)
+
+
+@pytest.fixture
+def compiled_bundled(monkeypatch):
+    """The same for _bundled_stand_in: a bundle of two tensors, one of two scalars."""
+    signature = {"x_desc": "tensordesc<bf16[64, 32]>", "Out": "*fp32",
+                 "Bundle": ("*fp32", "*bf16"), "values": ("fp32", "i32"),
+                 "BLOCK": "constexpr"}
+    return _compiled(monkeypatch, signature, 1)
+
+
+def _compiled(monkeypatch, signature: dict, descriptors: int):
     import triton
 
     calls = []
@@ -62,11 +83,7 @@ def compiled(monkeypatch):
     def c_entry(*args):  # what the compiled module's launch receives
         calls.append(args)
 
-    signature = {"x_desc": "tensordesc<bf16[64, 32]>", "n": "i32", "Out": "*fp32",
-                 "seed_lo": "i32", "scale": "fp32", "seed_hi": "i32",
-                 "y_desc": "tensordesc<bf16[64, 32]>", "BLOCK": "constexpr",
-                 "FLAG": "constexpr"}
-    metas = [dict(META, block_size=[64, 32]), dict(META, block_size=[64, 32])]
+    metas = [dict(META, block_size=[64, 32])] * descriptors
     runner = object.__new__(CudaLauncher)
     runner.launch = wrap_handle_tensordesc(c_entry, signature, metas)
     runner.num_ctas, runner.launch_cooperative_grid, runner.launch_pdl = 1, False, True
@@ -167,6 +184,58 @@ def test_a_new_alignment_or_dtype_goes_through_launch_again(compiled):
     prepared(x, torch.empty(16, dtype=torch.float64), y, varying=(1, 2))  # another dtype
     assert len(compiled.slow) == 4
     prepared(x, out, y, varying=(1, 2))  # the kept direct launch again
+    assert len(compiled.slow) == 4
+
+
+def _bundled_inputs(seed: int):
+    """x (read through a descriptor), out and the bundle (float32, bf16), as a call passes
+    them."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(128, 4, 32, generator=gen).to(torch.bfloat16)
+    return x, torch.empty(16), (torch.randn(8, generator=gen),
+                                torch.randn(8, generator=gen).to(torch.bfloat16))
+
+
+def _bundled_prepared(x):
+    descriptors = {0: descriptor(x.view(-1, 128), (64, 32), tile_layout(64, 32, torch.bfloat16))}
+    return launch_module.Prepared(_bundled_stand_in, (3, 2), ((0.5, 16),), dict(BLOCK=64),
+                                  ("x_desc", "Out", "Bundle"), descriptors)
+
+
+def test_the_direct_launch_passes_bundles_as_tritons_launcher_would(compiled_bundled):
+    """A bundle of tensors (a tuple, features.KernelFeatures.score_tensors) is each call's own,
+    a bundle of scalars fixed: the direct launch passes both as Triton's launcher would."""
+    compiled = compiled_bundled
+    x, out, bundle = _bundled_inputs(0)
+    prepared = _bundled_prepared(x)
+    prepared(x, out, bundle)
+    prepared(*_bundled_inputs(1))
+    assert len(compiled.slow) == 2
+    tensors = _bundled_inputs(2)
+    prepared(*tensors)
+    assert len(compiled.slow) == 2  # direct
+    direct = compiled.calls[-1]
+    prepared._launch(tensors, ())
+    expected = compiled.calls[-1]
+    assert len(direct) == len(expected)
+    for got, want in zip(direct, expected, strict=True):
+        assert got is want or got == want, (got, want)
+    # after the 13 launch arguments, x_desc's map, 2 dims and 2 strides: Out, the two bundles
+    assert direct[18] is tensors[1] and direct[19] is tensors[2] and direct[20] == (0.5, 16)
+
+
+def test_a_bundle_of_another_dtype_or_alignment_goes_through_launch_again(compiled_bundled):
+    compiled = compiled_bundled
+    x, out, (a, b) = _bundled_inputs(0)
+    prepared = _bundled_prepared(x)
+    for _ in range(3):
+        prepared(x, out, (a, b))
+    assert len(compiled.slow) == 2
+    prepared(x, out, (torch.empty(17)[1:], b))  # 4 bytes off 16-byte alignment
+    assert len(compiled.slow) == 3
+    prepared(x, out, (a, b.float()))  # another dtype
+    assert len(compiled.slow) == 4
+    prepared(x, out, (a, b))  # the kept direct launch again
     assert len(compiled.slow) == 4
 
 

@@ -10,11 +10,14 @@ three launches, a Gluon forward call one. `launch` keeps the compiled kernel und
 determines Triton's own cache key (`JITFunction.run`: the specialisation of every argument and the
 options) and launches it directly when the key is seen again:
     tensors  each one's dtype and whether data_ptr() % 16 == 0 (Triton's "D" alignment mark);
-             a Gluon TensorDescriptor's dtype, block shape, layout and padding
-    scalars  their types (int, float, bool or None) and, for each, a code of what Triton's mark
-             of it depends on (`scalar_code`: an int's == 1, % 16 == 0 and int32/int64/uint64
-             range, as far as the parameter's do_not_specialize flags let Triton look; nothing
-             of a float's, bool's or None's value)
+             a Gluon TensorDescriptor's dtype, block shape, layout and padding; a tuple of
+             tensors (a kernel's bundle of them, features.KernelFeatures.score_tensors) each
+             member's
+    scalars  their types (int, float, bool, None, or a tuple of those: a bundle) and, for each,
+             a code of what Triton's mark of it depends on (`scalar_code`: an int's == 1,
+             % 16 == 0 and int32/int64/uint64 range, as far as the parameter's
+             do_not_specialize flags let Triton look; nothing of a float's, bool's or None's
+             value; a tuple's, its members' codes, as Triton marks each member)
     rest     the constexpr values, the launch options, the device, and the runtime knobs that
              Triton adds to the options (debug, instrumentation mode)
 Equal keys imply equal Triton keys, so the kernel launched is the one Triton would launch, and a
@@ -59,7 +62,6 @@ MAX_ENTRIES = 4096  # forget every entry of a dict beyond this (a safety bound)
 MAX_MAPS = 64
 MAX_GRID_YZ = 65535  # CUDA's limit on a grid's dims y and z (x allows 2**31 - 1)
 _SCALAR_TYPES = frozenset((int, float, bool, type(None)))
-_PLAIN_TYPES = _SCALAR_TYPES | {tuple}
 _compiled: dict = {}  # key (scalars by code) -> Triton's compiled kernel
 _by_value: dict = {}  # the same key with the scalars' values instead of their codes -> kernel
 _plans: dict = {}  # (id(kernel), number of tensors, tensor names) -> each scalar's codes
@@ -78,6 +80,8 @@ def tensor_key(t) -> tuple:
     strides are runtime arguments; its base is 16-byte aligned by construction)."""
     if isinstance(t, torch.Tensor):
         return t.dtype, t.data_ptr() % 16 == 0
+    if type(t) is tuple:  # a bundle of tensors: Triton specialises each member
+        return tuple(map(tensor_key, t))
     return t.base.dtype, tuple(t.block_shape), t.layout, t.padding
 
 
@@ -88,8 +92,12 @@ def scalar_code(value, specialize: bool = True, align: bool = True) -> int:
     which Triton refuses) and, unless do_not_specialize or do_not_specialize_on_alignment
     (align=False), whether % 16 == 0 (the "D" mark). Triton marks a float fp32, a bool u1 and
     None a constexpr whatever the value: -1, except that a float or bool equal to an int (2.0,
-    True) gets that int's code, as a dict lookup cannot tell them apart."""
-    if value is None or value == () or (type(value) is float and not value.is_integer()):
+    True) gets that int's code, as a dict lookup cannot tell them apart. A tuple (a bundle of
+    scalars, which Triton flattens into one parameter per member) gets its members' codes as
+    Triton 3.6 marks them: every specialisation on, whatever the parameter's flags."""
+    if type(value) is tuple:
+        return tuple(map(scalar_code, value))
+    if value is None or (type(value) is float and not value.is_integer()):
         return -1
     value = int(value)
     if specialize and value == 1:
@@ -133,8 +141,8 @@ def launch(kernel, grid: tuple, tensors: tuple, scalars: tuple, constexprs: dict
         settle_cache_keys(kernel, *constexprs.values())
         ahead.submit(kernel, grid, args, constexprs, options)
         return None
-    types = tuple(map(type, scalars))
-    if interpreting() or _hooked() or not _plain(types, scalars):
+    types = scalar_types(scalars)
+    if interpreting() or _hooked() or not _plain(types):
         if interpreting():  # the CPU tests check the order the direct launch relies on
             _check_constexpr_order(kernel, len(args), constexprs)
         ahead.settle()
@@ -229,6 +237,11 @@ class Prepared:
                 self._launch(tensors, varying)
                 return
             checked, checked_dtype = t, dtype
+        for at, i, dtypes in direct.bundles:
+            bundle = args[at] = tensors[i]
+            if not _aligned_as(bundle, dtypes):
+                self._launch(tensors, varying)
+                return
         for at, i, tma, encoded in direct.maps:
             address = tensors[i].data_ptr()
             tensor_map = encoded.get(address)
@@ -254,9 +267,10 @@ class Prepared:
             scalars[i] = value
         compiled = launch(self.kernel, self.grid, args, tuple(scalars), self.constexprs,
                           self.tensor_params, **self.options)
+        pointers = [t for i, t in enumerate(tensors) if i not in self.descriptors]
+        pointers = [m for t in pointers for m in (t if type(t) is tuple else (t,))]
         if (compiled is not None and self.launched and self._direct is None and not _hooked()
-                and all(t.data_ptr() % 16 == 0 for i, t in enumerate(tensors)
-                        if i not in self.descriptors)):
+                and all(t.data_ptr() % 16 == 0 for t in pointers)):
             self._direct = _Direct.of(compiled, self, tensors)
         self.launched = True
 
@@ -276,7 +290,8 @@ def planned(plan: dict | None, name: str, prepare):
 class _Direct(NamedTuple):
     """A compiled kernel's C launch entry and its argument list in signature order, with where
     each call's tensors go: `pointers` (position in args, index in the tensors, the dtype the
-    kernel was compiled for) and `maps` (position in args, index in the tensors, the TMA map's
+    kernel was compiled for), `bundles` (the same for a tuple of tensors, with its members'
+    dtypes) and `maps` (position in args, index in the tensors, the TMA map's
     fill arguments after the address, and the maps encoded so far by address: a map depends
     only on the address and those arguments, which the plan fixes, and encoding one is a
     driver call of about a microsecond)."""
@@ -288,6 +303,7 @@ class _Direct(NamedTuple):
     device: int
     args: list
     pointers: tuple
+    bundles: tuple
     maps: tuple
     varying: tuple  # the positions in args of the varying scalars, in their order
     knobs: tuple  # Triton's debug and instrumentation knobs when compiled
@@ -307,7 +323,7 @@ class _Direct(NamedTuple):
             sources = list(_order(prepared.kernel, prepared.tensor_params, n_tensors,
                                   len(prepared.scalars))(sources))
         metas = iter(getattr(compiled.metadata, "tensordesc_meta", None) or ())
-        args, pointers, maps, varying = [], [], [], {}
+        args, pointers, bundles, maps, varying = [], [], [], [], {}
         for source in sources:
             if source >= n_tensors:
                 if source - n_tensors in prepared.varying:
@@ -315,6 +331,10 @@ class _Direct(NamedTuple):
                 args.append(prepared.scalars[source - n_tensors])
                 continue
             template = prepared.descriptors.get(source)
+            if type(tensors[source]) is tuple:
+                bundles.append((len(args), source, tuple(t.dtype for t in tensors[source])))
+                args.append(None)
+                continue
             if template is None:
                 pointers.append((len(args), source, tensors[source].dtype))
                 args.append(None)
@@ -333,7 +353,8 @@ class _Direct(NamedTuple):
         driver = triton.runtime.driver.active
         return _Direct(entry, compiled.function, compiled.packed_metadata,
                        runner.launch_cooperative_grid, runner.launch_pdl,
-                       torch.cuda.current_device(), args, tuple(pointers), tuple(maps),
+                       torch.cuda.current_device(), args, tuple(pointers), tuple(bundles),
+                       tuple(maps),
                        tuple(varying[i] for i in prepared.varying),
                        (knobs.runtime.debug, knobs.compilation.instrumentation_mode),
                        driver.utils.fill_tma_descriptor, driver.get_current_stream)
@@ -429,14 +450,32 @@ def _check_constexpr_order(kernel, n_args: int, constexprs: dict) -> None:
                          "arguments in the signature, in order")
 
 
-def _plain(types: tuple, scalars: tuple) -> bool:
-    """Whether every scalar is an int, float, bool, None or an empty tuple (a user modifier's
-    captured values when there is none), the values whose specialisation launch's key knows;
-    anything else (a tuple of captured tensors) goes through Triton's binder."""
-    if _SCALAR_TYPES.issuperset(types):
-        return True
-    return _PLAIN_TYPES.issuperset(types) and () in scalars and all(
-        s == () for s, t in zip(scalars, types, strict=True) if t is tuple)
+def _aligned_as(bundle: tuple, dtypes: tuple) -> bool:
+    """Whether a tuple of tensors has the dtypes given and 16-byte aligned addresses (what a
+    direct launch was compiled for)."""
+    return len(bundle) == len(dtypes) and all(
+        t.dtype is dtype and t.data_ptr() % 16 == 0
+        for t, dtype in zip(bundle, dtypes, strict=True))
+
+
+def scalar_types(scalars: tuple) -> tuple:
+    """The scalars' types as launch's key holds them: a tuple's (a bundle's) as the tuple of
+    its members' types, so that a bundle's float 1.0 and int 1, equal as dict keys, are told
+    apart as top-level scalars are."""
+    types = tuple(map(type, scalars))
+    if tuple in types:
+        types = tuple(tuple(map(type, s)) if t is tuple else t
+                      for s, t in zip(scalars, types, strict=True))
+    return types
+
+
+def _plain(types: tuple) -> bool:
+    """Whether every scalar (scalar_types) is an int, float, bool, None or a tuple of those (a
+    bundle of scalars, or a user modifier's captured values when there is none: ()), the values
+    whose specialisation launch's key knows; anything else (a tuple of captured tensors) goes
+    through Triton's binder."""
+    return _SCALAR_TYPES.issuperset(types) or all(
+        t in _SCALAR_TYPES or type(t) is tuple and _SCALAR_TYPES.issuperset(t) for t in types)
 
 
 def _order(kernel, tensor_params: tuple, n_tensors: int, n_scalars: int):
@@ -459,7 +498,7 @@ def _coded_key(kernel, n_tensors: int, key: tuple, tensor_params: tuple = ()) ->
     """launch's key with each scalar's code in place of its value; None where a scalar is of
     another type than int, float, bool or None."""
     scalars, types = key[3], key[4]
-    if not _PLAIN_TYPES.issuperset(types):
+    if not _plain(types):
         return None
     plan = _plans.get((id(kernel), n_tensors, tensor_params))
     if plan is None:
