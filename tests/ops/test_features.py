@@ -58,14 +58,32 @@ def _on_device(q, k, v, params: AttentionParams):
     return q.to(device), k.to(device), v.to(device), dataclasses.replace(params, **moved)
 
 
-def _expected(params: AttentionParams, varlen: bool) -> dict:
+SCORE_VALUES = ("qk_scale", "softcap_scale", "stride_ab", "stride_ah")  # the bundle's order
+
+
+def _expected(params: AttentionParams, varlen: bool, bundled: bool = True) -> dict:
     """The runtime arguments the kernels must receive, by their signature names, computed
-    here from the contract rather than by the bundle."""
+    here from the contract rather than by the bundle: the score modifiers' values as one
+    `score_values` (bundled), or by their own names (the Gluon forward's signature)."""
     seqlen = 70 if varlen else 128
-    return dict(seqlen_q=seqlen, seqlen_k=seqlen, window_left=3, window_right=0,
-                qk_scale=SOFTCAP * LOG2E, softcap_scale=SCALE / SOFTCAP, stride_ab=4,
-                stride_ah=1, seed_lo=1234, seed_hi=7, dropout_threshold=round(DROPOUT_P * 256),
+    scores = dict(qk_scale=SOFTCAP * LOG2E, softcap_scale=SCALE / SOFTCAP, stride_ab=4,
+                  stride_ah=1)
+    if bundled:
+        scores = dict(score_values=tuple(scores[name] for name in SCORE_VALUES))
+    return dict(seqlen_q=seqlen, seqlen_k=seqlen, window_left=3, window_right=0, **scores,
+                seed_lo=1234, seed_hi=7, dropout_threshold=round(DROPOUT_P * 256),
                 dropout_scale=1 / (1 - DROPOUT_P))
+
+
+def _flags(flags: tuple, varlen: bool, bundled: bool = True) -> dict:
+    """The flags of _inputs' call by name (every feature on), the score modifiers as one
+    SCORES (bundled) or by their own names."""
+    values = dict(HAS_LEFT=True, HAS_RIGHT=True, SCORES=(_softcap(), True), SOFTCAP=_softcap(),
+                  ALIBI=True, SINK=True, DROPOUT=True, VARLEN=varlen)
+    if not bundled:
+        flags = [n for name in flags for n in (("SOFTCAP", "ALIBI") if name == "SCORES"
+                                               else (name,))]
+    return {name: values[name] for name in flags}
 
 
 def test_kernel_features_of_every_feature():
@@ -76,14 +94,13 @@ def test_kernel_features_of_every_feature():
         expected = _expected(params, varlen)
         assert f.band == tuple(expected[n] for n in ("seqlen_q", "seqlen_k", "window_left",
                                                        "window_right"))
-        assert f.scores == pytest.approx((expected["qk_scale"], expected["softcap_scale"]))
-        assert f.alibi_strides == (4, 1) and f.alibi.dtype == torch.float32
+        assert f.score_values == pytest.approx(expected["score_values"])
+        assert f.score_tensors == (params.alibi_slopes,)
         assert f.sink.dtype == torch.float32 and torch.equal(f.sink, params.sink.float())
         assert f.dropout == pytest.approx(tuple(expected[n] for n in (
             "seed_lo", "seed_hi", "dropout_threshold", "dropout_scale")))
         assert list(f.flags) == list(FLAGS)
-        assert f.flags == dict(HAS_LEFT=True, HAS_RIGHT=True, SOFTCAP=_softcap(), ALIBI=True,
-                               SINK=True, DROPOUT=True, VARLEN=varlen)
+        assert f.flags == _flags(FLAGS, varlen)
         for names in (GRADIENT_FLAGS, DENSE_FLAGS):
             subset = kernel_features(params, q, v, placeholder, torch.float16, flags=names)
             assert list(subset.flags) == list(names)
@@ -106,11 +123,12 @@ def test_kernel_features_without_features():
     placeholder = torch.empty(1)
     f = kernel_features(AttentionParams(0.25), q, q, placeholder, torch.float32)
     assert f.band == (5, 5, 0, 0)
-    assert f.scores == (0.25, 1.0)  # fp32: natural units
-    assert f.alibi is placeholder and f.sink is placeholder and f.alibi_strides == (0, 0)
+    assert f.score_values == (0.25, 1.0, 0, 0)  # fp32: natural units
+    assert f.score_tensors == (placeholder,) and f.sink is placeholder
     assert f.dropout == (0, 0, 0, 1.0)
-    assert not any(f.flags.values())
-    assert kernel_features(AttentionParams(0.25), q, q, placeholder).scores == (0.25 * LOG2E, 1.0)
+    assert f.flags.pop("SCORES") == (0, False) and not any(f.flags.values())
+    assert kernel_features(AttentionParams(0.25), q, q, placeholder).score_values == (
+        0.25 * LOG2E, 1.0, 0, 0)
 
 
 @pytest.mark.parametrize("window, has", [((4, 3), (True, True)), ((5, 4), (False, False)),
@@ -125,11 +143,10 @@ def test_window_reaching_every_key_is_unbounded(window, has):
     assert f.band == (5, 6, window[0] if has[0] else 0, window[1] if has[1] else 0)
 
 
-def _check_call(kernel, args: tuple, constexprs: dict, expected: dict, flags: tuple,
-                varlen: bool) -> None:
+def _check_call(kernel, args: tuple, constexprs: dict, expected: dict, flags: dict) -> None:
     """args and constexprs fill kernel's signature exactly (names and order), the feature
-    arguments land on the parameters of their names, tensors on pointer parameters and the
-    flags say what the call has."""
+    arguments land on the parameters of their names, tensors (or bundles of them) on pointer
+    parameters and the flags say what the call has."""
     names = kernel.arg_names
     launch_module._check_constexpr_order(kernel, len(args), constexprs)
     assert len(args) + len(constexprs) == len(names)
@@ -141,9 +158,9 @@ def _check_call(kernel, args: tuple, constexprs: dict, expected: dict, flags: tu
             assert value == (), name
             continue
         pointer = name[0].isupper() or name.endswith("_desc")
-        assert pointer == (not isinstance(value, (int, float))), name
-    assert {name: constexprs[name] for name in flags} == {
-        name: {"VARLEN": varlen, "SOFTCAP": _softcap()}.get(name, True) for name in flags}
+        members = value if isinstance(value, tuple) else (value,)
+        assert all(pointer == (not isinstance(m, (int, float))) for m in members), name
+    assert {name: constexprs[name] for name in flags} == flags
 
 
 def _softcap() -> int:
@@ -163,10 +180,10 @@ def test_gluon_forward_launcher_fills_the_kernel_signature(varlen, monkeypatch):
     forward_hopper.attention_forward(q, k, v, params, tile=(64, 2, 1, True, False, False))
     (kernel, args, constexprs, options), = calls
     assert kernel is forward_hopper._fwd_hopper_kernel
-    expected = dict(_expected(params, varlen), nheads=4, group=2)
+    expected = dict(_expected(params, varlen, bundled=False), nheads=4, group=2)
     _check_call(kernel, args, dict(constexprs, **{k: v for k, v in options.items()
                                                   if k in kernel.arg_names}),
-                expected, FLAGS, varlen)
+                expected, _flags(FLAGS, varlen, bundled=False))
     bound = dict(zip(kernel.arg_names, args, strict=False))
     assert torch.equal(bound["Alibi"], params.alibi_slopes)
     assert bound["Sink"].dtype == torch.float32
@@ -347,7 +364,9 @@ def test_gluon_backward_launchers_fill_the_kernel_signatures(varlen, which, monk
         tensors + scalars)
     heads = dict(nheads=4, nheads_k=2) if which == "dkdv" else dict(nheads=4, group=2)
     expected = dict(_expected(params, varlen), softmax_scale=SCALE, **heads)
-    _check_call(kernel, args, constexprs, expected, GRADIENT_FLAGS, varlen)
+    _check_call(kernel, args, constexprs, expected, _flags(GRADIENT_FLAGS, varlen))
+    assert dict(zip(kernel.arg_names, args, strict=False))["ScoreTensors"] == (
+        params.alibi_slopes,)
     assert constexprs["ONE_KEY_ZERO"] is False
 
 

@@ -46,10 +46,11 @@ from flashkit.ops.triton.common import (
     head_ptr,
     interpreting,
     key_tile_ranges,
-    load_alibi_log2,
+    load_score_mods,
     load_tile,
     mod_indices,
     query_tile_ranges,
+    score_grad,
     score_mod,
     sequence,
     store_tile,
@@ -114,7 +115,7 @@ def _bwd_dkdv_tiles(dk, dv, k_tile, v_tile, rows, start, end, offs, band, mods, 
                     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
+                    SCORES: tl.constexpr, DROPOUT: tl.constexpr,
                     ONE_KEY_ZERO: tl.constexpr, PRECISION: tl.constexpr,
                     SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr,
                     PACKED: tl.constexpr, LISTED: tl.constexpr = False, SPAN: tl.constexpr = 1):
@@ -144,8 +145,8 @@ def _bwd_dkdv_tiles(dk, dv, k_tile, v_tile, rows, start, end, offs, band, mods, 
                           q_tile.dtype == tl.float32)
         # [BLOCK_N, BLOCK_M] = [BLOCK_N, BLOCK_D] @ [BLOCK_D, BLOCK_M]
         qk_t = tl.dot(k_tile, tl.trans(q_tile), input_precision=PRECISION)
-        s_t, dcap_t = score_mod(qk_t, offs_m[None, :], offs_n[:, None], band, mods, SOFTCAP,
-                                ALIBI, SCORE_GRAD_FROM_S_JIT)
+        s_t, dcap_t = score_mod(qk_t, offs_m[None, :], offs_n[:, None], band, mods, SCORES,
+                                SCORE_GRAD_FROM_S_JIT)
         mod_b, mod_i, mod_j, mod_lq, mod_lk, same_t = mod_indices(
             off_b, offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k, packing, PACKED)
         if SCORE_MOD is not None:  # d score_mod / d score, then the modified score
@@ -188,8 +189,7 @@ def _bwd_dkdv_tiles(dk, dv, k_tile, v_tile, rows, start, end, offs, band, mods, 
                                            ONE_KEY_ZERO), ds_t, 0.0)
         if SCORE_MOD is not None:
             ds_t = ds_t * dmod_t
-        if SOFTCAP:
-            ds_t = ds_t * dcap_t
+        ds_t = score_grad(ds_t, dcap_t, SCORES)
         # [BLOCK_N, BLOCK_D] = [BLOCK_N, BLOCK_M] @ [BLOCK_M, BLOCK_D]
         dk = tl.dot(ds_t.to(q_tile.dtype), q_tile, dk, input_precision=PRECISION)
     return dk, dv
@@ -205,16 +205,14 @@ def _bwd_dkdv_program(pid_n, pid_bh, Q, K, V, DO, Lse, Delta, DK, DV,
                      stride_deltab, stride_deltah, stride_deltas,
                      stride_dkb, stride_dks, stride_dkh, stride_dkd,
                      stride_dvb, stride_dvs, stride_dvh, stride_dvd,
-                     nheads_k, group, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
-                     softcap_scale, Alibi, stride_ab, stride_ah,
-                     softmax_scale, seed_lo, seed_hi, dropout_threshold, dropout_scale, Cu_q,
-                     Cu_k, score_args, mask_args, packing, QNum, QIdx, FullQNum, FullQIdx,
-                     stride_tb,
-                     stride_th, n_q_blocks,
+                     nheads_k, group, seqlen_q, seqlen_k, window_left, window_right,
+                     ScoreTensors, score_values, softmax_scale, seed_lo, seed_hi, dropout_threshold,
+                     dropout_scale, Cu_q, Cu_k, score_args, mask_args, packing, QNum, QIdx,
+                     FullQNum, FullQIdx, stride_tb, stride_th, n_q_blocks,
                      HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                      BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-                     ALIBI: tl.constexpr, DROPOUT: tl.constexpr, ONE_KEY_ZERO: tl.constexpr,
+                     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SCORES: tl.constexpr,
+                     DROPOUT: tl.constexpr, ONE_KEY_ZERO: tl.constexpr,
                      VARLEN: tl.constexpr, EVEN_N: tl.constexpr, PRECISION: tl.constexpr,
                      SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr,
                      PACKED: tl.constexpr, SPARSE: tl.constexpr, SPARSE_Q: tl.constexpr,
@@ -247,8 +245,8 @@ def _bwd_dkdv_program(pid_n, pid_bh, Q, K, V, DO, Lse, Delta, DK, DV,
                                                HAS_RIGHT)
     for g in range(group):  # the query heads that share this kv head, in a fixed order
         off_h = off_hk * group + g
-        alibi_log2 = load_alibi_log2(Alibi, off_b, off_h, stride_ab, stride_ah, ALIBI,
-                                 Q.dtype.element_ty == tl.float32)
+        mods = load_score_mods(ScoreTensors, score_values, off_b, off_h, SCORES,
+                               Q.dtype.element_ty == tl.float32)
         q_base = head_ptr(Q, off_b, off_h, q_start, stride_qb, stride_qh, stride_qs)
         do_base = head_ptr(DO, off_b, off_h, q_start, stride_dob, stride_doh, stride_dos)
         lse_base = head_ptr(Lse, off_b, off_h, q_start, stride_lb, stride_lh, stride_ls)
@@ -259,7 +257,6 @@ def _bwd_dkdv_program(pid_n, pid_bh, Q, K, V, DO, Lse, Delta, DK, DV,
         rows = (q_base, do_base, lse_base, delta_base, stride_qs, stride_qd, stride_dos,
                 stride_dod, stride_ls, stride_deltas)
         offs = (offs_n, offs_d, offs_dv)
-        mods = (qk_scale, softcap_scale, alibi_log2)
         drop = (seed_lo, seed_hi, dropout_threshold, dropout_scale, off_b, off_h, start_n)
         if SPARSE:  # the block mask's lists replace the band's ranges
             row = off_b * stride_tb + off_h * stride_th + start_n // SPARSE_KV
@@ -270,15 +267,15 @@ def _bwd_dkdv_program(pid_n, pid_bh, Q, K, V, DO, Lse, Delta, DK, DV,
                     dk, dv, k_tile, v_tile, rows, 0, tl.load(Num + row) * SPARSE_Q, offs, band,
                     mods, drop, (score_args, mask_args, packing, Idx + row * n_q_blocks),
                     HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, listed == 0,
-                    HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, ONE_KEY_ZERO, PRECISION,
-                    SCORE_MOD, SCORE_GRAD, MASK_MOD, PACKED, True, SPARSE_Q)
+                    HAS_LEFT, HAS_RIGHT, SCORES, DROPOUT, ONE_KEY_ZERO, PRECISION, SCORE_MOD,
+                    SCORE_GRAD, MASK_MOD, PACKED, True, SPARSE_Q)
             bounds = (0, 0, 0, 0)
         for segment in tl.static_range(3):  # masked edge, unmasked middle, masked edge
             dk, dv = _bwd_dkdv_tiles(
                 dk, dv, k_tile, v_tile, rows, bounds[segment], bounds[segment + 1], offs, band,
                 mods, drop, (score_args, mask_args, packing, QIdx), HEAD_DIM, HEAD_DIM_V,
                 BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, segment != 1 or MASK_MOD is not None,
-                HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, ONE_KEY_ZERO, PRECISION, SCORE_MOD,
+                HAS_LEFT, HAS_RIGHT, SCORES, DROPOUT, ONE_KEY_ZERO, PRECISION, SCORE_MOD,
                 SCORE_GRAD, MASK_MOD, PACKED)
 
     dk_ptrs = tile_ptrs(head_ptr(DK, off_b, off_hk, k_start, stride_dkb, stride_dkh, stride_dks),
@@ -295,9 +292,8 @@ def _bwd_dkdv_program(pid_n, pid_bh, Q, K, V, DO, Lse, Delta, DK, DV,
 def _bwd_dq_tiles(dq, pdp, q_tile, do_tile, lse2, delta, kv, start, end, offs, band, mods, drop,
                   variant, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-                  HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-                  ALIBI: tl.constexpr, SINK: tl.constexpr, DROPOUT: tl.constexpr,
-                  ONE_KEY_ZERO: tl.constexpr,
+                  HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SCORES: tl.constexpr,
+                  SINK: tl.constexpr, DROPOUT: tl.constexpr, ONE_KEY_ZERO: tl.constexpr,
                   PRECISION: tl.constexpr, SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr,
                   MASK_MOD: tl.constexpr, CAPTURED_GRAD: tl.constexpr, PACKED: tl.constexpr,
                   LISTED: tl.constexpr = False, SPAN: tl.constexpr = 1):
@@ -325,7 +321,7 @@ def _bwd_dq_tiles(dq, pdp, q_tile, do_tile, lse2, delta, kv, start, end, offs, b
                            seqlen_k, offs_dv, HEAD_DIM_V, MASKED, HEAD_DIM_V != BLOCK_DV)
         # [BLOCK_M, BLOCK_N] = [BLOCK_M, BLOCK_D] @ [BLOCK_D, BLOCK_N]
         qk = tl.dot(q_tile, tl.trans(k_tile), input_precision=PRECISION)
-        s, dcap = score_mod(qk, offs_m[:, None], offs_n[None, :], band, mods, SOFTCAP, ALIBI,
+        s, dcap = score_mod(qk, offs_m[:, None], offs_n[None, :], band, mods, SCORES,
                             SCORE_GRAD_FROM_S_JIT)
         s_in = s  # the score before score_mod, for CAPTURED_GRAD
         mod_b, mod_i, mod_j, mod_lq, mod_lk, same = mod_indices(
@@ -365,8 +361,7 @@ def _bwd_dq_tiles(dq, pdp, q_tile, do_tile, lse2, delta, kv, start, end, offs, b
                                CAPTURED_GRAD, score_args, grad_args, q_tile.dtype == tl.float32)
         if SCORE_MOD is not None:
             ds = ds * dmod
-        if SOFTCAP:
-            ds = ds * dcap
+        ds = score_grad(ds, dcap, SCORES)
         # [BLOCK_M, BLOCK_D] = [BLOCK_M, BLOCK_N] @ [BLOCK_N, BLOCK_D]
         dq = tl.dot(ds.to(k_tile.dtype), k_tile, dq, input_precision=PRECISION)
     return dq, pdp
@@ -381,15 +376,14 @@ def _bwd_dq_program(pid_m, pid_bh, Q, K, V, DO, Lse, Delta, DQ,
                    stride_lb, stride_lh, stride_ls,
                    stride_deltab, stride_deltah, stride_deltas,
                    stride_dqb, stride_dqs, stride_dqh, stride_dqd,
-                   nheads, group, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
-                   softcap_scale, Alibi, stride_ab, stride_ah,
-                   softmax_scale, seed_lo, seed_hi, dropout_threshold, dropout_scale, Cu_q, Cu_k,
-                   score_args, mask_args, grad_args, packing, KvNum, KvIdx, FullNum, FullIdx,
-                   stride_sb, stride_sh, n_kv_blocks,
+                   nheads, group, seqlen_q, seqlen_k, window_left, window_right, ScoreTensors,
+                   score_values, softmax_scale, seed_lo, seed_hi, dropout_threshold, dropout_scale,
+                   Cu_q, Cu_k, score_args, mask_args, grad_args, packing, KvNum, KvIdx, FullNum,
+                   FullIdx, stride_sb, stride_sh, n_kv_blocks,
                    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-                   ALIBI: tl.constexpr, DROPOUT: tl.constexpr, ONE_KEY_ZERO: tl.constexpr,
+                   HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SCORES: tl.constexpr,
+                   DROPOUT: tl.constexpr, ONE_KEY_ZERO: tl.constexpr,
                    SINK: tl.constexpr, VARLEN: tl.constexpr, EVEN_M: tl.constexpr,
                    PRECISION: tl.constexpr, SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr,
                    MASK_MOD: tl.constexpr, CAPTURED_GRAD: tl.constexpr, PACKED: tl.constexpr,
@@ -427,8 +421,8 @@ def _bwd_dq_program(pid_m, pid_bh, Q, K, V, DO, Lse, Delta, DQ,
     v_base = head_ptr(V, off_b, off_hk, k_start, stride_vb, stride_vh, stride_vs)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     pdp = tl.zeros([BLOCK_M], dtype=tl.float32)  # with SINK: rowsum(P * dP)
-    alibi_log2 = load_alibi_log2(Alibi, off_b, off_h, stride_ab, stride_ah, ALIBI,
-                                 Q.dtype.element_ty == tl.float32)
+    mods = load_score_mods(ScoreTensors, score_values, off_b, off_h, SCORES,
+                           Q.dtype.element_ty == tl.float32)
 
     lo, mid_lo, mid_hi, hi = key_tile_ranges(start_m, seqlen_q, seqlen_k, window_left,
                                              window_right, BLOCK_M, BLOCK_N, HAS_LEFT,
@@ -437,7 +431,6 @@ def _bwd_dq_program(pid_m, pid_bh, Q, K, V, DO, Lse, Delta, DQ,
     kv = (k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd)
     offs = (offs_m, offs_d, offs_dv)
     band = (seqlen_q, seqlen_k, window_left, window_right)
-    mods = (qk_scale, softcap_scale, alibi_log2)
     drop = (seed_lo, seed_hi, dropout_threshold, dropout_scale, off_b, off_h)
     if SPARSE:  # the block mask's lists replace the band's ranges
         row = off_b * stride_sb + off_h * stride_sh + start_m // SPARSE_Q
@@ -449,7 +442,7 @@ def _bwd_dq_program(pid_m, pid_bh, Q, K, V, DO, Lse, Delta, DQ,
                                     (score_args, mask_args, grad_args, packing,
                                      Idx + row * n_kv_blocks), HEAD_DIM, HEAD_DIM_V, BLOCK_D,
                                     BLOCK_DV, BLOCK_N, listed == 0, HAS_LEFT, HAS_RIGHT,
-                                    SOFTCAP, ALIBI, SINK, DROPOUT, ONE_KEY_ZERO, PRECISION,
+                                    SCORES, SINK, DROPOUT, ONE_KEY_ZERO, PRECISION,
                                     SCORE_MOD, SCORE_GRAD, MASK_MOD, CAPTURED_GRAD, PACKED, True,
                                     SPARSE_KV)
         bounds = (0, 0, 0, 0)
@@ -459,7 +452,7 @@ def _bwd_dq_program(pid_m, pid_bh, Q, K, V, DO, Lse, Delta, DQ,
                                 (score_args, mask_args, grad_args, packing, KvIdx), HEAD_DIM,
                                 HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
                                 segment != 1 or MASK_MOD is not None, HAS_LEFT, HAS_RIGHT,
-                                SOFTCAP, ALIBI, SINK, DROPOUT, ONE_KEY_ZERO, PRECISION,
+                                SCORES, SINK, DROPOUT, ONE_KEY_ZERO, PRECISION,
                                 SCORE_MOD, SCORE_GRAD, MASK_MOD, CAPTURED_GRAD, PACKED)
     if SINK:
         tl.store(delta_ptrs, pdp, mask=offs_m < seqlen_q)
@@ -486,17 +479,16 @@ def _bwd_kernel(Q, K, V, DO, Lse, Delta, DQ, DK, DV,
                 stride_dqb, stride_dqs, stride_dqh, stride_dqd,
                 stride_dkb, stride_dks, stride_dkh, stride_dkd,
                 stride_dvb, stride_dvs, stride_dvh, stride_dvd,
-                batch, nheads, nheads_k, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
-                softcap_scale, Alibi, stride_ab, stride_ah,
-                softmax_scale, seed_lo, seed_hi, dropout_threshold, dropout_scale, Cu_q, Cu_k,
-                num_kv_blocks, num_q_blocks, score_args, mask_args, grad_args, packing, KvNum,
-                KvIdx, FullNum, FullIdx, stride_sb, stride_sh, n_kv_blocks, QNum, QIdx, FullQNum,
-                FullQIdx, stride_tb, stride_th, n_q_blocks,
+                batch, nheads, nheads_k, seqlen_q, seqlen_k, window_left, window_right,
+                ScoreTensors, score_values, softmax_scale, seed_lo, seed_hi, dropout_threshold,
+                dropout_scale, Cu_q, Cu_k, num_kv_blocks, num_q_blocks, score_args, mask_args,
+                grad_args, packing, KvNum, KvIdx, FullNum, FullIdx, stride_sb, stride_sh,
+                n_kv_blocks, QNum, QIdx, FullQNum, FullQIdx, stride_tb, stride_th, n_q_blocks,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_DV: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
                 BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr, HAS_LEFT: tl.constexpr,
-                HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-                DROPOUT: tl.constexpr, VARLEN: tl.constexpr, ONE_KEY_ZERO: tl.constexpr,
+                HAS_RIGHT: tl.constexpr, SCORES: tl.constexpr, DROPOUT: tl.constexpr,
+                VARLEN: tl.constexpr, ONE_KEY_ZERO: tl.constexpr,
                 SINK: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
                 DO_DKDV: tl.constexpr, PRECISION: tl.constexpr, SCORE_MOD: tl.constexpr,
                 SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr, PACKED: tl.constexpr,
@@ -524,12 +516,12 @@ def _bwd_kernel(Q, K, V, DO, Lse, Delta, DQ, DK, DV,
                                   stride_dkb, stride_dks, stride_dkh, stride_dkd,
                                   stride_dvb, stride_dvs, stride_dvh, stride_dvd,
                                   nheads_k, group, seqlen_q, seqlen_k, window_left,
-                                  window_right, qk_scale, softcap_scale, Alibi, stride_ab,
-                                  stride_ah, softmax_scale, seed_lo, seed_hi, dropout_threshold,
+                                  window_right, ScoreTensors, score_values, softmax_scale,
+                                  seed_lo, seed_hi, dropout_threshold,
                                   dropout_scale, Cu_q, Cu_k, score_args, mask_args, packing,
                                   QNum, QIdx, FullQNum, FullQIdx, stride_tb, stride_th,
                                   n_q_blocks, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M1,
-                                  BLOCK_N1, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT,
+                                  BLOCK_N1, HAS_LEFT, HAS_RIGHT, SCORES, DROPOUT,
                                   ONE_KEY_ZERO, VARLEN, EVEN_N, PRECISION, SCORE_MOD,
                                   SCORE_GRAD, MASK_MOD, PACKED, SPARSE, SPARSE_Q, SPARSE_KV)
     else:
@@ -542,19 +534,18 @@ def _bwd_kernel(Q, K, V, DO, Lse, Delta, DQ, DK, DV,
                         stride_lb, stride_lh, stride_ls,
                         stride_deltab, stride_deltah, stride_deltas,
                         stride_dqb, stride_dqs, stride_dqh, stride_dqd,
-                        nheads, group, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
-                        softcap_scale, Alibi, stride_ab, stride_ah,
-                        softmax_scale, seed_lo, seed_hi, dropout_threshold, dropout_scale, Cu_q,
-                        Cu_k, score_args, mask_args, grad_args, packing, KvNum, KvIdx, FullNum,
-                        FullIdx,
-                        stride_sb, stride_sh, n_kv_blocks, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
-                        BLOCK_DV, BLOCK_M2, BLOCK_N2, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI,
-                        DROPOUT, ONE_KEY_ZERO, SINK, VARLEN, EVEN_M, PRECISION, SCORE_MOD,
-                        SCORE_GRAD, MASK_MOD, CAPTURED_GRAD, PACKED, SPARSE, SPARSE_Q, SPARSE_KV)
+                        nheads, group, seqlen_q, seqlen_k, window_left, window_right,
+                        ScoreTensors, score_values, softmax_scale, seed_lo, seed_hi,
+                        dropout_threshold, dropout_scale, Cu_q, Cu_k, score_args, mask_args,
+                        grad_args, packing, KvNum, KvIdx, FullNum, FullIdx, stride_sb,
+                        stride_sh, n_kv_blocks, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
+                        BLOCK_DV, BLOCK_M2, BLOCK_N2, HAS_LEFT, HAS_RIGHT, SCORES, DROPOUT,
+                        ONE_KEY_ZERO, SINK, VARLEN, EVEN_M, PRECISION, SCORE_MOD, SCORE_GRAD,
+                        MASK_MOD, CAPTURED_GRAD, PACKED, SPARSE, SPARSE_Q, SPARSE_KV)
 
 
-_BWD_TENSORS = ("Q", "K", "V", "DO", "Lse", "Delta", "DQ", "DK", "DV", "Alibi", "Cu_q", "Cu_k",
-                "KvNum", "KvIdx", "FullNum", "FullIdx", "QNum", "QIdx", "FullQNum",
+_BWD_TENSORS = ("Q", "K", "V", "DO", "Lse", "Delta", "DQ", "DK", "DV", "ScoreTensors", "Cu_q",
+                "Cu_k", "KvNum", "KvIdx", "FullNum", "FullIdx", "QNum", "QIdx", "FullQNum",
                 "FullQIdx")  # launch's order
 
 
@@ -652,13 +643,13 @@ def _triton_dkdv_dq(dout, q, k, v, lse, delta, params: AttentionParams, dq, dk, 
         block_m1, block_m2 = (min(b, sparse["SPARSE_Q"]) for b in (block_m1, block_m2))
         block_n1, block_n2 = (min(b, sparse["SPARSE_KV"]) for b in (block_n1, block_n2))
     num_kv_blocks, num_q_blocks = cdiv(f.seqlen_k, block_n1), cdiv(f.seqlen_q, block_m2)
-    tensors = (q, k, v, dout, lse, delta, dq, dk, dv, f.alibi, *f.cu_seqlens, *kv_blocks[:4],
-               *q_blocks[:4])
+    tensors = (q, k, v, dout, lse, delta, dq, dk, dv, f.score_tensors, *f.cu_seqlens,
+               *kv_blocks[:4], *q_blocks[:4])
     scalars = (*(stride for t in (q, k, v, dout, lse, delta, dq, dk, dv)
                  for stride in f.strides(t)),
-               f.batch, f.nheads, f.nheads_k, *f.band, *f.scores, *f.alibi_strides,
-               params.softmax_scale, *f.dropout, num_kv_blocks, num_q_blocks, score_mod_args,
-               mask_mod_args, grad_args, packing, *kv_blocks[4:], *q_blocks[4:])
+               f.batch, f.nheads, f.nheads_k, *f.band, f.score_values, params.softmax_scale,
+               *f.dropout, num_kv_blocks, num_q_blocks, score_mod_args, mask_mod_args, grad_args,
+               packing, *kv_blocks[4:], *q_blocks[4:])
     varlen = f.varlen
     meta = dict(HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
                 BLOCK_M1=block_m1, BLOCK_N1=block_n1, BLOCK_M2=block_m2, BLOCK_N2=block_n2,

@@ -22,11 +22,12 @@ values per thread in this layout).
 Features as compile-time flags through common.py's helpers, as backward.py's kernels use them:
 HAS_LEFT / HAS_RIGHT (any window, causal included, bottom-right aligned for seqlen_q != seqlen_k)
 pick the tile ranges (common.query_tile_ranges / key_tile_ranges) and mask the edge tiles with
-common.visible; SOFTCAP scores through common.scores and multiplies dS by common.softcap_grad;
-ALIBI subtracts common.alibi_bias; DROPOUT regenerates the forward's keep-mask (dropout.py's
-Philox core, each call's decisions packed into one int32: the dQ kernel drawing in its score
-layout as the forward does, each call once for both 64-key tiles that use it, the dK/dV kernel
-drawing each call once per program and moving the packed bits into the S^T layout) with
+common.visible; the score modifiers SCORES = (SOFTCAP, ALIBI) go through common.score_mod and
+common.score_grad, their values loaded by common.load_score_mods; DROPOUT regenerates the
+forward's keep-mask (dropout.py's Philox core, each call's decisions packed into one int32: the
+dQ kernel drawing in its score layout as the forward does, each call once for both 64-key tiles
+that use it, the dK/dV kernel drawing each call once per program and moving the packed bits
+into the S^T layout) with
 dV = (P o Z)^T dO, dP = Z o (dO V^T), Z = keep / (1 - p), as
 backward.py; the tiles select the kept elements and leave out 1 / (1 - p), which each kernel
 multiplies into its gradients once (delta enters as (1 - p) delta). A sink lives in lse; for
@@ -75,8 +76,9 @@ from flashkit.ops.triton.common import (
     cdiv,
     gradient_pairs,
     key_tile_ranges,
-    load_alibi_log2,
+    load_score_mods,
     query_tile_ranges,
+    score_grad,
     score_mod,
     sequence,
     variant_args,
@@ -210,10 +212,10 @@ if gluon is not None:
                                         pred=valid)
 
     @gluon.jit
-    def _query_tile_step(dk, dv, job, m, smem, bars, descs, ring, geo, alibi_log2, drop, user,
+    def _query_tile_step(dk, dv, job, m, smem, bars, descs, ring, geo, mods, drop, user,
                          HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                          NUM_STAGES: gl.constexpr, MASK: gl.constexpr, HAS_LEFT: gl.constexpr,
-                         HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
+                         HAS_RIGHT: gl.constexpr, SCORES: gl.constexpr,
                          DROPOUT: gl.constexpr, VARLEN: gl.constexpr,
                          ONE_KEY_ZERO: gl.constexpr, SCORE_MOD: gl.constexpr,
                          SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr,
@@ -229,8 +231,8 @@ if gluon is not None:
         the pairs common.gradient_pairs gives: a value V_j the query cannot see makes dP^T = V
         dO^T NaN in its whole row j (as does a neighbour's delta past seqlen_q), which P = 0
         would not stop (0 * NaN), and with ONE_KEY_ZERO rows that see one key get exactly zero
-        dS. geo = (seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale,
-        dropout_scale); alibi_log2 is this query head's slope * log2(e) (ALIBI); drop = (seed_lo,
+        dS. geo = (seqlen_q, seqlen_k, window_left, window_right, dropout_scale); mods are this
+        query head's score modifiers (common.load_score_mods, SCORES); drop = (seed_lo,
         seed_hi, threshold, batch, query head) of the keep-mask (DROPOUT: dV = (P o Z)^T dO, dP =
         Z o (dO V^T) with Z = keep / (1 - p), dS = P o (dP - delta) with the pre-dropout P; the
         tile computes dS and P o Z over 1 / (1 - p), a select per element instead of a select and
@@ -241,7 +243,7 @@ if gluon is not None:
         (batch, query head, score_args, mask_args) of a user's modifiers
         (hopper_common.user_scores).
         Returns (dk, dv)."""
-        seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale, dropout_scale = geo
+        seqlen_q, seqlen_k, window_left, window_right, dropout_scale = geo
         k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem = smem
         q_bars, do_bars = bars
         q_desc, do_desc, lse_desc, delta_desc = descs
@@ -279,8 +281,7 @@ if gluon is not None:
         j_t = gl.expand_dims(start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout)),
                              1)
         s_t, dcap_t = score_mod(s_t, i_t, j_t, (seqlen_q, seqlen_k, window_left, window_right),
-                                (qk_scale, softcap_scale, alibi_log2), SOFTCAP, ALIBI,
-                                SCORE_GRAD_FROM_TANH_JIT)
+                                mods, SCORES, SCORE_GRAD_FROM_TANH_JIT)
         s_t, dmod_t = user_scores(s_t, i_t, j_t, seqlen_q, seqlen_k, user, SCORE_MOD,
                                   SCORE_GRAD)
         # A row with no visible key has lse -inf: its P is inf before the mask, 0 after (such a
@@ -316,8 +317,7 @@ if gluon is not None:
                             ds_t, 0.0)
         if SCORE_MOD is not None:
             ds_t = ds_t * dmod_t
-        if SOFTCAP:
-            ds_t = ds_t * dcap_t
+        ds_t = score_grad(ds_t, dcap_t, SCORES)
         ds_t = ds_t.to(dtype)
         if DROPOUT and ST_REGS > 32:  # dV / (1 / (1 - p)) takes the dropped P
             p_t = gl.where(kept_t, p_t, 0.0)
@@ -341,15 +341,15 @@ if gluon is not None:
     def _bwd_dkdv_hopper_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DK, DV,
                                 stride_dkb, stride_dks, stride_dkh,
                                 stride_dvb, stride_dvs, stride_dvh,
-                                Alibi, stride_ab, stride_ah, nheads, nheads_k, seqlen_q,
-                                seqlen_k, window_left, window_right, qk_scale, softcap_scale,
-                                softmax_scale, seed_lo, seed_hi, dropout_threshold,
-                                dropout_scale, stride_lh, Cu_q, Cu_k, score_args, mask_args,
+                                ScoreTensors, nheads, nheads_k, seqlen_q, seqlen_k,
+                                window_left, window_right, score_values, softmax_scale, seed_lo,
+                                seed_hi, dropout_threshold, dropout_scale, stride_lh, Cu_q, Cu_k,
+                                score_args, mask_args,
                                 blocks, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                                 BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                                 HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                                SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
-                                DROPOUT: gl.constexpr, VARLEN: gl.constexpr,
+                                SCORES: gl.constexpr, DROPOUT: gl.constexpr,
+                                VARLEN: gl.constexpr,
                                 ONE_KEY_ZERO: gl.constexpr, SCORE_MOD: gl.constexpr,
                                 SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr,
                                 num_warps: gl.constexpr):
@@ -384,8 +384,7 @@ if gluon is not None:
             kv_row = off_b * seqlen_k + start_n
             lse_row = (off_b * nheads + off_hk * group) * seqlen_q
         q_col = off_hk * group * HEAD_DIM
-        geo = (seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale,
-               dropout_scale)
+        geo = (seqlen_q, seqlen_k, window_left, window_right, dropout_scale)
         dtype: gl.constexpr = q_desc.dtype
 
         # wgmma accumulators: warps stacked along the key rows.
@@ -454,7 +453,7 @@ if gluon is not None:
         job = 0
         for g in range(group):  # the query heads that share this kv head, in a fixed order
             off_h = off_hk * group + g
-            alibi_log2 = load_alibi_log2(Alibi, off_b, off_h, stride_ab, stride_ah, ALIBI)
+            mods = load_score_mods(ScoreTensors, score_values, off_b, off_h, SCORES)
             drop = (seed_lo, seed_hi, dropout_threshold, off_b, off_h)
             user = (off_b, off_h, score_args, mask_args)
             # Masked rows that see part of the block on its right side (HAS_RIGHT), the rows
@@ -466,8 +465,8 @@ if gluon is not None:
                     for t in range(listed[full], listed[full + 1]):
                         dk, dv = _query_tile_step(
                             dk, dv, job, listed_tile(listing, t), smem, bars, descs, ring, geo,
-                            alibi_log2, drop, user, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
-                            full == 0, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, VARLEN,
+                            mods, drop, user, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
+                            full == 0, HAS_LEFT, HAS_RIGHT, SCORES, DROPOUT, VARLEN,
                             ONE_KEY_ZERO, SCORE_MOD, SCORE_GRAD, MASK_MOD, st_layout,
                             kv_layout, op_layout)
                         job += 1
@@ -478,10 +477,10 @@ if gluon is not None:
                             or (segment == 2 and (HAS_LEFT or VARLEN))):
                         for m in range(bounds[segment], bounds[segment + 1]):
                             dk, dv = _query_tile_step(
-                                dk, dv, job, m, smem, bars, descs, ring, geo, alibi_log2, drop,
+                                dk, dv, job, m, smem, bars, descs, ring, geo, mods, drop,
                                 user, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
                                 segment != 1 or MASK_MOD is not None, HAS_LEFT, HAS_RIGHT,
-                                SOFTCAP, ALIBI, DROPOUT, VARLEN, ONE_KEY_ZERO, SCORE_MOD,
+                                SCORES, DROPOUT, VARLEN, ONE_KEY_ZERO, SCORE_MOD,
                                 SCORE_GRAD, MASK_MOD, st_layout, kv_layout, op_layout)
                             job += 1
 
@@ -509,16 +508,16 @@ if gluon is not None:
 
     @gluon.jit
     def _key_tile_dq_step(dq, upper, pdp, tile, smem, bars, descs, lse2, delta, ring, geo,
-                          alibi_log2, drop, user, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                          mods, drop, user, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                           NUM_STAGES: gl.constexpr, MASK: gl.constexpr, HAS_LEFT: gl.constexpr,
-                          HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
+                          HAS_RIGHT: gl.constexpr, SCORES: gl.constexpr,
                           DROPOUT: gl.constexpr, VARLEN: gl.constexpr,
                           ONE_KEY_ZERO: gl.constexpr, SINK: gl.constexpr,
                           SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr,
                           MASK_MOD: gl.constexpr, s_layout: gl.constexpr,
                           op_layout: gl.constexpr):
         """Add key tile `tile` (keys key_lo + tile * BLOCK_N ..., at row key0 + tile * BLOCK_N
-        of the 2-D view) to dQ (unscaled); MASK applies the band predicate. geo, alibi_log2,
+        of the 2-D view) to dQ (unscaled); MASK applies the band predicate. geo, mods,
         drop and user as in _query_tile_step; the keep-mask is the forward's own (keep_tile,
         drawn in this same score layout; 64-key tiles through keep_half_tiles, upper its words
         carried from tile to tile); with DROPOUT, delta comes as (1 - p) delta and dQ is left over
@@ -532,7 +531,7 @@ if gluon is not None:
         K ring, V ring), bars = (K, V) ring barriers, descs = (K, V) descriptors, ring =
         (n_tiles, key0, kv_col, start_m, key_lo, listing): under a block mask (listing:
         hopper_common.block_listing) tile t is the listed one, key0 the sequence's first key."""
-        seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale, dropout_scale = geo
+        seqlen_q, seqlen_k, window_left, window_right, dropout_scale = geo
         q_smem, do_smem, k_smem, v_smem = smem
         k_bars, v_bars = bars
         k_desc, v_desc = descs
@@ -563,9 +562,8 @@ if gluon is not None:
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
         i = gl.expand_dims(start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout)), 1)
         j = gl.expand_dims(start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)), 0)
-        s, dcap = score_mod(s, i, j, (seqlen_q, seqlen_k, window_left, window_right),
-                            (qk_scale, softcap_scale, alibi_log2), SOFTCAP, ALIBI,
-                            SCORE_GRAD_FROM_TANH_JIT)
+        s, dcap = score_mod(s, i, j, (seqlen_q, seqlen_k, window_left, window_right), mods,
+                            SCORES, SCORE_GRAD_FROM_TANH_JIT)
         s, dmod = user_scores(s, i, j, seqlen_q, seqlen_k, user, SCORE_MOD, SCORE_GRAD)
         p = gl.exp2(s - gl.expand_dims(lse2, 1))  # lse -inf (no visible key): masked below
         if MASK:
@@ -586,8 +584,7 @@ if gluon is not None:
                                          HAS_LEFT, HAS_RIGHT, ONE_KEY_ZERO), ds, 0.0)
         if SCORE_MOD is not None:
             ds = ds * dmod
-        if SOFTCAP:
-            ds = ds * dcap
+        ds = score_grad(ds, dcap, SCORES)
         ds = ds.to(q_smem.dtype)
         # [BLOCK_M, D] += [BLOCK_M, BLOCK_N] @ [BLOCK_N, D]
         dq_tok = warpgroup_mma(gl.convert_layout(ds, op_layout), k_buf, dq, is_async=True)
@@ -598,18 +595,18 @@ if gluon is not None:
         return dq, upper, pdp
 
     @gluon.jit(do_not_specialize=["seed_lo", "seed_hi", "dropout_threshold"])
-    def _bwd_dq_hopper_kernel(q_desc, k_desc, v_desc, do_desc, Lse, Delta, DQ, Alibi,
+    def _bwd_dq_hopper_kernel(q_desc, k_desc, v_desc, do_desc, Lse, Delta, DQ, ScoreTensors,
                               stride_lb, stride_lh, stride_deltab, stride_deltah,
-                              stride_dqb, stride_dqs, stride_dqh, stride_ab, stride_ah,
+                              stride_dqb, stride_dqs, stride_dqh,
                               nheads, group, seqlen_q, seqlen_k, window_left, window_right,
-                              qk_scale, softcap_scale, softmax_scale, seed_lo, seed_hi,
+                              score_values, softmax_scale, seed_lo, seed_hi,
                               dropout_threshold, dropout_scale, Cu_q, Cu_k, score_args,
                               mask_args, blocks, HEAD_DIM: gl.constexpr,
                               BLOCK_M: gl.constexpr,
                               BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                              SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
-                              DROPOUT: gl.constexpr, VARLEN: gl.constexpr,
+                              SCORES: gl.constexpr, DROPOUT: gl.constexpr,
+                              VARLEN: gl.constexpr,
                               ONE_KEY_ZERO: gl.constexpr, SINK: gl.constexpr,
                               SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr,
                               MASK_MOD: gl.constexpr, num_warps: gl.constexpr):
@@ -639,8 +636,7 @@ if gluon is not None:
             q_row = off_b * seqlen_q + start_m
             key_row0 = off_b * seqlen_k
         kv_col = (off_h // group) * HEAD_DIM
-        geo = (seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale,
-               dropout_scale)
+        geo = (seqlen_q, seqlen_k, window_left, window_right, dropout_scale)
         drop = (seed_lo, seed_hi, dropout_threshold, off_b, off_h)
         user = (off_b, off_h, score_args, mask_args)
         dtype: gl.constexpr = q_desc.dtype
@@ -703,7 +699,7 @@ if gluon is not None:
         pdp = gl.zeros([BLOCK_M], gl.float32, row_layout)  # with SINK: rowsum(P * dP)
         mbarrier.wait(q_bar, 0)
 
-        alibi_log2 = load_alibi_log2(Alibi, off_b, off_h, stride_ab, stride_ah, ALIBI)
+        mods = load_score_mods(ScoreTensors, score_values, off_b, off_h, SCORES)
         # Masked tiles of the window's left edge (HAS_LEFT), the fully visible ones, masked
         # tiles of the diagonal (causal), the window's right edge or a sequence's last key
         # tile (HAS_RIGHT, VARLEN); a masked segment is compiled only where it can exist.
@@ -716,8 +712,8 @@ if gluon is not None:
                 for tile in range(listed[full], listed[full + 1]):
                     dq, upper, pdp = _key_tile_dq_step(
                         dq, upper, pdp, tile, smem, (k_bars, v_bars), (k_desc, v_desc), lse2,
-                        delta, ring, geo, alibi_log2, drop, user, BLOCK_M, BLOCK_N, NUM_STAGES,
-                        full == 0, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, VARLEN,
+                        delta, ring, geo, mods, drop, user, BLOCK_M, BLOCK_N, NUM_STAGES,
+                        full == 0, HAS_LEFT, HAS_RIGHT, SCORES, DROPOUT, VARLEN,
                         ONE_KEY_ZERO, SINK, SCORE_MOD, SCORE_GRAD, MASK_MOD, s_layout,
                         op_layout)
         else:
@@ -728,9 +724,9 @@ if gluon is not None:
                     for tile in range(bounds[segment], bounds[segment + 1]):
                         dq, upper, pdp = _key_tile_dq_step(
                             dq, upper, pdp, tile, smem, (k_bars, v_bars), (k_desc, v_desc),
-                            lse2, delta, ring, geo, alibi_log2, drop, user, BLOCK_M, BLOCK_N,
+                            lse2, delta, ring, geo, mods, drop, user, BLOCK_M, BLOCK_N,
                             NUM_STAGES, segment != 1 or MASK_MOD is not None, HAS_LEFT,
-                            HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, VARLEN, ONE_KEY_ZERO, SINK,
+                            HAS_RIGHT, SCORES, DROPOUT, VARLEN, ONE_KEY_ZERO, SINK,
                             SCORE_MOD, SCORE_GRAD, MASK_MOD, s_layout, op_layout)
         if SINK:
             if DROPOUT:  # the tiles summed (1 - p) D
@@ -862,9 +858,9 @@ def dense_as_varlen(q, k, v, dout, lse, params: AttentionParams, dq, dk, dv, til
 
 # The kernels' tensor parameters (descriptors and pointers), for launch's argument order
 _DKDV_TENSORS = ("q_desc", "k_desc", "v_desc", "do_desc", "lse_desc", "delta_desc", "DK", "DV",
-                 "Alibi", "Cu_q", "Cu_k")
-_DQ_TENSORS = ("q_desc", "k_desc", "v_desc", "do_desc", "Lse", "Delta", "DQ", "Alibi", "Cu_q",
-               "Cu_k")
+                 "ScoreTensors", "Cu_q", "Cu_k")
+_DQ_TENSORS = ("q_desc", "k_desc", "v_desc", "do_desc", "Lse", "Delta", "DQ", "ScoreTensors",
+               "Cu_q", "Cu_k")
 
 
 def attention_backward_dkdv(dout, q, k, v, lse, delta, params: AttentionParams, dk, dv,
@@ -880,8 +876,9 @@ def attention_backward_dkdv(dout, q, k, v, lse, delta, params: AttentionParams, 
         lse, delta = _aligned_lse_delta(lse, delta, params)
     prepared = planned(plan, "dkdv", lambda: _prepare_dkdv(q, k, v, dout, lse, delta, params, dk,
                                                            dv, block, one_key_zero))
-    alibi, _, cu_q, cu_k = feature_tensors(params, lse, float32_sink=False)  # no sink
-    prepared(q, k, v, dout, lse, delta, dk, dv, alibi, cu_q, cu_k, varying=dropout_seed(params))
+    score_tensors, _, cu_q, cu_k = feature_tensors(params, lse, float32_sink=False)  # no sink
+    prepared(q, k, v, dout, lse, delta, dk, dv, score_tensors, cu_q, cu_k,
+             varying=dropout_seed(params))
 
 
 def _prepare_dkdv(q, k, v, dout, lse, delta, params: AttentionParams, dk, dv, block,
@@ -897,8 +894,8 @@ def _prepare_dkdv(q, k, v, dout, lse, delta, params: AttentionParams, dk, dv, bl
                    4: rows_descriptor(lse, block_m), 5: rows_descriptor(delta, block_m)}
     score_args, mask_args, _, variant = variant_args(params)
     return Prepared(_bwd_dkdv_hopper_kernel, grid, (
-        *f.strides(dk)[:3], *f.strides(dv)[:3], *f.alibi_strides, f.nheads, f.nheads_k,
-        *f.band, *f.scores, params.softmax_scale, *f.dropout, lse.stride(-2), score_args,
+        *f.strides(dk)[:3], *f.strides(dv)[:3], f.nheads, f.nheads_k, *f.band,
+        f.score_values, params.softmax_scale, *f.dropout, lse.stride(-2), score_args,
         mask_args, _block_lists(params, lse, block_m, transposed=True)), dict(
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=num_stages, **f.flags,
         ONE_KEY_ZERO=one_key_zero, **_user_modifiers(variant), num_warps=num_warps),
@@ -913,8 +910,9 @@ def attention_backward_dq(dout, q, k, v, lse, delta, params: AttentionParams, dq
         plan = None
     prepared = planned(plan, "dq", lambda: _prepare_dq(q, k, v, dout, lse, delta, params, dq,
                                                        block, one_key_zero))
-    alibi, _, cu_q, cu_k = feature_tensors(params, lse, float32_sink=False)  # no sink
-    prepared(q, k, v, dout, lse, delta, dq, alibi, cu_q, cu_k, varying=dropout_seed(params))
+    score_tensors, _, cu_q, cu_k = feature_tensors(params, lse, float32_sink=False)  # no sink
+    prepared(q, k, v, dout, lse, delta, dq, score_tensors, cu_q, cu_k,
+             varying=dropout_seed(params))
 
 
 def _prepare_dq(q, k, v, dout, lse, delta, params: AttentionParams, dq, block,
@@ -928,8 +926,8 @@ def _prepare_dq(q, k, v, dout, lse, delta, params: AttentionParams, dq, block,
                    2: flash_descriptor(v, block_n), 3: flash_descriptor(dout, block_m)}
     score_args, mask_args, _, variant = variant_args(params)
     return Prepared(_bwd_dq_hopper_kernel, grid, (
-        *f.strides(lse)[:2], *f.strides(delta)[:2], *f.strides(dq)[:3], *f.alibi_strides,
-        f.nheads, f.nheads // f.nheads_k, *f.band, *f.scores, params.softmax_scale,
+        *f.strides(lse)[:2], *f.strides(delta)[:2], *f.strides(dq)[:3], f.nheads,
+        f.nheads // f.nheads_k, *f.band, f.score_values, params.softmax_scale,
         *f.dropout, score_args, mask_args, _block_lists(params, lse, block_n)), dict(
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=num_stages, **f.flags,
         ONE_KEY_ZERO=one_key_zero, SINK=params.sink is not None, **_user_modifiers(variant),

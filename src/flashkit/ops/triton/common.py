@@ -14,9 +14,10 @@ Notation (every kernel file of this backend uses it):
                   round twice more on its way through natural units (at sharp softmax 4-7x the
                   torch backend's error in P and dV). Host: features.kernel_features; kernels:
                   NATURAL = (the q tile's dtype is fp32).
-    features      compile-time flags (HAS_LEFT/HAS_RIGHT for the band, SOFTCAP, ALIBI, SINK,
-                  DROPOUT, VARLEN: features.FLAGS, the host's one source of them): a kernel
-                  compiled without one is the same code as before the feature existed
+    features      compile-time flags (HAS_LEFT/HAS_RIGHT for the band, SCORES = (SOFTCAP,
+                  ALIBI), SINK, DROPOUT, VARLEN: features.FLAGS, the host's one source of
+                  them): a kernel compiled without one is the same code as before the feature
+                  existed
     varlen        sequence b of packed tokens spans rows [cu_seqlens[b], cu_seqlens[b + 1]);
                   kernels see it as batch entry b with batch stride 0, its first row (q_start,
                   k_start) added to the base pointers and its own seqlen_q / seqlen_k
@@ -407,21 +408,41 @@ SCORE_GRAD_FROM_TANH_JIT = tl.constexpr(SCORE_GRAD_FROM_TANH)
 
 
 @triton.jit
-def score_mod(qk, i, j, band, mods, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-              DCAP: tl.constexpr = 0):
+def load_score_mods(ScoreTensors, score_values, off_b, heads, SCORES: tl.constexpr,
+                    NATURAL: tl.constexpr = False, heads_ok=None):
+    """The built-in score modifiers of one program, as score_mod takes them: mods = (qk_scale,
+    softcap_scale, alibi_log2). The kernels take the modifiers as three bundles and hand them
+    here unopened (features.KernelFeatures): SCORES = (SOFTCAP, ALIBI), the flags;
+    score_values = (qk_scale, softcap_scale, stride_ab, stride_ah), their runtime values;
+    ScoreTensors = (Alibi,), their tensors. heads: the query head of batch entry off_b, or a
+    tensor of them (the decode kernel's rows, one head each, shaped as its scores' rows), in
+    which case heads_ok masks the rows past the last head. A new modifier adds its values to
+    the bundles (features.py), its load here and its term in score_mod."""
+    qk_scale, softcap_scale, stride_ab, stride_ah = score_values
+    (Alibi,) = ScoreTensors
+    ALIBI: tl.constexpr = SCORES[1]
+    alibi_log2 = load_alibi_log2(Alibi, off_b, heads, stride_ab, stride_ah, ALIBI, NATURAL,
+                                 heads_ok)
+    return qk_scale, softcap_scale, alibi_log2
+
+
+@triton.jit
+def score_mod(qk, i, j, band, mods, SCORES: tl.constexpr, DCAP: tl.constexpr = 0):
     """The score modification, once for every kernel: raw q . k -> log2-unit scores, in the
     order scale -> softcap -> ALiBi (the mask predicate `visible` comes after, applied by each
     kernel in its own way: -inf on s forward, 0 on P backward). Returns (s, dcap).
 
-    band = (seqlen_q, seqlen_k, window_left, window_right) and mods = (qk_scale, softcap_scale,
-    alibi_log2), as features.KernelFeatures (band, scores) and load_alibi_log2 give them. i and
-    j broadcast against each other as in `visible`. dcap, d(softcapped score) / d(scale * qk)
-    for the backward, is 1.0 unless SOFTCAP and DCAP: SCORE_GRAD_FROM_S takes it from s
-    (softcap_grad: fp16 for SOFTCAP_FAST, fewer registers across the portable backward's
-    matmuls), SCORE_GRAD_FROM_TANH from the tanh itself in fp32, with s = qk_scale * tanh left
-    to fuse into exp2's subtraction (the Gluon backward: there an fp16 dcap saves no spills and
-    costs instructions)."""
+    band = (seqlen_q, seqlen_k, window_left, window_right) as features.KernelFeatures.band
+    gives it, mods = (qk_scale, softcap_scale, alibi_log2) as load_score_mods gives them and
+    SCORES = (SOFTCAP, ALIBI) the flags. i and j broadcast against each other as in `visible`.
+    dcap, d(softcapped score) / d(scale * qk) for the backward (score_grad), is 1.0 unless
+    SOFTCAP and DCAP: SCORE_GRAD_FROM_S takes it from s (softcap_grad: fp16 for SOFTCAP_FAST,
+    fewer registers across the portable backward's matmuls), SCORE_GRAD_FROM_TANH from the
+    tanh itself in fp32, with s = qk_scale * tanh left to fuse into exp2's subtraction (the
+    Gluon backward: there an fp16 dcap saves no spills and costs instructions)."""
     qk_scale, softcap_scale, alibi_log2 = mods
+    SOFTCAP: tl.constexpr = SCORES[0]
+    ALIBI: tl.constexpr = SCORES[1]
     dcap = 1.0
     if SOFTCAP and DCAP == SCORE_GRAD_FROM_S_JIT:
         s = scores(qk, qk_scale, softcap_scale, SOFTCAP)
@@ -436,6 +457,28 @@ def score_mod(qk, i, j, band, mods, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
         seqlen_q, seqlen_k, _, _ = band
         s = s - alibi_bias(i, j, seqlen_q, seqlen_k, alibi_log2)
     return s, dcap
+
+
+@triton.jit
+def score_grad(ds, dcap, SCORES: tl.constexpr):
+    """dL / d(scale * q . k) from ds = dL / d(modified score): times dcap (score_mod's) where
+    a modifier depends on the score (SOFTCAP), else ds itself (ALiBi's term is additive)."""
+    if SCORES[0]:
+        ds = ds * dcap
+    return ds
+
+
+@triton.jit
+def descaled_mods(mods, factor, SCORES: tl.constexpr):
+    """mods for q . k scaled by `factor` (the FP8 forward's q_descale * k_descale), folded into
+    the one multiplier score_mod applies to the raw q . k: softcap_scale under a softcap (the
+    tanh's argument), else qk_scale."""
+    qk_scale, softcap_scale, alibi_log2 = mods
+    if SCORES[0]:
+        softcap_scale = softcap_scale * factor
+    else:
+        qk_scale = qk_scale * factor
+    return qk_scale, softcap_scale, alibi_log2
 
 
 @triton.jit
@@ -470,12 +513,17 @@ def softmax_lse(m_i, has_mass, l_safe, NATURAL: tl.constexpr = False):
 
 @triton.jit
 def load_alibi_log2(Alibi, off_b, off_h, stride_ab, stride_ah, ALIBI: tl.constexpr,
-                    NATURAL: tl.constexpr = False):
+                    NATURAL: tl.constexpr = False, heads_ok=None):
     """slope * log2(e) of (batch, head) when ALIBI (the slope itself with NATURAL), else 0
-    (unused)."""
+    (unused). off_h: a head, or a tensor of heads with heads_ok masking those past the last
+    (their slope reads as 0)."""
     alibi_log2 = 0.0
     if ALIBI:
-        alibi_log2 = tl.load(Alibi + off_b * stride_ab + off_h * stride_ah)
+        if heads_ok is None:
+            alibi_log2 = tl.load(Alibi + off_b * stride_ab + off_h * stride_ah)
+        else:
+            alibi_log2 = tl.load(Alibi + off_b * stride_ab + off_h * stride_ah, mask=heads_ok,
+                                 other=0.0)
         if not NATURAL:
             alibi_log2 = alibi_log2 * LOG2E_JIT
     return alibi_log2

@@ -61,6 +61,7 @@ from flashkit.ops.triton.common import (
     LOG2E_JIT,
     cdiv,
     interpreting,
+    load_score_mods,
     load_tile,
     masked_values_product,
     next_power_of_2,
@@ -126,20 +127,19 @@ def _key_tiles(acc, m_i, l_i, q_tile, keys, cache, offs, band, mods,
                HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
                PAGE_PER_TILE: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr,
-               HAS_RIGHT: tl.constexpr, CLAMP_PAGES: tl.constexpr,
-               SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, PRECISION: tl.constexpr):
+               HAS_RIGHT: tl.constexpr, CLAMP_PAGES: tl.constexpr, SCORES: tl.constexpr,
+               PRECISION: tl.constexpr):
     """Fold key tiles [start, end) into (acc, m_i, l_i), keys = (start, end, hi). MASKED: keys
     >= hi and keys outside a row's band are masked; without it every key is in bounds and
     visible from every row.
     cache = (k_base, v_base, slot0, table_row, num_pages, stride_kb, stride_ks, stride_kd,
     stride_vb, stride_vs, stride_vd); offs = (offs_t, offs_d, offs_dv); band and mods as
-    common.score_mod (mods' alibi_log2 per row, [BLOCK_M])."""
+    common.score_mod (mods' per-head values per row, [BLOCK_M, 1])."""
     start, end, hi = keys
     (k_base, v_base, slot0, table_row, num_pages, stride_kb, stride_ks, stride_kd, stride_vb,
      stride_vs, stride_vd) = cache
     offs_t, offs_d, offs_dv = offs
     seqlen_q, seqlen_k, window_left, window_right = band
-    qk_scale, softcap_scale, alibi_log2 = mods
     for start_n in tl.range(start, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         page_keys = start_n if PAGE_PER_TILE else offs_n
@@ -150,8 +150,7 @@ def _key_tiles(acc, m_i, l_i, q_tile, keys, cache, offs, band, mods,
                            offs_d, HEAD_DIM, MASKED, HEAD_DIM != BLOCK_D)
         # [BLOCK_M, BLOCK_N] = [BLOCK_M, BLOCK_D] @ [BLOCK_D, BLOCK_N]
         s, _ = score_mod(tl.dot(q_tile, tl.trans(k_tile), input_precision=PRECISION),
-                         offs_t[:, None], offs_n[None, :], band,
-                         (qk_scale, softcap_scale, alibi_log2[:, None]), SOFTCAP, ALIBI)
+                         offs_t[:, None], offs_n[None, :], band, mods, SCORES)
         if MASKED:
             keep = visible(offs_t[:, None], offs_n[None, :], seqlen_q, seqlen_k, window_left,
                            window_right, HAS_LEFT, HAS_RIGHT) & (offs_n < hi)[None, :]
@@ -174,17 +173,17 @@ def _key_subtiles(acc, m_i, l_i, q_tile, keys, cache, offs, band, mods,
                   BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, SUBTILES: tl.constexpr,
                   PAGE_SIZE: tl.constexpr, PAGE_PER_TILE: tl.constexpr, MASKED: tl.constexpr,
                   HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, CLAMP_PAGES: tl.constexpr,
-                  SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, PRECISION: tl.constexpr):
+                  SCORES: tl.constexpr, PRECISION: tl.constexpr):
     """_key_tiles with each key tile cut into SUBTILES sub-tiles of BLOCK_N // SUBTILES keys,
     sub-tile w folded into its own running state (acc [W, M, DV], m_i, l_i [W, M]) by a batched
     dot: on the GPU warp w owns sub-tile w, so nothing crosses warps inside the loop.
-    q_tile: [W, M, D], the query tile broadcast to every sub-tile."""
+    q_tile: [W, M, D], the query tile broadcast to every sub-tile; mods' per-head values per
+    row, [1, BLOCK_M, 1]."""
     start, end, hi = keys
     (k_base, v_base, slot0, table_row, num_pages, stride_kb, stride_ks, stride_kd, stride_vb,
      stride_vs, stride_vd) = cache
     offs_t, offs_d, offs_dv = offs
     seqlen_q, seqlen_k, window_left, window_right = band
-    qk_scale, softcap_scale, alibi_log2 = mods
     SUB_N: tl.constexpr = BLOCK_N // SUBTILES
     # [W, SUB_N]: key j of sub-tile w is start_n + w * SUB_N + j
     offs_wn = tl.arange(0, SUBTILES)[:, None] * SUB_N + tl.arange(0, SUB_N)[None, :]
@@ -205,8 +204,7 @@ def _key_subtiles(acc, m_i, l_i, q_tile, keys, cache, offs, band, mods,
                            offs_n, hi, offs_d, HEAD_DIM, MASKED, HEAD_DIM != BLOCK_D)
         # [W, BLOCK_M, SUB_N] = [W, BLOCK_M, BLOCK_D] @ [W, BLOCK_D, SUB_N]
         s, _ = score_mod(tl.dot(q_tile, tl.trans(k_tile, (0, 2, 1)), input_precision=PRECISION),
-                         offs_t[None, :, None], offs_n[:, None, :], band,
-                         (qk_scale, softcap_scale, alibi_log2[None, :, None]), SOFTCAP, ALIBI)
+                         offs_t[None, :, None], offs_n[:, None, :], band, mods, SCORES)
         if MASKED:
             keep = visible(offs_t[None, :, None], offs_n[:, None, :], seqlen_q, seqlen_k,
                            window_left, window_right, HAS_LEFT, HAS_RIGHT)
@@ -331,25 +329,25 @@ def _pages_ok(table_row, lo, hi, num_pages, PAGE_SIZE: tl.constexpr, TABLE_CHUNK
 # Not specialised on: a step's int cache_seqlens (a new value every step), so one launch plan
 # serves the whole decoding loop
 @triton.jit(do_not_specialize=["seqlen_fixed"])
-def _decode_kernel(Q, K, V, Out, Lse, BlockTable, CacheBatchIdx, Leftpad, SeqlensK, Slopes, Sink,
-                   Cos, Sin, KNew, VNew,
+def _decode_kernel(Q, K, V, Out, Lse, BlockTable, CacheBatchIdx, Leftpad, SeqlensK, ScoreTensors,
+                   Sink, Cos, Sin, KNew, VNew,
                    stride_qb, stride_qs, stride_qh, stride_qd,
                    stride_kb, stride_ks, stride_kh, stride_kd,
                    stride_vb, stride_vs, stride_vh, stride_vd,
                    stride_osplit, stride_ob, stride_os, stride_oh, stride_od,
                    stride_lsplit, stride_lb, stride_lh, stride_ls,
-                   stride_bt, stride_slopes_b, stride_cs, stride_cd,
+                   stride_bt, stride_cs, stride_cd,
                    stride_nkb, stride_nks, stride_nkh, stride_nkd,
                    stride_nvb, stride_nvs, stride_nvh, stride_nvd,
-                   nheads_k, group, seqlen_q, num_splits, window_left, window_right, qk_scale,
-                   softcap_scale, seqlen_fixed, seqlen_new, q_rows, capacity, cache_rows,
+                   nheads_k, group, seqlen_q, num_splits, window_left, window_right,
+                   score_values, seqlen_fixed, seqlen_new, q_rows, capacity, cache_rows,
                    seqlen_ro,
                    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    SUBTILES: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGE_PER_TILE: tl.constexpr,
                    HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
                    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                   SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, SINK: tl.constexpr,
+                   SCORES: tl.constexpr, SINK: tl.constexpr,
                    USE_PDL: tl.constexpr, PRECISION: tl.constexpr, STEP: tl.constexpr,
                    SEQLENS_TENSOR: tl.constexpr, ROTARY_HALF: tl.constexpr,
                    INTERLEAVED: tl.constexpr, BLOCK_NEW: tl.constexpr,
@@ -422,10 +420,6 @@ def _decode_kernel(Q, K, V, Out, Lse, BlockTable, CacheBatchIdx, Leftpad, Seqlen
                                          window_left, window_right, BLOCK_N, HAS_LEFT,
                                          HAS_RIGHT)
 
-    alibi_log2 = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if ALIBI:
-        alibi_log2 = tl.load(Slopes + off_b * stride_slopes_b + offs_h, mask=row_ok,
-                             other=0.0) * LOG2E_JIT
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     if SINK:  # the first split's programs start from the sink (the merge adds no other)
@@ -457,19 +451,22 @@ def _decode_kernel(Q, K, V, Out, Lse, BlockTable, CacheBatchIdx, Leftpad, Seqlen
              stride_vb, stride_vs, stride_vd)
     offs = (offs_t, offs_d, offs_dv)
     band = (seqlen_q, seqlen_k, window_left, window_right)
-    mods = (qk_scale, softcap_scale, alibi_log2)
     # Masked edge, unmasked middle, masked edge. Without a left window the left edge is empty
     # (lo is a multiple of BLOCK_N and mid_lo = lo) and not compiled: its loop's pipeline
     # prologue alone was ~215 sm_90 instructions per program.
     if SUBTILES == 1:
+        mods = load_score_mods(ScoreTensors, score_values, off_b, offs_h[:, None], SCORES,
+                               heads_ok=row_ok[:, None])
         for segment in tl.static_range(3):
             if segment != 0 or HAS_LEFT:
                 acc, m_i, l_i = _key_tiles(
                     acc, m_i, l_i, q_tile, (bounds[segment], bounds[segment + 1], hi), cache,
                     offs, band, mods, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
-                    PAGE_SIZE, PAGE_PER_TILE, segment != 1, HAS_LEFT, HAS_RIGHT, STEP, SOFTCAP,
-                    ALIBI, PRECISION)
+                    PAGE_SIZE, PAGE_PER_TILE, segment != 1, HAS_LEFT, HAS_RIGHT, STEP, SCORES,
+                    PRECISION)
     else:  # sub-tile 0 starts from the state above (the sink), the others empty
+        mods = load_score_mods(ScoreTensors, score_values, off_b, offs_h[None, :, None],
+                               SCORES, heads_ok=row_ok[None, :, None])
         first = (tl.arange(0, SUBTILES) == 0)[:, None]
         m_sub = tl.where(first, m_i[None, :], float("-inf"))
         l_sub = tl.where(first, l_i[None, :], 0.0)
@@ -481,7 +478,7 @@ def _decode_kernel(Q, K, V, Out, Lse, BlockTable, CacheBatchIdx, Leftpad, Seqlen
                     acc_sub, m_sub, l_sub, q_sub, (bounds[segment], bounds[segment + 1], hi),
                     cache, offs, band, mods, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
                     SUBTILES, PAGE_SIZE, PAGE_PER_TILE, segment != 1, HAS_LEFT, HAS_RIGHT, STEP,
-                    SOFTCAP, ALIBI, PRECISION)
+                    SCORES, PRECISION)
         acc, m_i, l_i = _fold_subtiles(acc_sub, m_sub, l_sub, BLOCK_M, BLOCK_DV, SUBTILES)
 
     # A row with no mass (no visible key in this split, no sink) gives out 0 and lse -inf.
@@ -806,11 +803,11 @@ def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, bloc
     # seqlens_k, or q where a step takes an int cache_seqlens: stands in for absent pointer
     # arguments (never read)
     dummy = q if seqlens_k is None else seqlens_k
-    alibi, sink, _, _ = feature_tensors(params, dummy, float32_sink=False)
+    score_tensors, sink, _, _ = feature_tensors(params, dummy, float32_sink=False)
     tensors = (q, k_cache, v_cache, out_part, lse_part,
                dummy if block_table is None else block_table,
                dummy if cache_batch_idx is None else cache_batch_idx,
-               dummy if cache_leftpad is None else cache_leftpad, dummy, alibi, sink,
+               dummy if cache_leftpad is None else cache_leftpad, dummy, score_tensors, sink,
                dummy if cos is None else cos, dummy if sin is None else sin, k_new, v_new)
     while True:  # a tile asking for more shared memory than the GPU has (a float32 prefill
         # tile): fewer stages, then fewer keys per tile, remembered for the next call
@@ -847,16 +844,16 @@ def _prepare(q, k_cache, v_cache, block_table, cache_batch_idx, cache_leftpad,
     checks = {} if step is None else dict(debug=True, sanitize_overflow=False)
     capacity = k_cache.shape[1] if block_table is None else block_table.shape[1] * page_size
     # log2-unit scores and the exact tanh whatever the dtype; the sink as given (the kernel
-    # converts it as it loads it); slopes (nheads,) or (batch, nheads) with head stride 1
+    # converts it as it loads it)
     f = kernel_features(params, q, v_cache, dummy, seqlen_k=capacity, float32_sink=False,
                         flags=DENSE_FLAGS)
     bhk_y, bhk_z = fold(batch * nheads_k)
     return Prepared(_decode_kernel, (num_splits * bhk_z, bhk_y, shape.m_blocks), (
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out_part.stride(),
         *lse_part.stride(), 0 if block_table is None else block_table.stride(0),
-        f.alibi_strides[0], *((0, 0) if cos is None else cos.stride()),
+        *((0, 0) if cos is None else cos.stride()),
         *k_new.stride(), *v_new.stride(), nheads_k, nheads // nheads_k, seqlen_q, num_splits,
-        *f.band[2:], *f.scores, 0, seqlen_new,
+        *f.band[2:], f.score_values, 0, seqlen_new,
         1 if step is None else step.q_rows, capacity, k_cache.shape[0],
         0 if cos is None else cos.shape[0]), dict(
         HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=padded_head_dim(head_dim),

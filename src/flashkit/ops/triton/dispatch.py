@@ -40,7 +40,7 @@ import dataclasses
 import torch
 
 from flashkit._dispatch_log import log_choice, logger
-from flashkit.ops.params import AttentionParams, KVCacheArgs
+from flashkit.ops.params import SCORE_SCALARS, SCORE_TENSORS, AttentionParams, KVCacheArgs
 from flashkit.ops.tiled.kvcache import empty_result
 from flashkit.ops.triton import (
     ahead,
@@ -142,9 +142,11 @@ def _values(params: AttentionParams) -> tuple:
     last = _last_values  # one read: autograd's device thread may replace it meanwhile
     if last[0] is params:
         return last[1]
-    values = (params.softmax_scale, params.window_left, params.window_right, params.softcap,
+    values = (params.softmax_scale, params.window_left, params.window_right,
               params.dropout_p, params.deterministic, _variant_kind(params.variant),
-              _layout(params.alibi_slopes), _layout(params.sink), _layout(params.attn_bias),
+              *[getattr(params, name) for name in SCORE_SCALARS],
+              *[_layout(getattr(params, name)) for name in SCORE_TENSORS],
+              _layout(params.sink), _layout(params.attn_bias),
               _layout(params.cu_seqlens_q), _layout(params.cu_seqlens_k), params.max_seqlen_q,
               params.max_seqlen_k)
     _last_values = (params, values)

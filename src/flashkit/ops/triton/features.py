@@ -6,17 +6,23 @@ values in the groups the kernels' signatures list them in, and the compile-time 
 one vocabulary (FLAGS), in one order:
 
     HAS_LEFT, HAS_RIGHT  the band has a left / right edge (causal: right = 0)
-    SOFTCAP              0, SOFTCAP_EXACT or SOFTCAP_FAST (common.scores)
-    ALIBI                ALiBi slopes are read (common.load_alibi_log2, common.alibi_bias)
+    SCORES               the built-in score modifiers, a tuple (SOFTCAP, ALIBI):
+                           SOFTCAP  0, SOFTCAP_EXACT or SOFTCAP_FAST (common.scores)
+                           ALIBI    ALiBi slopes are read (common.alibi_bias)
     SINK                 a sink logit starts every row (common.softmax_start)
     DROPOUT              the keep-mask is drawn (dropout.dropout_keep)
     VARLEN               packed sequences, cu_seqlens read (common.sequence)
 
+The score modifiers travel as three bundles that the kernels hand unopened to common.py
+(`load_score_mods`, then `score_mod`): the flags SCORES, their runtime values
+(`score_values`) and their tensors (`score_tensors`). A new score modifier adds its flag and
+values here and its math in common.py; the kernels and their launchers do not change.
+
 A kernel that does not take a feature leaves its flag out (kernel_features' `flags`): the
 backward kernels take no SINK (GRADIENT_FLAGS: the sink enters their math through lse alone),
 the decode and FP8 kernels no DROPOUT or VARLEN (DENSE_FLAGS: their callers refuse both before
-this point). A new feature adds its field and its flag here and in the kernels' signatures; the
-launchers pass it on unchanged.
+this point). A new feature of another kind adds its field and its flag here and in the
+kernels' signatures; the launchers pass it on unchanged.
 
 Host cost matters here (the eager path is measured in microseconds per call): one function,
 one NamedTuple, no dataclasses.replace.
@@ -37,9 +43,9 @@ from flashkit.ops.triton.common import (
 )
 from flashkit.ops.triton.dropout import dropout_args
 
-FLAGS = ("HAS_LEFT", "HAS_RIGHT", "SOFTCAP", "ALIBI", "SINK", "DROPOUT", "VARLEN")
-GRADIENT_FLAGS = ("HAS_LEFT", "HAS_RIGHT", "SOFTCAP", "ALIBI", "DROPOUT", "VARLEN")
-DENSE_FLAGS = ("HAS_LEFT", "HAS_RIGHT", "SOFTCAP", "ALIBI", "SINK")
+FLAGS = ("HAS_LEFT", "HAS_RIGHT", "SCORES", "SINK", "DROPOUT", "VARLEN")
+GRADIENT_FLAGS = ("HAS_LEFT", "HAS_RIGHT", "SCORES", "DROPOUT", "VARLEN")
+DENSE_FLAGS = ("HAS_LEFT", "HAS_RIGHT", "SCORES", "SINK")
 SEED = ("seed_lo", "seed_hi")  # the kernels' dropout seed parameters (dropout_seed)
 _NO_DROPOUT = dropout_args(0.0, 0)
 _FLOAT32, _HALF = torch.float32, (torch.float16, torch.bfloat16)
@@ -57,11 +63,14 @@ class KernelFeatures(NamedTuple):
         puts i + shift + right >= seqlen_k - 1. The same visible set, and the kernels'
         band-edge sums (start + BLOCK + shift + window, int32) stay far from overflow:
         window_size=(-1, 2**31 - 1), a common spelling of "unbounded", is then exactly that.
-    scores: (qk_scale, softcap_scale) for common.scores: softcap c > 0 gives (c * u,
-        scale / c), else (scale * u, 1.0), with u = log2(e), or 1 in natural units (fp32
-        inputs: NATURAL in common.py's notation).
-    alibi, alibi_strides: the float32 slopes (nheads,) or (batch, nheads) and their (batch,
-        head) strides (batch stride 0 for one row); without ALiBi the placeholder, (0, 0).
+    score_values: the score modifiers' runtime values, (qk_scale, softcap_scale, stride_ab,
+        stride_ah) as common.load_score_mods takes them. (qk_scale, softcap_scale) for
+        common.scores: softcap c > 0 gives (c * u, scale / c), else (scale * u, 1.0), with
+        u = log2(e), or 1 in natural units (fp32 inputs: NATURAL in common.py's notation);
+        (stride_ab, stride_ah): the ALiBi slopes' (batch, head) strides (batch stride 0 for
+        one row of slopes; (0, 0) without ALiBi).
+    score_tensors: the score modifiers' tensors, (alibi,): the float32 slopes (nheads,) or
+        (batch, nheads), the placeholder without ALiBi.
     sink: the sink logits (nheads,) in float32 (as given with float32_sink=False); without one
         the placeholder.
     dropout: (seed_lo, seed_hi, dropout_threshold, dropout_scale) (dropout.dropout_args).
@@ -77,9 +86,8 @@ class KernelFeatures(NamedTuple):
     head_dim: int
     head_dim_v: int
     band: tuple
-    scores: tuple
-    alibi: torch.Tensor
-    alibi_strides: tuple
+    score_values: tuple
+    score_tensors: tuple
     sink: torch.Tensor
     dropout: tuple
     cu_seqlens: tuple
@@ -128,20 +136,20 @@ def kernel_features(params: AttentionParams, q: torch.Tensor, v: torch.Tensor, p
     cap = params.softcap
     if cap > 0:
         fast = dtype in _HALF and not interpreting()
-        scores = (cap * units, params.softmax_scale / cap)
+        qk_scale, softcap_scale = cap * units, params.softmax_scale / cap
         softcap = SOFTCAP_FAST if fast else SOFTCAP_EXACT
     else:
-        scores, softcap = (params.softmax_scale * units, 1.0), 0
+        qk_scale, softcap_scale, softcap = params.softmax_scale * units, 1.0, 0
 
     slopes = params.alibi_slopes  # float32 (checks.alibi_slopes)
     alibi_strides = ((0, 0) if slopes is None else
                      (0, slopes.stride(0)) if slopes.dim() == 1 else slopes.stride())
-    alibi, sink, cu_q, cu_k = feature_tensors(params, placeholder, float32_sink)
+    score_tensors, sink, cu_q, cu_k = feature_tensors(params, placeholder, float32_sink)
 
     dropout = (dropout_args(params.dropout_p, params.dropout_seed) if params.dropout_p > 0
                else _NO_DROPOUT)
-    values = {"HAS_LEFT": left is not None, "HAS_RIGHT": right is not None, "SOFTCAP": softcap,
-              "ALIBI": slopes is not None}
+    values = {"HAS_LEFT": left is not None, "HAS_RIGHT": right is not None,
+              "SCORES": (softcap, slopes is not None)}
     if flags is not GRADIENT_FLAGS:
         values["SINK"] = params.sink is not None
     if flags is not DENSE_FLAGS:
@@ -150,23 +158,26 @@ def kernel_features(params: AttentionParams, q: torch.Tensor, v: torch.Tensor, p
     # tuple.__new__: the NamedTuple's own __new__ and _make are Python functions (~0.3 us)
     band = (seqlen_q, seqlen_k, 0 if left is None else left, 0 if right is None else right)
     return tuple.__new__(KernelFeatures, (batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim,
-                                          head_dim_v, band, scores, alibi, alibi_strides, sink,
-                                          dropout[:4], (cu_q, cu_k), varlen, values))
+                                          head_dim_v, band,
+                                          (qk_scale, softcap_scale, *alibi_strides),
+                                          score_tensors, sink, dropout[:4], (cu_q, cu_k),
+                                          varlen, values))
 
 
 def feature_tensors(params: AttentionParams, placeholder, float32_sink: bool = True) -> tuple:
-    """(alibi, sink, cu_seqlens_q, cu_seqlens_k) as the kernels take them, the placeholder for
-    each one the call has not (KernelFeatures' fields of the same names): what a launch plan
-    (launch.Prepared) passes again at every call, its other arguments being fixed."""
+    """(score_tensors, sink, cu_seqlens_q, cu_seqlens_k) as the kernels take them, the
+    placeholder for each tensor the call has not (KernelFeatures' fields of the same names):
+    what a launch plan (launch.Prepared) passes again at every call, its other arguments being
+    fixed."""
     sink = params.sink  # any float dtype (checks.sink)
     if sink is None:
         sink = placeholder
     elif float32_sink and sink.dtype is not _FLOAT32:  # .to costs ~1 us even as a no-op
         sink = sink.to(_FLOAT32)
-    alibi = placeholder if params.alibi_slopes is None else params.alibi_slopes
+    score_tensors = (placeholder if params.alibi_slopes is None else params.alibi_slopes,)
     if params.cu_seqlens_q is None:
-        return alibi, sink, placeholder, placeholder
-    return alibi, sink, params.cu_seqlens_q, params.cu_seqlens_k
+        return score_tensors, sink, placeholder, placeholder
+    return score_tensors, sink, params.cu_seqlens_q, params.cu_seqlens_k
 
 
 def dropout_seed(params: AttentionParams) -> tuple[int, int]:

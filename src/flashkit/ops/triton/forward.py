@@ -10,10 +10,11 @@ Layouts (flash-attn): q (b, sq, h, d), k (b, sk, hk, d), v (b, sk, hk, dv), out 
 lse (b, h, sq) float32, natural log. Every stride is passed, so strided views cost no copy
 (Triton specialises a stride of 1 at compile time, which keeps the loads vectorised).
 Precision: bf16/fp16 dots accumulate in fp32; fp32 inputs use IEEE fp32 dots (no tf32).
-Features as compile-time flags: SOFTCAP and ALIBI change the scores (common.scores,
-common.alibi_bias), SINK starts the online softmax from the sink logit, DROPOUT zeroes the
-dropped probabilities before the P @ V product (l and lse stay pre-dropout) and scales the output
-by 1 / (1 - p), VARLEN reads each sequence's rows and lengths from cu_seqlens (common.sequence).
+Features as compile-time flags: SCORES = (SOFTCAP, ALIBI) change the scores (common.score_mod,
+their values in the score_values and ScoreTensors bundles), SINK starts the online softmax from
+the sink logit, DROPOUT zeroes the dropped probabilities before the P @ V product (l and lse stay
+pre-dropout) and scales the output by 1 / (1 - p), VARLEN reads each sequence's rows and
+lengths from cu_seqlens (common.sequence).
 Varlen layouts: q (total_q, h, d), k/v (total_k, hk, d), out like q, lse (h, total_q).
 """
 
@@ -32,7 +33,7 @@ from flashkit.ops.triton.common import (
     head_ptr,
     interpreting,
     key_tile_ranges,
-    load_alibi_log2,
+    load_score_mods,
     load_tile,
     masked_values_product,
     mod_indices,
@@ -59,8 +60,8 @@ from flashkit.ops.triton.launch import fold, launch
 def _fwd_tiles(acc, m_i, l_i, q_tile, kv, start, end, offs, band, mods, drop, variant,
                HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-               ALIBI: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
+               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SCORES: tl.constexpr,
+               DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
                SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, PACKED: tl.constexpr,
                LISTED: tl.constexpr = False, SPAN: tl.constexpr = 1):
     """Stream key tiles [start, end) into (acc, m_i, l_i); MASKED applies the band predicate.
@@ -86,7 +87,7 @@ def _fwd_tiles(acc, m_i, l_i, q_tile, kv, start, end, offs, band, mods, drop, va
                            seqlen_k, offs_d, HEAD_DIM, MASKED, HEAD_DIM != BLOCK_D)
         # [BLOCK_M, BLOCK_N] = [BLOCK_M, BLOCK_D] @ [BLOCK_D, BLOCK_N]
         qk = tl.dot(q_tile, tl.trans(k_tile), input_precision=PRECISION)
-        s, _ = score_mod(qk, offs_m[:, None], offs_n[None, :], band, mods, SOFTCAP, ALIBI)
+        s, _ = score_mod(qk, offs_m[:, None], offs_n[None, :], band, mods, SCORES)
         mod_b, mod_i, mod_j, mod_lq, mod_lk, same = mod_indices(
             off_b, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, packing, PACKED)
         if SCORE_MOD is not None:
@@ -127,14 +128,14 @@ def _fwd_kernel(Q, K, V, Out, Lse,
                 stride_vb, stride_vs, stride_vh, stride_vd,
                 stride_ob, stride_os, stride_oh, stride_od,
                 stride_lb, stride_lh, stride_ls,
-                nheads, group, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
-                softcap_scale, Alibi, stride_ab, stride_ah, Sink, seed_lo, seed_hi,
+                nheads, group, seqlen_q, seqlen_k, window_left, window_right, ScoreTensors,
+                score_values, Sink, seed_lo, seed_hi,
                 dropout_threshold, dropout_scale, Cu_q, Cu_k, score_args, mask_args, packing,
                 KvNum, KvIdx, FullNum, FullIdx, stride_sb, stride_sh, n_kv_blocks,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-                ALIBI: tl.constexpr, SINK: tl.constexpr, DROPOUT: tl.constexpr,
+                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SCORES: tl.constexpr,
+                SINK: tl.constexpr, DROPOUT: tl.constexpr,
                 VARLEN: tl.constexpr, EVEN_M: tl.constexpr, PRECISION: tl.constexpr,
                 SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr,
                 PACKED: tl.constexpr, SPARSE: tl.constexpr, SPARSE_Q: tl.constexpr,
@@ -179,7 +180,7 @@ def _fwd_kernel(Q, K, V, Out, Lse,
             sink = sink * LOG2E_JIT
         m_i, l_i = softmax_start(m_i, l_i, sink)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    alibi_log2 = load_alibi_log2(Alibi, off_b, off_h, stride_ab, stride_ah, ALIBI, NATURAL)
+    mods = load_score_mods(ScoreTensors, score_values, off_b, off_h, SCORES, NATURAL)
 
     lo, mid_lo, mid_hi, hi = key_tile_ranges(start_m, seqlen_q, seqlen_k, window_left,
                                              window_right, BLOCK_M, BLOCK_N, HAS_LEFT,
@@ -187,7 +188,6 @@ def _fwd_kernel(Q, K, V, Out, Lse,
     kv = (k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd)
     offs = (offs_m, offs_d, offs_dv)
     band = (seqlen_q, seqlen_k, window_left, window_right)
-    mods = (qk_scale, softcap_scale, alibi_log2)
     drop = (seed_lo, seed_hi, dropout_threshold, off_b, off_h)
     if SPARSE:  # the block mask's lists replace the band's ranges
         row = off_b * stride_sb + off_h * stride_sh + start_m // SPARSE_Q
@@ -198,8 +198,7 @@ def _fwd_kernel(Q, K, V, Out, Lse,
                 acc, m_i, l_i, q_tile, kv, 0, tl.load(Num + row) * SPARSE_KV, offs, band, mods,
                 drop, (score_args, mask_args, packing, Idx + row * n_kv_blocks), HEAD_DIM,
                 HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, listed == 0, HAS_LEFT, HAS_RIGHT,
-                SOFTCAP, ALIBI, DROPOUT, PRECISION, SCORE_MOD, MASK_MOD, PACKED, True,
-                SPARSE_KV)
+                SCORES, DROPOUT, PRECISION, SCORE_MOD, MASK_MOD, PACKED, True, SPARSE_KV)
         lo, mid_lo, mid_hi, hi = 0, 0, 0, 0
     bounds = (lo, mid_lo, mid_hi, hi)
     for segment in tl.static_range(3):  # masked edge, unmasked middle, masked edge
@@ -208,8 +207,7 @@ def _fwd_kernel(Q, K, V, Out, Lse,
                                    (score_args, mask_args, packing, KvIdx), HEAD_DIM,
                                    HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
                                    segment != 1 or MASK_MOD is not None, HAS_LEFT, HAS_RIGHT,
-                                   SOFTCAP, ALIBI, DROPOUT, PRECISION, SCORE_MOD, MASK_MOD,
-                                   PACKED)
+                                   SCORES, DROPOUT, PRECISION, SCORE_MOD, MASK_MOD, PACKED)
 
     has_mass = l_i > 0.0
     l_safe = softmax_denominator(l_i)
@@ -230,7 +228,7 @@ def _fwd_kernel(Q, K, V, Out, Lse,
         tl.store(lse_ptrs, lse, mask=offs_m < seqlen_q)
 
 
-_TENSORS = ("Q", "K", "V", "Out", "Lse", "Alibi", "Sink", "Cu_q", "Cu_k", "KvNum", "KvIdx",
+_TENSORS = ("Q", "K", "V", "Out", "Lse", "ScoreTensors", "Sink", "Cu_q", "Cu_k", "KvNum", "KvIdx",
             "FullNum", "FullIdx")  # launch's order
 
 
@@ -261,9 +259,10 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         block_m, block_n = min(block_m, sparse["SPARSE_Q"]), min(block_n, sparse["SPARSE_KV"])
     block_d, block_dv = padded_head_dim(head_dim), padded_head_dim(head_dim_v)
     grid = (cdiv(f.seqlen_q, block_m), *fold(f.batch * f.nheads))
-    launch(_fwd_kernel, grid, (q, k, v, out, lse, f.alibi, f.sink, *f.cu_seqlens, *blocks[:4]), (
+    launch(_fwd_kernel, grid, (q, k, v, out, lse, f.score_tensors, f.sink, *f.cu_seqlens,
+                               *blocks[:4]), (
         *f.strides(q), *f.strides(k), *f.strides(v), *f.strides(out), *f.strides(lse),
-        f.nheads, f.nheads // f.nheads_k, *f.band, *f.scores, *f.alibi_strides, *f.dropout,
+        f.nheads, f.nheads // f.nheads_k, *f.band, f.score_values, *f.dropout,
         score_mod_args, mask_mod_args, packing, *blocks[4:]), dict(
         HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
         BLOCK_M=block_m, BLOCK_N=block_n, **f.flags,

@@ -41,15 +41,15 @@ from flashkit.ops.params import AttentionParams
 from flashkit.ops.triton import interpreter
 from flashkit.ops.triton.common import (
     LOG2E_JIT,
-    alibi_bias,
     cdiv,
+    descaled_mods,
     head_ptr,
     interpreting,
     key_tile_ranges,
-    load_alibi_log2,
+    load_score_mods,
     load_tile,
     online_softmax_update,
-    scores,
+    score_mod,
     softmax_denominator,
     softmax_lse,
     softmax_start,
@@ -109,14 +109,15 @@ def tile_for(head_dim: int) -> tuple[int, int, int, int]:
 
 @triton.jit
 def _fp8_tiles(acc, m_i, l_i, q_tile, k_base, v_base, stride_ks, stride_kd, stride_vs,
-               stride_vd, start, end, offs_m, offs_d, offs_dv, seqlen_q, seqlen_k, window_left,
-               window_right, qk_scale, softcap_scale, alibi_log2,
+               stride_vd, start, end, offs_m, offs_d, offs_dv, band, mods,
                HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, P_SCALE: tl.constexpr,
                MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-               SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
+               SCORES: tl.constexpr):
     """Stream key tiles [start, end) into (acc, m_i, l_i); MASKED applies the band predicate.
-    acc holds sum P_SCALE * P V8 in fp32, in the scale of the running max m_i."""
+    acc holds sum P_SCALE * P V8 in fp32, in the scale of the running max m_i. band and mods
+    as common.score_mod."""
+    seqlen_q, seqlen_k, window_left, window_right = band
     for start_n in tl.range(start, end, BLOCK_N):
         # every tile that runs starts at a multiple of BLOCK_N (common.key_tile_ranges)
         start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -125,9 +126,7 @@ def _fp8_tiles(acc, m_i, l_i, q_tile, k_base, v_base, stride_ks, stride_kd, stri
                            seqlen_k, offs_d, HEAD_DIM, MASKED, HEAD_DIM != BLOCK_D)
         # [BLOCK_M, BLOCK_N] = [BLOCK_M, BLOCK_D] @ [BLOCK_D, BLOCK_N], fp8 in, fp32 out
         qk = tl.dot(q_tile, tl.trans(k_tile))
-        s = scores(qk, qk_scale, softcap_scale, SOFTCAP)
-        if ALIBI:
-            s = s - alibi_bias(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, alibi_log2)
+        s, _ = score_mod(qk, offs_m[:, None], offs_n[None, :], band, mods, SCORES)
         if MASKED:
             keep = visible(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, window_left,
                            window_right, HAS_LEFT, HAS_RIGHT)
@@ -149,12 +148,12 @@ def _fp8_fwd_kernel(Q, K, V, Out, Lse, Q_descale, K_descale, V_descale,
                     stride_ob, stride_os, stride_oh, stride_od,
                     stride_lb, stride_lh, stride_ls,
                     stride_qdb, stride_qdh, stride_kdb, stride_kdh, stride_vdb, stride_vdh,
-                    nheads, group, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
-                    softcap_scale, Alibi, stride_ab, stride_ah, Sink,
+                    nheads, group, seqlen_q, seqlen_k, window_left, window_right, ScoreTensors,
+                    score_values, Sink,
                     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     P_SCALE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, SINK: tl.constexpr,
+                    SCORES: tl.constexpr, SINK: tl.constexpr,
                     EVEN_M: tl.constexpr):
     """SINK: one logit per query head joins every row's denominator (m = sink, l = 1 at the
     start), as in forward.py."""
@@ -169,14 +168,11 @@ def _fp8_fwd_kernel(Q, K, V, Out, Lse, Q_descale, K_descale, V_descale,
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
 
-    # The descales fold into the score scale: under a softcap it acts on scale * q . k, which
-    # softcap_scale multiplies, else qk_scale does.
+    # The descales fold into the score modifiers' multiplier of q . k (common.descaled_mods).
     qk_descale = (tl.load(Q_descale + off_b * stride_qdb + off_h * stride_qdh)
                   * tl.load(K_descale + off_b * stride_kdb + off_hk * stride_kdh))
-    if SOFTCAP:
-        softcap_scale = softcap_scale * qk_descale
-    else:
-        qk_scale = qk_scale * qk_descale
+    mods = descaled_mods(load_score_mods(ScoreTensors, score_values, off_b, off_h, SCORES),
+                         qk_descale, SCORES)
     v_descale = tl.load(V_descale + off_b * stride_vdb + off_hk * stride_vdh)
 
     q_ptrs = tile_ptrs(head_ptr(Q, off_b, off_h, 0, stride_qb, stride_qh, stride_qs),
@@ -191,7 +187,6 @@ def _fp8_fwd_kernel(Q, K, V, Out, Lse, Q_descale, K_descale, V_descale,
     if SINK:
         m_i, l_i = softmax_start(m_i, l_i, tl.load(Sink + off_h) * LOG2E_JIT)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    alibi_log2 = load_alibi_log2(Alibi, off_b, off_h, stride_ab, stride_ah, ALIBI)
 
     lo, mid_lo, mid_hi, hi = key_tile_ranges(start_m, seqlen_q, seqlen_k, window_left,
                                              window_right, BLOCK_M, BLOCK_N, HAS_LEFT,
@@ -200,10 +195,10 @@ def _fp8_fwd_kernel(Q, K, V, Out, Lse, Q_descale, K_descale, V_descale,
     for segment in tl.static_range(3):  # masked edge, unmasked middle, masked edge
         acc, m_i, l_i = _fp8_tiles(acc, m_i, l_i, q_tile, k_base, v_base, stride_ks, stride_kd,
                                    stride_vs, stride_vd, bounds[segment], bounds[segment + 1],
-                                   offs_m, offs_d, offs_dv, seqlen_q, seqlen_k, window_left,
-                                   window_right, qk_scale, softcap_scale, alibi_log2, HEAD_DIM,
-                                   HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, P_SCALE, segment != 1,
-                                   HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI)
+                                   offs_m, offs_d, offs_dv,
+                                   (seqlen_q, seqlen_k, window_left, window_right), mods,
+                                   HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, P_SCALE,
+                                   segment != 1, HAS_LEFT, HAS_RIGHT, SCORES)
 
     has_mass = l_i > 0.0
     l_safe = softmax_denominator(l_i)
@@ -329,7 +324,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params:
         q, k, v, out, lse, q_desc[0], k_desc[0], v_desc[0],
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
         *q_desc[1:], *k_desc[1:], *v_desc[1:],
-        nheads, group, *f.band, *f.scores, f.alibi, *f.alibi_strides, f.sink,
+        nheads, group, *f.band, f.score_tensors, f.score_values, f.sink,
         HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
         BLOCK_M=block_m, BLOCK_N=block_n, P_SCALE=P_SCALE[q.dtype],
         **f.flags, EVEN_M=seqlen_q % block_m == 0, num_warps=num_warps,

@@ -1013,7 +1013,7 @@ def attention_forward(q, k, v, params: AttentionParams, out=None, lse=None, tile
         lse = q.new_empty(lse_shape(q, params), dtype=torch.float32)
     prepared = planned(plan, "forward", lambda: _prepare(q, k, v, params, out, lse, tile,
                                                         seqused_k, block_table))
-    alibi, sink, cu_q, cu_k = feature_tensors(params, lse)
+    (alibi,), sink, cu_q, cu_k = feature_tensors(params, lse)
     prepared(q, k, v, out, lse, alibi, sink, cu_q, cu_k, lse if seqused_k is None else seqused_k,
              lse if block_table is None else block_table, varying=dropout_seed(params))
     return out, lse
@@ -1040,7 +1040,12 @@ def _prepare(q, k, v, params: AttentionParams, out, lse, tile, seqused_k, block_
     block_n, num_stages, consumers, specialized, pingpong, persistent = tile
     persistent = persistent and specialized
 
-    f.flags["SOFTCAP"] = softcap_mode(params, q.dtype, f.scores[0], f.flags["SOFTCAP"])
+    # the score modifiers unbundled: _softmax_step specialises on each (a new one joins here)
+    qk_scale, softcap_scale, stride_ab, stride_ah = f.score_values
+    softcap, alibi = f.flags["SCORES"]
+    flags = dict(HAS_LEFT=f.flags["HAS_LEFT"], HAS_RIGHT=f.flags["HAS_RIGHT"],
+                 SOFTCAP=softcap_mode(params, q.dtype, qk_scale, softcap), ALIBI=alibi,
+                 SINK=f.flags["SINK"], DROPOUT=f.flags["DROPOUT"], VARLEN=f.flags["VARLEN"])
     n_m = cdiv(f.seqlen_q, BLOCK_M * consumers)
     n_items = n_m * f.batch * f.nheads
     grid = (min(n_items, programs_per_device(q.device, consumers)), ) if persistent else (
@@ -1056,12 +1061,12 @@ def _prepare(q, k, v, params: AttentionParams, out, lse, tile, seqused_k, block_
     if mask is not None and (not specialized or mask.BLOCK_SIZE[1] % block_n):
         raise ValueError(f"a block mask needs a specialized tile of whole blocks, not {tile}")
     return Prepared(_fwd_hopper_kernel, grid, (
-        *f.strides(out)[:3], *f.strides(lse)[:2], *f.alibi_strides, f.nheads,
-        f.nheads // f.nheads_k, *f.band, *f.scores, *f.dropout, n_items, *paging, score_args,
-        mask_args, block_lists(params, lse, block_n)), dict(
+        *f.strides(out)[:3], *f.strides(lse)[:2], stride_ab, stride_ah, f.nheads,
+        f.nheads // f.nheads_k, *f.band, qk_scale, softcap_scale, *f.dropout, n_items, *paging,
+        score_args, mask_args, block_lists(params, lse, block_n)), dict(
         HEAD_DIM=head_dim, BLOCK_N=block_n, NUM_STAGES=num_stages, CONSUMERS=consumers,
         SPECIALIZED=specialized, PINGPONG=pingpong and consumers >= 2, PERSISTENT=persistent,
-        CONSUMER_REGS=config.pop("CONSUMER_REGS"), **f.flags, SEQUSED_K=seqused_k is not None,
+        CONSUMER_REGS=config.pop("CONSUMER_REGS"), **flags, SEQUSED_K=seqused_k is not None,
         KEY_TAIL=f.varlen or f.seqlen_k % block_n != 0, PAGED=paged,
         SPLIT_LOADS=paged and specialized and consumers == 2, SCORE_MOD=variant["SCORE_MOD"],
         MASK_MOD=variant["MASK_MOD"], num_warps=config.pop("num_warps")),
