@@ -103,8 +103,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
             and block_mask is None and type(q) in _PLAIN_TENSORS
             and type(k) in _PLAIN_TENSORS and type(v) in _PLAIN_TENSORS
             and (backend is None or type(backend) is str)):
-        scalars = kept.scalar_key(dropout_p, softmax_scale, causal, window_size, softcap,
-                                  deterministic)
+        scalars = kept.scalar_key(dropout_p, softmax_scale, causal, window_size, deterministic,
+                                  softcap)
         if scalars is not None:
             key = (scalars, backend, *_tensor_facts(q), *_tensor_facts(k), *_tensor_facts(v))
             kept_call = _DENSE_CALLS.get(key)
@@ -242,8 +242,8 @@ def build_params(q, dropout_p, softmax_scale, causal, window_size, softcap, alib
     them: see _SCALAR_CALLS)."""
     key = None
     if alibi_slopes is None and sink is None and not varlen:
-        key = kept.scalar_key(dropout_p, softmax_scale, causal, window_size, softcap,
-                              deterministic)
+        key = kept.scalar_key(dropout_p, softmax_scale, causal, window_size, deterministic,
+                              softcap)
         key = None if key is None else (q.shape[-1], key)
         params = None if key is None else _SCALAR_CALLS.get(key)
         if params is not None:

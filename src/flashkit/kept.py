@@ -18,19 +18,21 @@ PLAIN = frozenset((bool, int, float, type(None)))  # the scalar types a key may 
 MAX_CALLS = 256  # forget every kept call of a dict beyond this many
 
 
-def scalar_key(dropout_p, softmax_scale, causal, window_size, softcap,
-               deterministic) -> tuple | None:
+def scalar_key(dropout_p, softmax_scale, causal, window_size, deterministic,
+               *score_scalars) -> tuple | None:
     """The key of a call's scalar arguments, or None for a call that is not kept: dropout, an
     argument that is not a Python bool, int, float or None (a tensor would be kept alive and
-    could change in place), a window that is not a tuple of two ints, torch.compile."""
+    could change in place), a window that is not a tuple of two ints, torch.compile.
+    score_scalars: the scalar score modifiers' arguments (softcap), each keyed with its type."""
+    types = tuple(map(type, score_scalars))
     if (type(dropout_p) not in PLAIN or dropout_p != 0 or type(window_size) is not tuple
             or len(window_size) != 2 or type(window_size[0]) is not int
             or type(window_size[1]) is not int or type(softmax_scale) not in PLAIN
-            or type(causal) not in PLAIN or type(softcap) not in PLAIN
+            or type(causal) not in PLAIN or not PLAIN.issuperset(types)
             or type(deterministic) not in PLAIN or torch.compiler.is_compiling()):
         return None
-    return (softmax_scale, type(softmax_scale), causal, type(causal), window_size, softcap,
-            type(softcap), deterministic)
+    return (softmax_scale, type(softmax_scale), causal, type(causal), window_size,
+            deterministic, score_scalars, types)
 
 
 def remember(calls: dict, key: tuple, value) -> None:

@@ -207,7 +207,7 @@ def _kept_key(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
             or type(num_splits) not in kept.PLAIN or type(sync) not in kept.PLAIN
             or not (backend is None or type(backend) is str)):
         return None
-    plain = kept.scalar_key(0.0, softmax_scale, causal, window_size, softcap, False)
+    plain = kept.scalar_key(0.0, softmax_scale, causal, window_size, False, softcap)
     if plain is None:
         return None
     key = [plain, interleaved, num_splits, type(num_splits), backend, sync,

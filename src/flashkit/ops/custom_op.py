@@ -2,14 +2,18 @@
 
 `flashkit::attention_forward` and `flashkit::attention_backward` take the backend's name and the
 fields of AttentionParams flattened in declaration order (custom ops take tensors and scalars,
-not dataclasses). Each has a fake implementation giving output shapes for tracing, and the
-forward op's autograd formula calls the backward op. What the forward keeps for the backward
-is what every FlashAttention keeps: q, k, v, out and the float32 lse (and the params' tensors).
+not dataclasses): their signatures are made from the dataclass (`_params_op`), so a new field
+joins both ops by itself. Each has a fake implementation giving output shapes for tracing, and
+the forward op's autograd formula calls the backward op. What the forward keeps for the
+backward is what every FlashAttention keeps: q, k, v, out and the float32 lse (and the params'
+tensors).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import typing
 
 import torch
 from torch import Tensor
@@ -20,7 +24,8 @@ __all__ = ["attention", "backend_module", "BACKENDS"]
 
 BACKENDS = ("torch", "triton")
 _FIELDS = [f.name for f in dataclasses.fields(AttentionParams) if f.name != "variant"]
-_TENSOR_FIELDS = ["alibi_slopes", "sink", "attn_bias", "cu_seqlens_q", "cu_seqlens_k"]
+_TYPES = typing.get_type_hints(AttentionParams)  # the fields' annotations, evaluated
+_TENSOR_FIELDS = [f for f in _FIELDS if Tensor in typing.get_args(_TYPES[f])]
 
 
 def backend_module(name: str):
@@ -47,21 +52,30 @@ def _params(args) -> AttentionParams:
     return AttentionParams(**dict(zip(_FIELDS, args, strict=True)))
 
 
-def _params_named(arguments: dict) -> AttentionParams:
-    """AttentionParams from an op's arguments by name (the signatures spell out the fields)."""
-    return AttentionParams(**{f: arguments[f] for f in _FIELDS})
+def _params_op(name: str, leading: tuple, returns):
+    """A custom op `name` whose arguments are `leading` ((name, annotation) pairs), the fields
+    of AttentionParams in declaration order, then `backend` (str): torch infers its schema from
+    that signature. The decorated function receives (*leading, params, backend)."""
+    def wrap(fn):
+        kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+        signature = inspect.Signature(
+            [inspect.Parameter(n, kind, annotation=a) for n, a in leading]
+            + [inspect.Parameter(f, kind, annotation=_TYPES[f]) for f in _FIELDS]
+            + [inspect.Parameter("backend", kind, annotation=str)], return_annotation=returns)
+        count = len(leading)
+
+        def op(*args):
+            return fn(*args[:count], _params(args[count:-1]), args[-1])
+
+        op.__name__, op.__doc__, op.__signature__ = fn.__name__, fn.__doc__, signature
+        return torch.library.custom_op(name, op, mutates_args=())
+    return wrap
 
 
-# The op signatures spell out AttentionParams' fields in order; tests/ops check they agree.
-@torch.library.custom_op("flashkit::attention_forward", mutates_args=())
-def attention_forward(
-    q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, window_left: int | None,
-    window_right: int | None, softcap: float, alibi_slopes: Tensor | None, sink: Tensor | None,
-    attn_bias: Tensor | None, dropout_p: float, dropout_seed: int, cu_seqlens_q: Tensor | None,
-    cu_seqlens_k: Tensor | None, max_seqlen_q: int, max_seqlen_k: int, deterministic: bool,
-    backend: str,
-) -> tuple[Tensor, Tensor]:
-    return backend_module(backend).forward(q, k, v, _params_named(locals()))
+@_params_op("flashkit::attention_forward", (("q", Tensor), ("k", Tensor), ("v", Tensor)),
+            tuple[Tensor, Tensor])
+def attention_forward(q, k, v, params: AttentionParams, backend: str):
+    return backend_module(backend).forward(q, k, v, params)
 
 
 @attention_forward.register_fake
@@ -71,17 +85,12 @@ def _(q, k, v, *args):
             q.new_empty(lse_shape(q, params), dtype=accumulation_dtype(q.dtype)))
 
 
-@torch.library.custom_op("flashkit::attention_backward", mutates_args=())
-def attention_backward(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-    dlse: Tensor | None, softmax_scale: float, window_left: int | None,
-    window_right: int | None, softcap: float, alibi_slopes: Tensor | None, sink: Tensor | None,
-    attn_bias: Tensor | None, dropout_p: float, dropout_seed: int, cu_seqlens_q: Tensor | None,
-    cu_seqlens_k: Tensor | None, max_seqlen_q: int, max_seqlen_k: int, deterministic: bool,
-    backend: str,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    dq, dk, dv, dsink = backend_module(backend).backward(dout, q, k, v, out, lse,
-                                                         _params_named(locals()), dlse=dlse)
+@_params_op("flashkit::attention_backward",
+            tuple((n, Tensor) for n in ("dout", "q", "k", "v", "out", "lse"))
+            + (("dlse", Tensor | None),), tuple[Tensor, Tensor, Tensor, Tensor])
+def attention_backward(dout, q, k, v, out, lse, dlse, params: AttentionParams, backend: str):
+    dq, dk, dv, dsink = backend_module(backend).backward(dout, q, k, v, out, lse, params,
+                                                         dlse=dlse)
     # A custom op returns tensors only: an empty one stands for "no sink".
     return dq, dk, dv, q.new_empty(0) if dsink is None else dsink
 

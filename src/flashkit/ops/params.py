@@ -37,6 +37,12 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+# The built-in score modifiers among AttentionParams' fields (docs/extending.md): the scalar
+# ones and the tensor ones. What keys on a call's features (a dispatch plan) reads them by name.
+SCORE_SCALARS = ("softcap",)
+SCORE_TENSORS = ("alibi_slopes",)
+
+
 @dataclass(frozen=True)
 class AttentionParams:
     softmax_scale: float
