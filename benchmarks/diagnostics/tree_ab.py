@@ -1,0 +1,118 @@
+"""Time the public API of two flashkit source trees in one run on one GPU: the check that a
+refactor whose sm_90 machine code changed a little (sass_fingerprint.py) did not change speed.
+
+    git archive OLD src/flashkit | tar -x -C /tmp/old --strip-components=1
+    PYTHONPATH=src python3 benchmarks/diagnostics/tree_ab.py /tmp/old src [--rounds 4] [--out DIR]
+
+Each round runs one process per tree (imports differ, so a process holds one tree), the order
+alternating from round to round: with a fixed order the tree run second came out 2-18% slower
+in most cases on an H200, the byte-identical Gluon forward included. Cases, bf16, 16 heads,
+batch 2 at 8k tokens: a causal ALiBi call at head dim 128 and one with every score feature and
+dropout at 256 (forward without grad, and the step: forward with grad + backward), and a
+decoding call (batch 32, 32 query / 8 kv heads, 16k cached keys) plain and with softcap and
+ALiBi. Each time is the median of 15 calls timed with CUDA events, the GPU idle at each start
+(so host time counts where it exceeds the GPU's); the reported time per tree is the median over
+rounds. FLASHKIT_LOG_DISPATCH=1 makes a worker call each case once and log which kernels ran.
+Writes DIR/tree_ab.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+
+def _worker(tree: str) -> None:
+    sys.path.insert(0, tree)
+    import torch
+
+    import flashkit
+
+    torch.manual_seed(0)
+
+    def timed(fn, reps=15, warm=4):
+        for _ in range(warm):
+            fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(reps):
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times)
+
+    def cases():
+        """(name, callable) pairs; each callable binds its own tensors and arguments."""
+        batch, seqlen, nheads = 2, 8192, 16
+        slopes = torch.rand(nheads, device="cuda")
+        for head_dim, name, kwargs in (
+                (128, "alibi", dict(causal=True, alibi_slopes=slopes)),
+                (256, "all", dict(window_size=(2048, 0), softcap=30.0, alibi_slopes=slopes,
+                                  dropout_p=0.1))):
+            q, k, v, dout = (torch.randn(batch, seqlen, nheads, head_dim, device="cuda",
+                                         dtype=torch.bfloat16) for _ in range(4))
+            leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+
+            def forward(q=q, k=k, v=v, kwargs=kwargs):
+                with torch.no_grad():
+                    flashkit.flash_attn_func(q, k, v, **kwargs)
+
+            def step(leaves=leaves, dout=dout, kwargs=kwargs):
+                flashkit.flash_attn_func(*leaves, **kwargs).backward(dout)
+            yield f"d{head_dim} {name} forward", forward
+            yield f"d{head_dim} {name} step", step
+        q = torch.randn(32, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
+        k_cache = torch.randn(32, 16384, 8, 128, device="cuda", dtype=torch.bfloat16)
+        v_cache = torch.randn_like(k_cache)
+        lengths = torch.full((32,), 16384, device="cuda", dtype=torch.int32)
+        for name, kwargs in (("plain", {}), ("softcap+alibi", dict(
+                softcap=30.0, alibi_slopes=torch.rand(32, device="cuda")))):
+            def decode(kwargs=kwargs):
+                flashkit.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths,
+                                                 causal=True, **kwargs)
+            yield f"decode b32 16k {name}", decode
+
+    if os.environ.get("FLASHKIT_LOG_DISPATCH"):
+        for name, fn in cases():
+            print(name, file=sys.stderr)
+            fn()
+        return
+    print(json.dumps({name: timed(fn) for name, fn in cases()}))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("old")
+    ap.add_argument("new")
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        _worker(args.worker)
+        return
+    trees = {"old": args.old, "new": args.new}
+    runs = {name: [] for name in trees}
+    for r in range(args.rounds):
+        for name in ("old", "new") if r % 2 == 0 else ("new", "old"):
+            done = subprocess.run([sys.executable, __file__, args.old, args.new, "--worker",
+                                   trees[name]], capture_output=True, text=True, check=True)
+            runs[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
+    rows = []
+    for case in runs["new"][0]:
+        old, new = (statistics.median(run[case] for run in runs[n]) for n in ("old", "new"))
+        rows.append(dict(case=case, old_ms=old, new_ms=new, new_over_old=new / old))
+        print(f"{case:32s} old {old:8.3f} ms  new {new:8.3f} ms  new/old {new / old:.3f}")
+    with open(os.path.join(args.out, "tree_ab.json"), "w") as f:
+        json.dump({"trees": trees, "runs": runs, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
