@@ -16,7 +16,8 @@ one vocabulary (FLAGS), in one order:
 The score modifiers travel as three bundles that the kernels hand unopened to common.py
 (`load_score_mods`, then `score_mod`): the flags SCORES, their runtime values
 (`score_values`) and their tensors (`score_tensors`). A new score modifier adds its flag and
-values here and its math in common.py; the kernels and their launchers do not change.
+values here and its math in common.py; the kernels and their launchers do not change, but for
+the Gluon forward's, which specialises on each modifier (docs/extending.md).
 
 A kernel that does not take a feature leaves its flag out (kernel_features' `flags`): the
 backward kernels take no SINK (GRADIENT_FLAGS: the sink enters their math through lse alone),
