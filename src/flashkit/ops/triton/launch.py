@@ -165,10 +165,8 @@ def launch(kernel, grid: tuple, tensors: tuple, scalars: tuple, constexprs: dict
         if hasattr(compiled, "result"):  # asynchronous compilation
             compiled = compiled.result()
         _check_constexpr_order(kernel, len(args), constexprs)
-        coded = _coded_key(kernel, len(tensors), key, tensor_params)
-        if coded is not None:
-            _remember(_compiled, coded, compiled)
-            _remember(_by_value, key, compiled)
+        _remember(_compiled, _coded_key(kernel, len(tensors), key, tensor_params), compiled)
+        _remember(_by_value, key, compiled)
         return compiled
     grid = tuple(grid) + (1,) * (3 - len(grid))
     stream = triton.runtime.driver.active.get_current_stream(device)
@@ -494,12 +492,9 @@ def _order(kernel, tensor_params: tuple, n_tensors: int, n_scalars: int):
     return order
 
 
-def _coded_key(kernel, n_tensors: int, key: tuple, tensor_params: tuple = ()) -> tuple | None:
-    """launch's key with each scalar's code in place of its value; None where a scalar is of
-    another type than int, float, bool or None."""
-    scalars, types = key[3], key[4]
-    if not _plain(types):
-        return None
+def _coded_key(kernel, n_tensors: int, key: tuple, tensor_params: tuple = ()) -> tuple:
+    """launch's key with each scalar's code in place of its value (its scalars plain: _plain)."""
+    scalars = key[3]
     plan = _plans.get((id(kernel), n_tensors, tensor_params))
     if plan is None:
         params = (kernel.params[n_tensors:] if not tensor_params else
