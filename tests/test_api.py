@@ -40,8 +40,7 @@ def test_acceptance(lengths, dtype):
 
 
 ON_GPU = torch.cuda.is_available()
-# The interpreter's bf16 dot is wrong (tests/ops/test_triton.py): bf16 runs on the GPU only.
-TRITON_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
+TRITON_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
 @pytest.mark.parametrize("dtype", TRITON_DTYPES, ids=str)

@@ -467,7 +467,7 @@ def test_poisoned_spare_cache_does_not_leak():
     assert not out.isnan().any() and not lse.isnan().any()
 
 
-# --- the Triton kernels (interpreted on CPU: fp32/fp16 only, bf16 arithmetic is wrong there) --
+# --- the Triton kernels (interpreted on CPU) ----------------------------------------------------
 
 def _combos():
     """Every layout x mask x rotary once, cycling splits 1, 2, 3, 8 and kv heads 1, 2, 4."""
@@ -486,7 +486,7 @@ def test_triton_matches_oracle(layout, mask, rotary, num_splits, nheads_k):
 
 @interpreted
 @pytest.mark.parametrize("feature", ["softcap", "alibi_batch", "sink", "leftpad", "prefill",
-                                     "fp16", "headdim_40", "auto_splits", "page24"])
+                                     "fp16", "bf16", "headdim_40", "auto_splits", "page24"])
 @pytest.mark.usefixtures("decode_loop")
 def test_triton_features(feature):
     kw = {"softcap": {"softcap": 3.0, "num_splits": 3},
@@ -495,6 +495,7 @@ def test_triton_features(feature):
           "leftpad": {"leftpad": True, "rotary": "neox", "num_splits": 2},
           "prefill": {"seqlen_q": 9, "seqlen_new": 9, "nheads_k": 1, "num_splits": 2},
           "fp16": {"dtype": torch.float16, "num_splits": 2, "page_size": 16},
+          "bf16": {"dtype": torch.bfloat16, "num_splits": 3, "rotary": "neox"},
           "headdim_40": {"d": 40, "rotary": "interleaved"},
           "auto_splits": {"num_splits": 0, "page_size": 16},
           "page24": {"page_size": 24, "num_splits": 2}}[feature]

@@ -15,10 +15,8 @@ import torch
 import flashkit
 from flashkit.testing import GRAD_FACTOR, assert_close_to_oracle
 
-# The interpreter's bf16 arithmetic is wrong (tests/ops/test_triton.py): float16 here, and both
-# dtypes on the GPU.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-DTYPES = [torch.float16, torch.bfloat16] if DEVICE == "cuda" else [torch.float16]
+DTYPES = [torch.float16, torch.bfloat16]
 
 
 def sink_gradient(backend, dtype, q, k, v, dout, sink, device, sink_dtype=None):

@@ -1,8 +1,8 @@
 """The Triton backend against the float64 oracle (docs/design.md section 5).
 
 Without CUDA the kernels run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1)
-at small sizes, in fp16 and fp32: the interpreter's bf16 arithmetic is wrong (numpy has no
-bfloat16; a 16x16 bf16 tl.dot comes back off by 1e10), so bf16 is covered by the gpu tests. The
+at small sizes, in fp32, fp16 and bf16 (bf16 dots through the interpreter shim of
+flashkit.ops.triton.interpreter, which multiplies bf16 values rather than their bit patterns). The
 interpreter uses the small tiles of configs.INTERPRETER, so these sizes cross several tiles and
 every loop split. With CUDA the `gpu` tests run the full grid.
 """
@@ -96,6 +96,9 @@ CPU_CASES = [
     (1, 40, 61, 2, 2, 1, 1, torch.float32, "left_only"),
     (1, 61, 40, 2, 2, 80, 80, torch.float16, "right_only"),
     (1, 33, 47, 4, 4, 32, 16, torch.float32, "causal"),
+    (2, 37, 37, 4, 2, 64, 64, torch.bfloat16, "causal"),
+    (1, 19, 83, 2, 1, 40, 40, torch.bfloat16, "sliding"),
+    (1, 90, 31, 2, 2, 96, 32, torch.bfloat16, "full"),
 ]
 
 
@@ -135,6 +138,7 @@ ALIBI_CASES = [  # (batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype
     (1, 45, 38, 4, 2, 40, torch.float32, "causal", False, 0.0),
     (2, 33, 50, 2, 1, 16, torch.float16, "full", True, 0.0),
     (2, 50, 33, 4, 4, 32, torch.float32, "sliding", True, 3.0),
+    (1, 29, 41, 4, 2, 32, torch.bfloat16, "causal", True, 5.0),
 ]
 
 

@@ -30,6 +30,7 @@ __all__ = ["forward", "backward", "planned_forward", "kvcache_attention", "kvcac
            "attention_probs"]
 
 interpreter.patch_for_numpy()
+interpreter.patch_bfloat16_dots()
 
 
 def _check_supported(params: AttentionParams, dtype: torch.dtype) -> None:

@@ -7,6 +7,9 @@
   16 instead of 32 in e4m3), so fp8 kernels would compute with wrong P. Casts to float8_e4m3fn
   and float8_e5m2 go through torch's round-to-nearest-even instead, saturated to the largest
   finite value as the GPU's cvt.rn.satfinite does.
+- bfloat16 dots: it keeps bfloat16 values as their uint16 bit patterns and multiplies those
+  as integers, so every bfloat16 tl.dot (the kernels' QK^T and PV) gave garbage. Its operands
+  are widened to the float32 values they stand for (exact), as the tensor cores read them.
 Nothing changes when kernels are compiled.
 """
 
@@ -34,6 +37,31 @@ def patch_for_numpy() -> None:
 
     patched._flashkit_shim = True
     interpreter._patch_lang_tensor = patched
+
+
+def patch_bfloat16_dots() -> None:
+    """tl.dot of bfloat16 operands multiplies their values (see above), in float32."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    import triton.language as tl
+    import triton.runtime.interpreter as interpreter
+
+    builder = interpreter.InterpreterBuilder
+    original = builder.create_dot
+    if getattr(original, "_flashkit_shim", False):
+        return
+
+    def values(handle):  # a bfloat16 handle's uint16 bits -> float32 handle of its values
+        if handle.dtype.scalar != tl.bfloat16:
+            return handle
+        bits = np.ascontiguousarray(handle.data).astype(np.uint32) << 16
+        return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return original(self, values(a), values(b), d, input_precision, max_num_imprecise_acc)
+
+    create_dot._flashkit_shim = True
+    builder.create_dot = create_dot
 
 
 def patch_float8_casts() -> None:
