@@ -1,10 +1,10 @@
 """The Triton backend against the float64 oracle (docs/design.md section 5).
 
 Without CUDA the kernels run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1)
-at small sizes, in fp32, fp16 and bf16 (bf16 dots through the interpreter shim of
-flashkit.ops.triton.interpreter, which multiplies bf16 values rather than their bit patterns). The
-interpreter uses the small tiles of configs.INTERPRETER, so these sizes cross several tiles and
-every loop split. With CUDA the `gpu` tests run the full grid.
+at small sizes, in fp32, fp16 and bf16 (bf16 through the interpreter shim of
+flashkit.ops.triton.interpreter: dots multiply values rather than bit patterns, casts round as
+the GPU does). The interpreter uses the small tiles of configs.INTERPRETER, so these sizes cross
+several tiles and every loop split. With CUDA the `gpu` tests run the full grid.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ __all__ = ["forward", "backward", "planned_forward", "kvcache_attention", "kvcac
            "attention_probs"]
 
 interpreter.patch_for_numpy()
-interpreter.patch_bfloat16_dots()
+interpreter.patch_bfloat16()
 
 
 def _check_supported(params: AttentionParams, dtype: torch.dtype) -> None:
@@ -64,11 +64,16 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
              out: torch.Tensor, lse: torch.Tensor, params: AttentionParams, *,
              dq: torch.Tensor | None = None, dk: torch.Tensor | None = None,
              dv: torch.Tensor | None = None, dlse: torch.Tensor | None = None,
-             own_lse: bool = True):
-    """(dq, dk, dv, dsink): gradients in the inputs' dtypes; dsink None without a sink.
+             own_lse: bool = True, grad_dtype: torch.dtype | None = None):
+    """(dq, dk, dv, dsink): gradients in the inputs' dtypes, or grad_dtype (ring attention
+    sums its steps' gradients in the accumulation dtype; the kernels round to it as they
+    store), where dq, dk, dv are not given; dsink None without a sink.
     own_lse=False: lse is not this call's own but one over more keys (ring attention's merged
     lse), so a row that sees one key here is not a row whose softmax is 1."""
     _check_supported(params, q.dtype)
+    if grad_dtype is not None:
+        dq, dk, dv = (torch.empty_like(x, dtype=grad_dtype) if given is None else given
+                      for x, given in ((q, dq), (k, dk), (v, dv)))
     # out.sum()'s gradient is an expanded view (stride 0), which the TMA kernels cannot read:
     # one copy (a no-op for a contiguous dout), as SDPA makes
     dout = dout.contiguous()

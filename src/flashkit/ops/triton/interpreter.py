@@ -7,9 +7,11 @@
   16 instead of 32 in e4m3), so fp8 kernels would compute with wrong P. Casts to float8_e4m3fn
   and float8_e5m2 go through torch's round-to-nearest-even instead, saturated to the largest
   finite value as the GPU's cvt.rn.satfinite does.
-- bfloat16 dots: it keeps bfloat16 values as their uint16 bit patterns and multiplies those
-  as integers, so every bfloat16 tl.dot (the kernels' QK^T and PV) gave garbage. Its operands
-  are widened to the float32 values they stand for (exact), as the tensor cores read them.
+- bfloat16: it keeps bfloat16 values as their uint16 bit patterns and multiplies those as
+  integers, so every bfloat16 tl.dot (the kernels' QK^T and PV) gave garbage: the operands are
+  widened to the float32 values they stand for (exact), as the tensor cores read them. And it
+  truncates float32 -> bfloat16 casts where the GPU rounds to nearest even (cvt.rn.bf16.f32):
+  they go through torch's rounding instead.
 Nothing changes when kernels are compiled.
 """
 
@@ -39,16 +41,18 @@ def patch_for_numpy() -> None:
     interpreter._patch_lang_tensor = patched
 
 
-def patch_bfloat16_dots() -> None:
-    """tl.dot of bfloat16 operands multiplies their values (see above), in float32."""
+def patch_bfloat16() -> None:
+    """bfloat16 tl.dot multiplies values and float32 -> bfloat16 rounds to nearest even (see
+    above)."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         return
+    import torch
     import triton.language as tl
     import triton.runtime.interpreter as interpreter
 
     builder = interpreter.InterpreterBuilder
-    original = builder.create_dot
-    if getattr(original, "_flashkit_shim", False):
+    dot, cast = builder.create_dot, builder.cast_impl
+    if getattr(dot, "_flashkit_shim", False):
         return
 
     def values(handle):  # a bfloat16 handle's uint16 bits -> float32 handle of its values
@@ -58,10 +62,17 @@ def patch_bfloat16_dots() -> None:
         return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
 
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        return original(self, values(a), values(b), d, input_precision, max_num_imprecise_acc)
+        return dot(self, values(a), values(b), d, input_precision, max_num_imprecise_acc)
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar != tl.float32 or dst_type.scalar != tl.bfloat16:
+            return cast(self, src, dst_type)
+        rounded = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16)
+        return interpreter.TensorHandle(rounded.view(torch.int16).numpy().view(np.uint16),
+                                        dst_type.scalar)
 
     create_dot._flashkit_shim = True
-    builder.create_dot = create_dot
+    builder.create_dot, builder.cast_impl = create_dot, cast_impl
 
 
 def patch_float8_casts() -> None:
