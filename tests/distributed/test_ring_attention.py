@@ -78,3 +78,34 @@ def test_ring_triton_nccl(tmp_path):
     results = _run_group(2, tmp_path, "nccl", names)
     failures = {n: results[n] for n in names if results[n]}
     assert not failures, failures
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_backward_gives_the_ring_its_gradients_unrounded(backend, varlen):
+    """The ring sums its steps' gradients in the accumulation dtype (engine.ring_backward):
+    each backend's backward with grad_dtype=float32 returns, for bf16 inputs, float32 gradients
+    that round to exactly the bf16 ones it returns by default (the same sums, rounded once at
+    the store)."""
+    from flashkit.ops.custom_op import backend_module
+    from flashkit.ops.params import AttentionParams
+
+    kernels = backend_module(backend)
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(7)
+    lengths = (5, 11) if varlen else (9, 9)
+    lead = (sum(lengths),) if varlen else (2, lengths[0])
+    q, k, v, dout = (torch.randn(*lead, 2, 16, generator=gen).to(device, torch.bfloat16)
+                     for _ in range(4))
+    cu = torch.tensor([0, lengths[0], sum(lengths)], dtype=torch.int32, device=device)
+    params = AttentionParams(0.25, None, 0, alibi_slopes=torch.rand(2, device=device),
+                             **(dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=11,
+                                     max_seqlen_k=11) if varlen else {}))
+    out, lse = kernels.forward(q, k, v, params)
+    rounded = kernels.backward(dout, q, k, v, out, lse, params, own_lse=False)[:3]
+    exact = kernels.backward(dout, q, k, v, out, lse, params, own_lse=False,
+                             grad_dtype=torch.float32)[:3]
+    for name, r, e in zip(("dq", "dk", "dv"), rounded, exact, strict=True):
+        assert r.dtype == torch.bfloat16 and e.dtype == torch.float32, name
+        assert torch.equal(e.to(torch.bfloat16), r), name
+        assert not torch.equal(e, r.float()), f"{name}: float32 values already bf16-rounded"

@@ -128,10 +128,12 @@ def ring_backward(dout, q, k, v, sink, out, lse, dlse, problem: RingProblem):
         dv = torch.zeros(v.shape, dtype=acc, device=v.device)
         for call in calls:
             extra = {} if dlse is None else {"dlse": dlse[:, :, call.q]}
+            # each call's gradients in the accumulation dtype: summed over the steps, they are
+            # rounded to the inputs' dtype once, at the end (a bf16 round per step would add up)
             dq_c, dk_c, dv_c, _ = kernels.backward(
                 dout[:, call.q], q[:, call.q], held_k[:, call.k], held_v[:, call.k],
                 out[:, call.q], problem.kernel_lse(call, lse[:, :, call.q]),
-                problem.call_params(call), own_lse=False, **extra)
+                problem.call_params(call), own_lse=False, grad_dtype=acc, **extra)
             dq[:, call.q] += dq_c
             dk[:, call.k] += dk_c
             dv[:, call.k] += dv_c

@@ -23,21 +23,25 @@ from flashkit.ops.tiled.forward import BLOCK_M, BLOCK_N
 
 
 def backward(dout, q, k, v, out, lse, params: AttentionParams, dlse=None,
-             block_m: int = BLOCK_M, block_n: int = BLOCK_N, own_lse: bool = True):
+             block_m: int = BLOCK_M, block_n: int = BLOCK_N, own_lse: bool = True,
+             grad_dtype: torch.dtype | None = None):
     """(dq, dk, dv, dsink) for dense or varlen inputs; dsink is None without a sink.
-    own_lse=False: lse is one over more keys than this call's (ring attention's merged lse)."""
+    own_lse=False: lse is one over more keys than this call's (ring attention's merged lse).
+    grad_dtype: dq, dk, dv in this dtype instead of the inputs' (ring attention sums its steps'
+    gradients in the accumulation dtype)."""
     if not params.is_varlen:
         dq, dk, dv, dsink = backward_dense(dout, q, k, v, out, lse, params, params.alibi_slopes,
-                                           dlse, block_m, block_n, own_lse=own_lse)
+                                           dlse, block_m, block_n, own_lse=own_lse,
+                                           grad_dtype=grad_dtype)
     else:
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        dq, dk, dv = (torch.empty_like(x, dtype=grad_dtype) for x in (q, k, v))
         dsink = None
         for b, sq, sk in layout.sequences(params):
             grads = backward_dense(dout[None, sq], q[None, sq], k[None, sk], v[None, sk],
                                    out[None, sq], lse[None, :, sq], params,
                                    layout.sequence_slopes(params, b),
                                    None if dlse is None else dlse[None, :, sq], block_m,
-                                   block_n, batch0=b, own_lse=own_lse)
+                                   block_n, batch0=b, own_lse=own_lse, grad_dtype=grad_dtype)
             dq[sq], dk[sk], dv[sk] = grads[0][0], grads[1][0], grads[2][0]
             if grads[3] is not None:
                 dsink = grads[3] if dsink is None else dsink + grads[3]
@@ -46,7 +50,7 @@ def backward(dout, q, k, v, out, lse, params: AttentionParams, dlse=None,
 
 
 def backward_dense(dout, q, k, v, out, lse, params: AttentionParams, alibi_slopes, dlse=None,
-                   block_m=BLOCK_M, block_n=BLOCK_N, batch0=0, own_lse=True):
+                   block_m=BLOCK_M, block_n=BLOCK_N, batch0=0, own_lse=True, grad_dtype=None):
     """One dense batch; batch0 is the index of its first sequence (for the dropout mask)."""
     seqlen_q, nheads = q.shape[1], q.shape[2]
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
@@ -70,7 +74,7 @@ def backward_dense(dout, q, k, v, out, lse, params: AttentionParams, alibi_slope
     dq_acc = torch.zeros(q_g.shape, dtype=acc_dtype, device=q.device)  # (b, hk, g, sq, d)
     # rowsum(P * dP) from the tiles, for dsink (see the module docstring): (b, hk, g, sq)
     row_pdp = None if params.sink is None else torch.zeros_like(lse_g)
-    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    dk, dv = torch.empty_like(k, dtype=grad_dtype), torch.empty_like(v, dtype=grad_dtype)
     dk_g, dv_g = layout.group_heads(dk, nheads_k), layout.group_heads(dv, nheads_k)
 
     for j0 in range(0, seqlen_k, block_n):
@@ -104,7 +108,7 @@ def backward_dense(dout, q, k, v, out, lse, params: AttentionParams, alibi_slope
             dk_t += scale * (ds.transpose(-1, -2) @ q_t).sum(2, keepdim=True)  # [BN, d]
         dk_g[..., j0:j1, :], dv_g[..., j0:j1, :] = dk_t, dv_t
 
-    dq = torch.empty_like(q)
+    dq = torch.empty_like(q, dtype=grad_dtype)
     layout.group_heads(dq, nheads_k)[...] = dq_acc
     dsink = None
     if row_pdp is not None:
