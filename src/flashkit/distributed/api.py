@@ -53,7 +53,8 @@ def ring_flash_attn_func(q, k, v, group=None, causal=False, softmax_scale=None,
     Returns out (batch, seqlen_q, nheads, d_v), this rank's shard of the global output, or
     (out, lse (batch, nheads, seqlen_q) float32) with return_lse. Differentiable in q, k, v and
     the sink; the sink's gradient is the part from this rank's queries (sum it over the group,
-    as for any replicated parameter).
+    as for any replicated parameter). The gradients of the ring's steps are summed in float32
+    (float64 for float64 inputs) and rounded to the inputs' dtype once.
     """
     group = resolve_group(group)
     try:
