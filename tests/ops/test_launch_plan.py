@@ -107,6 +107,24 @@ def _compiled(monkeypatch, signature: dict, descriptors: int):
     return types.SimpleNamespace(calls=calls, slow=slow)
 
 
+def _read(arg):
+    """What the launcher's C code reads of an argument: a tensor's address (getPointer calls
+    data_ptr() on anything but an int), a tuple's members' (a bundle), anything else as it is."""
+    if isinstance(arg, torch.Tensor):
+        return arg.data_ptr()
+    if type(arg) is tuple:
+        return tuple(map(_read, arg))
+    return arg
+
+
+def assert_launches_alike(direct: tuple, expected: tuple) -> None:
+    """The direct launch's C-entry arguments read as Triton's launcher's do: equal values,
+    pointers as addresses (the direct launch passes ints, Triton's wrapper the tensors)."""
+    assert len(direct) == len(expected)
+    for got, want in zip(direct, expected, strict=True):
+        assert got is want or _read(got) == _read(want), (got, want)
+
+
 def _inputs(seed: int):
     """x, y (bf16, read through descriptors of [64, 32] boxes) and out, as a call passes them."""
     gen = torch.Generator().manual_seed(seed)
@@ -137,13 +155,11 @@ def test_the_direct_launch_passes_what_tritons_launcher_would(compiled):
         prepared._launch(tensors, varying)  # the same call through Triton's wrapper
         assert compiled.slow[-1] == (128, varying[0], 0.5, varying[1])
         expected = compiled.calls[-1]
-        assert len(direct) == len(expected)
-        for got, want in zip(direct, expected, strict=True):
-            assert got is want or got == want, (got, want)
+        assert_launches_alike(direct, expected)
         # the TMA maps hold this call's addresses: after the 13 launch arguments, x_desc's map,
         # 2 dims and 2 strides, then n, Out, seed_lo, scale, seed_hi and y_desc's map
         x, out, y = tensors
-        assert direct[13][:2] == ("tma", x.data_ptr()) and direct[19] is out
+        assert direct[13][:2] == ("tma", x.data_ptr()) and direct[19] == out.data_ptr()
         assert direct[23][:2] == ("tma", y.data_ptr())
 
 
@@ -217,11 +233,10 @@ def test_the_direct_launch_passes_bundles_as_tritons_launcher_would(compiled_bun
     direct = compiled.calls[-1]
     prepared._launch(tensors, ())
     expected = compiled.calls[-1]
-    assert len(direct) == len(expected)
-    for got, want in zip(direct, expected, strict=True):
-        assert got is want or got == want, (got, want)
+    assert_launches_alike(direct, expected)
     # after the 13 launch arguments, x_desc's map, 2 dims and 2 strides: Out, the two bundles
-    assert direct[18] is tensors[1] and direct[19] is tensors[2] and direct[20] == (0.5, 16)
+    assert direct[18] == tensors[1].data_ptr()
+    assert direct[19] == tuple(t.data_ptr() for t in tensors[2]) and direct[20] == (0.5, 16)
 
 
 def test_a_bundle_of_another_dtype_or_alignment_goes_through_launch_again(compiled_bundled):

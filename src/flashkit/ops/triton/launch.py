@@ -192,12 +192,12 @@ class Prepared:
     The first two calls go through `launch`, which compiles or finds the kernel; the second
     keeps the compiled kernel's direct launch (`_Direct`) when every pointer tensor is 16-byte
     aligned. Later calls whose pointer tensors have the same dtypes and are aligned (a plan's
-    key fixes both) fill the TMA maps (Triton's fill_tma_descriptor) and the tensors into an
-    argument list made once and call the compiled launcher's C entry, skipping launch's key,
-    the descriptor objects and Triton's Python wrapper that would expand them (Triton 3.6's
-    CudaLauncher: `_c_entry`). Any other call, a launch hook, a changed global of the kernel,
-    Triton's debug or instrumentation knobs, the interpreter or a kernel that needs scratch
-    memory take `launch`."""
+    key fixes both) fill the TMA maps (Triton's fill_tma_descriptor) and the tensors'
+    addresses into an argument list made once and call the compiled launcher's C entry,
+    skipping launch's key, the descriptor objects and Triton's Python wrapper that would
+    expand them (Triton 3.6's CudaLauncher: `_c_entry`). Any other call, a launch hook, a
+    changed global of the kernel, Triton's debug or instrumentation knobs, the interpreter or a
+    kernel that needs scratch memory take `launch`."""
 
     __slots__ = ("kernel", "grid", "scalars", "constexprs", "tensor_params", "options",
                  "descriptors", "varying", "launched", "_direct")
@@ -223,23 +223,28 @@ class Prepared:
             self._launch(tensors, varying)
             return
         args = direct.args.copy()
-        # the last pointer checked and the dtype it was checked for: a placeholder tensor
-        # stands for every absent feature tensor in turn, checked once
-        checked, checked_dtype = None, None
+        # Pointers go in as their addresses: the launcher takes an int as it is, where for a
+        # tensor it calls data_ptr() and asks the driver whether the address is device memory
+        # (cuPointerGetAttribute, per pointer and launch); the plan's tensors are CUDA ones.
+        # The last pointer checked and the dtype it was checked for: a placeholder tensor
+        # stands for every absent feature tensor in turn, checked once.
+        checked, checked_dtype, address = None, None, 0
         for at, i, dtype in direct.pointers:
-            t = args[at] = tensors[i]
-            if t is checked and dtype is checked_dtype:
-                continue
-            # a pointer of another dtype, or off the 16-byte alignment, than compiled
-            if t.dtype is not dtype or t.data_ptr() % 16 != 0:
-                self._launch(tensors, varying)
-                return
-            checked, checked_dtype = t, dtype
+            t = tensors[i]
+            if t is not checked or dtype is not checked_dtype:
+                address = t.data_ptr()
+                # a pointer of another dtype, or off the 16-byte alignment, than compiled
+                if t.dtype is not dtype or address % 16 != 0:
+                    self._launch(tensors, varying)
+                    return
+                checked, checked_dtype = t, dtype
+            args[at] = address
         for at, i, dtypes in direct.bundles:
-            bundle = args[at] = tensors[i]
-            if not _aligned_as(bundle, dtypes):
+            addresses = _addresses_as(tensors[i], dtypes)
+            if addresses is None:
                 self._launch(tensors, varying)
                 return
+            args[at] = addresses
         for at, i, tma, encoded in direct.maps:
             address = tensors[i].data_ptr()
             tensor_map = encoded.get(address)
@@ -448,12 +453,16 @@ def _check_constexpr_order(kernel, n_args: int, constexprs: dict) -> None:
                          "arguments in the signature, in order")
 
 
-def _aligned_as(bundle: tuple, dtypes: tuple) -> bool:
-    """Whether a tuple of tensors has the dtypes given and 16-byte aligned addresses (what a
-    direct launch was compiled for)."""
-    return len(bundle) == len(dtypes) and all(
-        t.dtype is dtype and t.data_ptr() % 16 == 0
-        for t, dtype in zip(bundle, dtypes, strict=True))
+def _addresses_as(bundle: tuple, dtypes: tuple) -> tuple | None:
+    """A tuple of tensors' addresses where they have the dtypes given and are 16-byte aligned
+    (what a direct launch was compiled for), else None."""
+    if len(bundle) != len(dtypes):
+        return None
+    addresses = tuple(t.data_ptr() for t in bundle)
+    if all(t.dtype is dtype and address % 16 == 0
+           for t, dtype, address in zip(bundle, dtypes, addresses, strict=True)):
+        return addresses
+    return None
 
 
 def scalar_types(scalars: tuple) -> tuple:
