@@ -3,8 +3,8 @@
 Through the public API (backend="triton"), so lse and its gradient are checked too. Dropout: the
 oracle takes the keep-mask `flashkit.testing.dropout_keep_mask(..., backend="triton")` rebuilds
 with the kernels' own Philox helper. Without CUDA the kernels run in the interpreter at small
-sizes in fp16/fp32 (its bf16 dot is wrong, see test_triton.py); the `gpu` tests run bf16 and
-real sizes.
+sizes in fp32, fp16 and bf16 (bf16 through the interpreter shim, see test_triton.py); the `gpu`
+tests run real sizes.
 """
 
 from __future__ import annotations
@@ -75,13 +75,14 @@ def call_seed() -> int:
 
 # ---- dropout --------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16],
+                         ids=["fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("feature", list(FEATURES))
 def test_dropout_matches_oracle(feature, dtype):
     """out, lse, the dropped probabilities and every gradient equal the oracle's given the
     kernels' keep-mask: forward and both backward kernels drew the same mask."""
-    if dtype == torch.float16 and feature not in ("causal", "everything"):
-        pytest.skip("fp16 covers two features; the rest run in fp32 (CI time)")
+    if dtype != torch.float32 and feature not in ("causal", "everything"):
+        pytest.skip("fp16 and bf16 cover two features; the rest run in fp32 (CI time)")
     batch, nheads, seqlen_q, seqlen_k, p = 2, 2, 37, 45, 0.3
     q, k, v = qkv(batch, seqlen_q, seqlen_k, nheads, 1, 16, dtype)
     inputs = dict(q=q, k=k, v=v, dropout_p=p, **FEATURES[feature](batch, nheads))
@@ -91,7 +92,8 @@ def test_dropout_matches_oracle(feature, dtype):
                                                        return_probs=True))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16],
+                         ids=["fp32", "fp16", "bf16"])
 def test_dropout_varlen_matches_oracle(dtype):
     lengths_q, lengths_k, nheads, p = [7, 0, 1, 30, 5], [12, 4, 0, 30, 1], 2, 0.25
     inputs = varlen_qkv(lengths_q, lengths_k, nheads, 1, 16, dtype)
@@ -269,11 +271,12 @@ def test_dropout_bitwise_reproducible_and_seeds_differ():
 LENGTHS_Q, LENGTHS_K = [5, 0, 1, 40, 17, 1, 3], [9, 3, 0, 33, 17, 1, 20]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16],
+                         ids=["fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("feature", list(FEATURES))
 def test_varlen_matches_oracle(feature, dtype):
-    if dtype == torch.float16 and feature not in ("causal", "everything"):
-        pytest.skip("fp16 covers two features; the rest run in fp32 (CI time)")
+    if dtype != torch.float32 and feature not in ("causal", "everything"):
+        pytest.skip("fp16 and bf16 cover two features; the rest run in fp32 (CI time)")
     inputs = varlen_qkv(LENGTHS_Q, LENGTHS_K, 4, 2, 16, dtype)
     check_against_oracle(lambda **kw: api_attention(backend="triton", **kw),
                          {**inputs, **FEATURES[feature](len(LENGTHS_Q), 4)})
