@@ -6,6 +6,10 @@ A backend is a module with three functions:
     backward(dout, q, k, v, out, lse, params)             -> (dq, dk, dv, dsink)
     kvcache_attention(q, k_cache, v_cache, cache, params) -> (out, lse)   cache: KVCacheArgs
 
+backward also takes, by keyword, dlse (a gradient on lse), own_lse=False (lse is one over more
+keys than the call's: ring attention's merged lse) and grad_dtype (dq, dk, dv in that dtype,
+not the inputs': ring attention sums its steps' gradients in float32).
+
 Layouts (flash-attn): dense q (batch, seqlen_q, nheads, d), k/v (batch, seqlen_k, nheads_k, d[_v]),
 out like q with d_v, in q's dtype, lse (batch, nheads, seqlen_q) float32
 (float64 for float64 inputs).
