@@ -91,6 +91,9 @@ VALID = [
     # both signs (the block straddles the diagonal, keys longer than queries) and the sink.
     Case("triton-alibi-sink-k-longer", alibi="batch", sink=True, backend="triton", nheads=2,
          nheads_k=1, shard_q=4, shard_k=6, worlds=(2,)),
+    # and in bf16, where summing the steps' gradients unrounded matters (engine.ring_backward)
+    Case("triton-zigzag-causal-bf16", layout="zigzag", causal=True, dtype=torch.bfloat16,
+         backend="triton", worlds=(2,)),
 ]
 
 
