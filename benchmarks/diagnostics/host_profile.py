@@ -9,10 +9,7 @@ d64 bf16, decoding one new token over 1k and 16k cached keys (32 query / 4 kv he
 """
 
 import argparse
-import cProfile
-import io
 import os
-import pstats
 import statistics
 import sys
 
@@ -20,25 +17,11 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "suites"))
-from overhead import decode_calls, interleaved, per_call, tiny_calls  # noqa: E402
+from overhead import decode_calls, interleaved, per_call, profile, tiny_calls  # noqa: E402
 
 
 def median_us(fn, calls: int, rounds: int = 5) -> float:
     return statistics.median(per_call(fn, calls)["wall_us"] for _ in range(rounds))
-
-
-def profiled(fn, calls: int, top: int = 35) -> str:
-    for _ in range(20):
-        fn()
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(calls):
-        fn()
-    prof.disable()
-    torch.cuda.synchronize()
-    text = io.StringIO()
-    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(top)
-    return text.getvalue()
 
 
 def main() -> None:
@@ -52,8 +35,8 @@ def main() -> None:
         print("device thread", device_thread,
               interleaved({"flashkit": ours, "cudnn": cudnn}, n, 5), flush=True)
     torch.autograd.set_multithreading_enabled(False)  # cProfile sees the calling thread only
-    print("=== flashkit step, calling thread\n", profiled(ours, n), flush=True)
-    print("=== cudnn step, calling thread\n", profiled(cudnn, n, top=20), flush=True)
+    print("=== flashkit step, calling thread\n", profile(ours, n, top=35), flush=True)
+    print("=== cudnn step, calling thread\n", profile(cudnn, n), flush=True)
     q = torch.randn(1, 128, 8, 64, device="cuda", dtype=torch.bfloat16)
     print({"empty_like x4": median_us(lambda: [torch.empty_like(q) for _ in range(4)], n),
            "empty (lse shape) f32": median_us(lambda: torch.empty(1, 8, 128, device="cuda"), n),
@@ -62,7 +45,7 @@ def main() -> None:
         step = decode_calls(cached)
         print("decode", cached, interleaved({"flashkit": step["flashkit"],
                                              "cudnn": step["cudnn"]}, n, 5), flush=True)
-        print(profiled(step["flashkit"], n, top=30), flush=True)
+        print(profile(step["flashkit"], n, top=30), flush=True)
 
 
 if __name__ == "__main__":
