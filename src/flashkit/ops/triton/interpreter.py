@@ -58,7 +58,7 @@ def patch_bfloat16() -> None:
     def values(handle):  # a bfloat16 handle's uint16 bits -> float32 handle of its values
         if handle.dtype.scalar != tl.bfloat16:
             return handle
-        bits = np.ascontiguousarray(handle.data).astype(np.uint32) << 16
+        bits = np.asarray(handle.data).astype(np.uint32) << 16
         return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
 
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
@@ -67,9 +67,10 @@ def patch_bfloat16() -> None:
     def cast_impl(self, src, dst_type):
         if src.dtype.scalar != tl.float32 or dst_type.scalar != tl.bfloat16:
             return cast(self, src, dst_type)
-        rounded = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16)
-        return interpreter.TensorHandle(rounded.view(torch.int16).numpy().view(np.uint16),
-                                        dst_type.scalar)
+        data = np.asarray(src.data)  # torch.from_numpy keeps its shape, 0-d included
+        rounded = torch.from_numpy(np.ascontiguousarray(data)).reshape(data.shape)
+        bits = rounded.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+        return interpreter.TensorHandle(bits, dst_type.scalar)
 
     create_dot._flashkit_shim = True
     builder.create_dot, builder.cast_impl = create_dot, cast_impl
