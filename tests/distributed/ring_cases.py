@@ -231,8 +231,8 @@ def _results(case: Case, q, k, v, dout, dlse, extras: dict, shards: _Shards, ora
     ring's dsink is summed over the group (each rank's is the part from its own queries)."""
     q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
     extras = dict(extras)
-    if "sink" in extras:
-        extras["sink"] = extras["sink"].detach().to(device).requires_grad_()
+    if "sink" in extras:  # the oracle's stays with its inputs, on the CPU
+        extras["sink"] = extras["sink"].detach().to("cpu" if oracle else device).requires_grad_()
     out, lse = _attention(case, q, k, v, extras, shards, oracle, device)
     loss = (out * dout.to(out)).sum()
     if case.lse_grad:
