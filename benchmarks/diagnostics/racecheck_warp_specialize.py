@@ -11,6 +11,17 @@ warps with 24 and 240 registers) and only stores to global memory:
 flashkit's Gluon forward has the shape of 3. A hazard in 2 or 3 and none in 1 places the one
 racecheck reports for the forward (kernel start against the split and the invalidation) in the
 code Triton generates around the split, not in flashkit's kernels.
+
+    PYTHONPATH=src python3 benchmarks/diagnostics/racecheck_warp_specialize.py --sass [VARIANT]
+
+Without a GPU: compiles a variant for sm_90 (sm90_probe's fake driver) and prints its shared
+memory accesses and barriers in program order. In 1 and 2 alike, the default warps write the
+workers' state table (STS) before a barrier of the whole block (BAR.SYNC 0x1) and the workers
+read it (LDS) after one, and the exit state is written after the partition's closing block
+barrier: the accesses racecheck reports are ordered by those barriers. What 2 adds is the
+mbarriers' init and invalidation (SYNCS), each behind a barrier of the 128 default threads
+alone on barrier 0 (BAR.SYNC 0x0, 0x80), which suggests racecheck mistracks that partial
+barrier rather than a race in the generated code.
 """
 
 from __future__ import annotations
@@ -66,11 +77,38 @@ def run(variant: int) -> None:
     torch.cuda.synchronize()
 
 
+def sass_listing(variant: int) -> list[str]:
+    """The shared memory accesses, barriers and branches of the variant's sm_90 SASS."""
+    import os
+    import re
+    import tempfile
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import sm90_probe as probe
+
+    probe.install_fake_driver()
+    _split_kernel[(4,)](torch.zeros(288), BARS=variant >= 2, SYNC=variant >= 3, num_warps=4)
+    kernel = probe.COMPILED[-1][2]
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "k.cubin")
+        with open(cubin, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        sass = subprocess.run([os.path.join(probe.TOOLS, "nvdisasm"), "-c", cubin],
+                              capture_output=True, text=True, check=True).stdout
+    wanted = re.compile(r"\b(BAR|STS|LDS|SYNCS|BRX|EXIT|USETMAXREG)\b")
+    return [line.strip() for line in sass.splitlines() if wanted.search(line)]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variant", type=int, choices=(1, 2, 3),
                         help="(internal) run one kernel, under the sanitizer")
+    parser.add_argument("--sass", type=int, choices=(1, 2, 3), nargs="?", const=2,
+                        help="print a variant's shared memory accesses and barriers (no GPU)")
     args = parser.parse_args(argv)
+    if args.sass:
+        print("\n".join(sass_listing(args.sass)))
+        return 0
     if args.variant:
         run(args.variant)
         return 0
