@@ -28,9 +28,12 @@ from __future__ import annotations
 
 import argparse
 import glob
+import os
+import re
 import shutil
 import subprocess
 import sys
+import tempfile
 
 import torch
 from triton.experimental import gluon
@@ -79,10 +82,6 @@ def run(variant: int) -> None:
 
 def sass_listing(variant: int) -> list[str]:
     """The shared memory accesses, barriers and branches of the variant's sm_90 SASS."""
-    import os
-    import re
-    import tempfile
-
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import sm90_probe as probe
 
