@@ -527,6 +527,34 @@ def test_triton_refuses_float64_before_touching_the_cache():
 
 
 @interpreted
+@pytest.mark.parametrize("shape", [(1, 1, 32, 128), (3, 2, 4, 16), (2, 5, 3, 24)])
+@pytest.mark.parametrize("num_splits", [1, 2, 7])
+def test_partials_tile_their_buffer(shape, num_splits):
+    """decode.Partials: with splits, out_part (S, b, sq, h, dv) and lse_part (S, b, h, sq), read
+    through their strides and lse_part's offset, cover one float32 buffer exactly once; with one
+    split they are out and lse themselves, the split stride 0."""
+    from flashkit.ops.triton import decode
+
+    batch, seqlen_q, nheads, head_dim_v = shape
+    out = torch.randn(shape).to(torch.bfloat16)
+    lse = torch.randn(batch, nheads, seqlen_q)
+    parts = decode.Partials.of(out, lse, num_splits)
+    out_part = parts.out.as_strided((num_splits, *shape), parts.out_strides)
+    lse_part = parts.lse.as_strided((num_splits, batch, nheads, seqlen_q), parts.lse_strides,
+                                    parts.lse_offset)
+    if num_splits == 1:
+        assert parts.out is out and parts.lse is lse and parts.lse_offset == 0
+        assert torch.equal(out_part[0], out) and torch.equal(lse_part[0], lse)
+        return
+    assert parts.out is parts.lse and parts.out.dtype == torch.float32
+    buffer = parts.out
+    buffer.fill_(0)
+    out_part += 1  # each element once: every slot ends at exactly 1
+    lse_part += 1
+    assert buffer.numel() == out_part.numel() + lse_part.numel()
+    assert torch.equal(buffer, torch.ones_like(buffer))
+
+
 @pytest.mark.usefixtures("decode_loop")
 def test_triton_writes_every_output_element():
     """Poisoned out/lse buffers: any row the kernels skip stays NaN and fails."""

@@ -20,8 +20,10 @@ Notation as in common.py, plus:
     sink         a logit without a value, in split 0's starting state (m = sink, l = 1)
 
 Layouts: q (b, sq, h, d); caches (rows | pages, slots, hk, d); out (b, sq, h, dv); lse (b, h, sq)
-float32. Partial results (num_splits > 1): out_part (S, b, sq, h, dv), lse_part (S, b, h, sq)
-float32. Only key slots below L_b are read, so block_table entries past a sequence's last page
+float32. Partial results (num_splits > 1): out_part (S, b, sq, h, dv), then lse_part (S, b, h,
+sq), contiguous in one float32 buffer (Partials: one allocation; the kernels find lse_part at an
+element offset). With one split the decode kernel writes out and lse directly (split stride 0).
+Only key slots below L_b are read, so block_table entries past a sequence's last page
 are never touched. On Hopper the merge kernel is launched programmatically dependent (PDL): it
 is scheduled while the decode kernel runs and waits for its results (griddepcontrol.wait)
 instead of paying a launch after it.
@@ -335,7 +337,7 @@ def _decode_kernel(Q, K, V, Out, Lse, BlockTable, CacheBatchIdx, Leftpad, Seqlen
                    stride_kb, stride_ks, stride_kh, stride_kd,
                    stride_vb, stride_vs, stride_vh, stride_vd,
                    stride_osplit, stride_ob, stride_os, stride_oh, stride_od,
-                   stride_lsplit, stride_lb, stride_lh, stride_ls,
+                   stride_lsplit, stride_lb, stride_lh, stride_ls, lse_offset,
                    stride_bt, stride_cs, stride_cd,
                    stride_nkb, stride_nks, stride_nkh, stride_nkd,
                    stride_nvb, stride_nvs, stride_nvh, stride_nvd,
@@ -500,15 +502,15 @@ def _decode_kernel(Q, K, V, Out, Lse, BlockTable, CacheBatchIdx, Leftpad, Seqlen
               + offs_h[:, None] * stride_oh + offs_dv[None, :] * stride_od)
     tl.store(o_ptrs, out_tile.to(Out.dtype.element_ty),
              mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
-    l_ptrs = (Lse + pid_split * stride_lsplit + off_b64 * stride_lb + offs_h * stride_lh
-              + offs_t * stride_ls)
+    l_ptrs = (Lse + lse_offset + pid_split * stride_lsplit + off_b64 * stride_lb
+              + offs_h * stride_lh + offs_t * stride_ls)
     tl.store(l_ptrs, lse, mask=row_ok)
 
 
 @triton.jit
 def _merge_kernel(OutPart, LsePart, Out, Lse,
                   stride_psplit, stride_pb, stride_ps, stride_ph, stride_pd,
-                  stride_lpsplit, stride_lpb, stride_lph, stride_lps,
+                  stride_lpsplit, stride_lpb, stride_lph, stride_lps, lse_part_offset,
                   stride_ob, stride_os, stride_oh, stride_od,
                   stride_lb, stride_lh, stride_ls,
                   nheads, seqlen_q, num_splits,
@@ -525,8 +527,9 @@ def _merge_kernel(OutPart, LsePart, Out, Lse,
     off_b = (row // (nheads * seqlen_q)).to(tl.int64)
     offs_s = tl.arange(0, BLOCK_S)
     offs_dv = pid_dv * BLOCK_DV + tl.arange(0, BLOCK_DV)
-    lse_s = tl.load(LsePart + offs_s * stride_lpsplit + off_b * stride_lpb + off_h * stride_lph
-                    + off_t * stride_lps, mask=offs_s < num_splits, other=float("-inf"))
+    lse_s = tl.load(LsePart + lse_part_offset + offs_s * stride_lpsplit + off_b * stride_lpb
+                    + off_h * stride_lph + off_t * stride_lps, mask=offs_s < num_splits,
+                    other=float("-inf"))
     lse_max = tl.max(lse_s, 0)
     lse_ref = tl.where(lse_max == float("-inf"), 0.0, lse_max)
     w = tl.math.exp2((lse_s - lse_ref) * LOG2E_JIT)  # [BLOCK_S], 0 for empty splits
@@ -644,19 +647,46 @@ def _launch_facts(device: torch.device) -> tuple[int, bool]:
     return sms, has_pdl and LAUNCH_PDL
 
 
-def merge(out_part, lse_part, out, lse, use_pdl: bool = False, plan: dict | None = None) -> None:
+class Partials(NamedTuple):
+    """Where the decode kernel writes each split's (out, lse) (module docstring): the tensors
+    holding out_part and lse_part (S, ...) with their strides, and lse_part's element offset in
+    its tensor. A view per part would cost a CUDA allocation's host time, hence an offset."""
+    out: torch.Tensor
+    lse: torch.Tensor
+    out_strides: tuple
+    lse_strides: tuple
+    lse_offset: int
+
+    @staticmethod
+    def of(out, lse, num_splits: int) -> Partials:
+        """out and lse themselves (split stride 0) for one split; else one new float32 buffer
+        holding out_part, then lse_part, each contiguous."""
+        if num_splits == 1:
+            return Partials(out, lse, (0, *out.stride()), (0, *lse.stride()), 0)
+        seqlen_q, nheads, head_dim_v = out.shape[1:]
+        out_numel = out.numel()
+        buffer = torch.empty(num_splits * (out_numel + lse.numel()), dtype=torch.float32,
+                             device=out.device)
+        rows = seqlen_q * nheads
+        return Partials(buffer, buffer,
+                        (out_numel, rows * head_dim_v, nheads * head_dim_v, head_dim_v, 1),
+                        (lse.numel(), rows, seqlen_q, 1), num_splits * out_numel)
+
+
+def merge(partials: Partials, num_splits: int, out, lse, use_pdl: bool = False,
+          plan: dict | None = None) -> None:
     """out, lse from the splits' partial results (layouts in the module docstring); plan: the
     dispatch plan's prepared launches (launch.planned)."""
-    planned(plan, "merge", lambda: _prepare_merge(out_part, lse_part, out, lse, use_pdl))(
-        out_part, lse_part, out, lse)
+    planned(plan, "merge", lambda: _prepare_merge(partials, num_splits, out, lse, use_pdl))(
+        partials.out, partials.lse, out, lse)
 
 
-def _prepare_merge(out_part, lse_part, out, lse, use_pdl: bool) -> Prepared:
-    num_splits, batch, seqlen_q, nheads, head_dim_v = out_part.shape
+def _prepare_merge(partials: Partials, num_splits: int, out, lse, use_pdl: bool) -> Prepared:
+    batch, seqlen_q, nheads, head_dim_v = out.shape
     block_dv = min(MERGE_BLOCK_DV, padded_head_dim(head_dim_v))
     return Prepared(_merge_kernel, (batch * seqlen_q * nheads, cdiv(head_dim_v, block_dv)), (
-        *out_part.stride(), *lse_part.stride(), *out.stride(), *lse.stride(), nheads, seqlen_q,
-        num_splits), dict(
+        *partials.out_strides, *partials.lse_strides, partials.lse_offset, *out.stride(),
+        *lse.stride(), nheads, seqlen_q, num_splits), dict(
         HEAD_DIM_V=head_dim_v, BLOCK_S=max(2, next_power_of_2(num_splits)),
         BLOCK_DV=block_dv, USE_PDL=use_pdl), num_warps=4, launch_pdl=use_pdl)
 
@@ -781,11 +811,7 @@ def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, bloc
         out = torch.empty(batch, seqlen_q, nheads, head_dim_v, dtype=q.dtype, device=q.device)
     if lse is None:
         lse = torch.empty(batch, nheads, seqlen_q, dtype=torch.float32, device=q.device)
-    if num_splits == 1:
-        out_part, lse_part = out[None], lse[None]
-    else:
-        out_part = torch.empty(num_splits, *out.shape, dtype=torch.float32, device=q.device)
-        lse_part = torch.empty(num_splits, *lse.shape, dtype=torch.float32, device=q.device)
+    partials = Partials.of(out, lse, num_splits)
 
     cos = sin = None
     seqlen_fixed = 0  # a step's int cache_seqlens, else unread
@@ -804,7 +830,7 @@ def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, bloc
     # arguments (never read)
     dummy = q if seqlens_k is None else seqlens_k
     score_tensors, sink, _, _ = feature_tensors(params, dummy, float32_sink=False)
-    tensors = (q, k_cache, v_cache, out_part, lse_part,
+    tensors = (q, k_cache, v_cache, partials.out, partials.lse,
                dummy if block_table is None else block_table,
                dummy if cache_batch_idx is None else cache_batch_idx,
                dummy if cache_leftpad is None else cache_leftpad, dummy, score_tensors, sink,
@@ -814,7 +840,7 @@ def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, bloc
         try:
             planned(plan, "decode", lambda shape=shape: _prepare(
                 q, k_cache, v_cache, block_table, cache_batch_idx, cache_leftpad, params,
-                shape, out_part, lse_part, step, cos, k_new, v_new, dummy))(
+                shape, partials, step, cos, k_new, v_new, dummy))(
                 *tensors, varying=(seqlen_fixed,))
             break
         except OutOfResources:
@@ -824,12 +850,12 @@ def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, bloc
                 plan["shape"] = shape
                 plan.pop("decode", None)
     if num_splits > 1:
-        merge(out_part, lse_part, out, lse, shape.use_pdl, plan)
+        merge(partials, num_splits, out, lse, shape.use_pdl, plan)
     return out, lse
 
 
 def _prepare(q, k_cache, v_cache, block_table, cache_batch_idx, cache_leftpad,
-             params: AttentionParams, shape: _Shape, out_part, lse_part, step: Step | None, cos,
+             params: AttentionParams, shape: _Shape, partials: Partials, step: Step | None, cos,
              k_new, v_new, dummy) -> Prepared:
     """The decode kernel's launch (launch.Prepared) of forward's call: its tensors as forward
     passes them."""
@@ -849,8 +875,9 @@ def _prepare(q, k_cache, v_cache, block_table, cache_batch_idx, cache_leftpad,
                         flags=DENSE_FLAGS)
     bhk_y, bhk_z = fold(batch * nheads_k)
     return Prepared(_decode_kernel, (num_splits * bhk_z, bhk_y, shape.m_blocks), (
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), *out_part.stride(),
-        *lse_part.stride(), 0 if block_table is None else block_table.stride(0),
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *partials.out_strides,
+        *partials.lse_strides, partials.lse_offset,
+        0 if block_table is None else block_table.stride(0),
         *((0, 0) if cos is None else cos.stride()),
         *k_new.stride(), *v_new.stride(), nheads_k, nheads // nheads_k, seqlen_q, num_splits,
         *f.band[2:], f.score_values, 0, seqlen_new,
