@@ -196,10 +196,11 @@ def builds():
 
         def run():
             delta = torch.empty_like(lse)
-            backward_hopper.attention_backward_dkdv(q, q, k, v, lse, delta, params,
-                                                    torch.empty_like(k), torch.empty_like(v))
-            backward_hopper.attention_backward_dq(q, q, k, v, lse, delta, params,
+            backward_hopper.attention_backward_dq(q, q, k, v, q, lse, delta, None, params,
                                                   torch.empty_like(q))
+            if backward_hopper.takes_dkdv(q):  # head dim 256: dQ alone
+                backward_hopper.attention_backward_dkdv(q, q, k, v, lse, delta, params,
+                                                        torch.empty_like(k), torch.empty_like(v))
         return run
 
     def decode_fwd(head_dim, paged=False, splits=4, features=False, group=8):
@@ -242,7 +243,7 @@ def builds():
     out.append(("gluon_fwd d128 features", gluon_fwd(128, True, features=True)))
     out.append(("gluon_fwd d128 varlen", gluon_fwd(128, True, varlen=True)))
     out.append(("gluon_fwd d128 paged", gluon_paged(128)))
-    for d in (64, 128):
+    for d in (64, 128, 256):
         for causal in (False, True):
             tag = "causal" if causal else "full"
             out.append((f"hopper_bwd d{d} {tag}", hopper_bwd(d, causal)))

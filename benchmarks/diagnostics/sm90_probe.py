@@ -102,8 +102,6 @@ def main():
                 lse = torch.empty((1, shape[2], args.seqlen), dtype=torch.float32)
                 backward.attention_backward(q, q, k, v, q, lse, params)
             for name, kwargs, kernel in COMPILED:
-                if name.startswith("_bwd_preprocess"):
-                    continue
                 tag = {kk: kwargs[kk] for kk in ("BLOCK_M", "BLOCK_N", "BLOCK_M1", "BLOCK_N1",
                                                  "BLOCK_M2", "BLOCK_N2", "DO_DKDV", "num_warps",
                                                  "num_stages") if kk in kwargs}

@@ -79,7 +79,7 @@ def kv_bucket(dtype, shape, window, page, rotary, new, splits, **flags) -> dict:
 
 # Dense and varlen buckets: q != k lengths both ways, seqlen 1, MQA / GQA, sequences of length
 # 0 and 1, head dims 16..256 (the plain fp16/bf16 ones at 64/128 take the Gluon kernels on sm_90).
-# About 4-5 compiles each (forward, backward preprocess, dK/dV, dQ, the dropout mask), 2-3 per kv
+# About 3-4 compiles each (forward, dQ, dK/dV, the dropout mask), 2-3 per kv
 # bucket (append, decode, split combine): ~60 in all.
 GPU_BUCKETS = (
     attention_bucket("dense", F16, (64, 64), (2, 113, 203, 4, 2), "none"),

@@ -115,5 +115,5 @@ def test_gluon_takes_the_adversarial_shapes(monkeypatch):
                for _ in range(3))
     flashkit.flash_attn_varlen_func(q, k, v, cu, cu, 229, 229, causal=True,
                                     backend="triton").sum().backward()
-    assert calls == ["attention_forward", "attention_backward_dkdv",
-                     "attention_backward_dq"] * 3
+    assert calls == ["attention_forward", "attention_backward_dq",
+                     "attention_backward_dkdv"] * 3

@@ -328,8 +328,8 @@ def test_gluon_backward_launchers_pass_a_block_mask(which, monkeypatch):
         expected = ((mask.q_num_blocks, mask.q_indices, mask.full_q_num_blocks,
                      mask.full_q_indices, 2, 128 // block_m), 4, 64)
     else:
-        backward_hopper.attention_backward_dq(q, q, q, q, lse, torch.zeros_like(lse), params,
-                                              torch.empty_like(q))
+        backward_hopper.attention_backward_dq(q, q, q, q, q, lse, torch.zeros_like(lse), None,
+                                              params, torch.empty_like(q))
         block_m, block_n = GLUON_BACKWARD_DQ[64][:2]
         expected = ((mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks,
                      mask.full_kv_indices, 4, 64 // block_n), 2, 128)
@@ -355,7 +355,7 @@ def test_gluon_backward_launchers_fill_the_kernel_signatures(varlen, which, monk
         backward_hopper.attention_backward_dkdv(q, q, k, v, lse, delta, params,
                                                 torch.empty_like(k), torch.empty_like(v))
     else:
-        backward_hopper.attention_backward_dq(q, q, k, v, lse, delta, params,
+        backward_hopper.attention_backward_dq(q, q, k, v, q, lse, delta, None, params,
                                               torch.empty_like(q))
     (kernel, tensors, scalars, constexprs, tensor_params), = calls
     assert kernel is getattr(backward_hopper, f"_bwd_{which}_hopper_kernel")
@@ -395,8 +395,8 @@ def test_gluon_backward_launchers_pass_user_modifiers(which, monkeypatch):
                                                 torch.empty_like(k), torch.empty_like(v),
                                                 plan=plan)
     else:
-        backward_hopper.attention_backward_dq(q, q, k, v, lse, torch.zeros_like(lse), params,
-                                              torch.empty_like(q), plan=plan)
+        backward_hopper.attention_backward_dq(q, q, k, v, q, lse, torch.zeros_like(lse), None,
+                                              params, torch.empty_like(q), plan=plan)
     (kernel, tensors, scalars, constexprs, tensor_params), = calls
     args = launch_module._order(kernel, tensor_params, len(tensors), len(scalars))(
         tensors + scalars)

@@ -344,7 +344,7 @@ def test_kernel_cache_keys_do_not_depend_on_the_order_of_first_compiles():
     import sys
 
     names = ["forward._fwd_kernel", "backward._bwd_kernel", "forward_hopper._fwd_hopper_kernel",
-             "backward._bwd_preprocess_kernel"]
+             "decode._decode_kernel"]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     keys = [json.loads(subprocess.run([sys.executable, "-c", _KEYS_IN_ORDER, ",".join(order)],
                                       env=env, check=True, capture_output=True,

@@ -316,7 +316,7 @@ def test_varlen_taken_on_hopper():
 def _gluon_launches(q) -> list:
     """The Gluon launches one backward of q's head dim makes (_spy_gluon's record)."""
     dkdv = ["attention_backward_dkdv"] if hopper.takes_dkdv(q) else []
-    return dkdv + ["attention_backward_dq"]
+    return ["attention_backward_dq"] + dkdv
 
 
 def _spy_gluon(monkeypatch) -> list:
@@ -446,11 +446,12 @@ def test_gpu_gluon_backward_varlen_deterministic_is_bitwise_reproducible(monkeyp
         assert torch.equal(a, b), name
 
 
-def test_head_dim_256_runs_the_portable_dkdv_then_the_gluon_dq(monkeypatch):
-    """At head dim 256 the Gluon dK/dV kernel does not run (takes_dkdv): backward.py's dK/dV
-    programs do, then the Gluon dQ kernel, whose sink sums replace delta after the dK/dV
-    programs read it. Here (the interpreter) a stand-in for the dQ launcher runs backward.py's
-    dQ programs: the split gives bitwise the gradients of the whole portable backward."""
+def test_head_dim_256_runs_the_gluon_dq_then_the_portable_dkdv(monkeypatch):
+    """At head dim 256 the Gluon dK/dV kernel does not run (takes_dkdv): the Gluon dQ kernel
+    does, storing delta (with a sink, its rowsum(P * dP) sums), then backward.py's dK/dV
+    programs, which read it. Here (the interpreter) a stand-in for the dQ launcher runs
+    backward.py's dQ programs: the split gives bitwise the gradients of the whole portable
+    backward."""
     assert hopper.takes_dkdv(torch.empty(1, 1, 1, 64))
     assert hopper.takes_dkdv(torch.empty(1, 1, 1, 128))
     assert not hopper.takes_dkdv(torch.empty(1, 1, 1, 256))
@@ -458,11 +459,12 @@ def test_head_dim_256_runs_the_portable_dkdv_then_the_gluon_dq(monkeypatch):
     assert not hopper._whole_tiles(torch.empty(1, 160, 1, 256), torch.empty(1, 64, 1, 256))
     launched = []
 
-    def dq_stand_in(dout, q, k, v, lse, delta, params, dq, block=None, one_key_zero=False,
-                    plan=None):
+    def dq_stand_in(dout, q, k, v, out, lse, delta, dlse, params, dq, block=None,
+                    one_key_zero=False, plan=None):
         launched.append("dq")
-        backward._triton_dkdv_dq(dout, q, k, v, lse, delta, params, dq, torch.empty_like(k),
-                                 torch.empty_like(v), {}, one_key_zero, parts=("dq", ))
+        backward._triton_dkdv_dq(dout, q, k, v, out, lse, delta, dlse, params, dq,
+                                 torch.empty_like(k), torch.empty_like(v), {}, one_key_zero,
+                                 parts=("dq", ))
 
     monkeypatch.setattr(hopper, "attention_backward_dq", dq_stand_in)
     monkeypatch.setattr(hopper, "attention_backward_dkdv",
@@ -515,7 +517,7 @@ def _gluon_grads(q, k, v, dout, params, monkeypatch):
                                     dq=poison(torch.empty_like(q)),
                                     dk=poison(torch.empty_like(k)),
                                     dv=poison(torch.empty_like(v)))[:3]
-    assert calls == ["attention_backward_dkdv", "attention_backward_dq"]
+    assert calls == ["attention_backward_dq", "attention_backward_dkdv"]
     return grads
 
 
@@ -624,7 +626,7 @@ def test_gpu_gluon_backward_dense_any_length_matches_oracle(case, monkeypatch):
                                                dataclasses.replace(params, sink=leaves[3]))
                 dsinks.append(torch.autograd.grad(out, leaves[3], dout.to(t))[0])
             assert_close_to_oracle("dsink", grads[3], *dsinks, factor=GRAD_FACTOR)
-    assert calls == ["attention_backward_dkdv", "attention_backward_dq"]
+    assert calls == ["attention_backward_dq", "attention_backward_dkdv"]
 
 
 @pytest.mark.gpu

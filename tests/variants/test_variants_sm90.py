@@ -92,8 +92,7 @@ def record_launches(name: str, head_dim: int) -> dict:
         params.variant.captured_grads = [
             torch.zeros(t.shape) if isinstance(t, torch.Tensor) and t.is_floating_point()
             else None for t in score.captured]
-    launches = ((forward, "_fwd_kernel"), (backward, "_bwd_kernel"),
-                (backward, "_bwd_preprocess_kernel"))
+    launches = ((forward, "_fwd_kernel"), (backward, "_bwd_kernel"))
     recorders = {name: _Recorder(getattr(module, name)) for module, name in launches}
     for module, kernel in launches:
         setattr(module, kernel, recorders[kernel])

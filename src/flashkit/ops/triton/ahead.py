@@ -1,7 +1,7 @@
 """Compiling kernels ahead, several at once, for a call's first run.
 
 A new shape or variant compiles each of its kernels when it first launches: one after the
-other, a forward then the backward's preprocess, dK/dV and dQ kernels, several seconds each
+other, a forward then the backward's dQ and dK/dV kernels, several seconds each
 cold. Triton's compiler leaves the GIL for most of its work (its MLIR and LLVM passes, ptxas),
 so threads compile side by side. Under `compiling()`, `launch.launch` does not run a kernel: it
 hands the kernel's arguments to a pool thread that compiles it (Triton's `warmup`, then its

@@ -4,12 +4,13 @@ Notation as in common.py, plus
     dO, delta     the output gradient and delta_i = sum_d dO_id * O_id (= rowsum(P * dP))
     P, dP, dS     P = exp2(s - lse2) recomputed from the saved lse; dP = dO V^T;
                   dS = P * (dP - delta); dQ = scale dS K, dK = scale dS^T Q, dV = P^T dO
-The kernels:
-    _bwd_preprocess_kernel   delta for BLOCK_M rows of one (batch, head)
-    _bwd_dkdv_kernel         one program per BLOCK_N key columns of one (batch, kv head): loops
-                             over the query heads of its GQA group and the query tiles that see
-                             the block, so dK/dV are reduced over the group in registers
-    _bwd_dq_kernel           one program per BLOCK_M query rows, looping over key tiles
+The kernel's two launches, in this order:
+    dQ programs              one per BLOCK_M query rows, looping over key tiles; each first
+                             computes its rows' delta from the dO and O tiles and stores it
+    dK/dV programs           one per BLOCK_N key columns of one (batch, kv head): loops over the
+                             query heads of its GQA group and the query tiles that see the
+                             block, so dK/dV are reduced over the group in registers; they read
+                             the stored delta
 Features as in forward.py: DROPOUT regenerates the forward's keep-mask tile by tile
 (dropout.dropout_keep) in both kernels: dV = (P o Z)^T dO and dP = Z o (dO V^T) with
 Z = keep / (1 - p), while dS = P o (dP - delta) keeps the pre-dropout P. VARLEN: each program
@@ -22,8 +23,8 @@ Transposed tiles carry a _t suffix: s_t is [BLOCK_N, BLOCK_M] = s^T.
 On sm_90 dK/dV and dQ run the Gluon kernels of backward_hopper.py instead (configs.GLUON_BACKWARD;
 every feature, varlen included, see backward_hopper.declines; dense calls whose lengths are
 not tile multiples run there as varlen with equal lengths, dispatch._dense_as_varlen; the
-choice is dispatch.backward_call's); at head dim 256 only dQ does, after this file's dK/dV
-programs. The preprocess and dsink here serve both.
+choice is dispatch.backward_call's); at head dim 256 only dQ does, before this file's dK/dV
+programs. dsink here serves both.
 """
 
 from __future__ import annotations
@@ -65,34 +66,7 @@ from flashkit.ops.triton.common import (
 from flashkit.ops.triton.configs import padded_head_dim, tile_config
 from flashkit.ops.triton.dropout import dropout_keep, dropout_keep_t
 from flashkit.ops.triton.features import GRADIENT_FLAGS, kernel_features
-from flashkit.ops.triton.launch import Prepared, fold, launch, planned
-
-
-@triton.jit
-def _bwd_preprocess_kernel(Out, DO, Delta,
-                           stride_ob, stride_os, stride_oh, stride_od,
-                           stride_dob, stride_dos, stride_doh, stride_dod,
-                           stride_deltab, stride_deltah, stride_deltas,
-                           nheads, seqlen_q,
-                           HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
-                           BLOCK_M: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1) + tl.program_id(2) * tl.num_programs(1)  # launch.fold
-    off_b = (pid_bh // nheads).to(tl.int64)
-    off_h = (pid_bh % nheads).to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    o_ptrs = tile_ptrs(head_ptr(Out, off_b, off_h, 0, stride_ob, stride_oh, stride_os), offs_m,
-                       offs_dv, stride_os, stride_od)
-    do_ptrs = tile_ptrs(head_ptr(DO, off_b, off_h, 0, stride_dob, stride_doh, stride_dos),
-                        offs_m, offs_dv, stride_dos, stride_dod)
-    o_tile = load_tile(o_ptrs, offs_m, seqlen_q, offs_dv, HEAD_DIM_V, True, HEAD_DIM_V != BLOCK_DV)
-    do_tile = load_tile(do_ptrs, offs_m, seqlen_q, offs_dv, HEAD_DIM_V, True,
-                        HEAD_DIM_V != BLOCK_DV)
-    delta = tl.sum(o_tile.to(tl.float32) * do_tile.to(tl.float32), 1)
-    delta_ptrs = (head_ptr(Delta, off_b, off_h, 0, stride_deltab, stride_deltah, stride_deltas)
-                  + offs_m * stride_deltas)
-    tl.store(delta_ptrs, delta, mask=offs_m < seqlen_q)
+from flashkit.ops.triton.launch import fold, launch
 
 
 @triton.jit
@@ -368,10 +342,25 @@ def _bwd_dq_tiles(dq, pdp, q_tile, do_tile, lse2, delta, kv, start, end, offs, b
 
 
 @triton.jit
-def _bwd_dq_program(pid_m, pid_bh, Q, K, V, DO, Lse, Delta, DQ,
+def _row_delta(o_base, do_tile, dlse_ptrs, offs_m, offs_dv, seqlen_q, stride_os, stride_od,
+               HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_M: tl.constexpr,
+               LSE_GRAD: tl.constexpr):
+    """delta = rowsum(dO * O) - dlse ([BLOCK_M] float32) of the rows offs_m, from the dO tile
+    the dQ program holds and O's tile (0 for rows past seqlen_q)."""
+    o_tile = load_tile(tile_ptrs(o_base, offs_m, offs_dv, stride_os, stride_od), offs_m,
+                       seqlen_q, offs_dv, HEAD_DIM_V, not EVEN_M, HEAD_DIM_V != BLOCK_DV)
+    delta = tl.sum(o_tile.to(tl.float32) * do_tile.to(tl.float32), 1)
+    if LSE_GRAD:
+        delta -= tl.load(dlse_ptrs, mask=offs_m < seqlen_q, other=0.0)
+    return delta
+
+
+@triton.jit
+def _bwd_dq_program(pid_m, pid_bh, Q, K, V, Out, DO, Lse, Delta, Dlse, DQ,
                    stride_qb, stride_qs, stride_qh, stride_qd,
                    stride_kb, stride_ks, stride_kh, stride_kd,
                    stride_vb, stride_vs, stride_vh, stride_vd,
+                   stride_ob, stride_os, stride_oh, stride_od,
                    stride_dob, stride_dos, stride_doh, stride_dod,
                    stride_lb, stride_lh, stride_ls,
                    stride_deltab, stride_deltah, stride_deltas,
@@ -384,13 +373,16 @@ def _bwd_dq_program(pid_m, pid_bh, Q, K, V, DO, Lse, Delta, DQ,
                    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SCORES: tl.constexpr,
                    DROPOUT: tl.constexpr, ONE_KEY_ZERO: tl.constexpr,
-                   SINK: tl.constexpr, VARLEN: tl.constexpr, EVEN_M: tl.constexpr,
-                   PRECISION: tl.constexpr, SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr,
-                   MASK_MOD: tl.constexpr, CAPTURED_GRAD: tl.constexpr, PACKED: tl.constexpr,
-                   SPARSE: tl.constexpr, SPARSE_Q: tl.constexpr, SPARSE_KV: tl.constexpr):
-    """dQ of query block pid_m of (batch, head) pid_bh; SPARSE as the forward kernel's. SINK:
-    the block's rows' delta is then replaced by their rowsum(P * dP) from the tiles, which
-    dsink reads (attention_backward); every dK/dV program has read delta by then."""
+                   SINK: tl.constexpr, LSE_GRAD: tl.constexpr, VARLEN: tl.constexpr,
+                   EVEN_M: tl.constexpr, PRECISION: tl.constexpr, SCORE_MOD: tl.constexpr,
+                   SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr, CAPTURED_GRAD: tl.constexpr,
+                   PACKED: tl.constexpr, SPARSE: tl.constexpr, SPARSE_Q: tl.constexpr,
+                   SPARSE_KV: tl.constexpr):
+    """dQ of query block pid_m of (batch, head) pid_bh; SPARSE as the forward kernel's. The
+    program computes its rows' delta = rowsum(dO * O) - dlse (LSE_GRAD: Dlse, laid out like
+    Delta) and stores it in Delta for the dK/dV programs launched after it. SINK: what it
+    stores is rowsum(P * dP) - dlse from its float32 tiles instead, which dsink reads too
+    (attention_backward)."""
     off_b = (pid_bh // nheads).to(tl.int64)
     off_h = (pid_bh % nheads).to(tl.int64)
     off_hk = off_h // group
@@ -416,7 +408,13 @@ def _bwd_dq_program(pid_m, pid_bh, Q, K, V, DO, Lse, Delta, DQ,
                       + offs_m * stride_ls, offs_m, seqlen_q, True, q_tile.dtype == tl.float32)
     delta_ptrs = head_ptr(Delta, off_b, off_h, q_start, stride_deltab, stride_deltah,
                           stride_deltas) + offs_m * stride_deltas
-    delta = tl.load(delta_ptrs, mask=offs_m < seqlen_q, other=0.0)
+    dlse_ptrs = head_ptr(Dlse, off_b, off_h, q_start, stride_deltab, stride_deltah,
+                         stride_deltas) + offs_m * stride_deltas
+    delta = _row_delta(head_ptr(Out, off_b, off_h, q_start, stride_ob, stride_oh, stride_os),
+                       do_tile, dlse_ptrs, offs_m, offs_dv, seqlen_q, stride_os, stride_od,
+                       HEAD_DIM_V, BLOCK_DV, EVEN_M, LSE_GRAD)
+    if not SINK:
+        tl.store(delta_ptrs, delta, mask=offs_m < seqlen_q)
     k_base = head_ptr(K, off_b, off_hk, k_start, stride_kb, stride_kh, stride_ks)
     v_base = head_ptr(V, off_b, off_hk, k_start, stride_vb, stride_vh, stride_vs)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -455,6 +453,8 @@ def _bwd_dq_program(pid_m, pid_bh, Q, K, V, DO, Lse, Delta, DQ,
                                 SCORES, SINK, DROPOUT, ONE_KEY_ZERO, PRECISION,
                                 SCORE_MOD, SCORE_GRAD, MASK_MOD, CAPTURED_GRAD, PACKED)
     if SINK:
+        if LSE_GRAD:
+            pdp -= tl.load(dlse_ptrs, mask=offs_m < seqlen_q, other=0.0)
         tl.store(delta_ptrs, pdp, mask=offs_m < seqlen_q)
 
     dq_ptrs = tile_ptrs(head_ptr(DQ, off_b, off_h, q_start, stride_dqb, stride_dqh, stride_dqs),
@@ -469,10 +469,11 @@ def _bwd_dq_program(pid_m, pid_bh, Q, K, V, DO, Lse, Delta, DQ,
 @triton.jit(do_not_specialize=["seed_lo", "seed_hi", "dropout_threshold", "num_kv_blocks",
                                "num_q_blocks", "stride_sb", "stride_sh", "n_kv_blocks",
                                "stride_tb", "stride_th", "n_q_blocks"])
-def _bwd_kernel(Q, K, V, DO, Lse, Delta, DQ, DK, DV,
+def _bwd_kernel(Q, K, V, Out, DO, Lse, Delta, Dlse, DQ, DK, DV,
                 stride_qb, stride_qs, stride_qh, stride_qd,
                 stride_kb, stride_ks, stride_kh, stride_kd,
                 stride_vb, stride_vs, stride_vh, stride_vd,
+                stride_ob, stride_os, stride_oh, stride_od,
                 stride_dob, stride_dos, stride_doh, stride_dod,
                 stride_lb, stride_lh, stride_ls,
                 stride_deltab, stride_deltah, stride_deltas,
@@ -489,14 +490,16 @@ def _bwd_kernel(Q, K, V, DO, Lse, Delta, DQ, DK, DV,
                 BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr, HAS_LEFT: tl.constexpr,
                 HAS_RIGHT: tl.constexpr, SCORES: tl.constexpr, DROPOUT: tl.constexpr,
                 VARLEN: tl.constexpr, ONE_KEY_ZERO: tl.constexpr,
-                SINK: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+                SINK: tl.constexpr, LSE_GRAD: tl.constexpr, EVEN_M: tl.constexpr,
+                EVEN_N: tl.constexpr,
                 DO_DKDV: tl.constexpr, PRECISION: tl.constexpr, SCORE_MOD: tl.constexpr,
                 SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr, PACKED: tl.constexpr,
                 CAPTURED_GRAD: tl.constexpr, SPARSE: tl.constexpr, SPARSE_Q: tl.constexpr,
                 SPARSE_KV: tl.constexpr):
-    """The dK/dV programs (DO_DKDV, num_kv_blocks on axis 0) or the dQ programs (heaviest query
-    block first), in two launches, dK/dV first; axis 1 is batch * nheads, of which the dK/dV
-    programs use the first batch * nheads_k. SINK (the dQ launch's): see _bwd_dq_program."""
+    """The dQ programs (heaviest query block first) or the dK/dV programs (DO_DKDV,
+    num_kv_blocks on axis 0), in two launches, dQ first: it stores the delta the dK/dV programs
+    read; axis 1 is batch * nheads, of which the dK/dV programs use the first batch * nheads_k.
+    SINK and LSE_GRAD (the dQ launch's): see _bwd_dq_program."""
     pid = tl.program_id(0)
     pid_bh = tl.program_id(1) + tl.program_id(2) * tl.num_programs(1)  # launch.fold
     group = nheads // nheads_k
@@ -526,10 +529,11 @@ def _bwd_kernel(Q, K, V, DO, Lse, Delta, DQ, DK, DV,
                                   SCORE_GRAD, MASK_MOD, PACKED, SPARSE, SPARSE_Q, SPARSE_KV)
     else:
         pid_m = num_q_blocks - 1 - pid
-        _bwd_dq_program(pid_m, pid_bh, Q, K, V, DO, Lse, Delta, DQ,
+        _bwd_dq_program(pid_m, pid_bh, Q, K, V, Out, DO, Lse, Delta, Dlse, DQ,
                         stride_qb, stride_qs, stride_qh, stride_qd,
                         stride_kb, stride_ks, stride_kh, stride_kd,
                         stride_vb, stride_vs, stride_vh, stride_vd,
+                        stride_ob, stride_os, stride_oh, stride_od,
                         stride_dob, stride_dos, stride_doh, stride_dod,
                         stride_lb, stride_lh, stride_ls,
                         stride_deltab, stride_deltah, stride_deltas,
@@ -540,13 +544,13 @@ def _bwd_kernel(Q, K, V, DO, Lse, Delta, DQ, DK, DV,
                         grad_args, packing, KvNum, KvIdx, FullNum, FullIdx, stride_sb,
                         stride_sh, n_kv_blocks, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
                         BLOCK_DV, BLOCK_M2, BLOCK_N2, HAS_LEFT, HAS_RIGHT, SCORES, DROPOUT,
-                        ONE_KEY_ZERO, SINK, VARLEN, EVEN_M, PRECISION, SCORE_MOD, SCORE_GRAD,
-                        MASK_MOD, CAPTURED_GRAD, PACKED, SPARSE, SPARSE_Q, SPARSE_KV)
+                        ONE_KEY_ZERO, SINK, LSE_GRAD, VARLEN, EVEN_M, PRECISION, SCORE_MOD,
+                        SCORE_GRAD, MASK_MOD, CAPTURED_GRAD, PACKED, SPARSE, SPARSE_Q, SPARSE_KV)
 
 
-_BWD_TENSORS = ("Q", "K", "V", "DO", "Lse", "Delta", "DQ", "DK", "DV", "ScoreTensors", "Cu_q",
-                "Cu_k", "KvNum", "KvIdx", "FullNum", "FullIdx", "QNum", "QIdx", "FullQNum",
-                "FullQIdx")  # launch's order
+_BWD_TENSORS = ("Q", "K", "V", "Out", "DO", "Lse", "Delta", "Dlse", "DQ", "DK", "DV",
+                "ScoreTensors", "Cu_q", "Cu_k", "KvNum", "KvIdx", "FullNum", "FullIdx", "QNum",
+                "QIdx", "FullQNum", "FullQIdx")  # launch's order
 
 
 def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -555,11 +559,15 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                        dv: torch.Tensor | None = None, tiles: dict | None = None,
                        dlse: torch.Tensor | None = None, gluon: bool = False,
                        own_lse: bool = True, plan: dict | None = None):
-    """Launch preprocess, dK/dV and dQ. Returns (dq, dk, dv, dsink), dsink None without a sink;
-    dq/dk/dv may be preallocated. dlse, a gradient on the lse output, enters as D - dlse
-    (d lse_i / d s_ij = P_ij, the same shape of term as D). own_lse=False: lse is one over more
-    keys than this call's (ring attention), so rows seeing one key here keep their dS. Which
-    kernels run is chosen by dispatch.backward_call; this launches that choice.
+    """Launch dQ, then dK/dV. Returns (dq, dk, dv, dsink), dsink None without a sink; dq/dk/dv
+    may be preallocated. dlse, a gradient on the lse output, enters as D - dlse (d lse_i /
+    d s_ij = P_ij, the same shape of term as D). own_lse=False: lse is one over more keys than
+    this call's (ring attention), so rows seeing one key here keep their dS. Which kernels run
+    is chosen by dispatch.backward_call; this launches that choice.
+
+    The dQ kernel computes each row's delta = D - dlse, D = rowsum(dO * O), from the dO and O
+    tiles it loads, and stores it (float32, laid out like lse) for the dK/dV kernel launched
+    after it: no separate pass over O and dO.
 
     gluon: dQ in backward_hopper's kernel (the call must be one it takes,
     backward_hopper.declines), and dK/dV too where it takes the head dim
@@ -568,7 +576,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     num_warps, num_stages), "dq": ...} overrides configs.SM90 (the tuning sweep); tiles =
     {"hopper": ..., "hopper_dq": ...} override configs.GLUON_BACKWARD_DKDV and
     configs.GLUON_BACKWARD_DQ. plan: the dispatch plan's prepared launches of the Gluon
-    kernels and the preprocess (launch.planned).
+    kernels (launch.planned).
     """
     tiles = tiles or {}
     dq = torch.empty_like(q) if dq is None else dq
@@ -576,56 +584,43 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     dv = torch.empty_like(v) if dv is None else dv
     # float32 in lse's shape, contiguous (empty_like: half the host time of torch.empty)
     delta = torch.empty_like(lse, dtype=torch.float32, memory_format=torch.contiguous_format)
-    planned(plan, "preprocess", lambda: _prepare_preprocess(out, dout, delta, params))(
-        out, dout, delta)
-    if dlse is not None:
-        delta -= dlse
+    if dlse is not None:  # the kernels read it laid out like delta
+        dlse = dlse.to(torch.float32).contiguous()
 
     one_key_zero = params.sink is None and dlse is None and own_lse
     if gluon:
+        backward_hopper.attention_backward_dq(dout, q, k, v, out, lse, delta, dlse, params, dq,
+                                              block=tiles.get("hopper_dq"),
+                                              one_key_zero=one_key_zero, plan=plan)
         if backward_hopper.takes_dkdv(q):
             backward_hopper.attention_backward_dkdv(dout, q, k, v, lse, delta, params, dk, dv,
                                                     block=tiles.get("hopper"),
                                                     one_key_zero=one_key_zero, plan=plan)
         else:  # head dim 256: dK/dV do not fit one warpgroup's registers (configs.gluon)
-            _triton_dkdv_dq(dout, q, k, v, lse, delta, params, dq, dk, dv, tiles, one_key_zero,
-                            parts=("dkdv", ))
-        backward_hopper.attention_backward_dq(dout, q, k, v, lse, delta, params, dq,
-                                              block=tiles.get("hopper_dq"),
-                                              one_key_zero=one_key_zero, plan=plan)
+            _triton_dkdv_dq(dout, q, k, v, out, lse, delta, dlse, params, dq, dk, dv, tiles,
+                            one_key_zero, parts=("dkdv", ))
     else:
-        _triton_dkdv_dq(dout, q, k, v, lse, delta, params, dq, dk, dv, tiles, one_key_zero)
+        _triton_dkdv_dq(dout, q, k, v, out, lse, delta, dlse, params, dq, dk, dv, tiles,
+                        one_key_zero)
 
     dsink = None
     if params.sink is not None:
         # d lse_i / d sink = exp(sink - lse_i) and dL/d lse_i = dlse_i - D_i, summed over rows
         # (lse (batch, nheads, seqlen_q), varlen (nheads, total_q)): a fixed-order torch
-        # reduction, deterministic like the rest. The dQ kernels have replaced delta by each
-        # row's D = rowsum(P * dP) from the float32 tiles: rowsum(dO * O) would carry the
-        # rounding of O's values, once per row, into a sum over every row.
-        row_share = torch.exp(params.sink.to(torch.float32)[:, None] - lse) * (
-            delta if dlse is None else delta - dlse)
+        # reduction, deterministic like the rest. With a sink the dQ kernels store each row's
+        # D - dlse with D = rowsum(P * dP) from the float32 tiles: rowsum(dO * O) would carry
+        # the rounding of O's values, once per row, into a sum over every row.
+        row_share = torch.exp(params.sink.to(torch.float32)[:, None] - lse) * delta
         dsink = (-row_share.sum(-1).reshape(-1, lse.shape[-2]).sum(0)).to(params.sink.dtype)
     return dq, dk, dv, dsink
 
 
-def _prepare_preprocess(out, dout, delta, params: AttentionParams) -> Prepared:
-    """The launch of delta = rowsum(dO * O) (launch.Prepared), row by row: varlen's packed rows
-    are one long sequence here."""
-    f = kernel_features(params, out, out, delta, flags=GRADIENT_FLAGS)
-    block_m = 64
-    rows_batch, rows = (1, out.shape[0]) if params.is_varlen else (f.batch, f.seqlen_q)
-    return Prepared(_bwd_preprocess_kernel, (cdiv(rows, block_m), *fold(rows_batch * f.nheads)),
-                    (*f.strides(out), *f.strides(dout), *f.strides(delta), f.nheads, rows),
-                    dict(HEAD_DIM_V=f.head_dim_v, BLOCK_DV=padded_head_dim(f.head_dim_v),
-                         BLOCK_M=block_m))
-
-
-def _triton_dkdv_dq(dout, q, k, v, lse, delta, params: AttentionParams, dq, dk, dv, tiles,
-                    one_key_zero: bool, parts: tuple = ("dkdv", "dq")):
-    """dK, dV and dQ in this file's kernels, the dK/dV programs then the dQ programs (those of
-    `parts` only: dK/dV alone where the Gluon dQ kernel follows); delta (laid out like lse) is
-    ready. one_key_zero: the kernels' ONE_KEY_ZERO (no sink and no lse gradient)."""
+def _triton_dkdv_dq(dout, q, k, v, out, lse, delta, dlse, params: AttentionParams, dq, dk, dv,
+                    tiles, one_key_zero: bool, parts: tuple = ("dq", "dkdv")):
+    """dQ and dK, dV in this file's kernels, the dQ programs then the dK/dV programs (those of
+    `parts` only: dK/dV alone after the Gluon dQ kernel, which has stored delta). delta: float32
+    laid out like lse, which the dQ programs fill; dlse None or laid out like delta.
+    one_key_zero: the kernels' ONE_KEY_ZERO (no sink and no lse gradient)."""
     f = kernel_features(params, q, v, lse, q.dtype, flags=GRADIENT_FLAGS)
     head_dim, head_dim_v = f.head_dim, f.head_dim_v
     block_d, block_dv = padded_head_dim(head_dim), padded_head_dim(head_dim_v)
@@ -643,9 +638,9 @@ def _triton_dkdv_dq(dout, q, k, v, lse, delta, params: AttentionParams, dq, dk, 
         block_m1, block_m2 = (min(b, sparse["SPARSE_Q"]) for b in (block_m1, block_m2))
         block_n1, block_n2 = (min(b, sparse["SPARSE_KV"]) for b in (block_n1, block_n2))
     num_kv_blocks, num_q_blocks = cdiv(f.seqlen_k, block_n1), cdiv(f.seqlen_q, block_m2)
-    tensors = (q, k, v, dout, lse, delta, dq, dk, dv, f.score_tensors, *f.cu_seqlens,
-               *kv_blocks[:4], *q_blocks[:4])
-    scalars = (*(stride for t in (q, k, v, dout, lse, delta, dq, dk, dv)
+    tensors = (q, k, v, out, dout, lse, delta, delta if dlse is None else dlse, dq, dk, dv,
+               f.score_tensors, *f.cu_seqlens, *kv_blocks[:4], *q_blocks[:4])
+    scalars = (*(stride for t in (q, k, v, out, dout, lse, delta, dq, dk, dv)
                  for stride in f.strides(t)),
                f.batch, f.nheads, f.nheads_k, *f.band, f.score_values, params.softmax_scale,
                *f.dropout, num_kv_blocks, num_q_blocks, score_mod_args, mask_mod_args, grad_args,
@@ -659,12 +654,13 @@ def _triton_dkdv_dq(dout, q, k, v, lse, delta, params: AttentionParams, dq, dk, 
     even_n = not varlen and f.seqlen_k % block_n1 == 0
     launches = {"dkdv": (num_kv_blocks, num_warps, num_stages),
                 "dq": (num_q_blocks, dq_warps, dq_stages)}
-    for part in parts:  # dK/dV first: the dQ programs of a sink call overwrite delta
+    for part in parts:  # dQ first: it stores the delta the dK/dV programs read
         programs, warps, stages = launches[part]
         do_dkdv = part == "dkdv"
         # constexprs in the kernel's signature order (launch passes them positionally)
         launch(_bwd_kernel, (programs, *fold(f.batch * f.nheads)), tensors, scalars,
-               dict(meta, SINK=sink and not do_dkdv, EVEN_M=even_m, EVEN_N=even_n,
+               dict(meta, SINK=sink and not do_dkdv, LSE_GRAD=dlse is not None and not do_dkdv,
+                    EVEN_M=even_m, EVEN_N=even_n,
                     DO_DKDV=do_dkdv, PRECISION=DOT_PRECISION,
                     **variant, **captured_grad, **sparse), _BWD_TENSORS, num_warps=warps,
                num_stages=stages)

@@ -1,5 +1,6 @@
 """Hopper-only backward in Gluon (triton.experimental.gluon), FA3-style: a dK/dV kernel and a dQ
-kernel; backward.py launches them after its preprocess (delta) and reduces dsink itself.
+kernel; backward.py launches them, dQ first (it stores each row's delta for dK/dV), and reduces
+dsink itself.
 
 Notation as in backward.py: P = exp2(s - lse2) recomputed from the saved lse, dP = dO V^T,
 dS = P * (dP - delta), dV = P^T dO, dK = scale dS^T Q, dQ = scale dS K. Transposed tiles carry
@@ -47,7 +48,7 @@ but lse and delta reach the dK/dV kernel as copies in which every sequence start
 The keep-mask is indexed (sequence, head, i, j) with i, j within the sequence, as forward.py's.
 
 Head dim 256 runs the dQ kernel only (takes_dkdv): dK and dV, [BLOCK_N, 256] fp32 each, would
-not fit one warpgroup's registers, so backward.py's dK/dV programs run before it.
+not fit one warpgroup's registers, so backward.py's dK/dV programs run after it.
 
 Eligible (see `eligible`): what the Gluon forward takes (forward_hopper.gluon_declines: sm_90,
 fp16/bf16, head dim 64, 128 or 256, q/k/v in the flash layout so (tokens, heads * d) is a plain
@@ -594,10 +595,37 @@ if gluon is not None:
                       n_tiles, key0, listing, kv_col, BLOCK_N, NUM_STAGES)
         return dq, upper, pdp
 
+    @gluon.jit
+    def _row_delta(o_ptr, do_ptr, stride_os, stride_dos, n_rows, BLOCK_M: gl.constexpr,
+                   HEAD_DIM: gl.constexpr, MASK: gl.constexpr, row_layout: gl.constexpr,
+                   num_warps: gl.constexpr):
+        """rowsum(dO * O) of the BLOCK_M rows of O and dO at o_ptr and do_ptr (their first
+        row, unit column stride), in row_layout; MASK: rows at or past n_rows read 0. 64
+        columns at a time ([BLOCK_M, 64] of each in registers, 16-byte loads), so head dim 256
+        adds no register pressure beyond head dim 64's."""
+        CHUNK: gl.constexpr = 64
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+        rows = gl.expand_dims(gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout)), 1)
+        cols = gl.expand_dims(gl.arange(0, CHUNK, layout=gl.SliceLayout(0, layout)), 0)
+        o_ptrs = o_ptr + rows.to(gl.int64) * stride_os + cols
+        do_ptrs = do_ptr + rows.to(gl.int64) * stride_dos + cols
+        total = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, layout))
+        for c in gl.static_range(HEAD_DIM // CHUNK):
+            if MASK:
+                in_rows = (rows < n_rows) & (cols < CHUNK)
+                o = gl.load(o_ptrs + c * CHUNK, mask=in_rows, other=0.0)
+                do = gl.load(do_ptrs + c * CHUNK, mask=in_rows, other=0.0)
+            else:
+                o = gl.load(o_ptrs + c * CHUNK)
+                do = gl.load(do_ptrs + c * CHUNK)
+            total += gl.sum(o.to(gl.float32) * do.to(gl.float32), axis=1)
+        return gl.convert_layout(total, row_layout)
+
     @gluon.jit(do_not_specialize=["seed_lo", "seed_hi", "dropout_threshold"])
-    def _bwd_dq_hopper_kernel(q_desc, k_desc, v_desc, do_desc, Lse, Delta, DQ, ScoreTensors,
-                              stride_lb, stride_lh, stride_deltab, stride_deltah,
-                              stride_dqb, stride_dqs, stride_dqh,
+    def _bwd_dq_hopper_kernel(q_desc, k_desc, v_desc, do_desc, Out, DO, Lse, Delta, Dlse, DQ,
+                              ScoreTensors, stride_ob, stride_os, stride_oh, stride_dob,
+                              stride_dos, stride_doh, stride_lb, stride_lh, stride_deltab,
+                              stride_deltah, stride_dqb, stride_dqs, stride_dqh,
                               nheads, group, seqlen_q, seqlen_k, window_left, window_right,
                               score_values, softmax_scale, seed_lo, seed_hi,
                               dropout_threshold, dropout_scale, Cu_q, Cu_k, score_args,
@@ -608,15 +636,18 @@ if gluon is not None:
                               SCORES: gl.constexpr, DROPOUT: gl.constexpr,
                               VARLEN: gl.constexpr,
                               ONE_KEY_ZERO: gl.constexpr, SINK: gl.constexpr,
-                              SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr,
-                              MASK_MOD: gl.constexpr, num_warps: gl.constexpr):
+                              LSE_GRAD: gl.constexpr, SCORE_MOD: gl.constexpr,
+                              SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr,
+                              num_warps: gl.constexpr):
         """dQ of BLOCK_M query rows of one (batch, head), heaviest causal rows first: Q and dO
         stay in shared memory, K/V tiles stream through a TMA ring (as the forward), each dQ
         element summed in one program in a fixed order (deterministic). VARLEN as the dK/dV
         kernel; key columns past the sequence's end (the next one's, read by TMA) are masked in
-        the last key tile, query rows past it are never stored. SINK: the rows' delta is then
-        replaced by their rowsum(P * dP) from the tiles, which dsink reads (backward.py); the
-        dK/dV kernel, launched first, has read delta by then. A user's modifiers as in the
+        the last key tile, query rows past it are never stored. Each program first computes
+        its rows' delta = rowsum(dO * O) - dlse (LSE_GRAD: Dlse, laid out like Delta; O and dO
+        read from global memory, 64 columns at a time) and stores it in Delta, which the dK/dV
+        kernel launched after it reads. SINK: what it stores is rowsum(P * dP) - dlse from the
+        float32 tiles instead, which dsink reads too (backward.py). A user's modifiers as in the
         dK/dV kernel (a MASK_MOD masks every key tile); blocks: a block mask shared by the
         heads, (lists, stride_b, query rows per block) (else ()): the rows' key tiles are then
         their mask row's listed ones."""
@@ -690,9 +721,18 @@ if gluon is not None:
             row_mask = rows < seqlen_q
         lse2 = gl.load(Lse + off_b.to(gl.int64) * stride_lb + off_h * stride_lh + q_start + rows,
                        mask=row_mask) * LOG2E_G
-        delta_ptrs = (Delta + off_b.to(gl.int64) * stride_deltab + off_h * stride_deltah
-                      + q_start + rows)
-        delta = gl.load(delta_ptrs, mask=row_mask)
+        row_offsets = off_b.to(gl.int64) * stride_deltab + off_h * stride_deltah + q_start + rows
+        delta = _row_delta(
+            Out + off_b.to(gl.int64) * stride_ob + off_h * stride_oh
+            + (q_start + start_m).to(gl.int64) * stride_os,
+            DO + off_b.to(gl.int64) * stride_dob + off_h * stride_doh
+            + (q_start + start_m).to(gl.int64) * stride_dos,
+            stride_os, stride_dos, seqlen_q - start_m, BLOCK_M, HEAD_DIM, VARLEN, row_layout,
+            num_warps)
+        if LSE_GRAD:
+            delta -= gl.load(Dlse + row_offsets, mask=row_mask)
+        if not SINK:
+            gl.store(Delta + row_offsets, delta, mask=row_mask)
         if DROPOUT:  # the tiles select dP without the keep scale 1 / (1 - p): dQ takes it once
             delta = delta * (1.0 / dropout_scale)
         dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout)
@@ -731,7 +771,9 @@ if gluon is not None:
         if SINK:
             if DROPOUT:  # the tiles summed (1 - p) D
                 pdp = pdp * dropout_scale
-            gl.store(delta_ptrs, pdp, mask=row_mask)
+            if LSE_GRAD:
+                pdp -= gl.load(Dlse + row_offsets, mask=row_mask)
+            gl.store(Delta + row_offsets, pdp, mask=row_mask)
 
         mbarrier.invalidate(q_bar)
         for i in gl.static_range(NUM_STAGES):
@@ -859,14 +901,14 @@ def dense_as_varlen(q, k, v, dout, lse, params: AttentionParams, dq, dk, dv, til
 # The kernels' tensor parameters (descriptors and pointers), for launch's argument order
 _DKDV_TENSORS = ("q_desc", "k_desc", "v_desc", "do_desc", "lse_desc", "delta_desc", "DK", "DV",
                  "ScoreTensors", "Cu_q", "Cu_k")
-_DQ_TENSORS = ("q_desc", "k_desc", "v_desc", "do_desc", "Lse", "Delta", "DQ", "ScoreTensors",
-               "Cu_q", "Cu_k")
+_DQ_TENSORS = ("q_desc", "k_desc", "v_desc", "do_desc", "Out", "DO", "Lse", "Delta", "Dlse", "DQ",
+               "ScoreTensors", "Cu_q", "Cu_k")
 
 
 def attention_backward_dkdv(dout, q, k, v, lse, delta, params: AttentionParams, dk, dv,
                             block=None, one_key_zero=False, plan: dict | None = None):
-    """dK, dV of the eligible case into dk, dv. delta (laid out like lse) comes from
-    backward.py's preprocess; block overrides GLUON_BACKWARD_DKDV (the sweep); one_key_zero:
+    """dK, dV of the eligible case into dk, dv. delta (laid out like lse) comes from the dQ
+    kernel, launched before; block overrides GLUON_BACKWARD_DKDV (the sweep); one_key_zero:
     the kernels' ONE_KEY_ZERO (backward.py: no sink, no lse gradient, the call's own lse);
     plan: the dispatch plan's prepared launches (launch.planned), unused for a call with a
     user's modifiers (their captured tensors are the call's own)."""
@@ -902,22 +944,26 @@ def _prepare_dkdv(q, k, v, dout, lse, delta, params: AttentionParams, dk, dv, bl
         _DKDV_TENSORS, descriptors, SEED)
 
 
-def attention_backward_dq(dout, q, k, v, lse, delta, params: AttentionParams, dq, block=None,
-                          one_key_zero=False, plan: dict | None = None):
-    """dQ of the eligible case into dq (deterministic); block overrides GLUON_BACKWARD_DQ;
-    one_key_zero and plan as attention_backward_dkdv's."""
+def attention_backward_dq(dout, q, k, v, out, lse, delta, dlse, params: AttentionParams, dq,
+                          block=None, one_key_zero=False, plan: dict | None = None):
+    """dQ of the eligible case into dq (deterministic), and each row's delta = rowsum(dO * O)
+    - dlse into delta (float32, laid out like lse; dlse None or laid out like it) for the dK/dV
+    kernel; block overrides GLUON_BACKWARD_DQ; one_key_zero and plan as
+    attention_backward_dkdv's."""
     if params.variant is not None:
         plan = None
-    prepared = planned(plan, "dq", lambda: _prepare_dq(q, k, v, dout, lse, delta, params, dq,
-                                                       block, one_key_zero))
+    prepared = planned(plan, "dq", lambda: _prepare_dq(q, k, v, out, dout, lse, delta, dlse,
+                                                       params, dq, block, one_key_zero))
     score_tensors, _, cu_q, cu_k = feature_tensors(params, lse, float32_sink=False)  # no sink
-    prepared(q, k, v, dout, lse, delta, dq, score_tensors, cu_q, cu_k,
-             varying=dropout_seed(params))
+    prepared(q, k, v, dout, out, dout, lse, delta, delta if dlse is None else dlse, dq,
+             score_tensors, cu_q, cu_k, varying=dropout_seed(params))
 
 
-def _prepare_dq(q, k, v, dout, lse, delta, params: AttentionParams, dq, block,
+def _prepare_dq(q, k, v, out, dout, lse, delta, dlse, params: AttentionParams, dq, block,
                 one_key_zero: bool) -> Prepared:
-    """The dQ launch (launch.Prepared) of the call's shapes, strides and params' values."""
+    """The dQ launch (launch.Prepared) of the call's shapes, strides and params' values (out
+    and dout with unit column strides, as the Gluon forward writes out and declines checks
+    dout)."""
     f = kernel_features(params, q, v, lse, q.dtype, flags=GRADIENT_FLAGS)
     head_dim = f.head_dim
     block_m, block_n, num_warps, num_stages = block or GLUON_BACKWARD_DQ[head_dim]
@@ -926,12 +972,13 @@ def _prepare_dq(q, k, v, dout, lse, delta, params: AttentionParams, dq, block,
                    2: flash_descriptor(v, block_n), 3: flash_descriptor(dout, block_m)}
     score_args, mask_args, _, variant = variant_args(params)
     return Prepared(_bwd_dq_hopper_kernel, grid, (
-        *f.strides(lse)[:2], *f.strides(delta)[:2], *f.strides(dq)[:3], f.nheads,
+        *f.strides(out)[:3], *f.strides(dout)[:3], *f.strides(lse)[:2], *f.strides(delta)[:2],
+        *f.strides(dq)[:3], f.nheads,
         f.nheads // f.nheads_k, *f.band, f.score_values, params.softmax_scale,
         *f.dropout, score_args, mask_args, _block_lists(params, lse, block_n)), dict(
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=num_stages, **f.flags,
-        ONE_KEY_ZERO=one_key_zero, SINK=params.sink is not None, **_user_modifiers(variant),
-        num_warps=num_warps), _DQ_TENSORS, descriptors, SEED)
+        ONE_KEY_ZERO=one_key_zero, SINK=params.sink is not None, LSE_GRAD=dlse is not None,
+        **_user_modifiers(variant), num_warps=num_warps), _DQ_TENSORS, descriptors, SEED)
 
 
 def _block_lists(params: AttentionParams, placeholder, tile: int,
