@@ -586,6 +586,64 @@ def test_dense_as_varlen_equals_dense():
         torch.testing.assert_close(a, b, msg=name)
 
 
+def _lse_grad_check(q, k, v, dout, params) -> None:
+    """Forward, then the backward of a loss on lse as well as out (dlse random), into
+    NaN-poisoned buffers, against the float64 oracle's gradients of the same loss (section 5's
+    rule for dq, dk, dv and dsink)."""
+    out, lse = triton_backend.forward(q, k, v, params)
+    dlse = torch.randn_like(lse)
+    grads = triton_backend.backward(dout, q, k, v, out, lse, params, dlse=dlse,
+                                    dq=poison(torch.empty_like(q)),
+                                    dk=poison(torch.empty_like(k)),
+                                    dv=poison(torch.empty_like(v)))
+    results = []
+    for t in (torch.float64, q.dtype):
+        inputs = (q, k, v) if params.sink is None else (q, k, v, params.sink)
+        leaves = [x.detach().to(t).requires_grad_() for x in inputs]
+        ref_out, ref_lse = attention_with_params(
+            *leaves[:3], dataclasses.replace(params, sink=None if len(leaves) == 3
+                                             else leaves[3]))
+        results.append(torch.autograd.grad((ref_out, ref_lse), leaves,
+                                           (dout.to(t), dlse.to(ref_lse.dtype))))
+    got = grads[:3] if params.sink is None else grads
+    for name, tensor, want, base in zip(("dq", "dk", "dv", "dsink"), got, *results,
+                                        strict=False):
+        assert_close_to_oracle(name, tensor, want, base, factor=GRAD_FACTOR)
+
+
+@pytest.mark.parametrize("features", [dict(window_right=0, sink=True), dict(softcap=3.0)],
+                         ids=str)
+def test_lse_gradient_enters_each_rows_delta(features):
+    """A loss on lse too (dlse, as ring attention's merge or a user's loss give): the dQ
+    programs store each row's delta = D - dlse (with a sink, rowsum(P * dP) - dlse) before
+    the dK/dV programs read it. backward.py's kernels, odd lengths both ways, GQA."""
+    q, k, v, dout = make_inputs(2, 37, 29, 4, 2, 16, 16, torch.float32)
+    sink = features.pop("sink", False)
+    params = AttentionParams(0.25, **features,
+                             sink=torch.randn(4, device=DEVICE) if sink else None)
+    _lse_grad_check(q, k, v, dout, params)
+
+
+LSE_GRAD_CASES = [  # (dtype, head_dim, seqlen_q, seqlen_k, features)
+    (torch.bfloat16, 128, 256, 256, dict(window_right=0)),
+    (torch.float16, 64, 300, 517, dict(softcap=3.0, sink=True)),  # off the tiles: as varlen
+    (torch.bfloat16, 256, 192, 320, dict(window_right=0, sink=True)),  # the portable dK/dV
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _on_hopper(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("case", LSE_GRAD_CASES, ids=str)
+def test_gpu_gluon_backward_with_an_lse_gradient_matches_oracle(case, monkeypatch):
+    """The same through the Gluon dQ kernel, which folds dlse into the delta it stores for the
+    dK/dV launch after it (Gluon, or backward.py's at head dim 256)."""
+    dtype, head_dim, seqlen_q, seqlen_k, features = case
+    q, k, v, dout = make_inputs(2, seqlen_q, seqlen_k, 4, 2, head_dim, head_dim, dtype, "cuda")
+    calls = _spy_gluon(monkeypatch)
+    _lse_grad_check(q, k, v, dout, _feature_params(4, head_dim, False, **features))
+    assert calls == _gluon_launches(q)
+
+
 DENSE_ODD_CASES = [  # (dtype, head_dim, batch, seqlen_q, seqlen_k, nheads, nheads_k, features)
     (torch.bfloat16, 128, 2, 1000, 777, 4, 2, dict(window_right=0)),
     (torch.float16, 64, 2, 777, 1000, 4, 1, dict(window_left=100, window_right=30)),
