@@ -644,6 +644,26 @@ def test_gpu_gluon_backward_with_an_lse_gradient_matches_oracle(case, monkeypatc
     assert calls == _gluon_launches(q)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not _on_hopper(), reason="needs an sm_90 GPU")
+def test_gpu_gluon_dq_reads_out_through_its_strides(monkeypatch):
+    """The Gluon dQ kernel reads out for D = rowsum(dO * O) through all four strides: out as a
+    view whose columns are every other element gives bitwise the gradients of a contiguous out."""
+    q, k, v, dout = make_inputs(2, 256, 256, 4, 2, 128, 128, torch.bfloat16, "cuda")
+    params = AttentionParams(128 ** -0.5, None, 0)
+    calls = _spy_gluon(monkeypatch)
+    out, lse = triton_backend.forward(q, k, v, params)
+    strided = torch.zeros(*out.shape[:3], 2 * out.shape[3], dtype=out.dtype, device="cuda")
+    strided[..., ::2] = out
+    strided = strided[..., ::2]
+    assert strided.stride(-1) == 2 and torch.equal(strided, out)
+    want = triton_backend.backward(dout, q, k, v, out, lse, params)
+    got = triton_backend.backward(dout, q, k, v, strided, lse, params)
+    assert calls == _gluon_launches(q) * 2
+    for name, a, b in zip(("dq", "dk", "dv"), got, want, strict=False):
+        assert torch.equal(a, b), name
+
+
 DENSE_ODD_CASES = [  # (dtype, head_dim, batch, seqlen_q, seqlen_k, nheads, nheads_k, features)
     (torch.bfloat16, 128, 2, 1000, 777, 4, 2, dict(window_right=0)),
     (torch.float16, 64, 2, 777, 1000, 4, 1, dict(window_left=100, window_right=30)),

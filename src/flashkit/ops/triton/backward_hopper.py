@@ -596,36 +596,37 @@ if gluon is not None:
         return dq, upper, pdp
 
     @gluon.jit
-    def _row_delta(o_ptr, do_ptr, stride_os, stride_dos, n_rows, BLOCK_M: gl.constexpr,
-                   HEAD_DIM: gl.constexpr, MASK: gl.constexpr, row_layout: gl.constexpr,
-                   num_warps: gl.constexpr):
+    def _row_delta(o_ptr, do_ptr, stride_os, stride_od, stride_dos, n_rows,
+                   BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, MASK: gl.constexpr,
+                   row_layout: gl.constexpr, num_warps: gl.constexpr):
         """rowsum(dO * O) of the BLOCK_M rows of O and dO at o_ptr and do_ptr (their first
-        row, unit column stride), in row_layout; MASK: rows at or past n_rows read 0. 64
+        row; dO's column stride 1, as declines checks), in row_layout; MASK: rows at or past
+        n_rows read 0. 64
         columns at a time ([BLOCK_M, 64] of each in registers, 16-byte loads), so head dim 256
         adds no register pressure beyond head dim 64's."""
         CHUNK: gl.constexpr = 64
         layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
         rows = gl.expand_dims(gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout)), 1)
         cols = gl.expand_dims(gl.arange(0, CHUNK, layout=gl.SliceLayout(0, layout)), 0)
-        o_ptrs = o_ptr + rows.to(gl.int64) * stride_os + cols
+        o_ptrs = o_ptr + rows.to(gl.int64) * stride_os + cols * stride_od
         do_ptrs = do_ptr + rows.to(gl.int64) * stride_dos + cols
         total = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, layout))
         for c in gl.static_range(HEAD_DIM // CHUNK):
             if MASK:
                 in_rows = (rows < n_rows) & (cols < CHUNK)
-                o = gl.load(o_ptrs + c * CHUNK, mask=in_rows, other=0.0)
+                o = gl.load(o_ptrs + c * CHUNK * stride_od, mask=in_rows, other=0.0)
                 do = gl.load(do_ptrs + c * CHUNK, mask=in_rows, other=0.0)
             else:
-                o = gl.load(o_ptrs + c * CHUNK)
+                o = gl.load(o_ptrs + c * CHUNK * stride_od)
                 do = gl.load(do_ptrs + c * CHUNK)
             total += gl.sum(o.to(gl.float32) * do.to(gl.float32), axis=1)
         return gl.convert_layout(total, row_layout)
 
     @gluon.jit(do_not_specialize=["seed_lo", "seed_hi", "dropout_threshold"])
     def _bwd_dq_hopper_kernel(q_desc, k_desc, v_desc, do_desc, Out, DO, Lse, Delta, Dlse, DQ,
-                              ScoreTensors, stride_ob, stride_os, stride_oh, stride_dob,
-                              stride_dos, stride_doh, stride_lb, stride_lh, stride_deltab,
-                              stride_deltah, stride_dqb, stride_dqs, stride_dqh,
+                              ScoreTensors, stride_ob, stride_os, stride_oh, stride_od,
+                              stride_dob, stride_dos, stride_doh, stride_lb, stride_lh,
+                              stride_deltab, stride_deltah, stride_dqb, stride_dqs, stride_dqh,
                               nheads, group, seqlen_q, seqlen_k, window_left, window_right,
                               score_values, softmax_scale, seed_lo, seed_hi,
                               dropout_threshold, dropout_scale, Cu_q, Cu_k, score_args,
@@ -727,8 +728,8 @@ if gluon is not None:
             + (q_start + start_m).to(gl.int64) * stride_os,
             DO + off_b.to(gl.int64) * stride_dob + off_h * stride_doh
             + (q_start + start_m).to(gl.int64) * stride_dos,
-            stride_os, stride_dos, seqlen_q - start_m, BLOCK_M, HEAD_DIM, VARLEN, row_layout,
-            num_warps)
+            stride_os, stride_od, stride_dos, seqlen_q - start_m, BLOCK_M, HEAD_DIM, VARLEN,
+            row_layout, num_warps)
         if LSE_GRAD:
             delta -= gl.load(Dlse + row_offsets, mask=row_mask)
         if not SINK:
@@ -961,9 +962,8 @@ def attention_backward_dq(dout, q, k, v, out, lse, delta, dlse, params: Attentio
 
 def _prepare_dq(q, k, v, out, dout, lse, delta, dlse, params: AttentionParams, dq, block,
                 one_key_zero: bool) -> Prepared:
-    """The dQ launch (launch.Prepared) of the call's shapes, strides and params' values (out
-    and dout with unit column strides, as the Gluon forward writes out and declines checks
-    dout)."""
+    """The dQ launch (launch.Prepared) of the call's shapes, strides and params' values (dout
+    with a unit column stride, as declines checks; out any strides)."""
     f = kernel_features(params, q, v, lse, q.dtype, flags=GRADIENT_FLAGS)
     head_dim = f.head_dim
     block_m, block_n, num_warps, num_stages = block or GLUON_BACKWARD_DQ[head_dim]
@@ -972,7 +972,7 @@ def _prepare_dq(q, k, v, out, dout, lse, delta, dlse, params: AttentionParams, d
                    2: flash_descriptor(v, block_n), 3: flash_descriptor(dout, block_m)}
     score_args, mask_args, _, variant = variant_args(params)
     return Prepared(_bwd_dq_hopper_kernel, grid, (
-        *f.strides(out)[:3], *f.strides(dout)[:3], *f.strides(lse)[:2], *f.strides(delta)[:2],
+        *f.strides(out), *f.strides(dout)[:3], *f.strides(lse)[:2], *f.strides(delta)[:2],
         *f.strides(dq)[:3], f.nheads,
         f.nheads // f.nheads_k, *f.band, f.score_values, params.softmax_scale,
         *f.dropout, score_args, mask_args, _block_lists(params, lse, block_n)), dict(
