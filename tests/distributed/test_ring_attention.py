@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 from ring_cases import REJECT, VALID, run
+from tests.ops.test_triton import INTERPRET
 
 import flashkit.distributed as fd
 
@@ -52,7 +52,7 @@ def _report(results: dict, name: str) -> None:
 @pytest.mark.parametrize("world, case", [(w, c) for c in VALID for w in c.worlds],
                          ids=lambda x: x.name if hasattr(x, "name") else str(x))
 def test_ring_matches_oracle(cpu_results, world, case):
-    if case.backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+    if case.backend == "triton" and not INTERPRET:
         pytest.skip("CPU tensors: the Triton cases need TRITON_INTERPRET=1 (on a GPU, "
                     "test_ring_triton_nccl runs them)")
     _report(cpu_results(world), case.name)

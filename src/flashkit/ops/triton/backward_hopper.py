@@ -610,10 +610,11 @@ if gluon is not None:
         cols = gl.expand_dims(gl.arange(0, CHUNK, layout=gl.SliceLayout(0, layout)), 0)
         o_ptrs = o_ptr + rows.to(gl.int64) * stride_os + cols * stride_od
         do_ptrs = do_ptr + rows.to(gl.int64) * stride_dos + cols
+        if MASK:  # the row test, broadcast to the [BLOCK_M, CHUNK] tile
+            in_rows = (rows < n_rows) & (cols < CHUNK)
         total = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, layout))
         for c in gl.static_range(HEAD_DIM // CHUNK):
             if MASK:
-                in_rows = (rows < n_rows) & (cols < CHUNK)
                 o = gl.load(o_ptrs + c * CHUNK * stride_od, mask=in_rows, other=0.0)
                 do = gl.load(do_ptrs + c * CHUNK, mask=in_rows, other=0.0)
             else:
