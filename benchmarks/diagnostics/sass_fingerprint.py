@@ -198,9 +198,8 @@ def builds():
             delta = torch.empty_like(lse)
             backward_hopper.attention_backward_dq(q, q, k, v, q, lse, delta, None, params,
                                                   torch.empty_like(q))
-            if backward_hopper.takes_dkdv(q):  # head dim 256: dQ alone
-                backward_hopper.attention_backward_dkdv(q, q, k, v, lse, delta, params,
-                                                        torch.empty_like(k), torch.empty_like(v))
+            backward_hopper.attention_backward_dkdv(q, q, k, v, lse, delta, params,
+                                                    torch.empty_like(k), torch.empty_like(v))
         return run
 
     def decode_fwd(head_dim, paged=False, splits=4, features=False, group=8):
@@ -248,7 +247,9 @@ def builds():
             tag = "causal" if causal else "full"
             out.append((f"hopper_bwd d{d} {tag}", hopper_bwd(d, causal)))
     out.append(("hopper_bwd d128 features", hopper_bwd(128, True, features=True)))
+    out.append(("hopper_bwd d256 features", hopper_bwd(256, True, features=True)))
     out.append(("hopper_bwd d128 varlen", hopper_bwd(128, True, varlen=True)))
+    out.append(("hopper_bwd d256 varlen", hopper_bwd(256, True, varlen=True)))
     out.append(("decode d128 split", decode_fwd(128)))
     out.append(("decode d128 paged split", decode_fwd(128, paged=True)))
     out.append(("decode d64 one split", decode_fwd(64, splits=1)))

@@ -18,6 +18,8 @@ from tests.ops.test_triton import DEVICE, check_against_oracle, make_inputs
 from flashkit.ops import triton as triton_backend
 from flashkit.ops.params import AttentionParams
 from flashkit.ops.triton import ahead
+from flashkit.ops.triton.configs import GLUON_BACKWARD_DKDV, GLUON_BACKWARD_DQ
+from flashkit.ops.triton.forward_hopper import HEAD_DIMS
 from flashkit.reference import attention_with_params
 from flashkit.testing import (
     GRAD_FACTOR,
@@ -313,10 +315,7 @@ def test_varlen_taken_on_hopper():
     assert not hopper.eligible(q, k, v, dout, lse, params, q, k, v, None)  # no query token
 
 
-def _gluon_launches(q) -> list:
-    """The Gluon launches one backward of q's head dim makes (_spy_gluon's record)."""
-    dkdv = ["attention_backward_dkdv"] if hopper.takes_dkdv(q) else []
-    return ["attention_backward_dq"] + dkdv
+GLUON_LAUNCHES = ["attention_backward_dq", "attention_backward_dkdv"]  # one backward's, in order
 
 
 def _spy_gluon(monkeypatch) -> list:
@@ -350,7 +349,7 @@ def _check_varlen(q, k, v, dout, params, monkeypatch):
                                     dq=poison(torch.empty_like(q)),
                                     dk=poison(torch.empty_like(k)),
                                     dv=poison(torch.empty_like(v)))
-    assert calls == _gluon_launches(q)
+    assert calls == GLUON_LAUNCHES
     mask = None
     if params.dropout_p > 0:
         mask = dropout_keep_mask(params.dropout_seed, params.cu_seqlens_q.numel() - 1, nheads,
@@ -424,7 +423,7 @@ def test_gpu_gluon_backward_varlen_equal_lengths_equal_dense(head_dim, monkeypat
     dense = [x.view(batch, seqlen, *x.shape[1:]) for x in (q, k, v, dout, out)]
     lse_dense = lse.view(nheads, batch, seqlen).transpose(0, 1).contiguous()
     grads = triton_backend.backward(dense[3], *dense[:3], dense[4], lse_dense, dense_params)
-    assert calls == _gluon_launches(q) * 2
+    assert calls == GLUON_LAUNCHES * 2
     for name, a, b in zip(("dq", "dk", "dv"), packed, grads, strict=False):
         assert torch.equal(a, b.view(a.shape)), name
     torch.testing.assert_close(packed[3], grads[3], rtol=1e-5, atol=1e-6)
@@ -446,37 +445,13 @@ def test_gpu_gluon_backward_varlen_deterministic_is_bitwise_reproducible(monkeyp
         assert torch.equal(a, b), name
 
 
-def test_head_dim_256_runs_the_gluon_dq_then_the_portable_dkdv(monkeypatch):
-    """At head dim 256 the Gluon dK/dV kernel does not run (takes_dkdv): the Gluon dQ kernel
-    does, storing delta (with a sink, its rowsum(P * dP) sums), then backward.py's dK/dV
-    programs, which read it. Here (the interpreter) a stand-in for the dQ launcher runs
-    backward.py's dQ programs: the split gives bitwise the gradients of the whole portable
-    backward."""
-    assert hopper.takes_dkdv(torch.empty(1, 1, 1, 64))
-    assert hopper.takes_dkdv(torch.empty(1, 1, 1, 128))
-    assert not hopper.takes_dkdv(torch.empty(1, 1, 1, 256))
+def test_every_head_dim_has_both_gluon_tiles():
+    """Each head dim the Gluon kernels take has a dQ and a dK/dV tile (head dim 256's dK/dV in
+    two warpgroups), and dense lengths run as dense only on whole tiles of both."""
+    assert set(GLUON_BACKWARD_DQ) == set(GLUON_BACKWARD_DKDV) == set(HEAD_DIMS)
+    assert GLUON_BACKWARD_DKDV[256][2] == 8
     assert hopper._whole_tiles(torch.empty(1, 192, 1, 256), torch.empty(1, 64, 1, 256))
     assert not hopper._whole_tiles(torch.empty(1, 160, 1, 256), torch.empty(1, 64, 1, 256))
-    launched = []
-
-    def dq_stand_in(dout, q, k, v, out, lse, delta, dlse, params, dq, block=None,
-                    one_key_zero=False, plan=None):
-        launched.append("dq")
-        backward._triton_dkdv_dq(dout, q, k, v, out, lse, delta, dlse, params, dq,
-                                 torch.empty_like(k), torch.empty_like(v), {}, one_key_zero,
-                                 parts=("dq", ))
-
-    monkeypatch.setattr(hopper, "attention_backward_dq", dq_stand_in)
-    monkeypatch.setattr(hopper, "attention_backward_dkdv",
-                        lambda *a, **k: pytest.fail("the Gluon dK/dV kernel ran at d256"))
-    q, k, v, dout = make_inputs(1, 21, 19, 2, 1, 256, 256, torch.float32)
-    params = AttentionParams(256 ** -0.5, None, 0, sink=torch.randn(2, device=DEVICE))
-    out, lse = triton_backend.forward(q, k, v, params)
-    split = backward.attention_backward(dout, q, k, v, out, lse, params, gluon=True)
-    whole = backward.attention_backward(dout, q, k, v, out, lse, params)
-    assert launched == ["dq"]
-    for name, a, b in zip(("dq", "dk", "dv", "dsink"), split, whole, strict=True):
-        assert torch.equal(a, b), name
 
 
 def test_varlen_lse_delta_copies_start_every_sequence_aligned():
@@ -517,13 +492,13 @@ def _gluon_grads(q, k, v, dout, params, monkeypatch):
                                     dq=poison(torch.empty_like(q)),
                                     dk=poison(torch.empty_like(k)),
                                     dv=poison(torch.empty_like(v)))[:3]
-    assert calls == ["attention_backward_dq", "attention_backward_dkdv"]
+    assert calls == GLUON_LAUNCHES
     return grads
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _on_hopper(), reason="needs an sm_90 GPU")
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_gpu_gluon_backward_varlen_non_finite_sequence_does_not_leak(head_dim, monkeypatch):
     """A packed sequence whose q, k, v and dout are NaN/inf: the tiles of the sequences before
     it read its rows (Q, dO, delta in the dK/dV kernel, K and V in the dQ kernel) and must
@@ -627,7 +602,7 @@ def test_lse_gradient_enters_each_rows_delta(features):
 LSE_GRAD_CASES = [  # (dtype, head_dim, seqlen_q, seqlen_k, features)
     (torch.bfloat16, 128, 256, 256, dict(window_right=0)),
     (torch.float16, 64, 300, 517, dict(softcap=3.0, sink=True)),  # off the tiles: as varlen
-    (torch.bfloat16, 256, 192, 320, dict(window_right=0, sink=True)),  # the portable dK/dV
+    (torch.bfloat16, 256, 192, 320, dict(window_right=0, sink=True)),  # two-warpgroup dK/dV
 ]
 
 
@@ -636,12 +611,12 @@ LSE_GRAD_CASES = [  # (dtype, head_dim, seqlen_q, seqlen_k, features)
 @pytest.mark.parametrize("case", LSE_GRAD_CASES, ids=str)
 def test_gpu_gluon_backward_with_an_lse_gradient_matches_oracle(case, monkeypatch):
     """The same through the Gluon dQ kernel, which folds dlse into the delta it stores for the
-    dK/dV launch after it (Gluon, or backward.py's at head dim 256)."""
+    Gluon dK/dV launch after it."""
     dtype, head_dim, seqlen_q, seqlen_k, features = case
     q, k, v, dout = make_inputs(2, seqlen_q, seqlen_k, 4, 2, head_dim, head_dim, dtype, "cuda")
     calls = _spy_gluon(monkeypatch)
     _lse_grad_check(q, k, v, dout, _feature_params(4, head_dim, False, **features))
-    assert calls == _gluon_launches(q)
+    assert calls == GLUON_LAUNCHES
 
 
 @pytest.mark.gpu
@@ -659,7 +634,7 @@ def test_gpu_gluon_dq_reads_out_through_its_strides(monkeypatch):
     assert strided.stride(-1) == 2 and torch.equal(strided, out)
     want = triton_backend.backward(dout, q, k, v, out, lse, params)
     got = triton_backend.backward(dout, q, k, v, strided, lse, params)
-    assert calls == _gluon_launches(q) * 2
+    assert calls == GLUON_LAUNCHES * 2
     for name, a, b in zip(("dq", "dk", "dv"), got, want, strict=False):
         assert torch.equal(a, b), name
 

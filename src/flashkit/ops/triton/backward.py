@@ -23,8 +23,7 @@ Transposed tiles carry a _t suffix: s_t is [BLOCK_N, BLOCK_M] = s^T.
 On sm_90 dK/dV and dQ run the Gluon kernels of backward_hopper.py instead (configs.GLUON_BACKWARD;
 every feature, varlen included, see backward_hopper.declines; dense calls whose lengths are
 not tile multiples run there as varlen with equal lengths, dispatch._dense_as_varlen; the
-choice is dispatch.backward_call's); at head dim 256 only dQ does, before this file's dK/dV
-programs. dsink here serves both.
+choice is dispatch.backward_call's). dsink here serves both.
 """
 
 from __future__ import annotations
@@ -569,10 +568,8 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     tiles it loads, and stores it (float32, laid out like lse) for the dK/dV kernel launched
     after it: no separate pass over O and dO.
 
-    gluon: dQ in backward_hopper's kernel (the call must be one it takes,
-    backward_hopper.declines), and dK/dV too where it takes the head dim
-    (backward_hopper.takes_dkdv; else this file's dK/dV programs); else all in this file's
-    kernels. tiles = {"dkdv": (BLOCK_M, BLOCK_N,
+    gluon: dQ and dK/dV in backward_hopper's kernels (the call must be one they take,
+    backward_hopper.declines); else in this file's kernels. tiles = {"dkdv": (BLOCK_M, BLOCK_N,
     num_warps, num_stages), "dq": ...} overrides configs.SM90 (the tuning sweep); tiles =
     {"hopper": ..., "hopper_dq": ...} override configs.GLUON_BACKWARD_DKDV and
     configs.GLUON_BACKWARD_DQ. plan: the dispatch plan's prepared launches of the Gluon
@@ -592,13 +589,9 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         backward_hopper.attention_backward_dq(dout, q, k, v, out, lse, delta, dlse, params, dq,
                                               block=tiles.get("hopper_dq"),
                                               one_key_zero=one_key_zero, plan=plan)
-        if backward_hopper.takes_dkdv(q):
-            backward_hopper.attention_backward_dkdv(dout, q, k, v, lse, delta, params, dk, dv,
-                                                    block=tiles.get("hopper"),
-                                                    one_key_zero=one_key_zero, plan=plan)
-        else:  # head dim 256: dK/dV do not fit one warpgroup's registers (configs.gluon)
-            _triton_dkdv_dq(dout, q, k, v, out, lse, delta, dlse, params, dq, dk, dv, tiles,
-                            one_key_zero, parts=("dkdv", ))
+        backward_hopper.attention_backward_dkdv(dout, q, k, v, lse, delta, params, dk, dv,
+                                                block=tiles.get("hopper"),
+                                                one_key_zero=one_key_zero, plan=plan)
     else:
         _triton_dkdv_dq(dout, q, k, v, out, lse, delta, dlse, params, dq, dk, dv, tiles,
                         one_key_zero)
@@ -616,10 +609,9 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
 
 
 def _triton_dkdv_dq(dout, q, k, v, out, lse, delta, dlse, params: AttentionParams, dq, dk, dv,
-                    tiles, one_key_zero: bool, parts: tuple = ("dq", "dkdv")):
-    """dQ and dK, dV in this file's kernels, the dQ programs then the dK/dV programs (those of
-    `parts` only: dK/dV alone after the Gluon dQ kernel, which has stored delta). delta: float32
-    laid out like lse, which the dQ programs fill; dlse None or laid out like delta.
+                    tiles, one_key_zero: bool):
+    """dQ and dK, dV in this file's kernels, the dQ programs then the dK/dV programs. delta:
+    float32 laid out like lse, which the dQ programs fill; dlse None or laid out like delta.
     one_key_zero: the kernels' ONE_KEY_ZERO (no sink and no lse gradient)."""
     f = kernel_features(params, q, v, lse, q.dtype, flags=GRADIENT_FLAGS)
     head_dim, head_dim_v = f.head_dim, f.head_dim_v
@@ -654,7 +646,7 @@ def _triton_dkdv_dq(dout, q, k, v, out, lse, delta, dlse, params: AttentionParam
     even_n = not varlen and f.seqlen_k % block_n1 == 0
     launches = {"dkdv": (num_kv_blocks, num_warps, num_stages),
                 "dq": (num_q_blocks, dq_warps, dq_stages)}
-    for part in parts:  # dQ first: it stores the delta the dK/dV programs read
+    for part in ("dq", "dkdv"):  # dQ first: it stores the delta the dK/dV programs read
         programs, warps, stages = launches[part]
         do_dkdv = part == "dkdv"
         # constexprs in the kernel's signature order (launch passes them positionally)

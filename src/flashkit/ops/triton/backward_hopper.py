@@ -47,8 +47,10 @@ but lse and delta reach the dK/dV kernel as copies in which every sequence start
 (_aligned_lse_delta: a TMA box must start there; the dQ kernel loads them per row).
 The keep-mask is indexed (sequence, head, i, j) with i, j within the sequence, as forward.py's.
 
-Head dim 256 runs the dQ kernel only (takes_dkdv): dK and dV, [BLOCK_N, 256] fp32 each, would
-not fit one warpgroup's registers, so backward.py's dK/dV programs run after it.
+Head dim 256 runs the dK/dV kernel with two warpgroups: dK and dV, [BLOCK_N, 256] fp32 each,
+would not fit one warpgroup's registers, so each warpgroup holds half of their columns (and of
+S^T's and dP^T's); P^T and dS^T, split by query columns, reach the dV and dK matmuls through
+shared memory.
 
 Eligible (see `eligible`): what the Gluon forward takes (forward_hopper.gluon_declines: sm_90,
 fp16/bf16, head dim 64, 128 or 256, q/k/v in the flash layout so (tokens, heads * d) is a plain
@@ -261,13 +263,15 @@ if gluon is not None:
 
         mbarrier.wait(q_bars.index(stage), phase)
         if MASK and VARLEN:  # the tile that crosses the sequence's end: its Q rows past it
-            zero_tile_tail(q_buf, seqlen_q - start_m, BLOCK_M, HEAD_DIM, 0, 1)
+            zero_tile_tail(q_buf, seqlen_q - start_m, BLOCK_M, HEAD_DIM, 0, 1,
+                           gl.num_warps())
         # [BLOCK_N, BLOCK_M] = [BLOCK_N, D] @ [D, BLOCK_M]
         s_tok = warpgroup_mma(k_smem, q_buf.permute((1, 0)), zero_st, use_acc=False,
                               is_async=True)
         mbarrier.wait(do_bars.index(stage), phase)
         if MASK and VARLEN:  # and its dO rows
-            zero_tile_tail(do_buf, seqlen_q - start_m, BLOCK_M, HEAD_DIM, 0, 1)
+            zero_tile_tail(do_buf, seqlen_q - start_m, BLOCK_M, HEAD_DIM, 0, 1,
+                           gl.num_warps())
         # [BLOCK_N, BLOCK_M] = [BLOCK_N, D] @ [D, BLOCK_M]
         dp_tok = warpgroup_mma(v_smem, do_buf.permute((1, 0)), zero_st, use_acc=False,
                                is_async=True)
@@ -388,11 +392,18 @@ if gluon is not None:
         geo = (seqlen_q, seqlen_k, window_left, window_right, dropout_scale)
         dtype: gl.constexpr = q_desc.dtype
 
-        # wgmma accumulators: warps stacked along the key rows.
+        # wgmma accumulators: one warpgroup's warps stacked along the key rows (BLOCK_N = 16 *
+        # 4); a second warpgroup (head dim 256) takes the right half of every tile's columns, so
+        # dK + dV hold 128 registers per thread at head dim 128 and 256 alike, and P^T and dS^T
+        # (split by query columns) reach the dV and dK matmuls through shared memory.
+        WARPS_M: gl.constexpr = BLOCK_N // 16
+        WARPS_N: gl.constexpr = num_warps // WARPS_M
         st_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_M, 16])
+            version=[3, 0], warps_per_cta=[WARPS_M, WARPS_N],
+            instr_shape=[16, BLOCK_M // WARPS_N, 16])
         kv_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM, 16])
+            version=[3, 0], warps_per_cta=[WARPS_M, WARPS_N],
+            instr_shape=[16, HEAD_DIM // WARPS_N, 16])
         op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout,
                                                       k_width=2)
 
@@ -829,9 +840,7 @@ def block_mask_declines(q, params: AttentionParams) -> str | None:
     if params.dropout_p > 0:
         return "a block mask with dropout"
     head_dim = q.shape[-1]
-    tiles = [GLUON_BACKWARD_DQ[head_dim][:2]]
-    if takes_dkdv(q):
-        tiles.append(GLUON_BACKWARD_DKDV[head_dim][:2])
+    tiles = [GLUON_BACKWARD_DQ[head_dim][:2], GLUON_BACKWARD_DKDV[head_dim][:2]]
     block_q, block_kv = mask.BLOCK_SIZE
     if any(block_q % rows or block_kv % keys for rows, keys in tiles):
         return f"block mask blocks {block_q} x {block_kv} (takes whole tiles of {tiles})"
@@ -844,21 +853,10 @@ def wants_captured_grads(variant) -> bool:
     return any(g is not None for g in variant.captured_grads or ())
 
 
-def takes_dkdv(q) -> bool:
-    """Whether the Gluon dK/dV kernel takes q's head dim (64, 128; at 256 dK and dV, [BLOCK_N,
-    256] fp32 each, would not fit one warpgroup's registers: backward.py's dK/dV programs run
-    before the Gluon dQ kernel)."""
-    return q.shape[-1] in GLUON_BACKWARD_DKDV
-
-
 def _whole_tiles(q, k) -> bool:
-    """Dense seqlen_q and seqlen_k are multiples of every tile of the Gluon kernels that run
-    (backward.py's dK/dV programs take any lengths)."""
+    """Dense seqlen_q and seqlen_k are multiples of every tile of the Gluon kernels."""
     head_dim = q.shape[-1]
-    tiles = GLUON_BACKWARD_DQ[head_dim][:2]
-    if takes_dkdv(q):
-        tiles += GLUON_BACKWARD_DKDV[head_dim][:2]
-    tile = max(tiles)
+    tile = max(GLUON_BACKWARD_DQ[head_dim][:2] + GLUON_BACKWARD_DKDV[head_dim][:2])
     return q.shape[1] % tile == 0 and k.shape[1] % tile == 0
 
 

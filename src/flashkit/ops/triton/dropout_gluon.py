@@ -41,16 +41,20 @@ if gluon is not None:
 
     @gluon.constexpr_function
     def draw_layout_t(block_n, block_m, num_warps):
-        """The wgmma accumulator layout of an S^T tile [block_n, block_m] (num_warps warps of
-        16 key rows; per 8 query columns a thread holds columns 2 (lane % 4) + 0/1 of key rows
+        """The wgmma accumulator layout of an S^T tile [block_n, block_m] (block_n / 16 warps of
+        16 key rows; with more warps, num_warps * 16 / block_n groups of them split the query
+        columns; per 8 query columns a thread holds columns 2 (lane % 4) + 0/1 of key rows
         lane / 4 and + 8) with key j split as (chunk, byte, g) = (j // 128, j % 128 // 8, j % 8),
         dropout.py's order: [CHUNKS, BYTES, 8, block_m]. Reshaped back it is the S^T layout."""
-        col_bits = (block_m // 8).bit_length() - 1  # register bases of query columns 8, 16, ...
+        warps_m = block_n // 16
+        columns = block_m * warps_m // num_warps  # query columns per warp
+        col_bits = (columns // 8).bit_length() - 1  # register bases of query columns 8, 16, ...
         tile = lambda key, query: [key // 128, key % 128 // 8, key % 8, query]  # noqa: E731
         return gl.DistributedLinearLayout(
             reg_bases=[tile(0, 1), tile(8, 0)] + [tile(0, 8 << b) for b in range(col_bits)],
             lane_bases=[tile(0, 2), tile(0, 4), tile(1, 0), tile(2, 0), tile(4, 0)],
-            warp_bases=[tile(16 << w, 0) for w in range(num_warps.bit_length() - 1)],
+            warp_bases=[tile(16 << w, 0) for w in range(warps_m.bit_length() - 1)]
+            + [tile(0, columns << w) for w in range((num_warps // warps_m).bit_length() - 1)],
             block_bases=[], shape=[max(block_n // 128, 1), min(block_n // 8, 16), 8, block_m])
 
     @gluon.jit
@@ -87,7 +91,7 @@ if gluon is not None:
         """[BLOCK_N, BLOCK_M] bool in st_layout: key j = start_n + r of query column c is kept
         iff bit packed_bit(b) of bits[j // 128 - start_n // 128, j % 8, c] is set, b the byte
         of j within dropout.tile_words' words."""
-        gl.static_assert(BLOCK_N == 16 * num_warps, "draw_layout_t: 16 key rows per warp")
+        gl.static_assert(num_warps * 16 % BLOCK_N == 0, "draw_layout_t: 16 key rows per warp")
         gl.static_assert(BLOCK_N >= 32, "tile_words: whole words")
         T4: gl.constexpr = draw_layout_t(BLOCK_N, BLOCK_M, num_warps)
         BYTES: gl.constexpr = BLOCK_N // 8 if BLOCK_N < 128 else 16

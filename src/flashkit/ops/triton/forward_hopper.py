@@ -107,7 +107,7 @@ except ImportError:  # a Triton without Gluon: the Triton kernel does everything
 
 BLOCK_M = 64  # query rows per consumer warpgroup (the wgmma M of one warpgroup)
 PRODUCER_REGS = 24  # registers per thread of the producer warp (the least setmaxnreg allows)
-HEAD_DIMS = (64, 128, 256)  # of every Gluon kernel (backward_hopper's dK/dV: takes_dkdv's)
+HEAD_DIMS = (64, 128, 256)  # of every Gluon kernel
 # SOFTCAP value of a softcap whose scores are bounded tightly enough for a fixed row max
 # (softcap_mode): SOFTCAP_FAST's tanh, no running max, no rescaling of O.
 SOFTCAP_BOUNDED = 3

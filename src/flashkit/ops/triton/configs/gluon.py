@@ -65,17 +65,19 @@ def gluon_forward_tile(head_dim: int, seqlen_q: int, banded: bool) -> tuple:
 # Q/dO (dQ) resident in shared memory, the other pair streamed by TMA, async wgmma.
 GLUON_BACKWARD = True
 
-# (BLOCK_M, BLOCK_N, num_warps, NUM_STAGES) per head dim, one warpgroup per program. dK and dV
-# stay in registers ([BLOCK_N, D] fp32 each), which caps BLOCK_N * D at 64 * 128: head dim 256
-# has a dQ tile only (backward_hopper.takes_dkdv).
+# (BLOCK_M, BLOCK_N, num_warps, NUM_STAGES) per head dim. dK and dV stay in registers ([BLOCK_N,
+# D] fp32 each): one warpgroup holds 64 * 128 of each, so head dim 256 takes two, each owning
+# half of the columns.
 GLUON_BACKWARD_DKDV = {
     64: (128, 64, 4, 2),  # 4k whole backward 397 / 365 vs (64, 64, 4, 2) 395 / 350 (tile sweep)
     128: (64, 64, 4, 2),  # 4k 418 / 381 vs 8 warps (64, 128) 411 / 362 (tile sweep)
+    # two warpgroups: 4k 370 / 341 vs (64, 64, 8, 1) 346 / 325, (128, 64, 8, 1) 342 / 334
+    256: (64, 64, 8, 2),
 }
 GLUON_BACKWARD_DQ = {
     64: (64, 64, 4, 2),  # 4k whole backward 408 / 357 vs (64, 64, 4, 3) 387 / 346 (tile sweep)
     128: (64, 64, 4, 2),  # 4k 441 / 391 vs (64, 128, 4, 2) 404 / 371 (tile sweep)
-    # 4k whole backward (after backward.py's dK/dV) 263 / 233 vs (64, 32, 4, 2) 244 / 218,
+    # 4k whole backward (then backward.py's dK/dV) 263 / 233 vs (64, 32, 4, 2) 244 / 218,
     # (128, 32, 8, 2) 254 / 224, the portable dQ 218 / 193 (tile sweep)
     256: (64, 64, 4, 2),
 }
