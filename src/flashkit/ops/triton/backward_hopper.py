@@ -263,15 +263,13 @@ if gluon is not None:
 
         mbarrier.wait(q_bars.index(stage), phase)
         if MASK and VARLEN:  # the tile that crosses the sequence's end: its Q rows past it
-            zero_tile_tail(q_buf, seqlen_q - start_m, BLOCK_M, HEAD_DIM, 0, 1,
-                           gl.num_warps())
+            zero_tile_tail(q_buf, seqlen_q - start_m, BLOCK_M, HEAD_DIM, 0, 1)
         # [BLOCK_N, BLOCK_M] = [BLOCK_N, D] @ [D, BLOCK_M]
         s_tok = warpgroup_mma(k_smem, q_buf.permute((1, 0)), zero_st, use_acc=False,
                               is_async=True)
         mbarrier.wait(do_bars.index(stage), phase)
         if MASK and VARLEN:  # and its dO rows
-            zero_tile_tail(do_buf, seqlen_q - start_m, BLOCK_M, HEAD_DIM, 0, 1,
-                           gl.num_warps())
+            zero_tile_tail(do_buf, seqlen_q - start_m, BLOCK_M, HEAD_DIM, 0, 1)
         # [BLOCK_N, BLOCK_M] = [BLOCK_N, D] @ [D, BLOCK_M]
         dp_tok = warpgroup_mma(v_smem, do_buf.permute((1, 0)), zero_st, use_acc=False,
                                is_async=True)
@@ -612,9 +610,8 @@ if gluon is not None:
                    row_layout: gl.constexpr, num_warps: gl.constexpr):
         """rowsum(dO * O) of the BLOCK_M rows of O and dO at o_ptr and do_ptr (their first
         row; dO's column stride 1, as declines checks), in row_layout; MASK: rows at or past
-        n_rows read 0. 64
-        columns at a time ([BLOCK_M, 64] of each in registers, 16-byte loads), so head dim 256
-        adds no register pressure beyond head dim 64's."""
+        n_rows read 0. 64 columns at a time ([BLOCK_M, 64] of each in registers, 16-byte
+        loads), so head dim 256 adds no register pressure beyond head dim 64's."""
         CHUNK: gl.constexpr = 64
         layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
         rows = gl.expand_dims(gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout)), 1)
@@ -839,8 +836,7 @@ def block_mask_declines(q, params: AttentionParams) -> str | None:
         return "a block mask per head"
     if params.dropout_p > 0:
         return "a block mask with dropout"
-    head_dim = q.shape[-1]
-    tiles = [GLUON_BACKWARD_DQ[head_dim][:2], GLUON_BACKWARD_DKDV[head_dim][:2]]
+    tiles = _tiles(q.shape[-1])
     block_q, block_kv = mask.BLOCK_SIZE
     if any(block_q % rows or block_kv % keys for rows, keys in tiles):
         return f"block mask blocks {block_q} x {block_kv} (takes whole tiles of {tiles})"
@@ -853,10 +849,15 @@ def wants_captured_grads(variant) -> bool:
     return any(g is not None for g in variant.captured_grads or ())
 
 
+def _tiles(head_dim: int) -> list:
+    """(query rows, keys) of the dQ and the dK/dV kernel's tiles at a head dim."""
+    return [GLUON_BACKWARD_DQ[head_dim][:2], GLUON_BACKWARD_DKDV[head_dim][:2]]
+
+
 def _whole_tiles(q, k) -> bool:
-    """Dense seqlen_q and seqlen_k are multiples of every tile of the Gluon kernels."""
-    head_dim = q.shape[-1]
-    tile = max(GLUON_BACKWARD_DQ[head_dim][:2] + GLUON_BACKWARD_DKDV[head_dim][:2])
+    """Dense seqlen_q and seqlen_k are multiples of every tile of the Gluon kernels (all are
+    powers of two, so a multiple of the largest is one of each)."""
+    tile = max(max(pair) for pair in _tiles(q.shape[-1]))
     return q.shape[1] % tile == 0 and k.shape[1] % tile == 0
 
 

@@ -235,20 +235,20 @@ if gluon is not None:
 
     @gluon.jit
     def zero_tile_tail(v_tile, n_keep, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                       PART: gl.constexpr, PARTS: gl.constexpr, WARPS: gl.constexpr = 4):
+                       PART: gl.constexpr, PARTS: gl.constexpr):
         """Zero rows n_keep.. of a V tile in shared memory (the keys past the sequence's end that
         TMA read with the tile: the next sequence's rows or spare cache slots). Their P is 0,
         but 0 * NaN or 0 * inf in P V is NaN, so they must hold zeros. In 16-row slices of a
-        [16, HEAD_DIM] blocked layout over WARPS warps (8 registers per thread at d128 and one
-        warpgroup); then a fence, so the wgmma (async proxy) sees the writes, and a barrier of
-        the WARPS warps. PARTS warpgroups that share the tile split the slices, this one taking
-        slices PART, PART + PARTS, ...: the caller then waits until every part is written
-        before a wgmma reads the tile."""
+        [16, HEAD_DIM] blocked layout over the caller's warps (gl.num_warps(): a partition's
+        own; 8 registers per thread at d128 and one warpgroup); then a fence, so the wgmma
+        (async proxy) sees the writes, and a barrier of those warps. PARTS warpgroups that
+        share the tile split the slices, this one taking slices PART, PART + PARTS, ...: the
+        caller then waits until every part is written before a wgmma reads the tile."""
         if n_keep < BLOCK_N:
             ROWS: gl.constexpr = 16
             COLS: gl.constexpr = HEAD_DIM // 8  # threads along a row, 8 elements each
-            layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // COLS, COLS], [WARPS, 1],
-                                                    [1, 0])
+            layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // COLS, COLS],
+                                                    [gl.num_warps(), 1], [1, 0])
             for c in gl.static_range(PART, BLOCK_N // ROWS, PARTS):
                 if (c + 1) * ROWS > n_keep:
                     rows = c * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
