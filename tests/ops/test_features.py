@@ -278,10 +278,11 @@ def test_gluon_forward_block_mask_declines(block, seqlen_k, why):
 @pytest.mark.parametrize("block, heads, dropout, why", [
     (128, None, 0.0, None), ((128, 64), None, 0.0, None),
     ((64, 32), None, 0.0, "block mask blocks 64 x 32"),
-    (128, 2, 0.0, "a block mask per head"), (128, None, 0.1, "a block mask with dropout")])
+    (128, 2, 0.0, None), (128, None, 0.1, "a block mask with dropout")])
 def test_gluon_backward_block_mask_declines(block, heads, dropout, why):
-    """The Gluon backward takes a dense call's block mask shared by the heads, without dropout,
-    whose blocks hold whole tiles of its dK/dV and dQ kernels (64 x 64 at head dim 128)."""
+    """The Gluon backward takes a dense call's block mask, shared by the heads or one per head,
+    without dropout, whose blocks hold whole tiles of its dK/dV and dQ kernels (64 x 64 at
+    head dim 128)."""
     import dataclasses
 
     import flashkit
@@ -299,11 +300,13 @@ def test_gluon_backward_block_mask_declines(block, heads, dropout, why):
 
 @pytest.mark.skipif(backward_hopper.gluon is None, reason="a Triton without Gluon")
 @pytest.mark.parametrize("which", ["dkdv", "dq"])
-def test_gluon_backward_launchers_pass_a_block_mask(which, monkeypatch):
+@pytest.mark.parametrize("heads", [None, 4])
+def test_gluon_backward_launchers_pass_a_block_mask(which, heads, monkeypatch):
     """The dQ kernel gets the mask's rows (one per query block: 2 of 4 key blocks here), the
     dK/dV kernel its transposed rows (one per key block: 4 of 2 query blocks), each with
-    blocks per row, tiles per block, the batch stride (rows per batch entry) and the rows or
-    keys a list row covers."""
+    blocks per row, tiles per block, the batch and head strides (rows per batch entry and per
+    head; a head stride of 0 for a mask shared by the heads) and the rows or keys a list row
+    covers; the dK/dV kernel is told whether each head has its own rows (HEAD_LISTS)."""
     import dataclasses
 
     import flashkit
@@ -312,28 +315,33 @@ def test_gluon_backward_launchers_pass_a_block_mask(which, monkeypatch):
     from flashkit.variants.mods import Variant
 
     q = torch.randn(2, 256, 4, 64, dtype=torch.bfloat16)
-    mask = flashkit.create_block_mask(variants.causal_mask(), 2, None, 256, 256, device="cpu",
+    mask = flashkit.create_block_mask(variants.causal_mask(), 2, heads, 256, 256, device="cpu",
                                       BLOCK_SIZE=(128, 64))
     params = dataclasses.replace(AttentionParams(SCALE),
                                  variant=Variant(mask_mod=mask.mask_mod, block_mask=mask))
     calls = []
     monkeypatch.setattr(launch_module, "launch", lambda kernel, grid, tensors, scalars,
                         constexprs, tensor_params=(), **options: calls.append(
-                            (kernel, tensors, scalars, tensor_params)))
+                            (kernel, tensors, scalars, constexprs, tensor_params)))
     lse = torch.zeros(lse_shape(q, params))
+    per_head = 1 if heads is None else heads  # list rows per batch entry, per list row
     if which == "dkdv":
         backward_hopper.attention_backward_dkdv(q, q, q, q, lse, torch.zeros_like(lse), params,
                                                 torch.empty_like(q), torch.empty_like(q))
         block_m, block_n = GLUON_BACKWARD_DKDV[64][:2]
         expected = ((mask.q_num_blocks, mask.q_indices, mask.full_q_num_blocks,
-                     mask.full_q_indices, 2, 128 // block_m), 4, 64)
+                     mask.full_q_indices, 2, 128 // block_m), 4 * per_head,
+                    0 if heads is None else 4, 64)
     else:
         backward_hopper.attention_backward_dq(q, q, q, q, q, lse, torch.zeros_like(lse), None,
                                               params, torch.empty_like(q))
         block_m, block_n = GLUON_BACKWARD_DQ[64][:2]
         expected = ((mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks,
-                     mask.full_kv_indices, 4, 64 // block_n), 2, 128)
-    (kernel, tensors, scalars, tensor_params), = calls
+                     mask.full_kv_indices, 4, 64 // block_n), 2 * per_head,
+                    0 if heads is None else 2, 128)
+    (kernel, tensors, scalars, constexprs, tensor_params), = calls
+    if which == "dkdv":
+        assert constexprs["HEAD_LISTS"] == (heads is not None)
     args = launch_module._order(kernel, tensor_params, len(tensors), len(scalars))(
         tensors + scalars)
     assert dict(zip(kernel.arg_names, args, strict=False))["blocks"] == expected

@@ -173,11 +173,13 @@ def test_gluon_forward_runs_user_modifiers(caplog):
                                             (torch.bfloat16, 256)])
 @pytest.mark.parametrize("per_head", [False, True])
 @pytest.mark.parametrize("seqlen_q", [333, 512])
-def test_gluon_kernels_walk_a_block_mask(seqlen_q, per_head, headdim, dtype):
+@pytest.mark.usefixtures("fresh_plans")
+def test_gluon_kernels_walk_a_block_mask(seqlen_q, per_head, headdim, dtype, caplog):
     """A document mask (per batch entry, or per batch entry and head) as a block mask with its
     mask_mod, a score_mod and built-in ALiBi and a sink on top, GQA, odd query length: the
     Gluon forward's listed tiles against the oracle, which materialises the mask; with whole
-    tiles (seqlen_q 512) the Gluon backward's too (a mask per head: the portable backward)."""
+    tiles (seqlen_q 512) the Gluon backward's too, a mask per head walked head after head of
+    each GQA group by the dK/dV kernel."""
     batch, nheads, seqlen_k = 2, 8, 512
     doc = torch.cat([documents(seqlen_k, batch=batch)[:, None]] * (nheads if per_head else 1), 1)
     if per_head:  # other documents per head: shift the ids along the positions
@@ -194,10 +196,15 @@ def test_gluon_kernels_walk_a_block_mask(seqlen_q, per_head, headdim, dtype):
         return (flashkit.flash_attn_func(
             q, k, v, alibi_slopes=slopes, sink=sink, backend=backend, mask_mod=mod,
             block_mask=mask, score_mod=variants.relative_bias(table)),)
-    check_against_oracle(functools.partial(run, "triton"),
-                         _cuda(dict(q=q, k=k, v=v, sink=sink, table=table)),
-                         output_names=("out",), oracle_fn=functools.partial(run, "reference"),
-                         grad_names=("q", "k", "v", "sink"))
+    with caplog.at_level(logging.DEBUG, logger="flashkit.dispatch"):
+        check_against_oracle(functools.partial(run, "triton"),
+                             _cuda(dict(q=q, k=k, v=v, sink=sink, table=table)),
+                             output_names=("out",),
+                             oracle_fn=functools.partial(run, "reference"),
+                             grad_names=("q", "k", "v", "sink"))
+    ran = [r.getMessage() for r in caplog.records if r.name == "flashkit.dispatch"]
+    if seqlen_q == 512:
+        assert any(m.startswith("backward ran gluon") for m in ran), ran
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU")

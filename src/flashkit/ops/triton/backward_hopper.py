@@ -60,10 +60,11 @@ NaN-safe: nothing the TMA tiles read past a batch entry's end reaches its gradie
 score_mod (through its derivative) and mask_mod (flashkit.variants) are applied where the
 built-in terms are (hopper_common.user_scores, visible_with_mod), as backward.py's kernels
 apply them; a dense
-call's block mask shared by the heads replaces the tile ranges by its listed tiles
-(hopper_common.block_listing: the dK/dV kernel walks a key block's column of query blocks, the
-dQ kernel a query block's row of key blocks). Other block masks and gradients for a
-score_mod's captured tensors run backward.py's kernels.
+call's block mask, shared by the heads or one per head, replaces the tile ranges by its listed
+tiles (hopper_common.block_listing: the dK/dV kernel walks a key block's column of query blocks,
+head after head of its GQA group, the dQ kernel a query block's row of key blocks). Block masks
+over packed sequences or with dropout, and gradients for a score_mod's captured tensors, run
+backward.py's kernels.
 """
 
 from __future__ import annotations
@@ -180,24 +181,55 @@ if gluon is not None:
     LOG2E_G = gl.constexpr(LOG2E)
 
     @gluon.jit
+    def _head_lists(head_lists, g):
+        """hopper_common.block_listing of group head g's row of a block mask per head:
+        head_lists = (lists, the first group head's row, rows between heads, group size)."""
+        lists, row0, stride_sh, group = head_lists
+        return block_listing(lists, row0 + g * stride_sh)
+
+    @gluon.jit
+    def _head_job(head_lists, job, n_jobs):
+        """(g, t): job `job` of a block mask per head is listed tile t of group head g, the
+        heads' listed tiles numbered head after head (a job past n_jobs reads the last one's
+        lists: in bounds, its loads are skipped)."""
+        group = head_lists[3]
+        job = gl.maximum(gl.minimum(job, n_jobs - 1), 0)
+        g = job * 0
+        t = job
+        first = job * 0  # the jobs before head h
+        for h in range(group):
+            n_h = _head_lists(head_lists, h)[1]
+            if (job >= first) & (job < first + n_h):
+                g = h
+                t = job - first
+            first += n_h
+        return g, t
+
+    @gluon.jit
     def _issue_q_do_load(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem,
                          delta_smem, q_bars, do_bars, job, n_jobs, jobs_per_head, m_first,
-                         listing, q_row, q_col, lse_row, lse_stride_h, BLOCK_M: gl.constexpr,
-                         HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr):
+                         listing, head_lists, q_row, q_col, lse_row, lse_stride_h,
+                         BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
+                         NUM_STAGES: gl.constexpr):
         """TMA the Q and dO tiles of job `job` (with their lse and delta rows) into ring buffer
         job % NUM_STAGES, skipped past n_jobs. Job j is query tile m_first + j % jobs_per_head of
         group head j // jobs_per_head (jobs_per_head >= 1: a block no query sees has n_jobs 0),
-        or under a block mask (listing: hopper_common.block_listing) that head's listed tile
-        j % jobs_per_head; lse_row is the first group head's first lse row, lse_stride_h the
-        rows between heads."""
+        or under a block mask shared by the heads (listing: hopper_common.block_listing) that
+        head's listed tile j % jobs_per_head, or under a block mask per head (head_lists:
+        _head_lists) the tile _head_job gives; lse_row is the first group head's first lse
+        row, lse_stride_h the rows between heads."""
         stage = job % NUM_STAGES
         valid = job < n_jobs
-        g = job // jobs_per_head
-        t = job % jobs_per_head
-        if len(listing) > 0:
-            start_m = listed_tile(listing, t) * BLOCK_M
-        else:  # (not tile_start's lo + t * TILE: this form is the plain kernel's machine code)
-            start_m = (m_first + t) * BLOCK_M
+        if len(head_lists) > 0:
+            g, t = _head_job(head_lists, job, n_jobs)
+            start_m = listed_tile(_head_lists(head_lists, g)[0], t) * BLOCK_M
+        else:
+            g = job // jobs_per_head
+            t = job % jobs_per_head
+            if len(listing) > 0:
+                start_m = listed_tile(listing, t) * BLOCK_M
+            else:  # (not tile_start's lo + t * TILE: this is the plain kernel's machine code)
+                start_m = (m_first + t) * BLOCK_M
         col = q_col + g * HEAD_DIM
         row_1d = lse_row + g * lse_stride_h + start_m
         q_bar = q_bars.index(stage)
@@ -241,8 +273,9 @@ if gluon is not None:
         tile computes dS and P o Z over 1 / (1 - p), a select per element instead of a select and
         a multiply, and the kernel scales dK and dV once). smem = (k, v, q ring, dO ring, lse
         ring, delta ring), bars = (q, dO) ring barriers, descs = (q, dO, lse, delta) descriptors,
-        ring = (n_jobs, jobs_per_head, m_first, listing, q_row, q_col, lse_row, lse_stride_h,
-        start_n) as _issue_q_do_load takes them (start_n: the key block's first key). user =
+        ring = (n_jobs, jobs_per_head, m_first, listing, head_lists, q_row, q_col, lse_row,
+        lse_stride_h, start_n) as _issue_q_do_load takes them (start_n: the key block's first
+        key). user =
         (batch, query head, score_args, mask_args) of a user's modifiers
         (hopper_common.user_scores).
         Returns (dk, dv)."""
@@ -250,7 +283,8 @@ if gluon is not None:
         k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem = smem
         q_bars, do_bars = bars
         q_desc, do_desc, lse_desc, delta_desc = descs
-        n_jobs, jobs_per_head, m_first, listing, q_row, q_col, lse_row, lse_stride_h, start_n = ring
+        (n_jobs, jobs_per_head, m_first, listing, head_lists, q_row, q_col, lse_row, lse_stride_h,
+         start_n) = ring
         stage = job % NUM_STAGES
         phase = (job // NUM_STAGES) & 1
         start_m = m * BLOCK_M
@@ -336,8 +370,8 @@ if gluon is not None:
         gl.thread_barrier()
         _issue_q_do_load(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem,
                          delta_smem, q_bars, do_bars, job + NUM_STAGES, n_jobs, jobs_per_head,
-                         m_first, listing, q_row, q_col, lse_row, lse_stride_h, BLOCK_M,
-                         HEAD_DIM, NUM_STAGES)
+                         m_first, listing, head_lists, q_row, q_col, lse_row, lse_stride_h,
+                         BLOCK_M, HEAD_DIM, NUM_STAGES)
         return dk, dv
 
     @gluon.jit(do_not_specialize=["seed_lo", "seed_hi", "dropout_threshold"])
@@ -355,7 +389,7 @@ if gluon is not None:
                                 VARLEN: gl.constexpr,
                                 ONE_KEY_ZERO: gl.constexpr, SCORE_MOD: gl.constexpr,
                                 SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr,
-                                num_warps: gl.constexpr):
+                                HEAD_LISTS: gl.constexpr, num_warps: gl.constexpr):
         """dK, dV of key block program_id(0) of (batch, kv head) program_id(1), heaviest causal
         blocks first. q/k/v/do descriptors over (batch * seqlen, heads * HEAD_DIM), lse/delta
         descriptors over their flat (batch * nheads * seqlen) rows (varlen: the aligned copies
@@ -364,10 +398,11 @@ if gluon is not None:
         longest), descriptors over (total, heads * HEAD_DIM), lse/delta (nheads, total_q); blocks
         past the sequence's end return. SCORE_MOD (with its derivative SCORE_GRAD) and
         MASK_MOD: a user's modifiers, their captured values in score_args / mask_args; a
-        MASK_MOD masks every query tile. blocks: a block mask shared by the heads, (lists,
-        stride_b, keys per block) with its transposed lists as hopper_common.block_listing takes
-        them (else ()): the block's query tiles are then its mask column's listed ones, the
-        partial blocks' masked, the full blocks' not."""
+        MASK_MOD masks every query tile. blocks: a block mask, (lists, stride_b, stride_h, keys
+        per block) with its transposed lists as hopper_common.block_listing takes them (else
+        ()): the block's query tiles are then its mask column's listed ones, the partial
+        blocks' masked, the full blocks' not; HEAD_LISTS: a column per query head (else the
+        heads share one, stride_h unused), walked head after head (_head_job)."""
         pid_n = gl.program_id(0)
         pid_bh = gl.program_id(1) + gl.program_id(2) * gl.num_programs(1)  # launch.fold
         off_b = pid_bh // nheads_k
@@ -435,12 +470,21 @@ if gluon is not None:
         m_end = gl.cdiv(hi, BLOCK_M)
         n_jobs = group * (m_end - m_first)
         listing = ()
+        head_lists = ()
         if len(blocks) > 0:  # a block mask: the listed query tiles of this key block's column
-            lists, stride_sb, block_kv = blocks
-            listing, tiles = block_listing(lists, off_b * stride_sb + start_n // block_kv)
+            lists, stride_sb, stride_sh, block_kv = blocks
+            row = off_b * stride_sb + start_n // block_kv
             m_first = 0
-            m_end = tiles
-            n_jobs = group * tiles
+            if HEAD_LISTS:  # a column per query head: the jobs are the heads' listed tiles
+                head_lists = (lists, row + off_hk * group * stride_sh, stride_sh, group)
+                n_jobs = group * 0
+                for g in range(group):
+                    n_jobs += _head_lists(head_lists, g)[1]
+                m_end = n_jobs  # (jobs_per_head is unused)
+            else:
+                listing, tiles = block_listing(lists, row)
+                m_end = tiles
+                n_jobs = group * tiles
         jobs_per_head = gl.maximum(m_end - m_first, 1)
 
         mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
@@ -449,8 +493,8 @@ if gluon is not None:
         for i in gl.static_range(NUM_STAGES):
             _issue_q_do_load(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem,
                              delta_smem, q_bars, do_bars, i, n_jobs, jobs_per_head, m_first,
-                             listing, q_row, q_col, lse_row, stride_lh, BLOCK_M, HEAD_DIM,
-                             NUM_STAGES)
+                             listing, head_lists, q_row, q_col, lse_row, stride_lh, BLOCK_M,
+                             HEAD_DIM, NUM_STAGES)
         mbarrier.wait(kv_bar, 0)
 
         dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
@@ -458,8 +502,8 @@ if gluon is not None:
         smem = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem)
         bars = (q_bars, do_bars)
         descs = (q_desc, do_desc, lse_desc, delta_desc)
-        ring = (n_jobs, jobs_per_head, m_first, listing, q_row, q_col, lse_row, stride_lh,
-                start_n)
+        ring = (n_jobs, jobs_per_head, m_first, listing, head_lists, q_row, q_col, lse_row,
+                stride_lh, start_n)
         job = 0
         for g in range(group):  # the query heads that share this kv head, in a fixed order
             off_h = off_hk * group + g
@@ -469,12 +513,17 @@ if gluon is not None:
             # Masked rows that see part of the block on its right side (HAS_RIGHT), the rows
             # that see all of it, masked rows of the window's left edge and varlen's last
             # query tile (HAS_LEFT); a masked segment is compiled only where it can exist.
-            if len(listing) > 0:  # the partial blocks' tiles (masked), then the full blocks'
-                listed = (0, listing[1], m_end)
+            if len(blocks) > 0:  # the partial blocks' tiles (masked), then the full blocks'
+                if HEAD_LISTS:
+                    head_listing, head_tiles = _head_lists(head_lists, g)
+                else:
+                    head_listing, head_tiles = listing, m_end
+                listed = (0, head_listing[1], head_tiles)
                 for full in gl.static_range(2):
                     for t in range(listed[full], listed[full + 1]):
                         dk, dv = _query_tile_step(
-                            dk, dv, job, listed_tile(listing, t), smem, bars, descs, ring, geo,
+                            dk, dv, job, listed_tile(head_listing, t), smem, bars, descs, ring,
+                            geo,
                             mods, drop, user, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
                             full == 0, HAS_LEFT, HAS_RIGHT, SCORES, DROPOUT, VARLEN,
                             ONE_KEY_ZERO, SCORE_MOD, SCORE_GRAD, MASK_MOD, st_layout,
@@ -658,9 +707,9 @@ if gluon is not None:
         read from global memory, 64 columns at a time) and stores it in Delta, which the dK/dV
         kernel launched after it reads. SINK: what it stores is rowsum(P * dP) - dlse from the
         float32 tiles instead, which dsink reads too (backward.py). A user's modifiers as in the
-        dK/dV kernel (a MASK_MOD masks every key tile); blocks: a block mask shared by the
-        heads, (lists, stride_b, query rows per block) (else ()): the rows' key tiles are then
-        their mask row's listed ones."""
+        dK/dV kernel (a MASK_MOD masks every key tile); blocks: a block mask, (lists, stride_b,
+        stride_h, query rows per block) (else ()): the rows' key tiles are then their mask
+        row's listed ones."""
         pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
         pid_bh = gl.program_id(1) + gl.program_id(2) * gl.num_programs(1)  # launch.fold
         off_b = pid_bh // nheads
@@ -715,8 +764,9 @@ if gluon is not None:
         t_mid_hi = gl.cdiv(mid_hi - lo, BLOCK_N)
         listing = ()
         if len(blocks) > 0:  # a block mask: the listed key tiles of this query block's row
-            lists, stride_sb, block_q = blocks
-            listing, n_tiles = block_listing(lists, off_b * stride_sb + start_m // block_q)
+            lists, stride_sb, stride_sh, block_q = blocks
+            listing, n_tiles = block_listing(
+                lists, off_b * stride_sb + off_h * stride_sh + start_m // block_q)
         key0 = key_row0 + lo
 
         mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
@@ -827,13 +877,11 @@ def _declines(q, k, v, dout, lse, params: AttentionParams, dq, dk, dv, tiles) ->
 
 def block_mask_declines(q, params: AttentionParams) -> str | None:
     """Why the Gluon kernels do not take the call's block mask, or None: a dense call's mask
-    shared by the heads (one list row serves each head of a kv group), without dropout, whose
-    blocks hold whole tiles of both kernels."""
+    (shared by the heads or one per head), without dropout, whose blocks hold whole tiles of
+    both kernels."""
     mask = params.variant.block_mask
     if params.is_varlen or params.variant.packing:
         return "a block mask over packed sequences"
-    if mask.kv_num_blocks.shape[1] != 1:
-        return "a block mask per head"
     if params.dropout_p > 0:
         return "a block mask with dropout"
     tiles = _tiles(q.shape[-1])
@@ -939,10 +987,10 @@ def _prepare_dkdv(q, k, v, dout, lse, delta, params: AttentionParams, dk, dv, bl
     return Prepared(_bwd_dkdv_hopper_kernel, grid, (
         *f.strides(dk)[:3], *f.strides(dv)[:3], f.nheads, f.nheads_k, *f.band,
         f.score_values, params.softmax_scale, *f.dropout, lse.stride(-2), score_args,
-        mask_args, _block_lists(params, lse, block_m, transposed=True)), dict(
+        mask_args, block_lists(params, lse, block_m, transposed=True)), dict(
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=num_stages, **f.flags,
-        ONE_KEY_ZERO=one_key_zero, **_user_modifiers(variant), num_warps=num_warps),
-        _DKDV_TENSORS, descriptors, SEED)
+        ONE_KEY_ZERO=one_key_zero, **_user_modifiers(variant),
+        HEAD_LISTS=_per_head_mask(params), num_warps=num_warps), _DKDV_TENSORS, descriptors, SEED)
 
 
 def attention_backward_dq(dout, q, k, v, out, lse, delta, dlse, params: AttentionParams, dq,
@@ -975,21 +1023,17 @@ def _prepare_dq(q, k, v, out, dout, lse, delta, dlse, params: AttentionParams, d
         *f.strides(out), *f.strides(dout)[:3], *f.strides(lse)[:2], *f.strides(delta)[:2],
         *f.strides(dq)[:3], f.nheads,
         f.nheads // f.nheads_k, *f.band, f.score_values, params.softmax_scale,
-        *f.dropout, score_args, mask_args, _block_lists(params, lse, block_n)), dict(
+        *f.dropout, score_args, mask_args, block_lists(params, lse, block_n)), dict(
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=num_stages, **f.flags,
         ONE_KEY_ZERO=one_key_zero, SINK=params.sink is not None, LSE_GRAD=dlse is not None,
         **_user_modifiers(variant), num_warps=num_warps), _DQ_TENSORS, descriptors, SEED)
 
 
-def _block_lists(params: AttentionParams, placeholder, tile: int,
-                 transposed: bool = False) -> tuple:
-    """The kernels' `blocks` (hopper_common.block_lists less the head stride: the heads share
-    one list row, block_mask_declines)."""
-    blocks = block_lists(params, placeholder, tile, transposed)
-    if not blocks:
-        return ()
-    lists, stride_b, _, covered = blocks
-    return lists, stride_b, covered
+def _per_head_mask(params: AttentionParams) -> bool:
+    """Whether the call's block mask has a list row per head (the dK/dV kernel's HEAD_LISTS);
+    else one row serves every head (its head stride is 0, hopper_common.block_lists)."""
+    mask = params.variant.block_mask if params.variant is not None else None
+    return mask is not None and mask.kv_num_blocks.shape[1] != 1
 
 
 def _user_modifiers(variant: dict) -> dict:
