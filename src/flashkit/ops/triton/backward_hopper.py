@@ -471,7 +471,10 @@ if gluon is not None:
         n_jobs = group * (m_end - m_first)
         listing = ()
         head_lists = ()
-        if len(blocks) > 0:  # a block mask: the listed query tiles of this key block's column
+        # (named before any loop: inside and after one, Triton 3.6 reads a constexpr member
+        # of `blocks`, a tile count of 1, as None)
+        SPARSE: gl.constexpr = len(blocks) > 0
+        if SPARSE:  # a block mask: the listed query tiles of this key block's column
             lists, stride_sb, stride_sh, block_kv = blocks
             row = off_b * stride_sb + start_n // block_kv
             m_first = 0
@@ -513,7 +516,7 @@ if gluon is not None:
             # Masked rows that see part of the block on its right side (HAS_RIGHT), the rows
             # that see all of it, masked rows of the window's left edge and varlen's last
             # query tile (HAS_LEFT); a masked segment is compiled only where it can exist.
-            if len(blocks) > 0:  # the partial blocks' tiles (masked), then the full blocks'
+            if SPARSE:  # the partial blocks' tiles (masked), then the full blocks'
                 if HEAD_LISTS:
                     head_listing, head_tiles = _head_lists(head_lists, g)
                 else:
