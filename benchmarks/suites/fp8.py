@@ -51,10 +51,10 @@ HEAD_DIMS = (64, 128, 256)
 # registers per thread and CTAs per SM from an offline sm_90 compile (64K registers per SM).
 SWEEP_TILES = {
     64: [(128, 128, 8, 3),  # 185 registers: 1 CTA (the first run's default)
-         (128, 64, 8, 3),  # 104 (122 causal): 2 CTAs (the default)
+         (128, 64, 8, 3),  # 104 (122 causal): 2 CTAs
          (128, 64, 8, 4),  # the same with a deeper K/V pipeline
          (64, 64, 4, 4),  # 117: 4 CTAs of one warpgroup
-         (64, 128, 4, 3)],  # 196 (218 causal): 2 CTAs of one warpgroup
+         (64, 128, 4, 3)],  # 168: 3 CTAs of one warpgroup (the default)
     128: [(128, 128, 8, 3),  # 211: 1 CTA (the default; best in the first run)
           (128, 64, 4, 3),  # 255: 1 CTA
           (64, 128, 4, 3),
