@@ -1,0 +1,136 @@
+"""The Gluon kernels walking a block mask compile for sm_90 and fit its shared memory, without a
+GPU.
+
+The Gluon forward, dQ and dK/dV kernels take a block mask as a tuple argument whose members
+Triton specialises like any other (a tile count of 1 becomes a compile-time constant), and a
+constant inside a tuple is where Triton's code generator has failed (a head dim 64 dK/dV kernel
+read it as None inside a loop). This test makes the launches the Gluon launchers make for a
+document mask, shared by the heads and one per head, with a score_mod, ALiBi and a sink on top,
+at head dims 64, 128 and 256 (the tiles of each, so every tile count per block occurs), and
+compiles each for sm_90 down to ptxas. A stand-in driver answers "cuda sm_90" and every launch
+only compiles, in a child process without the interpreter this test process has switched on.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+SM90_SHARED_BYTES = 232448  # the most shared memory one block may use on sm_90
+CASES = [(torch.bfloat16, 128), (torch.float16, 64), (torch.bfloat16, 256)]
+KERNELS = ("_fwd_hopper_kernel", "_bwd_dq_hopper_kernel", "_bwd_dkdv_hopper_kernel")
+
+
+@pytest.mark.slow
+def test_gluon_block_mask_kernels_compile_for_sm90():
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+        from triton.experimental import gluon  # noqa: F401
+        get_ptxas(90)
+    except Exception as err:  # a triton build without Gluon or the CUDA toolchain
+        pytest.skip(f"no Gluon or ptxas: {err}")
+    env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[2]
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root / "src"),
+                                                      env.get("PYTHONPATH")]))
+    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
+                          timeout=1500)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line.split() for line in done.stdout.splitlines()]
+    assert sorted((int(d), per_head, kernel) for d, per_head, kernel, _ in rows) == sorted(
+        (d, per_head, kernel) for _, d in CASES for per_head in ("shared", "per_head")
+        for kernel in KERNELS)
+    too_big = [row for row in rows if int(row[3]) > SM90_SHARED_BYTES]
+    assert not too_big, f"shared memory over {SM90_SHARED_BYTES} bytes: {too_big}"
+
+
+@triton.jit
+def _same_document(b, h, q_idx, kv_idx, ids, stride_b, stride_h):
+    """Document ids per batch entry and head (stride_h 0: one row for every head)."""
+    row = ids + b * stride_b + h * stride_h
+    return tl.load(row + q_idx) == tl.load(row + kv_idx)
+
+
+class _Sm90Driver:
+    """Just enough of Triton's CUDA driver for a compile-only launch for sm_90."""
+
+    def get_current_target(self):
+        from triton.backends.compiler import GPUTarget
+        return GPUTarget("cuda", 90, 128)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+
+def _compile(case: tuple) -> list[str]:
+    """`head_dim shared|per_head kernel shared_bytes` of each Gluon kernel a block-mask call
+    launches (forward, dQ, dK/dV), compiled for sm_90."""
+    dtype, head_dim, per_head = case
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction
+
+    driver.set_active(_Sm90Driver())
+    compiled = []
+    run = JITFunction.run
+
+    def compile_only(self, *args, grid, warmup, **kwargs):
+        kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
+        compiled.append((self.__name__, kernel))
+        return kernel
+
+    JITFunction.run = compile_only
+    import flashkit
+    from flashkit import variants
+    from flashkit.ops.params import AttentionParams, lse_shape
+    from flashkit.ops.triton import backward_hopper, forward_hopper, launch
+    from flashkit.variants.mods import attach
+
+    launch._hooked = lambda: True  # every launch through kernel[grid], i.e. compile_only
+    forward_hopper.programs_per_device = lambda device, consumers: 132  # an H100/H200's SMs
+    torch.manual_seed(0)
+    batch, nheads, nheads_k, seqlen = 2, 8, 2, 512
+    doc = (torch.arange(seqlen) // 97).repeat(batch, nheads if per_head else 1, 1).contiguous()
+    mod = flashkit.MaskMod(_same_document, doc, doc.stride(0), doc.stride(1) if per_head else 0)
+    mask = flashkit.create_block_mask(mod, batch, nheads if per_head else None, seqlen, seqlen,
+                                      device="cpu")
+    q = torch.empty(batch, seqlen, nheads, head_dim, dtype=dtype)
+    k, v = (torch.empty(batch, seqlen, nheads_k, head_dim, dtype=dtype) for _ in range(2))
+    params = AttentionParams(head_dim ** -0.5, alibi_slopes=torch.rand(nheads),
+                             sink=torch.randn(nheads))
+    params = attach(params, q, variants.relative_bias(torch.randn(nheads, 13)), mod, mask,
+                    batch, nheads, seqlen, seqlen)
+    assert forward_hopper.block_mask_declines(q, k, params) is None
+    assert backward_hopper.block_mask_declines(q, params) is None
+    lse = torch.empty(lse_shape(q, params), dtype=torch.float32)
+    delta = torch.empty_like(lse)
+    forward_hopper.attention_forward(q, k, v, params)
+    backward_hopper.attention_backward_dq(q, q, k, v, q, lse, delta, None, params,
+                                          torch.empty_like(q))
+    backward_hopper.attention_backward_dkdv(q, q, k, v, lse, delta, params, torch.empty_like(k),
+                                            torch.empty_like(v))
+    label = "per_head" if per_head else "shared"
+    return [f"{head_dim} {label} {name} {kernel.metadata.shared}" for name, kernel in compiled
+            if kernel.asm["cubin"]]
+
+
+def main() -> None:
+    """Print `head_dim shared|per_head kernel shared_bytes` for every case."""
+    cases = [(dtype, d, per_head) for dtype, d in CASES for per_head in (False, True)]
+    with ProcessPoolExecutor(2) as pool:
+        for rows in pool.map(_compile, cases):
+            print("\n".join(rows), flush=True)
+
+
+if __name__ == "__main__":
+    main()
