@@ -8,7 +8,8 @@ read it as None inside a loop). This test makes the launches the Gluon launchers
 document mask, shared by the heads and one per head, with a score_mod, ALiBi and a sink on top,
 at head dims 64, 128 and 256 (the tiles of each, so every tile count per block occurs), and
 compiles each for sm_90 down to ptxas. A stand-in driver answers "cuda sm_90" and every launch
-only compiles, in a child process without the interpreter this test process has switched on.
+only compiles (benchmarks/diagnostics/sm90_probe.py), in a child process without the
+interpreter this test process has switched on.
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ def test_gluon_block_mask_kernels_compile_for_sm90():
         pytest.skip(f"no Gluon or ptxas: {err}")
     env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}
     root = Path(__file__).resolve().parents[2]
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root / "src"),
-                                                      env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [
+        str(root / "src"), str(root / "benchmarks" / "diagnostics"), env.get("PYTHONPATH")]))
     done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
                           timeout=1500)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -59,37 +60,13 @@ def _same_document(b, h, q_idx, kv_idx, ids, stride_b, stride_h):
     return tl.load(row + q_idx) == tl.load(row + kv_idx)
 
 
-class _Sm90Driver:
-    """Just enough of Triton's CUDA driver for a compile-only launch for sm_90."""
-
-    def get_current_target(self):
-        from triton.backends.compiler import GPUTarget
-        return GPUTarget("cuda", 90, 128)
-
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
-        return 0
-
-
 def _compile(case: tuple) -> list[str]:
     """`head_dim shared|per_head kernel shared_bytes` of each Gluon kernel a block-mask call
     launches (forward, dQ, dK/dV), compiled for sm_90."""
     dtype, head_dim, per_head = case
-    from triton.runtime import driver
-    from triton.runtime.jit import JITFunction
+    import sm90_probe
 
-    driver.set_active(_Sm90Driver())
-    compiled = []
-    run = JITFunction.run
-
-    def compile_only(self, *args, grid, warmup, **kwargs):
-        kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
-        compiled.append((self.__name__, kernel))
-        return kernel
-
-    JITFunction.run = compile_only
+    sm90_probe.COMPILED.clear()  # this case's builds only (a worker process runs several)
     import flashkit
     from flashkit import variants
     from flashkit.ops.params import AttentionParams, lse_shape
@@ -120,14 +97,16 @@ def _compile(case: tuple) -> list[str]:
     backward_hopper.attention_backward_dkdv(q, q, k, v, lse, delta, params, torch.empty_like(k),
                                             torch.empty_like(v))
     label = "per_head" if per_head else "shared"
-    return [f"{head_dim} {label} {name} {kernel.metadata.shared}" for name, kernel in compiled
-            if kernel.asm["cubin"]]
+    return [f"{head_dim} {label} {name} {kernel.metadata.shared}"
+            for name, _, kernel in sm90_probe.COMPILED if kernel.asm["cubin"]]
 
 
 def main() -> None:
     """Print `head_dim shared|per_head kernel shared_bytes` for every case."""
+    import sm90_probe  # benchmarks/diagnostics: its fake driver makes launches compile only
+
     cases = [(dtype, d, per_head) for dtype, d in CASES for per_head in (False, True)]
-    with ProcessPoolExecutor(2) as pool:
+    with ProcessPoolExecutor(2, initializer=sm90_probe.install_fake_driver) as pool:
         for rows in pool.map(_compile, cases):
             print("\n".join(rows), flush=True)
 
