@@ -6,9 +6,10 @@ What a Python call costs before the GPU has anything to do.
 
 Problems: b1, s128, h8, d64 bf16: the forward (no grad) and the training step (forward with
 grad + backward) of flashkit.flash_attn_func, PyTorch SDPA (cuDNN, FA2, efficient) and compiled
-FlexAttention; and an eager decoding step of flashkit.flash_attn_with_kvcache (b1, 32 query /
-4 kv heads, d128, one new token, 1k..16k cached keys) against SDPA over the same cache
-(enable_gqa). Two numbers per call:
+FlexAttention; the same with a user's variant (a causal document mask as a block mask) against
+FlexAttention's, SDPA cuDNN's plain causal call giving the scale; and an eager decoding step
+of flashkit.flash_attn_with_kvcache (b1, 32 query / 4 kv heads, d128, one new token, 1k..16k
+cached keys) against SDPA over the same cache (enable_gqa). Two numbers per call:
   wall_us  wall time per call of a tight loop of N calls with one synchronisation at the end. On
            a problem this small the GPU finishes each kernel before the host has issued the
            next, so the loop is host-bound and this is what a user's loop pays per call.
@@ -38,6 +39,7 @@ from common import (  # noqa: E402
     Result,
     add_out_argument,
     anchor_call,
+    anchor_flex_compiled,
     log,
     sdpa,
     table,
@@ -122,6 +124,42 @@ def tiny_calls(causal: bool) -> dict:
     return calls
 
 
+def variant_calls() -> dict:
+    """name -> (forward, step) callables on the tiny problem with a user's variant: a causal
+    document mask (documents of 48 tokens) as a block mask, flashkit's against compiled
+    FlexAttention's, each built once outside the timing; and SDPA cuDNN's plain causal call,
+    the scale of the other rows' wall_x_cudnn (it computes no document mask)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from flashkit import variants
+
+    q, k, v, dout = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16)
+                     for _ in range(4))
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    qh, kh, vh, douth = (x.transpose(1, 2).contiguous() for x in (q, k, v, dout))
+    leaves_h = [x.clone().requires_grad_() for x in (qh, kh, vh)]
+    doc = (torch.arange(S, device="cuda") // 48).to(torch.int32)
+    ours = flashkit.create_block_mask(variants.document_mask(doc, causal=True), None, None, S, S)
+    theirs = create_block_mask(lambda b, h, i, j: (doc[i] == doc[j]) & (j <= i), None, None,
+                               S, S)
+    flex = anchor_flex_compiled()
+
+    def pair(attention, plain, grads, grad_out):
+        def forward():
+            with torch.no_grad():
+                return attention(*plain)
+
+        def step():
+            return torch.autograd.grad(attention(*grads), grads, grad_out)
+
+        return forward, step
+
+    return {"flashkit": pair(lambda *t: flashkit.flash_attn_func(*t, block_mask=ours),
+                             (q, k, v), leaves, dout),
+            "flex": pair(lambda *t: flex(*t, block_mask=theirs), (qh, kh, vh), leaves_h, douth),
+            "cudnn": pair(anchor_call("cudnn", True), (qh, kh, vh), leaves_h, douth)}
+
+
 def decode_calls(cached: int) -> dict:
     """name -> decoding-step callable: one new token over `cached` keys."""
     shape_q = (1, 1, DECODE_Q_HEADS, DECODE_D)
@@ -173,6 +211,11 @@ def main(argv=None):
                 add(problem, kind, {name: pair[index] for name, pair in calls.items()})
                 profiles[f"{kind}{' causal' if causal else ''}"] = profile(
                     calls["flashkit"][index], 200)
+        calls = variant_calls()
+        for index, kind in enumerate(("forward", "step")):
+            add(f"b{B} s{S} h{H} d{D} document block mask", kind,
+                {name: pair[index] for name, pair in calls.items()})
+            profiles[f"{kind} document block mask"] = profile(calls["flashkit"][index], 200)
         with torch.no_grad():
             for cached in CACHED:
                 add(f"decode b1 {DECODE_Q_HEADS}/{DECODE_KV_HEADS} heads d{DECODE_D} {cached} "

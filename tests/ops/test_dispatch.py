@@ -100,12 +100,12 @@ def test_the_plan_key_holds_every_field_a_launch_reads():
     assert dispatch._values(same) == dispatch._values(base)
 
 
-def test_the_plan_key_tells_the_kinds_of_user_modifiers_apart():
-    """The Gluon forward takes a score_mod, a mask_mod and a block mask of some block sizes,
-    the Gluon backward no gradients for captured tensors: calls with other kinds of modifiers,
-    other block sizes or captured gradients must not share a kernel choice;
-    calls with the same kinds do (each call's own functions, captured values and lists reach
-    the kernels from its params)."""
+def test_the_plan_key_tells_user_modifiers_apart_but_not_their_tensors():
+    """A plan's launches compile in a user's functions, its captured numbers and dtypes and a
+    block mask's geometry, and the Gluon backward takes no gradients for captured tensors:
+    calls that differ in any of these must not share a plan. Calls that differ only in the
+    captured tensors' or the mask lists' contents do: each call passes its own to the
+    launches."""
     import dataclasses
 
     from flashkit.ops.params import AttentionParams
@@ -118,10 +118,18 @@ def test_the_plan_key_tells_the_kinds_of_user_modifiers_apart():
              *[Variant(mask_mod=variants.causal_mask(), block_mask=m) for m in masks],
              Variant(score_mod=variants.relative_bias(table), captured_grads=[table, None]),
              None]
+    kinds += [Variant(score_mod=variants.softcap(6.0)),  # another captured number
+              Variant(score_mod=variants.relative_bias(table)),
+              Variant(score_mod=variants.relative_bias(table.double())),  # another dtype
+              Variant(mask_mod=variants.causal_mask(), block_mask=flashkit.create_block_mask(
+                  variants.causal_mask(), None, None, 64, 96, device="cpu", BLOCK_SIZE=32))]
     keys = [dispatch._values(dataclasses.replace(base, variant=v)) for v in kinds]
     assert len(set(keys)) == len(kinds)
-    other = Variant(score_mod=variants.relative_bias(torch.randn(2, 5)))
-    assert dispatch._values(dataclasses.replace(base, variant=other)) == keys[0]
+    same = [Variant(score_mod=variants.relative_bias(torch.randn(2, 5))),
+            Variant(mask_mod=variants.causal_mask(), block_mask=flashkit.create_block_mask(
+                variants.causal_mask(), None, None, 64, 64, device="cpu", BLOCK_SIZE=32))]
+    for at, variant in zip((-3, 2), same, strict=True):
+        assert dispatch._values(dataclasses.replace(base, variant=variant)) == keys[at]
 
 
 @pytest.mark.usefixtures("fresh_plans")

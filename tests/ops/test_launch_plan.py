@@ -75,6 +75,17 @@ def compiled_bundled(monkeypatch):
     return _compiled(monkeypatch, signature, 1)
 
 
+@pytest.fixture
+def compiled_nested(monkeypatch):
+    """The same for _bundled_stand_in taking a nested bundle of tensors and numbers, as a
+    user's modifiers reach the Gluon kernels (a block mask's lists with their sizes, a
+    modifier's captured tensors and numbers): the member 1 is a constexpr to Triton."""
+    signature = {"x_desc": "tensordesc<bf16[64, 32]>", "Out": "*fp32",
+                 "Bundle": (("*i32", "*i32", "i32", "constexpr"), "i32", "fp32"),
+                 "values": ("fp32", "i32"), "BLOCK": "constexpr"}
+    return _compiled(monkeypatch, signature, 1)
+
+
 def _compiled(monkeypatch, signature: dict, descriptors: int):
     import triton
 
@@ -252,6 +263,53 @@ def test_a_bundle_of_another_dtype_or_alignment_goes_through_launch_again(compil
     assert len(compiled.slow) == 4
     prepared(x, out, (a, b))  # the kept direct launch again
     assert len(compiled.slow) == 4
+
+
+def _nested_inputs(seed: int, count: int = 3):
+    """x, out and a nested bundle ((two int32 lists, count, 1), 0, 0.5), as a call passes
+    them."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(128, 4, 32, generator=gen).to(torch.bfloat16)
+    lists = tuple(torch.randint(0, 9, (8,), generator=gen, dtype=torch.int32) for _ in range(2))
+    return x, torch.empty(16), ((*lists, count, 1), 0, 0.5)
+
+
+def test_the_direct_launch_passes_nested_bundles_of_tensors_and_numbers(compiled_nested):
+    compiled = compiled_nested
+    x, out, bundle = _nested_inputs(0)
+    prepared = _bundled_prepared(x)
+    prepared(x, out, bundle)
+    prepared(*_nested_inputs(1))
+    assert len(compiled.slow) == 2
+    tensors = _nested_inputs(2)
+    prepared(*tensors)
+    assert len(compiled.slow) == 2  # direct
+    direct = compiled.calls[-1]
+    prepared._launch(tensors, ())
+    assert_launches_alike(direct, compiled.calls[-1])
+    lists = tensors[2][0][:2]
+    assert direct[19] == ((*(t.data_ptr() for t in lists), 3, 1), 0, 0.5)
+
+
+def test_a_nested_bundle_with_another_number_dtype_or_alignment_goes_through_launch(
+        compiled_nested):
+    """The direct launch was compiled for the bundle's numbers (Triton may specialise on
+    them) and its tensors' dtypes and alignment: any other goes through launch."""
+    compiled = compiled_nested
+    x, out, ((a, b, count, one), zero, half) = _nested_inputs(0)
+    prepared = _bundled_prepared(x)
+    for _ in range(3):
+        prepared(x, out, ((a, b, count, one), zero, half))
+    assert len(compiled.slow) == 2
+    for bundle in (((a, b, 4, one), zero, half), ((a, b, count, one), zero, 0.25),
+                   ((a, b, count, one), 0.0, half), ((a, b.long(), count, one), zero, half),
+                   ((a, torch.empty(9, dtype=torch.int32)[1:], count, one), zero, half),
+                   ((a, b, count), zero, half)):
+        launched = len(compiled.slow)
+        prepared(x, out, bundle)
+        assert len(compiled.slow) == launched + 1, bundle
+    prepared(x, out, ((a, b, count, one), zero, half))  # the kept direct launch again
+    assert len(compiled.slow) == launched + 1
 
 
 def test_the_plan_keeps_no_tensor_alive():

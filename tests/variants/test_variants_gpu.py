@@ -208,6 +208,36 @@ def test_gluon_kernels_walk_a_block_mask(seqlen_q, per_head, headdim, dtype, cap
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU")
+@pytest.mark.usefixtures("fresh_plans")
+def test_a_planned_variant_reads_each_calls_own_tensors():
+    """Calls of one variant share a launch plan whose direct launches (from the third call on)
+    are passed each call's captured tensors and block-mask lists: two document masks of the
+    same geometry and two bias tables, alternated over four steps, each step against the
+    oracle, forward and backward, with the Gluon kernels' direct launches taken."""
+    from flashkit.ops.triton import dispatch
+
+    batch, nheads, seqlen = 2, 8, 512
+    docs = [documents(seqlen, batch=batch).cuda() for _ in range(2)]
+    masks = [flashkit.create_block_mask(variants.document_mask(d, causal=True), batch, None,
+                                        seqlen, seqlen, device="cuda") for d in docs]
+    tables = [torch.randn(nheads, 13) for _ in range(2)]
+    for step in range(4):
+        q, k, v = random_qkv(batch=batch, seqlen_q=seqlen, seqlen_k=seqlen, nheads=nheads,
+                             nheads_k=2, headdim=128, dtype=torch.bfloat16)
+
+        def run(backend, q, k, v, table, mask=masks[step % 2]):
+            return (flashkit.flash_attn_func(q, k, v, backend=backend, block_mask=mask,
+                                             score_mod=variants.relative_bias(table)),)
+        check_against_oracle(functools.partial(run, "triton"),
+                             _cuda(dict(q=q, k=k, v=v, table=tables[step % 2])),
+                             output_names=("out",),
+                             oracle_fn=functools.partial(run, "reference"))
+    launches = [p for plan in dispatch._plans.values() if plan.kernel == "gluon"
+                for p in plan.launches.values()]
+    assert len(launches) == 3 and all(p._direct is not None for p in launches), launches
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("dtype, headdim", [(torch.bfloat16, 128), (torch.float16, 64),
                                             (torch.bfloat16, 256)])
 @pytest.mark.parametrize("lengths", [(203, 461), (640, 640)])

@@ -73,7 +73,11 @@ def attention(q, k, v, params, backend: str):
     tensors = [t if isinstance(t, torch.Tensor) else None for t in captured]
     if backend == "triton" and params.is_varlen and variant.block_mask is not None:
         return _packed(q, k, v, params, tensors)
-    return _Attention.apply(q, k, v, params.sink, params, backend_module(backend), *tensors)
+    module = backend_module(backend)
+    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (
+            q, k, v, params.sink, *tensors))):  # no graph to record: the forward alone
+        return module.forward(q, k, v, params)
+    return _Attention.apply(q, k, v, params.sink, params, module, *tensors)
 
 
 def _packed(q, k, v, params, tensors):

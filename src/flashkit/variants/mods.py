@@ -48,6 +48,26 @@ def python_function(fn):
     return fn.fn if _is_jit(fn) else fn
 
 
+_JITTED: dict = {}  # plain function -> its @triton.jit, made once (jitted)
+_SIGNATURES_CHECKED: set = set()  # (function, argument names, count of extra ones) that passed
+
+
+def jitted(fn):
+    """fn as a @triton.jit function: itself if it is one, else its decoration, made once per
+    Python function, so every modifier of the same function compiles into the same kernels and
+    launch plans (a new decoration per call would be a new kernel to Triton's in-memory
+    cache)."""
+    if fn is None or _is_jit(fn):
+        return fn
+    jit = _JITTED.get(fn)
+    if jit is None:
+        import triton
+        if len(_JITTED) >= 4096:  # a safety bound
+            _JITTED.clear()
+        jit = _JITTED[fn] = triton.jit(fn)
+    return jit
+
+
 class _Mod:
     kind = ""
     _arg_names: tuple = ()
@@ -55,8 +75,8 @@ class _Mod:
     def __init__(self, fn, *captured, grad=None, captured_grad=None):
         self.fn, self.captured, self.grad = fn, tuple(captured), grad
         self.captured_grad = captured_grad
-        self._jit = fn if _is_jit(fn) else None
         self._twins: dict = {}
+        self._kernel_key = None
 
     def check(self, device) -> None:
         """TypeError/ValueError naming the argument for a modifier no backend can run."""
@@ -89,25 +109,29 @@ class _Mod:
                                  "modifier indexes it as flat memory: tl.load(t + index))")
 
     def jit(self):
-        """The @triton.jit function the kernels call (a plain function is decorated once)."""
-        if self._jit is None:
-            import triton
-            self._jit = triton.jit(self.fn)
-        return self._jit
+        """The @triton.jit function the kernels call (jitted)."""
+        return jitted(self.fn)
 
     def jit_grad(self):
-        if self.grad is None:
-            return None
-        if not _is_jit(self.grad):
-            import triton
-            self.grad = triton.jit(self.grad)
-        return self.grad
+        return jitted(self.grad)
+
+    def kernel_key(self) -> tuple:
+        """What a Triton kernel compiles in of this modifier, for launch plans' keys: its
+        @triton.jit functions (the same objects for the same Python functions: jitted) and its
+        captured values' dtypes (tensors, which each launch is passed) or types and values
+        (numbers, on which Triton may specialise). Made once: both are fixed. The functions'
+        Triton cache keys are settled first, as a launch does before compiling (a key hashes
+        them, which computes their cache keys)."""
+        if self._kernel_key is None:
+            from flashkit.ops.triton.launch import settle_cache_keys
+            functions = (self.jit(), self.jit_grad())
+            settle_cache_keys(*functions)
+            self._kernel_key = (*functions, tuple(
+                t.dtype if isinstance(t, torch.Tensor) else (type(t), t) for t in self.captured))
+        return self._kernel_key
 
     def jit_captured_grad(self):
-        if self.captured_grad is not None and not _is_jit(self.captured_grad):
-            import triton
-            self.captured_grad = triton.jit(self.captured_grad)
-        return self.captured_grad
+        return jitted(self.captured_grad)
 
     def kernel_args(self) -> tuple:
         """The captured values as the kernels take them (a tuple: tensors become pointers)."""
@@ -156,6 +180,10 @@ class MaskMod(_Mod):
 
 
 def _check_signature(py, names: tuple, n_extra: int, role: str) -> None:
+    """TypeError unless py takes exactly the positional arguments names and n_extra more
+    (inspect's reading, once per function and arguments: tens of microseconds)."""
+    if (py, names, n_extra) in _SIGNATURES_CHECKED:
+        return
     params = list(inspect.signature(py).parameters.values())
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     expected = len(names) + n_extra
@@ -164,6 +192,9 @@ def _check_signature(py, names: tuple, n_extra: int, role: str) -> None:
         want = ", ".join(names) + (f", <{n_extra} {what}>" if n_extra else "")
         raise TypeError(f"{role}: {py.__name__}{inspect.signature(py)} must take exactly "
                         f"{expected} positional arguments ({want})")
+    if len(_SIGNATURES_CHECKED) >= 4096:  # a safety bound
+        _SIGNATURES_CHECKED.clear()
+    _SIGNATURES_CHECKED.add((py, names, n_extra))
 
 
 def torch_twin(py, dtype: torch.dtype, device):

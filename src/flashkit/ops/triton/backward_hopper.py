@@ -97,9 +97,9 @@ from flashkit.ops.triton.features import (
 )
 from flashkit.ops.triton.forward_hopper import gluon_declines
 from flashkit.ops.triton.hopper_common import (
-    block_lists,
     flash_descriptor,
     flash_layout_2d,
+    modifier_tensors,
     rows_descriptor,
 )
 from flashkit.ops.triton.launch import Prepared, fold, launch, planned
@@ -950,11 +950,12 @@ def dense_as_varlen(q, k, v, dout, lse, params: AttentionParams, dq, dk, dv, til
     return as_varlen_declines(q, k, v, dout, lse, params, dq, dk, dv, tiles) is None
 
 
-# The kernels' tensor parameters (descriptors and pointers), for launch's argument order
+# The kernels' tensor parameters (descriptors, pointers and the modifiers' bundles), for
+# launch's argument order
 _DKDV_TENSORS = ("q_desc", "k_desc", "v_desc", "do_desc", "lse_desc", "delta_desc", "DK", "DV",
-                 "ScoreTensors", "Cu_q", "Cu_k")
+                 "ScoreTensors", "Cu_q", "Cu_k", "score_args", "mask_args", "blocks")
 _DQ_TENSORS = ("q_desc", "k_desc", "v_desc", "do_desc", "Out", "DO", "Lse", "Delta", "Dlse", "DQ",
-               "ScoreTensors", "Cu_q", "Cu_k")
+               "ScoreTensors", "Cu_q", "Cu_k", "score_args", "mask_args", "blocks")
 
 
 def attention_backward_dkdv(dout, q, k, v, lse, delta, params: AttentionParams, dk, dv,
@@ -962,16 +963,14 @@ def attention_backward_dkdv(dout, q, k, v, lse, delta, params: AttentionParams, 
     """dK, dV of the eligible case into dk, dv. delta (laid out like lse) comes from the dQ
     kernel, launched before; block overrides GLUON_BACKWARD_DKDV (the sweep); one_key_zero:
     the kernels' ONE_KEY_ZERO (backward.py: no sink, no lse gradient, the call's own lse);
-    plan: the dispatch plan's prepared launches (launch.planned), unused for a call with a
-    user's modifiers (their captured tensors are the call's own)."""
-    if params.variant is not None:
-        plan = None
+    plan: the dispatch plan's prepared launches (launch.planned)."""
     if params.is_varlen:
         lse, delta = _aligned_lse_delta(lse, delta, params)
     prepared = planned(plan, "dkdv", lambda: _prepare_dkdv(q, k, v, dout, lse, delta, params, dk,
                                                            dv, block, one_key_zero))
     score_tensors, _, cu_q, cu_k = feature_tensors(params, lse, float32_sink=False)  # no sink
     prepared(q, k, v, dout, lse, delta, dk, dv, score_tensors, cu_q, cu_k,
+             *modifier_tensors(params, lse, prepared.constexprs["BLOCK_M"], transposed=True),
              varying=dropout_seed(params))
 
 
@@ -986,11 +985,10 @@ def _prepare_dkdv(q, k, v, dout, lse, delta, params: AttentionParams, dk, dv, bl
     descriptors = {0: flash_descriptor(q, block_m), 1: flash_descriptor(k, block_n),
                    2: flash_descriptor(v, block_n), 3: flash_descriptor(dout, block_m),
                    4: rows_descriptor(lse, block_m), 5: rows_descriptor(delta, block_m)}
-    score_args, mask_args, _, variant = variant_args(params)
+    variant = variant_args(params)[3]
     return Prepared(_bwd_dkdv_hopper_kernel, grid, (
         *f.strides(dk)[:3], *f.strides(dv)[:3], f.nheads, f.nheads_k, *f.band,
-        f.score_values, params.softmax_scale, *f.dropout, lse.stride(-2), score_args,
-        mask_args, block_lists(params, lse, block_m, transposed=True)), dict(
+        f.score_values, params.softmax_scale, *f.dropout, lse.stride(-2)), dict(
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=num_stages, **f.flags,
         ONE_KEY_ZERO=one_key_zero, **_user_modifiers(variant),
         HEAD_LISTS=_per_head_mask(params), num_warps=num_warps), _DKDV_TENSORS, descriptors, SEED)
@@ -1002,13 +1000,13 @@ def attention_backward_dq(dout, q, k, v, out, lse, delta, dlse, params: Attentio
     - dlse into delta (float32, laid out like lse; dlse None or laid out like it) for the dK/dV
     kernel; block overrides GLUON_BACKWARD_DQ; one_key_zero and plan as
     attention_backward_dkdv's."""
-    if params.variant is not None:
-        plan = None
     prepared = planned(plan, "dq", lambda: _prepare_dq(q, k, v, out, dout, lse, delta, dlse,
                                                        params, dq, block, one_key_zero))
     score_tensors, _, cu_q, cu_k = feature_tensors(params, lse, float32_sink=False)  # no sink
     prepared(q, k, v, dout, out, dout, lse, delta, delta if dlse is None else dlse, dq,
-             score_tensors, cu_q, cu_k, varying=dropout_seed(params))
+             score_tensors, cu_q, cu_k,
+             *modifier_tensors(params, lse, prepared.constexprs["BLOCK_N"]),
+             varying=dropout_seed(params))
 
 
 def _prepare_dq(q, k, v, out, dout, lse, delta, dlse, params: AttentionParams, dq, block,
@@ -1021,12 +1019,12 @@ def _prepare_dq(q, k, v, out, dout, lse, delta, dlse, params: AttentionParams, d
     grid = (cdiv(f.seqlen_q, block_m), *fold(f.batch * f.nheads))
     descriptors = {0: flash_descriptor(q, block_m), 1: flash_descriptor(k, block_n),
                    2: flash_descriptor(v, block_n), 3: flash_descriptor(dout, block_m)}
-    score_args, mask_args, _, variant = variant_args(params)
+    variant = variant_args(params)[3]
     return Prepared(_bwd_dq_hopper_kernel, grid, (
         *f.strides(out), *f.strides(dout)[:3], *f.strides(lse)[:2], *f.strides(delta)[:2],
         *f.strides(dq)[:3], f.nheads,
         f.nheads // f.nheads_k, *f.band, f.score_values, params.softmax_scale,
-        *f.dropout, score_args, mask_args, block_lists(params, lse, block_n)), dict(
+        *f.dropout), dict(
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=num_stages, **f.flags,
         ONE_KEY_ZERO=one_key_zero, SINK=params.sink is not None, LSE_GRAD=dlse is not None,
         **_user_modifiers(variant), num_warps=num_warps), _DQ_TENSORS, descriptors, SEED)

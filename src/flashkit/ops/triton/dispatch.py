@@ -157,15 +157,18 @@ _last_values: tuple = (None, None)  # (params, _values(params)) of the last para
 
 
 def _variant_kind(variant) -> tuple | None:
-    """What a kernel choice reads of a user's modifiers: which of them the call has, a block
-    mask's block sizes and whether a backward computes gradients for the captured tensors (the
-    kernels take the functions, captured values and the mask's lists from each call's
-    params)."""
+    """What a kernel choice and a prepared launch read of a user's modifiers: each modifier's
+    functions and captured values (kernel_key), a block mask's block sizes and shape (which
+    fix its lists' shapes), whether it runs over packed tokens, and whether a backward computes
+    gradients for the captured tensors. Each call passes its own captured tensors and lists
+    (hopper_common.modifier_tensors)."""
     if variant is None:
         return None
     mask = variant.block_mask
-    return (variant.score_mod is not None, variant.mask_mod is not None,
-            None if mask is None else mask.BLOCK_SIZE, bool(variant.packing),
+    score, mask_mod = variant.score_mod, variant.mask_mod
+    return (None if score is None else score.kernel_key(),
+            None if mask_mod is None else mask_mod.kernel_key(),
+            None if mask is None else (mask.BLOCK_SIZE, mask.shape), bool(variant.packing),
             backward_hopper.wants_captured_grads(variant))
 
 

@@ -90,7 +90,11 @@ from flashkit.ops.triton.configs import (
     gluon_forward_tile,
 )
 from flashkit.ops.triton.features import SEED, dropout_seed, feature_tensors, kernel_features
-from flashkit.ops.triton.hopper_common import block_lists, flash_descriptor, flash_layout_2d
+from flashkit.ops.triton.hopper_common import (
+    flash_descriptor,
+    flash_layout_2d,
+    modifier_tensors,
+)
 from flashkit.ops.triton.launch import Prepared, device_properties, fold, planned
 
 try:
@@ -1003,10 +1007,9 @@ def attention_forward(q, k, v, params: AttentionParams, out=None, lse=None, tile
     (any int32 (batch + 1,), e.g. cu_seqlens_q). Only the table entries of pages below
     seqused_k[b] are read.
 
-    A user's modifiers (params.variant) capture this call's own tensors, which a prepared
-    launch would keep: such a call prepares its launch afresh (plan unused)."""
-    if params.variant is not None:
-        plan = None
+    A user's modifiers (params.variant) are passed to the launch as the call's own tensors
+    (their captured values, a block mask's lists: modifier_tensors), like q and k; the plan's
+    key fixes their layout and the functions."""
     if out is None:  # empty_like: a third of torch.empty's host time for the same tensor
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if lse is None:
@@ -1015,8 +1018,16 @@ def attention_forward(q, k, v, params: AttentionParams, out=None, lse=None, tile
                                                         seqused_k, block_table))
     (alibi,), sink, cu_q, cu_k = feature_tensors(params, lse)
     prepared(q, k, v, out, lse, alibi, sink, cu_q, cu_k, lse if seqused_k is None else seqused_k,
-             lse if block_table is None else block_table, varying=dropout_seed(params))
+             lse if block_table is None else block_table,
+             *modifier_tensors(params, lse, prepared.constexprs["BLOCK_N"]),
+             varying=dropout_seed(params))
     return out, lse
+
+
+# The kernel's tensor parameters (descriptors, pointers and the modifiers' bundles), for
+# launch's argument order
+_TENSORS = ("q_desc", "k_desc", "v_desc", "Out", "Lse", "Alibi", "Sink", "Cu_q", "Cu_k", "Used_k",
+            "Table", "score_args", "mask_args", "blocks")
 
 
 def _prepare(q, k, v, params: AttentionParams, out, lse, tile, seqused_k, block_table):
@@ -1024,9 +1035,8 @@ def _prepare(q, k, v, params: AttentionParams, out, lse, tile, seqused_k, block_
     strides and dtypes of q, k, v, out and lse, params' values (its tensors' layouts, not their
     contents), the tile, and whether seqused_k and block_table are given (the table's stride).
     Its tensors: q, k, v (the descriptors' bases), out, lse, the feature tensors, seqused_k and
-    block_table (lse standing in for those absent); each call passes its dropout seed. A
-    user's modifiers' captured values are scalars of this launch (a call with them prepares
-    its own: attention_forward)."""
+    block_table (lse standing in for those absent) and the modifiers' bundles
+    (modifier_tensors); each call passes its dropout seed."""
     paged = block_table is not None
     if paged:  # (num_blocks, page_size, hk, d) -> rows (num_blocks * page_size, hk, d)
         page_size = k.shape[1]
@@ -1057,17 +1067,17 @@ def _prepare(q, k, v, params: AttentionParams, out, lse, tile, seqused_k, block_
     config = launch_config(tile)
     descriptors = {0: flash_descriptor(q, BLOCK_M), 1: flash_descriptor(k, block_n, box_rows),
                    2: flash_descriptor(v, block_n, box_rows)}
-    score_args, mask_args, _, variant = variant_args(params)
+    variant = variant_args(params)[3]
     if mask is not None and (not specialized or mask.BLOCK_SIZE[1] % block_n):
         raise ValueError(f"a block mask needs a specialized tile of whole blocks, not {tile}")
     return Prepared(_fwd_hopper_kernel, grid, (
         *f.strides(out)[:3], *f.strides(lse)[:2], stride_ab, stride_ah, f.nheads,
-        f.nheads // f.nheads_k, *f.band, qk_scale, softcap_scale, *f.dropout, n_items, *paging,
-        score_args, mask_args, block_lists(params, lse, block_n)), dict(
+        f.nheads // f.nheads_k, *f.band, qk_scale, softcap_scale, *f.dropout, n_items,
+        *paging), dict(
         HEAD_DIM=head_dim, BLOCK_N=block_n, NUM_STAGES=num_stages, CONSUMERS=consumers,
         SPECIALIZED=specialized, PINGPONG=pingpong and consumers >= 2, PERSISTENT=persistent,
         CONSUMER_REGS=config.pop("CONSUMER_REGS"), **flags, SEQUSED_K=seqused_k is not None,
         KEY_TAIL=f.varlen or f.seqlen_k % block_n != 0, PAGED=paged,
         SPLIT_LOADS=paged and specialized and consumers == 2, SCORE_MOD=variant["SCORE_MOD"],
         MASK_MOD=variant["MASK_MOD"], num_warps=config.pop("num_warps")),
-        descriptors=descriptors, varying=SEED, **config)
+        _TENSORS, descriptors, SEED, **config)

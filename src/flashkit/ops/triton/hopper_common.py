@@ -79,6 +79,21 @@ def block_lists(params, placeholder, tile: int, transposed: bool = False) -> tup
     return (*lists[:4], lists[6], along // tile), lists[4], lists[5], across
 
 
+def modifier_tensors(params, placeholder, tile: int, transposed: bool = False) -> tuple:
+    """(score_args, mask_args, blocks): a user's modifiers as each launch of a Gluon kernel is
+    passed them, the call's own values: score_mod's and mask_mod's captured values, and the
+    block mask's lists (block_lists, for the kernel's tile; () without one). A launch plan
+    fixes what the kernel compiles in (dispatch's key: the functions, the captured values'
+    dtypes and numbers, the mask's geometry), never these tensors."""
+    variant = params.variant
+    if variant is None:
+        return (), (), ()
+    score, mask = variant.score_mod, variant.mask_mod
+    return (() if score is None else score.kernel_args(),
+            () if mask is None else mask.kernel_args(),
+            block_lists(params, placeholder, tile, transposed))
+
+
 _checked: set = set()  # the geometries whose descriptors TensorDescriptor has checked
 
 

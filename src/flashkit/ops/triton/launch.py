@@ -10,9 +10,10 @@ three launches, a Gluon forward call one. `launch` keeps the compiled kernel und
 determines Triton's own cache key (`JITFunction.run`: the specialisation of every argument and the
 options) and launches it directly when the key is seen again:
     tensors  each one's dtype and whether data_ptr() % 16 == 0 (Triton's "D" alignment mark);
-             a Gluon TensorDescriptor's dtype, block shape, layout and padding; a tuple of
-             tensors (a kernel's bundle of them, features.KernelFeatures.score_tensors) each
-             member's
+             a Gluon TensorDescriptor's dtype, block shape, layout and padding; a tuple (a
+             kernel's bundle of tensors, features.KernelFeatures.score_tensors, or a user
+             modifier's captured values and a block mask's lists, which mix in plain scalars)
+             each member's, a plain scalar member by its value
     scalars  their types (int, float, bool, None, or a tuple of those: a bundle) and, for each,
              a code of what Triton's mark of it depends on (`scalar_code`: an int's == 1,
              % 16 == 0 and int32/int64/uint64 range, as far as the parameter's
@@ -77,11 +78,15 @@ _UNSEEN = (None, 0, (), ())
 def tensor_key(t) -> tuple:
     """What Triton's specialisation of a tensor argument depends on: a torch tensor's dtype and
     alignment, a Gluon TMA descriptor's dtype, block, shared layout and padding (its shape and
-    strides are runtime arguments; its base is 16-byte aligned by construction)."""
+    strides are runtime arguments; its base is 16-byte aligned by construction). A bundle (a
+    tuple, nested or not) gets its members' keys; a plain scalar among them (a modifier's
+    captured number, a block mask's sizes) its type and value, on which Triton may specialise."""
     if isinstance(t, torch.Tensor):
         return t.dtype, t.data_ptr() % 16 == 0
-    if type(t) is tuple:  # a bundle of tensors: Triton specialises each member
+    if type(t) is tuple:  # a bundle: Triton specialises each member
         return tuple(map(tensor_key, t))
+    if type(t) in _SCALAR_TYPES:
+        return type(t), t
     return t.base.dtype, tuple(t.block_shape), t.layout, t.padding
 
 
@@ -239,8 +244,8 @@ class Prepared:
                     return
                 checked, checked_dtype = t, dtype
             args[at] = address
-        for at, i, dtypes in direct.bundles:
-            addresses = _addresses_as(tensors[i], dtypes)
+        for at, i, template in direct.bundles:
+            addresses = _addresses_as(tensors[i], template)
             if addresses is None:
                 self._launch(tensors, varying)
                 return
@@ -270,8 +275,8 @@ class Prepared:
             scalars[i] = value
         compiled = launch(self.kernel, self.grid, args, tuple(scalars), self.constexprs,
                           self.tensor_params, **self.options)
-        pointers = [t for i, t in enumerate(tensors) if i not in self.descriptors]
-        pointers = [m for t in pointers for m in (t if type(t) is tuple else (t,))]
+        pointers = [m for i, t in enumerate(tensors) if i not in self.descriptors
+                    for m in _members(t) if isinstance(m, torch.Tensor)]
         if (compiled is not None and self.launched and self._direct is None and not _hooked()
                 and all(t.data_ptr() % 16 == 0 for t in pointers)):
             self._direct = _Direct.of(compiled, self, tensors)
@@ -293,11 +298,11 @@ def planned(plan: dict | None, name: str, prepare):
 class _Direct(NamedTuple):
     """A compiled kernel's C launch entry and its argument list in signature order, with where
     each call's tensors go: `pointers` (position in args, index in the tensors, the dtype the
-    kernel was compiled for), `bundles` (the same for a tuple of tensors, with its members'
-    dtypes) and `maps` (position in args, index in the tensors, the TMA map's
-    fill arguments after the address, and the maps encoded so far by address: a map depends
-    only on the address and those arguments, which the plan fixes, and encoding one is a
-    driver call of about a microsecond)."""
+    kernel was compiled for), `bundles` (the same for a tuple, with its _bundle_template) and
+    `maps` (position in args, index in the tensors, the TMA map's fill arguments after the
+    address, and the maps encoded so far by address: a map depends only on the address and
+    those arguments, which the plan fixes, and encoding one is a driver call of about a
+    microsecond)."""
     entry: object
     function: int
     packed_metadata: object
@@ -335,7 +340,7 @@ class _Direct(NamedTuple):
                 continue
             template = prepared.descriptors.get(source)
             if type(tensors[source]) is tuple:
-                bundles.append((len(args), source, tuple(t.dtype for t in tensors[source])))
+                bundles.append((len(args), source, _bundle_template(tensors[source])))
                 args.append(None)
                 continue
             if template is None:
@@ -453,16 +458,50 @@ def _check_constexpr_order(kernel, n_args: int, constexprs: dict) -> None:
                          "arguments in the signature, in order")
 
 
-def _addresses_as(bundle: tuple, dtypes: tuple) -> tuple | None:
-    """A tuple of tensors' addresses where they have the dtypes given and are 16-byte aligned
-    (what a direct launch was compiled for), else None."""
-    if len(bundle) != len(dtypes):
+def _members(t) -> tuple:
+    """The leaves of a launch's tensor argument: itself, or a bundle's members, nested ones
+    included."""
+    if type(t) is not tuple:
+        return (t,)
+    return tuple(m for member in t for m in _members(member))
+
+
+class _Fixed(NamedTuple):
+    """A plain scalar in a bundle (a modifier's captured number, a block mask's sizes): the
+    direct launch was compiled for this value (launch's key holds it)."""
+    value: object
+
+
+def _bundle_template(bundle: tuple) -> tuple:
+    """What a direct launch fixes of a bundle: each tensor member's dtype, each scalar's value
+    (_Fixed), nested bundles alike."""
+    return tuple(_bundle_template(m) if type(m) is tuple else
+                 m.dtype if isinstance(m, torch.Tensor) else _Fixed(m) for m in bundle)
+
+
+def _addresses_as(bundle: tuple, template: tuple) -> tuple | None:
+    """The bundle as the compiled launcher takes it, tensors as their addresses, where it
+    matches the template (_bundle_template) the direct launch was compiled for: each tensor of
+    its dtype and 16-byte aligned, each scalar the same value of the same type; else None."""
+    if type(bundle) is not tuple or len(bundle) != len(template):
         return None
-    addresses = tuple(t.data_ptr() for t in bundle)
-    if all(t.dtype is dtype and address % 16 == 0
-           for t, dtype, address in zip(bundle, dtypes, addresses, strict=True)):
-        return addresses
-    return None
+    out = []
+    for member, want in zip(bundle, template, strict=True):
+        if type(want) is tuple:
+            member = _addresses_as(member, want)
+            if member is None:
+                return None
+        elif type(want) is _Fixed:
+            if type(member) is not type(want.value) or member != want.value:
+                return None
+        elif not isinstance(member, torch.Tensor) or member.dtype is not want:
+            return None
+        else:
+            member = member.data_ptr()
+            if member % 16 != 0:
+                return None
+        out.append(member)
+    return tuple(out)
 
 
 def scalar_types(scalars: tuple) -> tuple:
