@@ -7,13 +7,16 @@ constant inside a tuple is where Triton's code generator has failed (a head dim 
 read it as None inside a loop). This test makes the launches the Gluon launchers make for a
 document mask, shared by the heads and one per head, with a score_mod, ALiBi and a sink on top,
 at head dims 64, 128 and 256 (the tiles of each, so every tile count per block occurs), and
-compiles each for sm_90 down to ptxas. A stand-in driver answers "cuda sm_90" and every launch
-only compiles (benchmarks/diagnostics/sm90_probe.py), in a child process without the
-interpreter this test process has switched on.
+the dQ kernel with each built-in captured_grad rule (a learned tensor's gradient, added by
+atomics from the wgmma accumulator's layout), and compiles each for sm_90 down to ptxas. A
+stand-in driver answers "cuda sm_90" and every launch only compiles
+(benchmarks/diagnostics/sm90_probe.py), in a child process without the interpreter this test
+process has switched on.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -28,6 +31,7 @@ import triton.language as tl
 SM90_SHARED_BYTES = 232448  # the most shared memory one block may use on sm_90
 CASES = [(torch.bfloat16, 128), (torch.float16, 64), (torch.bfloat16, 256)]
 KERNELS = ("_fwd_hopper_kernel", "_bwd_dq_hopper_kernel", "_bwd_dkdv_hopper_kernel")
+CAPTURED_RULES = ("relative_bias", "alibi", "token_bias")  # the built-in captured_grad rules
 
 
 @pytest.mark.slow
@@ -46,9 +50,10 @@ def test_gluon_block_mask_kernels_compile_for_sm90():
                           timeout=1500)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [line.split() for line in done.stdout.splitlines()]
-    assert sorted((int(d), per_head, kernel) for d, per_head, kernel, _ in rows) == sorted(
-        (d, per_head, kernel) for _, d in CASES for per_head in ("shared", "per_head")
-        for kernel in KERNELS)
+    assert sorted((int(d), kind, kernel) for d, kind, kernel, _ in rows) == sorted(
+        [(d, kind, kernel) for _, d in CASES for kind in ("shared", "per_head")
+         for kernel in KERNELS]
+        + [(d, rule, "_bwd_dq_hopper_kernel") for _, d in CASES for rule in CAPTURED_RULES])
     too_big = [row for row in rows if int(row[3]) > SM90_SHARED_BYTES]
     assert not too_big, f"shared memory over {SM90_SHARED_BYTES} bytes: {too_big}"
 
@@ -97,8 +102,26 @@ def _compile(case: tuple) -> list[str]:
     backward_hopper.attention_backward_dkdv(q, q, k, v, lse, delta, params, torch.empty_like(k),
                                             torch.empty_like(v))
     label = "per_head" if per_head else "shared"
-    return [f"{head_dim} {label} {name} {kernel.metadata.shared}"
+    rows = [f"{head_dim} {label} {name} {kernel.metadata.shared}"
             for name, _, kernel in sm90_probe.COMPILED if kernel.asm["cubin"]]
+    if per_head:
+        return rows
+    # The dQ kernel with each built-in captured_grad rule (a learned table, slopes, token bias)
+    for rule, mod in (("relative_bias", variants.relative_bias(torch.randn(nheads, 13))),
+                      ("alibi", variants.alibi(torch.rand(nheads))),
+                      ("token_bias", variants.token_bias(torch.randn(batch, seqlen)))):
+        sm90_probe.COMPILED.clear()
+        learned = attach(AttentionParams(head_dim ** -0.5), q, mod, None, None, batch, nheads,
+                         seqlen, seqlen)
+        grads = [torch.zeros(t.shape) if isinstance(t, torch.Tensor) else None
+                 for t in mod.captured]
+        learned = dataclasses.replace(learned, variant=dataclasses.replace(
+            learned.variant, captured_grads=grads))
+        backward_hopper.attention_backward_dq(q, q, k, v, q, lse, delta, None, learned,
+                                              torch.empty_like(q))
+        rows += [f"{head_dim} {rule} {name} {kernel.metadata.shared}"
+                 for name, _, kernel in sm90_probe.COMPILED if kernel.asm["cubin"]]
+    return rows
 
 
 def main() -> None:

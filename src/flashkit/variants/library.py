@@ -144,8 +144,14 @@ def _bias_grad(score, b, h, q_idx, kv_idx, bias, extent):
 def _relative_bias_captured_grad(ds, score, b, h, q_idx, kv_idx, table, max_distance, dtable,
                                  dmax_distance):
     distance = tl.minimum(tl.maximum(kv_idx - q_idx, -max_distance), max_distance)
-    entry = h * (2 * max_distance + 1) + distance + max_distance
-    tl.atomic_add(dtable + entry, ds, mask=ds != 0.0)  # masked pairs add nothing
+    row = dtable + h * (2 * max_distance + 1) + max_distance
+    nearest = tl.min(tl.min(distance, 1), 0)
+    if nearest == tl.max(tl.max(distance, 1), 0):
+        # a tile past max_distance from the diagonal reads one entry (most tiles of a long
+        # sequence): one atomic add of its sum instead of one per score on one address
+        tl.atomic_add(row + nearest, tl.sum(tl.sum(ds, 1), 0))
+    else:
+        tl.atomic_add(row + distance, ds, mask=ds != 0.0)  # masked pairs add nothing
 
 
 def relative_bias(table: torch.Tensor) -> ScoreMod:

@@ -117,14 +117,15 @@ class _Mod:
 
     def kernel_key(self) -> tuple:
         """What a Triton kernel compiles in of this modifier, for launch plans' keys: its
-        @triton.jit functions (the same objects for the same Python functions: jitted) and its
-        captured values' dtypes (tensors, which each launch is passed) or types and values
-        (numbers, on which Triton may specialise). Made once: both are fixed. The functions'
-        Triton cache keys are settled first, as a launch does before compiling (a key hashes
-        them, which computes their cache keys)."""
+        @triton.jit functions, derivative and captured_grad rule included (the same objects
+        for the same Python functions: jitted), and its captured values' dtypes (tensors,
+        which each launch is passed) or types and values (numbers, on which Triton may
+        specialise). Made once: both are fixed. The functions' Triton cache keys are settled
+        first, as a launch does before compiling (a key hashes them, which computes their
+        cache keys)."""
         if self._kernel_key is None:
             from flashkit.ops.triton.launch import settle_cache_keys
-            functions = (self.jit(), self.jit_grad())
+            functions = (self.jit(), self.jit_grad(), self.jit_captured_grad())
             settle_cache_keys(*functions)
             self._kernel_key = (*functions, tuple(
                 t.dtype if isinstance(t, torch.Tensor) else (type(t), t) for t in self.captured))

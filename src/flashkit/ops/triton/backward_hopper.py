@@ -77,6 +77,7 @@ from flashkit.ops.params import AttentionParams
 from flashkit.ops.triton.common import (
     LOG2E,
     SCORE_GRAD_FROM_TANH_JIT,
+    captured_grad_args,
     cdiv,
     gradient_pairs,
     key_tile_ranges,
@@ -85,6 +86,7 @@ from flashkit.ops.triton.common import (
     score_grad,
     score_mod,
     sequence,
+    user_captured_grad,
     variant_args,
 )
 from flashkit.ops.triton.configs import GLUON_BACKWARD, GLUON_BACKWARD_DKDV, GLUON_BACKWARD_DQ
@@ -570,14 +572,14 @@ if gluon is not None:
 
     @gluon.jit
     def _key_tile_dq_step(dq, upper, pdp, tile, smem, bars, descs, lse2, delta, ring, geo,
-                          mods, drop, user, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                          NUM_STAGES: gl.constexpr, MASK: gl.constexpr, HAS_LEFT: gl.constexpr,
-                          HAS_RIGHT: gl.constexpr, SCORES: gl.constexpr,
+                          mods, drop, user, grad_args, BLOCK_M: gl.constexpr,
+                          BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, MASK: gl.constexpr,
+                          HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SCORES: gl.constexpr,
                           DROPOUT: gl.constexpr, VARLEN: gl.constexpr,
                           ONE_KEY_ZERO: gl.constexpr, SINK: gl.constexpr,
                           SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr,
-                          MASK_MOD: gl.constexpr, s_layout: gl.constexpr,
-                          op_layout: gl.constexpr):
+                          MASK_MOD: gl.constexpr, CAPTURED_GRAD: gl.constexpr,
+                          s_layout: gl.constexpr, op_layout: gl.constexpr):
         """Add key tile `tile` (keys key_lo + tile * BLOCK_N ..., at row key0 + tile * BLOCK_N
         of the 2-D view) to dQ (unscaled); MASK applies the band predicate. geo, mods,
         drop and user as in _query_tile_step; the keep-mask is the forward's own (keep_tile,
@@ -592,7 +594,10 @@ if gluon is not None:
         key get exactly zero dS. smem = (q, dO,
         K ring, V ring), bars = (K, V) ring barriers, descs = (K, V) descriptors, ring =
         (n_tiles, key0, kv_col, start_m, key_lo, listing): under a block mask (listing:
-        hopper_common.block_listing) tile t is the listed one, key0 the sequence's first key."""
+        hopper_common.block_listing) tile t is the listed one, key0 the sequence's first key.
+        CAPTURED_GRAD: the score_mod's rule for its captured tensors' gradients
+        (common.user_captured_grad), given this tile's dL / d score_mod(score), zero outside the
+        sequence's rows and the visible pairs, and adding into grad_args' buffers."""
         seqlen_q, seqlen_k, window_left, window_right, dropout_scale = geo
         q_smem, do_smem, k_smem, v_smem = smem
         k_bars, v_bars = bars
@@ -626,6 +631,7 @@ if gluon is not None:
         j = gl.expand_dims(start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)), 0)
         s, dcap = score_mod(s, i, j, (seqlen_q, seqlen_k, window_left, window_right), mods,
                             SCORES, SCORE_GRAD_FROM_TANH_JIT)
+        s_in = s  # the score before the user's score_mod, for CAPTURED_GRAD
         s, dmod = user_scores(s, i, j, seqlen_q, seqlen_k, user, SCORE_MOD, SCORE_GRAD)
         p = gl.exp2(s - gl.expand_dims(lse2, 1))  # lse -inf (no visible key): masked below
         if MASK:
@@ -644,6 +650,21 @@ if gluon is not None:
         if MASK:  # see the docstring (common.gradient_pairs)
             ds = gl.where(gradient_pairs(keep, i, seqlen_q, seqlen_k, window_left, window_right,
                                          HAS_LEFT, HAS_RIGHT, ONE_KEY_ZERO), ds, 0.0)
+        if CAPTURED_GRAD is not None:  # ds is dL / d score_mod(score) here
+            ds_mod = ds
+            if VARLEN:  # rows past the sequence's end belong to no pair
+                ds_mod = gl.where(i < seqlen_q, ds_mod, 0.0)
+            if DROPOUT:  # the tile's dS lacks the keep scale (see the kernel)
+                ds_mod = ds_mod * dropout_scale
+            # The rule runs on a blocked layout: a sum over the rows of the wgmma accumulator's
+            # layout holds each column twice in a thread's registers, and an atomic add of it
+            # added it twice (H200: a per-key bias's gradient came out doubled).
+            rule: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [gl.num_warps(), 1], [1, 0])
+            off_b, off_h, score_args, _ = user
+            user_captured_grad(gl.convert_layout(ds_mod, rule), gl.convert_layout(s_in, rule),
+                               off_b, off_h, gl.convert_layout(i, rule),
+                               gl.convert_layout(j, rule), seqlen_q, seqlen_k, CAPTURED_GRAD,
+                               score_args, grad_args)
         if SCORE_MOD is not None:
             ds = ds * dmod
         ds = score_grad(ds, dcap, SCORES)
@@ -691,7 +712,7 @@ if gluon is not None:
                               nheads, group, seqlen_q, seqlen_k, window_left, window_right,
                               score_values, softmax_scale, seed_lo, seed_hi,
                               dropout_threshold, dropout_scale, Cu_q, Cu_k, score_args,
-                              mask_args, blocks, HEAD_DIM: gl.constexpr,
+                              mask_args, blocks, grad_args, HEAD_DIM: gl.constexpr,
                               BLOCK_M: gl.constexpr,
                               BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
@@ -700,7 +721,7 @@ if gluon is not None:
                               ONE_KEY_ZERO: gl.constexpr, SINK: gl.constexpr,
                               LSE_GRAD: gl.constexpr, SCORE_MOD: gl.constexpr,
                               SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr,
-                              num_warps: gl.constexpr):
+                              CAPTURED_GRAD: gl.constexpr, num_warps: gl.constexpr):
         """dQ of BLOCK_M query rows of one (batch, head), heaviest causal rows first: Q and dO
         stay in shared memory, K/V tiles stream through a TMA ring (as the forward), each dQ
         element summed in one program in a fixed order (deterministic). VARLEN as the dK/dV
@@ -712,7 +733,8 @@ if gluon is not None:
         float32 tiles instead, which dsink reads too (backward.py). A user's modifiers as in the
         dK/dV kernel (a MASK_MOD masks every key tile); blocks: a block mask, (lists, stride_b,
         stride_h, query rows per block) (else ()): the rows' key tiles are then their mask
-        row's listed ones."""
+        row's listed ones. CAPTURED_GRAD: a score_mod's captured_grad rule, run on every tile
+        pair (this kernel visits each once, rows queries) into grad_args' float32 buffers."""
         pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
         pid_bh = gl.program_id(1) + gl.program_id(2) * gl.num_programs(1)  # launch.fold
         off_b = pid_bh // nheads
@@ -815,10 +837,10 @@ if gluon is not None:
                 for tile in range(listed[full], listed[full + 1]):
                     dq, upper, pdp = _key_tile_dq_step(
                         dq, upper, pdp, tile, smem, (k_bars, v_bars), (k_desc, v_desc), lse2,
-                        delta, ring, geo, mods, drop, user, BLOCK_M, BLOCK_N, NUM_STAGES,
-                        full == 0, HAS_LEFT, HAS_RIGHT, SCORES, DROPOUT, VARLEN,
-                        ONE_KEY_ZERO, SINK, SCORE_MOD, SCORE_GRAD, MASK_MOD, s_layout,
-                        op_layout)
+                        delta, ring, geo, mods, drop, user, grad_args, BLOCK_M, BLOCK_N,
+                        NUM_STAGES, full == 0, HAS_LEFT, HAS_RIGHT, SCORES, DROPOUT, VARLEN,
+                        ONE_KEY_ZERO, SINK, SCORE_MOD, SCORE_GRAD, MASK_MOD, CAPTURED_GRAD,
+                        s_layout, op_layout)
         else:
             bounds = (0, t_mid_lo, t_mid_hi, n_tiles)
             for segment in gl.static_range(3):
@@ -827,10 +849,11 @@ if gluon is not None:
                     for tile in range(bounds[segment], bounds[segment + 1]):
                         dq, upper, pdp = _key_tile_dq_step(
                             dq, upper, pdp, tile, smem, (k_bars, v_bars), (k_desc, v_desc),
-                            lse2, delta, ring, geo, mods, drop, user, BLOCK_M, BLOCK_N,
-                            NUM_STAGES, segment != 1 or MASK_MOD is not None, HAS_LEFT,
-                            HAS_RIGHT, SCORES, DROPOUT, VARLEN, ONE_KEY_ZERO, SINK,
-                            SCORE_MOD, SCORE_GRAD, MASK_MOD, s_layout, op_layout)
+                            lse2, delta, ring, geo, mods, drop, user, grad_args, BLOCK_M,
+                            BLOCK_N, NUM_STAGES, segment != 1 or MASK_MOD is not None,
+                            HAS_LEFT, HAS_RIGHT, SCORES, DROPOUT, VARLEN, ONE_KEY_ZERO, SINK,
+                            SCORE_MOD, SCORE_GRAD, MASK_MOD, CAPTURED_GRAD, s_layout,
+                            op_layout)
         if SINK:
             if DROPOUT:  # the tiles summed (1 - p) D
                 pdp = pdp * dropout_scale
@@ -865,8 +888,6 @@ def _declines(q, k, v, dout, lse, params: AttentionParams, dq, dk, dv, tiles) ->
     if set(tiles or {}) - {"hopper", "hopper_dq"}:
         return "a Triton tile was asked for"
     variant = params.variant
-    if variant is not None and wants_captured_grads(variant):
-        return "a gradient for a score_mod's captured tensors"
     why = gluon_declines(q, k, v, params, varlen=True)
     if why is None and variant is not None and variant.block_mask is not None:
         why = block_mask_declines(q, params)
@@ -896,7 +917,7 @@ def block_mask_declines(q, params: AttentionParams) -> str | None:
 
 def wants_captured_grads(variant) -> bool:
     """Whether a backward computes gradients for a score_mod's captured tensors (its
-    captured_grad rule: backward.py's kernels run it)."""
+    captured_grad rule, which the dQ kernels run)."""
     return any(g is not None for g in variant.captured_grads or ())
 
 
@@ -955,7 +976,8 @@ def dense_as_varlen(q, k, v, dout, lse, params: AttentionParams, dq, dk, dv, til
 _DKDV_TENSORS = ("q_desc", "k_desc", "v_desc", "do_desc", "lse_desc", "delta_desc", "DK", "DV",
                  "ScoreTensors", "Cu_q", "Cu_k", "score_args", "mask_args", "blocks")
 _DQ_TENSORS = ("q_desc", "k_desc", "v_desc", "do_desc", "Out", "DO", "Lse", "Delta", "Dlse", "DQ",
-               "ScoreTensors", "Cu_q", "Cu_k", "score_args", "mask_args", "blocks")
+               "ScoreTensors", "Cu_q", "Cu_k", "score_args", "mask_args", "blocks",
+               "grad_args")
 
 
 def attention_backward_dkdv(dout, q, k, v, lse, delta, params: AttentionParams, dk, dv,
@@ -1006,7 +1028,7 @@ def attention_backward_dq(dout, q, k, v, out, lse, delta, dlse, params: Attentio
     prepared(q, k, v, dout, out, dout, lse, delta, delta if dlse is None else dlse, dq,
              score_tensors, cu_q, cu_k,
              *modifier_tensors(params, lse, prepared.constexprs["BLOCK_N"]),
-             varying=dropout_seed(params))
+             captured_grad_args(params)[0], varying=dropout_seed(params))
 
 
 def _prepare_dq(q, k, v, out, dout, lse, delta, dlse, params: AttentionParams, dq, block,
@@ -1027,7 +1049,8 @@ def _prepare_dq(q, k, v, out, dout, lse, delta, dlse, params: AttentionParams, d
         *f.dropout), dict(
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=num_stages, **f.flags,
         ONE_KEY_ZERO=one_key_zero, SINK=params.sink is not None, LSE_GRAD=dlse is not None,
-        **_user_modifiers(variant), num_warps=num_warps), _DQ_TENSORS, descriptors, SEED)
+        **_user_modifiers(variant), **captured_grad_args(params)[1], num_warps=num_warps),
+        _DQ_TENSORS, descriptors, SEED)
 
 
 def _per_head_mask(params: AttentionParams) -> bool:
