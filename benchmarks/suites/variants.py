@@ -16,6 +16,9 @@ Parts:
     examples    the six built-in examples (document, prefix_lm, alibi, softcap,
                 relative_bias, window_globals), flashkit vs Flex, forward, backward and step;
                 speedup = Flex ms / flashkit ms (the target is >= 1.2)
+    packed      causal documents of 100-3000 tokens packed without padding into 16k tokens:
+                flash_attn_varlen_func with a block mask over the packed tokens against
+                Flex's document mask over the same tokens
     captured    score modifiers whose captured tensor learns (a relative-position bias table,
                 ALiBi slopes, a per-token bias), flashkit vs Flex, backward and step with the
                 captured tensor's gradient
@@ -177,6 +180,38 @@ def part_examples(p: dict, compiled, record) -> None:
         theirs = time_flex(p, compiled, **flex_mods(name, p))
         record("examples", dict(example=name, seqlen=p["seqlen"], batch=p["batch"],
                                 **comparison(ours, theirs)))
+
+
+def part_packed(compiled, record) -> None:
+    """Causal documents packed without padding into TOKENS tokens (varlen, one block mask over
+    the packed tokens), flashkit's flash_attn_varlen_func against Flex's document mask over the
+    same packed tokens (B = 1)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    gen = torch.Generator().manual_seed(0)
+    lengths = []
+    while sum(lengths) < TOKENS:  # documents of 100-3000 tokens, the last one cut to fit
+        lengths.append(min(int(torch.randint(100, 3001, (1,), generator=gen)),
+                           TOKENS - sum(lengths)))
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32,
+                      device="cuda")
+    longest = max(lengths)
+    q, k, v, dout = (torch.randn(TOKENS, NHEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+                     for _ in range(4))
+    ours_mask = flashkit.create_block_mask(variants.causal_mask(), None, None, TOKENS, TOKENS,
+                                           device="cuda", cu_seqlens_q=cu, cu_seqlens_k=cu)
+    doc = torch.repeat_interleave(torch.arange(len(lengths), device="cuda"),
+                                  torch.tensor(lengths, device="cuda"))
+
+    def document(b, h, qi, ki):
+        return (doc[qi] == doc[ki]) & (ki <= qi)
+    theirs_mask = create_block_mask(document, None, None, TOKENS, TOKENS, device="cuda")
+    ours = timed(lambda q, k, v: flashkit.flash_attn_varlen_func(
+        q, k, v, cu, cu, longest, longest, block_mask=ours_mask), q, k, v, dout)
+    heads_first = [x.transpose(0, 1)[None].contiguous() for x in (q, k, v, dout)]
+    theirs = timed(lambda q, k, v: compiled(q, k, v, block_mask=theirs_mask), *heads_first)
+    record("packed", dict(example="causal documents", tokens=TOKENS, sequences=len(lengths),
+                          **comparison(ours, theirs)))
 
 
 CAPTURED = {"relative_bias": "table", "alibi": "slopes", "token_bias": "bias"}
@@ -356,6 +391,7 @@ _COMPARED = ["flashkit_fwd_ms", "flex_fwd_ms", "speedup_fwd", "flashkit_bwd_ms",
 COLUMNS = {
     "examples": ["example", "seqlen", *_COMPARED],
     "captured": ["example", "learned", "seqlen", *_COMPARED, "flex_error"],
+    "packed": ["example", "tokens", "sequences", *_COMPARED],
     "builtins": ["feature", "seqlen", "builtin_fwd_ms", "mod_fwd_ms", "ratio_fwd",
                  "builtin_bwd_ms", "mod_bwd_ms", "ratio_bwd"],
     "configs": ["tiles", "example", "seqlen", "fwd_ms", "bwd_ms", "step_ms"],
@@ -372,8 +408,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_out_argument(ap, "variants")
     ap.add_argument("--lengths", default="4096", help="comma-separated sequence lengths")
-    ap.add_argument("--parts", default="first_call,examples,captured,builtins",
-                    help="comma-separated: first_call, examples, captured, builtins, configs")
+    ap.add_argument("--parts", default="first_call,examples,packed,captured,builtins",
+                    help="comma-separated: first_call, examples, packed, captured, builtins, "
+                    "configs")
     args = ap.parse_args()
     parts = name_list(ap, "--parts", args.parts, COLUMNS)
     result = Result("variants", args.out, config=dict(head_dim=HEAD_DIM, nheads=NHEADS,
@@ -391,6 +428,8 @@ def main() -> None:
     if "first_call" in parts:  # new processes, before this one holds the GPU's memory
         part_first_call(record)
     compiled = anchor_flex_compiled()
+    if "packed" in parts:
+        part_packed(compiled, record)
     for seqlen in lengths:
         p = problem(seqlen)
         if "examples" in parts:

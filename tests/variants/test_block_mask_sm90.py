@@ -8,10 +8,11 @@ read it as None inside a loop). This test makes the launches the Gluon launchers
 document mask, shared by the heads and one per head, with a score_mod, ALiBi and a sink on top,
 at head dims 64, 128 and 256 (the tiles of each, so every tile count per block occurs), and
 the dQ kernel with each built-in captured_grad rule (a learned tensor's gradient, added by
-atomics from the wgmma accumulator's layout), and compiles each for sm_90 down to ptxas. A
-stand-in driver answers "cuda sm_90" and every launch only compiles
-(benchmarks/diagnostics/sm90_probe.py), in a child process without the interpreter this test
-process has switched on.
+atomics from the wgmma accumulator's layout), and the three with a causal mask over varlen's
+packed tokens (run as one sequence, the modifiers given positions within each), and compiles
+each for sm_90 down to ptxas. A stand-in driver answers "cuda sm_90" and every launch only
+compiles (benchmarks/diagnostics/sm90_probe.py), in a child process without the interpreter
+this test process has switched on.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ def test_gluon_block_mask_kernels_compile_for_sm90():
     assert sorted((int(d), kind, kernel) for d, kind, kernel, _ in rows) == sorted(
         [(d, kind, kernel) for _, d in CASES for kind in ("shared", "per_head")
          for kernel in KERNELS]
-        + [(d, rule, "_bwd_dq_hopper_kernel") for _, d in CASES for rule in CAPTURED_RULES])
+        + [(d, rule, "_bwd_dq_hopper_kernel") for _, d in CASES for rule in CAPTURED_RULES]
+        + [(d, "packed", kernel) for _, d in CASES for kernel in KERNELS])
     too_big = [row for row in rows if int(row[3]) > SM90_SHARED_BYTES]
     assert not too_big, f"shared memory over {SM90_SHARED_BYTES} bytes: {too_big}"
 
@@ -106,6 +108,28 @@ def _compile(case: tuple) -> list[str]:
             for name, _, kernel in sm90_probe.COMPILED if kernel.asm["cubin"]]
     if per_head:
         return rows
+    # A causal document mask over varlen's packed tokens, run as one sequence (the packing)
+    sm90_probe.COMPILED.clear()
+    cu = torch.tensor([0, 300, 301, 818, 1024], dtype=torch.int32)
+    packed_mask = flashkit.create_block_mask(variants.causal_mask(), None, None, 1024, 1024,
+                                             device="cpu", cu_seqlens_q=cu, cu_seqlens_k=cu)
+    q1 = torch.empty(1, 1024, nheads, head_dim, dtype=dtype)
+    varlen = attach(AttentionParams(head_dim ** -0.5, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                    max_seqlen_q=517, max_seqlen_k=517), q1[0], None, None,
+                    packed_mask, 4, nheads, 517, 517)
+    packed = AttentionParams(head_dim ** -0.5, variant=dataclasses.replace(
+        varlen.variant, packing=packed_mask.packing))  # as variants.autograd runs it
+    k1, v1 = (torch.empty(1, 1024, nheads_k, head_dim, dtype=dtype) for _ in range(2))
+    assert forward_hopper.block_mask_declines(q1, k1, packed) is None
+    assert backward_hopper.block_mask_declines(q1, packed) is None
+    lse1 = torch.empty(lse_shape(q1, packed), dtype=torch.float32)
+    forward_hopper.attention_forward(q1, k1, v1, packed)
+    backward_hopper.attention_backward_dq(q1, q1, k1, v1, q1, lse1, torch.empty_like(lse1), None,
+                                          packed, torch.empty_like(q1))
+    backward_hopper.attention_backward_dkdv(q1, q1, k1, v1, lse1, torch.empty_like(lse1), packed,
+                                            torch.empty_like(k1), torch.empty_like(v1))
+    rows += [f"{head_dim} packed {name} {kernel.metadata.shared}"
+             for name, _, kernel in sm90_probe.COMPILED if kernel.asm["cubin"]]
     # The dQ kernel with each built-in captured_grad rule (a learned table, slopes, token bias)
     for rule, mod in (("relative_bias", variants.relative_bias(torch.randn(nheads, 13))),
                       ("alibi", variants.alibi(torch.rand(nheads))),

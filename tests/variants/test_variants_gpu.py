@@ -64,6 +64,38 @@ def test_varlen_block_mask_matches_oracle():
                          oracle_fn=functools.partial(run, "reference"))
 
 
+@pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("dtype, headdim", [(torch.bfloat16, 128), (torch.float16, 64),
+                                            (torch.bfloat16, 256)])
+@pytest.mark.parametrize("lengths", [[300, 1, 0, 517, 206], [300, 1, 0, 517, 129]])
+@pytest.mark.usefixtures("fresh_plans")
+def test_gluon_kernels_take_a_block_mask_over_packed_tokens(lengths, headdim, dtype, caplog):
+    """A causal block mask over varlen's packed tokens with a relative-position score_mod
+    (which must see positions within each sequence) and a sink, GQA, an empty and a
+    one-token sequence: the Gluon forward runs it as one sequence (1024 tokens, on the tiles,
+    and 947, off them), and with the packed total on the backward's tiles the Gluon backward
+    too; both against the oracle."""
+    inputs = _cuda(random_varlen(lengths, lengths, nheads=8, nheads_k=2, headdim=headdim,
+                                 dtype=dtype))
+    total = sum(lengths)
+    mask = flashkit.create_block_mask(variants.causal_mask(), None, None, total, total,
+                                      device="cuda", cu_seqlens_q=inputs["cu_seqlens_q"],
+                                      cu_seqlens_k=inputs["cu_seqlens_k"])
+    inputs.update(sink=torch.randn(8, device="cuda"), table=torch.randn(8, 13, device="cuda"))
+
+    def run(backend, table, **kw):
+        return (flashkit.flash_attn_varlen_func(**kw, block_mask=mask, backend=backend,
+                                                score_mod=variants.relative_bias(table)),)
+    with caplog.at_level(logging.DEBUG, logger="flashkit.dispatch"):
+        check_against_oracle(functools.partial(run, "triton"), inputs, output_names=("out",),
+                             oracle_fn=functools.partial(run, "reference"),
+                             grad_names=("q", "k", "v", "sink"))
+    ran = [r.getMessage() for r in caplog.records if r.name == "flashkit.dispatch"]
+    assert any(m.startswith("forward ran gluon") for m in ran), ran
+    if total % 128 == 0:
+        assert any(m.startswith("backward ran gluon") for m in ran), ran
+
+
 @pytest.mark.parametrize("dtype, headdim", [(torch.bfloat16, 128), (torch.float16, 64)])
 @pytest.mark.parametrize("lengths", [(113, 203), (1023, 1023)])
 @pytest.mark.parametrize("name", EXAMPLES)

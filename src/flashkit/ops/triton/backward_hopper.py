@@ -278,7 +278,7 @@ if gluon is not None:
         ring = (n_jobs, jobs_per_head, m_first, listing, head_lists, q_row, q_col, lse_row,
         lse_stride_h, start_n) as _issue_q_do_load takes them (start_n: the key block's first
         key). user =
-        (batch, query head, score_args, mask_args) of a user's modifiers
+        (batch, query head, score_args, mask_args, packing) of a user's modifiers
         (hopper_common.user_scores).
         Returns (dk, dv)."""
         seqlen_q, seqlen_k, window_left, window_right, dropout_scale = geo
@@ -383,7 +383,7 @@ if gluon is not None:
                                 ScoreTensors, nheads, nheads_k, seqlen_q, seqlen_k,
                                 window_left, window_right, score_values, softmax_scale, seed_lo,
                                 seed_hi, dropout_threshold, dropout_scale, stride_lh, Cu_q, Cu_k,
-                                score_args, mask_args,
+                                score_args, mask_args, packing,
                                 blocks, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                                 BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                                 HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
@@ -400,11 +400,12 @@ if gluon is not None:
         longest), descriptors over (total, heads * HEAD_DIM), lse/delta (nheads, total_q); blocks
         past the sequence's end return. SCORE_MOD (with its derivative SCORE_GRAD) and
         MASK_MOD: a user's modifiers, their captured values in score_args / mask_args; a
-        MASK_MOD masks every query tile. blocks: a block mask, (lists, stride_b, stride_h, keys
-        per block) with its transposed lists as hopper_common.block_listing takes them (else
-        ()): the block's query tiles are then its mask column's listed ones, the partial
-        blocks' masked, the full blocks' not; HEAD_LISTS: a column per query head (else the
-        heads share one, stride_h unused), walked head after head (_head_job)."""
+        MASK_MOD masks every query tile; packing as the forward kernel's. blocks: a block
+        mask, (lists, stride_b, stride_h, keys per block) with its transposed lists as
+        hopper_common.block_listing takes them (else ()): the block's query tiles are then its
+        mask column's listed ones, the partial blocks' masked, the full blocks' not;
+        HEAD_LISTS: a column per query head (else the heads share one, stride_h unused),
+        walked head after head (_head_job)."""
         pid_n = gl.program_id(0)
         pid_bh = gl.program_id(1) + gl.program_id(2) * gl.num_programs(1)  # launch.fold
         off_b = pid_bh // nheads_k
@@ -514,7 +515,7 @@ if gluon is not None:
             off_h = off_hk * group + g
             mods = load_score_mods(ScoreTensors, score_values, off_b, off_h, SCORES)
             drop = (seed_lo, seed_hi, dropout_threshold, off_b, off_h)
-            user = (off_b, off_h, score_args, mask_args)
+            user = (off_b, off_h, score_args, mask_args, packing)
             # Masked rows that see part of the block on its right side (HAS_RIGHT), the rows
             # that see all of it, masked rows of the window's left edge and varlen's last
             # query tile (HAS_LEFT); a masked segment is compiled only where it can exist.
@@ -660,7 +661,7 @@ if gluon is not None:
             # layout holds each column twice in a thread's registers, and an atomic add of it
             # added it twice (H200: a per-key bias's gradient came out doubled).
             rule: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [gl.num_warps(), 1], [1, 0])
-            off_b, off_h, score_args, _ = user
+            off_b, off_h, score_args, _, _ = user
             user_captured_grad(gl.convert_layout(ds_mod, rule), gl.convert_layout(s_in, rule),
                                off_b, off_h, gl.convert_layout(i, rule),
                                gl.convert_layout(j, rule), seqlen_q, seqlen_k, CAPTURED_GRAD,
@@ -712,7 +713,7 @@ if gluon is not None:
                               nheads, group, seqlen_q, seqlen_k, window_left, window_right,
                               score_values, softmax_scale, seed_lo, seed_hi,
                               dropout_threshold, dropout_scale, Cu_q, Cu_k, score_args,
-                              mask_args, blocks, grad_args, HEAD_DIM: gl.constexpr,
+                              mask_args, packing, blocks, grad_args, HEAD_DIM: gl.constexpr,
                               BLOCK_M: gl.constexpr,
                               BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
@@ -753,7 +754,7 @@ if gluon is not None:
         kv_col = (off_h // group) * HEAD_DIM
         geo = (seqlen_q, seqlen_k, window_left, window_right, dropout_scale)
         drop = (seed_lo, seed_hi, dropout_threshold, off_b, off_h)
-        user = (off_b, off_h, score_args, mask_args)
+        user = (off_b, off_h, score_args, mask_args, packing)
         dtype: gl.constexpr = q_desc.dtype
         gl.static_assert(not DROPOUT or (BLOCK_M == 64 and num_warps == 4),
                          "keep_tile draws for the forward's 64-row, one-warpgroup tile")
@@ -901,11 +902,13 @@ def _declines(q, k, v, dout, lse, params: AttentionParams, dq, dk, dv, tiles) ->
 
 def block_mask_declines(q, params: AttentionParams) -> str | None:
     """Why the Gluon kernels do not take the call's block mask, or None: a dense call's mask
-    (shared by the heads or one per head), without dropout, whose blocks hold whole tiles of
-    both kernels."""
+    (shared by the heads or one per head; a mask over varlen's packed tokens runs as one
+    sequence), without dropout, whose blocks hold whole tiles of both kernels."""
     mask = params.variant.block_mask
-    if params.is_varlen or params.variant.packing:
-        return "a block mask over packed sequences"
+    if params.is_varlen:
+        return "a block mask with varlen's own sequences"
+    if params.variant.packing and wants_captured_grads(params.variant):
+        return "a gradient for captured tensors with a block mask over packed tokens"
     if params.dropout_p > 0:
         return "a block mask with dropout"
     tiles = _tiles(q.shape[-1])
@@ -974,9 +977,9 @@ def dense_as_varlen(q, k, v, dout, lse, params: AttentionParams, dq, dk, dv, til
 # The kernels' tensor parameters (descriptors, pointers and the modifiers' bundles), for
 # launch's argument order
 _DKDV_TENSORS = ("q_desc", "k_desc", "v_desc", "do_desc", "lse_desc", "delta_desc", "DK", "DV",
-                 "ScoreTensors", "Cu_q", "Cu_k", "score_args", "mask_args", "blocks")
+                 "ScoreTensors", "Cu_q", "Cu_k", "score_args", "mask_args", "packing", "blocks")
 _DQ_TENSORS = ("q_desc", "k_desc", "v_desc", "do_desc", "Out", "DO", "Lse", "Delta", "Dlse", "DQ",
-               "ScoreTensors", "Cu_q", "Cu_k", "score_args", "mask_args", "blocks",
+               "ScoreTensors", "Cu_q", "Cu_k", "score_args", "mask_args", "packing", "blocks",
                "grad_args")
 
 

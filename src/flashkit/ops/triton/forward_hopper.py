@@ -212,7 +212,8 @@ if gluon is not None:
         SOFTCAP_BOUNDED: m_i is a fixed bound of the row's scores (_consumer, softcap_mode), so
         there is no row max and alpha is 1 (the caller skips rescaling O).
 
-        A user's modifiers (flashkit.variants; user = (off_b, off_h, score_args, mask_args)):
+        A user's modifiers (flashkit.variants; user = (off_b, off_h, score_args, mask_args,
+        packing)):
         SCORE_MOD takes the whole score in log2 units after the built-in terms (so no ALiBi
         side split: the caller passes ALIBI_SIDE 0), MASK_MOD joins the band predicate (the
         caller masks every tile), both as the portable kernels call them
@@ -393,9 +394,9 @@ if gluon is not None:
         (out_base, lse_base, Alibi, Sink, stride_os, stride_ab, stride_ah, off_b, off_h, start_m,
          lo, n_tiles, key0, kv_col, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
          softcap_scale, seed_lo, seed_hi, dropout_threshold, dropout_scale, score_args,
-         mask_args, listing) = scalars
+         mask_args, packing, listing) = scalars
         geo = (seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale)
-        user = (off_b, off_h, score_args, mask_args)
+        user = (off_b, off_h, score_args, mask_args, packing)
         drop = (seed_lo, seed_hi, dropout_threshold, off_b, off_h)
         SPARSE: gl.constexpr = len(listing) > 0  # a block mask's tiles (tile_start)
         MIDDLE_MASK: gl.constexpr = MASK_MOD is not None and not SPARSE
@@ -627,7 +628,7 @@ if gluon is not None:
         (Out, Lse, Alibi, Sink, Cu_q, Cu_k, Used_k, stride_ob, stride_os, stride_oh, stride_lb,
          stride_lh, stride_ab, stride_ah, nheads, group, seqlen_q, seqlen_k, window_left,
          window_right, qk_scale, softcap_scale, seed_lo, seed_hi, dropout_threshold,
-         dropout_scale, paging, score_args, mask_args, blocks) = problem
+         dropout_scale, paging, score_args, mask_args, packing, blocks) = problem
         off_b = pid_bh // nheads
         off_h = pid_bh % nheads
         start_m = pid_m * BLOCK_Q
@@ -655,7 +656,7 @@ if gluon is not None:
         scalars = (out_base, lse_base, Alibi, Sink, stride_os, stride_ab, stride_ah, off_b, off_h,
                    start_m, lo, n_tiles, key0, kv_col, seqlen_q, seqlen_k, window_left,
                    window_right, qk_scale, softcap_scale, seed_lo, seed_hi, dropout_threshold,
-                   dropout_scale, score_args, mask_args, listing)
+                   dropout_scale, score_args, mask_args, packing, listing)
         return scalars, (n_tiles, key0, listing, kv_col, q_row0 + start_m, off_h * HEAD_DIM), \
             in_sequence
 
@@ -732,7 +733,7 @@ if gluon is not None:
                            stride_ab, stride_ah, nheads, group, seqlen_q, seqlen_k, window_left,
                            window_right, qk_scale, softcap_scale, seed_lo, seed_hi,
                            dropout_threshold, dropout_scale, n_items, stride_table, page_shift,
-                           score_args, mask_args, blocks, HEAD_DIM: gl.constexpr,
+                           score_args, mask_args, packing, blocks, HEAD_DIM: gl.constexpr,
                            BLOCK_N: gl.constexpr,
                            NUM_STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
                            SPECIALIZED: gl.constexpr, PINGPONG: gl.constexpr,
@@ -757,8 +758,10 @@ if gluon is not None:
         (kv_tile_rows); Cu_k is not read for rows then. SPLIT_LOADS (PAGED, two consumers): two
         producer warps, one loading Q and K, one V. SCORE_MOD / MASK_MOD: a user's modifiers
         (flashkit.variants: their @triton.jit functions, captured values in score_args /
-        mask_args), as _softmax_step applies them; blocks: a block mask's lists (_work_item;
-        specialized programs only), or ()."""
+        mask_args), as _softmax_step applies them; packing: a block mask over varlen's packed
+        tokens, which this call runs as one sequence ((SeqQ, Cu_q, Cu_k): the modifiers see
+        each token's sequence and positions in it, hopper_common.user_scores), or (); blocks: a
+        block mask's lists (_work_item; specialized programs only), or ()."""
         BLOCK_Q: gl.constexpr = CONSUMERS * BM
         paging = ()
         if PAGED:
@@ -767,7 +770,7 @@ if gluon is not None:
                    stride_lb, stride_lh, stride_ab, stride_ah, nheads, group, seqlen_q,
                    seqlen_k, window_left, window_right, qk_scale, softcap_scale, seed_lo,
                    seed_hi, dropout_threshold, dropout_scale, paging, score_args, mask_args,
-                   blocks)
+                   packing, blocks)
         if PERSISTENT:
             work = (problem, gl.cdiv(seqlen_q, BLOCK_Q), n_items)
         else:  # heaviest causal rows first
@@ -929,19 +932,22 @@ def declines(q, k, v, params: AttentionParams, out, lse, tile) -> str | None:
 
 
 def block_mask_declines(q, k, params: AttentionParams) -> str | None:
-    """Why this kernel does not take the call's block mask, or None: dense calls whose mask
-    blocks hold whole tiles (configs.GLUON_FORWARD_BLOCK_MASK) and whose keys fill whole key
-    tiles (a tile never reaches past a sequence's keys, so no tail needs zeroing)."""
+    """Why this kernel does not take the call's block mask, or None: dense calls (a mask over
+    varlen's packed tokens runs as one), whose mask blocks hold whole tiles
+    (configs.GLUON_FORWARD_BLOCK_MASK), and whose keys fill whole key tiles unless the batch
+    is one sequence: a tile past its keys then reads zeros (TMA's out-of-bounds fill), and
+    the mask's partial tiles mask those keys, so no tail needs zeroing (_prepare's
+    KEY_TAIL)."""
     variant = params.variant
-    if params.is_varlen or variant.packing:
-        return "a block mask over packed sequences"
+    if params.is_varlen:
+        return "a block mask with varlen's own sequences"
     block_n, _, consumers = GLUON_FORWARD_BLOCK_MASK[q.shape[-1]][:3]
     block_q, block_kv = variant.block_mask.BLOCK_SIZE
     if block_q % (BLOCK_M * consumers) or block_kv % block_n:
         return (f"block mask blocks {block_q} x {block_kv} (takes multiples of "
                 f"{BLOCK_M * consumers} x {block_n} at head dim {q.shape[-1]})")
-    if k.shape[1] % block_n:
-        return f"a block mask with seqlen_k off the {block_n}-key tiles"
+    if k.shape[1] % block_n and k.shape[0] > 1:
+        return f"a block mask with seqlen_k off the {block_n}-key tiles and batch > 1"
     return None
 
 
@@ -1027,7 +1033,7 @@ def attention_forward(q, k, v, params: AttentionParams, out=None, lse=None, tile
 # The kernel's tensor parameters (descriptors, pointers and the modifiers' bundles), for
 # launch's argument order
 _TENSORS = ("q_desc", "k_desc", "v_desc", "Out", "Lse", "Alibi", "Sink", "Cu_q", "Cu_k", "Used_k",
-            "Table", "score_args", "mask_args", "blocks")
+            "Table", "score_args", "mask_args", "packing", "blocks")
 
 
 def _prepare(q, k, v, params: AttentionParams, out, lse, tile, seqused_k, block_table):
@@ -1065,6 +1071,8 @@ def _prepare(q, k, v, params: AttentionParams, out, lse, tile, seqused_k, block_
         box_rows = min(page_size, block_n)
         paging = (block_table.stride(0), page_size.bit_length() - 1)
     config = launch_config(tile)
+    # KEY_TAIL zeroes the tail of the range's last V tile; a block mask's tiles are listed, not
+    # a range, and its calls off the key tiles are one sequence, whose tail TMA reads as zeros
     descriptors = {0: flash_descriptor(q, BLOCK_M), 1: flash_descriptor(k, block_n, box_rows),
                    2: flash_descriptor(v, block_n, box_rows)}
     variant = variant_args(params)[3]
@@ -1077,7 +1085,7 @@ def _prepare(q, k, v, params: AttentionParams, out, lse, tile, seqused_k, block_
         HEAD_DIM=head_dim, BLOCK_N=block_n, NUM_STAGES=num_stages, CONSUMERS=consumers,
         SPECIALIZED=specialized, PINGPONG=pingpong and consumers >= 2, PERSISTENT=persistent,
         CONSUMER_REGS=config.pop("CONSUMER_REGS"), **flags, SEQUSED_K=seqused_k is not None,
-        KEY_TAIL=f.varlen or f.seqlen_k % block_n != 0, PAGED=paged,
+        KEY_TAIL=f.varlen or (f.seqlen_k % block_n != 0 and mask is None), PAGED=paged,
         SPLIT_LOADS=paged and specialized and consumers == 2, SCORE_MOD=variant["SCORE_MOD"],
         MASK_MOD=variant["MASK_MOD"], num_warps=config.pop("num_warps")),
         _TENSORS, descriptors, SEED, **config)

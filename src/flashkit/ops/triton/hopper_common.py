@@ -26,6 +26,7 @@ import torch
 
 from flashkit.ops.triton.common import (
     block_args,
+    mod_indices,
     user_score,
     user_score_grad,
     user_visible,
@@ -80,17 +81,18 @@ def block_lists(params, placeholder, tile: int, transposed: bool = False) -> tup
 
 
 def modifier_tensors(params, placeholder, tile: int, transposed: bool = False) -> tuple:
-    """(score_args, mask_args, blocks): a user's modifiers as each launch of a Gluon kernel is
-    passed them, the call's own values: score_mod's and mask_mod's captured values, and the
-    block mask's lists (block_lists, for the kernel's tile; () without one). A launch plan
-    fixes what the kernel compiles in (dispatch's key: the functions, the captured values'
-    dtypes and numbers, the mask's geometry), never these tensors."""
+    """(score_args, mask_args, packing, blocks): a user's modifiers as each launch of a Gluon
+    kernel is passed them, the call's own values: score_mod's and mask_mod's captured values,
+    the packing of a block mask over varlen's packed tokens ((SeqQ, Cu_q, Cu_k), else ()) and
+    the block mask's lists (block_lists, for the kernel's tile; () without one). A launch
+    plan fixes what the kernel compiles in (dispatch's key: the functions, the captured
+    values' dtypes and numbers, the mask's geometry), never these tensors."""
     variant = params.variant
     if variant is None:
-        return (), (), ()
+        return (), (), (), ()
     score, mask = variant.score_mod, variant.mask_mod
     return (() if score is None else score.kernel_args(),
-            () if mask is None else mask.kernel_args(),
+            () if mask is None else mask.kernel_args(), variant.packing,
             block_lists(params, placeholder, tile, transposed))
 
 
@@ -195,10 +197,15 @@ if gluon is not None:
         """(s, dmod): a user's score_mod (common.user_score) on the log2-unit scores s of
         query rows i and key columns j (broadcasting), and, with SCORE_GRAD, its derivative at
         s, which a backward multiplies dS by (1.0 otherwise). user = (batch, query head,
-        score_args, mask_args)."""
-        off_b, off_h, score_args, mask_args = user
+        score_args, mask_args, packing): with packing (a block mask over varlen's packed
+        tokens, run as one sequence) the modifier sees each pair's sequence and positions in it
+        (common.mod_indices)."""
+        off_b, off_h, score_args, mask_args, packing = user
         dmod = 1.0
         if SCORE_MOD is not None:
+            if len(packing) > 0:
+                off_b, i, j, seqlen_q, seqlen_k, _ = mod_indices(off_b, i, j, seqlen_q,
+                                                                 seqlen_k, packing, True)
             if SCORE_GRAD is not None:
                 dmod = user_score_grad(s, off_b, off_h, i, j, seqlen_q, seqlen_k, SCORE_GRAD,
                                        score_args)
@@ -209,11 +216,16 @@ if gluon is not None:
     def visible_with_mod(i, j, seqlen_q, seqlen_k, window_left, window_right, user,
                          HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                          MASK_MOD: gl.constexpr):
-        """common.visible and a user's mask_mod (common.user_visible; user as in
-        user_scores)."""
-        off_b, off_h, score_args, mask_args = user
+        """common.visible and a user's mask_mod (common.user_visible; user as in user_scores:
+        with packing, pairs of two sequences are hidden and the mask_mod sees positions within
+        the query's sequence)."""
+        off_b, off_h, score_args, mask_args, packing = user
         keep = visible(i, j, seqlen_q, seqlen_k, window_left, window_right, HAS_LEFT, HAS_RIGHT)
         if MASK_MOD is not None:
+            if len(packing) > 0:
+                off_b, i, j, seqlen_q, seqlen_k, same = mod_indices(off_b, i, j, seqlen_q,
+                                                                    seqlen_k, packing, True)
+                keep = keep & same
             keep = user_visible(keep, off_b, off_h, i, j, seqlen_q, seqlen_k, MASK_MOD,
                                 mask_args)
         return keep
