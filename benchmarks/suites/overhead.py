@@ -99,28 +99,35 @@ def profile(fn, calls: int, top: int = 20) -> str:
     return text.getvalue()
 
 
-def tiny_calls(causal: bool) -> dict:
-    """name -> (forward, step) callables on the tiny problem."""
+def _pair(attention, plain, grads, grad_out) -> tuple:
+    """(forward, step) callables of attention(q, k, v): the forward under no_grad on `plain`,
+    the step its gradients with respect to `grads` under grad_out."""
+    def forward():
+        with torch.no_grad():
+            return attention(*plain)
+
+    def step():
+        return torch.autograd.grad(attention(*grads), grads, grad_out)
+
+    return forward, step
+
+
+def _tiny_problem() -> tuple:
+    """((q, k, v), leaves, dout) in flashkit's (b, s, h, d) layout and the same copied into
+    SDPA's and Flex's (b, h, s, d)."""
     q, k, v, dout = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16)
                      for _ in range(4))
-    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     qh, kh, vh, douth = (x.transpose(1, 2).contiguous() for x in (q, k, v, dout))
-    leaves_h = [x.clone().requires_grad_() for x in (qh, kh, vh)]
+    return (((q, k, v), [x.clone().requires_grad_() for x in (q, k, v)], dout),
+            ((qh, kh, vh), [x.clone().requires_grad_() for x in (qh, kh, vh)], douth))
 
-    def pair(attention, plain, grads, grad_out):
-        def forward():
-            with torch.no_grad():
-                return attention(*plain)
 
-        def step():
-            return torch.autograd.grad(attention(*grads), grads, grad_out)
-
-        return forward, step
-
-    calls = {"flashkit": pair(lambda *t: flashkit.flash_attn_func(*t, causal=causal),
-                              (q, k, v), leaves, dout)}
+def tiny_calls(causal: bool) -> dict:
+    """name -> (forward, step) callables on the tiny problem."""
+    ours, theirs = _tiny_problem()
+    calls = {"flashkit": _pair(lambda *t: flashkit.flash_attn_func(*t, causal=causal), *ours)}
     for name in ("cudnn", "flash", "efficient", "flex"):
-        calls[name] = pair(anchor_call(name, causal), (qh, kh, vh), leaves_h, douth)
+        calls[name] = _pair(anchor_call(name, causal), *theirs)
     return calls
 
 
@@ -133,31 +140,17 @@ def variant_calls() -> dict:
 
     from flashkit import variants
 
-    q, k, v, dout = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16)
-                     for _ in range(4))
-    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-    qh, kh, vh, douth = (x.transpose(1, 2).contiguous() for x in (q, k, v, dout))
-    leaves_h = [x.clone().requires_grad_() for x in (qh, kh, vh)]
+    ours, theirs = _tiny_problem()
     doc = (torch.arange(S, device="cuda") // 48).to(torch.int32)
-    ours = flashkit.create_block_mask(variants.document_mask(doc, causal=True), None, None, S, S)
-    theirs = create_block_mask(lambda b, h, i, j: (doc[i] == doc[j]) & (j <= i), None, None,
-                               S, S)
+    our_mask = flashkit.create_block_mask(variants.document_mask(doc, causal=True), None, None,
+                                          S, S)
+    their_mask = create_block_mask(lambda b, h, i, j: (doc[i] == doc[j]) & (j <= i), None,
+                                   None, S, S)
     flex = anchor_flex_compiled()
-
-    def pair(attention, plain, grads, grad_out):
-        def forward():
-            with torch.no_grad():
-                return attention(*plain)
-
-        def step():
-            return torch.autograd.grad(attention(*grads), grads, grad_out)
-
-        return forward, step
-
-    return {"flashkit": pair(lambda *t: flashkit.flash_attn_func(*t, block_mask=ours),
-                             (q, k, v), leaves, dout),
-            "flex": pair(lambda *t: flex(*t, block_mask=theirs), (qh, kh, vh), leaves_h, douth),
-            "cudnn": pair(anchor_call("cudnn", True), (qh, kh, vh), leaves_h, douth)}
+    return {"flashkit": _pair(lambda *t: flashkit.flash_attn_func(*t, block_mask=our_mask),
+                              *ours),
+            "flex": _pair(lambda *t: flex(*t, block_mask=their_mask), *theirs),
+            "cudnn": _pair(anchor_call("cudnn", True), *theirs)}
 
 
 def decode_calls(cached: int) -> dict:

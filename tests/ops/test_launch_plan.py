@@ -229,16 +229,29 @@ def _bundled_prepared(x):
                                   ("x_desc", "Out", "Bundle"), descriptors)
 
 
-def test_the_direct_launch_passes_bundles_as_tritons_launcher_would(compiled_bundled):
-    """A bundle of tensors (a tuple, features.KernelFeatures.score_tensors) is each call's own,
-    a bundle of scalars fixed: the direct launch passes both as Triton's launcher would."""
-    compiled = compiled_bundled
-    x, out, bundle = _bundled_inputs(0)
+def _nested_inputs(seed: int, count: int = 3):
+    """x, out and a nested bundle ((two int32 lists, count, 1), 0, 0.5), as a call passes
+    them."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(128, 4, 32, generator=gen).to(torch.bfloat16)
+    lists = tuple(torch.randint(0, 9, (8,), generator=gen, dtype=torch.int32) for _ in range(2))
+    return x, torch.empty(16), ((*lists, count, 1), 0, 0.5)
+
+
+@pytest.mark.parametrize("kind", ["bundled", "nested"])
+def test_the_direct_launch_passes_bundles_as_tritons_launcher_would(kind, request):
+    """A bundle of tensors (a tuple, features.KernelFeatures.score_tensors), or a nested one of
+    tensors and numbers (a user's modifiers: a block mask's lists with their sizes), is each
+    call's own, a bundle of scalars fixed: the direct launch passes them as Triton's launcher
+    would, tensors as their addresses."""
+    compiled = request.getfixturevalue(f"compiled_{kind}")
+    inputs = _bundled_inputs if kind == "bundled" else _nested_inputs
+    x, out, bundle = inputs(0)
     prepared = _bundled_prepared(x)
     prepared(x, out, bundle)
-    prepared(*_bundled_inputs(1))
+    prepared(*inputs(1))
     assert len(compiled.slow) == 2
-    tensors = _bundled_inputs(2)
+    tensors = inputs(2)
     prepared(*tensors)
     assert len(compiled.slow) == 2  # direct
     direct = compiled.calls[-1]
@@ -247,7 +260,7 @@ def test_the_direct_launch_passes_bundles_as_tritons_launcher_would(compiled_bun
     assert_launches_alike(direct, expected)
     # after the 13 launch arguments, x_desc's map, 2 dims and 2 strides: Out, the two bundles
     assert direct[18] == tensors[1].data_ptr()
-    assert direct[19] == tuple(t.data_ptr() for t in tensors[2]) and direct[20] == (0.5, 16)
+    assert direct[19] == _read(tensors[2]) and direct[20] == (0.5, 16)
 
 
 def test_a_bundle_of_another_dtype_or_alignment_goes_through_launch_again(compiled_bundled):
@@ -263,32 +276,6 @@ def test_a_bundle_of_another_dtype_or_alignment_goes_through_launch_again(compil
     assert len(compiled.slow) == 4
     prepared(x, out, (a, b))  # the kept direct launch again
     assert len(compiled.slow) == 4
-
-
-def _nested_inputs(seed: int, count: int = 3):
-    """x, out and a nested bundle ((two int32 lists, count, 1), 0, 0.5), as a call passes
-    them."""
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(128, 4, 32, generator=gen).to(torch.bfloat16)
-    lists = tuple(torch.randint(0, 9, (8,), generator=gen, dtype=torch.int32) for _ in range(2))
-    return x, torch.empty(16), ((*lists, count, 1), 0, 0.5)
-
-
-def test_the_direct_launch_passes_nested_bundles_of_tensors_and_numbers(compiled_nested):
-    compiled = compiled_nested
-    x, out, bundle = _nested_inputs(0)
-    prepared = _bundled_prepared(x)
-    prepared(x, out, bundle)
-    prepared(*_nested_inputs(1))
-    assert len(compiled.slow) == 2
-    tensors = _nested_inputs(2)
-    prepared(*tensors)
-    assert len(compiled.slow) == 2  # direct
-    direct = compiled.calls[-1]
-    prepared._launch(tensors, ())
-    assert_launches_alike(direct, compiled.calls[-1])
-    lists = tensors[2][0][:2]
-    assert direct[19] == ((*(t.data_ptr() for t in lists), 3, 1), 0, 0.5)
 
 
 def test_a_nested_bundle_with_another_number_dtype_or_alignment_goes_through_launch(
