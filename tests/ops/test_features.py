@@ -253,20 +253,22 @@ def test_gluon_forward_launcher_passes_a_block_mask(shared, monkeypatch):
     assert (stride_b, stride_h, rows) == ((0, 0) if shared else (4 * 2, 2)) + (128,)
 
 
-@pytest.mark.parametrize("block, seqlen_k, why", [
-    (128, 256, None), ((128, 64), 256, "block mask blocks 128 x 64"),
-    ((64, 128), 256, "block mask blocks 64 x 128"),
-    (128, 200, "a block mask with seqlen_k off the 128-key tiles")])
-def test_gluon_forward_block_mask_declines(block, seqlen_k, why):
+@pytest.mark.parametrize("block, batch, seqlen_k, why", [
+    (128, 2, 256, None), ((128, 64), 2, 256, "block mask blocks 128 x 64"),
+    ((64, 128), 2, 256, "block mask blocks 64 x 128"),
+    (128, 2, 200, "a block mask with seqlen_k off the 128-key tiles and batch > 1"),
+    (128, 1, 200, None)])
+def test_gluon_forward_block_mask_declines(block, batch, seqlen_k, why):
     """The Gluon forward takes a block mask whose blocks hold whole tiles and whose keys fill
-    whole key tiles; it names what it declines."""
+    whole key tiles, or of one sequence (varlen's packed tokens run as one) at any length; it
+    names what it declines."""
     import dataclasses
 
     import flashkit
     from flashkit import variants
     from flashkit.variants.mods import Variant
 
-    q, k = torch.randn(1, 256, 2, 128), torch.randn(1, seqlen_k, 2, 128)
+    q, k = torch.randn(batch, 256, 2, 128), torch.randn(batch, seqlen_k, 2, 128)
     mask = flashkit.create_block_mask(variants.causal_mask(), None, None, 256, seqlen_k,
                                       device="cpu", BLOCK_SIZE=block)
     params = dataclasses.replace(AttentionParams(SCALE),
@@ -296,6 +298,33 @@ def test_gluon_backward_block_mask_declines(block, heads, dropout, why):
                                  variant=Variant(mask_mod=mask.mask_mod, block_mask=mask))
     found = backward_hopper.block_mask_declines(q, params)
     assert found == why or found.startswith(why)
+
+
+@pytest.mark.parametrize("learned", [False, True])
+def test_gluon_backward_takes_a_block_mask_over_packed_tokens(learned):
+    """A block mask over varlen's packed tokens (the call run as one sequence): the Gluon
+    kernels take it, but not with a gradient for a score_mod's captured tensors (its rule
+    would need each pair's sequence), which the portable backward computes."""
+    import dataclasses
+
+    import flashkit
+    from flashkit import variants
+    from flashkit.variants.mods import Variant
+
+    cu = torch.tensor([0, 100, 256], dtype=torch.int32)
+    mask = flashkit.create_block_mask(variants.causal_mask(), None, None, 256, 256,
+                                      device="cpu", cu_seqlens_q=cu, cu_seqlens_k=cu)
+    table = torch.randn(2, 9)
+    score = variants.relative_bias(table)
+    variant = Variant(score_mod=score, mask_mod=mask.mask_mod, block_mask=mask,
+                      packing=mask.packing,
+                      captured_grads=[torch.zeros_like(table), None] if learned else None)
+    params = dataclasses.replace(AttentionParams(SCALE), variant=variant)
+    q = torch.randn(1, 256, 2, 128)
+    assert forward_hopper.block_mask_declines(q, q, params) is None
+    found = backward_hopper.block_mask_declines(q, params)
+    assert found == ("a gradient for captured tensors with a block mask over packed tokens"
+                     if learned else None)
 
 
 @pytest.mark.skipif(backward_hopper.gluon is None, reason="a Triton without Gluon")

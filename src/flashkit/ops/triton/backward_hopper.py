@@ -59,12 +59,13 @@ call at other lengths runs as varlen with equal lengths (dense_as_varlen), whose
 NaN-safe: nothing the TMA tiles read past a batch entry's end reaches its gradients. A user's
 score_mod (through its derivative) and mask_mod (flashkit.variants) are applied where the
 built-in terms are (hopper_common.user_scores, visible_with_mod), as backward.py's kernels
-apply them; a dense
-call's block mask, shared by the heads or one per head, replaces the tile ranges by its listed
-tiles (hopper_common.block_listing: the dK/dV kernel walks a key block's column of query blocks,
-head after head of its GQA group, the dQ kernel a query block's row of key blocks). Block masks
-over packed sequences or with dropout, and gradients for a score_mod's captured tensors, run
-backward.py's kernels.
+apply them, and the dQ kernel runs a score_mod's captured_grad rule for the captured tensors
+that learn. A dense call's block mask, shared by the heads or one per head, replaces the tile
+ranges by its listed tiles (hopper_common.block_listing: the dK/dV kernel walks a key block's
+column of query blocks, head after head of its GQA group, the dQ kernel a query block's row of
+key blocks); a mask over varlen's packed tokens runs as one sequence of them, the modifiers
+given each pair's sequence and positions in it. Block masks with dropout, or over packed
+tokens with a learned captured tensor, run backward.py's kernels.
 """
 
 from __future__ import annotations
