@@ -154,13 +154,30 @@ def _check_call(kernel, args: tuple, constexprs: dict, expected: dict, flags: di
     for name, value in expected.items():
         assert bound[name] == pytest.approx(value), name
     for name, value in bound.items():
-        if name in ("score_args", "mask_args", "blocks"):  # a user's modifiers: none here
+        if name in ("score_args", "mask_args", "packing", "blocks", "grad_args"):
+            # a user's modifiers: none here
             assert value == (), name
             continue
         pointer = name[0].isupper() or name.endswith("_desc")
         members = value if isinstance(value, tuple) else (value,)
         assert all(pointer == (not isinstance(m, (int, float))) for m in members), name
     assert {name: constexprs[name] for name in flags} == flags
+
+
+def _record_launches(monkeypatch) -> list:
+    """launch.launch replaced by a recorder: each launch's (kernel, arguments in the kernel's
+    signature order, constexprs and the options that are kernel parameters), put in order as
+    launch does by the tensor parameters' names."""
+    calls = []
+
+    def record(kernel, grid, tensors, scalars, constexprs, tensor_params=(), **options):
+        args = tensors + scalars
+        if tensor_params:
+            args = launch_module._order(kernel, tensor_params, len(tensors), len(scalars))(args)
+        calls.append((kernel, args, dict(constexprs, **{
+            name: value for name, value in options.items() if name in kernel.arg_names})))
+    monkeypatch.setattr(launch_module, "launch", record)
+    return calls
 
 
 def _softcap() -> int:
@@ -173,17 +190,12 @@ def _softcap() -> int:
 @pytest.mark.parametrize("varlen", [False, True])
 def test_gluon_forward_launcher_fills_the_kernel_signature(varlen, monkeypatch):
     q, k, v, params = _inputs(varlen)
-    calls = []
-    monkeypatch.setattr(launch_module, "launch", lambda kernel, grid, tensors, scalars,
-                        constexprs, *rest, **options: calls.append(
-                            (kernel, tensors + scalars, constexprs, options)))
+    calls = _record_launches(monkeypatch)
     forward_hopper.attention_forward(q, k, v, params, tile=(64, 2, 1, True, False, False))
-    (kernel, args, constexprs, options), = calls
+    (kernel, args, constexprs), = calls
     assert kernel is forward_hopper._fwd_hopper_kernel
     expected = dict(_expected(params, varlen, bundled=False), nheads=4, group=2)
-    _check_call(kernel, args, dict(constexprs, **{k: v for k, v in options.items()
-                                                  if k in kernel.arg_names}),
-                expected, _flags(FLAGS, varlen, bundled=False))
+    _check_call(kernel, args, constexprs, expected, _flags(FLAGS, varlen, bundled=False))
     bound = dict(zip(kernel.arg_names, args, strict=False))
     assert torch.equal(bound["Alibi"], params.alibi_slopes)
     assert bound["Sink"].dtype == torch.float32
@@ -194,30 +206,29 @@ def test_gluon_forward_launcher_fills_the_kernel_signature(varlen, monkeypatch):
 @pytest.mark.skipif(forward_hopper.gluon is None, reason="a Triton without Gluon")
 def test_gluon_forward_launcher_passes_user_modifiers(monkeypatch):
     """A score_mod's and a mask_mod's functions reach the kernel's SCORE_MOD / MASK_MOD and
-    their captured values its score_args / mask_args, and the launch is prepared for this call
-    alone: a dispatch plan must not keep one call's captured tensors for the next."""
+    their captured values its score_args / mask_args. The plan's one prepared launch is passed
+    each call's own captured tensors: a second call with another table and other document
+    ids, through the same plan, launches with those."""
     import dataclasses
 
     from flashkit import variants
     from flashkit.variants.mods import Variant
 
     q, k, v, params = _inputs(False)
-    table, doc = torch.randn(4, 9), torch.zeros(2, 128, dtype=torch.int32)
-    score, mask = variants.relative_bias(table), variants.document_mask(doc)
-    params = dataclasses.replace(params, variant=Variant(score_mod=score, mask_mod=mask))
-    calls = []
-    monkeypatch.setattr(launch_module, "launch", lambda kernel, grid, tensors, scalars,
-                        constexprs, *rest, **options: calls.append((tensors + scalars,
-                                                                    constexprs)))
+    calls = _record_launches(monkeypatch)
     plan = {}
-    forward_hopper.attention_forward(q, k, v, params, tile=(64, 2, 1, True, False, False),
-                                     plan=plan)
-    (args, constexprs), = calls
-    bound = dict(zip(forward_hopper._fwd_hopper_kernel.arg_names, args, strict=False))
-    assert bound["score_args"] == score.kernel_args()
-    assert bound["mask_args"] == mask.kernel_args()
-    assert constexprs["SCORE_MOD"] is score.jit() and constexprs["MASK_MOD"] is mask.jit()
-    assert plan == {}
+    for _ in range(2):
+        table, doc = torch.randn(4, 9), torch.zeros(2, 128, dtype=torch.int32)
+        score, mask = variants.relative_bias(table), variants.document_mask(doc)
+        call = dataclasses.replace(params, variant=Variant(score_mod=score, mask_mod=mask))
+        forward_hopper.attention_forward(q, k, v, call, tile=(64, 2, 1, True, False, False),
+                                         plan=plan)
+        kernel, args, constexprs = calls[-1]
+        bound = dict(zip(kernel.arg_names, args, strict=False))
+        assert bound["score_args"][0] is table and bound["mask_args"][0] is doc
+        assert bound["score_args"][1:] == score.kernel_args()[1:]
+        assert constexprs["SCORE_MOD"] is score.jit() and constexprs["MASK_MOD"] is mask.jit()
+    assert len(calls) == 2 and list(plan) == ["forward"]
 
 
 @pytest.mark.skipif(forward_hopper.gluon is None, reason="a Triton without Gluon")
@@ -238,13 +249,10 @@ def test_gluon_forward_launcher_passes_a_block_mask(shared, monkeypatch):
                                       None if shared else 4, 256, 256, device="cpu")
     params = dataclasses.replace(AttentionParams(SCALE),
                                  variant=Variant(mask_mod=mask.mask_mod, block_mask=mask))
-    calls = []
-    monkeypatch.setattr(launch_module, "launch", lambda kernel, grid, tensors, scalars,
-                        constexprs, *rest, **options: calls.append((tensors + scalars,
-                                                                    constexprs)))
+    calls = _record_launches(monkeypatch)
     forward_hopper.attention_forward(q, q, q, params)
-    (args, constexprs), = calls
-    blocks = dict(zip(forward_hopper._fwd_hopper_kernel.arg_names, args, strict=False))["blocks"]
+    (kernel, args, constexprs), = calls
+    blocks = dict(zip(kernel.arg_names, args, strict=False))["blocks"]
     block_n, _, consumers = GLUON_FORWARD_BLOCK_MASK[64][:3]
     assert constexprs["BLOCK_N"] == block_n and constexprs["CONSUMERS"] == consumers
     lists, stride_b, stride_h, rows = blocks
@@ -348,10 +356,7 @@ def test_gluon_backward_launchers_pass_a_block_mask(which, heads, monkeypatch):
                                       BLOCK_SIZE=(128, 64))
     params = dataclasses.replace(AttentionParams(SCALE),
                                  variant=Variant(mask_mod=mask.mask_mod, block_mask=mask))
-    calls = []
-    monkeypatch.setattr(launch_module, "launch", lambda kernel, grid, tensors, scalars,
-                        constexprs, tensor_params=(), **options: calls.append(
-                            (kernel, tensors, scalars, constexprs, tensor_params)))
+    calls = _record_launches(monkeypatch)
     lse = torch.zeros(lse_shape(q, params))
     per_head = 1 if heads is None else heads  # list rows per batch entry, per list row
     if which == "dkdv":
@@ -368,11 +373,9 @@ def test_gluon_backward_launchers_pass_a_block_mask(which, heads, monkeypatch):
         expected = ((mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks,
                      mask.full_kv_indices, 4, 64 // block_n), 2 * per_head,
                     0 if heads is None else 2, 128)
-    (kernel, tensors, scalars, constexprs, tensor_params), = calls
+    (kernel, args, constexprs), = calls
     if which == "dkdv":
         assert constexprs["HEAD_LISTS"] == (heads is not None)
-    args = launch_module._order(kernel, tensor_params, len(tensors), len(scalars))(
-        tensors + scalars)
     assert dict(zip(kernel.arg_names, args, strict=False))["blocks"] == expected
 
 
@@ -382,10 +385,7 @@ def test_gluon_backward_launchers_pass_a_block_mask(which, heads, monkeypatch):
 def test_gluon_backward_launchers_fill_the_kernel_signatures(varlen, which, monkeypatch):
     # on the GPU: a varlen dK/dV call aligns lse and delta in a kernel of its own, before launch
     q, k, v, params = _on_device(*_inputs(varlen))
-    calls = []
-    monkeypatch.setattr(launch_module, "launch", lambda kernel, grid, tensors, scalars,
-                        constexprs, tensor_params=(), **options: calls.append(
-                            (kernel, tensors, scalars, constexprs, tensor_params)))
+    calls = _record_launches(monkeypatch)
     lse = torch.zeros(lse_shape(q, params), device=q.device)
     delta = torch.zeros_like(lse)
     if which == "dkdv":
@@ -394,11 +394,8 @@ def test_gluon_backward_launchers_fill_the_kernel_signatures(varlen, which, monk
     else:
         backward_hopper.attention_backward_dq(q, q, k, v, q, lse, delta, None, params,
                                               torch.empty_like(q))
-    (kernel, tensors, scalars, constexprs, tensor_params), = calls
+    (kernel, args, constexprs), = calls
     assert kernel is getattr(backward_hopper, f"_bwd_{which}_hopper_kernel")
-    # launch puts tensors and scalars back in signature order by the tensor parameters' names
-    args = launch_module._order(kernel, tensor_params, len(tensors), len(scalars))(
-        tensors + scalars)
     heads = dict(nheads=4, nheads_k=2) if which == "dkdv" else dict(nheads=4, group=2)
     expected = dict(_expected(params, varlen), softmax_scale=SCALE, **heads)
     _check_call(kernel, args, constexprs, expected, _flags(GRADIENT_FLAGS, varlen))
@@ -411,7 +408,8 @@ def test_gluon_backward_launchers_fill_the_kernel_signatures(varlen, which, monk
 @pytest.mark.parametrize("which", ["dkdv", "dq"])
 def test_gluon_backward_launchers_pass_user_modifiers(which, monkeypatch):
     """A score_mod's function, derivative and captured values and a mask_mod's reach the Gluon
-    backward kernels' parameters of their names, each call's own (no plan keeps them)."""
+    backward kernels' parameters of their names, each call's own through the plan's one
+    prepared launch."""
     import dataclasses
 
     from flashkit import variants
@@ -421,10 +419,7 @@ def test_gluon_backward_launchers_pass_user_modifiers(which, monkeypatch):
     score = variants.relative_bias(torch.randn(4, 9))
     mask = variants.document_mask(torch.zeros(2, 128, dtype=torch.int32))
     params = dataclasses.replace(params, variant=Variant(score_mod=score, mask_mod=mask))
-    calls = []
-    monkeypatch.setattr(launch_module, "launch", lambda kernel, grid, tensors, scalars,
-                        constexprs, tensor_params=(), **options: calls.append(
-                            (kernel, tensors, scalars, constexprs, tensor_params)))
+    calls = _record_launches(monkeypatch)
     lse = torch.zeros(lse_shape(q, params))
     plan = {}
     if which == "dkdv":
@@ -434,15 +429,13 @@ def test_gluon_backward_launchers_pass_user_modifiers(which, monkeypatch):
     else:
         backward_hopper.attention_backward_dq(q, q, k, v, q, lse, torch.zeros_like(lse), None,
                                               params, torch.empty_like(q), plan=plan)
-    (kernel, tensors, scalars, constexprs, tensor_params), = calls
-    args = launch_module._order(kernel, tensor_params, len(tensors), len(scalars))(
-        tensors + scalars)
+    (kernel, args, constexprs), = calls
     bound = dict(zip(kernel.arg_names, args, strict=False))
     assert bound["score_args"] == score.kernel_args()
     assert bound["mask_args"] == mask.kernel_args()
     assert constexprs["SCORE_MOD"] is score.jit() and constexprs["MASK_MOD"] is mask.jit()
     assert constexprs["SCORE_GRAD"] is score.jit_grad()
-    assert plan == {}
+    assert list(plan) == [which]
 
 
 def test_flag_subsets_keep_the_vocabulary_order():
