@@ -115,6 +115,9 @@ class _Mod:
     def jit_grad(self):
         return jitted(self.grad)
 
+    def jit_captured_grad(self):
+        return jitted(self.captured_grad)
+
     def kernel_key(self) -> tuple:
         """What a Triton kernel compiles in of this modifier, for launch plans' keys: its
         @triton.jit functions, derivative and captured_grad rule included (the same objects
@@ -130,9 +133,6 @@ class _Mod:
             self._kernel_key = (*functions, tuple(
                 t.dtype if isinstance(t, torch.Tensor) else (type(t), t) for t in self.captured))
         return self._kernel_key
-
-    def jit_captured_grad(self):
-        return jitted(self.captured_grad)
 
     def kernel_args(self) -> tuple:
         """The captured values as the kernels take them (a tuple: tensors become pointers)."""
