@@ -34,8 +34,9 @@ class _Attention(torch.autograd.Function):
         grads = [torch.zeros_like(t, dtype=torch.float32 if t.dtype != torch.float64
                                   else t.dtype) if n in wanted else None
                  for n, t in enumerate(() if score is None else score.captured)]
-        params = dataclasses.replace(params, variant=dataclasses.replace(
-            variant, captured_grads=grads))
+        if wanted:  # else the forward's params, whose plan key the backend has seen
+            params = dataclasses.replace(params, variant=dataclasses.replace(
+                variant, captured_grads=grads))
         dout = torch.zeros_like(out, dtype=q.dtype) if dout is None else dout.to(q.dtype)
         dq, dk, dv, dsink = ctx.backend.backward(dout, q, k, v, out, lse, params, dlse=dlse)
         captured = [None if g is None else g.to(t.dtype)
