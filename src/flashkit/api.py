@@ -97,31 +97,41 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
         ValueError / TypeError naming the argument, before any kernel runs, for a wrong rank,
         shape, dtype or device, a bad scale, window, dropout_p or softcap.
     """
-    key = None  # the call's tensor facts and scalar arguments, for _DENSE_CALLS
+    # the call's tensor facts and scalar arguments, for _DENSE_CALLS (no modifier) or for the
+    # kept calls of its modifier objects (variant_mods.kept_params)
+    key = None
+    modified = score_mod is not None or mask_mod is not None or block_mask is not None
     if (alibi_slopes is None and sink is None and q_descale is None and k_descale is None
-            and v_descale is None and score_mod is None and mask_mod is None
-            and block_mask is None and type(q) in _PLAIN_TENSORS
+            and v_descale is None and type(q) in _PLAIN_TENSORS
             and type(k) in _PLAIN_TENSORS and type(v) in _PLAIN_TENSORS
             and (backend is None or type(backend) is str)):
         scalars = kept.scalar_key(dropout_p, softmax_scale, causal, window_size, deterministic,
                                   softcap)
         if scalars is not None:
             key = (scalars, backend, *_tensor_facts(q), *_tensor_facts(k), *_tensor_facts(v))
-            kept_call = _DENSE_CALLS.get(key)
-            if kept_call is not None:
-                return _run_kept(kept_call, q, k, v, backend, return_attn_probs,
-                                 return_softmax_lse)
+            if modified:
+                params = variant_mods.kept_params(score_mod, mask_mod, block_mask, key)
+                if params is not None:
+                    return run_backend(q, k, v, params, backend, return_attn_probs,
+                                       return_softmax_lse)
+            else:
+                kept_call = _DENSE_CALLS.get(key)
+                if kept_call is not None:
+                    return _run_kept(kept_call, q, k, v, backend, return_attn_probs,
+                                     return_softmax_lse)
     checks.dense_qkv(q, k, v, checks.DTYPES + checks.FLOAT8_DTYPES)
     checks.warn_if_sdpa_layout(q, k)
     float8 = checks.descales(q, k, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
     params = build_params(q, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                      deterministic, sink, batch=q.shape[0])
-    if key is not None and not float8:  # no modifier either (the key would be None)
+    if key is not None and not float8 and not modified:
         kept_call = _KeptDense(params, checks.backend(backend, q.device))
         kept.remember(_DENSE_CALLS, key, kept_call)
         return _run_kept(kept_call, q, k, v, backend, return_attn_probs, return_softmax_lse)
     params = variant_mods.attach(params, q, score_mod, mask_mod, block_mask, q.shape[0],
                                  q.shape[2], q.shape[1], k.shape[1])
+    if key is not None and not float8:  # a call with modifiers whose checks all passed
+        variant_mods.keep_params(score_mod, mask_mod, block_mask, key, params)
     if float8:
         if params.variant is not None:
             raise NotImplementedError("score_mod/mask_mod/block_mask: float8 inputs take none")

@@ -177,6 +177,58 @@ def test_block_mask_must_fit_the_call():
                                    BLOCK_SIZE=24)
 
 
+def test_kept_variant_calls_skip_the_checks_and_keep_nothing_alive(monkeypatch):
+    """An equal call with the same modifier objects reuses the params the first one checked
+    and bound (attach runs once) and reads the captured tensors' contents anew; another
+    modifier object, length or scalar argument is checked again; a refused call is never
+    kept; and what is kept lives with the modifier: the last user reference to a modifier
+    frees it and its captured tensors."""
+    import gc
+    import weakref
+
+    from flashkit.variants import mods
+    attached = []
+    attach = mods.attach
+    monkeypatch.setattr(mods, "attach", lambda *a: attached.append(None) or attach(*a))
+    q, k, v = _qkv()
+    table = torch.randn(2)
+    mod = variants.ScoreMod(_bias, table, grad=_bias_one)
+
+    def call(score_mod, x=q, **kwargs):
+        return flashkit.flash_attn_func(x, k[:, :x.shape[1]], v[:, :x.shape[1]],
+                                        score_mod=score_mod, backend="triton", **kwargs)
+
+    first = call(mod)
+    assert len(attached) == 1
+    torch.testing.assert_close(call(mod), first, rtol=0, atol=0)
+    assert len(attached) == 1  # kept
+    table.add_(1.0)  # in place: the kept call reads the new contents
+    moved = call(mod)
+    assert len(attached) == 1
+    torch.testing.assert_close(moved, call(variants.ScoreMod(_bias, table.clone(),
+                                                             grad=_bias_one)),
+                               rtol=0, atol=0)
+    assert len(attached) == 2  # another modifier object
+    call(mod, q[:, :5])
+    call(mod, causal=True)
+    assert len(attached) == 4  # another length, another scalar argument
+    mask = flashkit.create_block_mask(variants.causal_mask(), 1, 2, 8, 8, device="cpu",
+                                      BLOCK_SIZE=16)
+    for _ in range(2):
+        call(mod, block_mask=mask)
+    assert len(attached) == 5
+    for _ in range(2):  # refused each time, never kept
+        with pytest.raises(ValueError, match="block_mask: causal and window_size"):
+            call(mod, block_mask=mask, causal=True)
+    assert len(attached) == 7
+
+    alive = weakref.ref(table), weakref.ref(mod), weakref.ref(mask)
+    del mod, mask, table
+    flashkit.flash_attn_func(q, k, v, backend="triton")  # the last params seen is another's
+    gc.collect()
+    assert all(ref() is None for ref in alive)
+
+
 def test_triton_backward_needs_what_it_cannot_derive():
     """The Triton backward differentiates score_mod through its grad= function and captured
     tensors through its captured_grad= rule: both refused before any launch when missing,

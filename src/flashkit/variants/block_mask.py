@@ -21,7 +21,7 @@ everywhere. The Triton kernels run such a call as one sequence of the packed tok
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -47,6 +47,8 @@ class BlockMask:
     # varlen: (seq_q, cu_seqlens_q, cu_seqlens_k), seq_q int32 (Q_LEN,) the sequence of every
     # packed query token; None for a mask over padded (batch, length) positions
     packing: tuple | None = None
+    # the checked params of calls with this mask (mods.kept_params)
+    _kept_calls: dict = field(default_factory=dict, init=False, repr=False)
 
     @property
     def shape(self) -> tuple[int, int, int, int]:

@@ -77,6 +77,7 @@ class _Mod:
         self.captured_grad = captured_grad
         self._twins: dict = {}
         self._kernel_key = None
+        self._kept_calls: dict = {}  # kept_params: the calls this modifier hosts
 
     def check(self, device) -> None:
         """TypeError/ValueError naming the argument for a modifier no backend can run."""
@@ -342,6 +343,54 @@ def probe(variant: Variant, dtype: torch.dtype, device) -> None:
     s = torch.zeros((1, 1, 1, 1), dtype=dtype, device=device)
     Variant(variant.score_mod, variant.mask_mod).apply(s, zero, zero, zero, zero)
     _PROBED.add(key)
+
+
+# Kept calls with modifiers (flashkit.kept): a call's checked AttentionParams, with its Variant
+# bound, kept by one of the call's own modifier objects (the block mask, else the ScoreMod, else
+# the MaskMod: its host), so that they live and die with it; an equal later call with the same
+# modifier objects skips the checks and the binding. A modifier's functions and captured values
+# are fixed once it is made (kernel_key relies on that too); the captured tensors' contents are
+# read by every call. A call whose modifiers include a plain function (wrapped anew every call)
+# and no flashkit object to host it is not kept.
+MAX_KEPT_PER_HOST = 16
+
+
+def _host(score_mod, mask_mod, block_mask):
+    """The flashkit object among a call's modifiers that keeps its checked params, or None."""
+    from flashkit.variants.block_mask import BlockMask
+
+    for mod, kind in ((block_mask, BlockMask), (score_mod, ScoreMod), (mask_mod, MaskMod)):
+        if type(mod) is kind:
+            return mod
+    return None
+
+
+def kept_params(score_mod, mask_mod, block_mask, key: tuple):
+    """The params attach gave an earlier call with these same modifier objects and an equal
+    key (the call's scalar arguments and q, k and v's facts), or None."""
+    host = _host(score_mod, mask_mod, block_mask)
+    if host is None:
+        return None
+    kept = host._kept_calls.get((key, id(score_mod), id(mask_mod), id(block_mask)))
+    if kept is None:
+        return None
+    mods, params = kept
+    # the ids above may be those of dead objects' successors: the objects themselves decide
+    if mods[0] is score_mod and mods[1] is mask_mod and mods[2] is block_mask:
+        return params
+    return None
+
+
+def keep_params(score_mod, mask_mod, block_mask, key: tuple, params) -> None:
+    """Keep attach's params of a call whose checks all passed (kept_params)."""
+    host = _host(score_mod, mask_mod, block_mask)
+    if host is None:
+        return
+    calls = host._kept_calls
+    if len(calls) >= MAX_KEPT_PER_HOST:
+        calls.clear()
+    calls[key, id(score_mod), id(mask_mod), id(block_mask)] = (
+        (score_mod, mask_mod, block_mask), params)
 
 
 def attach(params, q, score_mod, mask_mod, block_mask, batch: int, nheads: int,
