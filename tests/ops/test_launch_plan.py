@@ -86,6 +86,15 @@ def compiled_nested(monkeypatch):
     return _compiled(monkeypatch, signature, 1)
 
 
+@pytest.fixture
+def compiled_empty(monkeypatch):
+    """The same for _bundled_stand_in taking an empty bundle, as an absent feature's reaches
+    the Gluon kernels (most of a plain call's bundles)."""
+    signature = {"x_desc": "tensordesc<bf16[64, 32]>", "Out": "*fp32", "Bundle": (),
+                 "values": ("fp32", "i32"), "BLOCK": "constexpr"}
+    return _compiled(monkeypatch, signature, 1)
+
+
 def _compiled(monkeypatch, signature: dict, descriptors: int):
     import triton
 
@@ -297,6 +306,26 @@ def test_a_nested_bundle_with_another_number_dtype_or_alignment_goes_through_lau
         assert len(compiled.slow) == launched + 1, bundle
     prepared(x, out, ((a, b, count, one), zero, half))  # the kept direct launch again
     assert len(compiled.slow) == launched + 1
+
+
+def test_an_empty_bundle_goes_in_as_it_is_and_nothing_else_takes_its_place(compiled_empty):
+    """An empty bundle (an absent feature's) is passed as it is, (), as Triton's launcher
+    would, and not filled in each call; a call with anything else in its place goes through
+    launch."""
+    compiled = compiled_empty
+    x, out, _ = _bundled_inputs(0)
+    prepared = _bundled_prepared(x)
+    for _ in range(3):
+        prepared(x, out, ())
+    assert len(compiled.slow) == 2  # the third direct
+    direct = compiled.calls[-1]
+    prepared._launch((x, out, ()), ())
+    assert_launches_alike(direct, compiled.calls[-1])
+    assert direct[19] == ()
+    for other in ((torch.empty(8),), torch.empty(8)):
+        launched = len(compiled.slow)
+        prepared(x, out, other)
+        assert len(compiled.slow) == launched + 1, other
 
 
 def test_the_plan_keeps_no_tensor_alive():

@@ -244,6 +244,10 @@ class Prepared:
                     return
                 checked, checked_dtype = t, dtype
             args[at] = address
+        for i in direct.empties:
+            if type(tensors[i]) is not tuple or tensors[i]:
+                self._launch(tensors, varying)
+                return
         for at, i, template in direct.bundles:
             addresses = _addresses_as(tensors[i], template)
             if addresses is None:
@@ -298,11 +302,12 @@ def planned(plan: dict | None, name: str, prepare):
 class _Direct(NamedTuple):
     """A compiled kernel's C launch entry and its argument list in signature order, with where
     each call's tensors go: `pointers` (position in args, index in the tensors, the dtype the
-    kernel was compiled for), `bundles` (the same for a tuple, with its _bundle_template) and
-    `maps` (position in args, index in the tensors, the TMA map's fill arguments after the
-    address, and the maps encoded so far by address: a map depends only on the address and
-    those arguments, which the plan fixes, and encoding one is a driver call of about a
-    microsecond)."""
+    kernel was compiled for), `bundles` (the same for a tuple, with its _bundle_template),
+    `empties` (the indices of the tensors that were empty bundles, (), in args as they are:
+    the absent features' bundles, checked to be () again, not filled) and `maps` (position in
+    args, index in the tensors, the TMA map's fill arguments after the address, and the maps
+    encoded so far by address: a map depends only on the address and those arguments, which
+    the plan fixes, and encoding one is a driver call of about a microsecond)."""
     entry: object
     function: int
     packed_metadata: object
@@ -312,6 +317,7 @@ class _Direct(NamedTuple):
     args: list
     pointers: tuple
     bundles: tuple
+    empties: tuple
     maps: tuple
     varying: tuple  # the positions in args of the varying scalars, in their order
     knobs: tuple  # Triton's debug and instrumentation knobs when compiled
@@ -331,7 +337,7 @@ class _Direct(NamedTuple):
             sources = list(_order(prepared.kernel, prepared.tensor_params, n_tensors,
                                   len(prepared.scalars))(sources))
         metas = iter(getattr(compiled.metadata, "tensordesc_meta", None) or ())
-        args, pointers, bundles, maps, varying = [], [], [], [], {}
+        args, pointers, bundles, empties, maps, varying = [], [], [], [], [], {}
         for source in sources:
             if source >= n_tensors:
                 if source - n_tensors in prepared.varying:
@@ -340,8 +346,11 @@ class _Direct(NamedTuple):
                 continue
             template = prepared.descriptors.get(source)
             if type(tensors[source]) is tuple:
-                bundles.append((len(args), source, _bundle_template(tensors[source])))
-                args.append(None)
+                if tensors[source]:
+                    bundles.append((len(args), source, _bundle_template(tensors[source])))
+                else:  # () as compiled: only checked (an absent feature's, most of them)
+                    empties.append(source)
+                args.append(None if tensors[source] else ())
                 continue
             if template is None:
                 pointers.append((len(args), source, tensors[source].dtype))
@@ -362,7 +371,7 @@ class _Direct(NamedTuple):
         return _Direct(entry, compiled.function, compiled.packed_metadata,
                        runner.launch_cooperative_grid, runner.launch_pdl,
                        torch.cuda.current_device(), args, tuple(pointers), tuple(bundles),
-                       tuple(maps),
+                       tuple(empties), tuple(maps),
                        tuple(varying[i] for i in prepared.varying),
                        (knobs.runtime.debug, knobs.compilation.instrumentation_mode),
                        driver.utils.fill_tma_descriptor, driver.get_current_stream)
