@@ -4,8 +4,11 @@
 
 For every folder of benchmarks/results/ (one per suite) it takes the newest JSON file (by the
 date stamp in its name), states its date, device and versions, and shows its numbers: the
-markdown summary the suite wrote beside it, or else a table of its first list of rows. Plots
-(PNG) in the folder are linked. --check exits 1 if README.md is not what this would write.
+markdown summary the suite wrote beside it, or else a table of its first list of rows. A suite
+whose runs measure its parts one at a time (one that declares `PARTS = (...)`, its --parts)
+gets, after the newest file, each part that file lacks from the newest file of the same
+configuration that has it, with that file's date. Plots (PNG) in the folder are linked.
+--check exits 1 if README.md is not what this would write.
 """
 
 from __future__ import annotations
@@ -30,9 +33,48 @@ def stamp(path: Path) -> str:
     return (m.group(1) + (m.group(2) or "0000")) if m else "0"
 
 
+def by_date(folder: Path) -> list[Path]:
+    """The folder's JSON result files, oldest first."""
+    return sorted(folder.glob("*.json"), key=lambda p: (stamp(p), p.name))
+
+
 def latest(folder: Path) -> Path | None:
-    files = sorted(folder.glob("*.json"), key=lambda p: (stamp(p), p.name))
+    files = by_date(folder)
     return files[-1] if files else None
+
+
+NOT_PARTS = ("env", "environment", "config", "versions")
+
+
+def parts(data) -> list[str]:
+    """The top-level lists of rows in a result (a suite's parts: `examples`, `packed`, ...)."""
+    if not isinstance(data, dict):
+        return []
+    return [key for key, value in data.items() if key not in NOT_PARTS
+            and isinstance(value, list) and value and all(isinstance(r, dict) for r in value)]
+
+
+def part_summary(path: Path, part: str, data: dict) -> str:
+    """A part's section of the markdown summary beside path (`## part` up to the next `## `),
+    or else a table of its rows."""
+    summary = path.with_suffix(".md")
+    if summary.exists():
+        found = re.search(rf"^## {re.escape(part)}\n(.*?)(?=^## |\Z)", summary.read_text(),
+                          re.S | re.M)
+        if found:
+            return demoted(found.group(1).strip()) + "\n"
+    return rows_table(data[part])
+
+
+def demoted(markdown: str) -> str:
+    """A suite's summary with its headings moved down to start at level 3: its sections sit
+    inside the suite's (level 2)."""
+    levels = [len(m) for m in re.findall(r"^(#+) ", markdown, flags=re.M)]
+    if not levels:
+        return markdown
+    shift = 3 - min(levels)
+    return re.sub(r"^(#+) ", lambda m: "#" * (len(m.group(1)) + shift) + " ", markdown,
+                  flags=re.M)
 
 
 def environment(data: dict) -> dict:
@@ -97,6 +139,18 @@ def suite_summaries() -> dict[str, str]:
     return out
 
 
+def declared_parts(suite: str) -> tuple:
+    """The suite's PARTS (a tuple of names at its module's top level), or ()."""
+    path = HERE / "suites" / f"{suite}.py"
+    if not path.exists():
+        return ()
+    for node in ast.parse(path.read_text()).body:
+        if (isinstance(node, ast.Assign) and len(node.targets) == 1
+                and getattr(node.targets[0], "id", None) == "PARTS"):
+            return tuple(ast.literal_eval(node.value))
+    return ()
+
+
 def section(folder: Path) -> str:
     path = latest(folder)
     count = len(list(folder.glob("*.json")))
@@ -114,15 +168,39 @@ def section(folder: Path) -> str:
             + (f"; {versions}" if versions else "") + ".\n\n")
     summary = path.with_suffix(".md")
     if summary.exists():
-        text += summary.read_text().strip() + "\n"
+        text += demoted(summary.read_text().strip()) + "\n"
     else:
         found = first_rows(data)
         if found:
             text += f"`{found[0]}`:\n\n" + rows_table(found[1])
         elif isinstance(data, dict):
             text += "Sections: " + ", ".join(f"`{k}`" for k in data) + "\n"
+    text += older_parts(folder, path, data)
     for plot in sorted(folder.glob("*.png")):
         text += f"\n![{plot.stem}](results/{folder.name}/{plot.name})\n"
+    return text
+
+
+def older_parts(folder: Path, newest: Path, data) -> str:
+    """For a suite that declares its parts: each one the newest file lacks, from the newest
+    file of the same suite and configuration that has it."""
+    declared = declared_parts(folder.name)
+    if not declared or not isinstance(data, dict) or "suite" not in data:
+        return ""
+    shown, text = set(parts(data)), ""
+    for path in reversed(by_date(folder)[:-1]):
+        older = json.loads(path.read_text())
+        if (not isinstance(older, dict) or older.get("suite") != data["suite"]
+                or older.get("config") != data.get("config")):
+            continue
+        for part in parts(older):
+            if part in shown or part not in declared:
+                continue
+            shown.add(part)
+            env = environment(older)
+            text += (f"\n### {part}\n\nFrom [`{path.name}`](results/{folder.name}/{path.name}), "
+                     f"date {env.get('date', stamp(path)[:8])}, device "
+                     f"{env.get('device', 'unknown')}.\n\n" + part_summary(path, part, older))
     return text
 
 

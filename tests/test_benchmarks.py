@@ -78,6 +78,43 @@ def test_result_files(tmp_path):
 
 
 
+def test_readme_shows_each_declared_part_from_the_newest_run_that_measured_it(tmp_path,
+                                                                            monkeypatch):
+    """A suite that declares PARTS runs them one at a time: the README shows the newest file,
+    then each part it lacks from the newest file of the same configuration that has it, with
+    that file's name; an undeclared part, another configuration's file and a suite without
+    PARTS add nothing."""
+    import make_readme
+    (tmp_path / "suites").mkdir()
+    (tmp_path / "suites" / "parted.py").write_text('"""parted: a test suite."""\n'
+                                                   'PARTS = ("fast", "slow")\n')
+    (tmp_path / "suites" / "plain.py").write_text('"""plain: a test suite."""\n')
+
+    def write(suite, name, config, **parts):
+        folder = tmp_path / "results" / suite
+        folder.mkdir(parents=True, exist_ok=True)
+        data = dict(suite=suite, env=dict(date=name, device="dev"), config=config, **parts)
+        (folder / f"{name}_dev.json").write_text(json.dumps(data))
+        (folder / f"{name}_dev.md").write_text("\n".join(
+            f"## {part}\n\n| x |\n|---|\n| {rows[0]['x']} |\n" for part, rows in parts.items()))
+
+    write("parted", "20260101_0100", {"n": 1}, slow=[{"x": "old slow"}], other=[{"x": "other"}])
+    write("parted", "20260101_0200", {"n": 1}, slow=[{"x": "new slow"}])
+    write("parted", "20260101_0300", {"n": 2}, slow=[{"x": "other config"}])
+    write("parted", "20260101_0400", {"n": 1}, fast=[{"x": "newest fast"}])
+    write("plain", "20260101_0100", {}, old=[{"x": "plain old"}])
+    write("plain", "20260101_0200", {}, new=[{"x": "plain new"}])
+    monkeypatch.setattr(make_readme, "HERE", tmp_path)
+    monkeypatch.setattr(make_readme, "RESULTS", tmp_path / "results")
+    text = make_readme.render()
+    parted = text[text.index("## parted"):text.index("## plain")]
+    assert "newest fast" in parted and "### fast" in parted
+    assert "new slow" in parted and "20260101_0200_dev.json" in parted
+    for absent in ("old slow", "other config", "other"):
+        assert f"| {absent} |" not in parted
+    assert "plain new" in text and "plain old" not in text
+
+
 def test_speed_summary_gives_flashkit_as_a_share_of_the_matmul_ceiling():
     """Each flashkit cell's TFLOP/s as a percentage of the same run's matmul rate in its dtype;
     a cell flashkit did not run stays empty."""

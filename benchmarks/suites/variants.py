@@ -410,6 +410,11 @@ COLUMNS = {
 }
 
 
+# The parts a run may measure, each on its own (--parts); benchmarks/make_readme.py shows each
+# part from the newest run that measured it.
+PARTS = ("first_call", "examples", "packed", "captured", "builtins", "configs")
+
+
 def main() -> None:
     if len(sys.argv) == 4 and sys.argv[1] == "--first-call-child":
         import json
@@ -422,7 +427,7 @@ def main() -> None:
                     help="comma-separated: first_call, examples, packed, captured, builtins, "
                     "configs")
     args = ap.parse_args()
-    parts = name_list(ap, "--parts", args.parts, COLUMNS)
+    parts = name_list(ap, "--parts", args.parts, PARTS)
     result = Result("variants", args.out, config=dict(head_dim=HEAD_DIM, nheads=NHEADS,
                                                       tokens=TOKENS, dtype=str(DTYPE)))
     rows = {part: [] for part in parts}
