@@ -371,14 +371,9 @@ def kept_params(score_mod, mask_mod, block_mask, key: tuple):
     host = _host(score_mod, mask_mod, block_mask)
     if host is None:
         return None
-    kept = host._kept_calls.get((key, id(score_mod), id(mask_mod), id(block_mask)))
-    if kept is None:
-        return None
-    mods, params = kept
-    # the ids above may be those of dead objects' successors: the objects themselves decide
-    if mods[0] is score_mod and mods[1] is mask_mod and mods[2] is block_mask:
-        return params
-    return None
+    # the entry holds the objects it was kept for, so their ids stay theirs while it lives
+    return host._kept_calls.get((key, id(score_mod), id(mask_mod), id(block_mask)),
+                                (None, None))[1]
 
 
 def keep_params(score_mod, mask_mod, block_mask, key: tuple, params) -> None:
@@ -390,7 +385,7 @@ def keep_params(score_mod, mask_mod, block_mask, key: tuple, params) -> None:
     if len(calls) >= MAX_KEPT_PER_HOST:
         calls.clear()
     calls[key, id(score_mod), id(mask_mod), id(block_mask)] = (
-        (score_mod, mask_mod, block_mask), params)
+        (score_mod, mask_mod, block_mask), params)  # the objects held: see kept_params
 
 
 def attach(params, q, score_mod, mask_mod, block_mask, batch: int, nheads: int,
