@@ -175,13 +175,13 @@ def section(folder: Path) -> str:
             text += f"`{found[0]}`:\n\n" + rows_table(found[1])
         elif isinstance(data, dict):
             text += "Sections: " + ", ".join(f"`{k}`" for k in data) + "\n"
-    text += older_parts(folder, path, data)
+    text += older_parts(folder, data)
     for plot in sorted(folder.glob("*.png")):
         text += f"\n![{plot.stem}](results/{folder.name}/{plot.name})\n"
     return text
 
 
-def older_parts(folder: Path, newest: Path, data) -> str:
+def older_parts(folder: Path, data) -> str:
     """For a suite that declares its parts: each one the newest file lacks, from the newest
     file of the same suite and configuration that has it."""
     declared = declared_parts(folder.name)
