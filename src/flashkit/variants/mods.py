@@ -355,33 +355,32 @@ def probe(variant: Variant, dtype: torch.dtype, device) -> None:
 MAX_KEPT_PER_HOST = 16
 
 
-def _host(score_mod, mask_mod, block_mask):
-    """The flashkit object among a call's modifiers that keeps its checked params, or None."""
-    from flashkit.variants.block_mask import BlockMask
-
-    for mod, kind in ((block_mask, BlockMask), (score_mod, ScoreMod), (mask_mod, MaskMod)):
-        if type(mod) is kind:
-            return mod
+def _hosted(score_mod, mask_mod, block_mask) -> dict | None:
+    """The kept calls of the flashkit object among a call's modifiers that hosts them (a
+    BlockMask's or a ScoreMod's or MaskMod's _kept_calls, in that order), or None. (An object
+    that only looks like one never gets an entry: keep_params runs after attach's checks.)"""
+    for mod in (block_mask, score_mod, mask_mod):
+        calls = getattr(mod, "_kept_calls", None)
+        if calls is not None:
+            return calls
     return None
 
 
 def kept_params(score_mod, mask_mod, block_mask, key: tuple):
     """The params attach gave an earlier call with these same modifier objects and an equal
     key (the call's scalar arguments and q, k and v's facts), or None."""
-    host = _host(score_mod, mask_mod, block_mask)
-    if host is None:
+    calls = _hosted(score_mod, mask_mod, block_mask)
+    if calls is None:
         return None
     # the entry holds the objects it was kept for, so their ids stay theirs while it lives
-    return host._kept_calls.get((key, id(score_mod), id(mask_mod), id(block_mask)),
-                                (None, None))[1]
+    return calls.get((key, id(score_mod), id(mask_mod), id(block_mask)), (None, None))[1]
 
 
 def keep_params(score_mod, mask_mod, block_mask, key: tuple, params) -> None:
     """Keep attach's params of a call whose checks all passed (kept_params)."""
-    host = _host(score_mod, mask_mod, block_mask)
-    if host is None:
+    calls = _hosted(score_mod, mask_mod, block_mask)
+    if calls is None:
         return
-    calls = host._kept_calls
     if len(calls) >= MAX_KEPT_PER_HOST:
         calls.clear()
     calls[key, id(score_mod), id(mask_mod), id(block_mask)] = (
