@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from flashkit import kept
 from flashkit.variants import torch_language
 
 _SCORE_ARGS = ("score", "b", "h", "q_idx", "kv_idx")
@@ -352,7 +353,6 @@ def probe(variant: Variant, dtype: torch.dtype, device) -> None:
 # are fixed once it is made (kernel_key relies on that too); the captured tensors' contents are
 # read by every call. A call whose modifiers include a plain function (wrapped anew every call)
 # and no flashkit object to host it is not kept.
-MAX_KEPT_PER_HOST = 16
 
 
 def _hosted(score_mod, mask_mod, block_mask) -> dict | None:
@@ -379,12 +379,9 @@ def kept_params(score_mod, mask_mod, block_mask, key: tuple):
 def keep_params(score_mod, mask_mod, block_mask, key: tuple, params) -> None:
     """Keep attach's params of a call whose checks all passed (kept_params)."""
     calls = _hosted(score_mod, mask_mod, block_mask)
-    if calls is None:
-        return
-    if len(calls) >= MAX_KEPT_PER_HOST:
-        calls.clear()
-    calls[key, id(score_mod), id(mask_mod), id(block_mask)] = (
-        (score_mod, mask_mod, block_mask), params)  # the objects held: see kept_params
+    if calls is not None:  # the objects held: see kept_params
+        kept.remember(calls, (key, id(score_mod), id(mask_mod), id(block_mask)),
+                      ((score_mod, mask_mod, block_mask), params))
 
 
 def attach(params, q, score_mod, mask_mod, block_mask, batch: int, nheads: int,
