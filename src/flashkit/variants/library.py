@@ -16,8 +16,9 @@ from flashkit.variants.mods import TORCH_OVERRIDES, MaskMod, ScoreMod
 
 @triton.jit
 def tanh(x):
-    """tanh for modifiers: 1 - 2 / (exp(2x) + 1), exact at both tails (torch side: torch.tanh)."""
-    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+    """tanh for modifiers: 1 - 2 / (exp(2x) + 1), exact at both tails (torch side: torch.tanh).
+    exp(2x) as 2^(2 log2(e) x): one multiply before the hardware's exp2."""
+    return 1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)
 
 
 TORCH_OVERRIDES[tanh.fn] = torch.tanh
@@ -89,8 +90,16 @@ def causal_window(window: int) -> MaskMod:
 # --- scores --------------------------------------------------------------------------------
 
 @triton.jit
+def _alibi_distance(q_idx, kv_idx, shift):
+    # |q_idx + shift - kv_idx| in float32, the positions converted first: in a kernel q_idx is a
+    # column [M, 1] and kv_idx a row [1, N], so that is M + N conversions a tile, not M * N
+    # (the hardware converts at the exp2's rate). Exact for positions below 2^24.
+    return tl.abs((q_idx + shift).to(tl.float32) - kv_idx.to(tl.float32))
+
+
+@triton.jit
 def _alibi(score, b, h, q_idx, kv_idx, slopes, shift):
-    return score - tl.load(slopes + h) * tl.abs(q_idx + shift - kv_idx)
+    return score - tl.load(slopes + h) * _alibi_distance(q_idx, kv_idx, shift)
 
 
 @triton.jit
@@ -101,7 +110,7 @@ def _alibi_grad(score, b, h, q_idx, kv_idx, slopes, shift):
 @triton.jit
 def _alibi_captured_grad(ds, score, b, h, q_idx, kv_idx, slopes, shift, dslopes, dshift):
     # one head per tile: reduce the tile first, one atomic add instead of one per score
-    distance = tl.abs(q_idx + shift - kv_idx).to(tl.float32)
+    distance = _alibi_distance(q_idx, kv_idx, shift)
     tl.atomic_add(dslopes + h, -tl.sum(tl.sum(ds * distance, 1), 0))
 
 
@@ -115,12 +124,13 @@ def alibi(slopes: torch.Tensor, shift: int = 0) -> ScoreMod:
 
 @triton.jit
 def _softcap(score, b, h, q_idx, kv_idx, cap):
-    return cap * tanh(score / cap)
+    # score * (1 / cap): one reciprocal a tile, where score / cap divides every score
+    return cap * tanh(score * (1.0 / cap))
 
 
 @triton.jit
 def _softcap_grad(score, b, h, q_idx, kv_idx, cap):
-    t = tanh(score / cap)
+    t = tanh(score * (1.0 / cap))
     return 1.0 - t * t
 
 

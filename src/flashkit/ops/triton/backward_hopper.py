@@ -182,6 +182,7 @@ def _aligned_lse_delta(lse, delta, params: AttentionParams):
 
 if gluon is not None:
     LOG2E_G = gl.constexpr(LOG2E)
+    LN2_G = gl.constexpr(1.0 / LOG2E)
 
     @gluon.jit
     def _head_lists(head_lists, g):
@@ -322,11 +323,15 @@ if gluon is not None:
                              1)
         s_t, dcap_t = score_mod(s_t, i_t, j_t, (seqlen_q, seqlen_k, window_left, window_right),
                                 mods, SCORES, SCORE_GRAD_FROM_TANH_JIT)
+        units = 1.0
+        if SCORE_MOD is not None:  # natural units for the modifier; log2(e) joins exp2's FMA
+            s_t = s_t * LN2_G
+            units = LOG2E_G
         s_t, dmod_t = user_scores(s_t, i_t, j_t, seqlen_q, seqlen_k, user, SCORE_MOD,
-                                  SCORE_GRAD)
+                                  SCORE_GRAD, True)
         # A row with no visible key has lse -inf: its P is inf before the mask, 0 after (such a
         # row only meets masked tiles).
-        p_t = gl.exp2(s_t - gl.expand_dims(lse2, 0))
+        p_t = gl.exp2(s_t * units - gl.expand_dims(lse2, 0))
         if MASK:
             keep = visible_with_mod(i_t, j_t, seqlen_q, seqlen_k, window_left, window_right,
                                     user, HAS_LEFT, HAS_RIGHT, MASK_MOD)
@@ -633,9 +638,13 @@ if gluon is not None:
         j = gl.expand_dims(start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)), 0)
         s, dcap = score_mod(s, i, j, (seqlen_q, seqlen_k, window_left, window_right), mods,
                             SCORES, SCORE_GRAD_FROM_TANH_JIT)
+        units = 1.0
+        if SCORE_MOD is not None:  # natural units for the modifier; log2(e) joins exp2's FMA
+            s = s * LN2_G
+            units = LOG2E_G
         s_in = s  # the score before the user's score_mod, for CAPTURED_GRAD
-        s, dmod = user_scores(s, i, j, seqlen_q, seqlen_k, user, SCORE_MOD, SCORE_GRAD)
-        p = gl.exp2(s - gl.expand_dims(lse2, 1))  # lse -inf (no visible key): masked below
+        s, dmod = user_scores(s, i, j, seqlen_q, seqlen_k, user, SCORE_MOD, SCORE_GRAD, True)
+        p = gl.exp2(s * units - gl.expand_dims(lse2, 1))  # lse -inf (no visible key): masked
         if MASK:
             keep = visible_with_mod(i, j, seqlen_q, seqlen_k, window_left, window_right, user,
                                     HAS_LEFT, HAS_RIGHT, MASK_MOD)
@@ -666,7 +675,7 @@ if gluon is not None:
             user_captured_grad(gl.convert_layout(ds_mod, rule), gl.convert_layout(s_in, rule),
                                off_b, off_h, gl.convert_layout(i, rule),
                                gl.convert_layout(j, rule), seqlen_q, seqlen_k, CAPTURED_GRAD,
-                               score_args, grad_args)
+                               score_args, grad_args, True)
         if SCORE_MOD is not None:
             ds = ds * dmod
         ds = score_grad(ds, dcap, SCORES)

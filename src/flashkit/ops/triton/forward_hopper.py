@@ -134,6 +134,7 @@ if gluon is not None:
     )
 
     LOG2E_GL = gl.constexpr(LOG2E)
+    LN2_GL = gl.constexpr(1.0 / LOG2E)
     BM = gl.constexpr(BLOCK_M)
     PRODUCER = gl.constexpr(-1)  # _partition's role of the producer warp
     PRODUCER_QK = gl.constexpr(-2)  # SPLIT_LOADS: a producer warp for Q and K
@@ -192,15 +193,16 @@ if gluon is not None:
 
     @gluon.jit
     def _softmax_step(qk, m_i, l_i, rows, cols, col0, geo, alibi, user, MASK: gl.constexpr,
-                      HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-                      ALIBI: gl.constexpr, ALIBI_SIDE: gl.constexpr, SCORE_MOD: gl.constexpr,
-                      MASK_MOD: gl.constexpr):
+                      masked_now, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                      SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, ALIBI_SIDE: gl.constexpr,
+                      SCORE_MOD: gl.constexpr, MASK_MOD: gl.constexpr):
         """Online softmax of raw scores qk [BLOCK_M, BLOCK_N] for query rows `rows` [BLOCK_M, 1]
         and key columns `cols` = col0 + [0, BLOCK_N) as [1, BLOCK_N]. Plain scores take the row
         max on qk and scale it after (qk_scale > 0), so s - m is one FMA per element; softcap
         (without ALiBi) the same on tanh(scale qk / c), so qk_scale joins that FMA instead of
         a multiply per element. MASK applies the band predicate; a row that has seen only -inf
-        then subtracts 0, not -inf.
+        then subtracts 0, not -inf. masked_now: () for MASK as it stands, or (flag,) to apply
+        the predicate only where the runtime flag is set (_steps' open_tiles).
 
         ALiBi (alibi = (slope * log2 e, slope * log2 e * [0, BLOCK_N) as [1, BLOCK_N])): with
         ALIBI_SIDE 0 the bias is slope |i + shift - j| per element. On a tile that lies wholly
@@ -214,7 +216,7 @@ if gluon is not None:
 
         A user's modifiers (flashkit.variants; user = (off_b, off_h, score_args, mask_args,
         packing)):
-        SCORE_MOD takes the whole score in log2 units after the built-in terms (so no ALiBi
+        SCORE_MOD takes the whole score in natural units after the built-in terms (so no ALiBi
         side split: the caller passes ALIBI_SIDE 0), MASK_MOD joins the band predicate (the
         caller masks every tile), both as the portable kernels call them
         (hopper_common.user_scores, visible_with_mod)."""
@@ -238,13 +240,16 @@ if gluon is not None:
         else:
             s = qk
             scale = qk_scale
-        if SCORE_MOD is not None:
-            s, _ = user_scores(s * scale, rows, cols, seqlen_q, seqlen_k, user, SCORE_MOD, None)
-            scale = 1.0
+        if SCORE_MOD is not None:  # natural units in and out; log2(e) joins exp2's FMA
+            s, _ = user_scores(s * (scale * LN2_GL), rows, cols, seqlen_q, seqlen_k, user,
+                               SCORE_MOD, None, True)
+            scale = LOG2E_GL
         if MASK:
-            keep = visible_with_mod(rows, cols, seqlen_q, seqlen_k, window_left, window_right,
-                                    user, HAS_LEFT, HAS_RIGHT, MASK_MOD)
-            s = gl.where(keep, s, float("-inf"))
+            if len(masked_now) > 0:
+                if masked_now[0]:
+                    s = _masked(s, rows, cols, geo, user, HAS_LEFT, HAS_RIGHT, MASK_MOD)
+            else:
+                s = _masked(s, rows, cols, geo, user, HAS_LEFT, HAS_RIGHT, MASK_MOD)
         if BOUNDED:
             m_new = m_i
             alpha = gl.full_like(m_i, 1.0)
@@ -263,6 +268,16 @@ if gluon is not None:
             alpha = gl.exp2(m_i - m_use)
             l_new = l_i * alpha + gl.sum(p, 1)
         return p, alpha, m_new, l_new
+
+    @gluon.jit
+    def _masked(s, rows, cols, geo, user, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                MASK_MOD: gl.constexpr):
+        """Scores s [BLOCK_M, BLOCK_N] with the pairs the band and a user's mask_mod hide at
+        -inf (hopper_common.visible_with_mod)."""
+        seqlen_q, seqlen_k, window_left, window_right, _, _ = geo
+        keep = visible_with_mod(rows, cols, seqlen_q, seqlen_k, window_left, window_right, user,
+                                HAS_LEFT, HAS_RIGHT, MASK_MOD)
+        return gl.where(keep, s, float("-inf"))
 
     @gluon.jit
     def _release_k(k_empty, stage, SPECIALIZED: gl.constexpr):
@@ -304,9 +319,10 @@ if gluon is not None:
                           n_tiles, key0, (), kv_col, BLOCK_N, NUM_STAGES)
 
     @gluon.jit
-    def _pipelined_step(ctx, state, tile, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                        SPECIALIZED: gl.constexpr, CONSUMER: gl.constexpr,
-                        CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, MASK: gl.constexpr,
+    def _pipelined_step(ctx, state, tile, masked_now, BLOCK_N: gl.constexpr,
+                        NUM_STAGES: gl.constexpr, SPECIALIZED: gl.constexpr,
+                        CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr,
+                        PINGPONG: gl.constexpr, MASK: gl.constexpr,
                         HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                         SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, ALIBI_SIDE: gl.constexpr,
                         DROPOUT: gl.constexpr, SCORE_MOD: gl.constexpr, MASK_MOD: gl.constexpr,
@@ -341,8 +357,9 @@ if gluon is not None:
         _release_k(k_empty, stage, SPECIALIZED)
         cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, rows, gl.expand_dims(cols, 0), col0,
-                                           geo, alibi, user, MASK, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-                                           ALIBI, ALIBI_SIDE, SCORE_MOD, MASK_MOD)
+                                           geo, alibi, user, MASK, masked_now, HAS_LEFT,
+                                           HAS_RIGHT, SOFTCAP, ALIBI, ALIBI_SIDE, SCORE_MOD,
+                                           MASK_MOD)
         p_next = gl.convert_layout(_p_operand(p, kept, q_tile.dtype, s_layout, DROPOUT),
                                    p_layout)
         # The softmax results pass through the wait so that the compiler cannot sink the softmax
@@ -361,16 +378,23 @@ if gluon is not None:
         return acc, p_next, m_i, l_i
 
     @gluon.jit
-    def _steps(ctx, state, start, end, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-               SPECIALIZED: gl.constexpr, CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr,
-               PINGPONG: gl.constexpr, MASK: gl.constexpr, HAS_LEFT: gl.constexpr,
-               HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
-               ALIBI_SIDE: gl.constexpr, DROPOUT: gl.constexpr, SCORE_MOD: gl.constexpr,
-               MASK_MOD: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
-               p_layout: gl.constexpr):
-        """_pipelined_step over tiles [start, end), one variant of masking and ALiBi side."""
+    def _steps(ctx, state, start, end, open_tiles, BLOCK_N: gl.constexpr,
+               NUM_STAGES: gl.constexpr, SPECIALIZED: gl.constexpr, CONSUMER: gl.constexpr,
+               CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, MASK: gl.constexpr,
+               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
+               ALIBI: gl.constexpr, ALIBI_SIDE: gl.constexpr, DROPOUT: gl.constexpr,
+               SCORE_MOD: gl.constexpr, MASK_MOD: gl.constexpr, s_layout: gl.constexpr,
+               o_layout: gl.constexpr, p_layout: gl.constexpr):
+        """_pipelined_step over tiles [start, end), one variant of masking and ALiBi side.
+        open_tiles = (lo, hi): MASK only the tiles outside [lo, hi), a runtime choice per tile,
+        so one copy of the step serves masked and open tiles (_consumer's COMPACT); (): MASK
+        every tile or none."""
         for tile in range(start, end):
-            state = _pipelined_step(ctx, state, tile, BLOCK_N, NUM_STAGES, SPECIALIZED,
+            masked_now = ()
+            if len(open_tiles) > 0:
+                masked_now = ((tile < open_tiles[0]) | (tile >= open_tiles[1]), )
+            state = _pipelined_step(ctx, state, tile, masked_now, BLOCK_N, NUM_STAGES,
+                                    SPECIALIZED,
                                     CONSUMER, CONSUMERS, PINGPONG, MASK, HAS_LEFT, HAS_RIGHT,
                                     SOFTCAP, ALIBI, ALIBI_SIDE, DROPOUT, SCORE_MOD, MASK_MOD,
                                     s_layout, o_layout, p_layout)
@@ -387,10 +411,11 @@ if gluon is not None:
         tiles [lo, lo + n_tiles * BLOCK_N), then out and lse of its rows. ring: the K/V tiles
         the program consumed before this item (ring buffer positions continue across a
         persistent program's items), items: its earlier items with tiles (Q's phase; each took
-        n_tiles + 1 turns, so this item's turns start at ring + items). A MASK_MOD masks every
-        tile, the visible middle's too; a SCORE_MOD takes the middle's ALiBi tiles whole. Under
-        a block mask (listing, hopper_common.tile_start) the item's tiles are its partial
-        blocks' (masked, MASK_MOD too), then its full blocks' (unmasked)."""
+        n_tiles + 1 turns, so this item's turns start at ring + items). With a user's modifier
+        (COMPACT) the tiles after the first run in one loop that masks a tile or not as a
+        runtime choice: a MASK_MOD masks every tile; a SCORE_MOD alone leaves the visible middle
+        open; under a block mask (listing, hopper_common.tile_start) the item's tiles are its
+        partial blocks' (masked, MASK_MOD too), then its full blocks' (open)."""
         (out_base, lse_base, Alibi, Sink, stride_os, stride_ab, stride_ah, off_b, off_h, start_m,
          lo, n_tiles, key0, kv_col, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
          softcap_scale, seed_lo, seed_hi, dropout_threshold, dropout_scale, score_args,
@@ -399,8 +424,12 @@ if gluon is not None:
         user = (off_b, off_h, score_args, mask_args, packing)
         drop = (seed_lo, seed_hi, dropout_threshold, off_b, off_h)
         SPARSE: gl.constexpr = len(listing) > 0  # a block mask's tiles (tile_start)
-        MIDDLE_MASK: gl.constexpr = MASK_MOD is not None and not SPARSE
-        ALIBI_SIDES: gl.constexpr = ALIBI and SCORE_MOD is None and not SPARSE
+        # A user's variant runs its tiles after the first in one loop, masking as a runtime
+        # choice per tile: one copy of the softmax step where the built-in features' separate
+        # masked and open loops take two or three. The forward's compile is a new variant's
+        # critical path to its first call, and its time follows those copies.
+        COMPACT: gl.constexpr = SCORE_MOD is not None or MASK_MOD is not None or SPARSE
+        ALIBI_SIDES: gl.constexpr = ALIBI and not COMPACT
         q_smem, k_smem, v_smem = smem
         q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, turns, tails = bars
         dtype: gl.constexpr = q_smem.dtype
@@ -458,50 +487,57 @@ if gluon is not None:
             _release_k(k_empty, first, SPECIALIZED)
             cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
             p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, rows, gl.expand_dims(cols, 0), col0,
-                                               geo, alibi, user, True, HAS_LEFT, HAS_RIGHT,
+                                               geo, alibi, user, True, (), HAS_LEFT, HAS_RIGHT,
                                                SOFTCAP, ALIBI, 0, SCORE_MOD, MASK_MOD)
             state = (acc, gl.convert_layout(_p_operand(p, kept, dtype, s_layout, DROPOUT),
                                             p_layout), m_i, l_i)
 
-            if SPARSE:  # a block mask: its partial blocks' tiles masked, its full ones not
-                n_partial = listing[1]
-                state = _steps(ctx, state, 1, n_partial, BLOCK_N, NUM_STAGES, SPECIALIZED,
+            if COMPACT:
+                if SPARSE:  # a block mask: its partial blocks' tiles masked, its full ones open
+                    open_tiles = (listing[1], n_tiles)
+                elif MASK_MOD is not None:  # every tile masked
+                    open_tiles = (n_tiles, n_tiles)
+                else:
+                    open_tiles = (t_lo, t_hi)
+                state = _steps(ctx, state, 1, n_tiles, open_tiles, BLOCK_N, NUM_STAGES,
+                               SPECIALIZED, CONSUMER, CONSUMERS, PINGPONG, True, HAS_LEFT,
+                               HAS_RIGHT, SOFTCAP, ALIBI, 0, DROPOUT, SCORE_MOD, MASK_MOD,
+                               s_layout, o_layout, p_layout)
+            else:
+                if HAS_LEFT:  # masked tiles left of the visible middle
+                    state = _steps(ctx, state, 1, t_lo, (), BLOCK_N, NUM_STAGES, SPECIALIZED,
+                                   CONSUMER, CONSUMERS, PINGPONG, True, HAS_LEFT, HAS_RIGHT,
+                                   SOFTCAP, ALIBI, 0, DROPOUT, SCORE_MOD, MASK_MOD, s_layout,
+                                   o_layout, p_layout)
+                if ALIBI_SIDES:  # the middle by the side of the diagonal it lies on
+                    shift = seqlen_k - seqlen_q
+                    left_end = gl.minimum(gl.maximum(
+                        gl.maximum(row0 + shift - lo + 1, 0) // BLOCK_N, t_lo), t_hi)
+                    right_start = gl.minimum(gl.maximum(
+                        gl.cdiv(gl.maximum(row0 + BM - 1 + shift - lo, 0), BLOCK_N), left_end),
+                        t_hi)
+                    state = _steps(ctx, state, t_lo, left_end, (), BLOCK_N, NUM_STAGES,
+                                   SPECIALIZED, CONSUMER, CONSUMERS, PINGPONG, False, HAS_LEFT,
+                                   HAS_RIGHT, SOFTCAP, ALIBI, 1, DROPOUT, SCORE_MOD, MASK_MOD,
+                                   s_layout, o_layout, p_layout)
+                    state = _steps(ctx, state, left_end, right_start, (), BLOCK_N, NUM_STAGES,
+                                   SPECIALIZED, CONSUMER, CONSUMERS, PINGPONG, False, HAS_LEFT,
+                                   HAS_RIGHT, SOFTCAP, ALIBI, 0, DROPOUT, SCORE_MOD, MASK_MOD,
+                                   s_layout, o_layout, p_layout)
+                    state = _steps(ctx, state, right_start, t_hi, (), BLOCK_N, NUM_STAGES,
+                                   SPECIALIZED, CONSUMER, CONSUMERS, PINGPONG, False, HAS_LEFT,
+                                   HAS_RIGHT, SOFTCAP, ALIBI, -1, DROPOUT, SCORE_MOD, MASK_MOD,
+                                   s_layout, o_layout, p_layout)
+                else:
+                    state = _steps(ctx, state, t_lo, t_hi, (), BLOCK_N, NUM_STAGES, SPECIALIZED,
+                                   CONSUMER, CONSUMERS, PINGPONG, False, HAS_LEFT, HAS_RIGHT,
+                                   SOFTCAP, ALIBI, 0, DROPOUT, SCORE_MOD, MASK_MOD, s_layout,
+                                   o_layout, p_layout)
+                # diagonal, right bound, last tile
+                state = _steps(ctx, state, t_hi, n_tiles, (), BLOCK_N, NUM_STAGES, SPECIALIZED,
                                CONSUMER, CONSUMERS, PINGPONG, True, HAS_LEFT, HAS_RIGHT, SOFTCAP,
                                ALIBI, 0, DROPOUT, SCORE_MOD, MASK_MOD, s_layout, o_layout,
                                p_layout)
-                t_lo = gl.maximum(n_partial, 1)
-                t_hi = n_tiles
-            elif HAS_LEFT:  # masked tiles left of the visible middle
-                state = _steps(ctx, state, 1, t_lo, BLOCK_N, NUM_STAGES, SPECIALIZED, CONSUMER,
-                               CONSUMERS, PINGPONG, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, 0,
-                               DROPOUT, SCORE_MOD, MASK_MOD, s_layout, o_layout, p_layout)
-            if ALIBI_SIDES:  # the middle by the side of the diagonal it lies on (_softmax_step)
-                shift = seqlen_k - seqlen_q
-                left_end = gl.minimum(gl.maximum(gl.maximum(row0 + shift - lo + 1, 0) // BLOCK_N,
-                                                 t_lo), t_hi)
-                right_start = gl.minimum(gl.maximum(
-                    gl.cdiv(gl.maximum(row0 + BM - 1 + shift - lo, 0), BLOCK_N), left_end), t_hi)
-                state = _steps(ctx, state, t_lo, left_end, BLOCK_N, NUM_STAGES, SPECIALIZED,
-                               CONSUMER, CONSUMERS, PINGPONG, MIDDLE_MASK, HAS_LEFT, HAS_RIGHT,
-                               SOFTCAP, ALIBI, 1, DROPOUT, SCORE_MOD, MASK_MOD, s_layout,
-                               o_layout, p_layout)
-                state = _steps(ctx, state, left_end, right_start, BLOCK_N, NUM_STAGES,
-                               SPECIALIZED, CONSUMER, CONSUMERS, PINGPONG, MIDDLE_MASK, HAS_LEFT,
-                               HAS_RIGHT, SOFTCAP, ALIBI, 0, DROPOUT, SCORE_MOD, MASK_MOD,
-                               s_layout, o_layout, p_layout)
-                state = _steps(ctx, state, right_start, t_hi, BLOCK_N, NUM_STAGES, SPECIALIZED,
-                               CONSUMER, CONSUMERS, PINGPONG, MIDDLE_MASK, HAS_LEFT, HAS_RIGHT,
-                               SOFTCAP, ALIBI, -1, DROPOUT, SCORE_MOD, MASK_MOD, s_layout,
-                               o_layout, p_layout)
-            else:
-                state = _steps(ctx, state, t_lo, t_hi, BLOCK_N, NUM_STAGES, SPECIALIZED,
-                               CONSUMER, CONSUMERS, PINGPONG, MIDDLE_MASK, HAS_LEFT, HAS_RIGHT,
-                               SOFTCAP, ALIBI, 0, DROPOUT, SCORE_MOD, MASK_MOD, s_layout,
-                               o_layout, p_layout)
-            # diagonal, right bound, last tile
-            state = _steps(ctx, state, t_hi, n_tiles, BLOCK_N, NUM_STAGES, SPECIALIZED,
-                           CONSUMER, CONSUMERS, PINGPONG, True, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-                           ALIBI, 0, DROPOUT, SCORE_MOD, MASK_MOD, s_layout, o_layout, p_layout)
             acc, p_op, m_i, l_i = state
             if SPECIALIZED:  # every S wgmma of this item completed: Q's buffer is free
                 mbarrier.arrive(q_empty.index(CONSUMER), count=1)

@@ -193,10 +193,11 @@ if gluon is not None:
 
     @gluon.jit
     def user_scores(s, i, j, seqlen_q, seqlen_k, user, SCORE_MOD: gl.constexpr,
-                    SCORE_GRAD: gl.constexpr):
-        """(s, dmod): a user's score_mod (common.user_score) on the log2-unit scores s of
-        query rows i and key columns j (broadcasting), and, with SCORE_GRAD, its derivative at
-        s, which a backward multiplies dS by (1.0 otherwise). user = (batch, query head,
+                    SCORE_GRAD: gl.constexpr, NATURAL: gl.constexpr = False):
+        """(s, dmod): a user's score_mod (common.user_score) on the log2-unit scores s
+        (natural with NATURAL, which returns natural ones too) of query rows i and key columns
+        j (broadcasting), and, with SCORE_GRAD, its derivative at s, which a backward
+        multiplies dS by (1.0 otherwise). user = (batch, query head,
         score_args, mask_args, packing): with packing (a block mask over varlen's packed
         tokens, run as one sequence) the modifier sees each pair's sequence and positions in it
         (common.mod_indices)."""
@@ -208,8 +209,9 @@ if gluon is not None:
                                                                  seqlen_k, packing, True)
             if SCORE_GRAD is not None:
                 dmod = user_score_grad(s, off_b, off_h, i, j, seqlen_q, seqlen_k, SCORE_GRAD,
-                                       score_args)
-            s = user_score(s, off_b, off_h, i, j, seqlen_q, seqlen_k, SCORE_MOD, score_args)
+                                       score_args, NATURAL)
+            s = user_score(s, off_b, off_h, i, j, seqlen_q, seqlen_k, SCORE_MOD, score_args,
+                           NATURAL)
         return s, dmod
 
     @gluon.jit
