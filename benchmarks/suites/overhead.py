@@ -9,7 +9,9 @@ grad + backward) of flashkit.flash_attn_func, PyTorch SDPA (cuDNN, FA2, efficien
 FlexAttention; the same with a user's variant (a causal document mask as a block mask) against
 FlexAttention's, SDPA cuDNN's plain causal call giving the scale; and an eager decoding step
 of flashkit.flash_attn_with_kvcache (b1, 32 query / 4 kv heads, d128, one new token, 1k..16k
-cached keys) against SDPA over the same cache (enable_gqa). Two numbers per call:
+cached keys) against SDPA over the same cache (enable_gqa); and the tiny problem's tokens as 4
+causal sequences of 32 through flashkit.flash_attn_varlen_func against SDPA cuDNN on the same
+sequences as a batch. Two numbers per call:
   wall_us  wall time per call of a tight loop of N calls with one synchronisation at the end. On
            a problem this small the GPU finishes each kernel before the host has issued the
            next, so the loop is host-bound and this is what a user's loop pays per call.
@@ -50,6 +52,7 @@ import flashkit  # noqa: E402
 B, S, H, D = 1, 128, 8, 64
 DECODE_Q_HEADS, DECODE_KV_HEADS, DECODE_D = 32, 4, 128
 CACHED = (1024, 4096, 16384)
+VARLEN_SEQUENCES = 4  # the varlen row: the tiny problem's 128 tokens as 4 sequences of 32
 
 
 def per_call(fn, calls: int) -> dict:
@@ -153,6 +156,26 @@ def variant_calls() -> dict:
             "cudnn": _pair(anchor_call("cudnn", True), *theirs)}
 
 
+def varlen_calls() -> dict:
+    """name -> (forward, step) callables: the tiny problem's tokens as VARLEN_SEQUENCES causal
+    sequences packed without padding, flashkit.flash_attn_varlen_func (its cu_seqlens checked
+    on the device every call) against SDPA cuDNN's causal call on the same sequences as a
+    batch (what the padded layout costs a user when the sequences happen to be equal)."""
+    length = S // VARLEN_SEQUENCES
+    cu = torch.arange(0, S + 1, length, dtype=torch.int32, device="cuda")
+    (q, k, v), leaves, dout = _tiny_problem()[0]
+
+    def ours(*t):
+        return flashkit.flash_attn_varlen_func(*t, cu, cu, length, length, causal=True)
+    packed = [x.reshape(S, H, D) for x in (q, k, v)]
+    grads = [x.detach().reshape(S, H, D).requires_grad_() for x in leaves]
+    batched = [x.reshape(VARLEN_SEQUENCES, length, H, D).transpose(1, 2).contiguous()
+               for x in (q, k, v, dout)]
+    return {"flashkit": _pair(ours, packed, grads, dout.reshape(S, H, D)),
+            "cudnn": _pair(anchor_call("cudnn", True), batched[:3],
+                           [x.clone().requires_grad_() for x in batched[:3]], batched[3])}
+
+
 def decode_calls(cached: int) -> dict:
     """name -> decoding-step callable: one new token over `cached` keys."""
     shape_q = (1, 1, DECODE_Q_HEADS, DECODE_D)
@@ -209,6 +232,10 @@ def main(argv=None):
             add(f"b{B} s{S} h{H} d{D} document block mask", kind,
                 {name: pair[index] for name, pair in calls.items()})
             profiles[f"{kind} document block mask"] = profile(calls["flashkit"][index], 200)
+        calls = varlen_calls()
+        for index, kind in enumerate(("forward", "step")):
+            add(f"varlen {VARLEN_SEQUENCES} x {S // VARLEN_SEQUENCES} tokens h{H} d{D} causal",
+                kind, {name: pair[index] for name, pair in calls.items()})
         with torch.no_grad():
             for cached in CACHED:
                 add(f"decode b1 {DECODE_Q_HEADS}/{DECODE_KV_HEADS} heads d{DECODE_D} {cached} "

@@ -1,7 +1,7 @@
 """variants: user score_mod / mask_mod / block_mask against FlexAttention, on the GPU.
 
     PYTHONPATH=src python3 benchmarks/run.py variants [--out DIR] [--lengths 4096]
-        [--parts first_call,examples,captured,builtins]   (configs: add it by name)
+        [--parts first_call,examples,packed,captured,builtins,per_head]   (configs: by name)
 
 bf16, head dim 128, 16 heads, batch = 16k tokens / seqlen, public APIs as users call them:
 flashkit.flash_attn_func with the modifiers against torch.compile(flex_attention) with the same
@@ -22,6 +22,9 @@ Parts:
     captured    score modifiers whose captured tensor learns (a relative-position bias table,
                 ALiBi slopes, a per-token bias), flashkit vs Flex, backward and step with the
                 captured tensor's gradient
+    per_head    the document example's block mask shared by the heads and built per head
+                (the same mask in every head): the cost of walking each head's own block
+                lists, each against Flex's mask of the same kind
     builtins    the built-in features written as modifiers against the built-in arguments of
                 flash_attn_func: ALiBi (alibi_slopes=), softcap (softcap=30), causal and a causal
                 window of 1024 (block masks against causal=True / window_size=(1024, 0));
@@ -89,12 +92,13 @@ def problem(seqlen: int) -> dict:
                 bias=bias, batch=batch, seqlen=seqlen)
 
 
-def ours_mods(name: str, p: dict) -> dict:
-    """flash_attn_func keyword arguments of an example (block masks for the masks)."""
+def ours_mods(name: str, p: dict, heads: int | None = None) -> dict:
+    """flash_attn_func keyword arguments of an example (block masks for the masks, shared by
+    the heads, or built per head with `heads`)."""
     b, s = p["batch"], p["seqlen"]
 
     def block(mod):
-        return dict(block_mask=flashkit.create_block_mask(mod, b, None, s, s, device="cuda"))
+        return dict(block_mask=flashkit.create_block_mask(mod, b, heads, s, s, device="cuda"))
     return {
         "document": lambda: block(variants.document_mask(p["doc"], causal=True)),
         "prefix_lm": lambda: block(variants.prefix_lm(p["prefix"])),
@@ -108,14 +112,15 @@ def ours_mods(name: str, p: dict) -> dict:
     }[name]()
 
 
-def flex_mods(name: str, p: dict) -> dict:
-    """The same example as FlexAttention modifiers (score_mod, block_mask)."""
+def flex_mods(name: str, p: dict, heads: int | None = None) -> dict:
+    """The same example as FlexAttention modifiers (score_mod, block_mask; heads as in
+    ours_mods)."""
     from torch.nn.attention.flex_attention import create_block_mask
     b, s = p["batch"], p["seqlen"]
     doc, prefix, slopes, table, bias = p["doc"], p["prefix"], p["slopes"], p["table"], p["bias"]
 
     def block(mask_mod):
-        return dict(block_mask=create_block_mask(mask_mod, b, None, s, s, device="cuda"))
+        return dict(block_mask=create_block_mask(mask_mod, b, heads, s, s, device="cuda"))
 
     def document(bi, h, qi, ki):
         return (doc[bi, qi] == doc[bi, ki]) & (qi >= ki)
@@ -183,6 +188,17 @@ def part_examples(p: dict, compiled, record) -> None:
         theirs = time_flex(p, compiled, **flex_mods(name, p))
         record("examples", dict(example=name, seqlen=p["seqlen"], batch=p["batch"],
                                 **comparison(ours, theirs)))
+
+
+def part_per_head(p: dict, compiled, record) -> None:
+    """The document example's block mask shared by the heads and built per head (the same
+    mask in each of the NHEADS heads): what walking each head's own block lists costs, each
+    against Flex's mask of the same kind."""
+    for heads in (None, NHEADS):
+        ours = time_ours(p, **ours_mods("document", p, heads))
+        theirs = time_flex(p, compiled, **flex_mods("document", p, heads))
+        record("per_head", dict(example="document", mask="per head" if heads else "shared",
+                                seqlen=p["seqlen"], **comparison(ours, theirs)))
 
 
 def part_packed(compiled, record) -> None:
@@ -402,6 +418,7 @@ COLUMNS = {
     "examples": ["example", "seqlen", *_COMPARED],
     "captured": ["example", "learned", "seqlen", *_COMPARED, "flex_error"],
     "packed": ["example", "tokens", "sequences", *_COMPARED],
+    "per_head": ["example", "mask", "seqlen", *_COMPARED],
     "builtins": ["feature", "seqlen", "builtin_fwd_ms", "mod_fwd_ms", "ratio_fwd",
                  "builtin_bwd_ms", "mod_bwd_ms", "ratio_bwd"],
     "configs": ["tiles", "example", "seqlen", "fwd_ms", "bwd_ms", "step_ms"],
@@ -412,7 +429,7 @@ COLUMNS = {
 
 # The parts a run may measure, each on its own (--parts); benchmarks/make_readme.py shows each
 # part from the newest run that measured it.
-PARTS = ("first_call", "examples", "packed", "captured", "builtins", "configs")
+PARTS = ("first_call", "examples", "packed", "captured", "builtins", "configs", "per_head")
 
 
 def main() -> None:
@@ -423,9 +440,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_out_argument(ap, "variants")
     ap.add_argument("--lengths", default="4096", help="comma-separated sequence lengths")
-    ap.add_argument("--parts", default="first_call,examples,packed,captured,builtins",
+    ap.add_argument("--parts", default="first_call,examples,packed,captured,builtins,per_head",
                     help="comma-separated: first_call, examples, packed, captured, builtins, "
-                    "configs")
+                    "per_head, configs")
     args = ap.parse_args()
     parts = name_list(ap, "--parts", args.parts, PARTS)
     result = Result("variants", args.out, config=dict(head_dim=HEAD_DIM, nheads=NHEADS,
@@ -451,6 +468,8 @@ def main() -> None:
             part_examples(p, compiled, record)
         if "captured" in parts:
             part_captured(p, compiled, record)
+        if "per_head" in parts:
+            part_per_head(p, compiled, record)
         if "configs" in parts and seqlen == lengths[0]:  # the tile sweep at one length
             part_configs(p, record)
         if "builtins" in parts:

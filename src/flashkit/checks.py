@@ -78,7 +78,7 @@ def dense_qkv(q, k, v, dtypes=DTYPES) -> None:
 def varlen_qkv(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                sync_checks: bool = False) -> int:
     """Packed q (total_q, nheads, d), k/v (total_k, nheads_k, d[_v]) with valid cu_seqlens;
-    returns the number of sequences. cu_seqlens' values: see cu_seqlens."""
+    returns the number of sequences. cu_seqlens' values: see cu_seqlens_values."""
     tensor("q", q, "(total_q, nheads, headdim)")
     tensor("k", k, "(total_k, nheads_k, headdim)")
     tensor("v", v, "(total_k, nheads_k, headdim_v)")
@@ -87,12 +87,19 @@ def varlen_qkv(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         raise ValueError(f"v: {v.shape[0]} tokens differ from k's {k.shape[0]}")
     heads(q.shape[1], k.shape[1], k, v, dim=1)
     head_dims(q, k, v)
-    batch = cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, "max_seqlen_q",
-                       q.device, sync_checks)
-    if cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, "max_seqlen_k",
-                  q.device, sync_checks) != batch:
-        raise ValueError(f"cu_seqlens_k: describes {cu_seqlens_k.numel() - 1} sequences, "
-                         f"cu_seqlens_q {batch}")
+    checker = _device_checker(q) if q.is_cuda and not sync_checks else None
+    batch = cu_seqlens("cu_seqlens_q", cu_seqlens_q, max_seqlen_q, "max_seqlen_q", q.device)
+    if checker is None:
+        cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q,
+                          "max_seqlen_q", sync_checks)
+    batch_k = cu_seqlens("cu_seqlens_k", cu_seqlens_k, max_seqlen_k, "max_seqlen_k", q.device)
+    if checker is None:
+        cu_seqlens_values("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k,
+                          "max_seqlen_k", sync_checks)
+    if batch_k != batch:
+        raise ValueError(f"cu_seqlens_k: describes {batch_k} sequences, cu_seqlens_q {batch}")
+    if checker is not None:  # both at once, their layouts checked
+        checker(cu_seqlens_q, q.shape[0], max_seqlen_q, cu_seqlens_k, k.shape[0], max_seqlen_k)
     return batch
 
 
@@ -188,18 +195,10 @@ def sink(s, nheads: int, device) -> None:
         raise ValueError(f"sink: device {s.device} differs from q's {device}")
 
 
-def cu_seqlens(name: str, cu, total: int, max_seqlen, max_name: str, device,
-               sync_checks: bool = False) -> int:
-    """A valid int32 prefix sum of sequence lengths; returns the batch size it describes.
-
-    The values (0 first, non-decreasing, last entry = total, no length above max_seqlen) are
-    read on the host, raising a ValueError, when cu is on the CPU or with sync_checks (a device
-    sync); on a GPU (and under torch.compile, which cannot trace a host read) they are
-    otherwise checked on the device without a sync: a bad value fails
-    a device-side assertion queued before any kernel that reads it, so nothing reads or writes
-    out of bounds (the error then surfaces at the next synchronising call, and it ends the CUDA
-    context). max_seqlen is trusted to be an int, as flash-attn does, and checked with the rest.
-    """
+def cu_seqlens(name: str, cu, max_seqlen, max_name: str, device) -> int:
+    """A 1-D int32 tensor of batch + 1 >= 2 entries on `device`, with max_seqlen an int
+    (trusted as a bound, as flash-attn does, and checked with the values: cu_seqlens_values);
+    returns the batch size it describes."""
     if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1:
         got = f"{cu.dtype} of shape {tuple(cu.shape)}" if isinstance(cu, torch.Tensor) else \
             type(cu).__name__
@@ -210,6 +209,19 @@ def cu_seqlens(name: str, cu, total: int, max_seqlen, max_name: str, device,
         raise ValueError(f"{name}: device {cu.device} differs from q's {device}")
     if not isinstance(max_seqlen, numbers.Integral) or isinstance(max_seqlen, bool):
         raise TypeError(f"{max_name}: expected an int, got {max_seqlen!r}")
+    return cu.numel() - 1
+
+
+def cu_seqlens_values(name: str, cu, total: int, max_seqlen: int, max_name: str,
+                      sync_checks: bool = False) -> None:
+    """cu's values: 0 first, non-decreasing, last entry = total, no length above max_seqlen.
+
+    Read on the host, raising a ValueError, when cu is on the CPU or with sync_checks (a device
+    sync); on a GPU (and under torch.compile, which cannot trace a host read) they are
+    otherwise checked on the device without a sync: a bad value fails a device-side assertion
+    queued before any kernel that reads it, so nothing reads or writes out of bounds (the error
+    then surfaces at the next synchronising call, and it ends the CUDA context). varlen_qkv
+    checks both tensors in one Triton launch instead where it can (ops.triton.cu_check)."""
     if (cu.is_cuda or torch.compiler.is_compiling()) and not sync_checks:
         lengths = cu.diff()
         valid = ((cu[0] == 0) & (cu[-1] == total) & (lengths.min() >= 0)
@@ -217,7 +229,7 @@ def cu_seqlens(name: str, cu, total: int, max_seqlen, max_name: str, device,
         torch._assert_async(valid, f"{name}: expected 0 first, non-decreasing entries, last "
                             f"entry {total} (total tokens) and no length above {max_name} "
                             f"{max_seqlen}; pass sync_checks=True to learn which")
-        return cu.numel() - 1
+        return
     values = cu.tolist()
     lengths = [b - a for a, b in zip(values, values[1:], strict=False)]
     if values[0] != 0 or min(lengths) < 0:
@@ -227,7 +239,30 @@ def cu_seqlens(name: str, cu, total: int, max_seqlen, max_name: str, device,
     if max_seqlen < max(lengths):
         raise ValueError(f"{max_name}: expected an int >= the longest sequence "
                          f"({max(lengths)}), got {max_seqlen!r}")
-    return len(values) - 1
+
+
+# device index -> ops.triton.cu_check.check_cu_seqlens, or None where Triton cannot check there
+# (not installed, or a GPU older than sm_80): looked up once per device.
+_DEVICE_CHECKERS: dict = {}
+
+
+def _device_checker(q):
+    """The one-launch check of both cu_seqlens for an eager CUDA call with q on the current
+    device, or None (then each tensor's values are checked by cu_seqlens_values)."""
+    if torch.compiler.is_compiling():  # the torch ops, which it traces
+        return None
+    index = q.get_device()
+    if index != torch.cuda.current_device():
+        return None
+    if index not in _DEVICE_CHECKERS:
+        checker = None
+        if torch.cuda.get_device_capability(index) >= (8, 0):
+            try:
+                from flashkit.ops.triton.cu_check import check_cu_seqlens as checker
+            except ImportError:
+                pass
+        _DEVICE_CHECKERS[index] = checker
+    return _DEVICE_CHECKERS[index]
 
 
 def warn_if_sdpa_layout(q, k) -> None:
