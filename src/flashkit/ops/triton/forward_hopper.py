@@ -26,7 +26,11 @@ head dim, band and length):
     freely.
 
 Masking: every tile of the program's key range outside a consumer's fully visible middle
-(common.key_tile_ranges) applies common.visible, which also drops keys >= seqlen_k. TMA reads
+(common.key_tile_ranges) applies common.visible, which also drops keys >= seqlen_k. The
+built-in features run the masked and the open tiles in loops of their own; a user's variant
+runs every tile after the first in one loop that masks a tile or not as a runtime choice
+(_consumer's COMPACT): two thirds of the code to compile, which a new variant's first call
+waits for. TMA reads
 2-D views (tokens, heads * d) of dense (batch * seqlen) or packed varlen tokens, so a tile past
 a sequence's end reads the next sequence's rows (or zeros past the tensor): their scores are
 masked to -inf, so P is 0 there, and with KEY_TAIL (varlen, or seqlen_k not a multiple of
@@ -394,10 +398,9 @@ if gluon is not None:
             if len(open_tiles) > 0:
                 masked_now = ((tile < open_tiles[0]) | (tile >= open_tiles[1]), )
             state = _pipelined_step(ctx, state, tile, masked_now, BLOCK_N, NUM_STAGES,
-                                    SPECIALIZED,
-                                    CONSUMER, CONSUMERS, PINGPONG, MASK, HAS_LEFT, HAS_RIGHT,
-                                    SOFTCAP, ALIBI, ALIBI_SIDE, DROPOUT, SCORE_MOD, MASK_MOD,
-                                    s_layout, o_layout, p_layout)
+                                    SPECIALIZED, CONSUMER, CONSUMERS, PINGPONG, MASK, HAS_LEFT,
+                                    HAS_RIGHT, SOFTCAP, ALIBI, ALIBI_SIDE, DROPOUT, SCORE_MOD,
+                                    MASK_MOD, s_layout, o_layout, p_layout)
         return state
 
     @gluon.jit
