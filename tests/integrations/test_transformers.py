@@ -138,3 +138,34 @@ def test_register_returns_a_name_transformers_accepts():
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=mask).logits
     assert torch.isfinite(logits[mask.bool()]).all()
+
+
+def test_the_layers_of_a_forward_unpad_the_mask_once(monkeypatch):
+    """Finding the padded tokens reads the mask on the host (a device sync on a GPU): a forward
+    does it once for all its layers (they share its mask tensor), and the reuse stops when the
+    mask changes in place, is another tensor or the query length differs."""
+    from flashkit.integrations import transformers as integration
+    found = []
+    real = integration.unpad_indices
+    monkeypatch.setattr(integration, "unpad_indices",
+                        lambda mask: found.append(tuple(mask.shape)) or real(mask))
+    ids, mask = _batch()
+    model = _model("llama", torch.float32, register())
+    assert model.config.num_hidden_layers == 2
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, position_ids=_positions(mask))
+    assert found == [(3, SEQLEN)]
+
+    found.clear()
+    padding = mask.bool()
+    first = integration._unpadding(padding, SEQLEN)
+    assert integration._unpadding(padding, SEQLEN) is first and len(found) == 1
+    decode = integration._unpadding(padding, 1)  # a decoding step's last query row
+    assert found == [(3, SEQLEN), (3, SEQLEN), (3, 1)]
+    assert decode[1][2] == 1 and torch.equal(decode[1][1], torch.tensor([0, 1, 2, 3]))
+    padding[1, :2] = False  # in place: unpadded anew
+    changed = integration._unpadding(padding, SEQLEN)
+    assert len(found) == 4 and changed[0][2] == SEQLEN - 2 and changed is not first
+    assert int(changed[0][1][2] - changed[0][1][1]) == SEQLEN - 2
+    other = integration._unpadding(padding.clone(), SEQLEN)  # another tensor
+    assert len(found) == 5 and torch.equal(other[0][0], changed[0][0])

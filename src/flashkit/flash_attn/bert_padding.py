@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["index_first_axis", "index_put_first_axis", "unpad_input", "pad_input",
-           "unpad_input_for_concatenated_sequences"]
+__all__ = ["index_first_axis", "index_put_first_axis", "unpad_indices", "unpad_input",
+           "pad_input", "unpad_input_for_concatenated_sequences"]
 
 
 def index_first_axis(input: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
@@ -26,6 +26,20 @@ def index_put_first_axis(values: torch.Tensor, indices: torch.Tensor,
     return out.index_copy(0, indices, values)
 
 
+def unpad_indices(attention_mask: torch.Tensor, unused_mask=None) -> tuple:
+    """What unpad_input packs by: (indices (total,) of the selected tokens in the flattened
+    (batch * seqlen) ones, cu_seqlens (batch + 1,) int32, max_seqlen int, seqused (batch,)
+    int32), attention_mask and unused_mask as there. Reads the mask on the host (the number of
+    selected tokens and the longest sequence): a device sync for a CUDA mask."""
+    selected = attention_mask.bool() if unused_mask is None else \
+        attention_mask.bool() | unused_mask.bool()
+    seqlens = selected.sum(-1, dtype=torch.int32)
+    seqused = attention_mask.bool().sum(-1, dtype=torch.int32)
+    indices = torch.nonzero(selected.flatten()).flatten()
+    cu_seqlens = torch.nn.functional.pad(torch.cumsum(seqlens, 0, dtype=torch.int32), (1, 0))
+    return indices, cu_seqlens, int(seqlens.max()), seqused
+
+
 def unpad_input(hidden_states: torch.Tensor, attention_mask: torch.Tensor, unused_mask=None):
     """Pack the tokens of hidden_states (batch, seqlen, ...) where attention_mask (batch,
     seqlen; nonzero = valid) or unused_mask (allocated but unused tokens) is set.
@@ -34,14 +48,9 @@ def unpad_input(hidden_states: torch.Tensor, attention_mask: torch.Tensor, unuse
     cu_seqlens (batch + 1,) int32, max_seqlen int, seqused (batch,) int32: the valid tokens of
     each sequence, not counting unused ones).
     """
-    selected = attention_mask.bool() if unused_mask is None else \
-        attention_mask.bool() | unused_mask.bool()
-    seqlens = selected.sum(-1, dtype=torch.int32)
-    seqused = attention_mask.bool().sum(-1, dtype=torch.int32)
-    indices = torch.nonzero(selected.flatten()).flatten()
-    cu_seqlens = torch.nn.functional.pad(torch.cumsum(seqlens, 0, dtype=torch.int32), (1, 0))
+    indices, cu_seqlens, max_seqlen, seqused = unpad_indices(attention_mask, unused_mask)
     packed = index_first_axis(hidden_states.flatten(0, 1), indices)
-    return packed, indices, cu_seqlens, int(seqlens.max()), seqused
+    return packed, indices, cu_seqlens, max_seqlen, seqused
 
 
 def pad_input(hidden_states: torch.Tensor, indices: torch.Tensor, batch: int,

@@ -12,7 +12,9 @@ Padding never becomes a mask: the mask interface is transformers' own flash-atte
 hands the attention a (batch, seqlen_k) padding mask only when some token is padding (else
 None). The padded tokens are then removed, the sequences packed and run through
 flashkit.flash_attn_varlen_func, and the output put back in place, zero at padded query
-positions (as transformers' flash-attention path does). Causal masks are bottom-right aligned,
+positions (as transformers' flash-attention path does). Finding the padded tokens reads the
+mask on the host (two device syncs); the layers of one forward share its mask tensor, so only
+the first layer does it, and the others reuse what it found. Causal masks are bottom-right aligned,
 so a decoding step's query rows are the last positions of their sequence. Sliding windows
 (Mistral), softcapping (Gemma 2), GQA, attention sinks (s_aux), dropout, sequences already
 packed through cu_seq_lens_q/k, `generate` with a KV cache, and training are covered.
@@ -23,8 +25,12 @@ with 5.17 and 5.24.
 
 from __future__ import annotations
 
+import weakref
+
+import torch
+
 import flashkit
-from flashkit.flash_attn.bert_padding import index_first_axis, pad_input, unpad_input
+from flashkit.flash_attn.bert_padding import index_first_axis, pad_input, unpad_indices
 
 __all__ = ["NAME", "register", "attention_forward"]
 
@@ -75,11 +81,40 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
 def _padded(q, k, v, attention_mask, options):
     """Attention of a padded batch through the varlen kernels: unpad, attend, pad back."""
     batch, seqlen_q = q.shape[:2]
-    mask = attention_mask.bool()
-    k, v = k[:, :mask.shape[1]], v[:, :mask.shape[1]]  # a static cache may be longer
-    k_packed, indices_k, cu_k, max_k, _ = unpad_input(k, mask)
-    v_packed = index_first_axis(v.flatten(0, 1), indices_k)
-    q_packed, indices_q, cu_q, max_q, _ = unpad_input(q, mask[:, -seqlen_q:])
+    (indices_k, cu_k, max_k), (indices_q, cu_q, max_q) = _unpadding(attention_mask, seqlen_q)
+    seqlen_k = attention_mask.shape[1]
+    k, v = k[:, :seqlen_k], v[:, :seqlen_k]  # a static cache may be longer
+    k_packed, v_packed, q_packed = (index_first_axis(x.flatten(0, 1), indices)
+                                    for x, indices in ((k, indices_k), (v, indices_k),
+                                                       (q, indices_q)))
     out = flashkit.flash_attn_varlen_func(q_packed, k_packed, v_packed, cu_q, cu_k, max_q,
                                           max_k, **options)
     return pad_input(out, indices_q, batch, seqlen_q)
+
+
+# The unpadding of the last padding mask seen, with what it was made for: (a weak reference to
+# the mask, its version counter, seqlen_q, the unpadding). Every layer of a model's forward
+# passes the same mask tensor, and unpadding it reads the mask on the host (two device syncs
+# per mask it unpads), so the layers after the first reuse the first one's. An in-place change
+# of the mask bumps its version; the weak reference keeps no mask alive.
+_last_unpadding: tuple = (None, None, None, None)
+
+
+def _unpadding(attention_mask, seqlen_q: int) -> tuple:
+    """((indices, cu_seqlens, max_seqlen) of the keys, the same of the queries), the queries
+    being the last seqlen_q positions of the (batch, seqlen_k) padding mask."""
+    global _last_unpadding
+    # an inference tensor has no version counter: its unpadding is made every call
+    kept = not attention_mask.is_inference() and not torch.compiler.is_compiling()
+    ref, version, rows, unpadding = _last_unpadding  # one read: another thread may replace it
+    if (kept and ref is not None and ref() is attention_mask
+            and version == attention_mask._version and rows == seqlen_q):
+        return unpadding
+    keys = unpad_indices(attention_mask)[:3]
+    queries = keys if seqlen_q == attention_mask.shape[1] else \
+        unpad_indices(attention_mask[:, -seqlen_q:])[:3]
+    unpadding = (keys, queries)
+    if kept:
+        _last_unpadding = (weakref.ref(attention_mask), attention_mask._version, seqlen_q,
+                           unpadding)
+    return unpadding
