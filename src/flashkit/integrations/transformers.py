@@ -14,8 +14,8 @@ None). The padded tokens are then removed, the sequences packed and run through
 flashkit.flash_attn_varlen_func, and the output put back in place, zero at padded query
 positions (as transformers' flash-attention path does). Finding the padded tokens reads the
 mask on the host (two device syncs); the layers of one forward share its mask tensor, so only
-the first layer does it, and the others reuse what it found. Causal masks are bottom-right aligned,
-so a decoding step's query rows are the last positions of their sequence. Sliding windows
+the first layer does it, and the others reuse what it found. Causal masks are bottom-right
+aligned, so a decoding step's query rows are the last positions of their sequence. Sliding windows
 (Mistral), softcapping (Gemma 2), GQA, attention sinks (s_aux), dropout, sequences already
 packed through cu_seq_lens_q/k, `generate` with a KV cache, and training are covered.
 
