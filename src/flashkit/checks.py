@@ -76,9 +76,10 @@ def dense_qkv(q, k, v, dtypes=DTYPES) -> None:
 
 
 def varlen_qkv(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-               sync_checks: bool = False) -> int:
+               sync_checks: bool = False, triton: bool = True) -> int:
     """Packed q (total_q, nheads, d), k/v (total_k, nheads_k, d[_v]) with valid cu_seqlens;
-    returns the number of sequences. cu_seqlens' values: see cu_seqlens_values."""
+    returns the number of sequences. cu_seqlens' values: see cu_seqlens_values (triton=False:
+    never through the Triton check, for calls whose backend launches no Triton kernel)."""
     tensor("q", q, "(total_q, nheads, headdim)")
     tensor("k", k, "(total_k, nheads_k, headdim)")
     tensor("v", v, "(total_k, nheads_k, headdim_v)")
@@ -87,7 +88,7 @@ def varlen_qkv(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         raise ValueError(f"v: {v.shape[0]} tokens differ from k's {k.shape[0]}")
     heads(q.shape[1], k.shape[1], k, v, dim=1)
     head_dims(q, k, v)
-    checker = _device_checker(q) if q.is_cuda and not sync_checks else None
+    checker = _device_checker(q) if q.is_cuda and triton and not sync_checks else None
     batch = cu_seqlens("cu_seqlens_q", cu_seqlens_q, max_seqlen_q, "max_seqlen_q", q.device)
     if checker is None:
         cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q,

@@ -58,7 +58,7 @@ def test_bad_cu_seqlens_are_flagged(case):
 @pytest.mark.gpu
 def test_gpu_varlen_calls_check_with_one_launch(monkeypatch):
     """A CUDA varlen call queues the one-launch check (not the per-tensor torch ops), and good
-    tensors pass it."""
+    tensors pass it; sync_checks and backends that launch no Triton kernel check otherwise."""
     from flashkit.ops.triton import cu_check
     assert _flag(*GOOD[2], device="cuda") == 0
     calls = []
@@ -71,4 +71,6 @@ def test_gpu_varlen_calls_check_with_one_launch(monkeypatch):
     assert calls == []
     checks.varlen_qkv(q, q, q, cu, cu, 5, 5, sync_checks=True)  # the host read instead
     assert len(calls) == 2
+    checks.varlen_qkv(q, q, q, cu, cu, 5, 5, triton=False)  # a backend without Triton: torch
+    assert len(calls) == 4
     torch.cuda.synchronize()
