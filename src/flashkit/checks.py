@@ -89,6 +89,8 @@ def varlen_qkv(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     heads(q.shape[1], k.shape[1], k, v, dim=1)
     head_dims(q, k, v)
     checker = _device_checker(q) if q.is_cuda and triton and not sync_checks else None
+    # Without the one-launch check, each tensor's values follow its layout, so the host path
+    # names the first bad argument in order; the launch needs both layouts and equal counts.
     batch = cu_seqlens("cu_seqlens_q", cu_seqlens_q, max_seqlen_q, "max_seqlen_q", q.device)
     if checker is None:
         cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q,
