@@ -226,3 +226,73 @@ def test_a_kept_call_with_grad_runs_its_kept_forward_and_backward_plans(caplog, 
     _, forgotten = step()
     assert chosen == ["backward"] * 3 + ["forward", "forward", "backward"]
     assert all(torch.equal(a, b) for a, b in zip(forgotten, first_grads, strict=True))
+
+
+@pytest.mark.usefixtures("fresh_plans")
+def test_a_strided_call_runs_the_flash_layout_kernels_on_contiguous_copies(caplog, monkeypatch):
+    """Where only the layout of q, k or v keeps the Gluon kernels from a call (SDPA-layout
+    tensors transposed, as a transformers model passes them), the dispatch runs them on
+    contiguous copies: forward and backward, the kept plans included, with the results and
+    gradients of the same call on contiguous inputs, nothing the caller passed changed. The
+    Gluon kernels are stood in for by the portable ones behind a predicate that takes the flash
+    layout alone (the interpreter cannot run Gluon)."""
+    from flashkit.ops.triton import backward_hopper, forward_hopper
+
+    forward, backward = dispatch.forward, dispatch.backward  # the kernels' modules
+    seen = []
+
+    def layout_only(q, k, v, *args, copies=False):
+        return None if copies or all(x.is_contiguous() for x in (q, k, v)) else "the layout"
+
+    def gluon_forward(q, k, v, params, out=None, lse=None, plan=None):
+        seen.append(("forward", all(x.is_contiguous() for x in (q, k, v))))
+        return forward.attention_forward(q, k, v, params, out=out, lse=lse)
+
+    portable_backward = backward.attention_backward
+
+    def gluon_backward(dout, q, k, v, out, lse, params, dq, dk, dv, dlse=None, gluon=False,
+                       own_lse=True, plan=None):
+        seen.append(("backward", gluon and all(x.is_contiguous() for x in (q, k, v))))
+        return portable_backward(dout, q, k, v, out, lse, params, dq, dk, dv, dlse=dlse,
+                                 own_lse=own_lse)
+
+    monkeypatch.setattr(forward_hopper, "declines", lambda q, k, v, *a, copies=False:
+                        layout_only(q, k, v, copies=copies))
+    monkeypatch.setattr(backward_hopper, "declines", lambda q, k, v, *a, copies=False:
+                        layout_only(q, k, v, copies=copies))
+    monkeypatch.setattr(backward_hopper, "as_varlen_declines",
+                        lambda *a, copies=False: "lengths on the tiles")
+    monkeypatch.setattr(forward_hopper, "attention_forward", gluon_forward)
+    monkeypatch.setattr(backward, "attention_backward", gluon_backward)
+    monkeypatch.setattr(dispatch, "_compiles_ahead", lambda q, k, v: False)
+    monkeypatch.setattr(dispatch, "GLUON_COPIES_MIN_QUERIES", 24)  # at the interpreter's sizes
+
+    q, k, v = (t.to(DEVICE) for t in random_qkv(2, 24, 24, 4, nheads_k=2, headdim=16))
+    # SDPA's (batch, heads, seqlen, d) memory seen as (batch, seqlen, heads, d)
+    strided = [x.transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for x in (q, k, v)]
+    before = [x.detach().clone() for x in strided]
+    plain = [x.clone().requires_grad_() for x in (q, k, v)]
+    dout = torch.randn_like(q)
+    expected = flashkit.flash_attn_func(*plain, causal=True, backend="triton")
+    expected_grads = torch.autograd.grad(expected, plain, dout)
+    for _ in range(3):  # the first call plans; later equal calls run the kept plans
+        seen.clear()
+        with caplog.at_level(logging.DEBUG, logger="flashkit.dispatch"):
+            out = flashkit.flash_attn_func(*strided, causal=True, backend="triton")
+            grads = torch.autograd.grad(out, strided, dout)
+        assert seen == [("forward", True), ("backward", True)]
+        assert torch.equal(out, expected)
+        assert all(torch.equal(a, b) for a, b in zip(grads, expected_grads, strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(strided, before, strict=True))
+    messages = [r.getMessage() for r in caplog.records if r.name == "flashkit.dispatch"]
+    assert any(m.startswith("forward ran gluon on contiguous copies;") for m in messages)
+    assert any(m.startswith("backward ran gluon on contiguous copies;") for m in messages)
+    # fewer query rows than GLUON_COPIES_MIN_QUERIES: a copy would cost what the attention
+    # does, so the portable kernels read the strides
+    seen.clear()
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="flashkit.dispatch"):
+        flashkit.flash_attn_func(strided[0][:, :23].detach(), *(x.detach() for x in strided[1:]),
+                                 causal=True, backend="triton")
+    assert seen == []
+    assert "23 query rows < 24" in caplog.records[-1].getMessage()

@@ -701,3 +701,47 @@ def test_gpu_gluon_backward_dense_next_batch_entry_does_not_leak(head_dim, monke
         results.append(torch.autograd.grad(ref_out, leaves, dout[finite].to(t)))
     for name, got, want, base in zip(("dq", "dk", "dv"), grads, *results, strict=True):
         assert_close_to_oracle(name, got[finite], want, base, factor=factor_for(name))
+
+
+def _sdpa_layout(x):
+    """x (batch, seqlen, heads, d) with SDPA's (batch, heads, seqlen, d) memory, as a
+    transformers model passes q.transpose(1, 2)."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def _packed_qkv(q, k, v):
+    """q, k, v unbound from one (batch, seqlen, 3, heads, d) tensor (flash_attn_qkvpacked)."""
+    return torch.stack((q, k, v), dim=2).unbind(2)
+
+
+STRIDED_CASES = [  # (dtype, head_dim, seqlen_q, seqlen_k, nheads, nheads_k, layout, features)
+    (torch.bfloat16, 128, 1024, 1024, 16, 4, "sdpa", dict(window_right=0)),  # a Llama's call
+    (torch.float16, 64, 1024, 768, 4, 2, "sdpa", dict()),
+    (torch.bfloat16, 256, 1024, 1024, 4, 2, "sdpa", dict(window_right=0, softcap=5.0)),
+    (torch.float16, 128, 1024, 1024, 4, 4, "packed", dict(window_left=100, window_right=0,
+                                                            alibi=True, sink=True)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _on_hopper(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("case", STRIDED_CASES, ids=str)
+def test_gpu_strided_inputs_run_the_gluon_kernels_on_copies(case, monkeypatch, caplog):
+    """q, k, v outside the flash layout (SDPA's memory transposed; unbound from packed qkv) run
+    the Gluon forward and backward on contiguous copies (dispatch.ON_COPIES), into poisoned
+    buffers laid out as the inputs, against the float64 oracle."""
+    import logging
+
+    dtype, head_dim, seqlen_q, seqlen_k, nheads, nheads_k, layout, features = case
+    q, k, v, dout = make_inputs(2, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, head_dim,
+                                dtype, "cuda")
+    q, k, v = [_sdpa_layout(x) for x in (q, k, v)] if layout == "sdpa" else _packed_qkv(q, k, v)
+    assert not any(x.is_contiguous() for x in (q, k, v))
+    params = _feature_params(nheads, head_dim, False, **features)
+    calls = _spy_gluon(monkeypatch)
+    with caplog.at_level(logging.DEBUG, logger="flashkit.dispatch"):
+        check_against_oracle(q, k, v, dout, params)
+    assert calls == ["attention_backward_dq", "attention_backward_dkdv"]
+    ran = [r.getMessage().split(";")[0] for r in caplog.records if r.name == "flashkit.dispatch"]
+    assert f"forward ran {dispatch.ON_COPIES}" in ran
+    assert f"backward ran {dispatch.ON_COPIES}" in ran

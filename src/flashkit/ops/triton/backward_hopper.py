@@ -90,7 +90,12 @@ from flashkit.ops.triton.common import (
     user_captured_grad,
     variant_args,
 )
-from flashkit.ops.triton.configs import GLUON_BACKWARD, GLUON_BACKWARD_DKDV, GLUON_BACKWARD_DQ
+from flashkit.ops.triton.configs import (
+    GLUON_BACKWARD,
+    GLUON_BACKWARD_ACROSS_HEADS_PER_SM,
+    GLUON_BACKWARD_DKDV,
+    GLUON_BACKWARD_DQ,
+)
 from flashkit.ops.triton.features import (
     GRADIENT_FLAGS,
     SEED,
@@ -105,7 +110,7 @@ from flashkit.ops.triton.hopper_common import (
     modifier_tensors,
     rows_descriptor,
 )
-from flashkit.ops.triton.launch import Prepared, fold, launch, planned
+from flashkit.ops.triton.launch import Prepared, device_facts, fold, launch, planned
 
 try:
     from triton.experimental import gluon
@@ -183,6 +188,21 @@ def _aligned_lse_delta(lse, delta, params: AttentionParams):
 if gluon is not None:
     LOG2E_G = gl.constexpr(LOG2E)
     LN2_G = gl.constexpr(1.0 / LOG2E)
+
+    @gluon.jit
+    def _program_tile(ACROSS_HEADS: gl.constexpr):
+        """(tile, (batch, head) index) of this program in tile_order's grid: ACROSS_HEADS, the
+        heads in grid x and the tile in y and z (launch.fold), else the other way round."""
+        if ACROSS_HEADS:
+            return gl.program_id(1) + gl.program_id(2) * gl.num_programs(1), gl.program_id(0)
+        return gl.program_id(0), gl.program_id(1) + gl.program_id(2) * gl.num_programs(1)
+
+    @gluon.jit
+    def _tile_count(ACROSS_HEADS: gl.constexpr):
+        """The tiles per (batch, head) of tile_order's grid."""
+        if ACROSS_HEADS:
+            return gl.num_programs(1) * gl.num_programs(2)
+        return gl.num_programs(0)
 
     @gluon.jit
     def _head_lists(head_lists, g):
@@ -397,23 +417,23 @@ if gluon is not None:
                                 VARLEN: gl.constexpr,
                                 ONE_KEY_ZERO: gl.constexpr, SCORE_MOD: gl.constexpr,
                                 SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr,
-                                HEAD_LISTS: gl.constexpr, num_warps: gl.constexpr):
-        """dK, dV of key block program_id(0) of (batch, kv head) program_id(1), heaviest causal
-        blocks first. q/k/v/do descriptors over (batch * seqlen, heads * HEAD_DIM), lse/delta
-        descriptors over their flat (batch * nheads * seqlen) rows (varlen: the aligned copies
-        of _aligned_lse_delta), stride_lh rows per head. VARLEN: batch entry = sequence
-        (common.sequence: first rows from Cu_q/Cu_k, its own lengths; seqlen_q/k arrive as the
-        longest), descriptors over (total, heads * HEAD_DIM), lse/delta (nheads, total_q); blocks
-        past the sequence's end return. SCORE_MOD (with its derivative SCORE_GRAD) and
-        MASK_MOD: a user's modifiers, their captured values in score_args / mask_args; a
-        MASK_MOD masks every query tile; packing as the forward kernel's. blocks: a block
-        mask, (lists, stride_b, stride_h, keys per block) with its transposed lists as
+                                HEAD_LISTS: gl.constexpr, ACROSS_HEADS: gl.constexpr,
+                                num_warps: gl.constexpr):
+        """dK, dV of one key block of one (batch, kv head) (_program_tile: tile_order's grid),
+        heaviest causal blocks first. q/k/v/do descriptors over (batch * seqlen, heads *
+        HEAD_DIM), lse/delta descriptors over their flat (batch * nheads * seqlen) rows (varlen:
+        the aligned copies of _aligned_lse_delta), stride_lh rows per head. VARLEN: batch entry =
+        sequence (common.sequence: first rows from Cu_q/Cu_k, its own lengths; seqlen_q/k arrive
+        as the longest), descriptors over (total, heads * HEAD_DIM), lse/delta (nheads, total_q);
+        blocks past the sequence's end return. SCORE_MOD (with its derivative SCORE_GRAD) and
+        MASK_MOD: a user's modifiers, their captured values in score_args / mask_args; a MASK_MOD
+        masks every query tile; packing as the forward kernel's. blocks: a block mask, (lists,
+        stride_b, stride_h, keys per block) with its transposed lists as
         hopper_common.block_listing takes them (else ()): the block's query tiles are then its
-        mask column's listed ones, the partial blocks' masked, the full blocks' not;
-        HEAD_LISTS: a column per query head (else the heads share one, stride_h unused),
-        walked head after head (_head_job)."""
-        pid_n = gl.program_id(0)
-        pid_bh = gl.program_id(1) + gl.program_id(2) * gl.num_programs(1)  # launch.fold
+        mask column's listed ones, the partial blocks' masked, the full blocks' not; HEAD_LISTS:
+        a column per query head (else the heads share one, stride_h unused), walked head after
+        head (_head_job)."""
+        pid_n, pid_bh = _program_tile(ACROSS_HEADS)
         off_b = pid_bh // nheads_k
         off_hk = pid_bh % nheads_k
         group = nheads // nheads_k
@@ -732,7 +752,8 @@ if gluon is not None:
                               ONE_KEY_ZERO: gl.constexpr, SINK: gl.constexpr,
                               LSE_GRAD: gl.constexpr, SCORE_MOD: gl.constexpr,
                               SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr,
-                              CAPTURED_GRAD: gl.constexpr, num_warps: gl.constexpr):
+                              CAPTURED_GRAD: gl.constexpr, ACROSS_HEADS: gl.constexpr,
+                              num_warps: gl.constexpr):
         """dQ of BLOCK_M query rows of one (batch, head), heaviest causal rows first: Q and dO
         stay in shared memory, K/V tiles stream through a TMA ring (as the forward), each dQ
         element summed in one program in a fixed order (deterministic). VARLEN as the dK/dV
@@ -746,8 +767,9 @@ if gluon is not None:
         stride_h, query rows per block) (else ()): the rows' key tiles are then their mask
         row's listed ones. CAPTURED_GRAD: a score_mod's captured_grad rule, run on every tile
         pair (this kernel visits each once, rows queries) into grad_args' float32 buffers."""
-        pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
-        pid_bh = gl.program_id(1) + gl.program_id(2) * gl.num_programs(1)  # launch.fold
+        # the query tiles counted down: the last, which sees the most causal keys, first
+        tile, pid_bh = _program_tile(ACROSS_HEADS)
+        pid_m = _tile_count(ACROSS_HEADS) - 1 - tile
         off_b = pid_bh // nheads
         off_h = pid_bh % nheads
         start_m = pid_m * BLOCK_M
@@ -891,7 +913,8 @@ if gluon is not None:
         gl.store(dq_ptrs, (dq * softmax_scale).to(DQ.dtype.element_ty), mask=store_mask)
 
 
-def _declines(q, k, v, dout, lse, params: AttentionParams, dq, dk, dv, tiles) -> str | None:
+def _declines(q, k, v, dout, lse, params: AttentionParams, dq, dk, dv, tiles,
+              copies: bool) -> str | None:
     """What the Gluon kernels need whatever the lengths: what the Gluon forward takes
     (forward_hopper.gluon_declines, varlen included), no Triton tile override, dout like q."""
     if not GLUON_BACKWARD:
@@ -899,7 +922,7 @@ def _declines(q, k, v, dout, lse, params: AttentionParams, dq, dk, dv, tiles) ->
     if set(tiles or {}) - {"hopper", "hopper_dq"}:
         return "a Triton tile was asked for"
     variant = params.variant
-    why = gluon_declines(q, k, v, params, varlen=True)
+    why = gluon_declines(q, k, v, params, varlen=True, copies=copies)
     if why is None and variant is not None and variant.block_mask is not None:
         why = block_mask_declines(q, params)
     if why is None and not (dout.dtype == q.dtype and flash_layout_2d(dout)
@@ -946,11 +969,13 @@ def _whole_tiles(q, k) -> bool:
     return q.shape[1] % tile == 0 and k.shape[1] % tile == 0
 
 
-def declines(q, k, v, dout, lse, params: AttentionParams, dq, dk, dv, tiles) -> str | None:
+def declines(q, k, v, dout, lse, params: AttentionParams, dq, dk, dv, tiles,
+             copies: bool = False) -> str | None:
     """Why the Gluon kernels do not compute this call's gradients as it is, or None (they
     take dense calls with both sequence lengths multiples of every tile, and varlen calls with
-    any lengths, at least one token each side)."""
-    why = _declines(q, k, v, dout, lse, params, dq, dk, dv, tiles)
+    any lengths, at least one token each side). copies=True: the call with q, k and v copied
+    into the flash layout (forward_hopper.gluon_declines)."""
+    why = _declines(q, k, v, dout, lse, params, dq, dk, dv, tiles, copies)
     if why is None and not (params.is_varlen or _whole_tiles(q, k)):
         why = "dense lengths off the tiles"
     return why
@@ -962,16 +987,16 @@ def eligible(q, k, v, dout, lse, params: AttentionParams, dq, dk, dv, tiles) -> 
 
 
 def as_varlen_declines(q, k, v, dout, lse, params: AttentionParams, dq, dk, dv,
-                       tiles) -> str | None:
+                       tiles, copies: bool = False) -> str | None:
     """Why a dense call with lengths off the tiles cannot run through the Gluon kernels as
     varlen with equal lengths (backward.py's dense_as_varlen; its VARLEN tails mask and zero
     what the tiles read of the next batch entry), or None: dq, dk, dv must then be contiguous
-    too (their (batch * seqlen, heads, d) views are written)."""
+    too (their (batch * seqlen, heads, d) views are written). copies: as in declines."""
     if params.is_varlen:
         return "varlen already"
     if params.variant is not None and params.variant.block_mask is not None:
         return "a block_mask (its lists are of the dense tiles)"
-    why = _declines(q, k, v, dout, lse, params, dq, dk, dv, tiles)
+    why = _declines(q, k, v, dout, lse, params, dq, dk, dv, tiles, copies)
     if why is None and _whole_tiles(q, k):
         why = "lengths on the tiles (taken as dense)"
     if why is None and not all(x.is_contiguous() for x in (dq, dk, dv)):
@@ -1016,7 +1041,8 @@ def _prepare_dkdv(q, k, v, dout, lse, delta, params: AttentionParams, dk, dv, bl
     f = kernel_features(params, q, v, lse, q.dtype, flags=GRADIENT_FLAGS)
     head_dim = f.head_dim
     block_m, block_n, num_warps, num_stages = block or GLUON_BACKWARD_DKDV[head_dim]
-    grid = (cdiv(f.seqlen_k, block_n), *fold(f.batch * f.nheads_k))
+    grid, across_heads = tile_order(cdiv(f.seqlen_k, block_n), f.batch * f.nheads_k, f,
+                                    q.device)
     descriptors = {0: flash_descriptor(q, block_m), 1: flash_descriptor(k, block_n),
                    2: flash_descriptor(v, block_n), 3: flash_descriptor(dout, block_m),
                    4: rows_descriptor(lse, block_m), 5: rows_descriptor(delta, block_m)}
@@ -1026,7 +1052,8 @@ def _prepare_dkdv(q, k, v, dout, lse, delta, params: AttentionParams, dk, dv, bl
         f.score_values, params.softmax_scale, *f.dropout, lse.stride(-2)), dict(
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=num_stages, **f.flags,
         ONE_KEY_ZERO=one_key_zero, **_user_modifiers(variant),
-        HEAD_LISTS=_per_head_mask(params), num_warps=num_warps), _DKDV_TENSORS, descriptors, SEED)
+        HEAD_LISTS=_per_head_mask(params), ACROSS_HEADS=across_heads, num_warps=num_warps),
+        _DKDV_TENSORS, descriptors, SEED)
 
 
 def attention_backward_dq(dout, q, k, v, out, lse, delta, dlse, params: AttentionParams, dq,
@@ -1051,7 +1078,8 @@ def _prepare_dq(q, k, v, out, dout, lse, delta, dlse, params: AttentionParams, d
     f = kernel_features(params, q, v, lse, q.dtype, flags=GRADIENT_FLAGS)
     head_dim = f.head_dim
     block_m, block_n, num_warps, num_stages = block or GLUON_BACKWARD_DQ[head_dim]
-    grid = (cdiv(f.seqlen_q, block_m), *fold(f.batch * f.nheads))
+    grid, across_heads = tile_order(cdiv(f.seqlen_q, block_m), f.batch * f.nheads, f,
+                                    q.device)
     descriptors = {0: flash_descriptor(q, block_m), 1: flash_descriptor(k, block_n),
                    2: flash_descriptor(v, block_n), 3: flash_descriptor(dout, block_m)}
     variant = variant_args(params)[3]
@@ -1062,8 +1090,24 @@ def _prepare_dq(q, k, v, out, dout, lse, delta, dlse, params: AttentionParams, d
         *f.dropout), dict(
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=num_stages, **f.flags,
         ONE_KEY_ZERO=one_key_zero, SINK=params.sink is not None, LSE_GRAD=dlse is not None,
-        **_user_modifiers(variant), **captured_grad_args(params)[1], num_warps=num_warps),
-        _DQ_TENSORS, descriptors, SEED)
+        **_user_modifiers(variant), **captured_grad_args(params)[1],
+        ACROSS_HEADS=across_heads, num_warps=num_warps), _DQ_TENSORS, descriptors, SEED)
+
+
+def tile_order(n_tiles: int, n_heads: int, f, device) -> tuple[tuple, bool]:
+    """(grid, ACROSS_HEADS) of a launch of n_tiles tiles for each of n_heads (batch, head)
+    pairs; f: the call's kernel_features. The GPU starts programs in grid order. Each head's
+    tiles together (tile in grid x, the heads in y and z) share the head's streamed tiles in
+    L2; but a banded call's tiles differ in work (causal: the first key block is seen by every
+    query tile), and with few programs a head whose heavy tiles start last holds the launch up
+    alone (a GQA model's 512 dK/dV programs, each walking 4 query heads). Such launches, at
+    most GLUON_BACKWARD_ACROSS_HEADS_PER_SM programs per SM, put the heads in grid x instead:
+    every head's heaviest tile starts before any head's next (ACROSS_HEADS)."""
+    banded = f.flags["HAS_LEFT"] or f.flags["HAS_RIGHT"]
+    sms = device_facts(device)[0]
+    if banded and n_tiles * n_heads <= GLUON_BACKWARD_ACROSS_HEADS_PER_SM * sms:
+        return (n_heads, *fold(n_tiles)), True
+    return (n_tiles, *fold(n_heads)), False
 
 
 def _per_head_mask(params: AttentionParams) -> bool:

@@ -10,6 +10,10 @@
                                                  (a long prefill, prefill.py) or the decode
                                                  kernels
 
+Where only the layout of q, k or v keeps the Gluon kernels from a forward or backward (a
+transposed SDPA-layout tensor; q, k, v unbound from one packed tensor), they run on contiguous
+copies (ON_COPIES).
+
 Each kernel's predicate lives beside the kernel and returns why it declines a call (a string), or
 None when it takes it. A choice depends only on what the plan key holds (shapes, dtypes, the
 device, the layout and alignment class of the tensors, params' values but not its tensors'
@@ -52,6 +56,8 @@ from flashkit.ops.triton import (
     forward_hopper,
     prefill,
 )
+from flashkit.ops.triton.configs import GLUON_COPIES_MIN_QUERIES
+from flashkit.ops.triton.hopper_common import flash_layout_2d
 from flashkit.ops.triton.launch import planned
 
 __all__ = ["forward_call", "backward_call", "kvcache_call", "planned_forward", "kvcache_step",
@@ -240,6 +246,8 @@ def _forward_plan(q, k, v, params: AttentionParams, out, lse, log: bool = True) 
            _layout(out), _layout(lse))
     return _choose("forward", key, [
         ("gluon", lambda: forward_hopper.declines(q, k, v, params, out, lse, None)),
+        (ON_COPIES, lambda: _not_for_copies(q, k, v, params) or forward_hopper.declines(
+            q, k, v, params, out, lse, None, copies=True)),
         ("triton", lambda: None)], log)
 
 
@@ -247,7 +255,40 @@ def _forward(plan: Plan, q, k, v, params: AttentionParams, out, lse):
     if plan.kernel == "gluon":
         return forward_hopper.attention_forward(q, k, v, params, out=out, lse=lse,
                                                 plan=plan.launches)
+    if plan.kernel == ON_COPIES:
+        return forward_call(*_copies(q, k, v), params, out=out, lse=lse)
     return forward.attention_forward(q, k, v, params, out=out, lse=lse)
+
+
+# A call whose q, k or v is not in the flash layout (contiguous (batch, seqlen, heads, d) or
+# (total, heads, d), 16-byte aligned), which the Gluon kernels read as 2-D TMA views, runs them
+# on contiguous copies: SDPA-layout tensors transposed to flash-attn's (a model's
+# q.transpose(1, 2)), q, k, v unbound from one packed qkv. A copy reads and writes each tensor
+# once: a small part of the attention's time with many query rows per sequence, as much as the
+# attention itself with few (a decoding step reads its keys once), where the portable kernels,
+# which read any strides, run instead (GLUON_COPIES_MIN_QUERIES). The backward copies again from
+# the saved inputs rather than keep the forward's copies (autograd saves the inputs themselves:
+# no memory beyond them).
+ON_COPIES = "gluon on contiguous copies"
+
+
+def _not_for_copies(q, k, v, params: AttentionParams) -> str | None:
+    """Why copying q, k and v is not the way to the Gluon kernels, or None: they are in the
+    flash layout already (the plain "gluon" candidate declined for another reason), or the
+    sequences have too few query rows for a copy to pay."""
+    if all(flash_layout_2d(x) for x in (q, k, v)):
+        return "q, k and v in the flash layout already"
+    rows = params.max_seqlen_q if params.is_varlen else q.shape[1]
+    if rows < GLUON_COPIES_MIN_QUERIES:
+        return f"{rows} query rows < {GLUON_COPIES_MIN_QUERIES} (a copy would cost as much)"
+    return None
+
+
+def _copies(*tensors) -> tuple:
+    """The tensors, each one not in the flash layout as a contiguous copy (a new allocation,
+    so 16-byte aligned: .contiguous() would return a contiguous tensor off 16 bytes itself)."""
+    return tuple(x if flash_layout_2d(x) else x.clone(memory_format=torch.contiguous_format)
+                 for x in tensors)
 
 
 def _compiles_ahead(q, k, v) -> bool:
@@ -301,9 +342,17 @@ def _backward_plan(dout, q, k, v, lse, params: AttentionParams, dq, dk, dv, own_
     or v, which the layouts fix)."""
     key = ("backward", layouts, q.device, _values(params), given, own_lse)
     args = (q, k, v, dout, lse, params, dq, dk, dv, None)
+
+    def copies_decline():  # neither Gluon way takes the call on copies of q, k and v
+        why = _not_for_copies(q, k, v, params) or backward_hopper.declines(*args, copies=True)
+        if why is not None and backward_hopper.as_varlen_declines(*args, copies=True) is None:
+            why = None
+        return why
+
     return _choose("backward", key, [
         ("gluon", lambda: backward_hopper.declines(*args)),
         ("gluon as varlen", lambda: backward_hopper.as_varlen_declines(*args)),
+        (ON_COPIES, copies_decline),
         ("triton", lambda: None)])
 
 
@@ -313,6 +362,9 @@ def _backward(plan: Plan, dout, q, k, v, out, lse, params: AttentionParams, dq, 
     if plan.kernel == "triton":
         return backward.attention_backward(dout, q, k, v, out, lse, params, dq, dk, dv,
                                            dlse=dlse, own_lse=own_lse)
+    if plan.kernel == ON_COPIES:  # the gradients written into dq, dk, dv as they are laid out
+        return backward_call(dout, *_copies(q, k, v), out, lse, params, dq=dq, dk=dk, dv=dv,
+                             dlse=dlse, own_lse=own_lse)
     if plan.kernel == "gluon as varlen":
         return _dense_as_varlen(dout, q, k, v, out, lse, params, dq, dk, dv, dlse, own_lse,
                                 plan=plan.launches)

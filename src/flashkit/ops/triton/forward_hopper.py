@@ -927,12 +927,14 @@ if gluon is not None:
             mbarrier.invalidate(v_empty.index(i))
 
 
-def gluon_declines(q, k, v, params: AttentionParams, varlen: bool = False) -> str | None:
+def gluon_declines(q, k, v, params: AttentionParams, varlen: bool = False,
+                   copies: bool = False) -> str | None:
     """Why the Gluon kernels (this forward, backward_hopper's backward) cannot take a call, or
     None: they need Gluon on an sm_90 GPU, non-empty fp16/bf16 q/k/v of one head dim in
     HEAD_DIMS in the flash layout, no bias, a positive scale; dense, or varlen too where the
-    caller says it takes it (varlen=True). Each kernel's `declines` adds its own conditions
-    (a user's modifiers among them)."""
+    caller says it takes it (varlen=True). copies=True: whether they take the call with q, k
+    and v copied into the flash layout (contiguous), their own layout aside. Each kernel's
+    `declines` adds its own conditions (a user's modifiers among them)."""
     if gluon is None or interpreting():
         return "no Gluon (the interpreter, or a Triton without it)"
     if params.is_varlen and not varlen:
@@ -949,19 +951,21 @@ def gluon_declines(q, k, v, params: AttentionParams, varlen: bool = False) -> st
     tokens = 0 if params.is_varlen else 1  # varlen (total, h, d), dense (b, seqlen, h, d)
     if min(q.shape[tokens], k.shape[tokens]) == 0:
         return "no query or key token"
-    if not all(flash_layout_2d(x) for x in (q, k, v)):
+    if not copies and not all(flash_layout_2d(x) for x in (q, k, v)):
         return "q, k or v not contiguous and 16-byte aligned"
     return None
 
 
-def declines(q, k, v, params: AttentionParams, out, lse, tile) -> str | None:
+def declines(q, k, v, params: AttentionParams, out, lse, tile,
+             copies: bool = False) -> str | None:
     """Why this kernel does not compute the call (forward.py's kernel does), or None. It takes
-    a user's score_mod, mask_mod and block mask (block_mask_declines)."""
+    a user's score_mod, mask_mod and block mask (block_mask_declines). copies=True: the call
+    with q, k and v copied into the flash layout (gluon_declines)."""
     if not GLUON_FORWARD:
         return "switched off (configs.GLUON_FORWARD)"
     if tile is not None:
         return "a Triton tile was asked for"
-    why = gluon_declines(q, k, v, params, varlen=True)
+    why = gluon_declines(q, k, v, params, varlen=True, copies=copies)
     if why is None and not ((out is None or out.stride(-1) == 1)
                             and (lse is None or lse.stride(-1) == 1)):
         why = "out or lse has a strided last dim"

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from flashkit.ops.triton.configs.gluon import (
     GLUON_BACKWARD,
+    GLUON_BACKWARD_ACROSS_HEADS_PER_SM,
     GLUON_BACKWARD_DKDV,
     GLUON_BACKWARD_DQ,
+    GLUON_COPIES_MIN_QUERIES,
     GLUON_FORWARD,
     GLUON_FORWARD_BLOCK_MASK,
     GLUON_FORWARD_TILES,
@@ -27,6 +29,7 @@ from flashkit.ops.triton.configs.portable import (
     tile_config,
 )
 
-__all__ = ["FP32", "GLUON_BACKWARD", "GLUON_BACKWARD_DKDV", "GLUON_BACKWARD_DQ", "GLUON_FORWARD",
+__all__ = ["FP32", "GLUON_BACKWARD", "GLUON_BACKWARD_ACROSS_HEADS_PER_SM", "GLUON_BACKWARD_DKDV",
+           "GLUON_BACKWARD_DQ", "GLUON_COPIES_MIN_QUERIES", "GLUON_FORWARD",
            "GLUON_FORWARD_BLOCK_MASK", "GLUON_FORWARD_TILES", "INTERPRETER", "SM90", "VARIANT",
            "gluon_forward_tile", "padded_head_dim", "tile_config"]

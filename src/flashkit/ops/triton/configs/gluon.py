@@ -74,6 +74,21 @@ GLUON_BACKWARD_DKDV = {
     # two warpgroups: 4k 370 / 341 vs (64, 64, 8, 1) 346 / 325, (128, 64, 8, 1) 342 / 334
     256: (64, 64, 8, 2),
 }
+# Query rows per sequence from which a call whose q, k or v is not in the flash layout runs the
+# Gluon kernels on contiguous copies (dispatch.ON_COPIES); below, the portable kernels read its
+# strides. H200, causal bf16 d128, 16 / 4 heads, SDPA-layout tensors, 4096 tokens, copies over
+# the portable kernels (diagnostics/tree_ab.py --cases layout), forward / step: 4096 rows 1.00 /
+# 0.73, 1024 rows 0.96 / 0.96, 512 rows 1.10 / 1.30, 256 rows 1.11 / 1.15, one row (decoding)
+# 1.07 / -.
+GLUON_COPIES_MIN_QUERIES = 1024
+
+# A banded (causal or windowed) backward launch with at most this many programs per SM starts
+# every head's heaviest tile first (backward_hopper.tile_order); a larger launch runs each head's
+# tiles together, where they share the head's streamed tiles in L2. H200, backward alone, causal
+# bf16 d128 (diagnostics/tree_ab.py --cases backward): a transformers Llama's GQA call (batch 2,
+# 4096 tokens, 16 / 4 heads, 512 dK/dV programs) 1.275 -> 1.022 and 1.200 -> 0.999 ms in two runs
+# heaviest first; with 4096 programs or more the head-by-head order was 0-13% faster.
+GLUON_BACKWARD_ACROSS_HEADS_PER_SM = 8
 GLUON_BACKWARD_DQ = {
     64: (64, 64, 4, 2),  # 4k whole backward 408 / 357 vs (64, 64, 4, 3) 387 / 346 (tile sweep)
     128: (64, 64, 4, 2),  # 4k 441 / 391 vs (64, 128, 4, 2) 404 / 371 (tile sweep)
