@@ -3,7 +3,7 @@ refactor whose sm_90 machine code changed a little (sass_fingerprint.py) did not
 
     git archive OLD src/flashkit | tar -x -C /tmp/old --strip-components=1
     PYTHONPATH=src python3 benchmarks/diagnostics/tree_ab.py /tmp/old src [--rounds 4] [--out DIR]
-        [--cases features|backward|layout]
+        [--cases features|backward|layout|decode]
 
 Each round runs one process per tree (imports differ, so a process holds one tree), the order
 alternating from round to round: with a fixed order the tree run second came out 2-18% slower
@@ -19,7 +19,9 @@ GQA calls (16 / 4 heads, d128) on SDPA-layout tensors seen in flash-attn's layou
 2)), 4096 tokens as 1 to 32 sequences of 4096 to 128, and a decoding call (one query row over
 4096 keys), with GLUON_COPIES_MIN_QUERIES = 1 in every tree that has it: each length shows what
 running the Gluon kernels on copies costs or gains against the portable kernels, which read the
-strides. Each time is the median of 15 calls timed with CUDA
+strides. --cases decode: flash_attn_func without grad on one or four query rows over 256 to 64k
+keys (32 query / 8 kv heads, d128, causal), batch 1 and 8, the keys contiguous or in SDPA's
+layout: decoding through flash_attn_func. Each time is the median of 15 calls timed with CUDA
 events, the GPU idle at each start (so host time counts where it exceeds the GPU's); the
 reported time per tree is the median over rounds. FLASHKIT_LOG_DISPATCH=1 makes a worker call
 each case once and log which kernels ran. Writes DIR/tree_ab.json.
@@ -132,7 +134,27 @@ def _worker(tree: str, which: str) -> None:
             if seqlen_q > 1:
                 yield f"{name} step", step
 
-    cases = {"backward": backward_cases, "layout": layout_cases}.get(which, cases)
+    def decode_cases():
+        """(name, callable) pairs: few query rows over many keys, without grad."""
+        for batch, seqlen_q, seqlen_k, sdpa_layout in (
+                (1, 1, 256, False), (1, 1, 512, False), (1, 1, 1024, False), (1, 1, 4096, False),
+                (1, 1, 16384, False), (1, 1, 65536, False), (8, 1, 4096, False),
+                (8, 1, 16384, False), (1, 4, 16384, False), (1, 1, 4096, True),
+                (8, 1, 16384, True)):
+            q = torch.randn(batch, seqlen_q, 32, 128, device="cuda", dtype=torch.bfloat16)
+            k, v = (torch.randn(batch, 8, seqlen_k, 128, device="cuda",
+                                dtype=torch.bfloat16).transpose(1, 2) if sdpa_layout else
+                    torch.randn(batch, seqlen_k, 8, 128, device="cuda", dtype=torch.bfloat16)
+                    for _ in range(2))
+
+            def forward(q=q, k=k, v=v):
+                with torch.no_grad():
+                    flashkit.flash_attn_func(q, k, v, causal=True)
+            yield (f"b{batch} {seqlen_q} x {seqlen_k}{' sdpa layout' if sdpa_layout else ''}"
+                   " forward", forward)
+
+    cases = {"backward": backward_cases, "layout": layout_cases,
+             "decode": decode_cases}.get(which, cases)
     if os.environ.get("FLASHKIT_LOG_DISPATCH"):
         for name, fn in cases():
             print(name, file=sys.stderr)
@@ -147,7 +169,8 @@ def main() -> None:
     ap.add_argument("new")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--cases", choices=["features", "backward", "layout"], default="features")
+    ap.add_argument("--cases", choices=["features", "backward", "layout", "decode"],
+                    default="features")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:

@@ -27,7 +27,8 @@ def test_log_names_the_kernel_and_the_declines(caplog):
     with caplog.at_level(logging.DEBUG, logger="flashkit.dispatch"):
         flashkit.flash_attn_func(q, k, v, causal=True, backend="triton").sum().backward()
     messages = [r.getMessage() for r in caplog.records if r.name == "flashkit.dispatch"]
-    assert messages[0].startswith("forward ran triton; declined: gluon: ")
+    assert messages[0].startswith("forward ran triton; declined: decode: 5 keys < ")
+    assert "; gluon: " in messages[0]
     assert messages[1].startswith("backward ran triton; declined: gluon: ")
     assert "gluon as varlen: " in messages[1]
 
@@ -49,7 +50,8 @@ def test_environment_variable_turns_the_log_on():
                PYTHONPATH=os.pathsep.join(sys.path))
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                          text=True, timeout=300, check=True)
-    assert "forward ran triton; declined: gluon: " in run.stderr
+    assert "forward ran triton; declined: decode: " in run.stderr
+    assert "; gluon: " in run.stderr
     assert torch.cuda.is_available() or "no Gluon" in run.stderr
 
 

@@ -179,6 +179,42 @@ def test_sink_matches_oracle(case):
                            factor=GRAD_FACTOR)
 
 
+DENSE_DECODE_CASES = [  # (batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype, features)
+    (2, 1, 50, 4, 2, 16, torch.float32, dict(window_right=0)),
+    (1, 3, 70, 8, 2, 32, torch.float16, dict(window_left=20, window_right=0, softcap=3.0)),
+    (2, 2, 45, 4, 4, 16, torch.float32, dict(alibi=True, sink=True)),
+    (1, 1, 64, 2, 1, 40, torch.bfloat16, dict(strided=True)),  # keys in SDPA's layout
+]
+
+
+@pytest.mark.usefixtures("fresh_plans")
+@pytest.mark.parametrize("case", DENSE_DECODE_CASES, ids=lambda c: "-".join(map(str, c)).replace(
+    "torch.", ""))
+def test_dense_calls_with_few_query_rows_run_the_decode_kernel(case, monkeypatch, caplog):
+    """Few query rows over many keys (decoding through flash_attn_func) run the decode kernels
+    split over the keys (decode.dense): out, lse and the gradients (the backward reads them as
+    any forward's) against the oracle, every feature the decode kernel has, strided keys."""
+    import logging
+
+    decode = importlib.import_module("flashkit.ops.triton.decode")
+    monkeypatch.setattr(decode, "DENSE_MIN_KEYS", 32)  # at the interpreter's sizes
+    batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype, features = case
+    features = dict(features)
+    q, k, v, dout = make_inputs(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim,
+                                head_dim, dtype)
+    if features.pop("strided", False):
+        k, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (k, v))
+    alibi, sink = features.pop("alibi", False), features.pop("sink", False)
+    params = AttentionParams(
+        head_dim ** -0.5, features.pop("window_left", None), features.pop("window_right", None),
+        softcap=features.pop("softcap", 0.0),
+        alibi_slopes=torch.rand(batch, nheads, device=DEVICE) * 0.5 if alibi else None,
+        sink=torch.randn(nheads, device=DEVICE) if sink else None)
+    with caplog.at_level(logging.DEBUG, logger="flashkit.dispatch"):
+        check_against_oracle(q, k, v, dout, params)
+    assert caplog.records[0].getMessage().startswith("forward ran decode;")
+
+
 def test_rows_without_keys_are_zero_with_lse_minus_inf():
     """Causal with seqlen_q > seqlen_k: the first seqlen_q - seqlen_k rows see no key."""
     q, k, v, dout = make_inputs(1, 40, 9, 2, 1, 16, 16, torch.float32)

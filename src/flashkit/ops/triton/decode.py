@@ -77,6 +77,7 @@ from flashkit.ops.triton.configs.decode import (
     CAP_LIFT_PER_SM,
     DECODE_INTERPRETER,
     DECODE_SM90,
+    DENSE_MIN_KEYS,
     FILL_EFFICIENCY,
     FULL_SMS,
     LAUNCH_PDL,
@@ -738,6 +739,28 @@ class Step(NamedTuple):
     sin: torch.Tensor | None
     interleaved: bool
     q_rows: int
+
+
+def dense_declines(q, k, params: AttentionParams) -> str | None:
+    """Why the decode kernel does not run a dense flash_attn_func call (`dense`), or None: it
+    takes calls whose kv heads' query rows each fit one program (step_declines) over at least
+    DENSE_MIN_KEYS keys, where the forward kernels would run one program per query tile and
+    head over all the keys; no varlen, dropout, bias or user modifiers."""
+    if params.is_varlen or params.variant is not None:
+        return "varlen or a user's modifiers"
+    if params.dropout_p > 0 or params.attn_bias is not None or q.dtype == torch.float64:
+        return "dropout, an attention bias or float64"
+    if k.shape[1] < DENSE_MIN_KEYS:
+        return f"{k.shape[1]} keys < {DENSE_MIN_KEYS}"
+    return step_declines(q, k.shape[2], 0)
+
+
+def dense(q, k, v, params: AttentionParams, out=None, lse=None, plan: dict | None = None):
+    """(out, lse) of a dense call that dense_declines takes: a decoding step over k and v as a
+    full cache, nothing appended (its length an int, as a step's cache_seqlens)."""
+    seqlen_k = k.shape[1]
+    return forward(q, k, v, None, None, None, None, params, 0, seqlen_k, out=out, lse=lse,
+                   step=Step(seqlen_k, None, None, None, None, False, q.shape[1]), plan=plan)
 
 
 def step_declines(q, nheads_k: int, seqlen_new: int) -> str | None:

@@ -1,7 +1,9 @@
 """The Triton backend's front door: the one place that chooses which kernels run a call.
 
-    forward(q, k, v, params)                     the Gluon forward (forward_hopper) where it
-                                                 takes the call, else forward.py's kernel
+    forward(q, k, v, params)                     the decode kernels for few query rows over
+                                                 many keys (decode.dense), the Gluon forward
+                                                 (forward_hopper) where it takes the call,
+                                                 else forward.py's kernel
     backward(dout, q, k, v, out, lse, params)    the Gluon dK/dV and dQ kernels (backward_hopper)
                                                  as the call is, or a dense call as varlen with
                                                  equal lengths, else backward.py's kernels
@@ -34,7 +36,8 @@ slowest compile rather than for each in turn.
 To see the choices, set the environment variable FLASHKIT_LOG_DISPATCH=1, or the logger
 "flashkit.dispatch" to DEBUG: every call then logs the kernel that ran and why the others
 declined, e.g.
-    flashkit.dispatch: forward ran triton (forward.py); declined: gluon: not an sm_90 GPU
+    flashkit.dispatch: forward ran triton; declined: decode: 512 keys < 4096; gluon: not an
+    sm_90 GPU; gluon on contiguous copies: q, k and v in the flash layout already
 """
 
 from __future__ import annotations
@@ -245,6 +248,7 @@ def _forward_plan(q, k, v, params: AttentionParams, out, lse, log: bool = True) 
     key = ("forward", _layout(q), _layout(k), _layout(v), q.device, _values(params),
            _layout(out), _layout(lse))
     return _choose("forward", key, [
+        ("decode", lambda: decode.dense_declines(q, k, params)),
         ("gluon", lambda: forward_hopper.declines(q, k, v, params, out, lse, None)),
         (ON_COPIES, lambda: _not_for_copies(q, k, v, params) or forward_hopper.declines(
             q, k, v, params, out, lse, None, copies=True)),
@@ -257,6 +261,8 @@ def _forward(plan: Plan, q, k, v, params: AttentionParams, out, lse):
                                                 plan=plan.launches)
     if plan.kernel == ON_COPIES:
         return forward_call(*_copies(q, k, v), params, out=out, lse=lse)
+    if plan.kernel == "decode":
+        return decode.dense(q, k, v, params, out=out, lse=lse, plan=plan.launches)
     return forward.attention_forward(q, k, v, params, out=out, lse=lse)
 
 

@@ -43,6 +43,14 @@ DECODE_SM90 = {
     # the dense forward's d128 tile, within 2% of (64, 64, 4, 3); 224 KB of shared memory
     "prefill": Tile(128, 128, 8, 3, 1, 1),
 }
+# A dense flash_attn_func call with every kv head's query rows in one decode tile (decoding
+# through flash_attn_func, as transformers' generate does) runs the decode kernel from this many
+# keys: split over the keys where the forward kernels run one program per query tile and head.
+# H200, bf16 d128, 32 query / 8 kv heads, causal, without grad, the decode kernels' time over
+# the forward kernels' (diagnostics/tree_ab.py --cases decode), one query row: 1k keys 1.29
+# (host-bound: two launches and a partials buffer against one launch), 4k 0.85 (batch 8: 0.93),
+# 16k 0.35 (0.66), 64k 0.17; keys in SDPA's layout 4k 0.41, batch 8 16k 0.26; 4 rows over 16k 0.32.
+DENSE_MIN_KEYS = 4096
 # CPU interpreter: tiny tiles so tests at ~50 keys cross tiles and splits, decode tiles of 32
 # keys span two 16-slot pages, and 2 sub-tiles run both tile loops.
 DECODE_INTERPRETER = {"decode": Tile(16, 32, 1, 1, 2, 3, 2, 2),
