@@ -1,6 +1,8 @@
 """Helpers every benchmark suite shares (the method of docs/design.md section 6).
 
 - `bench(fn)`: milliseconds, the median of triton.testing.do_bench after warm-up.
+- `idle_start_ms(fn)`: milliseconds, the median of single calls timed with CUDA events from an
+  idle GPU (host time counts where it exceeds the GPU's).
 - `environment()`: date, device, versions; stored at the top of every result file.
 - `flops(...)`: forward 4 b h sq sk d over visible pairs (causal halves it), backward 2.5x,
   step (forward with grad + backward) 3.5x.
@@ -35,6 +37,26 @@ def bench(fn, warmup: int = 25, rep: int = 100) -> float:
     from triton.testing import do_bench
 
     return do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def idle_start_ms(fn, reps: int = 15, warm: int = 4) -> float:
+    """Median milliseconds of fn() over `reps` calls timed with CUDA events, after `warm`
+    calls, the GPU idle at each start: where the host takes longer than the GPU, its time
+    counts (a call as a user makes it, one at a time)."""
+    import statistics
+
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
 
 
 def environment() -> dict:

@@ -43,21 +43,10 @@ def _worker(tree: str, which: str) -> None:
 
     import flashkit
 
-    torch.manual_seed(0)
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from common import idle_start_ms
 
-    def timed(fn, reps=15, warm=4):
-        for _ in range(warm):
-            fn()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(reps):
-            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        return statistics.median(times)
+    torch.manual_seed(0)
 
     def cases():
         """(name, callable) pairs; each callable binds its own tensors and arguments."""
@@ -160,7 +149,7 @@ def _worker(tree: str, which: str) -> None:
             print(name, file=sys.stderr)
             fn()
         return
-    print(json.dumps({name: timed(fn) for name, fn in cases()}))
+    print(json.dumps({name: idle_start_ms(fn) for name, fn in cases()}))
 
 
 def main() -> None:

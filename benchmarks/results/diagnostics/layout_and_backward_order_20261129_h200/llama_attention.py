@@ -12,33 +12,18 @@ two parts (the first run's attention cases also included SDPA FA2 and the effici
 
 import argparse
 import logging
-import statistics
 import sys
 import time
 
 import torch
 
 sys.path[:0] = ["benchmarks", "benchmarks/suites"]
-from common import sdpa  # noqa: E402
+from common import idle_start_ms, sdpa  # noqa: E402
 
 import flashkit  # noqa: E402
 from integrations import FULL, build_model  # noqa: E402
 
 B, S, H, HK, D = 2, 4096, 16, 4, 128
-
-
-def median_ms(fn, n=20):
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(n):
-        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def attention_alone():
@@ -72,7 +57,8 @@ def attention_alone():
 
         def step(fn=fn, args=args, grad=grad):
             torch.autograd.grad(fn(*args), args, grad)
-        print(name, dict(fwd_ms=median_ms(forward), step_ms=median_ms(step)), flush=True)
+        print(name, dict(fwd_ms=idle_start_ms(forward, 20, 3),
+                         step_ms=idle_start_ms(step, 20, 3)), flush=True)
 
 
 def model_profile():
