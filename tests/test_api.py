@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import flashkit
+from flashkit import checks, reference
 from helpers import (
     alibi_slopes,
     api_attention,
@@ -239,6 +240,68 @@ def test_kept_calls_check_every_tensor_fact_again():
                                flashkit.flash_attn_func(q, k, v, causal=True, backend="reference"))
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_kept_varlen_calls_check_new_cu_seqlens_values(backend, monkeypatch):
+    """flash_attn_varlen_func keeps a call's checks under its scalars, max_seqlen_q/k and its
+    tensors' facts. An equal call passing the same two cu_seqlens tensors, unchanged, checks
+    nothing again and reuses the call's params; one whose cu_seqlens was written in place, or
+    that passes other tensors of the same layout, has their values checked (a bad one refused
+    by name) and gets results of its own values; gradients of a kept call match the first's.
+    On a GPU the Triton calls check on the host (sync_checks), to see the bad values refused."""
+    from flashkit import api
+    device = "cuda" if ON_GPU and backend == "triton" else "cpu"
+    monkeypatch.setattr(api, "_VARLEN_CALLS", {})
+    checked, varlen_values = [], checks.varlen_values
+    monkeypatch.setattr(checks, "varlen_values",
+                        lambda *a, **kw: checked.append(a[2]) or varlen_values(*a, **kw))
+    inputs = {name: t.to(device) if isinstance(t, torch.Tensor) else t
+              for name, t in random_varlen([3, 5, 1], [4, 2, 6], nheads=4, nheads_k=2,
+                                           headdim=16).items()}
+
+    def call(**changed):
+        return flashkit.flash_attn_varlen_func(**{**inputs, **changed}, causal=True,
+                                               backend=backend, return_softmax_lse=True,
+                                               sync_checks=device == "cuda")
+
+    def oracle_of(**changed):
+        out, lse = reference.attention(**{key: value for key, value in {**inputs, **changed}.items()
+                                          if not key.startswith("max_")}, causal=True)
+        return out.float(), lse.float()
+
+    first = call()
+    assert len(checked) == 1 and len(api._VARLEN_CALLS) == 1
+    again = call()
+    assert len(checked) == 1  # the same tensors, unchanged: no check
+    for a, b in zip(first, again, strict=True):
+        assert torch.equal(a, b)
+    cu_q = inputs["cu_seqlens_q"]
+    cu_q[1:3] = torch.tensor([4, 8], dtype=torch.int32, device=device)  # lengths 4, 4, 1
+    torch.testing.assert_close(call(), oracle_of(), atol=2e-5, rtol=2e-5)
+    assert len(checked) == 2 and len(api._VARLEN_CALLS) == 1
+    cu_q[1] = 6  # lengths 6, 2, 1: 6 > max_seqlen_q
+    with pytest.raises(ValueError, match="^max_seqlen_q"):
+        call()
+    cu_q[1] = 3
+    other = cu_seqlens([1, 7, 1]).to(device)  # another tensor of the same layout: checked
+    with pytest.raises(ValueError, match="^max_seqlen_q"):
+        call(cu_seqlens_q=other)  # 7 > max_seqlen_q
+    other = cu_seqlens([2, 5, 2]).to(device)
+    torch.testing.assert_close(call(cu_seqlens_q=other), oracle_of(cu_seqlens_q=other),
+                               atol=2e-5, rtol=2e-5)
+    assert checked[-1] is other and len(api._VARLEN_CALLS) == 1
+    leaves = {name: inputs[name].clone().requires_grad_() for name in ("q", "k", "v")}
+    grads = [torch.autograd.grad(call(**leaves)[0].square().sum(), list(leaves.values()))
+             for _ in range(2)]
+    for a, b in zip(*grads, strict=True):
+        assert torch.equal(a, b)
+    with torch.inference_mode():  # an inference tensor has no version counter: always checked
+        frozen = cu_seqlens([3, 5, 1]).to(device)
+        checks_before = len(checked)
+        for _ in range(2):
+            call(cu_seqlens_q=frozen)
+        assert len(checked) == checks_before + 2
+
+
 VARLEN_ERRORS = {
     "cu_not_int32": (lambda: _varlen(cu_seqlens_q=torch.tensor([0, 3, 5])), TypeError,
                      "cu_seqlens_q"),
@@ -247,7 +310,7 @@ VARLEN_ERRORS = {
               "cu_seqlens_q"),
     "cu_too_short": (lambda: _varlen(cu_seqlens_q=torch.tensor([5], dtype=torch.int32)),
                      ValueError, "cu_seqlens_q"),
-    "cu_not_monotone": (lambda: _varlen(cu_seqlens_q=torch.tensor([0, 4, 3, 5],
+    "cu_not_monotone": (lambda: _varlen(cu_seqlens_q=torch.tensor([0, 6, 5],
                                                                   dtype=torch.int32)),
                         ValueError, "cu_seqlens_q"),
     "cu_first_not_zero": (lambda: _varlen(cu_seqlens_k=torch.tensor([1, 4, 7],

@@ -53,6 +53,7 @@ def _fake_cuda():
     torch.cuda.current_device = lambda: 0
     torch.cuda.get_device_properties = lambda device=None: types.SimpleNamespace(
         multi_processor_count=132, major=9)
+    torch.cuda.get_device_capability = lambda device=None: (9, 0)
     torch.cuda.device = lambda device: contextlib.nullcontext()
     torch.cuda.is_current_stream_capturing = lambda: False
     torch.Tensor.is_cuda = property(lambda self: True)
@@ -102,7 +103,7 @@ def main():
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     _fake_cuda()
-    from flashkit import flash_attn_func, flash_attn_with_kvcache
+    from flashkit import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
     from flashkit.ops.params import AttentionParams
     from flashkit.ops.triton import dispatch  # the front door, with its launch plans
 
@@ -129,6 +130,17 @@ def main():
         return torch.autograd.grad(flash_attn_func(*leaves, causal=True, backend="triton"),
                                    leaves, dout)
 
+    # varlen: the dense problem's 512 tokens as 4 causal sequences of 128
+    cu = torch.arange(0, 513, 128, dtype=torch.int32)
+    packed = [x.view(512, 32, 128) for x in (q, k, v)]
+    packed_leaves = [x.detach().view(512, 32, 128).requires_grad_() for x in (q, k, v)]
+
+    def varlen(tensors):
+        return flash_attn_varlen_func(*tensors, cu, cu, 128, 128, causal=True, backend="triton")
+
+    def varlen_step():
+        return torch.autograd.grad(varlen(packed_leaves), packed_leaves, dout.view(512, 32, 128))
+
     paths = {
         "dispatch.forward_call (the Gluon forward, planned)": lambda: dispatch.forward_call(
             q, k, v, params, out=out, lse=lse),
@@ -139,6 +151,9 @@ def main():
         "flash_attn_with_kvcache, 512 queries (the prefill route)": lambda: flash_attn_with_kvcache(
             q, k_cache, v_cache, cache_seqlens=lens, causal=True, backend="triton"),
         "step (forward with grad + backward)": step,
+        "flash_attn_varlen_func (4 sequences, the same cu_seqlens each call)":
+            lambda: varlen(packed),
+        "varlen step": varlen_step,
         "decode step (tensor cache_seqlens)": lambda: decode_step(False),
         "decode step (int cache_seqlens, a new one each call)": lambda: decode_step(True),
     }

@@ -13,8 +13,10 @@ docs/design.md section 1) and `backend` (None, "torch", "triton" or "reference")
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
+import weakref
 
 import torch
 
@@ -117,17 +119,18 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
             else:
                 kept_call = _DENSE_CALLS.get(key)
                 if kept_call is not None:
-                    return _run_kept(kept_call, q, k, v, backend, return_attn_probs,
-                                     return_softmax_lse)
+                    return _run_kept(kept_call, kept_call.params, q, k, v, backend,
+                                     return_attn_probs, return_softmax_lse)
     checks.dense_qkv(q, k, v, checks.DTYPES + checks.FLOAT8_DTYPES)
     checks.warn_if_sdpa_layout(q, k)
     float8 = checks.descales(q, k, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
     params = build_params(q, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                      deterministic, sink, batch=q.shape[0])
     if key is not None and not float8 and not modified:
-        kept_call = _KeptDense(params, checks.backend(backend, q.device))
+        kept_call = _KeptCall(params, checks.backend(backend, q.device))
         kept.remember(_DENSE_CALLS, key, kept_call)
-        return _run_kept(kept_call, q, k, v, backend, return_attn_probs, return_softmax_lse)
+        return _run_kept(kept_call, params, q, k, v, backend, return_attn_probs,
+                         return_softmax_lse)
     params = variant_mods.attach(params, q, score_mod, mask_mod, block_mask, q.shape[0],
                                  q.shape[2], q.shape[1], k.shape[1])
     if key is not None and not float8:  # a call with modifiers whose checks all passed
@@ -181,27 +184,56 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     Masks align per sequence. lse is (nheads, total_q); probs a list of per-sequence matrices.
     max_seqlen_q/k bound the sequence lengths (trusted for the launch, as in flash-attn).
     sync_checks: read cu_seqlens on the host and raise a ValueError naming a bad entry (one
-    device sync per call); by default CUDA tensors are checked on the device without a sync,
-    where a bad entry fails a device-side assertion before any kernel reads it.
+    device sync per check); by default CUDA tensors are checked on the device without a sync,
+    where a bad entry fails a device-side assertion before any kernel reads it. The values are
+    checked once per pair of cu_seqlens tensors: a later equal call (the next layer of a model)
+    passing the same two tensors, not written in place since (their version counters), does
+    not check them again. A write that torch does not see (through .data, a pointer handed to
+    another library) is not noticed: pass new tensors after one.
     """
+    key = None  # the call's scalars and tensor facts, for _VARLEN_CALLS
+    if (score_mod is None and mask_mod is None and block_mask is None and alibi_slopes is None
+            and sink is None and all(type(t) in _PLAIN_TENSORS
+                                     for t in (q, k, v, cu_seqlens_q, cu_seqlens_k))
+            and type(max_seqlen_q) is int and type(max_seqlen_k) is int
+            and type(sync_checks) is bool and (backend is None or type(backend) is str)):
+        scalars = kept.scalar_key(dropout_p, softmax_scale, causal, window_size, deterministic,
+                                  softcap)
+        if scalars is not None:
+            key = (scalars, backend, sync_checks, max_seqlen_q, max_seqlen_k,
+                   *_tensor_facts(q), *_tensor_facts(k), *_tensor_facts(v),
+                   *_tensor_facts(cu_seqlens_q), *_tensor_facts(cu_seqlens_k))
+            kept_call = _VARLEN_CALLS.get(key)
+            if kept_call is not None:
+                params = kept_call.params_for(q, k, cu_seqlens_q, cu_seqlens_k, sync_checks)
+                return _run_kept(kept_call, params, q, k, v, backend, return_attn_probs,
+                                 return_softmax_lse)
     batch = checks.varlen_qkv(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                               sync_checks, triton=backend in (None, "triton"))
     params = build_params(q, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                      deterministic, sink, batch=batch, nheads=q.shape[1],
                      cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                      max_seqlen_q=int(max_seqlen_q), max_seqlen_k=int(max_seqlen_k))
+    if key is not None:
+        kept_call = _KeptVarlen(params, checks.backend(backend, q.device))
+        kept.remember(_VARLEN_CALLS, key, kept_call)
+        return _run_kept(kept_call, params, q, k, v, backend, return_attn_probs,
+                         return_softmax_lse)
     params = variant_mods.attach(params, q, score_mod, mask_mod, block_mask, batch, q.shape[1],
                                  int(max_seqlen_q), int(max_seqlen_k))
     return run_backend(q, k, v, params, backend, return_attn_probs, return_softmax_lse)
 
 
-# Kept calls (flashkit.kept): calls with no tensor argument besides q, k, v repeat what an
-# equal earlier call's checks found.
+# Kept calls (flashkit.kept): calls with no tensor argument besides q, k, v (and cu_seqlens)
+# repeat what an equal earlier call's checks found.
 # _SCALAR_CALLS (build_params, every entry point): scalar arguments -> AttentionParams.
 # _DENSE_CALLS (flash_attn_func, whose tensor checks it skips too): those and q's, k's and v's
-# facts (_tensor_facts) -> _KeptDense.
+# facts (_tensor_facts) -> _KeptCall.
+# _VARLEN_CALLS (flash_attn_varlen_func): those, max_seqlen_q/k and the cu_seqlens' facts ->
+# _KeptVarlen.
 _SCALAR_CALLS: dict = {}
 _DENSE_CALLS: dict = {}
+_VARLEN_CALLS: dict = {}
 
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)  # kept calls take no tensor subclass
@@ -213,21 +245,73 @@ def _tensor_facts(t) -> tuple:
     return type(t), t.shape, t.dtype, t.device, t.stride(), t.data_ptr() % 16 == 0
 
 
-class _KeptDense:
-    """A kept flash_attn_func call: its AttentionParams, the backend name its arguments give,
-    and, once an equal call ran on the Triton backend, that forward's plan (the backend's
-    planned_forward), which later equal calls run directly, and whose backward plans their
-    gradients run (_Attention)."""
+class _KeptCall:
+    """A kept call: its AttentionParams, the backend name its arguments give, and, once an
+    equal call ran on the Triton backend, that forward's plan (the backend's planned_forward),
+    which later equal calls run directly, and whose backward plans their gradients run
+    (_Attention)."""
     __slots__ = ("params", "backend", "forward")
 
     def __init__(self, params: AttentionParams, backend: str):
         self.params, self.backend, self.forward = params, backend, None
 
 
-def _run_kept(kept_call: _KeptDense, q, k, v, backend, return_attn_probs, return_softmax_lse):
-    """run_backend for a kept call: through the forward plan kept with it, where there is one
-    (under autograd when q, k or v needs a gradient), unless it asks for the probabilities."""
-    params = kept_call.params
+class _KeptVarlen(_KeptCall):
+    """A kept flash_attn_varlen_func call, whose params (cu_seqlens_q/k left out) take each
+    call's own cu_seqlens. It remembers, by weak reference, the last two cu_seqlens whose
+    values it checked, with their version counters then (every in-place write through torch
+    bumps them): a call passing the same two tensors, unchanged since, checks nothing again
+    (the layers of a model share one packed batch's cu_seqlens). The last params made are
+    kept by weak reference too, and reused while they live (while an autograd node holds
+    them: through a training step's forward)."""
+    __slots__ = ("checked", "last")
+
+    def __init__(self, params: AttentionParams, backend: str):
+        super().__init__(dataclasses.replace(params, cu_seqlens_q=None, cu_seqlens_k=None),
+                         backend)
+        self.checked = _checked(params.cu_seqlens_q, params.cu_seqlens_k)
+        self.last = weakref.ref(params)
+
+    def params_for(self, q, k, cu_seqlens_q, cu_seqlens_k, sync_checks) -> AttentionParams:
+        """The call's params, its cu_seqlens' values checked unless they were the last ones
+        checked, unchanged since."""
+        if not _unchanged(self.checked, (cu_seqlens_q, cu_seqlens_k)):
+            template = self.params
+            checks.varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, template.max_seqlen_q,
+                                 template.max_seqlen_k, sync_checks,
+                                 triton=self.backend == "triton")
+            self.checked = _checked(cu_seqlens_q, cu_seqlens_k)
+        last = self.last()
+        if (last is not None and last.cu_seqlens_q is cu_seqlens_q
+                and last.cu_seqlens_k is cu_seqlens_k):
+            return last
+        params = dataclasses.replace(self.params, cu_seqlens_q=cu_seqlens_q,
+                                     cu_seqlens_k=cu_seqlens_k)
+        self.last = weakref.ref(params)
+        return params
+
+
+def _checked(*tensors) -> tuple | None:
+    """What identifies tensors whose values were checked: each one's weak reference and
+    version counter; None where one has no counter (an inference tensor, then checked every
+    call)."""
+    if any(t.is_inference() for t in tensors):
+        return None
+    return tuple((weakref.ref(t), t._version) for t in tensors)
+
+
+def _unchanged(checked: tuple | None, tensors: tuple) -> bool:
+    """Whether tensors are those of _checked's result, each unchanged since."""
+    return checked is not None and all(
+        ref() is t and t._version == version
+        for (ref, version), t in zip(checked, tensors, strict=True))
+
+
+def _run_kept(kept_call: _KeptCall, params: AttentionParams, q, k, v, backend,
+              return_attn_probs, return_softmax_lse):
+    """run_backend for a kept call with its params: through the forward plan kept with it,
+    where there is one (under autograd when q, k or v needs a gradient), unless it asks for
+    the probabilities."""
     if return_attn_probs:
         return run_backend(q, k, v, params, backend, True, return_softmax_lse)
     planned = kept_call.forward

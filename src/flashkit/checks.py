@@ -78,8 +78,7 @@ def dense_qkv(q, k, v, dtypes=DTYPES) -> None:
 def varlen_qkv(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                sync_checks: bool = False, triton: bool = True) -> int:
     """Packed q (total_q, nheads, d), k/v (total_k, nheads_k, d[_v]) with valid cu_seqlens;
-    returns the number of sequences. cu_seqlens' values: see cu_seqlens_values (triton=False:
-    never through the Triton check, for calls whose backend launches no Triton kernel)."""
+    returns the number of sequences. cu_seqlens' values: see varlen_values."""
     tensor("q", q, "(total_q, nheads, headdim)")
     tensor("k", k, "(total_k, nheads_k, headdim)")
     tensor("v", v, "(total_k, nheads_k, headdim_v)")
@@ -88,22 +87,29 @@ def varlen_qkv(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         raise ValueError(f"v: {v.shape[0]} tokens differ from k's {k.shape[0]}")
     heads(q.shape[1], k.shape[1], k, v, dim=1)
     head_dims(q, k, v)
-    checker = _device_checker(q) if q.is_cuda and triton and not sync_checks else None
-    # Without the one-launch check, each tensor's values follow its layout, so the host path
-    # names the first bad argument in order; the launch needs both layouts and equal counts.
     batch = cu_seqlens("cu_seqlens_q", cu_seqlens_q, max_seqlen_q, "max_seqlen_q", q.device)
-    if checker is None:
-        cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q,
-                          "max_seqlen_q", sync_checks)
     batch_k = cu_seqlens("cu_seqlens_k", cu_seqlens_k, max_seqlen_k, "max_seqlen_k", q.device)
-    if checker is None:
-        cu_seqlens_values("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k,
-                          "max_seqlen_k", sync_checks)
     if batch_k != batch:
         raise ValueError(f"cu_seqlens_k: describes {batch_k} sequences, cu_seqlens_q {batch}")
-    if checker is not None:  # both at once, their layouts checked
-        checker(cu_seqlens_q, q.shape[0], max_seqlen_q, cu_seqlens_k, k.shape[0], max_seqlen_k)
+    varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sync_checks,
+                  triton)
     return batch
+
+
+def varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                  sync_checks: bool = False, triton: bool = True) -> None:
+    """The values of both cu_seqlens (their layouts checked by cu_seqlens): in one Triton
+    launch on the device for an eager CUDA call on the current device (ops.triton.cu_check),
+    else each through cu_seqlens_values. triton=False: never through the Triton check, for
+    calls whose backend launches no Triton kernel."""
+    checker = _device_checker(q) if q.is_cuda and triton and not sync_checks else None
+    if checker is not None:
+        checker(cu_seqlens_q, q.shape[0], max_seqlen_q, cu_seqlens_k, k.shape[0], max_seqlen_k)
+        return
+    cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, "max_seqlen_q",
+                      sync_checks)
+    cu_seqlens_values("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, "max_seqlen_k",
+                      sync_checks)
 
 
 def head_dims(q, k, v, dim: int = -1, names=("q", "k", "v")) -> None:
@@ -223,7 +229,7 @@ def cu_seqlens_values(name: str, cu, total: int, max_seqlen: int, max_name: str,
     sync); on a GPU (and under torch.compile, which cannot trace a host read) they are
     otherwise checked on the device without a sync: a bad value fails a device-side assertion
     queued before any kernel that reads it, so nothing reads or writes out of bounds (the error
-    then surfaces at the next synchronising call, and it ends the CUDA context). varlen_qkv
+    then surfaces at the next synchronising call, and it ends the CUDA context). varlen_values
     checks both tensors in one Triton launch instead where it can (ops.triton.cu_check)."""
     if (cu.is_cuda or torch.compiler.is_compiling()) and not sync_checks:
         lengths = cu.diff()

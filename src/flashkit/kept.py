@@ -7,7 +7,9 @@ with the types the checks refuse by, such as causal's) and tensors' facts (type,
 device, ...), never a tensor: nothing is kept alive, and a tensor changed in place is not read
 stale. Calls with dropout (a new seed every call) and calls under torch.compile (the compiler
 would guard on the dicts) are never kept. The dicts: flashkit.api's _SCALAR_CALLS
-(build_params) and _DENSE_CALLS (flash_attn_func), flashkit.kvcache's _KEPT_CALLS; and the
+(build_params), _DENSE_CALLS (flash_attn_func) and _VARLEN_CALLS (flash_attn_varlen_func, whose
+cu_seqlens values are checked again unless a call passes the last checked tensors unchanged,
+known by weak reference and version counter), flashkit.kvcache's _KEPT_CALLS; and the
 calls with modifiers, which each modifier object keeps itself, so that they live and die with
 it (flashkit.variants.mods.kept_params).
 """

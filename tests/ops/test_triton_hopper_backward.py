@@ -454,13 +454,20 @@ def test_every_head_dim_has_both_gluon_tiles():
     assert not hopper._whole_tiles(torch.empty(1, 160, 1, 256), torch.empty(1, 64, 1, 256))
 
 
-def test_varlen_lse_delta_copies_start_every_sequence_aligned():
+@pytest.mark.parametrize("planned", [False, True])
+def test_varlen_lse_delta_copies_start_every_sequence_aligned(planned, monkeypatch):
     """The dK/dV kernel's TMA boxes of lse / delta must start on 16 bytes: the aligned copies put
-    sequence b at _aligned_row (a multiple of 4 rows), in order, the gaps zero (interpreter)."""
+    sequence b at _aligned_row (a multiple of 4 rows), in order, the gaps zero, written by the
+    one launch into a NaN-poisoned allocation (interpreter); through a plan's prepared launch,
+    twice, too."""
     lengths = [5, 0, 1, 130, 7, 64]
     _, _, _, _, params = _varlen_case(lengths, lengths, 2, 2, 16, torch.float32)
     lse, delta = (torch.randn(2, sum(lengths), device=DEVICE) for _ in range(2))
-    lse_aligned, delta_aligned = hopper._aligned_lse_delta(lse, delta, params)
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(float("nan")))
+    plan = {} if planned else None
+    for _ in range(1 + planned):
+        lse_aligned, delta_aligned = hopper._aligned_lse_delta(lse, delta, params, plan)
     assert lse_aligned.stride(0) % 4 == 0
     written = torch.zeros_like(lse_aligned, dtype=torch.bool)
     cu = params.cu_seqlens_q.tolist()

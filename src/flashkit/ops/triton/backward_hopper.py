@@ -110,7 +110,7 @@ from flashkit.ops.triton.hopper_common import (
     modifier_tensors,
     rows_descriptor,
 )
-from flashkit.ops.triton.launch import Prepared, device_facts, fold, launch, planned
+from flashkit.ops.triton.launch import Prepared, device_facts, fold, planned
 
 try:
     from triton.experimental import gluon
@@ -154,34 +154,45 @@ def _aligned_row(q_start, off_b):
 
 @triton.jit
 def _align_rows_kernel(Lse, Delta, LseAligned, DeltaAligned, Cu_q, stride_h, stride_aligned_h,
-                       BLOCK: tl.constexpr):
-    """Copy BLOCK rows program_id(1) of sequence program_id(0) (any number of sequences),
-    head program_id(2) of lse and delta (nheads, total_q) into their aligned copies (nheads,
-    aligned rows), zeroed beforehand."""
+                       batch, BLOCK: tl.constexpr):
+    """Rows program_id(1) * BLOCK.. of sequence program_id(0)'s span in the aligned copies
+    (nheads, aligned rows), head program_id(2): from its first aligned row (_aligned_row) to
+    the next sequence's (for the last sequence, the copies' end, the aligned row of a
+    sequence `batch` starting at total_q), lse and delta (nheads, total_q) over the
+    sequence's rows and zeros in the gap after them. The spans tile the copies, so every
+    element is written (a span is at most its length + 6 rows)."""
     off_b = tl.program_id(0)
     off_h = tl.program_id(2).to(tl.int64)
     q_start = tl.load(Cu_q + off_b)
+    q_end = tl.load(Cu_q + off_b + 1)
+    first = _aligned_row(q_start, off_b)
+    span = _aligned_row(q_end, off_b + 1) - first
     rows = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = rows < tl.load(Cu_q + off_b + 1) - q_start
+    inside = rows < q_end - q_start
     src = off_h * stride_h + q_start + rows
-    dst = off_h * stride_aligned_h + _aligned_row(q_start, off_b) + rows
-    tl.store(LseAligned + dst, tl.load(Lse + src, mask=mask), mask=mask)
-    tl.store(DeltaAligned + dst, tl.load(Delta + src, mask=mask), mask=mask)
+    dst = off_h * stride_aligned_h + first + rows
+    written = rows < span
+    tl.store(LseAligned + dst, tl.load(Lse + src, mask=inside, other=0.0), mask=written)
+    tl.store(DeltaAligned + dst, tl.load(Delta + src, mask=inside, other=0.0), mask=written)
 
 
-def _aligned_lse_delta(lse, delta, params: AttentionParams):
+ALIGN_BLOCK = 128  # rows per program of _align_rows_kernel
+
+
+def _aligned_lse_delta(lse, delta, params: AttentionParams, plan: dict | None = None):
     """Varlen lse and delta (nheads, total_q) as (nheads, rows) copies in which each sequence
     starts on a multiple of 4 rows (_aligned_row), the gaps zero: what the dK/dV kernel's TMA
     boxes read (a query column past a sequence's end then meets its neighbour's rows or zeros,
-    never uninitialised memory, so 0 * (dP - delta) stays 0)."""
+    never uninitialised memory, so 0 * (dP - delta) stays 0). One launch writes every element
+    (no zero fill first); plan: the dispatch plan's prepared launches."""
     nheads, total_q = lse.shape
     batch = params.cu_seqlens_q.numel() - 1
-    rows = (total_q + 3 * batch + 3) // 4 * 4
-    aligned = torch.zeros((2, nheads, rows), dtype=torch.float32, device=lse.device)
-    block = 128
-    grid = (batch, triton.cdiv(params.max_seqlen_q, block), nheads)
-    launch(_align_rows_kernel, grid, (lse, delta, aligned[0], aligned[1], params.cu_seqlens_q),
-           (lse.stride(0), rows), dict(BLOCK=block))
+    rows = (total_q + 3 * batch + 3) // 4 * 4  # _aligned_row(total_q, batch)
+    aligned = torch.empty((2, nheads, rows), dtype=torch.float32, device=lse.device)
+    prepared = planned(plan, "align", lambda: Prepared(
+        _align_rows_kernel, (batch, cdiv(params.max_seqlen_q + 6, ALIGN_BLOCK), nheads),
+        (lse.stride(0), rows, batch), dict(BLOCK=ALIGN_BLOCK)))
+    prepared(lse, delta, aligned[0], aligned[1], params.cu_seqlens_q)
     return aligned[0], aligned[1]
 
 
@@ -1025,7 +1036,7 @@ def attention_backward_dkdv(dout, q, k, v, lse, delta, params: AttentionParams, 
     the kernels' ONE_KEY_ZERO (backward.py: no sink, no lse gradient, the call's own lse);
     plan: the dispatch plan's prepared launches (launch.planned)."""
     if params.is_varlen:
-        lse, delta = _aligned_lse_delta(lse, delta, params)
+        lse, delta = _aligned_lse_delta(lse, delta, params, plan)
     prepared = planned(plan, "dkdv", lambda: _prepare_dkdv(q, k, v, dout, lse, delta, params, dk,
                                                            dv, block, one_key_zero))
     score_tensors, _, cu_q, cu_k = feature_tensors(params, lse, float32_sink=False)  # no sink
