@@ -138,6 +138,14 @@ def main():
     def varlen(tensors):
         return flash_attn_varlen_func(*tensors, cu, cu, 128, 128, causal=True, backend="triton")
 
+    from flashkit import create_block_mask, variants
+    packed_mask = create_block_mask(variants.causal_mask(), None, None, 512, 512, device="cpu",
+                                    cu_seqlens_q=cu, cu_seqlens_k=cu)
+
+    def varlen_block_mask():
+        return flash_attn_varlen_func(*packed, cu, cu, 128, 128, block_mask=packed_mask,
+                                      backend="triton")
+
     def varlen_step():
         return torch.autograd.grad(varlen(packed_leaves), packed_leaves, dout.view(512, 32, 128))
 
@@ -154,6 +162,7 @@ def main():
         "flash_attn_varlen_func (4 sequences, the same cu_seqlens each call)":
             lambda: varlen(packed),
         "varlen step": varlen_step,
+        "flash_attn_varlen_func, a block mask over the packed tokens": varlen_block_mask,
         "decode step (tensor cache_seqlens)": lambda: decode_step(False),
         "decode step (int cache_seqlens, a new one each call)": lambda: decode_step(True),
     }

@@ -191,10 +191,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     not check them again. A write that torch does not see (through .data, a pointer handed to
     another library) is not noticed: pass new tensors after one.
     """
-    key = None  # the call's scalars and tensor facts, for _VARLEN_CALLS
-    if (score_mod is None and mask_mod is None and block_mask is None and alibi_slopes is None
-            and sink is None and all(type(t) in _PLAIN_TENSORS
-                                     for t in (q, k, v, cu_seqlens_q, cu_seqlens_k))
+    # the call's scalars and tensor facts, for _VARLEN_CALLS (no modifier) or for the kept
+    # calls of its modifier objects, which keep its params with its cu_seqlens' _checked
+    key = None
+    modified = score_mod is not None or mask_mod is not None or block_mask is not None
+    if (alibi_slopes is None and sink is None and all(
+            type(t) in _PLAIN_TENSORS for t in (q, k, v, cu_seqlens_q, cu_seqlens_k))
             and type(max_seqlen_q) is int and type(max_seqlen_k) is int
             and type(sync_checks) is bool and (backend is None or type(backend) is str)):
         scalars = kept.scalar_key(dropout_p, softmax_scale, causal, window_size, deterministic,
@@ -203,24 +205,35 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             key = (scalars, backend, sync_checks, max_seqlen_q, max_seqlen_k,
                    *_tensor_facts(q), *_tensor_facts(k), *_tensor_facts(v),
                    *_tensor_facts(cu_seqlens_q), *_tensor_facts(cu_seqlens_k))
-            kept_call = _VARLEN_CALLS.get(key)
-            if kept_call is not None:
-                params = kept_call.params_for(q, k, cu_seqlens_q, cu_seqlens_k, sync_checks)
-                return _run_kept(kept_call, params, q, k, v, backend, return_attn_probs,
-                                 return_softmax_lse)
+            if modified:
+                params, checked = variant_mods.kept_params(score_mod, mask_mod, block_mask,
+                                                           key) or (None, None)
+                if params is not None and _unchanged(checked, (cu_seqlens_q, cu_seqlens_k)):
+                    return run_backend(q, k, v, params, backend, return_attn_probs,
+                                       return_softmax_lse)
+            else:
+                kept_call = _VARLEN_CALLS.get(key)
+                if kept_call is not None:
+                    params = kept_call.params_for(q, k, cu_seqlens_q, cu_seqlens_k,
+                                                  sync_checks)
+                    return _run_kept(kept_call, params, q, k, v, backend, return_attn_probs,
+                                     return_softmax_lse)
     batch = checks.varlen_qkv(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                               sync_checks, triton=backend in (None, "triton"))
     params = build_params(q, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                      deterministic, sink, batch=batch, nheads=q.shape[1],
                      cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                      max_seqlen_q=int(max_seqlen_q), max_seqlen_k=int(max_seqlen_k))
-    if key is not None:
+    if key is not None and not modified:
         kept_call = _KeptVarlen(params, checks.backend(backend, q.device))
         kept.remember(_VARLEN_CALLS, key, kept_call)
         return _run_kept(kept_call, params, q, k, v, backend, return_attn_probs,
                          return_softmax_lse)
     params = variant_mods.attach(params, q, score_mod, mask_mod, block_mask, batch, q.shape[1],
                                  int(max_seqlen_q), int(max_seqlen_k))
+    if key is not None:  # a call with modifiers whose checks all passed
+        variant_mods.keep_params(score_mod, mask_mod, block_mask, key,
+                                 (params, _checked(cu_seqlens_q, cu_seqlens_k)))
     return run_backend(q, k, v, params, backend, return_attn_probs, return_softmax_lse)
 
 
@@ -230,7 +243,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 # _DENSE_CALLS (flash_attn_func, whose tensor checks it skips too): those and q's, k's and v's
 # facts (_tensor_facts) -> _KeptCall.
 # _VARLEN_CALLS (flash_attn_varlen_func): those, max_seqlen_q/k and the cu_seqlens' facts ->
-# _KeptVarlen.
+# _KeptVarlen (a call with modifiers: its params, reused while it passes the same cu_seqlens
+# unchanged, kept by the modifier objects).
 _SCALAR_CALLS: dict = {}
 _DENSE_CALLS: dict = {}
 _VARLEN_CALLS: dict = {}

@@ -284,6 +284,39 @@ def test_varlen_block_mask_matches_oracle(backend):
                          oracle_fn=functools.partial(run, "reference"))
 
 
+def test_kept_varlen_calls_with_a_block_mask_check_changed_cu_seqlens(monkeypatch):
+    """A varlen call with a block mask over the packed tokens is kept by the mask with its
+    cu_seqlens' identities and versions: an equal call with the same tensors, unchanged, checks
+    and binds nothing again and gives the same results; one whose cu_seqlens was written in
+    place is checked again, and refused: the mask was built over its old values."""
+    from flashkit import checks
+    from flashkit.variants import mods
+    attached, attach = [], mods.attach
+    monkeypatch.setattr(mods, "attach", lambda *a: attached.append(None) or attach(*a))
+    checked, varlen_values = [], checks.varlen_values
+    monkeypatch.setattr(checks, "varlen_values",
+                        lambda *a, **kw: checked.append(None) or varlen_values(*a, **kw))
+    lens = [9, 20, 3]
+    inputs = random_varlen(lens, lens, nheads=2, nheads_k=1, headdim=16)
+    cu = inputs["cu_seqlens_q"]
+    inputs["cu_seqlens_k"] = cu
+    mask = flashkit.create_block_mask(variants.causal_mask(), None, None, sum(lens), sum(lens),
+                                      device="cpu", BLOCK_SIZE=16, cu_seqlens_q=cu,
+                                      cu_seqlens_k=cu)
+
+    def call():
+        return flashkit.flash_attn_varlen_func(**inputs, block_mask=mask, backend="triton")
+
+    first = call()
+    assert len(attached) == len(checked) == 1
+    torch.testing.assert_close(call(), first, rtol=0, atol=0)
+    assert len(attached) == len(checked) == 1  # kept
+    cu[1] = 10  # in place: lengths 10, 19, 3
+    with pytest.raises(ValueError, match="block_mask: built over a cu_seqlens_q written in"):
+        call()
+    assert len(checked) == 2
+
+
 def test_varlen_block_mask_states_match_dense_mask():
     """Blocks over the packed axes: a pair is visible iff both tokens share a sequence and
     mask_mod says so at the sequence's own positions."""

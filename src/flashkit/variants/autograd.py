@@ -72,22 +72,27 @@ def attention(q, k, v, params, backend: str):
     captured = [*(() if variant.score_mod is None else variant.score_mod.captured),
                 *(() if variant.mask_mod is None else variant.mask_mod.captured)]
     tensors = [t if isinstance(t, torch.Tensor) else None for t in captured]
-    if backend == "triton" and params.is_varlen and variant.block_mask is not None:
-        return _packed(q, k, v, params, tensors)
     module = backend_module(backend)
+    if backend == "triton" and params.is_varlen and variant.block_mask is not None:
+        _refuse_with_packing(params)
+        out, lse = _run(q[None], k[None], v[None], _as_one_sequence(params), module, tensors)
+        return out[0], lse[0]
+    return _run(q, k, v, params, module, tensors)
+
+
+def _run(q, k, v, params, module, tensors):
+    """(out, lse) of module's forward, under _Attention where a gradient is wanted."""
     if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (
             q, k, v, params.sink, *tensors))):  # no graph to record: the forward alone
         return module.forward(q, k, v, params)
     return _Attention.apply(q, k, v, params.sink, params, module, *tensors)
 
 
-def _packed(q, k, v, params, tensors):
-    """A varlen call with a block mask over its packed tokens, on the Triton kernels: the
-    tokens run as one sequence (batch 1) under the mask's blocks, the sequences kept apart and
-    the modifiers given per-sequence indices (common.mod_indices). Features that read positions
-    outside the modifiers would see packed ones there, so they are refused."""
-    from flashkit.ops.custom_op import backend_module
-
+def _refuse_with_packing(params) -> None:
+    """A varlen call with a block mask over its packed tokens runs on the Triton kernels as
+    one sequence (batch 1) under the mask's blocks, the sequences kept apart and the modifiers
+    given per-sequence indices (common.mod_indices). Features that read positions outside the
+    modifiers would see packed ones there, so they are refused."""
     for name, used in (("dropout_p", params.dropout_p > 0),
                        ("alibi_slopes", params.alibi_slopes is not None)):
         if used:
@@ -95,9 +100,22 @@ def _packed(q, k, v, params, tensors):
                 f"block_mask: backend 'triton' runs a varlen block mask over the packed tokens "
                 f"and takes no {name} with it; write it as a score_mod (flashkit.variants.alibi) "
                 "or use backend='torch'")
+
+
+def _as_one_sequence(params):
+    """params of a varlen call with a block mask over its packed tokens as those of one dense
+    sequence, the mask's packing in the Variant; the same object for the same params as the
+    last call's (a kept call passes its kept params), so that the dispatch's key of its values
+    is computed once (dispatch._values)."""
+    global _last_packed
+    last = _last_packed  # one read: autograd's device thread may replace it meanwhile
+    if last[0] is params:
+        return last[1]
     variant = dataclasses.replace(params.variant, packing=params.variant.block_mask.packing)
     dense = dataclasses.replace(params, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0,
                                 max_seqlen_k=0, variant=variant)
-    out, lse = _Attention.apply(q[None], k[None], v[None], params.sink, dense,
-                                backend_module("triton"), *tensors)
-    return out[0], lse[0]
+    _last_packed = (params, dense)
+    return dense
+
+
+_last_packed: tuple = (None, None)  # (params, _as_one_sequence(params)) of the last call

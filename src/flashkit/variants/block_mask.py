@@ -47,6 +47,10 @@ class BlockMask:
     # varlen: (seq_q, cu_seqlens_q, cu_seqlens_k), seq_q int32 (Q_LEN,) the sequence of every
     # packed query token; None for a mask over padded (batch, length) positions
     packing: tuple | None = None
+    # varlen: the version counters of packing's cu_seqlens_q and _k when the mask was built
+    # over them (None for an inference tensor, which has none): a write in place since would
+    # leave the blocks stale
+    packed_versions: tuple | None = None
     # the checked params of calls with this mask (mods.kept_params)
     _kept_calls: dict = field(default_factory=dict, init=False, repr=False)
 
@@ -78,8 +82,12 @@ class BlockMask:
         if self.packing is None:
             raise ValueError("block_mask: a varlen call needs a block mask over the packed "
                              "tokens: create_block_mask(..., cu_seqlens_q=, cu_seqlens_k=)")
-        for name, mine, call in (("cu_seqlens_q", self.packing[1], cu_seqlens_q),
-                                 ("cu_seqlens_k", self.packing[2], cu_seqlens_k)):
+        for name, mine, version, call in zip(
+                ("cu_seqlens_q", "cu_seqlens_k"), self.packing[1:], self.packed_versions,
+                (cu_seqlens_q, cu_seqlens_k), strict=True):
+            if version is not None and mine._version != version:
+                raise ValueError(f"block_mask: built over a {name} written in place since; "
+                                 "build the mask again over the new sequences")
             if mine is not call and (mine.shape != call.shape or mine.device != call.device
                                      or not torch.equal(mine, call)):
                 raise ValueError(f"block_mask: built for other sequences than the call's {name}")
@@ -167,7 +175,9 @@ def create_block_mask(mask_mod, B, H, Q_LEN: int, KV_LEN: int, device="cuda",
     partial, full = torch.cat(partial, 2), torch.cat(full, 2)  # (B, H, nQ, nK)
     return BlockMask(*_lists(partial), *_lists(full), *_lists(partial.transpose(-1, -2)),
                      *_lists(full.transpose(-1, -2)), BLOCK_SIZE=(bs_q, bs_k),
-                     seq_lengths=(Q_LEN, KV_LEN), mask_mod=mod, packing=packing)
+                     seq_lengths=(Q_LEN, KV_LEN), mask_mod=mod, packing=packing,
+                     packed_versions=None if packing is None else tuple(
+                         None if cu.is_inference() else cu._version for cu in packing[1:]))
 
 
 def _packing(cu_q, cu_k, B: int, Q_LEN: int, KV_LEN: int, device) -> tuple:

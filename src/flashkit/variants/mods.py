@@ -367,8 +367,9 @@ def _hosted(score_mod, mask_mod, block_mask) -> dict | None:
 
 
 def kept_params(score_mod, mask_mod, block_mask, key: tuple):
-    """The params attach gave an earlier call with these same modifier objects and an equal
-    key (the call's scalar arguments and q, k and v's facts), or None."""
+    """What keep_params kept of an earlier call with these same modifier objects and an equal
+    key (the call's scalar arguments and q, k and v's facts): the params attach gave it (a
+    varlen call: with its cu_seqlens' identities and versions), or None."""
     calls = _hosted(score_mod, mask_mod, block_mask)
     if calls is None:
         return None
@@ -377,7 +378,8 @@ def kept_params(score_mod, mask_mod, block_mask, key: tuple):
 
 
 def keep_params(score_mod, mask_mod, block_mask, key: tuple, params) -> None:
-    """Keep attach's params of a call whose checks all passed (kept_params)."""
+    """Keep attach's params of a call whose checks all passed, or what the entry point keeps
+    with them (kept_params)."""
     calls = _hosted(score_mod, mask_mod, block_mask)
     if calls is not None:  # the objects held: see kept_params
         kept.remember(calls, (key, id(score_mod), id(mask_mod), id(block_mask)),
