@@ -15,16 +15,16 @@ ALiBi. --cases backward times the backward alone (autograd.grad of a kept forwar
 calls of 16k tokens, 2048 = heads x head dim, at d64 and d128 over 1k, 4k and 16k tokens per
 sequence, full attention at 4k, d256 at 4k, and a transformers Llama's GQA call (batch 2, 4096
 tokens, 16 query / 4 kv heads, d128). --cases layout: forward (no grad) and step of causal
-GQA calls (16 / 4 heads, d128) on SDPA-layout tensors seen in flash-attn's layout (q.transpose(1,
-2)), 4096 tokens as 1 to 32 sequences of 4096 to 128, and a decoding call (one query row over
-4096 keys), with GLUON_COPIES_MIN_QUERIES = 1 in every tree that has it: each length shows what
-running the Gluon kernels on copies costs or gains against the portable kernels, which read the
-strides. --cases decode: flash_attn_func without grad on one or four query rows over 256 to 64k
-keys (32 query / 8 kv heads, d128, causal), batch 1 and 8, the keys contiguous or in SDPA's
-layout: decoding through flash_attn_func. Each time is the median of 15 calls timed with CUDA
-events, the GPU idle at each start (so host time counts where it exceeds the GPU's); the
-reported time per tree is the median over rounds. FLASHKIT_LOG_DISPATCH=1 makes a worker call
-each case once and log which kernels ran. Writes DIR/tree_ab.json.
+GQA calls (16 / 4 heads, d128) on SDPA-layout q, k, v seen in flash-attn's layout
+(q.transpose(1, 2), as a transformers model passes them), 4096 tokens as 1 to 32 sequences of
+4096 to 128 (8192 as 2 x 4096), and a decoding call (one query row over 4096 keys), each next to
+the same call on contiguous tensors. --cases decode: flash_attn_func without grad on one or
+four query rows over 256 to 64k keys (32 query / 8 kv heads, d128, causal), batch 1 and 8,
+the keys contiguous or in SDPA's layout: decoding through flash_attn_func. Each time is the
+median of 15 calls timed with CUDA events, the GPU idle at each start (so host time counts
+where it exceeds the GPU's); the reported time per tree is the median over rounds.
+FLASHKIT_LOG_DISPATCH=1 makes a worker call each case once and log which kernels ran.
+Writes DIR/tree_ab.json.
 """
 
 from __future__ import annotations
@@ -98,30 +98,31 @@ def _worker(tree: str, which: str) -> None:
                    " heads backward", backward)
 
     def layout_cases():
-        """(name, callable) pairs: forward and step on SDPA-layout tensors."""
-        from flashkit.ops.triton import dispatch
-        if hasattr(dispatch, "GLUON_COPIES_MIN_QUERIES"):
-            dispatch.GLUON_COPIES_MIN_QUERIES = 1
-
+        """(name, callable) pairs: forward and step on SDPA-layout q, k, v (dout contiguous,
+        as a model's output gradient is), each tree with its own dispatch; and the same calls
+        on contiguous q, k, v, the reference."""
         def sdpa_layout(batch, seqlen, heads):
             return torch.randn(batch, heads, seqlen, 128, device="cuda",
                                dtype=torch.bfloat16).transpose(1, 2)
         for batch, seqlen_q, seqlen_k in ((32, 128, 128), (16, 256, 256), (8, 512, 512),
-                                          (4, 1024, 1024), (1, 4096, 4096), (8, 1, 4096)):
-            q, dout = sdpa_layout(batch, seqlen_q, 16), sdpa_layout(batch, seqlen_q, 16)
+                                          (4, 1024, 1024), (2, 4096, 4096), (8, 1, 4096)):
+            dout = torch.randn(batch, seqlen_q, 16, 128, device="cuda", dtype=torch.bfloat16)
+            q = sdpa_layout(batch, seqlen_q, 16)
             k, v = sdpa_layout(batch, seqlen_k, 4), sdpa_layout(batch, seqlen_k, 4)
-            leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+            for layout, tensors in (("sdpa layout", (q, k, v)),
+                                    ("contiguous", [x.contiguous() for x in (q, k, v)])):
+                leaves = [x.detach().requires_grad_() for x in tensors]
 
-            def forward(q=q, k=k, v=v):
-                with torch.no_grad():
-                    flashkit.flash_attn_func(q, k, v, causal=True)
+                def forward(tensors=tensors):
+                    with torch.no_grad():
+                        flashkit.flash_attn_func(*tensors, causal=True)
 
-            def step(leaves=leaves, dout=dout):
-                flashkit.flash_attn_func(*leaves, causal=True).backward(dout)
-            name = f"b{batch} {seqlen_q} x {seqlen_k} sdpa layout"
-            yield f"{name} forward", forward
-            if seqlen_q > 1:
-                yield f"{name} step", step
+                def step(leaves=leaves, dout=dout):
+                    flashkit.flash_attn_func(*leaves, causal=True).backward(dout)
+                name = f"b{batch} {seqlen_q} x {seqlen_k} {layout}"
+                yield f"{name} forward", forward
+                if seqlen_q > 1:
+                    yield f"{name} step", step
 
     def decode_cases():
         """(name, callable) pairs: few query rows over many keys, without grad."""

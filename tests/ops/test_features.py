@@ -383,7 +383,6 @@ def test_gluon_backward_launchers_pass_a_block_mask(which, heads, monkeypatch):
 @pytest.mark.parametrize("varlen", [False, True])
 @pytest.mark.parametrize("which", ["dkdv", "dq"])
 def test_gluon_backward_launchers_fill_the_kernel_signatures(varlen, which, monkeypatch):
-    # on the GPU: a varlen dK/dV call aligns lse and delta in a kernel of its own, before launch
     q, k, v, params = _on_device(*_inputs(varlen))
     calls = _record_launches(monkeypatch)
     lse = torch.zeros(lse_shape(q, params), device=q.device)
@@ -394,7 +393,10 @@ def test_gluon_backward_launchers_fill_the_kernel_signatures(varlen, which, monk
     else:
         backward_hopper.attention_backward_dq(q, q, k, v, q, lse, delta, None, params,
                                               torch.empty_like(q))
-    (kernel, args, constexprs), = calls
+    # a varlen dK/dV call aligns lse and delta in a kernel of its own first
+    *before, (kernel, args, constexprs) = calls
+    assert [call[0] for call in before] == (
+        [backward_hopper._align_rows_kernel] if varlen and which == "dkdv" else [])
     assert kernel is getattr(backward_hopper, f"_bwd_{which}_hopper_kernel")
     heads = dict(nheads=4, nheads_k=2) if which == "dkdv" else dict(nheads=4, group=2)
     expected = dict(_expected(params, varlen), softmax_scale=SCALE, **heads)

@@ -49,3 +49,39 @@ def test_a_bad_geometry_still_raises():
         hopper_common.descriptor(torch.randn(256, 64, dtype=torch.bfloat16), (48, 64), layout)
     with pytest.raises(AssertionError, match="16-byte"):
         hopper_common.descriptor(torch.randn(256, 68, dtype=torch.bfloat16), (64, 64), layout)
+
+
+def test_heads_major_tensors_are_read_through_their_own_2d_view():
+    """SDPA's (batch, heads, seqlen, d) memory seen as (batch, seqlen, heads, d) is read in
+    place: its 2-D view (batch * heads * seqlen, d) holds (b, s, h) at row b * rows_b + h *
+    rows_h + s, column h * cols_h (view_geometry), as the flash layout's (tokens, heads * d)
+    does; a descriptor rebased on the tensor itself (launch._rebased, what a prepared launch
+    does) views the same memory. Other strides (a sliced head dim, unbound packed qkv) are
+    neither, and a tensor off 16 bytes is not read in place."""
+    from flashkit.ops.triton.launch import _rebased
+
+    b, s, h, d = 2, 48, 3, 64
+    flash = torch.randn(b, s, h, d, dtype=torch.bfloat16)
+    heads_major = flash.transpose(1, 2).contiguous().transpose(1, 2)
+    for x in (flash, heads_major):
+        assert hopper_common.tma_layout(x)
+        assert hopper_common.heads_major(x) == (x is heads_major)
+        view = hopper_common.view_2d(x)
+        assert view.data_ptr() == x.data_ptr() and view.is_contiguous()
+        rows_b, rows_h, cols_h = hopper_common.view_geometry(x)
+        for bi, si, hi in ((0, 0, 0), (1, 47, 2), (1, 5, 1)):
+            row, col = bi * rows_b + hi * rows_h + si, hi * cols_h
+            assert torch.equal(view[row, col:col + d], x[bi, si, hi])
+        desc = hopper_common.flash_descriptor(x, 64)
+        assert list(desc.shape) == list(view.shape)
+        rebased = _rebased(desc, x)
+        assert rebased.base.data_ptr() == x.data_ptr()
+        assert torch.equal(rebased.base, view)
+    varlen = flash.view(b * s, h, d)
+    assert hopper_common.view_geometry(varlen) == (0, 0, d)
+    assert hopper_common.view_geometry(heads_major) == (h * s, s, 0)
+    packed = torch.randn(b, s, 3, h, d).unbind(2)[1]
+    sliced = torch.randn(b, s, h, 2 * d)[..., :d]
+    unaligned = torch.randn(b * s * h * d + 1, dtype=torch.bfloat16)[1:].view(b, h, s, d)
+    for x in (packed, sliced, unaligned.transpose(1, 2)):
+        assert not hopper_common.tma_layout(x)

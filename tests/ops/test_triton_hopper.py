@@ -184,10 +184,14 @@ GPU_CASES = [  # (dtype, head_dim, seqlen_q, seqlen_k, nheads, nheads_k, window,
 ]
 
 
-def _run_case(case, tile):
+def _run_case(case, tile, heads_major=False):
+    """The case's forward against the oracle; heads_major: q, k, v with SDPA's (batch, heads,
+    seqlen, d) memory seen as (batch, seqlen, heads, d), which the kernel reads in place."""
     dtype, head_dim, seqlen_q, seqlen_k, nheads, nheads_k, window, features = case
     q, k, v, _ = make_inputs(2, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, head_dim,
                              dtype, "cuda")
+    if heads_major:
+        q, k, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v))
     params = _params(head_dim, window, features, nheads, "cuda")
     assert hopper.eligible(q, k, v, params, None, None, None)
     check_forward(q, k, v, params, tile)
@@ -341,6 +345,18 @@ def test_gpu_gluon_persistent_programs_take_many_items(case, schedule, programs,
     monkeypatch.setattr(hopper, "programs_per_device", lambda device, consumers: programs)
     tile = PERSISTENT[schedule]
     _run_case(at_head_dim(case, 256) if schedule.startswith("d256") else case, tile)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+@pytest.mark.parametrize("case", [GPU_CASES[i] for i in (1, 10, 22)], ids=str)
+def test_gpu_gluon_heads_major_inputs_match_oracle(case, schedule, monkeypatch):
+    """q, k, v in SDPA's heads-major memory, read in place through their 2-D views (batch *
+    heads * seqlen, d) under each schedule; a persistent grid of 5 programs, each walking
+    many items."""
+    monkeypatch.setattr(hopper, "programs_per_device", lambda device, consumers: 5)
+    _run_case(case, SCHEDULES[schedule], heads_major=True)
 
 
 # ---- varlen -------------------------------------------------------------------------------------

@@ -109,6 +109,8 @@ from flashkit.ops.triton.hopper_common import (
     flash_layout_2d,
     modifier_tensors,
     rows_descriptor,
+    tma_layout,
+    view_geometry,
 )
 from flashkit.ops.triton.launch import Prepared, device_facts, fold, planned
 
@@ -137,6 +139,7 @@ if gluon is not None:  # the forward's K/V ring fill (hopper_common) serves the 
         listed_tile,
         tile_start,
         user_scores,
+        view_origin,
         visible_with_mod,
         zero_tile_tail,
     )
@@ -243,7 +246,7 @@ if gluon is not None:
     @gluon.jit
     def _issue_q_do_load(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem,
                          delta_smem, q_bars, do_bars, job, n_jobs, jobs_per_head, m_first,
-                         listing, head_lists, q_row, q_col, lse_row, lse_stride_h,
+                         listing, head_lists, origins, lse_row, lse_stride_h,
                          BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
                          NUM_STAGES: gl.constexpr):
         """TMA the Q and dO tiles of job `job` (with their lse and delta rows) into ring buffer
@@ -265,18 +268,20 @@ if gluon is not None:
                 start_m = listed_tile(listing, t) * BLOCK_M
             else:  # (not tile_start's lo + t * TILE: this is the plain kernel's machine code)
                 start_m = (m_first + t) * BLOCK_M
-        col = q_col + g * HEAD_DIM
+        q_row, q_col, q_geo, do_row, do_col, do_geo = origins
         row_1d = lse_row + g * lse_stride_h + start_m
         q_bar = q_bars.index(stage)
         mbarrier.expect(q_bar, q_desc.block_type.nbytes + lse_desc.block_type.nbytes, pred=valid)
-        tma.async_copy_global_to_shared(q_desc, [q_row + start_m, col], q_bar,
+        tma.async_copy_global_to_shared(q_desc, [q_row + g * q_geo[1] + start_m,
+                                                 q_col + g * q_geo[2]], q_bar,
                                         q_smem.index(stage), pred=valid)
         tma.async_copy_global_to_shared(lse_desc, [row_1d], q_bar, lse_smem.index(stage),
                                         pred=valid)
         do_bar = do_bars.index(stage)
         mbarrier.expect(do_bar, do_desc.block_type.nbytes + delta_desc.block_type.nbytes,
                         pred=valid)
-        tma.async_copy_global_to_shared(do_desc, [q_row + start_m, col], do_bar,
+        tma.async_copy_global_to_shared(do_desc, [do_row + g * do_geo[1] + start_m,
+                                                  do_col + g * do_geo[2]], do_bar,
                                         do_smem.index(stage), pred=valid)
         tma.async_copy_global_to_shared(delta_desc, [row_1d], do_bar, delta_smem.index(stage),
                                         pred=valid)
@@ -308,7 +313,7 @@ if gluon is not None:
         tile computes dS and P o Z over 1 / (1 - p), a select per element instead of a select and
         a multiply, and the kernel scales dK and dV once). smem = (k, v, q ring, dO ring, lse
         ring, delta ring), bars = (q, dO) ring barriers, descs = (q, dO, lse, delta) descriptors,
-        ring = (n_jobs, jobs_per_head, m_first, listing, head_lists, q_row, q_col, lse_row,
+        ring = (n_jobs, jobs_per_head, m_first, listing, head_lists, origins, lse_row,
         lse_stride_h, start_n) as _issue_q_do_load takes them (start_n: the key block's first
         key). user =
         (batch, query head, score_args, mask_args, packing) of a user's modifiers
@@ -318,7 +323,7 @@ if gluon is not None:
         k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem = smem
         q_bars, do_bars = bars
         q_desc, do_desc, lse_desc, delta_desc = descs
-        (n_jobs, jobs_per_head, m_first, listing, head_lists, q_row, q_col, lse_row, lse_stride_h,
+        (n_jobs, jobs_per_head, m_first, listing, head_lists, origins, lse_row, lse_stride_h,
          start_n) = ring
         stage = job % NUM_STAGES
         phase = (job // NUM_STAGES) & 1
@@ -409,7 +414,7 @@ if gluon is not None:
         gl.thread_barrier()
         _issue_q_do_load(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem,
                          delta_smem, q_bars, do_bars, job + NUM_STAGES, n_jobs, jobs_per_head,
-                         m_first, listing, head_lists, q_row, q_col, lse_row, lse_stride_h,
+                         m_first, listing, head_lists, origins, lse_row, lse_stride_h,
                          BLOCK_M, HEAD_DIM, NUM_STAGES)
         return dk, dv
 
@@ -419,8 +424,8 @@ if gluon is not None:
                                 stride_dvb, stride_dvs, stride_dvh,
                                 ScoreTensors, nheads, nheads_k, seqlen_q, seqlen_k,
                                 window_left, window_right, score_values, softmax_scale, seed_lo,
-                                seed_hi, dropout_threshold, dropout_scale, stride_lh, Cu_q, Cu_k,
-                                score_args, mask_args, packing,
+                                seed_hi, dropout_threshold, dropout_scale, stride_lh, q_geo,
+                                kv_geo, do_geo, Cu_q, Cu_k, score_args, mask_args, packing,
                                 blocks, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                                 BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                                 HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
@@ -454,14 +459,16 @@ if gluon is not None:
         if VARLEN:
             if start_n >= seqlen_k:
                 return
-            q_row = q_start.to(gl.int32)
-            kv_row = k_start.to(gl.int32) + start_n
-            lse_row = off_hk * group * stride_lh + _aligned_row(q_row, off_b)
+            lse_row = off_hk * group * stride_lh + _aligned_row(q_start.to(gl.int32), off_b)
         else:
-            q_row = off_b * seqlen_q
-            kv_row = off_b * seqlen_k + start_n
             lse_row = (off_b * nheads + off_hk * group) * seqlen_q
-        q_col = off_hk * group * HEAD_DIM
+        # the group's first query head in the 2-D views of Q and dO (head g of the group
+        # g * rows_h rows and g * cols_h columns on), and this key block's K/V rows
+        q_row, q_col = view_origin(q_geo, off_b, off_hk * group, q_start, VARLEN)
+        do_row, do_col = view_origin(do_geo, off_b, off_hk * group, q_start, VARLEN)
+        origins = (q_row, q_col, q_geo, do_row, do_col, do_geo)
+        kv_row, kv_col = view_origin(kv_geo, off_b, off_hk, k_start, VARLEN)
+        kv_row += start_n
         geo = (seqlen_q, seqlen_k, window_left, window_right, dropout_scale)
         dtype: gl.constexpr = q_desc.dtype
 
@@ -531,12 +538,12 @@ if gluon is not None:
         jobs_per_head = gl.maximum(m_end - m_first, 1)
 
         mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [kv_row, off_hk * HEAD_DIM], kv_bar, k_smem)
-        tma.async_copy_global_to_shared(v_desc, [kv_row, off_hk * HEAD_DIM], kv_bar, v_smem)
+        tma.async_copy_global_to_shared(k_desc, [kv_row, kv_col], kv_bar, k_smem)
+        tma.async_copy_global_to_shared(v_desc, [kv_row, kv_col], kv_bar, v_smem)
         for i in gl.static_range(NUM_STAGES):
             _issue_q_do_load(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem,
                              delta_smem, q_bars, do_bars, i, n_jobs, jobs_per_head, m_first,
-                             listing, head_lists, q_row, q_col, lse_row, stride_lh, BLOCK_M,
+                             listing, head_lists, origins, lse_row, stride_lh, BLOCK_M,
                              HEAD_DIM, NUM_STAGES)
         mbarrier.wait(kv_bar, 0)
 
@@ -545,7 +552,7 @@ if gluon is not None:
         smem = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem)
         bars = (q_bars, do_bars)
         descs = (q_desc, do_desc, lse_desc, delta_desc)
-        ring = (n_jobs, jobs_per_head, m_first, listing, head_lists, q_row, q_col, lse_row,
+        ring = (n_jobs, jobs_per_head, m_first, listing, head_lists, origins, lse_row,
                 stride_lh, start_n)
         job = 0
         for g in range(group):  # the query heads that share this kv head, in a fixed order
@@ -753,7 +760,8 @@ if gluon is not None:
                               stride_deltab, stride_deltah, stride_dqb, stride_dqs, stride_dqh,
                               nheads, group, seqlen_q, seqlen_k, window_left, window_right,
                               score_values, softmax_scale, seed_lo, seed_hi,
-                              dropout_threshold, dropout_scale, Cu_q, Cu_k, score_args,
+                              dropout_threshold, dropout_scale, q_geo, kv_geo, do_geo, Cu_q,
+                              Cu_k, score_args,
                               mask_args, packing, blocks, grad_args, HEAD_DIM: gl.constexpr,
                               BLOCK_M: gl.constexpr,
                               BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
@@ -789,12 +797,10 @@ if gluon is not None:
         if VARLEN:
             if start_m >= seqlen_q:
                 return
-            q_row = q_start.to(gl.int32) + start_m
-            key_row0 = k_start.to(gl.int32)
-        else:
-            q_row = off_b * seqlen_q + start_m
-            key_row0 = off_b * seqlen_k
-        kv_col = (off_h // group) * HEAD_DIM
+        # this head's rows in the 2-D views of Q, dO and K/V
+        q_row, q_col = view_origin(q_geo, off_b, off_h, q_start, VARLEN)
+        do_row, do_col = view_origin(do_geo, off_b, off_h, q_start, VARLEN)
+        key_row0, kv_col = view_origin(kv_geo, off_b, off_h // group, k_start, VARLEN)
         geo = (seqlen_q, seqlen_k, window_left, window_right, dropout_scale)
         drop = (seed_lo, seed_hi, dropout_threshold, off_b, off_h)
         user = (off_b, off_h, score_args, mask_args, packing)
@@ -839,8 +845,8 @@ if gluon is not None:
         key0 = key_row0 + lo
 
         mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [q_row, off_h * HEAD_DIM], q_bar, q_smem)
-        tma.async_copy_global_to_shared(do_desc, [q_row, off_h * HEAD_DIM], q_bar, do_smem)
+        tma.async_copy_global_to_shared(q_desc, [q_row + start_m, q_col], q_bar, q_smem)
+        tma.async_copy_global_to_shared(do_desc, [do_row + start_m, do_col], q_bar, do_smem)
         for i in gl.static_range(NUM_STAGES):
             issue_kv_load(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, i, n_tiles, key0,
                           listing, kv_col, BLOCK_N, NUM_STAGES)
@@ -936,9 +942,9 @@ def _declines(q, k, v, dout, lse, params: AttentionParams, dq, dk, dv, tiles,
     why = gluon_declines(q, k, v, params, varlen=True, copies=copies)
     if why is None and variant is not None and variant.block_mask is not None:
         why = block_mask_declines(q, params)
-    if why is None and not (dout.dtype == q.dtype and flash_layout_2d(dout)
+    if why is None and not (dout.dtype == q.dtype and tma_layout(dout)
                             and flash_layout_2d(lse)):
-        why = "dout or lse not contiguous in q's dtype"
+        why = "dout (contiguous or heads-major) or lse (contiguous) not so, or not in q's dtype"
     if why is None and not all(x.stride(-1) == 1 for x in (dq, dk, dv)):
         why = "dq, dk or dv has a strided last dim"
     return why
@@ -1060,7 +1066,8 @@ def _prepare_dkdv(q, k, v, dout, lse, delta, params: AttentionParams, dk, dv, bl
     variant = variant_args(params)[3]
     return Prepared(_bwd_dkdv_hopper_kernel, grid, (
         *f.strides(dk)[:3], *f.strides(dv)[:3], f.nheads, f.nheads_k, *f.band,
-        f.score_values, params.softmax_scale, *f.dropout, lse.stride(-2)), dict(
+        f.score_values, params.softmax_scale, *f.dropout, lse.stride(-2), view_geometry(q),
+        view_geometry(k), view_geometry(dout)), dict(
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=num_stages, **f.flags,
         ONE_KEY_ZERO=one_key_zero, **_user_modifiers(variant),
         HEAD_LISTS=_per_head_mask(params), ACROSS_HEADS=across_heads, num_warps=num_warps),
@@ -1098,7 +1105,7 @@ def _prepare_dq(q, k, v, out, dout, lse, delta, dlse, params: AttentionParams, d
         *f.strides(out), *f.strides(dout)[:3], *f.strides(lse)[:2], *f.strides(delta)[:2],
         *f.strides(dq)[:3], f.nheads,
         f.nheads // f.nheads_k, *f.band, f.score_values, params.softmax_scale,
-        *f.dropout), dict(
+        *f.dropout, view_geometry(q), view_geometry(k), view_geometry(dout)), dict(
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=num_stages, **f.flags,
         ONE_KEY_ZERO=one_key_zero, SINK=params.sink is not None, LSE_GRAD=dlse is not None,
         **_user_modifiers(variant), **captured_grad_args(params)[1],

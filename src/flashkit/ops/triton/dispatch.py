@@ -12,9 +12,10 @@
                                                  (a long prefill, prefill.py) or the decode
                                                  kernels
 
-Where only the layout of q, k or v keeps the Gluon kernels from a forward or backward (a
-transposed SDPA-layout tensor; q, k, v unbound from one packed tensor), they run on contiguous
-copies (ON_COPIES).
+The Gluon kernels read q, k, v (and dO) in place in the flash layout and in SDPA's heads-major
+memory seen as flash-attn's shape (a model's q.transpose(1, 2): hopper_common.tma_layout).
+Where only another layout keeps them from a forward or backward (q, k, v unbound from one packed
+tensor, a sliced head dim), they run on contiguous copies (ON_COPIES).
 
 Each kernel's predicate lives beside the kernel and returns why it declines a call (a string), or
 None when it takes it. A choice depends only on what the plan key holds (shapes, dtypes, the
@@ -37,7 +38,7 @@ To see the choices, set the environment variable FLASHKIT_LOG_DISPATCH=1, or the
 "flashkit.dispatch" to DEBUG: every call then logs the kernel that ran and why the others
 declined, e.g.
     flashkit.dispatch: forward ran triton; declined: decode: 512 keys < 4096; gluon: not an
-    sm_90 GPU; gluon on contiguous copies: q, k and v in the flash layout already
+    sm_90 GPU; gluon on contiguous copies: q, k and v read in place already
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ from flashkit.ops.triton import (
     prefill,
 )
 from flashkit.ops.triton.configs import GLUON_COPIES_MIN_QUERIES
-from flashkit.ops.triton.hopper_common import flash_layout_2d
+from flashkit.ops.triton.hopper_common import tma_layout
 from flashkit.ops.triton.launch import planned
 
 __all__ = ["forward_call", "backward_call", "kvcache_call", "planned_forward", "kvcache_step",
@@ -266,10 +267,9 @@ def _forward(plan: Plan, q, k, v, params: AttentionParams, out, lse):
     return forward.attention_forward(q, k, v, params, out=out, lse=lse)
 
 
-# A call whose q, k or v is not in the flash layout (contiguous (batch, seqlen, heads, d) or
-# (total, heads, d), 16-byte aligned), which the Gluon kernels read as 2-D TMA views, runs them
-# on contiguous copies: SDPA-layout tensors transposed to flash-attn's (a model's
-# q.transpose(1, 2)), q, k, v unbound from one packed qkv. A copy reads and writes each tensor
+# A call whose q, k or v the Gluon kernels cannot read as a 2-D TMA view (hopper_common.
+# tma_layout: contiguous, or dense and heads-major, 16-byte aligned) runs them on contiguous
+# copies: q, k, v unbound from one packed qkv, say. A copy reads and writes each tensor
 # once: a small part of the attention's time with many query rows per sequence, as much as the
 # attention itself with few (a decoding step reads its keys once), where the portable kernels,
 # which read any strides, run instead (GLUON_COPIES_MIN_QUERIES). The backward copies again from
@@ -279,11 +279,11 @@ ON_COPIES = "gluon on contiguous copies"
 
 
 def _not_for_copies(q, k, v, params: AttentionParams) -> str | None:
-    """Why copying q, k and v is not the way to the Gluon kernels, or None: they are in the
-    flash layout already (the plain "gluon" candidate declined for another reason), or the
-    sequences have too few query rows for a copy to pay."""
-    if all(flash_layout_2d(x) for x in (q, k, v)):
-        return "q, k and v in the flash layout already"
+    """Why copying q, k and v is not the way to the Gluon kernels, or None: they read them in
+    place already (the plain "gluon" candidate declined for another reason), or the sequences
+    have too few query rows for a copy to pay."""
+    if all(tma_layout(x) for x in (q, k, v)):
+        return "q, k and v read in place already"
     rows = params.max_seqlen_q if params.is_varlen else q.shape[1]
     if rows < GLUON_COPIES_MIN_QUERIES:
         return f"{rows} query rows < {GLUON_COPIES_MIN_QUERIES} (a copy would cost as much)"
@@ -291,9 +291,10 @@ def _not_for_copies(q, k, v, params: AttentionParams) -> str | None:
 
 
 def _copies(*tensors) -> tuple:
-    """The tensors, each one not in the flash layout as a contiguous copy (a new allocation,
-    so 16-byte aligned: .contiguous() would return a contiguous tensor off 16 bytes itself)."""
-    return tuple(x if flash_layout_2d(x) else x.clone(memory_format=torch.contiguous_format)
+    """The tensors, each one the Gluon kernels cannot read in place as a contiguous copy (a
+    new allocation, so 16-byte aligned: .contiguous() would return a contiguous tensor off 16
+    bytes itself)."""
+    return tuple(x if tma_layout(x) else x.clone(memory_format=torch.contiguous_format)
                  for x in tensors)
 
 

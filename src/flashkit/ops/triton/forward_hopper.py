@@ -96,8 +96,9 @@ from flashkit.ops.triton.configs import (
 from flashkit.ops.triton.features import SEED, dropout_seed, feature_tensors, kernel_features
 from flashkit.ops.triton.hopper_common import (
     flash_descriptor,
-    flash_layout_2d,
     modifier_tensors,
+    tma_layout,
+    view_geometry,
 )
 from flashkit.ops.triton.launch import Prepared, device_properties, fold, planned
 
@@ -133,6 +134,7 @@ if gluon is not None:
         tile_start,
         tma_load_tile,
         user_scores,
+        view_origin,
         visible_with_mod,
         zero_tile_tail,
     )
@@ -632,25 +634,23 @@ if gluon is not None:
             tma_load_tile(v_desc, v_ready.index(stage), v_smem.index(stage), rows, kv_col, True)
 
     @gluon.jit
-    def _sequence_rows(off_b, seqlen_q, seqlen_k, Cu_q, Cu_k, Used_k, VARLEN: gl.constexpr,
-                       SEQUSED_K: gl.constexpr):
-        """(q_start, q_row0, k_row0, seqlen_q, seqlen_k) of batch entry off_b: its first query
-        row in out/lse's sequence dimension (varlen: cu_seqlens_q[b], dense: 0), its first query
-        and key rows in the 2-D TMA views, and its lengths. A sequence's keys are (first row,
-        length): varlen rows cu_seqlens_k[b] .. + (cu_seqlens_k[b + 1] - cu_seqlens_k[b]), or
-        with SEQUSED_K + Used_k[b] (flash-attn's seqused_k: a contiguous cache (batch, capacity)
-        flattened, cu_seqlens_k = b * capacity)."""
+    def _sequence_rows(off_b, off_h, off_hk, seqlen_q, seqlen_k, Cu_q, Cu_k, Used_k, q_geo,
+                       kv_geo, VARLEN: gl.constexpr, SEQUSED_K: gl.constexpr):
+        """(q_start, q_row, q_col, k_row, kv_col, seqlen_q, seqlen_k) of batch entry off_b,
+        query head off_h, kv head off_hk: its first query row in out/lse's sequence dimension
+        (varlen: cu_seqlens_q[b], dense: 0), the (row, column) of its first query and first key
+        in the 2-D TMA views (hopper_common.view_origin; q_geo and kv_geo their
+        view_geometry), and its lengths. A sequence's keys are (first row, length): varlen
+        rows cu_seqlens_k[b] .. + (cu_seqlens_k[b + 1] - cu_seqlens_k[b]), or with SEQUSED_K
+        + Used_k[b] (flash-attn's seqused_k: a contiguous cache (batch, capacity) flattened,
+        cu_seqlens_k = b * capacity)."""
         q_start, k_start, seqlen_q, seqlen_k = sequence(off_b, seqlen_q, seqlen_k, Cu_q, Cu_k,
                                                         VARLEN)
-        if VARLEN:
-            q_row0 = q_start.to(gl.int32)
-            k_row0 = k_start.to(gl.int32)
-            if SEQUSED_K:
-                seqlen_k = gl.load(Used_k + off_b)
-        else:
-            q_row0 = off_b * seqlen_q
-            k_row0 = off_b * seqlen_k
-        return q_start, q_row0, k_row0, seqlen_q, seqlen_k
+        if VARLEN and SEQUSED_K:
+            seqlen_k = gl.load(Used_k + off_b)
+        q_row, q_col = view_origin(q_geo, off_b, off_h, q_start, VARLEN)
+        k_row, kv_col = view_origin(kv_geo, off_b, off_hk, k_start, VARLEN)
+        return q_start, q_row, q_col, k_row, kv_col, seqlen_q, seqlen_k
 
     @gluon.jit
     def _work_item(pid_m, pid_bh, problem, HEAD_DIM: gl.constexpr, BLOCK_Q: gl.constexpr,
@@ -667,13 +667,13 @@ if gluon is not None:
         (Out, Lse, Alibi, Sink, Cu_q, Cu_k, Used_k, stride_ob, stride_os, stride_oh, stride_lb,
          stride_lh, stride_ab, stride_ah, nheads, group, seqlen_q, seqlen_k, window_left,
          window_right, qk_scale, softcap_scale, seed_lo, seed_hi, dropout_threshold,
-         dropout_scale, paging, score_args, mask_args, packing, blocks) = problem
+         dropout_scale, paging, score_args, mask_args, packing, blocks, q_geo, kv_geo) = problem
         off_b = pid_bh // nheads
         off_h = pid_bh % nheads
         start_m = pid_m * BLOCK_Q
-        q_start, q_row0, k_row0, seqlen_q, seqlen_k = _sequence_rows(
-            off_b, seqlen_q, seqlen_k, Cu_q, Cu_k, Used_k, VARLEN, SEQUSED_K)
-        kv_col = (off_h // group) * HEAD_DIM
+        q_start, q_row0, q_col, k_row0, kv_col, seqlen_q, seqlen_k = _sequence_rows(
+            off_b, off_h, off_h // group, seqlen_q, seqlen_k, Cu_q, Cu_k, Used_k, q_geo, kv_geo,
+            VARLEN, SEQUSED_K)
         lo, _, _, hi = key_tile_ranges(start_m, seqlen_q, seqlen_k, window_left, window_right,
                                        BLOCK_Q, BLOCK_N, HAS_LEFT, HAS_RIGHT)
         n_tiles = gl.cdiv(hi - lo, BLOCK_N)
@@ -696,8 +696,7 @@ if gluon is not None:
                    start_m, lo, n_tiles, key0, kv_col, seqlen_q, seqlen_k, window_left,
                    window_right, qk_scale, softcap_scale, seed_lo, seed_hi, dropout_threshold,
                    dropout_scale, score_args, mask_args, packing, listing)
-        return scalars, (n_tiles, key0, listing, kv_col, q_row0 + start_m, off_h * HEAD_DIM), \
-            in_sequence
+        return scalars, (n_tiles, key0, listing, kv_col, q_row0 + start_m, q_col), in_sequence
 
     @gluon.jit
     def _item_tile(item, n_m, n_items, LONGEST_FIRST: gl.constexpr):
@@ -772,7 +771,8 @@ if gluon is not None:
                            stride_ab, stride_ah, nheads, group, seqlen_q, seqlen_k, window_left,
                            window_right, qk_scale, softcap_scale, seed_lo, seed_hi,
                            dropout_threshold, dropout_scale, n_items, stride_table, page_shift,
-                           score_args, mask_args, packing, blocks, HEAD_DIM: gl.constexpr,
+                           q_geo, kv_geo, score_args, mask_args, packing, blocks,
+                           HEAD_DIM: gl.constexpr,
                            BLOCK_N: gl.constexpr,
                            NUM_STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
                            SPECIALIZED: gl.constexpr, PINGPONG: gl.constexpr,
@@ -789,7 +789,9 @@ if gluon is not None:
         (grid (n_m, batch * heads)), or PERSISTENT (specialized): about one program per SM, each
         taking items program_id, + num_programs, ..., so its producer loads the next item's Q
         and first K/V tiles while the consumers finish the last one (FA3's persistent kernel).
-        q_desc/k_desc/v_desc: TMA descriptors over the 2-D views (tokens, heads * HEAD_DIM).
+        q_desc/k_desc/v_desc: TMA descriptors over the 2-D views (hopper_common.view_2d: the
+        flash layout's (tokens, heads * HEAD_DIM), or a heads-major tensor's (batch * heads *
+        seqlen, HEAD_DIM)), q_geo and kv_geo their view_geometry.
         VARLEN: n_m covers the longest sequence; items past a sequence's end do nothing (a
         program of one returns at once). PAGED (VARLEN with SEQUSED_K): k_desc/v_desc view a
         paged cache (num_blocks * page_size, hk * HEAD_DIM) in [min(page_size, BLOCK_N),
@@ -809,7 +811,7 @@ if gluon is not None:
                    stride_lb, stride_lh, stride_ab, stride_ah, nheads, group, seqlen_q,
                    seqlen_k, window_left, window_right, qk_scale, softcap_scale, seed_lo,
                    seed_hi, dropout_threshold, dropout_scale, paging, score_args, mask_args,
-                   packing, blocks)
+                   packing, blocks, q_geo, kv_geo)
         if PERSISTENT:
             work = (problem, gl.cdiv(seqlen_q, BLOCK_Q), n_items)
         else:  # heaviest causal rows first
@@ -951,8 +953,8 @@ def gluon_declines(q, k, v, params: AttentionParams, varlen: bool = False,
     tokens = 0 if params.is_varlen else 1  # varlen (total, h, d), dense (b, seqlen, h, d)
     if min(q.shape[tokens], k.shape[tokens]) == 0:
         return "no query or key token"
-    if not copies and not all(flash_layout_2d(x) for x in (q, k, v)):
-        return "q, k or v not contiguous and 16-byte aligned"
+    if not copies and not all(tma_layout(x) for x in (q, k, v)):
+        return "q, k or v neither contiguous nor heads-major, 16-byte aligned"
     return None
 
 
@@ -1124,7 +1126,7 @@ def _prepare(q, k, v, params: AttentionParams, out, lse, tile, seqused_k, block_
     return Prepared(_fwd_hopper_kernel, grid, (
         *f.strides(out)[:3], *f.strides(lse)[:2], stride_ab, stride_ah, f.nheads,
         f.nheads // f.nheads_k, *f.band, qk_scale, softcap_scale, *f.dropout, n_items,
-        *paging), dict(
+        *paging, view_geometry(q), view_geometry(k)), dict(
         HEAD_DIM=head_dim, BLOCK_N=block_n, NUM_STAGES=num_stages, CONSUMERS=consumers,
         SPECIALIZED=specialized, PINGPONG=pingpong and consumers >= 2, PERSISTENT=persistent,
         CONSUMER_REGS=config.pop("CONSUMER_REGS"), **flags, SEQUSED_K=seqused_k is not None,

@@ -1,5 +1,7 @@
 """Shared pieces of the sm_90 Gluon kernels (forward_hopper.py, backward_hopper.py): the TMA
-descriptors of the flash layout on the host; on the device, a K/V tile's rows (contiguous or
+descriptors of q, k, v and dO on the host (the flash layout, or SDPA's heads-major memory
+seen as flash-attn's shape: view_2d, view_geometry), and on the device where a head's rows start
+in them (view_origin); on the device, a K/V tile's rows (contiguous or
 paged), its TMA load into a ring buffer, the zeroing of a tile's rows past a sequence's end, and
 a work item's tiles under a user's block mask (block_lists on the host; block_listing,
 listed_tile, tile_start), and a user's score and mask modifiers as both kernels apply them
@@ -52,13 +54,48 @@ def flash_layout_2d(x: torch.Tensor) -> bool:
     return x.is_contiguous() and x.data_ptr() % 16 == 0
 
 
-def flash_descriptor(x, rows, box_rows=None):
-    """TMA descriptor of [rows, d] tiles over x (batch, seqlen, heads, d) or varlen (total,
-    heads, d) as the 2-D view (tokens, heads * d); box_rows < rows: [box_rows, d] pieces of
-    such a tile (a paged cache's pages), in the tile's shared-memory layout."""
+def heads_major(x: torch.Tensor) -> bool:
+    """Dense x (batch, seqlen, heads, d) whose memory is (batch, heads, seqlen, d), contiguous
+    and 16-byte aligned: PyTorch SDPA's layout seen through .transpose(1, 2), as a model hands
+    its q, k, v to flash-attn's API. (batch * heads * seqlen, d) is then a view."""
+    return (x.dim() == 4 and not x.is_contiguous() and x.transpose(1, 2).is_contiguous()
+            and x.data_ptr() % 16 == 0)
+
+
+def tma_layout(x: torch.Tensor) -> bool:
+    """Whether the Gluon kernels read x through a 2-D TMA view (view_2d): the flash layout, or
+    a dense tensor heads_major."""
+    return flash_layout_2d(x) or heads_major(x)
+
+
+def view_2d(x: torch.Tensor) -> torch.Tensor:
+    """The 2-D view of a tma_layout x: (tokens, heads * d) of the flash layout, (batch * heads
+    * seqlen, d) of a heads_major one."""
+    if x.is_contiguous():
+        return x.view(-1, x.shape[-2] * x.shape[-1])
+    return x.transpose(1, 2).view(-1, x.shape[-1])
+
+
+def view_geometry(x: torch.Tensor) -> tuple[int, int, int]:
+    """Where the rows of (batch entry b, head h) start in view_2d(x), as the kernels take it:
+    (rows per batch entry, rows per head, columns per head); row b * rows_b + h * rows_h +
+    position, column h * cols_h. The flash layout (seqlen, 0, d) (varlen: rows per batch entry
+    unused, each sequence starts at its cu_seqlens row), heads_major (heads * seqlen, seqlen,
+    0)."""
     heads, head_dim = x.shape[-2:]
-    x2d = x.view(-1, heads * head_dim)
-    return descriptor(x2d, (box_rows or rows, head_dim), tile_layout(rows, head_dim, x.dtype))
+    if x.is_contiguous():
+        return (x.shape[1] if x.dim() == 4 else 0), 0, head_dim
+    seqlen = x.shape[1]
+    return heads * seqlen, seqlen, 0
+
+
+def flash_descriptor(x, rows, box_rows=None):
+    """TMA descriptor of [rows, d] tiles over a tma_layout x (batch, seqlen, heads, d) or
+    varlen (total, heads, d) as its 2-D view (view_2d); box_rows < rows: [box_rows, d] pieces
+    of such a tile (a paged cache's pages), in the tile's shared-memory layout."""
+    head_dim = x.shape[-1]
+    return descriptor(view_2d(x), (box_rows or rows, head_dim),
+                      tile_layout(rows, head_dim, x.dtype))
 
 
 def rows_descriptor(x, rows):
@@ -133,6 +170,18 @@ def row_layout(rows):
 
 
 if gluon is not None:
+
+    @gluon.jit
+    def view_origin(geo, off_b, head, seq_start, VARLEN: gl.constexpr):
+        """(row, column) of position 0 of `head` in batch entry off_b in a 2-D TMA view
+        (view_2d), geo its view_geometry (rows per batch entry, rows per head, columns per
+        head); VARLEN: the sequence starts at row seq_start (its cu_seqlens entry) instead."""
+        rows_b, rows_h, cols_h = geo
+        if VARLEN:
+            first = seq_start.to(gl.int32)
+        else:
+            first = off_b * rows_b
+        return first + head * rows_h, head * cols_h
 
     @gluon.jit
     def kv_tile_rows(keys, tile, BLOCK_N: gl.constexpr, ROWS: gl.constexpr):

@@ -441,10 +441,11 @@ def _scalar_indices(kernel, names: tuple, n_scalars: int, n_constexprs: int,
 
 def _rebased(template, base: torch.Tensor | None):
     """A copy of the TensorDescriptor template over base, a tensor at the address it views
-    (its view of the template's shape), or over nothing (base None)."""
+    (the template's shape and strides from there: a 2-D view of base's memory, whatever
+    base's own shape and strides), or over nothing (base None)."""
     desc = object.__new__(type(template))  # copy.copy costs 5x more
     desc.__dict__.update(template.__dict__)
-    desc.base = None if base is None else base.view(template.shape)
+    desc.base = None if base is None else base.as_strided(template.shape, template.strides)
     return desc
 
 

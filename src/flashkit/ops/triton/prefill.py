@@ -52,11 +52,11 @@ def as_varlen(q, k_cache, v_cache, cache_batch_idx, cache_leftpad, block_table,
     goes through block_table (attention_forward's paged keys). Causal and windows are
     bottom-right aligned per sequence. Slots past a sequence's keys (spare capacity, other
     rows, the rest of its last page) weigh exactly 0 even when they hold NaN."""
-    from flashkit.ops.triton import forward_hopper
+    from flashkit.ops.triton.hopper_common import flash_layout_2d
 
     batch, seqlen_q, nheads, head_dim = q.shape
     slots, nheads_k = k_cache.shape[1], k_cache.shape[2]  # the capacity, or page_size
-    if not (forward_hopper.flash_layout_2d(k_cache) and forward_hopper.flash_layout_2d(v_cache)):
+    if not (flash_layout_2d(k_cache) and flash_layout_2d(v_cache)):
         return None
     k, v = k_cache.view(-1, nheads_k, head_dim), v_cache.view(-1, nheads_k, v_cache.shape[-1])
     cu_q = multiples(seqlen_q, batch + 1, q.device)
