@@ -53,9 +53,10 @@ S^T's and dP^T's); P^T and dS^T, split by query columns, reach the dV and dK mat
 shared memory.
 
 Eligible (see `eligible`): what the Gluon forward takes (forward_hopper.gluon_declines: sm_90,
-fp16/bf16, head dim 64, 128 or 256, q/k/v in the flash layout so (tokens, heads * d) is a plain
-2-D view for TMA), dense with seqlen_q and seqlen_k multiples of every tile, or varlen; a dense
-call at other lengths runs as varlen with equal lengths (dense_as_varlen), whose tails are
+fp16/bf16, head dim 64, 128 or 256, q/k/v (and dO) contiguous or heads-major, each read
+through its own 2-D view for TMA: hopper_common.view_2d), dense with seqlen_q and seqlen_k
+multiples of every tile, or varlen; a dense call at other lengths runs as varlen with equal
+lengths (dense_as_varlen; contiguous dq, dk, dv), whose tails are
 NaN-safe: nothing the TMA tiles read past a batch entry's end reaches its gradients. A user's
 score_mod (through its derivative) and mask_mod (flashkit.variants) are applied where the
 built-in terms are (hopper_common.user_scores, visible_with_mod), as backward.py's kernels

@@ -933,9 +933,10 @@ def gluon_declines(q, k, v, params: AttentionParams, varlen: bool = False,
                    copies: bool = False) -> str | None:
     """Why the Gluon kernels (this forward, backward_hopper's backward) cannot take a call, or
     None: they need Gluon on an sm_90 GPU, non-empty fp16/bf16 q/k/v of one head dim in
-    HEAD_DIMS in the flash layout, no bias, a positive scale; dense, or varlen too where the
-    caller says it takes it (varlen=True). copies=True: whether they take the call with q, k
-    and v copied into the flash layout (contiguous), their own layout aside. Each kernel's
+    HEAD_DIMS, each contiguous or heads-major (hopper_common.tma_layout), no bias, a positive
+    scale; dense, or varlen too where the caller says it takes it (varlen=True). copies=True:
+    whether they take the call with q, k and v copied into the flash layout (contiguous),
+    their own layout aside. Each kernel's
     `declines` adds its own conditions (a user's modifiers among them)."""
     if gluon is None or interpreting():
         return "no Gluon (the interpreter, or a Triton without it)"

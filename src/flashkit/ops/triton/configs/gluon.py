@@ -74,12 +74,12 @@ GLUON_BACKWARD_DKDV = {
     # two warpgroups: 4k 370 / 341 vs (64, 64, 8, 1) 346 / 325, (128, 64, 8, 1) 342 / 334
     256: (64, 64, 8, 2),
 }
-# Query rows per sequence from which a call whose q, k or v is not in the flash layout runs the
-# Gluon kernels on contiguous copies (dispatch.ON_COPIES); below, the portable kernels read its
-# strides. H200, causal bf16 d128, 16 / 4 heads, SDPA-layout tensors, 4096 tokens, copies over
-# the portable kernels (diagnostics/tree_ab.py --cases layout), forward / step: 4096 rows 1.00 /
-# 0.73, 1024 rows 0.96 / 0.96, 512 rows 1.10 / 1.30, 256 rows 1.11 / 1.15, one row (decoding)
-# 1.07 / -.
+# Query rows per sequence from which a call whose q, k or v the Gluon kernels cannot read in
+# place (hopper_common.tma_layout) runs them on contiguous copies (dispatch.ON_COPIES); below,
+# the portable kernels read its strides. Measured on SDPA-layout tensors before the kernels read
+# those in place: H200, causal bf16 d128, 16 / 4 heads, 4096 tokens, copies over the portable
+# kernels, forward / step: 4096 rows 1.00 / 0.73, 1024 rows 0.96 / 0.96, 512 rows 1.10 / 1.30,
+# 256 rows 1.11 / 1.15, one row (decoding) 1.07 / -.
 GLUON_COPIES_MIN_QUERIES = 1024
 
 # A banded (causal or windowed) backward launch with at most this many programs per SM starts
