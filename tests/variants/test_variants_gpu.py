@@ -96,6 +96,36 @@ def test_gluon_kernels_take_a_block_mask_over_packed_tokens(lengths, headdim, dt
         assert any(m.startswith("backward ran gluon") for m in ran), ran
 
 
+@pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("mod", ["relative_bias", "alibi"])
+@pytest.mark.usefixtures("fresh_plans")
+def test_gluon_backward_learns_captured_tensors_over_packed_tokens(mod, caplog):
+    """A score_mod whose captured tensor learns (a relative-position table, ALiBi slopes)
+    under a causal block mask over varlen's packed tokens (1024: the backward's tiles): the
+    Gluon dQ kernel runs the captured_grad rule at each pair's sequence and positions in it;
+    q, k, v and the captured tensor's gradients against the oracle."""
+    lengths = [300, 1, 0, 517, 206]
+    inputs = _cuda(random_varlen(lengths, lengths, nheads=8, nheads_k=2, headdim=128,
+                                 dtype=torch.bfloat16))
+    total = sum(lengths)
+    mask = flashkit.create_block_mask(variants.causal_mask(), None, None, total, total,
+                                      device="cuda", cu_seqlens_q=inputs["cu_seqlens_q"],
+                                      cu_seqlens_k=inputs["cu_seqlens_k"])
+    make = variants.relative_bias if mod == "relative_bias" else variants.alibi
+    inputs["captured"] = (torch.randn(8, 13, device="cuda") if mod == "relative_bias" else
+                          torch.rand(8, device="cuda") * 0.1)
+
+    def run(backend, captured, **kw):
+        return (flashkit.flash_attn_varlen_func(**kw, block_mask=mask, backend=backend,
+                                                score_mod=make(captured)),)
+    with caplog.at_level(logging.DEBUG, logger="flashkit.dispatch"):
+        check_against_oracle(functools.partial(run, "triton"), inputs, output_names=("out",),
+                             oracle_fn=functools.partial(run, "reference"),
+                             grad_names=("q", "k", "v", "captured"))
+    ran = [r.getMessage() for r in caplog.records if r.name == "flashkit.dispatch"]
+    assert any(m.startswith("backward ran gluon") for m in ran), ran
+
+
 @pytest.mark.parametrize("dtype, headdim", [(torch.bfloat16, 128), (torch.float16, 64)])
 @pytest.mark.parametrize("lengths", [(113, 203), (1023, 1023)])
 @pytest.mark.parametrize("name", EXAMPLES)

@@ -84,6 +84,7 @@ from flashkit.ops.triton.common import (
     gradient_pairs,
     key_tile_ranges,
     load_score_mods,
+    mod_indices,
     query_tile_ranges,
     score_grad,
     score_mod,
@@ -710,10 +711,16 @@ if gluon is not None:
             # layout holds each column twice in a thread's registers, and an atomic add of it
             # added it twice (H200: a per-key bias's gradient came out doubled).
             rule: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [gl.num_warps(), 1], [1, 0])
-            off_b, off_h, score_args, _, _ = user
+            off_b, off_h, score_args, _, packing = user
+            # the indices the modifier saw: with packing, each pair's sequence and positions in
+            # it (pairs of two sequences have ds 0: their P is masked)
+            mod_b, mod_lq, mod_lk = off_b, seqlen_q, seqlen_k
+            mod_i, mod_j = gl.convert_layout(i, rule), gl.convert_layout(j, rule)
+            if len(packing) > 0:
+                mod_b, mod_i, mod_j, mod_lq, mod_lk, _ = mod_indices(
+                    off_b, mod_i, mod_j, seqlen_q, seqlen_k, packing, True)
             user_captured_grad(gl.convert_layout(ds_mod, rule), gl.convert_layout(s_in, rule),
-                               off_b, off_h, gl.convert_layout(i, rule),
-                               gl.convert_layout(j, rule), seqlen_q, seqlen_k, CAPTURED_GRAD,
+                               mod_b, off_h, mod_i, mod_j, mod_lq, mod_lk, CAPTURED_GRAD,
                                score_args, grad_args, True)
         if SCORE_MOD is not None:
             ds = ds * dmod
@@ -958,8 +965,6 @@ def block_mask_declines(q, params: AttentionParams) -> str | None:
     mask = params.variant.block_mask
     if params.is_varlen:
         return "a block mask with varlen's own sequences"
-    if params.variant.packing and wants_captured_grads(params.variant):
-        return "a gradient for captured tensors with a block mask over packed tokens"
     if params.dropout_p > 0:
         return "a block mask with dropout"
     tiles = _tiles(q.shape[-1])
