@@ -18,7 +18,8 @@ tokens, 16 query / 4 kv heads, d128). --cases layout: forward (no grad) and step
 GQA calls (16 / 4 heads, d128) on SDPA-layout q, k, v seen in flash-attn's layout
 (q.transpose(1, 2), as a transformers model passes them), 4096 tokens as 1 to 32 sequences of
 4096 to 128 (8192 as 2 x 4096), and a decoding call (one query row over 4096 keys), each next to
-the same call on contiguous tensors. --cases decode: flash_attn_func without grad on one or
+the same call on contiguous tensors and on q, k, v unbound from one packed qkv (MHA). --cases
+decode: flash_attn_func without grad on one or
 four query rows over 256 to 64k keys (32 query / 8 kv heads, d128, causal), batch 1 and 8,
 the keys contiguous or in SDPA's layout: decoding through flash_attn_func. Each time is the
 median of 15 calls timed with CUDA events, the GPU idle at each start (so host time counts
@@ -99,8 +100,9 @@ def _worker(tree: str, which: str) -> None:
 
     def layout_cases():
         """(name, callable) pairs: forward and step on SDPA-layout q, k, v (dout contiguous,
-        as a model's output gradient is), each tree with its own dispatch; and the same calls
-        on contiguous q, k, v, the reference."""
+        as a model's output gradient is), each tree with its own dispatch; the same calls on
+        contiguous q, k, v, the reference; and q, k, v unbound from one packed qkv (k and v
+        repeated to q's heads: flash_attn_qkvpacked_func's MHA)."""
         def sdpa_layout(batch, seqlen, heads):
             return torch.randn(batch, heads, seqlen, 128, device="cuda",
                                dtype=torch.bfloat16).transpose(1, 2)
@@ -109,8 +111,13 @@ def _worker(tree: str, which: str) -> None:
             dout = torch.randn(batch, seqlen_q, 16, 128, device="cuda", dtype=torch.bfloat16)
             q = sdpa_layout(batch, seqlen_q, 16)
             k, v = sdpa_layout(batch, seqlen_k, 4), sdpa_layout(batch, seqlen_k, 4)
-            for layout, tensors in (("sdpa layout", (q, k, v)),
-                                    ("contiguous", [x.contiguous() for x in (q, k, v)])):
+            layouts = [("sdpa layout", (q, k, v)),
+                       ("contiguous", [x.contiguous() for x in (q, k, v)])]
+            if seqlen_q == seqlen_k:  # (b, s, 3, 16, d): MHA
+                layouts.append(("qkv packed", torch.stack(
+                    [x if x is q else x.repeat_interleave(4, dim=2) for x in (q, k, v)],
+                    dim=2).unbind(2)))
+            for layout, tensors in layouts:
                 leaves = [x.detach().requires_grad_() for x in tensors]
 
                 def forward(tensors=tensors):

@@ -232,8 +232,8 @@ def test_a_kept_call_with_grad_runs_its_kept_forward_and_backward_plans(caplog, 
 
 @pytest.mark.usefixtures("fresh_plans")
 def test_a_strided_call_runs_the_flash_layout_kernels_on_contiguous_copies(caplog, monkeypatch):
-    """Where only the layout of q, k or v keeps the Gluon kernels from a call (q, k, v unbound
-    from one packed tensor: neither contiguous nor heads-major), the dispatch runs them on
+    """Where only the layout of q, k or v keeps the Gluon kernels from a call (a head dim
+    sliced out of a wider tensor: no 2-D view reads it), the dispatch runs them on
     contiguous copies: forward and backward, the kept plans included, with the results and
     gradients of the same call on contiguous inputs, nothing the caller passed changed. The
     Gluon kernels are stood in for by the portable ones behind a predicate that takes the flash
@@ -270,12 +270,8 @@ def test_a_strided_call_runs_the_flash_layout_kernels_on_contiguous_copies(caplo
     monkeypatch.setattr(dispatch, "GLUON_COPIES_MIN_QUERIES", 24)  # at the interpreter's sizes
 
     q, k, v = (t.to(DEVICE) for t in random_qkv(2, 24, 24, 4, nheads_k=2, headdim=16))
-    # each one unbound from a (batch, seqlen, 3, heads, d) tensor (GQA: k and v padded to
-    # q's heads there, then sliced)
-    heads = q.shape[2]
-    padded = [x.repeat(1, 1, heads // x.shape[2], 1) for x in (q, k, v)]
-    strided = [x[:, :, :n].requires_grad_() for x, n in zip(
-        torch.stack(padded, dim=2).unbind(2), (heads, k.shape[2], v.shape[2]), strict=True)]
+    # each one the first half of a head dim twice as wide
+    strided = [torch.cat((x, x), dim=-1)[..., :x.shape[-1]].requires_grad_() for x in (q, k, v)]
     assert not any(hopper_common.tma_layout(x) for x in strided)
     before = [x.detach().clone() for x in strided]
     plain = [x.clone().requires_grad_() for x in (q, k, v)]

@@ -56,8 +56,9 @@ def test_heads_major_tensors_are_read_through_their_own_2d_view():
     place: its 2-D view (batch * heads * seqlen, d) holds (b, s, h) at row b * rows_b + h *
     rows_h + s, column h * cols_h (view_geometry), as the flash layout's (tokens, heads * d)
     does; a descriptor rebased on the tensor itself (launch._rebased, what a prepared launch
-    does) views the same memory. Other strides (a sliced head dim, unbound packed qkv) are
-    neither, and a tensor off 16 bytes is not read in place."""
+    does) views the same memory. So are q, k, v unbound from one packed qkv (dense and
+    varlen): rows 3 * heads * d apart. A sliced head dim, batch entries not a whole number of
+    rows apart and a tensor off 16 bytes are not read in place."""
     from flashkit.ops.triton.launch import _rebased
 
     b, s, h, d = 2, 48, 3, 64
@@ -80,8 +81,17 @@ def test_heads_major_tensors_are_read_through_their_own_2d_view():
     varlen = flash.view(b * s, h, d)
     assert hopper_common.view_geometry(varlen) == (0, 0, d)
     assert hopper_common.view_geometry(heads_major) == (h * s, s, 0)
-    packed = torch.randn(b, s, 3, h, d).unbind(2)[1]
+    # q, k, v unbound from one packed tensor: tokens 3 * h * d apart, read in place too
+    qkv = torch.randn(b, s, 3, h, d, dtype=torch.bfloat16)
+    for x in (*qkv.unbind(2), *qkv.view(b * s, 3, h, d).unbind(1)):
+        assert hopper_common.token_rows(x) and hopper_common.tma_layout(x)
+        view = hopper_common.view_2d(x)
+        assert view.data_ptr() == x.data_ptr() and view.stride() == (3 * h * d, 1)
+        assert torch.equal(view.view(-1, h, d), x.reshape(-1, h, d))
+        assert hopper_common.view_geometry(x) == ((s if x.dim() == 4 else 0), 0, d)
+        assert torch.equal(_rebased(hopper_common.flash_descriptor(x, 64), x).base, view)
     sliced = torch.randn(b, s, h, 2 * d)[..., :d]
     unaligned = torch.randn(b * s * h * d + 1, dtype=torch.bfloat16)[1:].view(b, h, s, d)
-    for x in (packed, sliced, unaligned.transpose(1, 2)):
+    gapped = torch.randn(b, s + 1, h, d)[:, :s]  # batch entries a token apart: no even rows
+    for x in (sliced, unaligned.transpose(1, 2), gapped):
         assert not hopper_common.tma_layout(x)

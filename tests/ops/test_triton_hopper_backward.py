@@ -723,7 +723,8 @@ def _packed_qkv(q, k, v):
 
 # (dtype, head_dim, seqlen_q, seqlen_k, nheads, nheads_k, layout, features, the kernels that
 # run the forward and the backward). Layouts: "sdpa" q, k, v heads-major, "sdpa kv" k and v
-# alone, "sdpa dout" dO too, "packed" q, k, v unbound from one packed qkv.
+# alone, "sdpa dout" dO too, "packed" q, k, v unbound from one packed qkv (rows 3 heads * d
+# apart), "sliced" each the first half of a head dim twice as wide (no 2-D view: copies).
 STRIDED_CASES = [
     (torch.bfloat16, 128, 1024, 1024, 16, 4, "sdpa", dict(window_right=0), "gluon", "gluon"),
     (torch.float16, 64, 1024, 768, 4, 2, "sdpa", dict(), "gluon", "gluon"),
@@ -740,7 +741,9 @@ STRIDED_CASES = [
     (torch.bfloat16, 128, 300, 200, 4, 2, "sdpa", dict(window_right=0), "gluon", "triton"),
     (torch.float16, 128, 1024, 1024, 4, 4, "packed", dict(window_left=100, window_right=0,
                                                             alibi=True, sink=True),
-     dispatch.ON_COPIES, dispatch.ON_COPIES),
+     "gluon", "gluon"),
+    (torch.bfloat16, 64, 1024, 1024, 4, 2, "sliced", dict(window_right=0), dispatch.ON_COPIES,
+     dispatch.ON_COPIES),
 ]
 
 
@@ -748,10 +751,11 @@ STRIDED_CASES = [
 @pytest.mark.skipif(not _on_hopper(), reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("case", STRIDED_CASES, ids=str)
 def test_gpu_strided_inputs_run_the_gluon_kernels(case, monkeypatch, caplog):
-    """q, k, v (and dO) in SDPA's heads-major memory seen as flash-attn's shape run the Gluon
-    forward and backward in place (their 2-D views (batch * heads * seqlen, d)); q, k, v
-    unbound from packed qkv run them on contiguous copies (dispatch.ON_COPIES); into poisoned
-    buffers laid out as the inputs, against the float64 oracle."""
+    """q, k, v (and dO) in SDPA's heads-major memory seen as flash-attn's shape, or unbound
+    from packed qkv, run the Gluon forward and backward in place (their 2-D views (batch *
+    heads * seqlen, d), or (tokens, heads * d) with rows 3 heads * d apart); a sliced head dim
+    runs them on contiguous copies (dispatch.ON_COPIES); into poisoned buffers laid out as the
+    inputs, against the float64 oracle."""
     import logging
 
     (dtype, head_dim, seqlen_q, seqlen_k, nheads, nheads_k, layout, features, forward_ran,
@@ -760,6 +764,8 @@ def test_gpu_strided_inputs_run_the_gluon_kernels(case, monkeypatch, caplog):
                                 dtype, "cuda")
     if layout == "packed":
         q, k, v = _packed_qkv(q, k, v)
+    elif layout == "sliced":
+        q, k, v = (torch.cat((x, x), dim=-1)[..., :head_dim] for x in (q, k, v))
     else:
         k, v = _sdpa_layout(k), _sdpa_layout(v)
         if layout != "sdpa kv":

@@ -54,6 +54,22 @@ def flash_layout_2d(x: torch.Tensor) -> bool:
     return x.is_contiguous() and x.data_ptr() % 16 == 0
 
 
+def token_rows(x: torch.Tensor) -> bool:
+    """x (batch, seqlen, heads, d) or varlen (total, heads, d), more than one token per
+    sequence, whose (heads, d) are contiguous and whose tokens are evenly spaced rows of a
+    2-D view (tokens, heads * d) with a row pitch of at least heads * d elements, 16-byte
+    aligned: the flash layout, or q, k, v unbound from one packed qkv (the pitch 3 heads *
+    d)."""
+    if x.dim() not in (3, 4) or x.shape[-3] < 2:
+        return False
+    heads, head_dim = x.shape[-2:]
+    pitch = x.stride(-3)
+    return (x.stride(-1) == 1 and (heads == 1 or x.stride(-2) == head_dim)
+            and (x.dim() == 3 or x.shape[0] == 1 or x.stride(0) == x.shape[1] * pitch)
+            and pitch >= heads * head_dim and pitch * x.element_size() % 16 == 0
+            and x.data_ptr() % 16 == 0)
+
+
 def heads_major(x: torch.Tensor) -> bool:
     """Dense x (batch, seqlen, heads, d) whose memory is (batch, heads, seqlen, d), contiguous
     and 16-byte aligned: PyTorch SDPA's layout seen through .transpose(1, 2), as a model hands
@@ -63,30 +79,33 @@ def heads_major(x: torch.Tensor) -> bool:
 
 
 def tma_layout(x: torch.Tensor) -> bool:
-    """Whether the Gluon kernels read x through a 2-D TMA view (view_2d): the flash layout, or
-    a dense tensor heads_major."""
-    return flash_layout_2d(x) or heads_major(x)
+    """Whether the Gluon kernels read x in place through a 2-D TMA view (view_2d): the flash
+    layout (contiguous), token_rows, or a dense tensor heads_major."""
+    return flash_layout_2d(x) or token_rows(x) or heads_major(x)
 
 
 def view_2d(x: torch.Tensor) -> torch.Tensor:
-    """The 2-D view of a tma_layout x: (tokens, heads * d) of the flash layout, (batch * heads
-    * seqlen, d) of a heads_major one."""
+    """The 2-D view of a tma_layout x: (tokens, heads * d) of the flash layout and of
+    token_rows (its rows a pitch apart), (batch * heads * seqlen, d) of a heads_major one."""
+    heads, head_dim = x.shape[-2:]
     if x.is_contiguous():
-        return x.view(-1, x.shape[-2] * x.shape[-1])
-    return x.transpose(1, 2).view(-1, x.shape[-1])
+        return x.view(-1, heads * head_dim)
+    if heads_major(x):
+        return x.transpose(1, 2).view(-1, head_dim)
+    return x.as_strided((x.numel() // (heads * head_dim), heads * head_dim), (x.stride(-3), 1))
 
 
 def view_geometry(x: torch.Tensor) -> tuple[int, int, int]:
     """Where the rows of (batch entry b, head h) start in view_2d(x), as the kernels take it:
     (rows per batch entry, rows per head, columns per head); row b * rows_b + h * rows_h +
-    position, column h * cols_h. The flash layout (seqlen, 0, d) (varlen: rows per batch entry
-    unused, each sequence starts at its cu_seqlens row), heads_major (heads * seqlen, seqlen,
-    0)."""
+    position, column h * cols_h. The flash layout and token_rows (seqlen, 0, d) (varlen: rows
+    per batch entry unused, each sequence starts at its cu_seqlens row), heads_major (heads *
+    seqlen, seqlen, 0)."""
     heads, head_dim = x.shape[-2:]
-    if x.is_contiguous():
-        return (x.shape[1] if x.dim() == 4 else 0), 0, head_dim
-    seqlen = x.shape[1]
-    return heads * seqlen, seqlen, 0
+    if heads_major(x):
+        seqlen = x.shape[1]
+        return heads * seqlen, seqlen, 0
+    return (x.shape[1] if x.dim() == 4 else 0), 0, head_dim
 
 
 def flash_descriptor(x, rows, box_rows=None):
@@ -137,8 +156,9 @@ _checked: set = set()  # the geometries whose descriptors TensorDescriptor has c
 
 
 def descriptor(base, block: tuple, layout):
-    """TensorDescriptor(base, its shape, its strides, block, layout) for a contiguous base with a
-    16-byte aligned address (which the kernels' eligibility checks). TensorDescriptor checks its
+    """TensorDescriptor(base, its shape, its strides, block, layout) for a base with unit
+    last stride, 16-byte aligned rows and a 16-byte aligned address (which the kernels'
+    eligibility checks). TensorDescriptor checks its
     fields when made (~10 us on the host; a training step makes 13 descriptors); what it checks
     depends only on the geometry (shape, strides, dtype, block, layout) besides that address,
     so the check runs once per geometry and later descriptors are made without it."""
