@@ -12,10 +12,11 @@
                                                  (a long prefill, prefill.py) or the decode
                                                  kernels
 
-The Gluon kernels read q, k, v (and dO) in place in the flash layout and in SDPA's heads-major
-memory seen as flash-attn's shape (a model's q.transpose(1, 2): hopper_common.tma_layout).
-Where only another layout keeps them from a forward or backward (q, k, v unbound from one packed
-tensor, a sliced head dim), they run on contiguous copies (ON_COPIES).
+The Gluon kernels read q, k, v (and dO) in place in the flash layout, with tokens a pitch apart
+(q, k, v unbound from one packed qkv) and in SDPA's heads-major memory seen as flash-attn's
+shape (a model's q.transpose(1, 2)): hopper_common.tma_layout. Where only another layout keeps
+them from a forward or backward (a sliced head dim, say), they run on contiguous copies
+(ON_COPIES).
 
 Each kernel's predicate lives beside the kernel and returns why it declines a call (a string), or
 None when it takes it. A choice depends only on what the plan key holds (shapes, dtypes, the
@@ -268,13 +269,13 @@ def _forward(plan: Plan, q, k, v, params: AttentionParams, out, lse):
 
 
 # A call whose q, k or v the Gluon kernels cannot read as a 2-D TMA view (hopper_common.
-# tma_layout: contiguous, or dense and heads-major, 16-byte aligned) runs them on contiguous
-# copies: q, k, v unbound from one packed qkv, say. A copy reads and writes each tensor
-# once: a small part of the attention's time with many query rows per sequence, as much as the
-# attention itself with few (a decoding step reads its keys once), where the portable kernels,
-# which read any strides, run instead (GLUON_COPIES_MIN_QUERIES). The backward copies again from
-# the saved inputs rather than keep the forward's copies (autograd saves the inputs themselves:
-# no memory beyond them).
+# tma_layout: contiguous, tokens a pitch apart, or dense and heads-major, 16-byte aligned) runs
+# them on contiguous copies: a head dim sliced out of a wider tensor, say. A copy reads and
+# writes each tensor once: a small part of the attention's time with many query rows per
+# sequence, as much as the attention itself with few (a decoding step reads its keys once),
+# where the portable kernels, which read any strides, run instead (GLUON_COPIES_MIN_QUERIES).
+# The backward copies again from the saved inputs rather than keep the forward's copies
+# (autograd saves the inputs themselves: no memory beyond them).
 ON_COPIES = "gluon on contiguous copies"
 
 
