@@ -64,6 +64,19 @@ def test_varlen_block_mask_matches_oracle():
                          oracle_fn=functools.partial(run, "reference"))
 
 
+def _check_packed(inputs, mask, score_mod_of, grad_names, caplog) -> list:
+    """A varlen call with block_mask over its packed tokens and score_mod_of(the captured
+    tensor inputs["captured"]) against the oracle; returns the dispatch's messages."""
+    def run(backend, captured, **kw):
+        return (flashkit.flash_attn_varlen_func(**kw, block_mask=mask, backend=backend,
+                                                score_mod=score_mod_of(captured)),)
+    with caplog.at_level(logging.DEBUG, logger="flashkit.dispatch"):
+        check_against_oracle(functools.partial(run, "triton"), inputs, output_names=("out",),
+                             oracle_fn=functools.partial(run, "reference"),
+                             grad_names=grad_names)
+    return [r.getMessage() for r in caplog.records if r.name == "flashkit.dispatch"]
+
+
 @pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("dtype, headdim", [(torch.bfloat16, 128), (torch.float16, 64),
                                             (torch.bfloat16, 256)])
@@ -81,16 +94,9 @@ def test_gluon_kernels_take_a_block_mask_over_packed_tokens(lengths, headdim, dt
     mask = flashkit.create_block_mask(variants.causal_mask(), None, None, total, total,
                                       device="cuda", cu_seqlens_q=inputs["cu_seqlens_q"],
                                       cu_seqlens_k=inputs["cu_seqlens_k"])
-    inputs.update(sink=torch.randn(8, device="cuda"), table=torch.randn(8, 13, device="cuda"))
-
-    def run(backend, table, **kw):
-        return (flashkit.flash_attn_varlen_func(**kw, block_mask=mask, backend=backend,
-                                                score_mod=variants.relative_bias(table)),)
-    with caplog.at_level(logging.DEBUG, logger="flashkit.dispatch"):
-        check_against_oracle(functools.partial(run, "triton"), inputs, output_names=("out",),
-                             oracle_fn=functools.partial(run, "reference"),
-                             grad_names=("q", "k", "v", "sink"))
-    ran = [r.getMessage() for r in caplog.records if r.name == "flashkit.dispatch"]
+    inputs.update(sink=torch.randn(8, device="cuda"),
+                  captured=torch.randn(8, 13, device="cuda"))
+    ran = _check_packed(inputs, mask, variants.relative_bias, ("q", "k", "v", "sink"), caplog)
     assert any(m.startswith("forward ran gluon") for m in ran), ran
     if total % 128 == 0:
         assert any(m.startswith("backward ran gluon") for m in ran), ran
@@ -114,15 +120,7 @@ def test_gluon_backward_learns_captured_tensors_over_packed_tokens(mod, caplog):
     make = variants.relative_bias if mod == "relative_bias" else variants.alibi
     inputs["captured"] = (torch.randn(8, 13, device="cuda") if mod == "relative_bias" else
                           torch.rand(8, device="cuda") * 0.1)
-
-    def run(backend, captured, **kw):
-        return (flashkit.flash_attn_varlen_func(**kw, block_mask=mask, backend=backend,
-                                                score_mod=make(captured)),)
-    with caplog.at_level(logging.DEBUG, logger="flashkit.dispatch"):
-        check_against_oracle(functools.partial(run, "triton"), inputs, output_names=("out",),
-                             oracle_fn=functools.partial(run, "reference"),
-                             grad_names=("q", "k", "v", "captured"))
-    ran = [r.getMessage() for r in caplog.records if r.name == "flashkit.dispatch"]
+    ran = _check_packed(inputs, mask, make, ("q", "k", "v", "captured"), caplog)
     assert any(m.startswith("backward ran gluon") for m in ran), ran
 
 
