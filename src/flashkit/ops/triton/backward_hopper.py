@@ -53,8 +53,8 @@ S^T's and dP^T's); P^T and dS^T, split by query columns, reach the dV and dK mat
 shared memory.
 
 Eligible (see `eligible`): what the Gluon forward takes (forward_hopper.gluon_declines: sm_90,
-fp16/bf16, head dim 64, 128 or 256, q/k/v (and dO) contiguous or heads-major, each read
-through its own 2-D view for TMA: hopper_common.view_2d), dense with seqlen_q and seqlen_k
+fp16/bf16, head dim 64, 128 or 256, q/k/v (and dO) each read in place through its own 2-D view
+for TMA: hopper_common.tma_layout, view_2d), dense with seqlen_q and seqlen_k
 multiples of every tile, or varlen; a dense call at other lengths runs as varlen with equal
 lengths (dense_as_varlen; contiguous dq, dk, dv), whose tails are
 NaN-safe: nothing the TMA tiles read past a batch entry's end reaches its gradients. A user's
@@ -952,7 +952,7 @@ def _declines(q, k, v, dout, lse, params: AttentionParams, dq, dk, dv, tiles,
         why = block_mask_declines(q, params)
     if why is None and not (dout.dtype == q.dtype and tma_layout(dout)
                             and flash_layout_2d(lse)):
-        why = "dout (contiguous or heads-major) or lse (contiguous) not so, or not in q's dtype"
+        why = "dout not readable in place (tma_layout), lse not contiguous, or not q's dtype"
     if why is None and not all(x.stride(-1) == 1 for x in (dq, dk, dv)):
         why = "dq, dk or dv has a strided last dim"
     return why

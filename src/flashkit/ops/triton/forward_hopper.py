@@ -31,8 +31,9 @@ built-in features run the masked and the open tiles in loops of their own; a use
 runs every tile after the first in one loop that masks a tile or not as a runtime choice
 (_consumer's COMPACT): two thirds of the code to compile, which a new variant's first call
 waits for. TMA reads
-2-D views (tokens, heads * d) of dense (batch * seqlen) or packed varlen tokens, so a tile past
-a sequence's end reads the next sequence's rows (or zeros past the tensor): their scores are
+2-D views (hopper_common.view_2d) of dense or packed varlen tokens, rows (tokens, heads * d) or
+(batch * heads * seqlen, d), so a tile past a sequence's end reads the next sequence's (or
+head's) rows (or zeros past the tensor): their scores are
 masked to -inf, so P is 0 there, and with KEY_TAIL (varlen, or seqlen_k not a multiple of
 BLOCK_N) the consumers zero V's rows past the end in that last tile before their P V wgmma
 (hopper_common.zero_tile_tail; consumers that share the tile each zero a share of its rows and
@@ -61,7 +62,8 @@ dense or varlen, any seqlen_q / seqlen_k, any window (causal included), softcap,
 GQA, dropout, a user's score_mod and mask_mod (flashkit.variants, called where the built-in
 terms are: _softmax_step) and a dense call's block mask whose blocks hold whole tiles (the
 producer and the consumers walk its lists: hopper_common.tile_start); not an SDPA bias;
-q/k/v contiguous in the flash-attn layout (so (tokens, heads * d) is a plain 2-D view for TMA).
+q/k/v each contiguous, tokens a pitch apart (unbound from a packed qkv) or heads-major (SDPA's
+memory seen through transpose(1, 2)): hopper_common.tma_layout.
 Same outputs as forward.py: out in out's dtype, lse (batch, heads, seqlen_q) or varlen (heads,
 total_q) float32 natural log, a row with no visible key (and no sink) gives out 0, lse -inf.
 """
@@ -790,8 +792,8 @@ if gluon is not None:
         taking items program_id, + num_programs, ..., so its producer loads the next item's Q
         and first K/V tiles while the consumers finish the last one (FA3's persistent kernel).
         q_desc/k_desc/v_desc: TMA descriptors over the 2-D views (hopper_common.view_2d: the
-        flash layout's (tokens, heads * HEAD_DIM), or a heads-major tensor's (batch * heads *
-        seqlen, HEAD_DIM)), q_geo and kv_geo their view_geometry.
+        flash layout's (tokens, heads * HEAD_DIM), rows a pitch apart, or a heads-major
+        tensor's (batch * heads * seqlen, HEAD_DIM)), q_geo and kv_geo their view_geometry.
         VARLEN: n_m covers the longest sequence; items past a sequence's end do nothing (a
         program of one returns at once). PAGED (VARLEN with SEQUSED_K): k_desc/v_desc view a
         paged cache (num_blocks * page_size, hk * HEAD_DIM) in [min(page_size, BLOCK_N),
@@ -933,7 +935,7 @@ def gluon_declines(q, k, v, params: AttentionParams, varlen: bool = False,
                    copies: bool = False) -> str | None:
     """Why the Gluon kernels (this forward, backward_hopper's backward) cannot take a call, or
     None: they need Gluon on an sm_90 GPU, non-empty fp16/bf16 q/k/v of one head dim in
-    HEAD_DIMS, each contiguous or heads-major (hopper_common.tma_layout), no bias, a positive
+    HEAD_DIMS, each read in place through a 2-D view (hopper_common.tma_layout), no bias, a positive
     scale; dense, or varlen too where the caller says it takes it (varlen=True). copies=True:
     whether they take the call with q, k and v copied into the flash layout (contiguous),
     their own layout aside. Each kernel's

@@ -1,11 +1,11 @@
 """Shared pieces of the sm_90 Gluon kernels (forward_hopper.py, backward_hopper.py): the TMA
-descriptors of q, k, v and dO on the host (the flash layout, or SDPA's heads-major memory
-seen as flash-attn's shape: view_2d, view_geometry), and on the device where a head's rows start
-in them (view_origin); on the device, a K/V tile's rows (contiguous or
-paged), its TMA load into a ring buffer, the zeroing of a tile's rows past a sequence's end, and
-a work item's tiles under a user's block mask (block_lists on the host; block_listing,
-listed_tile, tile_start), and a user's score and mask modifiers as both kernels apply them
-(user_scores, visible_with_mod).
+descriptors of q, k, v and dO on the host (the flash layout, tokens a pitch apart as in a packed
+qkv, or SDPA's heads-major memory seen as flash-attn's shape: view_2d, view_geometry), and on the
+device where a head's rows start in them (view_origin); on the device, a K/V tile's rows (contiguous
+or paged), its TMA load into a ring buffer, the zeroing of a tile's rows past a sequence's end, and
+a work item's tiles under a user's block mask (block_lists on the host; block_listing, listed_tile,
+tile_start), and a user's score and mask modifiers as both kernels apply them (user_scores,
+visible_with_mod).
 
 A block mask (flashkit.variants.BlockMask) lists, per row of blocks (a query block's key
 blocks, or transposed a key block's query blocks), its partial blocks and its full ones; a
