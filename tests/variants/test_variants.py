@@ -288,7 +288,11 @@ def test_kept_varlen_calls_with_a_block_mask_check_changed_cu_seqlens(monkeypatc
     """A varlen call with a block mask over the packed tokens is kept by the mask with its
     cu_seqlens' identities and versions: an equal call with the same tensors, unchanged, checks
     and binds nothing again and gives the same results; one whose cu_seqlens was written in
-    place is checked again, and refused: the mask was built over its old values."""
+    place is checked again, and refused: the mask was built over its old values. What is kept
+    lives with the mask: its last user reference frees it."""
+    import gc
+    import weakref
+
     from flashkit import checks
     from flashkit.variants import mods
     attached, attach = [], mods.attach
@@ -304,17 +308,24 @@ def test_kept_varlen_calls_with_a_block_mask_check_changed_cu_seqlens(monkeypatc
                                       device="cpu", BLOCK_SIZE=16, cu_seqlens_q=cu,
                                       cu_seqlens_k=cu)
 
-    def call():
-        return flashkit.flash_attn_varlen_func(**inputs, block_mask=mask, backend="triton")
+    def call(block_mask):
+        return flashkit.flash_attn_varlen_func(**inputs, block_mask=block_mask,
+                                               backend="triton")
 
-    first = call()
+    first = call(mask)
     assert len(attached) == len(checked) == 1
-    torch.testing.assert_close(call(), first, rtol=0, atol=0)
+    torch.testing.assert_close(call(mask), first, rtol=0, atol=0)
     assert len(attached) == len(checked) == 1  # kept
     cu[1] = 10  # in place: lengths 10, 19, 3
     with pytest.raises(ValueError, match="block_mask: built over a cu_seqlens_q written in"):
-        call()
+        call(mask)
     assert len(checked) == 2
+    alive = weakref.ref(mask)
+    del mask
+    q, k, v = (inputs[name] for name in ("q", "k", "v"))
+    flashkit.flash_attn_func(q[None], k[None], v[None], backend="triton")  # another's params
+    gc.collect()
+    assert alive() is None
 
 
 def test_varlen_block_mask_states_match_dense_mask():

@@ -9,6 +9,7 @@ through the score_mod's captured_grad rule).
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import torch
 
@@ -104,18 +105,24 @@ def _refuse_with_packing(params) -> None:
 
 def _as_one_sequence(params):
     """params of a varlen call with a block mask over its packed tokens as those of one dense
-    sequence, the mask's packing in the Variant; the same object for the same params as the
-    last call's (a kept call passes its kept params), so that the dispatch's key of its values
-    is computed once (dispatch._values)."""
+    sequence, the mask's packing in the Variant. The last ones made are kept by weak reference
+    with the params they were made from: a call with the same params (a kept call passes its
+    kept params) while they live (an autograd node holds them through a training step's
+    forward) gets the same object, whose dispatch key is then computed once
+    (dispatch._values); nothing is kept alive."""
     global _last_packed
-    last = _last_packed  # one read: autograd's device thread may replace it meanwhile
-    if last[0] is params:
-        return last[1]
+    source, made = (ref() for ref in _last_packed)  # one read: another thread may replace it
+    if source is params and made is not None:
+        return made
     variant = dataclasses.replace(params.variant, packing=params.variant.block_mask.packing)
     dense = dataclasses.replace(params, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0,
                                 max_seqlen_k=0, variant=variant)
-    _last_packed = (params, dense)
+    _last_packed = (weakref.ref(params), weakref.ref(dense))
     return dense
 
 
-_last_packed: tuple = (None, None)  # (params, _as_one_sequence(params)) of the last call
+def _dead():
+    return None
+
+
+_last_packed: tuple = (_dead, _dead)  # weak references to the last params and their dense form
