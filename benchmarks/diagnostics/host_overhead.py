@@ -10,7 +10,9 @@ the device queries are patched), so torch ops are CPU ones.
 Shapes: bf16 d128, 32 query heads; dense 512 x 512 causal; the kvcache route 512 queries over a
 contiguous 8k cache (7.7k filled, GQA 8:1), over its work threshold; a decoding step appends
 one token to that cache (its lengths a tensor, or an int that changes every call); the
-dropout forward draws with a new seed every call. The step is the dense call with grad, then
+dropout forward draws with a new seed every call; varlen: the dense tokens as 4 causal
+sequences of 128 (the same cu_seqlens every call), forward, step, and a forward with a causal
+block mask over the packed tokens. The step is the dense call with grad, then
 its backward: CPU tensors, so autograd runs the backward on the calling thread (on a GPU it
 runs on autograd's device thread, which costs more: step_threads.py). The int decoding step
 plans anew every call here and not on a GPU: CPU tensors take the host checks, whose
