@@ -192,7 +192,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     another library) is not noticed: pass new tensors after one.
     """
     # the call's scalars and tensor facts, for _VARLEN_CALLS (no modifier) or for the kept
-    # calls of its modifier objects, which keep its params with its cu_seqlens' _checked
+    # calls of its modifier objects, which keep its params with its cu_seqlens' tensor_states
     key = None
     modified = score_mod is not None or mask_mod is not None or block_mask is not None
     if (alibi_slopes is None and sink is None and all(
@@ -208,7 +208,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             if modified:
                 params, checked = variant_mods.kept_params(score_mod, mask_mod, block_mask,
                                                            key) or (None, None)
-                if params is not None and _unchanged(checked, (cu_seqlens_q, cu_seqlens_k)):
+                if params is not None and kept.same_tensors(checked, (cu_seqlens_q, cu_seqlens_k)):
                     return run_backend(q, k, v, params, backend, return_attn_probs,
                                        return_softmax_lse)
             else:
@@ -233,7 +233,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                  int(max_seqlen_q), int(max_seqlen_k))
     if key is not None:  # a call with modifiers whose checks all passed
         variant_mods.keep_params(score_mod, mask_mod, block_mask, key,
-                                 (params, _checked(cu_seqlens_q, cu_seqlens_k)))
+                                 (params, kept.tensor_states(cu_seqlens_q, cu_seqlens_k)))
     return run_backend(q, k, v, params, backend, return_attn_probs, return_softmax_lse)
 
 
@@ -283,18 +283,18 @@ class _KeptVarlen(_KeptCall):
     def __init__(self, params: AttentionParams, backend: str):
         super().__init__(dataclasses.replace(params, cu_seqlens_q=None, cu_seqlens_k=None),
                          backend)
-        self.checked = _checked(params.cu_seqlens_q, params.cu_seqlens_k)
+        self.checked = kept.tensor_states(params.cu_seqlens_q, params.cu_seqlens_k)
         self.last = weakref.ref(params)
 
     def params_for(self, q, k, cu_seqlens_q, cu_seqlens_k, sync_checks) -> AttentionParams:
         """The call's params, its cu_seqlens' values checked unless they were the last ones
         checked, unchanged since."""
-        if not _unchanged(self.checked, (cu_seqlens_q, cu_seqlens_k)):
+        if not kept.same_tensors(self.checked, (cu_seqlens_q, cu_seqlens_k)):
             template = self.params
             checks.varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, template.max_seqlen_q,
                                  template.max_seqlen_k, sync_checks,
                                  triton=self.backend == "triton")
-            self.checked = _checked(cu_seqlens_q, cu_seqlens_k)
+            self.checked = kept.tensor_states(cu_seqlens_q, cu_seqlens_k)
         last = self.last()
         if (last is not None and last.cu_seqlens_q is cu_seqlens_q
                 and last.cu_seqlens_k is cu_seqlens_k):
@@ -303,22 +303,6 @@ class _KeptVarlen(_KeptCall):
                                      cu_seqlens_k=cu_seqlens_k)
         self.last = weakref.ref(params)
         return params
-
-
-def _checked(*tensors) -> tuple | None:
-    """What identifies tensors whose values were checked: each one's weak reference and
-    version counter; None where one has no counter (an inference tensor, then checked every
-    call)."""
-    if any(t.is_inference() for t in tensors):
-        return None
-    return tuple((weakref.ref(t), t._version) for t in tensors)
-
-
-def _unchanged(checked: tuple | None, tensors: tuple) -> bool:
-    """Whether tensors are those of _checked's result, each unchanged since."""
-    return checked is not None and all(
-        ref() is t and t._version == version
-        for (ref, version), t in zip(checked, tensors, strict=True))
 
 
 def _run_kept(kept_call: _KeptCall, params: AttentionParams, q, k, v, backend,

@@ -8,13 +8,16 @@ device, ...), never a tensor: nothing is kept alive, and a tensor changed in pla
 stale. Calls with dropout (a new seed every call) and calls under torch.compile (the compiler
 would guard on the dicts) are never kept. The dicts: flashkit.api's _SCALAR_CALLS
 (build_params), _DENSE_CALLS (flash_attn_func) and _VARLEN_CALLS (flash_attn_varlen_func, whose
-cu_seqlens values are checked again unless a call passes the last checked tensors unchanged,
-known by weak reference and version counter), flashkit.kvcache's _KEPT_CALLS; and the
-calls with modifiers, which each modifier object keeps itself, so that they live and die with
-it (flashkit.variants.mods.kept_params).
+cu_seqlens values are checked again unless a call passes the last checked tensors unchanged:
+tensor_states, same_tensors), flashkit.kvcache's _KEPT_CALLS; and the calls with modifiers,
+which each modifier object keeps itself, so that they live and die with it
+(flashkit.variants.mods.kept_params). The transformers integration keeps its last mask's
+unpadding the same way (tensor_states).
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 
@@ -44,3 +47,22 @@ def remember(calls: dict, key: tuple, value) -> None:
     if len(calls) >= MAX_CALLS:
         calls.clear()
     calls[key] = value
+
+
+def tensor_states(*tensors) -> tuple | None:
+    """What identifies tensors and their contents now, without keeping them alive: each one's
+    weak reference and version counter (every in-place write through torch bumps it); None
+    where one has no counter (an inference tensor) or under torch.compile: nothing to compare
+    with later (same_tensors is then False)."""
+    if torch.compiler.is_compiling() or any(t.is_inference() for t in tensors):
+        return None
+    return tuple((weakref.ref(t), t._version) for t in tensors)
+
+
+def same_tensors(states: tuple | None, tensors: tuple) -> bool:
+    """Whether tensors are those tensor_states saw, each unchanged since (a write that torch
+    does not see, through .data or by a kernel torch did not launch, is not noticed); never
+    under torch.compile."""
+    return states is not None and not torch.compiler.is_compiling() and all(
+        ref() is t and t._version == version
+        for (ref, version), t in zip(states, tensors, strict=True))

@@ -25,11 +25,8 @@ with 5.17 and 5.24.
 
 from __future__ import annotations
 
-import weakref
-
-import torch
-
 import flashkit
+from flashkit import kept
 from flashkit.flash_attn.bert_padding import index_first_axis, pad_input, unpad_indices
 
 __all__ = ["NAME", "register", "attention_forward"]
@@ -92,29 +89,26 @@ def _padded(q, k, v, attention_mask, options):
     return pad_input(out, indices_q, batch, seqlen_q)
 
 
-# The unpadding of the last padding mask seen, with what it was made for: (a weak reference to
-# the mask, its version counter, seqlen_q, the unpadding). Every layer of a model's forward
-# passes the same mask tensor, and unpadding it reads the mask on the host (two device syncs
-# per mask it unpads), so the layers after the first reuse the first one's. An in-place change
-# of the mask bumps its version; the weak reference keeps no mask alive.
-_last_unpadding: tuple = (None, None, None, None)
+# The unpadding of the last padding mask seen, with what it was made for: (the mask's
+# kept.tensor_states, seqlen_q, the unpadding). Every layer of a model's forward passes the same
+# mask tensor, and unpadding it reads the mask on the host (two device syncs per mask it
+# unpads), so the layers after the first reuse the first one's. An in-place change of the mask
+# bumps its version; the weak reference keeps no mask alive.
+_last_unpadding: tuple = (None, None, None)
 
 
 def _unpadding(attention_mask, seqlen_q: int) -> tuple:
     """((indices, cu_seqlens, max_seqlen) of the keys, the same of the queries), the queries
     being the last seqlen_q positions of the (batch, seqlen_k) padding mask."""
     global _last_unpadding
-    # an inference tensor has no version counter: its unpadding is made every call
-    kept = not attention_mask.is_inference() and not torch.compiler.is_compiling()
-    ref, version, rows, unpadding = _last_unpadding  # one read: another thread may replace it
-    if (kept and ref is not None and ref() is attention_mask
-            and version == attention_mask._version and rows == seqlen_q):
+    states, rows, unpadding = _last_unpadding  # one read: another thread may replace it
+    if rows == seqlen_q and kept.same_tensors(states, (attention_mask,)):
         return unpadding
     keys = unpad_indices(attention_mask)[:3]
     queries = keys if seqlen_q == attention_mask.shape[1] else \
         unpad_indices(attention_mask[:, -seqlen_q:])[:3]
     unpadding = (keys, queries)
-    if kept:
-        _last_unpadding = (weakref.ref(attention_mask), attention_mask._version, seqlen_q,
-                           unpadding)
+    states = kept.tensor_states(attention_mask)
+    if states is not None:  # (none for an inference tensor, or under torch.compile)
+        _last_unpadding = (states, seqlen_q, unpadding)
     return unpadding
