@@ -83,8 +83,8 @@ class BlockMask:
             raise ValueError("block_mask: a varlen call needs a block mask over the packed "
                              "tokens: create_block_mask(..., cu_seqlens_q=, cu_seqlens_k=)")
         for name, mine, version, call in zip(
-                ("cu_seqlens_q", "cu_seqlens_k"), self.packing[1:], self.packed_versions,
-                (cu_seqlens_q, cu_seqlens_k), strict=True):
+                ("cu_seqlens_q", "cu_seqlens_k"), self.packing[1:],
+                self.packed_versions or (None, None), (cu_seqlens_q, cu_seqlens_k), strict=True):
             if version is not None and mine._version != version:
                 raise ValueError(f"block_mask: built over a {name} written in place since; "
                                  "build the mask again over the new sequences")
