@@ -935,11 +935,11 @@ def gluon_declines(q, k, v, params: AttentionParams, varlen: bool = False,
                    copies: bool = False) -> str | None:
     """Why the Gluon kernels (this forward, backward_hopper's backward) cannot take a call, or
     None: they need Gluon on an sm_90 GPU, non-empty fp16/bf16 q/k/v of one head dim in
-    HEAD_DIMS, each read in place through a 2-D view (hopper_common.tma_layout), no bias, a positive
-    scale; dense, or varlen too where the caller says it takes it (varlen=True). copies=True:
-    whether they take the call with q, k and v copied into the flash layout (contiguous),
-    their own layout aside. Each kernel's
-    `declines` adds its own conditions (a user's modifiers among them)."""
+    HEAD_DIMS, each read in place through a 2-D view (hopper_common.tma_layout), no bias, a
+    positive scale; dense, or varlen too where the caller says it takes it (varlen=True).
+    copies=True: whether they take the call with q, k and v copied into the flash layout
+    (contiguous), their own layout aside. Each kernel's `declines` adds its own conditions (a
+    user's modifiers among them)."""
     if gluon is None or interpreting():
         return "no Gluon (the interpreter, or a Triton without it)"
     if params.is_varlen and not varlen:
@@ -957,7 +957,8 @@ def gluon_declines(q, k, v, params: AttentionParams, varlen: bool = False,
     if min(q.shape[tokens], k.shape[tokens]) == 0:
         return "no query or key token"
     if not copies and not all(tma_layout(x) for x in (q, k, v)):
-        return "q, k or v neither contiguous nor heads-major, 16-byte aligned"
+        return ("q, k or v not readable in place (contiguous, tokens a pitch apart or "
+                "heads-major, 16-byte aligned)")
     return None
 
 
