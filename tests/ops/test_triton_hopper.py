@@ -24,6 +24,8 @@ from flashkit.ops.triton.configs import (
 )
 from flashkit.reference import attention_with_params
 from flashkit.testing import assert_close_to_oracle, dropout_keep_mask, poison
+from flashkit.variants import library
+from flashkit.variants.mods import ScoreMod, Variant
 from helpers import ON_HOPPER
 
 hopper = importlib.import_module("flashkit.ops.triton.forward_hopper")
@@ -223,10 +225,11 @@ def test_gpu_gluon_wide_tile_matches_oracle(case):
     _run_case(case, WIDE)
 
 
-def test_softcap_mode_bounds_the_row_max_where_the_dtype_holds_it():
+def test_bounded_scores_fix_the_row_max_where_the_dtype_holds_it():
     """A fixed row max (SOFTCAP_BOUNDED) for the hardware tanh without ALiBi or a sink, up to
     c = 34.6 (bf16) and 5.2 (fp16); the running max past those, for the exact tanh, with ALiBi
-    or a sink."""
+    or a sink. The same for a score_mod's declared bound, with no built-in softcap beside it;
+    a score_mod without a bound keeps the running max."""
     fast, exact = hopper.SOFTCAP_FAST, hopper.SOFTCAP_FAST - 1
     slopes = torch.ones(2)
     for dtype, c, features, taken in ((torch.bfloat16, 34.6, {}, True),
@@ -236,10 +239,20 @@ def test_softcap_mode_bounds_the_row_max_where_the_dtype_holds_it():
                                       (torch.float32, 1.0, {}, False),
                                       (torch.bfloat16, 3.0, dict(alibi_slopes=slopes), False),
                                       (torch.bfloat16, 3.0, dict(sink=slopes), False)):
+        offset = 15.0 if dtype == torch.float16 else 0.0
         params = AttentionParams(0.125, softcap=c, **features)
-        mode = hopper.softcap_mode(params, dtype, c * LOG2E, fast)
-        assert mode == (hopper.SOFTCAP_BOUNDED if taken else fast), (dtype, c, features)
-        assert hopper.softcap_mode(params, dtype, c * LOG2E, exact) == exact
+        got = hopper.bounded_scores(params, dtype, c * LOG2E, fast)
+        assert got == ((hopper.SOFTCAP_BOUNDED, c * LOG2E - offset) if taken else (fast, 0.0))
+        assert hopper.bounded_scores(params, dtype, c * LOG2E, exact) == (exact, 0.0)
+        bounded = Variant(ScoreMod(library._softcap, c, bound=c))
+        params = AttentionParams(0.125, variant=bounded, **features)
+        got = hopper.bounded_scores(params, dtype, 0.125 * LOG2E, 0)
+        assert got == ((hopper.SOFTCAP_BOUNDED, pytest.approx(c * LOG2E - offset)) if taken
+                       else (0, 0.0)), (dtype, c, features)
+        with_softcap = AttentionParams(0.125, softcap=c, variant=bounded, **features)
+        assert hopper.bounded_scores(with_softcap, dtype, c * LOG2E, fast) == (fast, 0.0)
+    unbounded = AttentionParams(0.125, variant=Variant(ScoreMod(library._softcap, 3.0)))
+    assert hopper.bounded_scores(unbounded, torch.bfloat16, 0.125 * LOG2E, 0) == (0, 0.0)
 
 
 # (dtype, head_dim, softcap, window): at each dtype's bound for the fixed row max and past it
@@ -255,18 +268,47 @@ SOFTCAP_BOUND_CASES = [
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("written", ["softcap=", "score_mod"])
 @pytest.mark.parametrize("schedule", [None, "inline", "persistent"])
 @pytest.mark.parametrize("case", SOFTCAP_BOUND_CASES, ids=str)
-def test_gpu_gluon_softcap_saturated_rows_match_oracle(case, schedule):
-    """Softcaps at the fixed row max's bound (softcap_mode) and past it, on rows whose every
+def test_gpu_gluon_softcap_saturated_rows_match_oracle(case, schedule, written):
+    """Softcaps at the fixed row max's bound (bounded_scores) and past it, on rows whose every
     score is far below 0 (q . k shifted by -800: tanh near -1, so P = 2^(s - m) near 2^-98 in
-    bf16 at c = 34) beside rows of ordinary scores; 300 rows, 700 keys (a key tail)."""
+    bf16 at c = 34) beside rows of ordinary scores; 300 rows, 700 keys (a key tail). Built in,
+    and as the library's score_mod with the GPU's tanh (its bound c)."""
     dtype, head_dim, softcap, (left, right) = case
     q, k, v, _ = make_inputs(2, 300, 700, 4, 2, head_dim, head_dim, dtype, "cuda")
     q[:, ::2, :, :8] = 10.0  # even rows: q . k = -800 + O(10) against every key
     k[..., :8] = -10.0
-    params = AttentionParams(head_dim ** -0.5 * 1.3, left, right, softcap=softcap)
+    if written == "softcap=":
+        params = AttentionParams(head_dim ** -0.5 * 1.3, left, right, softcap=softcap)
+    else:
+        params = AttentionParams(head_dim ** -0.5 * 1.3, left, right,
+                                 variant=Variant(library.softcap(softcap, approx=True)))
     check_forward(q, k, v, params, SCHEDULES.get(schedule))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("written", ["softcap=", "score_mod"])
+@pytest.mark.parametrize("dtype, softcap", [(torch.bfloat16, 30.0), (torch.float16, 5.0)])
+def test_gpu_gluon_bounded_rows_of_one_key_return_its_value(dtype, softcap, written):
+    """Under the fixed row max no P is exactly 1: a causal row 0 (one key) returns that key's v
+    exactly only if l sums the rounded P the P V wgmma multiplies (_softmax_step); v in
+    [1, 2) puts a rounding of P at a whole ulp of out. Every row against the oracle too."""
+    q, k, v, _ = make_inputs(2, 300, 300, 4, 2, 128, 128, dtype, "cuda")
+    v = (v.abs() % 1 + 1).to(dtype)
+    if written == "softcap=":  # (the flag and qk_scale the launcher passes bounded_scores)
+        params = AttentionParams(128 ** -0.5, None, 0, softcap=softcap)
+        flag, qk_scale = hopper.SOFTCAP_FAST, softcap * LOG2E
+    else:
+        params = AttentionParams(128 ** -0.5, None, 0,
+                                 variant=Variant(library.softcap(softcap, approx=True)))
+        flag, qk_scale = 0, 128 ** -0.5 * LOG2E
+    assert hopper.bounded_scores(params, dtype, qk_scale, flag)[0] == hopper.SOFTCAP_BOUNDED
+    out, _ = hopper.attention_forward(q, k, v, params)
+    assert torch.equal(out[:, 0], v[:, 0].repeat_interleave(2, dim=1))
+    check_forward(q, k, v, params, None)
 
 
 def at_head_dim(case, head_dim):

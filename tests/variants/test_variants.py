@@ -162,6 +162,13 @@ def test_bad_modifiers_rejected(kwargs, error, match):
         flashkit.flash_attn_func(q, k, v, backend="torch", **kwargs)
 
 
+@pytest.mark.parametrize("bound", [0, -1.0, float("inf"), float("nan"), True, "3"])
+def test_bad_bound_rejected(bound):
+    with pytest.raises(ValueError, match="score_mod: bound must be a positive finite number"):
+        variants.ScoreMod(_bias, torch.zeros(2), bound=bound)
+    assert variants.ScoreMod(_bias, torch.zeros(2), bound=3).bound == 3.0
+
+
 def test_block_mask_must_fit_the_call():
     q, k, v = _qkv()
     mask = flashkit.create_block_mask(variants.causal_mask(), 1, 2, 8, 16, device="cpu",

@@ -45,6 +45,8 @@ def mods(name: str, seqlen_q: int, seqlen_k: int, **captured) -> dict:
         return dict(score_mod=variants.alibi(captured["slopes"], shift=seqlen_k - seqlen_q))
     if name == "softcap":
         return dict(score_mod=variants.softcap(3.0))
+    if name == "softcap_approx":  # 16-bit inputs on a GPU (the interpreter's tanh is exact)
+        return dict(score_mod=variants.softcap(3.0, approx=True))
     if name == "relative_bias":
         return dict(score_mod=variants.relative_bias(captured["table"]))
     if name == "token_bias":
@@ -54,7 +56,8 @@ def mods(name: str, seqlen_q: int, seqlen_k: int, **captured) -> dict:
     raise ValueError(name)
 
 
-EXAMPLES = ("document", "prefix_lm", "alibi", "softcap", "relative_bias", "window_globals")
+EXAMPLES = ("document", "prefix_lm", "alibi", "softcap", "softcap_approx", "relative_bias",
+            "window_globals")
 # score modifiers whose captured tensor learns: example -> the captured tensor's name
 CAPTURED_GRADS = {"relative_bias": "table", "alibi": "slopes", "token_bias": "bias"}
 

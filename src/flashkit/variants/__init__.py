@@ -18,8 +18,9 @@ flashkit.variants.library and are imported here on first use (they need triton).
 from flashkit.variants.block_mask import BlockMask, create_block_mask
 from flashkit.variants.mods import MaskMod, ScoreMod
 
-_LIBRARY = ("tanh", "causal_mask", "document_mask", "prefix_lm", "sliding_window_with_globals",
-            "causal_window", "alibi", "softcap", "relative_bias", "token_bias")
+_LIBRARY = ("tanh", "tanh_approx", "causal_mask", "document_mask", "prefix_lm",
+            "sliding_window_with_globals", "causal_window", "alibi", "softcap", "relative_bias",
+            "token_bias")
 
 __all__ = ["ScoreMod", "MaskMod", "BlockMask", "create_block_mask", *_LIBRARY]
 

@@ -11,7 +11,11 @@ import torch
 import triton
 import triton.language as tl
 
+from flashkit.ops.triton.common import interpreting
 from flashkit.variants.mods import TORCH_OVERRIDES, MaskMod, ScoreMod
+
+# the interpreter runs no PTX: tanh_approx is the exact tanh there
+_INTERPRETING = tl.constexpr(interpreting())
 
 
 @triton.jit
@@ -21,7 +25,21 @@ def tanh(x):
     return 1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)
 
 
+@triton.jit
+def tanh_approx(x):
+    """The GPU's own tanh (PTX tanh.approx.f32, relative error about 2^-11): one instruction
+    where `tanh` takes an exp2 and a division, as the built-in softcap computes it for float16
+    and bfloat16 inputs, whose scores are rounded more coarsely than that. Too coarse for
+    float32 inputs' accuracy. The interpreter and the torch backends compute the exact tanh."""
+    if _INTERPRETING:
+        return tanh(x)
+    else:
+        return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+
+
 TORCH_OVERRIDES[tanh.fn] = torch.tanh
+TORCH_OVERRIDES[tanh_approx.fn] = torch.tanh
 
 
 # --- masks ---------------------------------------------------------------------------------
@@ -123,20 +141,43 @@ def alibi(slopes: torch.Tensor, shift: int = 0) -> ScoreMod:
 
 
 @triton.jit
-def _softcap(score, b, h, q_idx, kv_idx, cap):
+def _capped_tanh(score, cap, APPROX: tl.constexpr):
     # score * (1 / cap): one reciprocal a tile, where score / cap divides every score
-    return cap * tanh(score * (1.0 / cap))
+    if APPROX:
+        return tanh_approx(score * (1.0 / cap))
+    else:
+        return tanh(score * (1.0 / cap))
+
+
+@triton.jit
+def _softcap(score, b, h, q_idx, kv_idx, cap):
+    return cap * _capped_tanh(score, cap, False)
+
+
+@triton.jit
+def _softcap_approx(score, b, h, q_idx, kv_idx, cap):
+    return cap * _capped_tanh(score, cap, True)
 
 
 @triton.jit
 def _softcap_grad(score, b, h, q_idx, kv_idx, cap):
-    t = tanh(score * (1.0 / cap))
+    t = _capped_tanh(score, cap, False)
     return 1.0 - t * t
 
 
-def softcap(cap: float) -> ScoreMod:
-    """Tanh soft-capping as a score_mod: cap * tanh(score / cap) (softcap= built in)."""
-    return ScoreMod(_softcap, float(cap), grad=_softcap_grad)
+@triton.jit
+def _softcap_approx_grad(score, b, h, q_idx, kv_idx, cap):
+    t = _capped_tanh(score, cap, True)
+    return 1.0 - t * t
+
+
+def softcap(cap: float, approx: bool = False) -> ScoreMod:
+    """Tanh soft-capping as a score_mod: cap * tanh(score / cap) (softcap= built in), bounded
+    by cap (ScoreMod's bound). approx=True takes the GPU's tanh (tanh_approx), as the built-in
+    softcap does for float16 and bfloat16 inputs: for those dtypes only."""
+    if approx:
+        return ScoreMod(_softcap_approx, float(cap), grad=_softcap_approx_grad, bound=cap)
+    return ScoreMod(_softcap, float(cap), grad=_softcap_grad, bound=cap)
 
 
 @triton.jit

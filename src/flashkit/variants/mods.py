@@ -73,6 +73,8 @@ class _Mod:
     kind = ""
     _arg_names: tuple = ()
 
+    bound = None  # ScoreMod's promise on its scores (None: none)
+
     def __init__(self, fn, *captured, grad=None, captured_grad=None):
         self.fn, self.captured, self.grad = fn, tuple(captured), grad
         self.captured_grad = captured_grad
@@ -123,17 +125,18 @@ class _Mod:
     def kernel_key(self) -> tuple:
         """What a Triton kernel compiles in of this modifier, for launch plans' keys: its
         @triton.jit functions, derivative and captured_grad rule included (the same objects
-        for the same Python functions: jitted), and its captured values' dtypes (tensors,
-        which each launch is passed) or types and values (numbers, on which Triton may
-        specialise). Made once: both are fixed. The functions' Triton cache keys are settled
-        first, as a launch does before compiling (a key hashes them, which computes their
-        cache keys)."""
+        for the same Python functions: jitted), its captured values' dtypes (tensors, which
+        each launch is passed) or types and values (numbers, on which Triton may specialise),
+        and a ScoreMod's bound (the forward's fixed row max). Made once: all are fixed. The
+        functions' Triton cache keys are settled first, as a launch does before compiling (a
+        key hashes them, which computes their cache keys)."""
         if self._kernel_key is None:
             from flashkit.ops.triton.launch import settle_cache_keys
             functions = (self.jit(), self.jit_grad(), self.jit_captured_grad())
             settle_cache_keys(*functions)
             self._kernel_key = (*functions, tuple(
-                t.dtype if isinstance(t, torch.Tensor) else (type(t), t) for t in self.captured))
+                t.dtype if isinstance(t, torch.Tensor) else (type(t), t) for t in self.captured),
+                self.bound)
         return self._kernel_key
 
     def kernel_args(self) -> tuple:
@@ -168,9 +171,26 @@ class ScoreMod(_Mod):
     ds * d score_mod / d captured into grads (one float32 buffer per captured value, flat like
     it, None where no gradient is wanted) with tl.atomic_add; ds is dL / d score_mod(score)
     on a [BLOCK_M, BLOCK_N] tile (rows queries, 0 where masked), score the score before
-    score_mod."""
+    score_mod.
+    bound (optional, a positive float B): a promise that -B <= score_mod(score) <= B for every
+    score, as a tanh softcap keeps. The Hopper forward then softmaxes against a fixed row max
+    instead of a running one (no max per tile, no rescaling of the output), as the built-in
+    softcap does, when the inputs' dtype holds every P = exp(s - B) it produces: 2 B log2(e)
+    <= 100 in bfloat16 (B <= 34.6), <= 15 in float16 (B <= 5.2); other calls ignore it. A
+    score above B makes P larger than 1 (in float16 it may overflow to inf), so declare only
+    a bound the function keeps."""
     kind = "score_mod"
     _arg_names = _SCORE_ARGS
+
+    def __init__(self, fn, *captured, grad=None, captured_grad=None, bound=None):
+        super().__init__(fn, *captured, grad=grad, captured_grad=captured_grad)
+        if bound is not None:
+            if isinstance(bound, bool) or not isinstance(bound, (int, float)) or not (
+                    0 < bound < float("inf")):
+                raise ValueError(f"score_mod: bound must be a positive finite number, got "
+                                 f"{bound!r}")
+            bound = float(bound)
+        self.bound = bound
 
 
 class MaskMod(_Mod):

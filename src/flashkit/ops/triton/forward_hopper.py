@@ -119,11 +119,12 @@ except ImportError:  # a Triton without Gluon: the Triton kernel does everything
 BLOCK_M = 64  # query rows per consumer warpgroup (the wgmma M of one warpgroup)
 PRODUCER_REGS = 24  # registers per thread of the producer warp (the least setmaxnreg allows)
 HEAD_DIMS = (64, 128, 256)  # of every Gluon kernel
-# SOFTCAP value of a softcap whose scores are bounded tightly enough for a fixed row max
-# (softcap_mode): SOFTCAP_FAST's tanh, no running max, no rescaling of O.
+# SOFTCAP value of scores bounded tightly enough for a fixed row max (bounded_scores): no
+# running max, no rescaling of O. Without a score_mod, a softcap with SOFTCAP_FAST's tanh;
+# with one, the score_mod's own bound (ScoreMod.bound) and no built-in softcap.
 SOFTCAP_BOUNDED = 3
-# (how wide 2 c log2(e) may be, the fixed max's offset below c log2(e)) per P dtype; see
-# softcap_mode.
+# (how wide 2 B log2(e) may be for scores in [-B, B], the fixed max's offset below B log2(e))
+# per P dtype; see bounded_scores.
 BOUNDED_RANGE = {torch.bfloat16: (100.0, 0.0), torch.float16: (15.0, 15.0)}
 
 
@@ -150,7 +151,6 @@ if gluon is not None:
     PRODUCER_REGS_GL = gl.constexpr(PRODUCER_REGS)
     SOFTCAP_FAST_GL = gl.constexpr(SOFTCAP_FAST)
     SOFTCAP_BOUNDED_GL = gl.constexpr(SOFTCAP_BOUNDED)
-    FP16_MAX_OFFSET = gl.constexpr(BOUNDED_RANGE[torch.float16][1])
     # PTX of 2^x for FMA_EXP2_EVERY registers ($4 .. $7 into $0 .. $3): the first by a degree-3
     # polynomial on the FMA pipe (x = j + f, j = round(x) by the 1.5 * 2^23 shifter, 2^f on
     # [-0.5, 0.5] with relative error 7.5e-5, j added to the exponent), the others on MUFU.
@@ -203,7 +203,7 @@ if gluon is not None:
     def _softmax_step(qk, m_i, l_i, rows, cols, col0, geo, alibi, user, MASK: gl.constexpr,
                       masked_now, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                       SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, ALIBI_SIDE: gl.constexpr,
-                      SCORE_MOD: gl.constexpr, MASK_MOD: gl.constexpr):
+                      SCORE_MOD: gl.constexpr, MASK_MOD: gl.constexpr, P_DTYPE: gl.constexpr):
         """Online softmax of raw scores qk [BLOCK_M, BLOCK_N] for query rows `rows` [BLOCK_M, 1]
         and key columns `cols` = col0 + [0, BLOCK_N) as [1, BLOCK_N]. Plain scores take the row
         max on qk and scale it after (qk_scale > 0), so s - m is one FMA per element; softcap
@@ -219,8 +219,19 @@ if gluon is not None:
         max after the reduction and the exp2's subtrahend, and a column term that is the same
         for every tile (alibi[1]), so the tile costs one add per element more than plain.
 
-        SOFTCAP_BOUNDED: m_i is a fixed bound of the row's scores (_consumer, softcap_mode), so
-        there is no row max and alpha is 1 (the caller skips rescaling O).
+        SOFTCAP_BOUNDED: m_i is a fixed bound of the row's scores (_consumer, bounded_scores),
+        so there is no row max and alpha is 1 (the caller skips rescaling O); the bound is the
+        fast softcap's, or with SCORE_MOD the score_mod's (no built-in softcap then). No term
+        of a row is then exactly 1 (a running max makes the largest one 1), so P V weighs a
+        row's keys with P rounded to P_DTYPE while l sums P unrounded: a row of few keys (one:
+        its v) would be off by up to a rounding of P (2^-8 in bf16). Rows of few keys lie
+        in masked tiles (the mask's edges: causal rows, windows, short sequences, key tails),
+        so a masked tile rounds P to P_DTYPE before l sums it, and those rows come out as
+        exact as under the running max. Open tiles skip it (on every tile it measured 23%
+        slower), and so do a user's variant's tiles after its first, masked or not as a
+        runtime choice (masked_now; the runtime branch measured 26-28% slower): a row whose few
+        keys lie there (a narrow window or mask_mod) or where one key outweighs the others by
+        far keeps that key's rounding (up to one ulp of out).
 
         A user's modifiers (flashkit.variants; user = (off_b, off_h, score_args, mask_args,
         packing)):
@@ -232,8 +243,9 @@ if gluon is not None:
         alibi_log2, alibi_cols = alibi
         row_bias = gl.zeros_like(m_i)  # subtracted from each row after the max (side tiles)
         BOUNDED: gl.constexpr = SOFTCAP == SOFTCAP_BOUNDED_GL
-        if SOFTCAP and not ALIBI:  # tanh(scale qk / c), scaled by qk_scale as plain qk
-            TANH: gl.constexpr = SOFTCAP_FAST_GL if BOUNDED else SOFTCAP
+        TANH: gl.constexpr = ((0 if SCORE_MOD is not None else SOFTCAP_FAST_GL) if BOUNDED
+                              else SOFTCAP)
+        if TANH and not ALIBI:  # tanh(scale qk / c), scaled by qk_scale as plain qk
             s = scores(qk, 1.0, softcap_scale, TANH)
             scale = qk_scale
         elif ALIBI:
@@ -262,10 +274,12 @@ if gluon is not None:
             m_new = m_i
             alpha = gl.full_like(m_i, 1.0)
             x = s * scale - gl.expand_dims(m_i, 1)
-            if MASK:
+            if MASK or SCORE_MOD is not None:  # -inf, or anything a score_mod returns
                 p = gl.exp2(x)
-            else:  # x in [-100, 15] (softcap_mode)
+            else:  # x in [-100, 15] (bounded_scores)
                 p = _exp2_fma_share(x)
+            if MASK and len(masked_now) == 0:  # the weights P V multiplies sum to exactly l
+                p = p.to(P_DTYPE).to(gl.float32)
             l_new = l_i + gl.sum(p, 1)
         else:
             m_new = gl.maximum(m_i, gl.max(s, 1) * scale - row_bias)
@@ -367,7 +381,7 @@ if gluon is not None:
         p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, rows, gl.expand_dims(cols, 0), col0,
                                            geo, alibi, user, MASK, masked_now, HAS_LEFT,
                                            HAS_RIGHT, SOFTCAP, ALIBI, ALIBI_SIDE, SCORE_MOD,
-                                           MASK_MOD)
+                                           MASK_MOD, q_tile.dtype)
         p_next = gl.convert_layout(_p_operand(p, kept, q_tile.dtype, s_layout, DROPOUT),
                                    p_layout)
         # The softmax results pass through the wait so that the compiler cannot sink the softmax
@@ -425,7 +439,7 @@ if gluon is not None:
         partial blocks' (masked, MASK_MOD too), then its full blocks' (open)."""
         (out_base, lse_base, Alibi, Sink, stride_os, stride_ab, stride_ah, off_b, off_h, start_m,
          lo, n_tiles, key0, kv_col, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
-         softcap_scale, seed_lo, seed_hi, dropout_threshold, dropout_scale, score_args,
+         softcap_scale, row_max, seed_lo, seed_hi, dropout_threshold, dropout_scale, score_args,
          mask_args, packing, listing) = scalars
         geo = (seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale)
         user = (off_b, off_h, score_args, mask_args, packing)
@@ -459,9 +473,8 @@ if gluon is not None:
         ) * alibi_log2
         alibi = (alibi_log2, alibi_cols)
         m_i = gl.full([BM], float("-inf"), gl.float32, row_layout)
-        if SOFTCAP == SOFTCAP_BOUNDED_GL:  # c log2(e) bounds every score (see softcap_mode)
-            offset: gl.constexpr = FP16_MAX_OFFSET if dtype == gl.float16 else 0.0
-            m_i = gl.full([BM], 0.0, gl.float32, row_layout) + (qk_scale - offset)
+        if SOFTCAP == SOFTCAP_BOUNDED_GL:  # the fixed row max (bounded_scores)
+            m_i = gl.full([BM], 0.0, gl.float32, row_layout) + row_max
         l_i = gl.zeros([BM], gl.float32, row_layout)
         if SINK:  # the sink logit joins every row's denominator
             m_i, l_i = softmax_start(m_i, l_i, gl.load(Sink + off_h) * LOG2E_GL)
@@ -495,7 +508,7 @@ if gluon is not None:
             cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
             p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, rows, gl.expand_dims(cols, 0), col0,
                                                geo, alibi, user, True, (), HAS_LEFT, HAS_RIGHT,
-                                               SOFTCAP, ALIBI, 0, SCORE_MOD, MASK_MOD)
+                                               SOFTCAP, ALIBI, 0, SCORE_MOD, MASK_MOD, dtype)
             state = (acc, gl.convert_layout(_p_operand(p, kept, dtype, s_layout, DROPOUT),
                                             p_layout), m_i, l_i)
 
@@ -668,7 +681,7 @@ if gluon is not None:
         then its mask row's listed blocks (listing, hopper_common.tile_start), not the band's."""
         (Out, Lse, Alibi, Sink, Cu_q, Cu_k, Used_k, stride_ob, stride_os, stride_oh, stride_lb,
          stride_lh, stride_ab, stride_ah, nheads, group, seqlen_q, seqlen_k, window_left,
-         window_right, qk_scale, softcap_scale, seed_lo, seed_hi, dropout_threshold,
+         window_right, qk_scale, softcap_scale, row_max, seed_lo, seed_hi, dropout_threshold,
          dropout_scale, paging, score_args, mask_args, packing, blocks, q_geo, kv_geo) = problem
         off_b = pid_bh // nheads
         off_h = pid_bh % nheads
@@ -696,8 +709,8 @@ if gluon is not None:
         lse_base = Lse + off_b.to(gl.int64) * stride_lb + off_h * stride_lh + q_start
         scalars = (out_base, lse_base, Alibi, Sink, stride_os, stride_ab, stride_ah, off_b, off_h,
                    start_m, lo, n_tiles, key0, kv_col, seqlen_q, seqlen_k, window_left,
-                   window_right, qk_scale, softcap_scale, seed_lo, seed_hi, dropout_threshold,
-                   dropout_scale, score_args, mask_args, packing, listing)
+                   window_right, qk_scale, softcap_scale, row_max, seed_lo, seed_hi,
+                   dropout_threshold, dropout_scale, score_args, mask_args, packing, listing)
         return scalars, (n_tiles, key0, listing, kv_col, q_row0 + start_m, q_col), in_sequence
 
     @gluon.jit
@@ -771,7 +784,7 @@ if gluon is not None:
     def _fwd_hopper_kernel(q_desc, k_desc, v_desc, Out, Lse, Alibi, Sink, Cu_q, Cu_k, Used_k,
                            Table, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
                            stride_ab, stride_ah, nheads, group, seqlen_q, seqlen_k, window_left,
-                           window_right, qk_scale, softcap_scale, seed_lo, seed_hi,
+                           window_right, qk_scale, softcap_scale, row_max, seed_lo, seed_hi,
                            dropout_threshold, dropout_scale, n_items, stride_table, page_shift,
                            q_geo, kv_geo, score_args, mask_args, packing, blocks,
                            HEAD_DIM: gl.constexpr,
@@ -811,9 +824,9 @@ if gluon is not None:
             paging = (Table, stride_table, page_shift)
         problem = (Out, Lse, Alibi, Sink, Cu_q, Cu_k, Used_k, stride_ob, stride_os, stride_oh,
                    stride_lb, stride_lh, stride_ab, stride_ah, nheads, group, seqlen_q,
-                   seqlen_k, window_left, window_right, qk_scale, softcap_scale, seed_lo,
-                   seed_hi, dropout_threshold, dropout_scale, paging, score_args, mask_args,
-                   packing, blocks, q_geo, kv_geo)
+                   seqlen_k, window_left, window_right, qk_scale, softcap_scale, row_max,
+                   seed_lo, seed_hi, dropout_threshold, dropout_scale, paging, score_args,
+                   mask_args, packing, blocks, q_geo, kv_geo)
         if PERSISTENT:
             work = (problem, gl.cdiv(seqlen_q, BLOCK_Q), n_items)
         else:  # heaviest causal rows first
@@ -1005,21 +1018,27 @@ def eligible(q, k, v, params: AttentionParams, out, lse, tile) -> bool:
     return declines(q, k, v, params, out, lse, tile) is None
 
 
-def softcap_mode(params: AttentionParams, dtype, qk_scale, softcap) -> int:
-    """SOFTCAP_BOUNDED for a SOFTCAP_FAST softcap (qk_scale = c log2(e)) without ALiBi or a
-    sink whose scores s in [-c log2(e), c log2(e)] (log2 units) fit P's dtype under a fixed row
-    max m = c log2(e) - offset (BOUNDED_RANGE), else `softcap` (the running max). P = 2^(s - m):
-    bf16 (offset 0) keeps P <= 1 like the running max and needs 2 c log2(e) <= 100 (c <= 34.6),
-    so a row's largest P is >= 2^-100 and whatever fp32's flush to zero below 2^-126 drops is
-    < 2^-26 of it; fp16 (offset 15) keeps P <= 2^15 (< 65504) and a row's largest P >= 1, as
-    the running max's, with 2 c log2(e) <= 15 (c <= 5.2). A user's score_mod may move the
-    scores anywhere: the running max then."""
-    width, _ = BOUNDED_RANGE.get(dtype, (0.0, 0.0))
-    if (softcap == SOFTCAP_FAST and params.alibi_slopes is None and params.sink is None
-            and (params.variant is None or params.variant.score_mod is None)
-            and 2 * qk_scale <= width):
-        return SOFTCAP_BOUNDED
-    return softcap
+def bounded_scores(params: AttentionParams, dtype, qk_scale, softcap) -> tuple[int, float]:
+    """(SOFTCAP flag, row_max): SOFTCAP_BOUNDED and the fixed row max m = B - offset
+    (BOUNDED_RANGE) for scores s in [-B, B] (log2 units) that fit P's dtype under it, else
+    (softcap, 0.0): the running max. Without ALiBi or a sink, B is c log2(e) of a SOFTCAP_FAST
+    softcap (qk_scale) with no score_mod, or bound log2(e) of a score_mod that declares a bound
+    (ScoreMod.bound) with no built-in softcap; any other score_mod may move the scores
+    anywhere. P = 2^(s - m): bf16 (offset 0) keeps P <= 1 like the running max and needs
+    2 B <= 100 (c <= 34.6), so a row's largest P is >= 2^-100 and whatever fp32's flush to
+    zero below 2^-126 drops is < 2^-26 of it; fp16 (offset 15) keeps P <= 2^15 (< 65504) and
+    a row's largest P >= 1, as the running max's, with 2 B <= 15 (c <= 5.2)."""
+    width, offset = BOUNDED_RANGE.get(dtype, (0.0, 0.0))
+    if params.alibi_slopes is not None or params.sink is not None:
+        return softcap, 0.0
+    score_mod = None if params.variant is None else params.variant.score_mod
+    if score_mod is None:
+        bound = qk_scale if softcap == SOFTCAP_FAST else None
+    else:
+        bound = score_mod.bound * LOG2E if score_mod.bound is not None and not softcap else None
+    if bound is None or 2 * bound > width:
+        return softcap, 0.0
+    return SOFTCAP_BOUNDED, bound - offset
 
 
 def launch_config(tile) -> dict:
@@ -1108,8 +1127,9 @@ def _prepare(q, k, v, params: AttentionParams, out, lse, tile, seqused_k, block_
     # the score modifiers unbundled: _softmax_step specialises on each (a new one joins here)
     qk_scale, softcap_scale, stride_ab, stride_ah = f.score_values
     softcap, alibi = f.flags["SCORES"]
+    softcap, row_max = bounded_scores(params, q.dtype, qk_scale, softcap)
     flags = dict(HAS_LEFT=f.flags["HAS_LEFT"], HAS_RIGHT=f.flags["HAS_RIGHT"],
-                 SOFTCAP=softcap_mode(params, q.dtype, qk_scale, softcap), ALIBI=alibi,
+                 SOFTCAP=softcap, ALIBI=alibi,
                  SINK=f.flags["SINK"], DROPOUT=f.flags["DROPOUT"], VARLEN=f.flags["VARLEN"])
     n_m = cdiv(f.seqlen_q, BLOCK_M * consumers)
     n_items = n_m * f.batch * f.nheads
@@ -1129,7 +1149,7 @@ def _prepare(q, k, v, params: AttentionParams, out, lse, tile, seqused_k, block_
         raise ValueError(f"a block mask needs a specialized tile of whole blocks, not {tile}")
     return Prepared(_fwd_hopper_kernel, grid, (
         *f.strides(out)[:3], *f.strides(lse)[:2], stride_ab, stride_ah, f.nheads,
-        f.nheads // f.nheads_k, *f.band, qk_scale, softcap_scale, *f.dropout, n_items,
+        f.nheads // f.nheads_k, *f.band, qk_scale, softcap_scale, row_max, *f.dropout, n_items,
         *paging, view_geometry(q), view_geometry(k)), dict(
         HEAD_DIM=head_dim, BLOCK_N=block_n, NUM_STAGES=num_stages, CONSUMERS=consumers,
         SPECIALIZED=specialized, PINGPONG=pingpong and consumers >= 2, PERSISTENT=persistent,
