@@ -169,6 +169,13 @@ def test_bad_bound_rejected(bound):
     assert variants.ScoreMod(_bias, torch.zeros(2), bound=3).bound == 3.0
 
 
+def test_bound_is_part_of_the_kernel_key():
+    """Launch plans hold the fixed row max a bound gives: modifiers that differ only in their
+    bound must not share one."""
+    keys = {variants.ScoreMod(_bias, 1.0, bound=bound).kernel_key() for bound in (None, 3, 4)}
+    assert len(keys) == 3
+
+
 def test_block_mask_must_fit_the_call():
     q, k, v = _qkv()
     mask = flashkit.create_block_mask(variants.causal_mask(), 1, 2, 8, 16, device="cpu",
