@@ -12,7 +12,9 @@ contiguous 8k cache (7.7k filled, GQA 8:1), over its work threshold; a decoding 
 one token to that cache (its lengths a tensor, or an int that changes every call); the
 dropout forward draws with a new seed every call; varlen: the dense tokens as 4 causal
 sequences of 128 (the same cu_seqlens every call), forward, step, and a forward with a causal
-block mask over the packed tokens. The step is the dense call with grad, then
+block mask over the packed tokens; transformers' decoding step through flash_attn_func (one
+query over a DynamicCache's keys, heads-major, GQA 4:1), the same length every call and one
+key longer every call, as a generated token makes it. The step is the dense call with grad, then
 its backward: CPU tensors, so autograd runs the backward on the calling thread (on a GPU it
 runs on autograd's device thread, which costs more: step_threads.py). The int decoding step
 plans anew every call here and not on a GPU: CPU tensors take the host checks, whose
@@ -151,6 +153,16 @@ def main():
     def varlen_step():
         return torch.autograd.grad(varlen(packed_leaves), packed_leaves, dout.view(512, 32, 128))
 
+    # transformers' decoding through flash_attn_func: one query over a DynamicCache's keys,
+    # (batch, heads_k, length, d) contiguous seen through transpose(1, 2); each step one longer
+    q_step = torch.randn(1, 32, 1, 128, dtype=bf).transpose(1, 2)
+    lengths = itertools.count(1024)
+    cache = torch.randn(8 * (1024 + 4 * args.calls + 100) * 128, dtype=bf)
+
+    def cache_step(length):
+        kv = cache[:8 * length * 128].view(1, 8, length, 128).transpose(1, 2)
+        return flash_attn_func(q_step, kv, kv, causal=True, backend="triton")
+
     paths = {
         "dispatch.forward_call (the Gluon forward, planned)": lambda: dispatch.forward_call(
             q, k, v, params, out=out, lse=lse),
@@ -167,6 +179,10 @@ def main():
         "flash_attn_varlen_func, a block mask over the packed tokens": varlen_block_mask,
         "decode step (tensor cache_seqlens)": lambda: decode_step(False),
         "decode step (int cache_seqlens, a new one each call)": lambda: decode_step(True),
+        "flash_attn_func, 1 query over a DynamicCache, the same 1024 keys each call":
+            lambda: cache_step(1024),
+        "flash_attn_func, 1 query over a DynamicCache, one key more each call":
+            lambda: cache_step(next(lengths)),
     }
     import triton
 
