@@ -51,6 +51,27 @@ def test_a_bad_geometry_still_raises():
         hopper_common.descriptor(torch.randn(256, 68, dtype=torch.bfloat16), (64, 64), layout)
 
 
+def test_a_new_length_reuses_its_geometry_check(monkeypatch):
+    """What TensorDescriptor checks does not depend on the dims' sizes, only on whether they are
+    positive: a base one row longer (a decoding step's cache) takes no new check; an empty one
+    does, and is refused."""
+    layout = hopper_common.tile_layout(64, 64, torch.bfloat16)
+    hopper_common.descriptor(torch.randn(300, 64, dtype=torch.bfloat16), (64, 64), layout)
+    checked = []
+
+    class Counting(TensorDescriptor):
+        def __post_init__(self):
+            checked.append(self.shape)
+            super().__post_init__()
+
+    monkeypatch.setattr(hopper_common, "TensorDescriptor", Counting)
+    desc = hopper_common.descriptor(torch.randn(301, 64, dtype=torch.bfloat16), (64, 64), layout)
+    assert checked == [] and desc.shape == [301, 64]
+    with pytest.raises(AssertionError, match="positive"):
+        hopper_common.descriptor(torch.empty(0, 64, dtype=torch.bfloat16), (64, 64), layout)
+    assert checked == [[0, 64]]
+
+
 def test_heads_major_tensors_are_read_through_their_own_2d_view():
     """SDPA's (batch, heads, seqlen, d) memory seen as (batch, seqlen, heads, d) is read in
     place: its 2-D view (batch * heads * seqlen, d) holds (b, s, h) at row b * rows_b + h *
