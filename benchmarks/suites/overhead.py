@@ -9,7 +9,10 @@ grad + backward) of flashkit.flash_attn_func, PyTorch SDPA (cuDNN, FA2, efficien
 FlexAttention; the same with a user's variant (a causal document mask as a block mask) against
 FlexAttention's, SDPA cuDNN's plain causal call giving the scale; and an eager decoding step
 of flashkit.flash_attn_with_kvcache (b1, 32 query / 4 kv heads, d128, one new token, 1k..16k
-cached keys) against SDPA over the same cache (enable_gqa); and the tiny problem's tokens as 4
+cached keys) against SDPA over the same cache (enable_gqa); transformers' decoding step through
+flashkit.flash_attn_func (one query over a DynamicCache's keys: (1, heads_k, length, d)
+contiguous seen through transpose(1, 2), one key longer every call, from 1024) against SDPA
+on the same keys; and the tiny problem's tokens as 4
 causal sequences of 32 through flashkit.flash_attn_varlen_func against SDPA cuDNN on the same
 sequences as a batch. Two numbers per call:
   wall_us  wall time per call of a tight loop of N calls with one synchronisation at the end. On
@@ -200,6 +203,37 @@ def decode_calls(cached: int) -> dict:
     return calls
 
 
+def growing_cache_calls(calls: int) -> dict:
+    """name -> decoding-step callable over a DynamicCache-like cache one key longer every call
+    (each implementation counts its own lengths from 1024: flashkit sees a new key count every
+    call, as transformers' decoding hands it one)."""
+    q = torch.randn(1, DECODE_Q_HEADS, 1, DECODE_D, device="cuda", dtype=torch.bfloat16)
+    room = DECODE_KV_HEADS * (1024 + calls + 64) * DECODE_D
+    cache = torch.randn(2, room, device="cuda", dtype=torch.bfloat16)
+
+    def keys(length):  # (1, heads_k, length, d) contiguous, as torch.cat leaves a DynamicCache
+        return (cache[i, :DECODE_KV_HEADS * length * DECODE_D].view(
+            1, DECODE_KV_HEADS, length, DECODE_D) for i in range(2))
+
+    def counted(step):
+        lengths = iter(range(1024, 1024 + calls + 64))
+        return lambda: step(next(lengths))
+
+    def ours(length):
+        k, v = keys(length)
+        return flashkit.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                        causal=True)
+
+    calls_by_name = {"flashkit": counted(ours)}
+    for name in ("cudnn", "flash", "efficient"):
+        attention = sdpa(name)
+
+        def theirs(length, attention=attention):
+            return attention(q, *keys(length), enable_gqa=True)
+        calls_by_name[name] = counted(theirs)
+    return calls_by_name
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=300, help="calls per timed loop")
@@ -240,6 +274,9 @@ def main(argv=None):
             for cached in CACHED:
                 add(f"decode b1 {DECODE_Q_HEADS}/{DECODE_KV_HEADS} heads d{DECODE_D} {cached} "
                     "keys", "decode", decode_calls(cached))
+            add(f"decode b1 {DECODE_Q_HEADS}/{DECODE_KV_HEADS} heads d{DECODE_D} over a growing "
+                "DynamicCache (flash_attn_func)", "decode",
+                growing_cache_calls(args.calls * (args.rounds + 1)))
     notes = ("wall_us: wall time per call of a tight loop with one synchronisation at the end "
              "(host-bound here, so the host time a loop pays per call); cpu_us: the calling "
              "thread's CPU time per call (Python, dispatch and driver work alone); medians of "
