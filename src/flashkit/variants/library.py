@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashkit.ops.triton.common import interpreting
+from flashkit.ops.triton.common import interpreting, tanh_exact, tanh_hardware
 from flashkit.variants.mods import TORCH_OVERRIDES, MaskMod, ScoreMod
 
 # the interpreter runs no PTX: tanh_approx is the exact tanh there
@@ -20,22 +20,21 @@ _INTERPRETING = tl.constexpr(interpreting())
 
 @triton.jit
 def tanh(x):
-    """tanh for modifiers: 1 - 2 / (exp(2x) + 1), exact at both tails (torch side: torch.tanh).
-    exp(2x) as 2^(2 log2(e) x): one multiply before the hardware's exp2."""
-    return 1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)
+    """tanh for modifiers, exact at both tails (the built-in softcap's for float32 inputs;
+    torch side: torch.tanh)."""
+    return tanh_exact(x)
 
 
 @triton.jit
 def tanh_approx(x):
-    """The GPU's own tanh (PTX tanh.approx.f32, relative error about 2^-11): one instruction
-    where `tanh` takes an exp2 and a division, as the built-in softcap computes it for float16
-    and bfloat16 inputs, whose scores are rounded more coarsely than that. Too coarse for
-    float32 inputs' accuracy. The interpreter and the torch backends compute the exact tanh."""
+    """The GPU's own tanh (relative error about 2^-11): one instruction where `tanh` takes an
+    exp2 and a division, as the built-in softcap computes it for float16 and bfloat16 inputs,
+    whose scores are rounded more coarsely than that. Too coarse for float32 inputs' accuracy.
+    The interpreter and the torch backends compute the exact tanh."""
     if _INTERPRETING:
-        return tanh(x)
+        return tanh_exact(x)
     else:
-        return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x],
-                                         dtype=tl.float32, is_pure=True, pack=1)
+        return tanh_hardware(x)
 
 
 TORCH_OVERRIDES[tanh.fn] = torch.tanh

@@ -250,6 +250,21 @@ def masked_values_product(acc, p, s, v_tile, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def tanh_exact(x):
+    """tanh(x) = 1 - 2 / (exp(2x) + 1), exact at both tails (exp2 -> inf gives 1, -> 0 gives
+    -1); exp(2x) as 2^(2 log2(e) x), one multiply before the hardware's exp2."""
+    return 1.0 - 2.0 / (tl.math.exp2(x * 2.8853900817779268) + 1.0)
+
+
+@triton.jit
+def tanh_hardware(x):
+    """The GPU's tanh (PTX tanh.approx.f32, relative error about 2^-11): one MUFU instruction
+    where tanh_exact takes an exp2 and a division. A GPU only (the interpreter runs no PTX)."""
+    return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32,
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
 def scores(qk, qk_scale, softcap_scale, SOFTCAP: tl.constexpr):
     """Scores in log2 units from raw q . k, once for every kernel.
 
@@ -261,11 +276,9 @@ def scores(qk, qk_scale, softcap_scale, SOFTCAP: tl.constexpr):
     if SOFTCAP:
         x = qk * softcap_scale
         if SOFTCAP == SOFTCAP_FAST_JIT:
-            t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x],
-                                          dtype=tl.float32, is_pure=True, pack=1)
+            t = tanh_hardware(x)
         else:
-            # tanh(x) = 1 - 2 / (exp(2x) + 1): exact at both tails (exp2 -> inf gives 1, -> 0, -1)
-            t = 1.0 - 2.0 / (tl.math.exp2(x * 2.8853900817779268) + 1.0)
+            t = tanh_exact(x)
         s = qk_scale * t
     else:
         s = qk * qk_scale
