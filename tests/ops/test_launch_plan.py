@@ -209,6 +209,42 @@ def test_a_tma_map_is_encoded_once_per_address(compiled):
     assert len(encoded) == 4 and compiled.calls[-1][13][:2] == ("tma", x.data_ptr())
 
 
+def test_a_sized_descriptor_and_a_keyed_scalar_follow_each_call(compiled):
+    """A sized descriptor takes its rows from each call's tensor, and a keyed scalar (one Triton
+    specialises, the caller keeping a Prepared per specialisation) its value from each call:
+    a decoding step's cache one key longer each call. The direct launch passes what Triton's
+    launcher passes for a descriptor made over that tensor, with a map per address and rows."""
+    import triton
+
+    utils = triton.runtime.driver.active.utils
+    encoded, fill = [], utils.fill_tma_descriptor
+    utils.fill_tma_descriptor = lambda *args: encoded.append(args[:1] + args[5:6]) or fill(*args)
+    x, out, y = _inputs(0)
+    layout = tile_layout(64, 32, torch.bfloat16)
+    prepared = launch_module.Prepared(
+        _stand_in, (3, 2), (128, 0, 0.5, 0), dict(BLOCK=64, FLAG=True), TENSORS,
+        {0: descriptor(x.view(-1, 128), (64, 32), layout),
+         2: descriptor(y.view(-1, 64), (64, 32), layout)},
+        ("seed_lo", "seed_hi", "n"), keyed=("n",), sized=(0,))
+    for _ in range(3):  # through launch twice (the direct launch kept), then direct
+        prepared(x, out, y, varying=(1, 2, 144))
+    alive = [x]  # every tensor kept, so each new one has its own address
+    for call, rows in enumerate((130, 130, 200, 130, 128)):
+        x = torch.randn(rows, 4, 32).to(torch.bfloat16) if call != 1 else x  # 1: same tensor
+        alive.append(x)
+        launched, maps = len(compiled.slow), len(encoded)
+        prepared(x, out, y, varying=(1, 2, 16 + rows))
+        assert len(compiled.slow) == launched  # direct
+        # a map per new (address, rows): x's of the same tensor again is kept, y's once
+        assert encoded[maps:] == ([] if call == 1 else [(x.data_ptr(), [rows, 128])])
+        direct = compiled.calls[-1]
+        prepared._launch((x, out, y), (1, 2, 16 + rows))
+        assert compiled.slow[-1] == (16 + rows, 1, 0.5, 2)
+        assert_launches_alike(direct, compiled.calls[-1])
+        assert direct[13][:2] == ("tma", x.data_ptr()) and direct[14:18] == (rows, 128, 128, 1)
+        assert direct[18] == 16 + rows  # n
+
+
 def test_a_new_alignment_or_dtype_goes_through_launch_again(compiled):
     x, out, y = _inputs(0)
     prepared = _prepared(x, y)

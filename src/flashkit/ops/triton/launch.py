@@ -40,6 +40,7 @@ own launcher and, on the GPU, the results against launches through Triton.
 from __future__ import annotations
 
 import functools
+import math
 import operator
 import types
 from typing import NamedTuple
@@ -88,6 +89,15 @@ def tensor_key(t) -> tuple:
     if type(t) in _SCALAR_TYPES:
         return type(t), t
     return t.base.dtype, tuple(t.block_shape), t.layout, t.padding
+
+
+def specialisation(values: tuple) -> tuple:
+    """What Triton's specialisation of scalar arguments depends on (scalar_code of each, as
+    for a parameter outside do_not_specialize; a tuple's per member): equal for two calls'
+    values when the same compiled kernel runs both (Prepared's keyed)."""
+    codes = _CODES[(True, True)]
+    return tuple(tuple(map(codes.__getitem__, v)) if type(v) is tuple else codes[v]
+                 for v in values)
 
 
 def scalar_code(value, specialize: bool = True, align: bool = True) -> int:
@@ -192,7 +202,13 @@ class Prepared:
     that address changes from call to call (the plan key fixes shapes and strides).
     varying: names of scalar parameters whose values each call passes, as
     `prepared(*tensors, varying=values)` (a dropout seed, new every call); Triton must not
-    specialise on them (the kernel's do_not_specialize), so every value runs the same kernel.
+    specialise on them (the kernel's do_not_specialize), so every value runs the same kernel,
+    unless they are named in `keyed` too: then the caller keeps one Prepared per
+    `specialisation` of their values and passes each only values specialised alike (a plan
+    for every key length passes the length each call).
+    sized: indices of descriptors whose leading dim follows each call's tensor (its numel over
+    the template's other dims: a cache one key longer each call), their other dims and
+    strides fixed.
 
     The first two calls go through `launch`, which compiles or finds the kernel; the second
     keeps the compiled kernel's direct launch (`_Direct`) when every pointer tensor is 16-byte
@@ -205,18 +221,20 @@ class Prepared:
     kernel that needs scratch memory take `launch`."""
 
     __slots__ = ("kernel", "grid", "scalars", "constexprs", "tensor_params", "options",
-                 "descriptors", "varying", "launched", "_direct")
+                 "descriptors", "varying", "sized", "launched", "_direct")
 
     def __init__(self, kernel, grid: tuple, scalars: tuple, constexprs: dict,
                  tensor_params: tuple = (), descriptors: dict | None = None,
-                 varying: tuple = (), **options):
+                 varying: tuple = (), keyed: tuple = (), sized: tuple = (), **options):
         self.kernel, self.scalars, self.constexprs = kernel, scalars, constexprs
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
         self.tensor_params, self.options = tensor_params, options
         self.varying = _scalar_indices(kernel, varying, len(scalars), len(constexprs),
-                                       tensor_params)
+                                       tensor_params, keyed)
         # the descriptors' geometry without their bases (a plan must not keep tensors alive)
         self.descriptors = {i: _rebased(d, None) for i, d in (descriptors or {}).items()}
+        # sized descriptors by index: the elements of one leading-dim row (numel // this = rows)
+        self.sized = {i: math.prod(self.descriptors[i].shape[1:]) for i in sized}
         self.launched = False
         self._direct: _Direct | None = None
 
@@ -254,14 +272,20 @@ class Prepared:
                 self._launch(tensors, varying)
                 return
             args[at] = addresses
-        for at, i, tma, encoded in direct.maps:
-            address = tensors[i].data_ptr()
-            tensor_map = encoded.get(address)
+        for at, i, tma, encoded, row_size in direct.maps:
+            t = tensors[i]
+            # a map by address; a sized one's by address and rows, which follow its tensor
+            key = t.data_ptr() if not row_size else (t.data_ptr(), t.numel() // row_size)
+            tensor_map = encoded.get(key)
             if tensor_map is None:  # encode the map (a driver call) once per address
                 if len(encoded) >= MAX_MAPS:
                     encoded.clear()
-                tensor_map = encoded[address] = direct.fill_tma_descriptor(address, *tma)
+                tensor_map = encoded[key] = direct.fill_tma_descriptor(
+                    *((key, *tma) if not row_size else
+                      (key[0], *tma[:4], [key[1], *tma[4][1:]], *tma[5:])))
             args[at] = tensor_map
+            if row_size:  # the descriptor's shape follows the map: rows first
+                args[at + 1] = key[1]
         for at, value in zip(direct.varying, varying, strict=True):
             args[at] = value
         direct.entry(*self.grid, direct.current_stream(direct.device), direct.function,
@@ -272,7 +296,8 @@ class Prepared:
         """Through launch, with the descriptors over this call's tensors; at the second call
         (a Prepared made for one call never gets there), keeps the direct launch of the
         compiled kernel that launch returns if every pointer tensor is 16-byte aligned."""
-        args = tuple(_rebased(self.descriptors[i], t) if i in self.descriptors else t
+        args = tuple(t if i not in self.descriptors else
+                     _rebased(self.descriptors[i], t, self.sized.get(i, 0))
                      for i, t in enumerate(tensors))
         scalars = list(self.scalars)
         for i, value in zip(self.varying, varying, strict=True):
@@ -305,9 +330,11 @@ class _Direct(NamedTuple):
     kernel was compiled for), `bundles` (the same for a tuple, with its _bundle_template),
     `empties` (the indices of the tensors that were empty bundles, (), in args as they are:
     the absent features' bundles, checked to be () again, not filled) and `maps` (position in
-    args, index in the tensors, the TMA map's fill arguments after the address, and the maps
-    encoded so far by address: a map depends only on the address and those arguments, which
-    the plan fixes, and encoding one is a driver call of about a microsecond)."""
+    args, index in the tensors, the TMA map's fill arguments after the address, the maps
+    encoded so far by address, and a sized descriptor's row size, else 0: a map depends only
+    on the address and those arguments, which the plan fixes but for a sized map's rows (its
+    maps are kept by address and rows), and encoding one is a driver call of about a
+    microsecond)."""
     entry: object
     function: int
     packed_metadata: object
@@ -362,7 +389,7 @@ class _Direct(NamedTuple):
             shape, strides = list(template.shape), list(template.strides)
             maps.append((len(args), source, (
                 meta["swizzle"], meta["elem_size"], _TMA_HOST_DTYPE[meta["elem_type"]],
-                meta["block_size"], shape, strides, 0), {}))
+                meta["block_size"], shape, strides, 0), {}, prepared.sized.get(source, 0)))
             args.extend([None, *shape, *strides])
         if next(metas, None) is not None:
             return None
@@ -415,13 +442,14 @@ def _callees(fn) -> list:
 
 
 def _scalar_indices(kernel, names: tuple, n_scalars: int, n_constexprs: int,
-                    tensor_params: tuple) -> tuple:
+                    tensor_params: tuple, keyed: tuple = ()) -> tuple:
     """The indices among a launch's scalars of the parameters `names`, which must be in the
-    kernel's do_not_specialize (Prepared's varying); found once per kernel and arguments
-    (_indices: reading the kernel's parameters costs tens of microseconds)."""
+    kernel's do_not_specialize unless `keyed` names them (Prepared's varying and keyed);
+    found once per kernel and arguments (_indices: reading the kernel's parameters costs tens
+    of microseconds)."""
     if not names:
         return ()
-    key = (id(kernel), names, n_scalars, n_constexprs, tensor_params)
+    key = (id(kernel), names, n_scalars, n_constexprs, tensor_params, keyed)
     found = _indices.get(key)
     if found is not None and found[0] is kernel:
         return found[1]
@@ -431,21 +459,24 @@ def _scalar_indices(kernel, names: tuple, n_scalars: int, n_constexprs: int,
     params = getattr(kernel, "params", None)  # an InterpretedFunction has its kwargs instead
     free = ([p.name for p in params if p.do_not_specialize] if params is not None
             else kernel.kwargs.get("do_not_specialize") or ())
-    if not set(names) <= set(free) or not set(names) <= set(scalar_names):
+    if not set(names) - set(keyed) <= set(free) or not set(names) <= set(scalar_names):
         raise ValueError(f"launch: {names} must be scalar parameters of {kernel.__name__} in "
-                         "its do_not_specialize")
+                         "its do_not_specialize, or keyed")
     indices = tuple(scalar_names.index(name) for name in names)
     _indices[key] = (kernel, indices)  # the kernel held: its id stays its own
     return indices
 
 
-def _rebased(template, base: torch.Tensor | None):
+def _rebased(template, base: torch.Tensor | None, row_size: int = 0):
     """A copy of the TensorDescriptor template over base, a tensor at the address it views
     (the template's shape and strides from there: a 2-D view of base's memory, whatever
-    base's own shape and strides), or over nothing (base None)."""
+    base's own shape and strides), or over nothing (base None). row_size > 0 (a sized
+    descriptor): its leading dim is base.numel() // row_size instead of the template's."""
     desc = object.__new__(type(template))  # copy.copy costs 5x more
     desc.__dict__.update(template.__dict__)
-    desc.base = None if base is None else base.as_strided(template.shape, template.strides)
+    if row_size:
+        desc.shape = [base.numel() // row_size, *template.shape[1:]]
+    desc.base = None if base is None else base.as_strided(desc.shape, template.strides)
     return desc
 
 
