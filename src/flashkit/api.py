@@ -121,6 +121,10 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                 if kept_call is not None:
                     return _run_kept(kept_call, kept_call.params, q, k, v, backend,
                                      return_attn_probs, return_softmax_lse)
+                result = _run_any_length(_any_length_key(key, q, k, v, return_attn_probs),
+                                         q, k, v, return_softmax_lse)
+                if result is not None:
+                    return result
     checks.dense_qkv(q, k, v, checks.DTYPES + checks.FLOAT8_DTYPES)
     checks.warn_if_sdpa_layout(q, k)
     float8 = checks.descales(q, k, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
@@ -129,8 +133,10 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     if key is not None and not float8 and not modified:
         kept_call = _KeptCall(params, checks.backend(backend, q.device))
         kept.remember(_DENSE_CALLS, key, kept_call)
-        return _run_kept(kept_call, params, q, k, v, backend, return_attn_probs,
-                         return_softmax_lse)
+        result = _run_kept(kept_call, params, q, k, v, backend, return_attn_probs,
+                           return_softmax_lse)
+        _keep_any_length(_any_length_key(key, q, k, v, return_attn_probs), kept_call, q, k, v)
+        return result
     params = variant_mods.attach(params, q, score_mod, mask_mod, block_mask, q.shape[0],
                                  q.shape[2], q.shape[1], k.shape[1])
     if key is not None and not float8:  # a call with modifiers whose checks all passed
@@ -242,11 +248,16 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 # _SCALAR_CALLS (build_params, every entry point): scalar arguments -> AttentionParams.
 # _DENSE_CALLS (flash_attn_func, whose tensor checks it skips too): those and q's, k's and v's
 # facts (_tensor_facts) -> _KeptCall.
+# _ANY_LENGTH_CALLS (flash_attn_func without grad, on the Triton backend): the scalars, q's
+# facts and k's and v's but for their length (kept.length_free) -> a _KeptCall whose forward
+# runs every key length (the backend's any_length_forward): a decoding step over a cache one
+# key longer each call finds it where every _DENSE_CALLS key misses.
 # _VARLEN_CALLS (flash_attn_varlen_func): those, max_seqlen_q/k and the cu_seqlens' facts ->
 # _KeptVarlen (a call with modifiers: its params, reused while it passes the same cu_seqlens
 # unchanged, kept by the modifier objects).
 _SCALAR_CALLS: dict = {}
 _DENSE_CALLS: dict = {}
+_ANY_LENGTH_CALLS: dict = {}
 _VARLEN_CALLS: dict = {}
 
 
@@ -325,6 +336,45 @@ def _run_kept(kept_call: _KeptCall, params: AttentionParams, q, k, v, backend,
             kept_call.forward = custom_op.backend_module("triton").planned_forward(q, k, v,
                                                                                   params)
     return result if return_softmax_lse else result[0]
+
+
+def _any_length_key(key: tuple, q, k, v, return_attn_probs) -> tuple | None:
+    """The _ANY_LENGTH_CALLS key of a call whose _DENSE_CALLS key is `key`, or None for a call
+    that takes no plan for every length: one that needs gradients or the probabilities, k and
+    v of two lengths (refused by the checks), a layout that is not length_free's, or at least
+    128 query heads (whether the checks warn of SDPA's layout then depends on the length)."""
+    if (return_attn_probs or k.dim() != 4 or v.dim() != 4 or k.shape[1] != v.shape[1]
+            or q.dim() != 4 or q.shape[2] >= 128 or (torch.is_grad_enabled() and (
+                q.requires_grad or k.requires_grad or v.requires_grad))):
+        return None
+    layouts = kept.length_free(k), kept.length_free(v)
+    return None if None in layouts else (*key[:8], *layouts)
+
+
+def _run_any_length(key: tuple | None, q, k, v, return_softmax_lse):
+    """The call through the plan for every key length kept under key, or None where there is
+    none or it declines (the call then takes the checks and the dispatch)."""
+    kept_call = None if key is None else _ANY_LENGTH_CALLS.get(key)
+    if kept_call is None:
+        return None
+    result = kept_call.forward(kept_call.params, q, k, v)
+    if result is None or return_softmax_lse:
+        return result
+    return result[0]
+
+
+def _keep_any_length(key: tuple | None, kept_call: _KeptCall, q, k, v) -> None:
+    """Keep, under key, the plan for every key length of a call that just ran with its checks
+    passed (kept_call: its params and forward plan), where the Triton backend offers one."""
+    if (key is None or kept_call.backend != "triton" or kept_call.forward is None
+            or key in _ANY_LENGTH_CALLS):
+        return
+    forward = custom_op.backend_module("triton").any_length_forward(kept_call.forward, q, k, v,
+                                                                    kept_call.params)
+    if forward is not None:
+        any_length = _KeptCall(kept_call.params, "triton")
+        any_length.forward = forward
+        kept.remember(_ANY_LENGTH_CALLS, key, any_length)
 
 
 def build_params(q, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,

@@ -7,7 +7,8 @@ with the types the checks refuse by, such as causal's) and tensors' facts (type,
 device, ...), never a tensor: nothing is kept alive, and a tensor changed in place is not read
 stale. Calls with dropout (a new seed every call) and calls under torch.compile (the compiler
 would guard on the dicts) are never kept. The dicts: flashkit.api's _SCALAR_CALLS
-(build_params), _DENSE_CALLS (flash_attn_func) and _VARLEN_CALLS (flash_attn_varlen_func, whose
+(build_params), _DENSE_CALLS (flash_attn_func), _ANY_LENGTH_CALLS (flash_attn_func's calls
+that differ in key length alone: length_free) and _VARLEN_CALLS (flash_attn_varlen_func, whose
 cu_seqlens values are checked again unless a call passes the last checked tensors unchanged:
 tensor_states, same_tensors), flashkit.kvcache's _KEPT_CALLS; and the calls with modifiers,
 which each modifier object keeps itself, so that they live and die with it
@@ -66,3 +67,23 @@ def same_tensors(states: tuple | None, tensors: tuple) -> bool:
     return states is not None and not torch.compiler.is_compiling() and all(
         ref() is t and t._version == version
         for (ref, version), t in zip(states, tensors, strict=True))
+
+
+def length_free(t: torch.Tensor) -> tuple | None:
+    """A dense (batch, seqlen, heads, d) tensor's layout but for its length (dim 1), or None
+    unless its strides follow from its shape: contiguous, or heads-major ((batch, heads,
+    seqlen, d) memory seen through transpose(1, 2), as a model's key cache reaches
+    flash_attn_func). Equal for two tensors that differ in length alone, such as a cache one
+    key longer after each decoding step."""
+    if t.dim() != 4:
+        return None
+    batch, length, heads, head_dim = t.shape
+    if t.is_contiguous():
+        kind = "contiguous"
+    else:
+        s_batch, s_seq, s_head, s_dim = t.stride()
+        if not (s_dim == 1 and s_seq == head_dim and s_head == length * head_dim
+                and (batch == 1 or s_batch == heads * s_head)):
+            return None
+        kind = "heads-major"
+    return kind, batch, heads, head_dim, t.dtype, t.device, t.data_ptr() % 16 == 0

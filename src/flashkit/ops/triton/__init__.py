@@ -89,6 +89,15 @@ def planned_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return dispatch.planned_forward(q, k, v, params)
 
 
+def any_length_forward(planned, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       params: AttentionParams):
+    """The forward plan that runs every call equal to this one but for its key length
+    (dispatch.any_length_forward: a decoding step over a growing cache), called as
+    planned_forward's; None where the call's kernel or features depend on the key length.
+    planned: the call's own plan (planned_forward's)."""
+    return dispatch.any_length_forward(planned, q, k, v, params)
+
+
 def kvcache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       cache: KVCacheArgs, params: AttentionParams):
     """(out, lse) of flash_attn_with_kvcache (appends in place); lse (batch, nheads, seqlen_q)

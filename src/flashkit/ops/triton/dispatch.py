@@ -29,7 +29,9 @@ points go one step further for their most repeated calls: flash_attn_func keeps 
 (planned_forward, a PlannedForward, which also keeps the backward plans of its calls' gradients)
 and flash_attn_with_kvcache a decoding step's (kvcache_step, a PlannedStep) with the call's
 checked arguments, so an equal call skips this module's key and goes to its launches;
-forget_plans retires them too.
+flash_attn_func also keeps, for calls that differ in key length alone (a decoding step over a
+cache one key longer each call), a Gluon forward plan for every key length
+(any_length_forward, an AnyLengthForward); forget_plans retires them too.
 
 The first call of a forward plan whose q, k or v require grad also compiles the kernels of
 its backward, all at once in threads (ahead.py), so a new shape's first step waits for its
@@ -49,6 +51,7 @@ import dataclasses
 import torch
 
 from flashkit._dispatch_log import log_choice, logger
+from flashkit.kept import length_free
 from flashkit.ops.params import SCORE_SCALARS, SCORE_TENSORS, AttentionParams, KVCacheArgs
 from flashkit.ops.tiled.kvcache import empty_result
 from flashkit.ops.triton import (
@@ -62,6 +65,7 @@ from flashkit.ops.triton import (
     prefill,
 )
 from flashkit.ops.triton.configs import GLUON_COPIES_MIN_QUERIES
+from flashkit.ops.triton.configs.decode import DENSE_MIN_KEYS
 from flashkit.ops.triton.hopper_common import tma_layout
 from flashkit.ops.triton.launch import planned
 
@@ -235,6 +239,58 @@ class PlannedForward(_Kept):
         else:
             log_choice("backward", plan.kernel, plan.declined)
         return _backward(plan, dout, q, k, v, out, lse, params, dq, dk, dv, dlse, True)
+
+
+def any_length_forward(planned: PlannedForward, q, k, v,
+                       params: AttentionParams) -> AnyLengthForward | None:
+    """The Gluon forward's plan at every key length of the class of a call that `planned` (its
+    plan: planned_forward) runs (AnyLengthForward), or None where another kernel runs it or
+    its features depend on the key length: a decoding step of transformers' cache, one key
+    longer every call, would otherwise miss every plan. Dense calls only, without a window's
+    left edge (whose flag follows the key count), dropout or a user's modifiers; k and v each
+    contiguous or heads-major (flashkit.kept.length_free, by which the caller keeps the plan
+    too)."""
+    layouts = length_free(k), length_free(v)
+    if (not planned.live or planned.plan.kernel != "gluon" or params.is_varlen
+            or params.variant is not None or params.dropout_p > 0
+            or params.window_left is not None or None in layouts
+            or not ANY_LENGTH_KEYS[0] <= k.shape[1] < ANY_LENGTH_KEYS[1]):
+        return None
+    key = ("forward, any key length", _layout(q), *layouts, q.device, _values(params))
+    plan = _plans.get(key)
+    if plan is None:
+        exact = planned.plan
+        if len(_plans) >= MAX_PLANS:
+            _plans.clear()
+        plan = _plans[key] = Plan(exact.kernel, exact.declined)
+    return AnyLengthForward(plan)
+
+
+# The key lengths an AnyLengthForward runs: from two (a heads-major layout is then told from a
+# contiguous one) to below the decode kernel's threshold, where the choice turns
+ANY_LENGTH_KEYS = (2, DENSE_MIN_KEYS)
+
+
+class AnyLengthForward(_Kept):
+    """The Gluon forward's plan for dense calls of one class at every key length in
+    ANY_LENGTH_KEYS (any_length_forward), kept by flash_attn_func under the class: q's
+    layout, k's and v's but for their key length (flashkit.kept.length_free), and params.
+    Calling it with (params, q, k, v) gives (out, lse), or None where it declines: as a kept
+    plan does (_Kept), and for a key length outside ANY_LENGTH_KEYS. The dispatch log gives
+    the reasons of the call that made it."""
+    __slots__ = ()
+
+    def __init__(self, plan: Plan):
+        self.plan, self.op = plan, "forward"
+
+    def __call__(self, params: AttentionParams, q, k, v):
+        if not ANY_LENGTH_KEYS[0] <= k.shape[1] < ANY_LENGTH_KEYS[1]:
+            return None
+        return super().__call__(params, q, k, v)
+
+    def run(self, params: AttentionParams, q, k, v):
+        return forward_hopper.attention_forward(q, k, v, params, plan=self.plan.launches,
+                                                any_length=True)
 
 
 def _kept_backward_key(dout, out, lse, dlse) -> tuple:

@@ -102,7 +102,13 @@ from flashkit.ops.triton.hopper_common import (
     tma_layout,
     view_geometry,
 )
-from flashkit.ops.triton.launch import Prepared, device_properties, fold, planned
+from flashkit.ops.triton.launch import (
+    Prepared,
+    device_properties,
+    fold,
+    planned,
+    specialisation,
+)
 
 try:
     from triton.experimental import gluon
@@ -1063,9 +1069,14 @@ def programs_per_device(device, consumers) -> int:
 
 
 def attention_forward(q, k, v, params: AttentionParams, out=None, lse=None, tile=None,
-                      seqused_k=None, block_table=None, plan: dict | None = None):
+                      seqused_k=None, block_table=None, plan: dict | None = None,
+                      any_length: bool = False):
     """(out, lse) of an eligible call; tile overrides configs.gluon_forward_tile (the bench).
     plan: the dispatch plan's dict of prepared launches for this call's key (launch.planned).
+    any_length: the plan runs dense calls of every key length (dispatch.AnyLengthForward: a
+    decoding step over a cache one key longer each call); seqlen_k and kv_geo are then passed
+    per call, with one prepared launch per their specialisation (launch.specialisation), and
+    the k and v descriptors take their rows from the call's k and v.
 
     Varlen (params.cu_seqlens_q set): q (total_q, h, d), k/v (total_k, hk, d), out like q, lse
     (h, total_q). seqused_k (int32 (batch,), varlen only; flash-attn's name): sequence b's keys
@@ -1088,13 +1099,17 @@ def attention_forward(q, k, v, params: AttentionParams, out=None, lse=None, tile
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if lse is None:
         lse = q.new_empty(lse_shape(q, params), dtype=torch.float32)
-    prepared = planned(plan, "forward", lambda: _prepare(q, k, v, params, out, lse, tile,
-                                                        seqused_k, block_table))
+    varying = dropout_seed(params)
+    name = "forward"
+    if any_length:  # (seqlen_k, kv_geo): what of the call depends on the key length
+        keys = (k.shape[1], view_geometry(k))
+        varying, name = (*varying, *keys), specialisation(keys)
+    prepared = planned(plan, name, lambda: _prepare(q, k, v, params, out, lse, tile,
+                                                    seqused_k, block_table, any_length))
     (alibi,), sink, cu_q, cu_k = feature_tensors(params, lse)
     prepared(q, k, v, out, lse, alibi, sink, cu_q, cu_k, lse if seqused_k is None else seqused_k,
              lse if block_table is None else block_table,
-             *modifier_tensors(params, lse, prepared.constexprs["BLOCK_N"]),
-             varying=dropout_seed(params))
+             *modifier_tensors(params, lse, prepared.constexprs["BLOCK_N"]), varying=varying)
     return out, lse
 
 
@@ -1102,15 +1117,21 @@ def attention_forward(q, k, v, params: AttentionParams, out=None, lse=None, tile
 # launch's argument order
 _TENSORS = ("q_desc", "k_desc", "v_desc", "Out", "Lse", "Alibi", "Sink", "Cu_q", "Cu_k", "Used_k",
             "Table", "score_args", "mask_args", "packing", "blocks")
+# the scalar parameters that depend on the key length, which a plan for every key length
+# passes per call (attention_forward's any_length)
+_KEY_LENGTH = ("seqlen_k", "kv_geo")
 
 
-def _prepare(q, k, v, params: AttentionParams, out, lse, tile, seqused_k, block_table):
+def _prepare(q, k, v, params: AttentionParams, out, lse, tile, seqused_k, block_table,
+             any_length: bool = False):
     """The call's launch (launch.Prepared), from what a dispatch plan's key fixes: the shapes,
     strides and dtypes of q, k, v, out and lse, params' values (its tensors' layouts, not their
     contents), the tile, and whether seqused_k and block_table are given (the table's stride).
     Its tensors: q, k, v (the descriptors' bases), out, lse, the feature tensors, seqused_k and
     block_table (lse standing in for those absent) and the modifiers' bundles
-    (modifier_tensors); each call passes its dropout seed."""
+    (modifier_tensors); each call passes its dropout seed. any_length (attention_forward):
+    each call passes seqlen_k and kv_geo too, the k and v descriptors are sized by the call's
+    k and v, and KEY_TAIL is on (a key count that fills its last tile zeroes nothing)."""
     paged = block_table is not None
     if paged:  # (num_blocks, page_size, hk, d) -> rows (num_blocks * page_size, hk, d)
         page_size = k.shape[1]
@@ -1154,7 +1175,9 @@ def _prepare(q, k, v, params: AttentionParams, out, lse, tile, seqused_k, block_
         HEAD_DIM=head_dim, BLOCK_N=block_n, NUM_STAGES=num_stages, CONSUMERS=consumers,
         SPECIALIZED=specialized, PINGPONG=pingpong and consumers >= 2, PERSISTENT=persistent,
         CONSUMER_REGS=config.pop("CONSUMER_REGS"), **flags, SEQUSED_K=seqused_k is not None,
-        KEY_TAIL=f.varlen or (f.seqlen_k % block_n != 0 and mask is None), PAGED=paged,
-        SPLIT_LOADS=paged and specialized and consumers == 2, SCORE_MOD=variant["SCORE_MOD"],
-        MASK_MOD=variant["MASK_MOD"], num_warps=config.pop("num_warps")),
-        _TENSORS, descriptors, SEED, **config)
+        KEY_TAIL=f.varlen or any_length or (f.seqlen_k % block_n != 0 and mask is None),
+        PAGED=paged, SPLIT_LOADS=paged and specialized and consumers == 2,
+        SCORE_MOD=variant["SCORE_MOD"], MASK_MOD=variant["MASK_MOD"],
+        num_warps=config.pop("num_warps")),
+        _TENSORS, descriptors, SEED + (_KEY_LENGTH if any_length else ()),
+        keyed=_KEY_LENGTH if any_length else (), sized=(1, 2) if any_length else (), **config)
