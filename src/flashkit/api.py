@@ -364,14 +364,16 @@ def _run_any_length(key: tuple | None, q, k, v, return_softmax_lse):
 
 
 def _keep_any_length(key: tuple | None, kept_call: _KeptCall, q, k, v) -> None:
-    """Keep, under key, the plan for every key length of a call that just ran with its checks
-    passed (kept_call: its params and forward plan), where the Triton backend offers one."""
-    if (key is None or kept_call.backend != "triton" or kept_call.forward is None
-            or key in _ANY_LENGTH_CALLS):
+    """Keep, under key, the plans for every key length of a call that just ran with its checks
+    passed (kept_call: its params and forward plan), where the Triton backend offers them: the
+    call's plan joins those of its class for the call's range of key lengths."""
+    if key is None or kept_call.backend != "triton" or kept_call.forward is None:
         return
-    forward = custom_op.backend_module("triton").any_length_forward(kept_call.forward, q, k, v,
-                                                                    kept_call.params)
-    if forward is not None:
+    any_length = _ANY_LENGTH_CALLS.get(key)  # the class's plans, for other lengths
+    forward = custom_op.backend_module("triton").any_length_forward(
+        kept_call.forward, q, k, v, kept_call.params,
+        None if any_length is None else any_length.forward)
+    if forward is not None and any_length is None:
         any_length = _KeptCall(kept_call.params, "triton")
         any_length.forward = forward
         kept.remember(_ANY_LENGTH_CALLS, key, any_length)

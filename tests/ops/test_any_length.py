@@ -2,7 +2,8 @@
 flash_attn_func heads-major): one plan runs every key length of the call's class.
 
 On the CPU: the Gluon forward's launch for every key length passes, at each length, what a
-launch made for that length alone passes (scalars, descriptors, constexprs but KEY_TAIL), and
+launch made for that length alone passes (scalars, descriptors, constexprs but KEY_TAIL), the
+decode kernel's gives what a launch made for that length alone gives (the interpreter), and
 flash_attn_func keeps one such plan per class, runs every later length through it, and leaves
 to the checks and the dispatch whatever the plan cannot run (another length of v, gradients,
 128 heads, a plan that declines). On an sm_90 GPU: a decoding loop gives, step by step, bitwise
@@ -71,6 +72,27 @@ def test_the_launch_for_every_length_passes_each_length_what_its_own_launch_pass
             assert got.base.data_ptr() == want.base.data_ptr()
 
 
+@pytest.mark.parametrize("heads_major", [True, False], ids=["heads-major", "contiguous"])
+def test_the_decode_kernel_for_every_length_gives_each_lengths_own_launch(heads_major):
+    """The decode kernel's plan for every key length (the interpreter): launches kept by the
+    key-tile count and the cache strides' specialisation, each call passing its strides and
+    length, give bitwise what a launch made for that length alone gives."""
+    from flashkit.ops.triton import decode
+
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 1, 32).transpose(1, 2)
+    params = api.build_params(q, 0.0, None, True, (-1, -1), 0.0, None, False, None, batch=2)
+    plan = {}
+    lengths = (40, 41, 48, 63, 64, 65, 96, 97, 200, 41)
+    for length in lengths:
+        k, v = (_cache(2, length, 2, 32, heads_major, torch.float32) for _ in range(2))
+        out, lse = decode.dense(q, k, v, params, plan=plan, any_length=True)
+        own_out, own_lse = decode.dense(q, k, v, params)
+        assert torch.equal(out, own_out) and torch.equal(lse, own_lse), length
+    blocks = sorted({name[1] for name in plan if name[0] == "shape"})
+    assert blocks == sorted({-(-n // 32) for n in lengths})  # one shape per key-tile count
+
+
 class _Recorder:
     """Stands in for the Triton backend's plan for every key length: made once per class
     (made: the length it was made at), then called for each later call (ran: their lengths);
@@ -79,8 +101,9 @@ class _Recorder:
     def __init__(self):
         self.made, self.ran, self.declines = [], [], False
 
-    def any_length_forward(self, planned, q, k, v, params):
+    def any_length_forward(self, planned, q, k, v, params, kept=None):
         assert isinstance(planned, dispatch.PlannedForward) and planned.live
+        assert kept in (None, self)
         self.made.append(k.shape[1])
         return self
 
@@ -149,15 +172,17 @@ def test_many_heads_take_no_plan_for_every_length(recorder):
 @pytest.mark.parametrize("head_dim, softcap", [(64, 0.0), (128, 30.0), (128, 0.0)])
 def test_gpu_a_decoding_loop_over_a_growing_cache(heads_major, head_dim, softcap,
                                                    monkeypatch):
-    """Each step of a loop over lengths that cross 16-, 64- and 128-key multiples, and the
-    decode kernel's threshold, gives bitwise what the dispatch's plan for that length gives,
-    and the oracle's result; the steps below the threshold run through one plan."""
+    """Each step of a loop over lengths that cross 16-, 64- and 128-key multiples, the decode
+    kernel's threshold and its split counts, gives bitwise what the dispatch's plan for that
+    length gives, and the oracle's result; the steps run through two plans, the Gluon
+    forward's below the threshold and the decode kernel's from there."""
     monkeypatch.setattr(api, "_ANY_LENGTH_CALLS", {})
     torch.manual_seed(0)
     q = torch.randn(2, 8, 1, head_dim, dtype=torch.bfloat16, device="cuda").transpose(1, 2)
     params = api.build_params(q, 0.0, None, True, (-1, -1), softcap, None, False, None,
                               batch=2)
-    lengths = [*range(120, 136), 255, 256, 257, 1000, 4094, 4095, 4096, 4097, 200]
+    lengths = [*range(120, 136), 255, 256, 257, 1000, 4094, 4095, 4096, 4097, 4160, 8191,
+               8192, 8193, 16000, 200]
     for step, length in enumerate(lengths):
         k, v = (_cache(2, length, 2, head_dim, heads_major, device="cuda") for _ in range(2))
         out, lse = flash_attn_func(q, k, v, causal=True, softcap=softcap,
@@ -169,5 +194,6 @@ def test_gpu_a_decoding_loop_over_a_growing_cache(heads_major, head_dim, softcap
                                  dict(q=q, k=k, v=v, causal=True, softcap=softcap),
                                  grads=False)
     (kept_call,) = api._ANY_LENGTH_CALLS.values()
-    launches = kept_call.forward.plan.launches
-    assert 1 <= len(launches) <= 4  # one launch per specialisation of the key length
+    below, above = kept_call.forward.plans
+    assert below.kernel == "gluon" and above.kernel == "decode"
+    assert 1 <= len(below.launches) <= 4  # one launch per specialisation of the key length

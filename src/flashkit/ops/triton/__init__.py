@@ -90,12 +90,13 @@ def planned_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def any_length_forward(planned, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       params: AttentionParams):
-    """The forward plan that runs every call equal to this one but for its key length
+                       params: AttentionParams, kept=None):
+    """The forward plans that run every call equal to this one but for its key length
     (dispatch.any_length_forward: a decoding step over a growing cache), called as
-    planned_forward's; None where the call's kernel or features depend on the key length.
-    planned: the call's own plan (planned_forward's)."""
-    return dispatch.any_length_forward(planned, q, k, v, params)
+    planned_forward's: kept (this function's earlier result for the class) or a new one, with
+    the call's own plan (planned, planned_forward's) for its range of key lengths; None (or
+    kept as it was) where the call's kernel or features depend on the key length."""
+    return dispatch.any_length_forward(planned, q, k, v, params, kept)
 
 
 def kvcache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

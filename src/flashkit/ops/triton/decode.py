@@ -91,7 +91,7 @@ from flashkit.ops.triton.configs.decode import (
     Tile,
 )
 from flashkit.ops.triton.features import DENSE_FLAGS, feature_tensors, kernel_features
-from flashkit.ops.triton.launch import Prepared, device_facts, fold, planned
+from flashkit.ops.triton.launch import Prepared, device_facts, fold, planned, specialisation
 
 
 @triton.jit
@@ -675,10 +675,10 @@ class Partials(NamedTuple):
 
 
 def merge(partials: Partials, num_splits: int, out, lse, use_pdl: bool = False,
-          plan: dict | None = None) -> None:
+          plan: dict | None = None, name="merge") -> None:
     """out, lse from the splits' partial results (layouts in the module docstring); plan: the
-    dispatch plan's prepared launches (launch.planned)."""
-    planned(plan, "merge", lambda: _prepare_merge(partials, num_splits, out, lse, use_pdl))(
+    dispatch plan's prepared launches (launch.planned), this one under name."""
+    planned(plan, name, lambda: _prepare_merge(partials, num_splits, out, lse, use_pdl))(
         partials.out, partials.lse, out, lse)
 
 
@@ -755,12 +755,15 @@ def dense_declines(q, k, params: AttentionParams) -> str | None:
     return step_declines(q, k.shape[2], 0)
 
 
-def dense(q, k, v, params: AttentionParams, out=None, lse=None, plan: dict | None = None):
+def dense(q, k, v, params: AttentionParams, out=None, lse=None, plan: dict | None = None,
+          any_length: bool = False):
     """(out, lse) of a dense call that dense_declines takes: a decoding step over k and v as a
-    full cache, nothing appended (its length an int, as a step's cache_seqlens)."""
+    full cache, nothing appended (its length an int, as a step's cache_seqlens). any_length:
+    the plan runs calls of every key length (forward's)."""
     seqlen_k = k.shape[1]
     return forward(q, k, v, None, None, None, None, params, 0, seqlen_k, out=out, lse=lse,
-                   step=Step(seqlen_k, None, None, None, None, False, q.shape[1]), plan=plan)
+                   step=Step(seqlen_k, None, None, None, None, False, q.shape[1]), plan=plan,
+                   any_length=any_length)
 
 
 def step_declines(q, nheads_k: int, seqlen_new: int) -> str | None:
@@ -809,7 +812,7 @@ def _shape(q, k_cache, v_cache, block_table, num_splits: int, max_seqlen_k: int 
 def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, block_table,
             params: AttentionParams, num_splits: int, max_seqlen_k: int | None = None, *,
             out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
-            step: Step | None = None, plan: dict | None = None):
+            step: Step | None = None, plan: dict | None = None, any_length: bool = False):
     """(out, lse) as flashkit.ops.tiled.kvcache.forward; num_splits 0 = auto_num_splits.
     max_seqlen_k (the longest seqlens_k, or a bound such as the cache capacity, as flash-attn
     uses) saves a device sync when auto splitting; cache_batch_idx / cache_leftpad None mean
@@ -817,15 +820,27 @@ def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, bloc
     step_declines), the kernel appends step.k, step.v to the cache and rotates q and step.k;
     seqlens_k is not read (the kernel takes step.cache_seqlens) and max_seqlen_k is required.
     plan: the dispatch plan's prepared launches (launch.planned): a step's int cache_seqlens
-    is the one scalar each call passes (varying)."""
+    is the one scalar each call passes (varying). any_length (a dense call of `dense`, through
+    dispatch.AnyLengthForward): the plan runs every cache length, its launches kept by the
+    key-tile count (which fixes the splits and the tile) and the decode launch also by the
+    specialisation of the cache's strides and capacity, which each call passes (launch's
+    keyed)."""
     check_supported(q.dtype, params)
     batch, seqlen_q, nheads, head_dim = q.shape
     head_dim_v = v_cache.shape[3]
     if num_splits == 0 and max_seqlen_k is None:
         max_seqlen_k = int(seqlens_k.max())
     interleaved = step is not None and step.cos is not None and step.interleaved
-    shape = planned(plan, "shape", lambda: _shape(q, k_cache, v_cache, block_table, num_splits,
-                                                  max_seqlen_k, interleaved))
+    names, lengths = ("shape", "decode", "merge"), ()
+    if any_length:  # the launches of this key-tile count; the length's scalars passed per call
+        tile_keys = planned(plan, "tile keys", lambda: decode_tile(
+            seqlen_q * (nheads // k_cache.shape[2]), 0)[0].block_n)  # launch_shape's
+        blocks = cdiv(max_seqlen_k, tile_keys)
+        lengths = (*k_cache.stride(), *v_cache.stride(), k_cache.shape[1])
+        names = (("shape", blocks), ("decode", blocks, *specialisation(lengths)),
+                 ("merge", blocks))
+    shape = planned(plan, names[0], lambda: _shape(q, k_cache, v_cache, block_table, num_splits,
+                                                   max_seqlen_k, interleaved))
     if step is not None and shape.m_blocks != 1:
         raise ValueError("decode.forward: a step needs one program per kv head (step_declines)")
     num_splits = shape.num_splits
@@ -861,27 +876,34 @@ def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, bloc
     while True:  # a tile asking for more shared memory than the GPU has (a float32 prefill
         # tile): fewer stages, then fewer keys per tile, remembered for the next call
         try:
-            planned(plan, "decode", lambda shape=shape: _prepare(
+            planned(plan, names[1], lambda shape=shape: _prepare(
                 q, k_cache, v_cache, block_table, cache_batch_idx, cache_leftpad, params,
-                shape, partials, step, cos, k_new, v_new, dummy))(
-                *tensors, varying=(seqlen_fixed,))
+                shape, partials, step, cos, k_new, v_new, dummy, any_length))(
+                *tensors, varying=(seqlen_fixed, *lengths))
             break
         except OutOfResources:
             shape = shape._replace(tile=smaller_tile(shape.tile))
             _fitted[shape.fit_key] = shape.tile
             if plan is not None:
-                plan["shape"] = shape
-                plan.pop("decode", None)
+                plan[names[0]] = shape
+                plan.pop(names[1], None)
     if num_splits > 1:
-        merge(partials, num_splits, out, lse, shape.use_pdl, plan)
+        merge(partials, num_splits, out, lse, shape.use_pdl, plan, names[2])
     return out, lse
+
+
+# the scalar parameters of the decode kernel that depend on a dense call's key length, passed
+# per call by a plan for every key length (forward's any_length)
+_KEY_LENGTH = ("stride_kb", "stride_ks", "stride_kh", "stride_kd", "stride_vb", "stride_vs",
+               "stride_vh", "stride_vd", "capacity")
 
 
 def _prepare(q, k_cache, v_cache, block_table, cache_batch_idx, cache_leftpad,
              params: AttentionParams, shape: _Shape, partials: Partials, step: Step | None, cos,
-             k_new, v_new, dummy) -> Prepared:
+             k_new, v_new, dummy, any_length: bool = False) -> Prepared:
     """The decode kernel's launch (launch.Prepared) of forward's call: its tensors as forward
-    passes them."""
+    passes them; any_length: each call passes the cache's strides and capacity too (k_new and
+    v_new, stand-ins for a dense call, keep the first call's strides: never read)."""
     batch, seqlen_q, nheads, head_dim = q.shape
     nheads_k, head_dim_v = v_cache.shape[2], v_cache.shape[3]
     tile, num_splits = shape.tile, shape.num_splits
@@ -915,5 +937,6 @@ def _prepare(q, k_cache, v_cache, block_table, cache_batch_idx, cache_leftpad,
         ROTARY_HALF=0 if cos is None else cos.shape[1],
         INTERLEAVED=step is not None and cos is not None and step.interleaved,
         BLOCK_NEW=max(1, next_power_of_2(seqlen_new)), TABLE_CHUNK=TABLE_CHUNK),
-        varying=("seqlen_fixed",), num_warps=tile.num_warps, num_stages=tile.num_stages,
-        **checks, **register_cap(tile, shape.per_sm))
+        varying=("seqlen_fixed", *(_KEY_LENGTH if any_length else ())),
+        keyed=_KEY_LENGTH if any_length else (), num_warps=tile.num_warps,
+        num_stages=tile.num_stages, **checks, **register_cap(tile, shape.per_sm))

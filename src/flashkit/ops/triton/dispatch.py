@@ -30,8 +30,8 @@ points go one step further for their most repeated calls: flash_attn_func keeps 
 and flash_attn_with_kvcache a decoding step's (kvcache_step, a PlannedStep) with the call's
 checked arguments, so an equal call skips this module's key and goes to its launches;
 flash_attn_func also keeps, for calls that differ in key length alone (a decoding step over a
-cache one key longer each call), a Gluon forward plan for every key length
-(any_length_forward, an AnyLengthForward); forget_plans retires them too.
+cache one key longer each call), forward plans for every key length (any_length_forward, an
+AnyLengthForward); forget_plans retires them too.
 
 The first call of a forward plan whose q, k or v require grad also compiles the kernels of
 its backward, all at once in threads (ahead.py), so a new shape's first step waits for its
@@ -111,13 +111,19 @@ class _Kept:
 
     def declines(self, q) -> bool:
         """Whether the plan cannot run a call on q: forgotten, or q on another CUDA device."""
-        return not self.plan.live or (q.is_cuda and q.get_device() != torch.cuda.current_device())
+        return _declines(self.plan, q)
 
     def __call__(self, params: AttentionParams, q, *tensors):
         if self.declines(q):
             return None
         log_choice(self.op, self.plan.kernel, self.plan.declined)
         return self.run(params, q, *tensors)
+
+
+def _declines(plan: Plan, q) -> bool:
+    """Whether a kept plan cannot run a call on q: forgotten, or q on another CUDA device (the
+    launches run on the current one)."""
+    return not plan.live or (q.is_cuda and q.get_device() != torch.cuda.current_device())
 
 
 def _choose(op: str, key: tuple, candidates, log: bool = True) -> Plan:
@@ -241,56 +247,58 @@ class PlannedForward(_Kept):
         return _backward(plan, dout, q, k, v, out, lse, params, dq, dk, dv, dlse, True)
 
 
-def any_length_forward(planned: PlannedForward, q, k, v,
-                       params: AttentionParams) -> AnyLengthForward | None:
-    """The Gluon forward's plan at every key length of the class of a call that `planned` (its
-    plan: planned_forward) runs (AnyLengthForward), or None where another kernel runs it or
-    its features depend on the key length: a decoding step of transformers' cache, one key
-    longer every call, would otherwise miss every plan. Dense calls only, without a window's
-    left edge (whose flag follows the key count), dropout or a user's modifiers; k and v each
-    contiguous or heads-major (flashkit.kept.length_free, by which the caller keeps the plan
-    too)."""
+def any_length_forward(planned: PlannedForward, q, k, v, params: AttentionParams,
+                       kept: AnyLengthForward | None = None) -> AnyLengthForward | None:
+    """The forward plans at every key length of the class of a call that `planned` (its plan:
+    planned_forward) runs (AnyLengthForward): kept, or a new one, with the call's plan for its
+    range of key lengths; None (kept as it was) where another kernel runs the call or its
+    features depend on the key length. A decoding step of transformers' cache, one key longer
+    every call, would otherwise miss every plan. Dense calls only, without a window's left
+    edge (whose flag follows the key count), dropout or a user's modifiers, on the Gluon
+    forward or the decode kernel; k and v each contiguous or heads-major
+    (flashkit.kept.length_free, by which the caller keeps the plans too)."""
     layouts = length_free(k), length_free(v)
-    if (not planned.live or planned.plan.kernel != "gluon" or params.is_varlen
+    if (not planned.live or planned.plan.kernel not in ("gluon", "decode") or params.is_varlen
             or params.variant is not None or params.dropout_p > 0
-            or params.window_left is not None or None in layouts
-            or not ANY_LENGTH_KEYS[0] <= k.shape[1] < ANY_LENGTH_KEYS[1]):
-        return None
-    key = ("forward, any key length", _layout(q), *layouts, q.device, _values(params))
+            or params.window_left is not None or None in layouts or k.shape[1] < 2):
+        return kept
+    above = k.shape[1] >= DENSE_MIN_KEYS
+    key = ("forward, any key length", above, _layout(q), *layouts, q.device, _values(params))
     plan = _plans.get(key)
     if plan is None:
-        exact = planned.plan
         if len(_plans) >= MAX_PLANS:
             _plans.clear()
-        plan = _plans[key] = Plan(exact.kernel, exact.declined)
-    return AnyLengthForward(plan)
+        plan = _plans[key] = Plan(planned.plan.kernel, planned.plan.declined)
+    kept = kept or AnyLengthForward()
+    kept.plans[above] = plan
+    return kept
 
 
-# The key lengths an AnyLengthForward runs: from two (a heads-major layout is then told from a
-# contiguous one) to below the decode kernel's threshold, where the choice turns
-ANY_LENGTH_KEYS = (2, DENSE_MIN_KEYS)
+class AnyLengthForward:
+    """The forward plans of dense calls of one class at every key length from 2
+    (any_length_forward), kept by flash_attn_func under the class: q's layout, k's and v's but
+    for their key length (flashkit.kept.length_free), and params. Two plans, made by the first
+    call of each range: below DENSE_MIN_KEYS keys (the decode kernel declines: the Gluon
+    forward) and from there (the decode kernel, unless q's rows decline it), whose launches
+    take each call's key length. Calling it with (params, q, k, v) gives (out, lse), or None
+    where it declines: no plan for the call's range yet, its plan forgotten (forget_plans) or
+    q not on the current CUDA device. The dispatch log gives the reasons of the call that made
+    the plan."""
+    __slots__ = ("plans",)
 
-
-class AnyLengthForward(_Kept):
-    """The Gluon forward's plan for dense calls of one class at every key length in
-    ANY_LENGTH_KEYS (any_length_forward), kept by flash_attn_func under the class: q's
-    layout, k's and v's but for their key length (flashkit.kept.length_free), and params.
-    Calling it with (params, q, k, v) gives (out, lse), or None where it declines: as a kept
-    plan does (_Kept), and for a key length outside ANY_LENGTH_KEYS. The dispatch log gives
-    the reasons of the call that made it."""
-    __slots__ = ()
-
-    def __init__(self, plan: Plan):
-        self.plan, self.op = plan, "forward"
+    def __init__(self):
+        self.plans: list[Plan | None] = [None, None]  # below DENSE_MIN_KEYS, from there
 
     def __call__(self, params: AttentionParams, q, k, v):
-        if not ANY_LENGTH_KEYS[0] <= k.shape[1] < ANY_LENGTH_KEYS[1]:
+        length = k.shape[1]
+        plan = None if length < 2 else self.plans[length >= DENSE_MIN_KEYS]
+        if plan is None or _declines(plan, q):
             return None
-        return super().__call__(params, q, k, v)
-
-    def run(self, params: AttentionParams, q, k, v):
-        return forward_hopper.attention_forward(q, k, v, params, plan=self.plan.launches,
-                                                any_length=True)
+        log_choice("forward", plan.kernel, plan.declined)
+        if plan.kernel == "gluon":
+            return forward_hopper.attention_forward(q, k, v, params, plan=plan.launches,
+                                                    any_length=True)
+        return decode.dense(q, k, v, params, plan=plan.launches, any_length=True)
 
 
 def _kept_backward_key(dout, out, lse, dlse) -> tuple:
