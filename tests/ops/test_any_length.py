@@ -74,9 +74,10 @@ def test_the_launch_for_every_length_passes_each_length_what_its_own_launch_pass
 
 @pytest.mark.parametrize("heads_major", [True, False], ids=["heads-major", "contiguous"])
 def test_the_decode_kernel_for_every_length_gives_each_lengths_own_launch(heads_major):
-    """The decode kernel's plan for every key length (the interpreter): launches kept by the
-    key-tile count and the cache strides' specialisation, each call passing its strides and
-    length, give bitwise what a launch made for that length alone gives."""
+    """The decode kernel's plan for every key length (the interpreter): a launch shape per
+    key-tile count, launches per shape and the cache strides' specialisation, each call
+    passing its strides and length, give bitwise what a launch made for that length alone
+    gives."""
     from flashkit.ops.triton import decode
 
     torch.manual_seed(0)
@@ -91,6 +92,9 @@ def test_the_decode_kernel_for_every_length_gives_each_lengths_own_launch(heads_
         assert torch.equal(out, own_out) and torch.equal(lse, own_lse), length
     blocks = sorted({name[1] for name in plan if name[0] == "shape"})
     assert blocks == sorted({-(-n // 32) for n in lengths})  # one shape per key-tile count
+    shapes = {plan[name] for name in plan if name[0] == "shape"}
+    launches = [name for name in plan if name[0] == "decode"]
+    assert {name[1] for name in launches} == shapes  # key-tile counts of one shape share
 
 
 class _Recorder:

@@ -821,8 +821,9 @@ def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, bloc
     seqlens_k is not read (the kernel takes step.cache_seqlens) and max_seqlen_k is required.
     plan: the dispatch plan's prepared launches (launch.planned): a step's int cache_seqlens
     is the one scalar each call passes (varying). any_length (a dense call of `dense`, through
-    dispatch.AnyLengthForward): the plan runs every cache length, its launches kept by the
-    key-tile count (which fixes the splits and the tile) and the decode launch also by the
+    dispatch.AnyLengthForward): the plan runs every cache length, its launch shape kept by the
+    key-tile count (which fixes the splits and the tile), the decode and merge launches by the
+    shape (key-tile counts of one shape share them) and the decode launch also by the
     specialisation of the cache's strides and capacity, which each call passes (launch's
     keyed)."""
     check_supported(q.dtype, params)
@@ -831,16 +832,15 @@ def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, bloc
     if num_splits == 0 and max_seqlen_k is None:
         max_seqlen_k = int(seqlens_k.max())
     interleaved = step is not None and step.cos is not None and step.interleaved
-    names, lengths = ("shape", "decode", "merge"), ()
-    if any_length:  # the launches of this key-tile count; the length's scalars passed per call
+    shape_name, lengths, codes = "shape", (), ()
+    if any_length:  # the shape of this key-tile count; the length's scalars passed per call
         tile_keys = planned(plan, "tile keys", lambda: decode_tile(
             seqlen_q * (nheads // k_cache.shape[2]), 0)[0].block_n)  # launch_shape's
-        blocks = cdiv(max_seqlen_k, tile_keys)
+        shape_name = ("shape", cdiv(max_seqlen_k, tile_keys))
         lengths = (*k_cache.stride(), *v_cache.stride(), k_cache.shape[1])
-        names = (("shape", blocks), ("decode", blocks, *specialisation(lengths)),
-                 ("merge", blocks))
-    shape = planned(plan, names[0], lambda: _shape(q, k_cache, v_cache, block_table, num_splits,
-                                                   max_seqlen_k, interleaved))
+        codes = specialisation(lengths)
+    shape = planned(plan, shape_name, lambda: _shape(q, k_cache, v_cache, block_table,
+                                                     num_splits, max_seqlen_k, interleaved))
     if step is not None and shape.m_blocks != 1:
         raise ValueError("decode.forward: a step needs one program per kv head (step_declines)")
     num_splits = shape.num_splits
@@ -875,8 +875,9 @@ def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, bloc
                dummy if cos is None else cos, dummy if sin is None else sin, k_new, v_new)
     while True:  # a tile asking for more shared memory than the GPU has (a float32 prefill
         # tile): fewer stages, then fewer keys per tile, remembered for the next call
+        decode_name = ("decode", shape, *codes) if any_length else "decode"
         try:
-            planned(plan, names[1], lambda shape=shape: _prepare(
+            planned(plan, decode_name, lambda shape=shape: _prepare(
                 q, k_cache, v_cache, block_table, cache_batch_idx, cache_leftpad, params,
                 shape, partials, step, cos, k_new, v_new, dummy, any_length))(
                 *tensors, varying=(seqlen_fixed, *lengths))
@@ -885,10 +886,11 @@ def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, bloc
             shape = shape._replace(tile=smaller_tile(shape.tile))
             _fitted[shape.fit_key] = shape.tile
             if plan is not None:
-                plan[names[0]] = shape
-                plan.pop(names[1], None)
+                plan[shape_name] = shape
+                plan.pop(decode_name, None)
     if num_splits > 1:
-        merge(partials, num_splits, out, lse, shape.use_pdl, plan, names[2])
+        merge(partials, num_splits, out, lse, shape.use_pdl, plan,
+              ("merge", shape) if any_length else "merge")
     return out, lse
 
 
