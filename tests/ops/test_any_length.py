@@ -35,14 +35,19 @@ def _cache(batch, length, heads_k, head_dim, heads_major, dtype=torch.bfloat16, 
 
 @pytest.mark.skipif(gluon_forward.gluon is None, reason="a Triton without Gluon")
 @pytest.mark.parametrize("heads_major", [True, False], ids=["heads-major", "contiguous"])
-@pytest.mark.parametrize("softcap", [0.0, 30.0])
+@pytest.mark.parametrize("softcap, window", [(0.0, (-1, -1)), (30.0, (-1, -1)), (0.0, (64, 0))],
+                         ids=["plain", "softcap", "window"])
 def test_the_launch_for_every_length_passes_each_length_what_its_own_launch_passes(
-        heads_major, softcap):
+        heads_major, softcap, window):
+    """One launch per specialisation of (seqlen_k, kv_geo) and per whether the window's left
+    edge cuts the keys, made at the first length of each: at every later length of the same
+    kind, with that length's values passed, it passes what that length's own launch passes."""
+    from flashkit.ops.triton.features import cuts_left
     from flashkit.ops.triton.hopper_common import view_geometry
-    from flashkit.ops.triton.launch import _rebased
+    from flashkit.ops.triton.launch import _rebased, specialisation
 
     q = torch.randn(2, 8, 1, 128, dtype=torch.bfloat16).transpose(1, 2)
-    params = api.build_params(q, 0.0, None, True, (-1, -1), softcap, None, False, None,
+    params = api.build_params(q, 0.0, None, True, window, softcap, None, False, None,
                               batch=2)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty(2, 8, 1)
@@ -50,16 +55,22 @@ def test_the_launch_for_every_length_passes_each_length_what_its_own_launch_pass
     def prepare(k, v, any_length):
         return gluon_forward._prepare(q, k, v, params, out, lse, None, None, None, any_length)
 
-    k0 = _cache(2, 100, 2, 128, heads_major)
-    every = prepare(k0, k0, True)
-    names = list(every.constexprs)
-    for length in (2, 15, 16, 17, 63, 64, 65, 127, 128, 129, 1000, 4095):
+    made, compared = {}, set()
+    for length in (2, 3, 15, 17, 16, 48, 8, 24, 63, 64, 65, 66, 67, 80, 127, 128, 129, 136,
+                   1000, 1001, 1008, 4095):
         k, v = _cache(2, length, 2, 128, heads_major), _cache(2, length, 2, 128, heads_major)
-        own = prepare(k, v, False)
+        keys = (length, view_geometry(k))
+        name = (*specialisation(keys), cuts_left(params, length))
+        if name not in made:
+            made[name] = prepare(k, v, True)
+            continue
+        every, own = made[name], prepare(k, v, False)
+        compared.add(name)
         scalars = list(every.scalars)
-        for at, value in zip(every.varying[2:], (length, view_geometry(k)), strict=True):
+        for at, value in zip(every.varying[2:], keys, strict=True):
             scalars[at] = value
-        assert tuple(scalars) == own.scalars
+        assert tuple(scalars) == own.scalars, length
+        names = list(every.constexprs)
         assert every.grid == own.grid and list(own.constexprs) == names
         assert {n: every.constexprs[n] for n in names if n != "KEY_TAIL"} == {
             n: own.constexprs[n] for n in names if n != "KEY_TAIL"}
@@ -70,19 +81,22 @@ def test_the_launch_for_every_length_passes_each_length_what_its_own_launch_pass
             assert (got.shape, got.strides, got.block_shape, got.layout) == (
                 want.shape, want.strides, want.block_shape, want.layout)
             assert got.base.data_ptr() == want.base.data_ptr()
+    assert compared == set(made)  # every kind met at two lengths at least
+    assert len({name[-1] for name in made}) == (2 if window[0] >= 0 else 1)
 
 
 @pytest.mark.parametrize("heads_major", [True, False], ids=["heads-major", "contiguous"])
-def test_the_decode_kernel_for_every_length_gives_each_lengths_own_launch(heads_major):
+@pytest.mark.parametrize("window", [(-1, -1), (40, 0)], ids=["causal", "window"])
+def test_the_decode_kernel_for_every_length_gives_each_lengths_own_launch(heads_major, window):
     """The decode kernel's plan for every key length (the interpreter): a launch shape per
-    key-tile count, launches per shape and the cache strides' specialisation, each call
-    passing its strides and length, give bitwise what a launch made for that length alone
-    gives."""
+    key-tile count, launches per shape, the cache strides' specialisation and whether the
+    window's left edge cuts the keys (from 42 keys here), each call passing its strides and
+    length, give bitwise what a launch made for that length alone gives."""
     from flashkit.ops.triton import decode
 
     torch.manual_seed(0)
     q = torch.randn(2, 4, 1, 32).transpose(1, 2)
-    params = api.build_params(q, 0.0, None, True, (-1, -1), 0.0, None, False, None, batch=2)
+    params = api.build_params(q, 0.0, None, True, window, 0.0, None, False, None, batch=2)
     plan = {}
     lengths = (40, 41, 48, 63, 64, 65, 96, 97, 200, 41)
     for length in lengths:
@@ -173,30 +187,32 @@ def test_many_heads_take_no_plan_for_every_length(recorder):
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("heads_major", [True, False], ids=["heads-major", "contiguous"])
-@pytest.mark.parametrize("head_dim, softcap", [(64, 0.0), (128, 30.0), (128, 0.0)])
-def test_gpu_a_decoding_loop_over_a_growing_cache(heads_major, head_dim, softcap,
+@pytest.mark.parametrize("head_dim, softcap, window", [
+    (64, 0.0, (-1, -1)), (128, 30.0, (-1, -1)), (128, 0.0, (-1, -1)), (128, 0.0, (1000, 0))])
+def test_gpu_a_decoding_loop_over_a_growing_cache(heads_major, head_dim, softcap, window,
                                                    monkeypatch):
     """Each step of a loop over lengths that cross 16-, 64- and 128-key multiples, the decode
-    kernel's threshold and its split counts, gives bitwise what the dispatch's plan for that
+    kernel's threshold and its split counts (and where a window's left edge starts to cut the
+    keys), gives bitwise what the dispatch's plan for that
     length gives, and the oracle's result; the steps run through two plans, the Gluon
     forward's below the threshold and the decode kernel's from there."""
     monkeypatch.setattr(api, "_ANY_LENGTH_CALLS", {})
     torch.manual_seed(0)
     q = torch.randn(2, 8, 1, head_dim, dtype=torch.bfloat16, device="cuda").transpose(1, 2)
-    params = api.build_params(q, 0.0, None, True, (-1, -1), softcap, None, False, None,
+    params = api.build_params(q, 0.0, None, True, window, softcap, None, False, None,
                               batch=2)
-    lengths = [*range(120, 136), 255, 256, 257, 1000, 4094, 4095, 4096, 4097, 4160, 8191,
-               8192, 8193, 16000, 200]
+    lengths = [*range(120, 136), 255, 256, 257, 1000, 1001, 1002, 1003, 4094, 4095, 4096,
+               4097, 4160, 8191, 8192, 8193, 16000, 200]
     for step, length in enumerate(lengths):
         k, v = (_cache(2, length, 2, head_dim, heads_major, device="cuda") for _ in range(2))
-        out, lse = flash_attn_func(q, k, v, causal=True, softcap=softcap,
+        out, lse = flash_attn_func(q, k, v, causal=True, softcap=softcap, window_size=window,
                                    return_softmax_lse=True)
         own_out, own_lse = dispatch.forward_call(q, k, v, params)
         assert torch.equal(out, own_out) and torch.equal(lse, own_lse), length
         if step % 5 == 0 or length >= 4094:
             check_against_oracle(lambda **kw: flash_attn_func(**kw, return_softmax_lse=True),
-                                 dict(q=q, k=k, v=v, causal=True, softcap=softcap),
-                                 grads=False)
+                                 dict(q=q, k=k, v=v, causal=True, softcap=softcap,
+                                      window_size=window), grads=False)
     (kept_call,) = api._ANY_LENGTH_CALLS.values()
     below, above = kept_call.forward.plans
     assert below.kernel == "gluon" and above.kernel == "decode"

@@ -90,7 +90,7 @@ from flashkit.ops.triton.configs.decode import (
     STEP_MAX_NEW,
     Tile,
 )
-from flashkit.ops.triton.features import DENSE_FLAGS, feature_tensors, kernel_features
+from flashkit.ops.triton.features import DENSE_FLAGS, cuts_left, feature_tensors, kernel_features
 from flashkit.ops.triton.launch import Prepared, device_facts, fold, planned, specialisation
 
 
@@ -825,7 +825,7 @@ def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, bloc
     key-tile count (which fixes the splits and the tile), the decode and merge launches by the
     shape (key-tile counts of one shape share them) and the decode launch also by the
     specialisation of the cache's strides and capacity, which each call passes (launch's
-    keyed)."""
+    keyed), and by whether a window's left edge cuts the keys (features.cuts_left)."""
     check_supported(q.dtype, params)
     batch, seqlen_q, nheads, head_dim = q.shape
     head_dim_v = v_cache.shape[3]
@@ -838,7 +838,7 @@ def forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, bloc
             seqlen_q * (nheads // k_cache.shape[2]), 0)[0].block_n)  # launch_shape's
         shape_name = ("shape", cdiv(max_seqlen_k, tile_keys))
         lengths = (*k_cache.stride(), *v_cache.stride(), k_cache.shape[1])
-        codes = specialisation(lengths)
+        codes = (*specialisation(lengths), cuts_left(params, k_cache.shape[1]))
     shape = planned(plan, shape_name, lambda: _shape(q, k_cache, v_cache, block_table,
                                                      num_splits, max_seqlen_k, interleaved))
     if step is not None and shape.m_blocks != 1:

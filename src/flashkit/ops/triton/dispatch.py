@@ -253,14 +253,13 @@ def any_length_forward(planned: PlannedForward, q, k, v, params: AttentionParams
     planned_forward) runs (AnyLengthForward): kept, or a new one, with the call's plan for its
     range of key lengths; None (kept as it was) where another kernel runs the call or its
     features depend on the key length. A decoding step of transformers' cache, one key longer
-    every call, would otherwise miss every plan. Dense calls only, without a window's left
-    edge (whose flag follows the key count), dropout or a user's modifiers, on the Gluon
-    forward or the decode kernel; k and v each contiguous or heads-major
-    (flashkit.kept.length_free, by which the caller keeps the plans too)."""
+    every call, would otherwise miss every plan. Dense calls only, without dropout or a user's
+    modifiers, on the Gluon forward or the decode kernel; k and v each contiguous or
+    heads-major (flashkit.kept.length_free, by which the caller keeps the plans too)."""
     layouts = length_free(k), length_free(v)
     if (not planned.live or planned.plan.kernel not in ("gluon", "decode") or params.is_varlen
-            or params.variant is not None or params.dropout_p > 0
-            or params.window_left is not None or None in layouts or k.shape[1] < 2):
+            or params.variant is not None or params.dropout_p > 0 or None in layouts
+            or k.shape[1] < 2):
         return kept
     above = k.shape[1] >= DENSE_MIN_KEYS
     key = ("forward, any key length", above, _layout(q), *layouts, q.device, _values(params))

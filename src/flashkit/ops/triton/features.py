@@ -127,9 +127,8 @@ def kernel_features(params: AttentionParams, q: torch.Tensor, v: torch.Tensor, p
     if seqlen_k is None:
         seqlen_k = keys
 
-    left, right = params.window_left, params.window_right
-    if left is not None and left >= seqlen_k - 1:
-        left = None
+    left = params.window_left if cuts_left(params, seqlen_k) else None
+    right = params.window_right
     if right is not None and right >= seqlen_q - 1:
         right = None
 
@@ -163,6 +162,12 @@ def kernel_features(params: AttentionParams, q: torch.Tensor, v: torch.Tensor, p
                                           (qk_scale, softcap_scale, *alibi_strides),
                                           score_tensors, sink, dropout[:4], (cu_q, cu_k),
                                           varlen, values))
+
+
+def cuts_left(params: AttentionParams, seqlen_k: int) -> bool:
+    """Whether a window's left side hides some of seqlen_k keys from some row (the HAS_LEFT
+    flag of kernel_features: a side at least seqlen_k - 1 long reaches every key)."""
+    return params.window_left is not None and params.window_left < seqlen_k - 1
 
 
 def feature_tensors(params: AttentionParams, placeholder, float32_sink: bool = True) -> tuple:

@@ -95,7 +95,13 @@ from flashkit.ops.triton.configs import (
     GLUON_FORWARD_BLOCK_MASK,
     gluon_forward_tile,
 )
-from flashkit.ops.triton.features import SEED, dropout_seed, feature_tensors, kernel_features
+from flashkit.ops.triton.features import (
+    SEED,
+    cuts_left,
+    dropout_seed,
+    feature_tensors,
+    kernel_features,
+)
 from flashkit.ops.triton.hopper_common import (
     flash_descriptor,
     modifier_tensors,
@@ -1075,8 +1081,9 @@ def attention_forward(q, k, v, params: AttentionParams, out=None, lse=None, tile
     plan: the dispatch plan's dict of prepared launches for this call's key (launch.planned).
     any_length: the plan runs dense calls of every key length (dispatch.AnyLengthForward: a
     decoding step over a cache one key longer each call); seqlen_k and kv_geo are then passed
-    per call, with one prepared launch per their specialisation (launch.specialisation), and
-    the k and v descriptors take their rows from the call's k and v.
+    per call, with one prepared launch per their specialisation (launch.specialisation) and
+    whether a window's left edge cuts the keys (features.cuts_left), and the k and v
+    descriptors take their rows from the call's k and v.
 
     Varlen (params.cu_seqlens_q set): q (total_q, h, d), k/v (total_k, hk, d), out like q, lse
     (h, total_q). seqused_k (int32 (batch,), varlen only; flash-attn's name): sequence b's keys
@@ -1101,9 +1108,10 @@ def attention_forward(q, k, v, params: AttentionParams, out=None, lse=None, tile
         lse = q.new_empty(lse_shape(q, params), dtype=torch.float32)
     varying = dropout_seed(params)
     name = "forward"
-    if any_length:  # (seqlen_k, kv_geo): what of the call depends on the key length
+    if any_length:  # what depends on the key length: (seqlen_k, kv_geo) passed, the left
+        # edge's flag compiled in
         keys = (k.shape[1], view_geometry(k))
-        varying, name = (*varying, *keys), specialisation(keys)
+        varying, name = (*varying, *keys), (*specialisation(keys), cuts_left(params, keys[0]))
     prepared = planned(plan, name, lambda: _prepare(q, k, v, params, out, lse, tile,
                                                     seqused_k, block_table, any_length))
     (alibi,), sink, cu_q, cu_k = feature_tensors(params, lse)
