@@ -101,7 +101,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     """
     # the call's tensor facts and scalar arguments, for _DENSE_CALLS (no modifier) or for the
     # kept calls of its modifier objects (variant_mods.kept_params)
-    key = None
+    key = any_length_key = None
     modified = score_mod is not None or mask_mod is not None or block_mask is not None
     if (alibi_slopes is None and sink is None and q_descale is None and k_descale is None
             and v_descale is None and type(q) in _PLAIN_TENSORS
@@ -121,8 +121,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                 if kept_call is not None:
                     return _run_kept(kept_call, kept_call.params, q, k, v, backend,
                                      return_attn_probs, return_softmax_lse)
-                result = _run_any_length(_any_length_key(key, q, k, v, return_attn_probs),
-                                         q, k, v, return_softmax_lse)
+                any_length_key = _any_length_key(key, q, k, v, return_attn_probs)
+                result = _run_any_length(any_length_key, q, k, v, return_softmax_lse)
                 if result is not None:
                     return result
     checks.dense_qkv(q, k, v, checks.DTYPES + checks.FLOAT8_DTYPES)
@@ -135,7 +135,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
         kept.remember(_DENSE_CALLS, key, kept_call)
         result = _run_kept(kept_call, params, q, k, v, backend, return_attn_probs,
                            return_softmax_lse)
-        _keep_any_length(_any_length_key(key, q, k, v, return_attn_probs), kept_call, q, k, v)
+        _keep_any_length(any_length_key, kept_call, q, k, v)
         return result
     params = variant_mods.attach(params, q, score_mod, mask_mod, block_mask, q.shape[0],
                                  q.shape[2], q.shape[1], k.shape[1])
