@@ -138,6 +138,8 @@ if gluon is not None:  # the forward's K/V ring fill (hopper_common) serves the 
     from flashkit.ops.triton.hopper_common import (
         block_listing,
         issue_kv_load,
+        issue_kv_rows,
+        kv_load_rows,
         listed_tile,
         tile_start,
         user_scores,
@@ -246,20 +248,13 @@ if gluon is not None:
         return g, t
 
     @gluon.jit
-    def _issue_q_do_load(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem,
-                         delta_smem, q_bars, do_bars, job, n_jobs, jobs_per_head, m_first,
-                         listing, head_lists, origins, lse_row, lse_stride_h,
-                         BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
-                         NUM_STAGES: gl.constexpr):
-        """TMA the Q and dO tiles of job `job` (with their lse and delta rows) into ring buffer
-        job % NUM_STAGES, skipped past n_jobs. Job j is query tile m_first + j % jobs_per_head of
-        group head j // jobs_per_head (jobs_per_head >= 1: a block no query sees has n_jobs 0),
-        or under a block mask shared by the heads (listing: hopper_common.block_listing) that
-        head's listed tile j % jobs_per_head, or under a block mask per head (head_lists:
-        _head_lists) the tile _head_job gives; lse_row is the first group head's first lse
-        row, lse_stride_h the rows between heads."""
-        stage = job % NUM_STAGES
-        valid = job < n_jobs
+    def _job_tile(job, n_jobs, jobs_per_head, m_first, listing, head_lists,
+                  BLOCK_M: gl.constexpr):
+        """(group head, first query row) of job `job`: query tile m_first + job % jobs_per_head
+        of group head job // jobs_per_head (jobs_per_head >= 1: a block no query sees has
+        n_jobs 0), or under a block mask shared by the heads (listing:
+        hopper_common.block_listing) that head's listed tile job % jobs_per_head, or under a
+        block mask per head (head_lists: _head_lists) the tile _head_job gives."""
         if len(head_lists) > 0:
             g, t = _head_job(head_lists, job, n_jobs)
             start_m = listed_tile(_head_lists(head_lists, g)[0], t) * BLOCK_M
@@ -270,6 +265,19 @@ if gluon is not None:
                 start_m = listed_tile(listing, t) * BLOCK_M
             else:  # (not tile_start's lo + t * TILE: this is the plain kernel's machine code)
                 start_m = (m_first + t) * BLOCK_M
+        return g, start_m
+
+    @gluon.jit
+    def _issue_q_do_tile(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem,
+                         delta_smem, q_bars, do_bars, job, n_jobs, tile, origins, lse_row,
+                         lse_stride_h, NUM_STAGES: gl.constexpr):
+        """TMA the Q and dO tiles of job `job` at tile = (group head, first query row)
+        (_job_tile), with their lse and delta rows, into ring buffer job % NUM_STAGES, skipped
+        past n_jobs; lse_row is the first group head's first lse row, lse_stride_h the rows
+        between heads."""
+        stage = job % NUM_STAGES
+        valid = job < n_jobs
+        g, start_m = tile
         q_row, q_col, q_geo, do_row, do_col, do_geo = origins
         row_1d = lse_row + g * lse_stride_h + start_m
         q_bar = q_bars.index(stage)
@@ -316,9 +324,9 @@ if gluon is not None:
         a multiply, and the kernel scales dK and dV once). smem = (k, v, q ring, dO ring, lse
         ring, delta ring), bars = (q, dO) ring barriers, descs = (q, dO, lse, delta) descriptors,
         ring = (n_jobs, jobs_per_head, m_first, listing, head_lists, origins, lse_row,
-        lse_stride_h, start_n) as _issue_q_do_load takes them (start_n: the key block's first
-        key). user =
-        (batch, query head, score_args, mask_args, packing) of a user's modifiers
+        lse_stride_h, start_n) as _job_tile and _issue_q_do_tile take them (start_n: the key
+        block's first key). user = (batch, query head, score_args, mask_args, packing) of a
+        user's modifiers
         (hopper_common.user_scores).
         Returns (dk, dv)."""
         seqlen_q, seqlen_k, window_left, window_right, dropout_scale = geo
@@ -330,6 +338,11 @@ if gluon is not None:
         stage = job % NUM_STAGES
         phase = (job // NUM_STAGES) & 1
         start_m = m * BLOCK_M
+        # Which tile the refill at the end loads, found first: under a block mask a list
+        # lookup (a global load) that would otherwise stall the warps between the last wgmma
+        # and the refill; here its latency passes under this tile's matmuls.
+        refill = _job_tile(job + NUM_STAGES, n_jobs, jobs_per_head, m_first, listing,
+                           head_lists, BLOCK_M)
         dtype: gl.constexpr = q_smem.dtype
         zero_st = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
         q_buf = q_smem.index(stage)
@@ -414,10 +427,9 @@ if gluon is not None:
         dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok))
         # Every warp's reads of this buffer are done: refill it.
         gl.thread_barrier()
-        _issue_q_do_load(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem,
-                         delta_smem, q_bars, do_bars, job + NUM_STAGES, n_jobs, jobs_per_head,
-                         m_first, listing, head_lists, origins, lse_row, lse_stride_h,
-                         BLOCK_M, HEAD_DIM, NUM_STAGES)
+        _issue_q_do_tile(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem,
+                         delta_smem, q_bars, do_bars, job + NUM_STAGES, n_jobs, refill, origins,
+                         lse_row, lse_stride_h, NUM_STAGES)
         return dk, dv
 
     @gluon.jit(do_not_specialize=["seed_lo", "seed_hi", "dropout_threshold"])
@@ -543,10 +555,11 @@ if gluon is not None:
         tma.async_copy_global_to_shared(k_desc, [kv_row, kv_col], kv_bar, k_smem)
         tma.async_copy_global_to_shared(v_desc, [kv_row, kv_col], kv_bar, v_smem)
         for i in gl.static_range(NUM_STAGES):
-            _issue_q_do_load(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem,
-                             delta_smem, q_bars, do_bars, i, n_jobs, jobs_per_head, m_first,
-                             listing, head_lists, origins, lse_row, stride_lh, BLOCK_M,
-                             HEAD_DIM, NUM_STAGES)
+            _issue_q_do_tile(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem,
+                             delta_smem, q_bars, do_bars, i, n_jobs,
+                             _job_tile(i, n_jobs, jobs_per_head, m_first, listing, head_lists,
+                                       BLOCK_M),
+                             origins, lse_row, stride_lh, NUM_STAGES)
         mbarrier.wait(kv_bar, 0)
 
         dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
@@ -655,6 +668,10 @@ if gluon is not None:
         k_buf = k_smem.index(stage)
         v_buf = v_smem.index(stage)
         start_n = tile_start(listing, key_lo, tile, BLOCK_N)
+        # Where the refill at the end reads from, found first: under a block mask a list
+        # lookup (a global load) that would otherwise stall the warps between the last wgmma
+        # and the refill; here its latency passes under this tile's matmuls.
+        refill_rows = kv_load_rows(k_desc, tile + NUM_STAGES, n_tiles, key0, listing, BLOCK_N)
         zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
         mbarrier.wait(k_bars.index(stage), phase)
         if MASK and VARLEN:  # never refilled: the crossing tile is the program's last
@@ -730,8 +747,8 @@ if gluon is not None:
         dq_tok = warpgroup_mma(gl.convert_layout(ds, op_layout), k_buf, dq, is_async=True)
         dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq_tok, ))
         gl.thread_barrier()  # every warp's reads of this buffer are done: refill it
-        issue_kv_load(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, tile + NUM_STAGES,
-                      n_tiles, key0, listing, kv_col, BLOCK_N, NUM_STAGES)
+        issue_kv_rows(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, tile + NUM_STAGES,
+                      n_tiles, refill_rows, kv_col, NUM_STAGES)
         return dq, upper, pdp
 
     @gluon.jit

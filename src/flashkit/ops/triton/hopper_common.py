@@ -10,7 +10,9 @@ visible_with_mod).
 A block mask (flashkit.variants.BlockMask) lists, per row of blocks (a query block's key
 blocks, or transposed a key block's query blocks), its partial blocks and its full ones; a
 kernel whose tiles divide the blocks walks one row: the partial blocks' tiles (masked), then
-the full blocks' (not masked), span tiles per block.
+the full blocks' (not masked), 2^shift tiles per block (tiles and blocks are powers of two:
+a shift and a bit mask find a tile's block where a division by a runtime count would cost a
+few dozen instructions per tile).
 
 A paged cache (num_blocks, page_size, hk, d) is read as the 2-D view (num_blocks * page_size,
 hk * d): key j of a sequence is row table[j >> log2(page_size)] * page_size + j % page_size, and
@@ -125,7 +127,8 @@ def rows_descriptor(x, rows):
 
 def block_lists(params, placeholder, tile: int, transposed: bool = False) -> tuple:
     """A call's block mask as the Gluon kernels take it (() without one): ((Num, Idx,
-    FullNum, FullIdx, blocks per list row, tiles of `tile` per block), the lists' batch stride,
+    FullNum, FullIdx, blocks per list row, log2 of the tiles of `tile` per block), the lists'
+    batch stride,
     their head stride, the rows (or, transposed, keys) a list row covers), its rows per query
     block, or transposed per key block (common.block_args); block_listing reads the first."""
     if params.variant is None or params.variant.block_mask is None:
@@ -133,7 +136,8 @@ def block_lists(params, placeholder, tile: int, transposed: bool = False) -> tup
     lists, sizes = block_args(params, placeholder, transposed)
     along, across = ((sizes["SPARSE_Q"], sizes["SPARSE_KV"]) if transposed else
                      (sizes["SPARSE_KV"], sizes["SPARSE_Q"]))
-    return (*lists[:4], lists[6], along // tile), lists[4], lists[5], across
+    span = along // tile  # both powers of two, the tile no larger (the kernels' choice)
+    return (*lists[:4], lists[6], span.bit_length() - 1), lists[4], lists[5], across
 
 
 def modifier_tensors(params, placeholder, tile: int, transposed: bool = False) -> tuple:
@@ -230,27 +234,27 @@ if gluon is not None:
     @gluon.jit
     def block_listing(lists, row):
         """(listing, n_tiles) of row `row` of a block mask's lists = (Num, Idx, FullNum,
-        FullIdx, n_blocks, span): Num/FullNum the partial/full block counts per row, Idx/FullIdx
-        their block indices (n_blocks per row), span tiles per block. listing = (the row's
-        partial indices, the partial blocks' tile count, its full indices, span), as
+        FullIdx, n_blocks, shift): Num/FullNum the partial/full block counts per row, Idx/FullIdx
+        their block indices (n_blocks per row), 2^shift tiles per block. listing = (the row's
+        partial indices, the partial blocks' tile count, its full indices, shift), as
         listed_tile reads it; n_tiles: every listed tile."""
-        Num, Idx, FullNum, FullIdx, n_blocks, span = lists
-        n_partial = gl.load(Num + row) * span
-        n_tiles = n_partial + gl.load(FullNum + row) * span
-        return (Idx + row * n_blocks, n_partial, FullIdx + row * n_blocks, span), n_tiles
+        Num, Idx, FullNum, FullIdx, n_blocks, shift = lists
+        n_partial = gl.load(Num + row) << shift
+        n_tiles = n_partial + (gl.load(FullNum + row) << shift)
+        return (Idx + row * n_blocks, n_partial, FullIdx + row * n_blocks, shift), n_tiles
 
     @gluon.jit
     def listed_tile(listing, t):
         """The index (in tiles from the sequence's start) of tile t of a block_listing: the
         partial blocks' tiles first, in list order, then the full blocks'."""
-        partial, n_partial, full, span = listing
+        partial, n_partial, full, shift = listing
         if t < n_partial:
             u = t
-            block = gl.load(partial + u // span)
+            block = gl.load(partial + (u >> shift))
         else:
             u = t - n_partial
-            block = gl.load(full + u // span)
-        return block * span + u % span
+            block = gl.load(full + (u >> shift))
+        return (block << shift) + (u & ((1 << shift) - 1))
 
     @gluon.jit
     def tile_start(listing, lo, t, TILE: gl.constexpr):
@@ -317,21 +321,36 @@ if gluon is not None:
                                                 buf.slice(j * ROWS, ROWS), pred=pred)
 
     @gluon.jit
-    def issue_kv_load(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, tile, n_tiles, keys,
-                       listing, kv_col, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
-        """TMA K and V tile `tile` (keys: see kv_tile_rows) into ring buffer tile % NUM_STAGES;
-        skipped past n_tiles. listing: a block mask's tiles (block_listing; keys then the
-        sequence's first key row), or ()."""
-        stage = tile % NUM_STAGES
-        valid = tile < n_tiles
+    def kv_load_rows(k_desc, tile, n_tiles, keys, listing, BLOCK_N: gl.constexpr):
+        """The rows (kv_tile_rows) that issue_kv_load reads K/V tile `tile` from. listing: a
+        block mask's tiles (block_listing; keys then the sequence's first key row), or (); a
+        lookup past n_tiles stays in the listing's row (nothing loads there)."""
         ROWS: gl.constexpr = k_desc.block_type.shape[0]
-        if len(listing) > 0:  # the lookup stays in the row past n_tiles (nothing loads there)
+        if len(listing) > 0:
             last = gl.maximum(gl.minimum(tile, n_tiles - 1), 0)
             rows = kv_tile_rows(keys + listed_tile(listing, last) * BLOCK_N, 0, BLOCK_N, ROWS)
         else:
             rows = kv_tile_rows(keys, tile, BLOCK_N, ROWS)
+        return rows
+
+    @gluon.jit
+    def issue_kv_rows(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, tile, n_tiles, rows,
+                      kv_col, NUM_STAGES: gl.constexpr):
+        """TMA K and V tile `tile` from `rows` (kv_load_rows) into ring buffer
+        tile % NUM_STAGES; skipped past n_tiles."""
+        stage = tile % NUM_STAGES
+        valid = tile < n_tiles
         tma_load_tile(k_desc, k_bars.index(stage), k_smem.index(stage), rows, kv_col, valid)
         tma_load_tile(v_desc, v_bars.index(stage), v_smem.index(stage), rows, kv_col, valid)
+
+    @gluon.jit
+    def issue_kv_load(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, tile, n_tiles, keys,
+                       listing, kv_col, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+        """TMA K and V tile `tile` (keys: see kv_tile_rows; listing: see kv_load_rows) into
+        ring buffer tile % NUM_STAGES; skipped past n_tiles."""
+        issue_kv_rows(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, tile, n_tiles,
+                      kv_load_rows(k_desc, tile, n_tiles, keys, listing, BLOCK_N), kv_col,
+                      NUM_STAGES)
 
     @gluon.jit
     def zero_tile_tail(v_tile, n_keep, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
