@@ -77,7 +77,9 @@ def attention(q, k, v, params, backend: str):
     if backend == "triton" and params.is_varlen and variant.block_mask is not None:
         _refuse_with_packing(params)
         out, lse = _run(q[None], k[None], v[None], _as_one_sequence(params), module, tensors)
-        return out[0], lse[0]
+        # squeeze, not out[0]: the gradient of a select builds a zero tensor of the batched
+        # shape and copies dout into it (a fill and a copy of out's size every backward)
+        return out.squeeze(0), lse.squeeze(0)
     return _run(q, k, v, params, module, tensors)
 
 
