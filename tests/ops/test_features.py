@@ -234,9 +234,9 @@ def test_gluon_forward_launcher_passes_user_modifiers(monkeypatch):
 @pytest.mark.skipif(forward_hopper.gluon is None, reason="a Triton without Gluon")
 @pytest.mark.parametrize("shared", [True, False])
 def test_gluon_forward_launcher_passes_a_block_mask(shared, monkeypatch):
-    """A block mask's lists with their blocks per row and key tiles per block, their batch and
-    head strides (0 where one row serves every batch entry or head) and its query rows per
-    block reach the kernel's `blocks`, on the block-mask tile."""
+    """A block mask's lists with their blocks per row and log2 of the key tiles per block,
+    their batch and head strides (0 where one row serves every batch entry or head) and its
+    query rows per block reach the kernel's `blocks`, on the block-mask tile."""
     import dataclasses
 
     import flashkit
@@ -257,7 +257,7 @@ def test_gluon_forward_launcher_passes_a_block_mask(shared, monkeypatch):
     assert constexprs["BLOCK_N"] == block_n and constexprs["CONSUMERS"] == consumers
     lists, stride_b, stride_h, rows = blocks
     assert lists == (mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks,
-                     mask.full_kv_indices, 2, 128 // block_n)
+                     mask.full_kv_indices, 2, (128 // block_n).bit_length() - 1)
     assert (stride_b, stride_h, rows) == ((0, 0) if shared else (4 * 2, 2)) + (128,)
 
 
@@ -337,11 +337,13 @@ def test_gluon_backward_takes_a_block_mask_over_packed_tokens(learned):
 @pytest.mark.parametrize("which", ["dkdv", "dq"])
 @pytest.mark.parametrize("heads", [None, 4])
 def test_gluon_backward_launchers_pass_a_block_mask(which, heads, monkeypatch):
-    """The dQ kernel gets the mask's rows (one per query block: 2 of 4 key blocks here), the
-    dK/dV kernel its transposed rows (one per key block: 4 of 2 query blocks), each with
-    blocks per row, tiles per block, the batch and head strides (rows per batch entry and per
-    head; a head stride of 0 for a mask shared by the heads) and the rows or keys a list row
-    covers; the dK/dV kernel is told whether each head has its own rows (HEAD_LISTS)."""
+    """The dQ kernel gets the rows of the finest of the mask's lists whose blocks hold its
+    tiles (the 64 x 64 blocks of `fine` here: one row per query block, 4 of 4 key blocks), the
+    dK/dV kernel, whose tiles hold 128 queries, the mask's own transposed rows (one per key
+    block: 4 of 2 query blocks), each with blocks per row, log2 of the tiles per block, the
+    batch and head strides (rows per batch entry and per head; a head stride of 0 for a mask
+    shared by the heads) and the rows or keys a list row covers; the dK/dV kernel is told
+    whether each head has its own rows (HEAD_LISTS)."""
     import dataclasses
 
     import flashkit
@@ -361,16 +363,19 @@ def test_gluon_backward_launchers_pass_a_block_mask(which, heads, monkeypatch):
         backward_hopper.attention_backward_dkdv(q, q, q, q, lse, torch.zeros_like(lse), params,
                                                 torch.empty_like(q), torch.empty_like(q))
         block_m, block_n = GLUON_BACKWARD_DKDV[64][:2]
+        assert (block_m, block_n) == (128, 64) and mask.finest(block_m, block_n) is mask
         expected = ((mask.q_num_blocks, mask.q_indices, mask.full_q_num_blocks,
-                     mask.full_q_indices, 2, 128 // block_m), 4 * per_head,
-                    0 if heads is None else 4, 64)
+                     mask.full_q_indices, 2, (128 // block_m).bit_length() - 1),
+                    4 * per_head, 0 if heads is None else 4, 64)
     else:
         backward_hopper.attention_backward_dq(q, q, q, q, q, lse, torch.zeros_like(lse), None,
                                               params, torch.empty_like(q))
         block_m, block_n = GLUON_BACKWARD_DQ[64][:2]
-        expected = ((mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks,
-                     mask.full_kv_indices, 4, 64 // block_n), 2 * per_head,
-                    0 if heads is None else 2, 128)
+        fine = mask.fine
+        assert fine.BLOCK_SIZE == (64, 64) and mask.finest(block_m, block_n) is fine
+        expected = ((fine.kv_num_blocks, fine.kv_indices, fine.full_kv_num_blocks,
+                     fine.full_kv_indices, 4, (64 // block_n).bit_length() - 1),
+                    4 * per_head, 0 if heads is None else 4, 64)
     (kernel, args, constexprs), = calls
     if which == "dkdv":
         assert constexprs["HEAD_LISTS"] == (heads is not None)

@@ -85,19 +85,11 @@ def test_block_mask_matches_oracle(backend):
                          output_names=("out",), oracle_fn=functools.partial(run, "reference"))
 
 
-@pytest.mark.parametrize("block", [16, (32, 16)])
-def test_block_mask_states_match_dense_mask(block):
-    """Empty blocks see nothing, full blocks see everything in range, partial the rest; a
-    block past the end is never full; the transposed lists agree."""
-    seqlen_q, seqlen_k = 70, 53
-    window = variants.sliding_window_with_globals(9, 3)
-    mask = flashkit.create_block_mask(window, None, 2, seqlen_q, seqlen_k, device="cpu",
-                                      BLOCK_SIZE=block)
+def _assert_block_states(mask, dense):
+    """Every block of mask is empty where dense sees nothing, full where it sees everything in
+    range (a block past the end never), partial elsewhere; the transposed lists agree."""
     bq, bk = mask.BLOCK_SIZE
-    i = torch.arange(seqlen_q)[:, None]
-    j = torch.arange(seqlen_k)[None, :]
-    dense = (i - j).abs() <= 9
-    dense |= (i < 3) | (j < 3)
+    seqlen_q, seqlen_k = dense.shape
     state = mask.to_dense()[0, 0]
     assert state.shape == (-(-seqlen_q // bq), -(-seqlen_k // bk))
     for r in range(state.shape[0]):
@@ -105,10 +97,37 @@ def test_block_mask_states_match_dense_mask(block):
             tile = dense[r * bq:(r + 1) * bq, c * bk:(c + 1) * bk]
             whole = tile.shape == (bq, bk)
             expected = 0 if not tile.any() else (2 if tile.all() and whole else 1)
-            assert state[r, c] == expected, (r, c)
+            assert state[r, c] == expected, (mask.BLOCK_SIZE, r, c)
     kv_listed = (mask.kv_num_blocks + mask.full_kv_num_blocks).sum()
     q_listed = (mask.q_num_blocks + mask.full_q_num_blocks).sum()
     assert kv_listed == q_listed == (state > 0).sum() * 2
+
+
+@pytest.mark.parametrize("block, lengths", [(16, (70, 53)), ((32, 16), (70, 53)),
+                                            (128, (300, 270)), ((128, 64), (300, 270))])
+def test_block_mask_states_match_dense_mask(block, lengths):
+    """Empty blocks see nothing, full blocks see everything in range, partial the rest; a
+    block past the end is never full; the transposed lists agree. Blocks over 64 tokens carry
+    the same lists at 64-token blocks (`fine`), which the kernels whose tiles divide them walk
+    (BlockMask.finest)."""
+    seqlen_q, seqlen_k = lengths
+    window = variants.sliding_window_with_globals(9, 3)
+    mask = flashkit.create_block_mask(window, None, 2, seqlen_q, seqlen_k, device="cpu",
+                                      BLOCK_SIZE=block)
+    i = torch.arange(seqlen_q)[:, None]
+    j = torch.arange(seqlen_k)[None, :]
+    dense = (i - j).abs() <= 9
+    dense |= (i < 3) | (j < 3)
+    _assert_block_states(mask, dense)
+    bq, bk = mask.BLOCK_SIZE
+    if max(bq, bk) <= 64:
+        assert mask.fine is None and mask.finest(16, 16) is mask
+        return
+    fine = mask.fine
+    assert fine.BLOCK_SIZE == (min(bq, 64), min(bk, 64)) and fine.fine is None
+    _assert_block_states(fine, dense)
+    assert mask.finest(*fine.BLOCK_SIZE) is fine and mask.finest(128, 16) is mask
+    assert fine.kv_num_blocks.shape[:2] == mask.kv_num_blocks.shape[:2] == (1, 2)
 
 
 # --- bad modifiers -----------------------------------------------------------------------

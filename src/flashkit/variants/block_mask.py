@@ -12,6 +12,11 @@ nK = ceil(KV_LEN / BLOCK_SIZE[1]), B and H either the call's or 1 (broadcast):
 A block that runs past KV_LEN or Q_LEN is never full (its missing keys or queries are masked),
 so a full tile needs neither the mask nor a bounds check, forward or backward.
 
+Blocks larger than 64 tokens also get the same lists at 64-token blocks (`fine`, a BlockMask of
+its own; 4x the lists' memory at 128-token blocks): kernels whose tiles are that small (the
+backward's on sm_90) walk those, and so skip the empty quarter of a partial 128-block and
+leave its full quarters unmasked (a causal block's upper and lower quarter).
+
 Varlen (create_block_mask(..., cu_seqlens_q=, cu_seqlens_k=)): the blocks run over the packed
 token axes (Q_LEN and KV_LEN are the total token counts, B is 1), as FlexAttention's document
 masking over a packed batch; a pair is visible when both tokens are in the same sequence and
@@ -29,6 +34,7 @@ from flashkit.variants.mods import MaskMod, mask_mod_of
 
 # Elements of the boolean mask evaluated at once (a chunk of query blocks): 64 Mi bools.
 _CHUNK_ELEMENTS = 1 << 26
+_FINE = 64  # the block size of a mask's `fine` lists (the sm_90 backward's tiles at d128)
 
 
 @dataclass(frozen=True, eq=False)
@@ -51,8 +57,18 @@ class BlockMask:
     # over them (None for an inference tensor, which has none): a write in place since would
     # leave the blocks stale
     packed_versions: tuple | None = None
+    # the same mask at 64-token blocks where BLOCK_SIZE is larger (else None)
+    fine: BlockMask | None = None
     # the checked params of calls with this mask (mods.kept_params)
     _kept_calls: dict = field(default_factory=dict, init=False, repr=False)
+
+    def finest(self, rows: int, keys: int) -> BlockMask:
+        """The finest of this mask and its `fine` one whose blocks hold whole tiles of `rows`
+        queries and `keys` keys (this one is the caller's to check)."""
+        fine = self.fine
+        if fine is not None and fine.BLOCK_SIZE[0] % rows == 0 and fine.BLOCK_SIZE[1] % keys == 0:
+            return fine
+        return self
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -153,6 +169,8 @@ def create_block_mask(mask_mod, B, H, Q_LEN: int, KV_LEN: int, device="cuda",
     j = torch.arange(n_k * bs_k, device=device)
     col_ok = j < KV_LEN
     j = j.clamp(max=KV_LEN - 1)[None, :]  # the mask is evaluated in range only
+    # classified at the fine blocks (at most 64 tokens), the coarse ones reduced from them
+    fine_q, fine_k = min(bs_q, _FINE), min(bs_k, _FINE)
     rows = max(1, _CHUNK_ELEMENTS // (B * H * bs_q * n_k * bs_k))
     partial, full = [], []
     for r0 in range(0, n_q, rows):
@@ -167,17 +185,29 @@ def create_block_mask(mask_mod, B, H, Q_LEN: int, KV_LEN: int, device="cuda",
         if not isinstance(keep, torch.Tensor) or keep.dtype != torch.bool:
             raise TypeError("mask_mod: must return a bool (True = visible)")
         keep = torch.broadcast_to(keep, (B, H, row_ok.numel(), j.numel()))
-        blocks = (B, H, r1 - r0, bs_q, n_k, bs_k)
-        seen = (keep & row_ok[:, None] & col_ok[None, :]).view(blocks).any(5).any(3)
-        every = (keep & row_ok[:, None] & col_ok[None, :]).view(blocks).all(5).all(3)
+        keep = (keep & row_ok[:, None] & col_ok[None, :]).view(
+            B, H, (r1 - r0) * bs_q // fine_q, fine_q, n_k * bs_k // fine_k, fine_k)
+        every = keep.all(5).all(3)
         full.append(every)
-        partial.append(seen & ~every)
-    partial, full = torch.cat(partial, 2), torch.cat(full, 2)  # (B, H, nQ, nK)
-    return BlockMask(*_lists(partial), *_lists(full), *_lists(partial.transpose(-1, -2)),
-                     *_lists(full.transpose(-1, -2)), BLOCK_SIZE=(bs_q, bs_k),
-                     seq_lengths=(Q_LEN, KV_LEN), mask_mod=mod, packing=packing,
-                     packed_versions=None if packing is None else tuple(
-                         None if cu.is_inference() else cu._version for cu in packing[1:]))
+        partial.append(keep.any(5).any(3) & ~every)
+    partial, full = torch.cat(partial, 2), torch.cat(full, 2)  # fine blocks (B, H, rows, cols)
+    versions = None if packing is None else tuple(
+        None if cu.is_inference() else cu._version for cu in packing[1:])
+    masks = {}
+    for size in dict.fromkeys(((fine_q, fine_k), (bs_q, bs_k))):  # the fine mask first
+        q_per, k_per = size[0] // fine_q, size[1] // fine_k
+        grouped = (B, H, n_q * bs_q // size[0], q_per, n_k * bs_k // size[1], k_per)
+        every = full.view(grouped).all(5).all(3)
+        seen = (partial | full).view(grouped).any(5).any(3)
+        some = seen & ~every
+        n_rows, n_cols = -(-Q_LEN // size[0]), -(-KV_LEN // size[1])  # the blocks in range
+        some, every = some[:, :, :n_rows, :n_cols], every[:, :, :n_rows, :n_cols]
+        masks[size] = BlockMask(
+            *_lists(some), *_lists(every), *_lists(some.transpose(-1, -2)),
+            *_lists(every.transpose(-1, -2)), BLOCK_SIZE=size, seq_lengths=(Q_LEN, KV_LEN),
+            mask_mod=mod, packing=packing, packed_versions=versions,
+            fine=None if size == (fine_q, fine_k) else masks[(fine_q, fine_k)])
+    return masks[(bs_q, bs_k)]
 
 
 def _packing(cu_q, cu_k, B: int, Q_LEN: int, KV_LEN: int, device) -> tuple:

@@ -1070,7 +1070,8 @@ def attention_backward_dkdv(dout, q, k, v, lse, delta, params: AttentionParams, 
                                                            dv, block, one_key_zero))
     score_tensors, _, cu_q, cu_k = feature_tensors(params, lse, float32_sink=False)  # no sink
     prepared(q, k, v, dout, lse, delta, dk, dv, score_tensors, cu_q, cu_k,
-             *modifier_tensors(params, lse, prepared.constexprs["BLOCK_M"], transposed=True),
+             *modifier_tensors(params, lse, prepared.constexprs["BLOCK_M"], transposed=True,
+                               kernel_tile=_kernel_tile(prepared)),
              varying=dropout_seed(params))
 
 
@@ -1108,8 +1109,16 @@ def attention_backward_dq(dout, q, k, v, out, lse, delta, dlse, params: Attentio
     score_tensors, _, cu_q, cu_k = feature_tensors(params, lse, float32_sink=False)  # no sink
     prepared(q, k, v, dout, out, dout, lse, delta, delta if dlse is None else dlse, dq,
              score_tensors, cu_q, cu_k,
-             *modifier_tensors(params, lse, prepared.constexprs["BLOCK_N"]),
+             *modifier_tensors(params, lse, prepared.constexprs["BLOCK_N"],
+                               kernel_tile=_kernel_tile(prepared)),
              captured_grad_args(params)[0], varying=dropout_seed(params))
+
+
+def _kernel_tile(prepared: Prepared) -> tuple:
+    """(query rows, keys) of a prepared backward launch's tile: a block mask's finest lists
+    that hold whole tiles of it (BlockMask.finest; 64-token blocks at head dim 128) skip the
+    empty parts of its partial blocks and leave their full parts unmasked."""
+    return prepared.constexprs["BLOCK_M"], prepared.constexprs["BLOCK_N"]
 
 
 def _prepare_dq(q, k, v, out, dout, lse, delta, dlse, params: AttentionParams, dq, block,

@@ -385,11 +385,12 @@ def captured_grad_args(params):
     return tuple(grads), dict(CAPTURED_GRAD=variant.score_mod.jit_captured_grad())
 
 
-def block_args(params, placeholder, transposed: bool = False):
-    """(Num, Idx, FullNum, FullIdx, stride_b, stride_h, n_blocks) of the block mask, rows per
-    query block (transposed: per key block, for dK/dV), and (SPARSE, SPARSE_Q, SPARSE_KV);
-    without one, placeholders and SPARSE=False."""
-    mask = None if params.variant is None else params.variant.block_mask
+def block_args(params, placeholder, transposed: bool = False, mask=None):
+    """(Num, Idx, FullNum, FullIdx, stride_b, stride_h, n_blocks) of the block mask (the call's,
+    or `mask`, one of its BlockMasks), rows per query block (transposed: per key block, for
+    dK/dV), and (SPARSE, SPARSE_Q, SPARSE_KV); without one, placeholders and SPARSE=False."""
+    if mask is None:
+        mask = None if params.variant is None else params.variant.block_mask
     if mask is None:
         return (placeholder,) * 4 + (0, 0, 0), dict(SPARSE=False, SPARSE_Q=1, SPARSE_KV=1)
     lists = ((mask.q_num_blocks, mask.q_indices, mask.full_q_num_blocks, mask.full_q_indices)

@@ -125,22 +125,28 @@ def rows_descriptor(x, rows):
     return descriptor(x.view(-1), (rows,), row_layout(rows))
 
 
-def block_lists(params, placeholder, tile: int, transposed: bool = False) -> tuple:
+def block_lists(params, placeholder, tile: int, transposed: bool = False,
+                kernel_tile: tuple | None = None) -> tuple:
     """A call's block mask as the Gluon kernels take it (() without one): ((Num, Idx,
     FullNum, FullIdx, blocks per list row, log2 of the tiles of `tile` per block), the lists'
-    batch stride,
-    their head stride, the rows (or, transposed, keys) a list row covers), its rows per query
-    block, or transposed per key block (common.block_args); block_listing reads the first."""
+    batch stride, their head stride, the rows (or, transposed, keys) a list row covers), its
+    rows per query block, or transposed per key block (common.block_args); block_listing reads
+    the first. kernel_tile: the kernel's (query rows, keys) per tile, to walk the finest of the
+    mask's lists whose blocks hold whole tiles (BlockMask.finest); else the mask's own."""
     if params.variant is None or params.variant.block_mask is None:
         return ()
-    lists, sizes = block_args(params, placeholder, transposed)
+    mask = params.variant.block_mask
+    if kernel_tile is not None:
+        mask = mask.finest(*kernel_tile)
+    lists, sizes = block_args(params, placeholder, transposed, mask)
     along, across = ((sizes["SPARSE_Q"], sizes["SPARSE_KV"]) if transposed else
                      (sizes["SPARSE_KV"], sizes["SPARSE_Q"]))
     span = along // tile  # both powers of two, the tile no larger (the kernels' choice)
     return (*lists[:4], lists[6], span.bit_length() - 1), lists[4], lists[5], across
 
 
-def modifier_tensors(params, placeholder, tile: int, transposed: bool = False) -> tuple:
+def modifier_tensors(params, placeholder, tile: int, transposed: bool = False,
+                     kernel_tile: tuple | None = None) -> tuple:
     """(score_args, mask_args, packing, blocks): a user's modifiers as each launch of a Gluon
     kernel is passed them, the call's own values: score_mod's and mask_mod's captured values,
     the packing of a block mask over varlen's packed tokens ((SeqQ, Cu_q, Cu_k), else ()) and
@@ -153,7 +159,7 @@ def modifier_tensors(params, placeholder, tile: int, transposed: bool = False) -
     score, mask = variant.score_mod, variant.mask_mod
     return (() if score is None else score.kernel_args(),
             () if mask is None else mask.kernel_args(), variant.packing,
-            block_lists(params, placeholder, tile, transposed))
+            block_lists(params, placeholder, tile, transposed, kernel_tile))
 
 
 _checked: set = set()  # the geometries whose descriptors TensorDescriptor has checked
