@@ -203,19 +203,26 @@ def part_per_head(p: dict, compiled, record) -> None:
                                 seqlen=p["seqlen"], **comparison(ours, theirs)))
 
 
+def packed_documents() -> tuple[list, torch.Tensor]:
+    """(lengths, cu_seqlens on the GPU) of documents of 100-3000 tokens packed into TOKENS, the
+    last one cut to fit (a fixed seed: the same documents every run)."""
+    gen = torch.Generator().manual_seed(0)
+    lengths = []
+    while sum(lengths) < TOKENS:
+        lengths.append(min(int(torch.randint(100, 3001, (1,), generator=gen)),
+                           TOKENS - sum(lengths)))
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32,
+                      device="cuda")
+    return lengths, cu
+
+
 def part_packed(compiled, record) -> None:
     """Causal documents packed without padding into TOKENS tokens (varlen, one block mask over
     the packed tokens), flashkit's flash_attn_varlen_func against Flex's document mask over the
     same packed tokens (B = 1)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    gen = torch.Generator().manual_seed(0)
-    lengths = []
-    while sum(lengths) < TOKENS:  # documents of 100-3000 tokens, the last one cut to fit
-        lengths.append(min(int(torch.randint(100, 3001, (1,), generator=gen)),
-                           TOKENS - sum(lengths)))
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32,
-                      device="cuda")
+    lengths, cu = packed_documents()
     longest = max(lengths)
     q, k, v, dout = (torch.randn(TOKENS, NHEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
                      for _ in range(4))
