@@ -195,6 +195,29 @@ def test_bound_is_part_of_the_kernel_key():
     assert len(keys) == 3
 
 
+@pytest.mark.parametrize("dtype, approx", [(torch.bfloat16, True), (torch.float16, True),
+                                           (torch.float32, False)])
+def test_softcap_takes_the_builtin_softcaps_tanh_by_dtype(monkeypatch, dtype, approx):
+    """softcap(cap) runs the tanh softcap= runs for the call's inputs: the GPU's own for 16-bit
+    ones, the exact one for float32; approx= given fixes it for every dtype."""
+    seen, real = [], flashkit.api.run_backend
+
+    def spy(q, k, v, params, *args):
+        seen.append(params)
+        return real(q, k, v, params, *args)
+    monkeypatch.setattr(flashkit.api, "run_backend", spy)
+    q, k, v = (t.to(dtype) for t in _qkv())
+    mod = variants.softcap(4.0)
+    for _ in range(2):  # the call, then the same call kept
+        flashkit.flash_attn_func(q, k, v, score_mod=mod, backend="reference")
+    approx_fn = variants.softcap(4.0, approx=True).fn
+    assert [p.variant.score_mod.fn is approx_fn for p in seen] == [approx, approx]
+    assert all(p.variant.score_mod.bound == 4.0 for p in seen)
+    for fixed in (True, False):
+        mod = variants.softcap(4.0, approx=fixed)
+        assert mod.for_dtype(dtype) is mod and (mod.fn is approx_fn) == fixed
+
+
 def test_block_mask_must_fit_the_call():
     q, k, v = _qkv()
     mask = flashkit.create_block_mask(variants.causal_mask(), 1, 2, 8, 16, device="cpu",

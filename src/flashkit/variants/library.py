@@ -170,13 +170,30 @@ def _softcap_approx_grad(score, b, h, q_idx, kv_idx, cap):
     return 1.0 - t * t
 
 
-def softcap(cap: float, approx: bool = False) -> ScoreMod:
+class _Softcap(ScoreMod):
+    """softcap(cap)'s default: the exact tanh for float32 inputs, the GPU's own (tanh_approx)
+    for float16 and bfloat16 ones, as softcap= chooses."""
+
+    def __init__(self, cap: float):
+        super().__init__(_softcap, cap, grad=_softcap_grad, bound=cap)
+        self._half = ScoreMod(_softcap_approx, cap, grad=_softcap_approx_grad, bound=cap)
+
+    def for_dtype(self, dtype: torch.dtype) -> ScoreMod:
+        return self._half if dtype in (torch.float16, torch.bfloat16) else self
+
+
+def softcap(cap: float, approx: bool | None = None) -> ScoreMod:
     """Tanh soft-capping as a score_mod: cap * tanh(score / cap) (softcap= built in), bounded
-    by cap (ScoreMod's bound). approx=True takes the GPU's tanh (tanh_approx), as the built-in
-    softcap does for float16 and bfloat16 inputs: for those dtypes only."""
+    by cap (ScoreMod's bound). approx=None takes the tanh softcap= takes: the GPU's own
+    (tanh_approx, relative error about 2^-11) for float16 and bfloat16 inputs, the exact one
+    for float32 inputs. approx=True takes the GPU's tanh for every dtype (too coarse for
+    float32 inputs), approx=False the exact one for every dtype."""
+    cap = float(cap)
+    if approx is None:
+        return _Softcap(cap)
     if approx:
-        return ScoreMod(_softcap_approx, float(cap), grad=_softcap_approx_grad, bound=cap)
-    return ScoreMod(_softcap, float(cap), grad=_softcap_grad, bound=cap)
+        return ScoreMod(_softcap_approx, cap, grad=_softcap_approx_grad, bound=cap)
+    return ScoreMod(_softcap, cap, grad=_softcap_grad, bound=cap)
 
 
 @triton.jit

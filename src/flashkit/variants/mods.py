@@ -155,6 +155,11 @@ class _Mod:
         return tuple(torch_language.Pointer(t.reshape(-1)) if isinstance(t, torch.Tensor) else t
                      for t in (self.captured if captured is None else captured))
 
+    def for_dtype(self, dtype: torch.dtype) -> _Mod:
+        """The modifier a call with inputs of this dtype runs: itself (the library's softcap
+        chooses its tanh by dtype here, as softcap= does)."""
+        return self
+
     def grad_tensors(self) -> list[int]:
         """Indices of the captured tensors that require a gradient."""
         return [n for n, t in enumerate(self.captured)
@@ -415,6 +420,8 @@ def attach(params, q, score_mod, mask_mod, block_mask, batch: int, nheads: int,
 
     from flashkit.variants.block_mask import BlockMask
     score, mask = score_mod_of(score_mod), mask_mod_of(mask_mod)
+    if score is not None:
+        score = score.for_dtype(q.dtype)
     if block_mask is not None:
         if not isinstance(block_mask, BlockMask):
             raise TypeError(f"block_mask: expected a flashkit.BlockMask from "
