@@ -176,7 +176,7 @@ class _Softcap(ScoreMod):
 
     def __init__(self, cap: float):
         super().__init__(_softcap, cap, grad=_softcap_grad, bound=cap)
-        self._half = ScoreMod(_softcap_approx, cap, grad=_softcap_approx_grad, bound=cap)
+        self._half = softcap(cap, approx=True)
 
     def for_dtype(self, dtype: torch.dtype) -> ScoreMod:
         return self._half if dtype in (torch.float16, torch.bfloat16) else self
