@@ -2,7 +2,7 @@
 
     q8, q_descale = flashkit.fp8.quantize(q, hadamard=True)   # q, k: the same rotation
     k8, k_descale = flashkit.fp8.quantize(k, hadamard=True)
-    v8, v_descale = flashkit.fp8.quantize(v)
+    v8, v_descale = flashkit.fp8.quantize(v, key_major=True)         # the kernel's layout
     out = flashkit.flash_attn_func(q8, k8, v8, causal=True, q_descale=q_descale,
                                    k_descale=k_descale, v_descale=v_descale)   # bf16
 
@@ -32,8 +32,8 @@ import torch
 from flashkit import reference
 from flashkit.ops.params import AttentionParams
 
-__all__ = ["quantize", "dequantize", "hadamard_matrix", "rounded_reference", "tensor_core_matmul",
-           "FLOAT8_DTYPES"]
+__all__ = ["quantize", "dequantize", "key_major_empty", "hadamard_matrix", "rounded_reference",
+           "tensor_core_matmul", "FLOAT8_DTYPES"]
 
 FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -53,14 +53,30 @@ def hadamard_matrix(n: int, device=None, dtype=torch.float32) -> torch.Tensor:
     return _hadamard(n, torch.device(device or "cpu")).to(dtype)
 
 
+def key_major_empty(shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
+    """An uninitialised (batch, seqlen, nheads, headdim) tensor whose seqlen axis is contiguous
+    (stride 1): the layout in which the FP8 kernel reads v, whose P V product on Hopper takes
+    its fp8 operand key-major. Stored as (batch, nheads, headdim, seqlen) with seqlen padded to a
+    multiple of 16, so every row of a V^T tile starts 16-byte aligned (the padding is never
+    read: key tails are masked)."""
+    batch, seqlen, nheads, head_dim = shape
+    store = torch.empty((batch, nheads, head_dim, -(-seqlen // 16) * 16), dtype=dtype,
+                        device=device)
+    return store[..., :seqlen].permute(0, 3, 1, 2)
+
+
 def quantize(x: torch.Tensor, per_head: bool = True, hadamard: bool = False,
-             dtype: torch.dtype = torch.float8_e4m3fn) -> tuple[torch.Tensor, torch.Tensor]:
+             dtype: torch.dtype = torch.float8_e4m3fn,
+             key_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(x8, descale) with x ~= x8 * descale, for x (batch, seqlen, nheads, headdim).
 
     per_head: one scale per (batch, head), descale of shape (batch, nheads), else one for the
     tensor, shape (1,). The scale maps the largest magnitude onto the format's largest finite
     value. hadamard: rotate the head dim by the orthonormal Hadamard matrix first (q and k
-    only, both alike; head dim a power of two). x is not modified.
+    only, both alike; head dim a power of two). key_major: write x8 with its seqlen axis
+    contiguous (key_major_empty), the layout the FP8 forward reads v in: pass it for v, and
+    the forward reads v8 in place instead of copying it every call (values and shape are the
+    same). x is not modified.
     """
     if not isinstance(x, torch.Tensor) or x.dim() != 4 or not x.is_floating_point():
         raise ValueError("x: expected a floating tensor (batch, seqlen, nheads, headdim)")
@@ -72,7 +88,11 @@ def quantize(x: torch.Tensor, per_head: bool = True, hadamard: bool = False,
     amax = x.abs().amax(dim=(1, 3)) if per_head else x.abs().amax().reshape(1)
     descale = torch.where(amax > 0, amax / torch.finfo(dtype).max, torch.ones_like(amax))
     scale = descale[:, None, :, None] if per_head else descale
-    return (x / scale).to(dtype), descale
+    if not key_major:
+        return (x / scale).to(dtype), descale
+    x8 = key_major_empty(x.shape, dtype, x.device)
+    x8.copy_(x / scale)  # the cast and the transpose in one pass
+    return x8, descale
 
 
 def dequantize(x8: torch.Tensor, descale: torch.Tensor | None,

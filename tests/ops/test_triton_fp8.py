@@ -100,6 +100,24 @@ def test_descale_shapes():
     check(((q8, q_descale), kk, vv), params_for(32))
 
 
+@pytest.mark.parametrize("per_head", [True, False])
+def test_quantize_key_major_writes_the_layout_the_kernel_reads(per_head):
+    """quantize(v, key_major=True): the same values and descale as quantize(v), stored with the
+    key axis contiguous, which the forward reads in place: the same out, bit for bit."""
+    v = torch.randn(2, 35, 2, 32, device=DEVICE) * 3
+    v8, vd = fp8.quantize(v, per_head=per_head, dtype=torch.float8_e5m2)
+    vk, vkd = fp8.quantize(v, per_head=per_head, dtype=torch.float8_e5m2, key_major=True)
+    assert vk.shape == v8.shape and vk.stride(1) == 1 and torch.equal(vkd, vd)
+    assert torch.equal(vk.contiguous().view(torch.uint8), v8.view(torch.uint8))
+    assert forward_fp8.key_major(vk) is vk
+    qkv = (fp8.quantize(torch.randn(2, 21, 4, 32, device=DEVICE), dtype=torch.float8_e5m2),
+           fp8.quantize(torch.randn(2, 35, 2, 32, device=DEVICE), dtype=torch.float8_e5m2),
+           (v8, vd))
+    out_a, _ = check(qkv, params_for(32, causal=True))
+    out_b, _ = check(qkv, params_for(32, causal=True), v=vk)
+    assert torch.equal(out_a, out_b)
+
+
 def test_key_major_v_is_read_in_place():
     """A v whose key axis already has stride 1 is read as it is (no copy), with equal results."""
     qkv = quantized(1, 21, 35, 2, 2, 32, torch.float8_e5m2)

@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from flashkit.fp8 import key_major_empty
 from flashkit.ops.params import AttentionParams
 from flashkit.ops.triton import interpreter
 from flashkit.ops.triton.common import (
@@ -219,19 +220,12 @@ def _fp8_fwd_kernel(Q, K, V, Out, Lse, Q_descale, K_descale, V_descale,
 
 
 def key_major(v: torch.Tensor) -> torch.Tensor:
-    """v (batch, seqlen_k, nheads_k, d_v) as a view with the key axis contiguous (stride 1).
-
-    v itself when it already is one; else a copy stored as (batch, nheads_k, d_v, seqlen_k) with
-    the key axis padded to a multiple of 16, so every row of a V^T tile starts 16-byte aligned
-    and loads vectorise (the padding is never read: key tails are masked).
-    """
+    """v (batch, seqlen_k, nheads_k, d_v) as a view with the key axis contiguous (stride 1):
+    v itself when it already is one (flashkit.fp8.quantize(v, key_major=True) makes it so),
+    else a copy in fp8.key_major_empty's layout."""
     if v.stride(1) == 1:
         return v
-    batch, seqlen_k, nheads_k, head_dim_v = v.shape
-    store = torch.empty((batch, nheads_k, head_dim_v, cdiv(seqlen_k, 16) * 16), dtype=v.dtype,
-                        device=v.device)
-    store[..., :seqlen_k].copy_(v.permute(0, 2, 3, 1))
-    return store[..., :seqlen_k].permute(0, 3, 1, 2)
+    return key_major_empty(v.shape, v.dtype, v.device).copy_(v)
 
 
 def descale_args(descale: torch.Tensor | None, heads: int, group: int, placeholder):
