@@ -19,7 +19,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 import flashkit
 from flashkit import fp8
 
-P_SCALE = 256.0  # P's lift to the top of e4m3 before its cast (as the FP8 kernel's)
+P_SCALE = tl.constexpr(256.0)  # P's lift to the top of e4m3 before its cast (as the FP8 kernel's)
 
 
 @triton.jit
