@@ -11,6 +11,8 @@ bf16, batch 4 x 4096 tokens, 16 heads, d128, causal documents of 1000 tokens (th
 suite's document example).
 """
 
+import argparse
+
 import torch
 import triton
 
@@ -26,6 +28,7 @@ def _document_arithmetic(b, h, q_idx, kv_idx, size):
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
     shape = (BATCH, SEQLEN, NHEADS, HEAD_DIM)
     q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     doc = (torch.arange(SEQLEN, device="cuda") // DOCUMENT).to(torch.int32)

@@ -11,6 +11,8 @@ fp8.quantize(v, key_major=True) writes); flashkit's FP8 call gets V in the flash
 as most callers pass it, and copies it. A measurement, not a kernel flashkit runs.
 """
 
+import argparse
+
 import torch
 import triton
 import triton.language as tl
@@ -107,6 +109,7 @@ def compare(seqlen: int, nheads: int = 16, head_dim: int = 128) -> None:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
     torch.manual_seed(0)
     for seqlen in (4096, 16384):
         compare(seqlen)
