@@ -81,27 +81,34 @@ def prefix_lm(prefix_lengths: torch.Tensor) -> MaskMod:
     return MaskMod(_prefix_lm, prefix_lengths.contiguous())
 
 
+# The windows compare each key with bounds of its query's row (q_idx - window, q_idx +
+# window): in a kernel q_idx is a column [M, 1] and kv_idx a row [1, N], so the bounds cost M
+# additions a tile and each pair one comparison, where |q_idx - kv_idx| <= window costs each
+# pair a subtraction too. Windows are capped at 2^30 so the bounds cannot overflow int32.
+_WINDOW_CAP = 1 << 30
+
+
 @triton.jit
 def _window_globals(b, h, q_idx, kv_idx, window, n_global):
-    near = tl.abs(q_idx - kv_idx) <= window
+    near = (kv_idx >= q_idx - window) & (kv_idx <= q_idx + window)
     return near | (q_idx < n_global) | (kv_idx < n_global)
 
 
 def sliding_window_with_globals(window: int, n_global: int) -> MaskMod:
     """Longformer's pattern: keys within `window` positions either side, plus `n_global` global
     tokens at the start that see and are seen by every token."""
-    return MaskMod(_window_globals, int(window), int(n_global))
+    return MaskMod(_window_globals, min(int(window), _WINDOW_CAP), int(n_global))
 
 
 @triton.jit
 def _causal_window(b, h, q_idx, kv_idx, window):
-    return (kv_idx <= q_idx) & (q_idx - kv_idx <= window)
+    return (kv_idx <= q_idx) & (kv_idx >= q_idx - window)
 
 
 def causal_window(window: int) -> MaskMod:
     """Causal sliding window: key within `window` positions before the query (window_size=
     (window, 0) of the built-in band, for equal lengths)."""
-    return MaskMod(_causal_window, int(window))
+    return MaskMod(_causal_window, min(int(window), _WINDOW_CAP))
 
 
 # --- scores --------------------------------------------------------------------------------
