@@ -84,7 +84,8 @@ def prefix_lm(prefix_lengths: torch.Tensor) -> MaskMod:
 # The windows compare each key with bounds of its query's row (q_idx - window, q_idx +
 # window): in a kernel q_idx is a column [M, 1] and kv_idx a row [1, N], so the bounds cost M
 # additions a tile and each pair one comparison, where |q_idx - kv_idx| <= window costs each
-# pair a subtraction too. Windows are capped at 2^30 so the bounds cannot overflow int32.
+# pair a subtraction too. Windows are capped at 2^30, so for positions below 2^30 the bounds
+# stay within int32.
 _WINDOW_CAP = 1 << 30
 
 
