@@ -218,6 +218,23 @@ def test_softcap_takes_the_builtin_softcaps_tanh_by_dtype(monkeypatch, dtype, ap
         assert mod.for_dtype(dtype) is mod and (mod.fn is approx_fn) == fixed
 
 
+@pytest.mark.parametrize("window", [0, 1, 5, 40, 1 << 31])
+def test_library_window_masks_keep_what_their_definitions_say(window):
+    """The window masks, written as comparisons with each row's bounds, against |i - j| <=
+    window written out in torch: window 0, one, inside, past the length, and past the 2^30 cap."""
+    i = torch.arange(37)[:, None]
+    j = torch.arange(37)[None, :]
+    zero = torch.zeros((), dtype=torch.int64)
+
+    def keep(mod):
+        return mod.twin(torch.float32, i.device)(zero, zero, i, j, *mod.torch_captured())
+
+    near = (i - j).abs() <= window
+    assert torch.equal(keep(variants.causal_window(window)), near & (j <= i))
+    globals_ = (i < 3) | (j < 3)
+    assert torch.equal(keep(variants.sliding_window_with_globals(window, 3)), near | globals_)
+
+
 def test_block_mask_must_fit_the_call():
     q, k, v = _qkv()
     mask = flashkit.create_block_mask(variants.causal_mask(), 1, 2, 8, 16, device="cpu",
