@@ -20,6 +20,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 import flashkit
 from flashkit import fp8
+from flashkit.ops.triton.common import online_softmax_update
 
 P_SCALE = tl.constexpr(256.0)  # P's lift to the top of e4m3 before its cast (as the FP8 kernel's)
 
@@ -39,15 +40,11 @@ def _probe_forward(Out, desc_q, desc_k, desc_v, sm_scale, seqlen, NHEADS: tl.con
     qk_scale = sm_scale * 1.4426950408889634  # log2 units
     for start_n in tl.range(0, seqlen, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         k = desc_k.load([off_b * seqlen + start_n, off_h * HEAD_DIM]).T  # [HEAD_DIM, BLOCK_N]
-        qk = tl.dot(q, k)
-        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-        p = tl.math.exp2(qk * qk_scale - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        # the FP8 kernel's own softmax step, so the loads and the tile are what differ
+        p, alpha, m_i, l_i = online_softmax_update(m_i, l_i, tl.dot(q, k) * qk_scale, False)
         # [BLOCK_N, HEAD_DIM] from V^T's [HEAD_DIM, BLOCK_N] tile: K-major for wgmma
         v = desc_v.load([(off_b * NHEADS + off_h) * HEAD_DIM, start_n]).T
         acc = tl.dot((p * P_SCALE).to(tl.float8e4nv), v, acc * alpha[:, None])
-        m_i = m_new
     acc = acc / (l_i[:, None] * P_SCALE)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, HEAD_DIM)
