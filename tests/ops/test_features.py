@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from flashkit.ops.triton.features import (
     FLAGS,
     GRADIENT_FLAGS,
     kernel_features,
+    tiles_in_bounds,
 )
 
 forward_hopper = importlib.import_module("flashkit.ops.triton.forward_hopper")
@@ -446,3 +448,27 @@ def test_gluon_backward_launchers_pass_user_modifiers(which, monkeypatch):
 def test_flag_subsets_keep_the_vocabulary_order():
     for subset in (GRADIENT_FLAGS, DENSE_FLAGS):
         assert [name for name in FLAGS if name in subset] == list(subset)
+
+
+def test_tiles_in_bounds_only_where_every_tile_ends_within_the_sequence():
+    """The positions a modifier sees go unclamped (common.mod_positions) only where every query
+    (key) tile of a launch ends within the sequence: dense lengths on whole tiles, and on whole
+    blocks of a block mask (each listed block runs all its tiles); never varlen, nor a block
+    mask over packed tokens (there a modifier sees positions within each sequence)."""
+    def bounds(seqlen_q, seqlen_k, block_size=None, packing=(), varlen=False):
+        f = SimpleNamespace(varlen=varlen, seqlen_q=seqlen_q, seqlen_k=seqlen_k)
+        variant = None
+        if block_size is not None or packing:
+            mask = None if block_size is None else SimpleNamespace(BLOCK_SIZE=block_size)
+            variant = SimpleNamespace(block_mask=mask, packing=packing)
+        params = SimpleNamespace(variant=variant)
+        return tiles_in_bounds(f, params, 64, 128)
+
+    assert bounds(256, 256) == (True, True)
+    assert bounds(200, 256) == (False, True)
+    assert bounds(256, 320) == (True, False)  # a last key tile of 64 keys
+    assert bounds(256, 384, (128, 256)) == (True, False)  # the last block's second tile
+    assert bounds(256, 512, (128, 256)) == (True, True)
+    assert bounds(192, 512, (128, 128)) == (False, True)  # 64-row tiles, 128-row blocks
+    assert bounds(256, 256, varlen=True) == (False, False)
+    assert bounds(256, 256, (128, 128), packing=(object(), )) == (False, False)

@@ -134,8 +134,8 @@ def _bwd_dkdv_tiles(dk, dv, k_tile, v_tile, rows, start, end, offs, band, mods, 
             if PACKED:
                 keep_t = keep_t & same_t
             if MASK_MOD is not None:
-                keep_t = user_visible(keep_t, mod_b, off_h, mod_i, mod_j, mod_lq, mod_lk,
-                                      MASK_MOD, mask_args)
+                keep_t = keep_t & user_visible(mod_b, off_h, mod_i, mod_j, mod_lq, mod_lk,
+                                               MASK_MOD, mask_args)
             p_t = tl.where(keep_t, p_t, 0.0)
         do_tile = load_tile(tile_ptrs(do_base, offs_m, offs_dv, stride_dos, stride_dod), offs_m,
                             seqlen_q, offs_dv, HEAD_DIM_V, MASKED, HEAD_DIM_V != BLOCK_DV)
@@ -311,8 +311,8 @@ def _bwd_dq_tiles(dq, pdp, q_tile, do_tile, lse2, delta, kv, start, end, offs, b
             if PACKED:
                 keep = keep & same
             if MASK_MOD is not None:
-                keep = user_visible(keep, mod_b, off_h, mod_i, mod_j, mod_lq, mod_lk, MASK_MOD,
-                                    mask_args)
+                keep = keep & user_visible(mod_b, off_h, mod_i, mod_j, mod_lq, mod_lk,
+                                           MASK_MOD, mask_args)
             p = tl.where(keep, p, 0.0)
         # [BLOCK_M, BLOCK_N] = [BLOCK_M, BLOCK_DV] @ [BLOCK_DV, BLOCK_N]
         dp = tl.dot(do_tile, tl.trans(v_tile), input_precision=PRECISION)

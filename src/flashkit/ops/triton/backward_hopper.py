@@ -104,6 +104,7 @@ from flashkit.ops.triton.features import (
     dropout_seed,
     feature_tensors,
     kernel_features,
+    tiles_in_bounds,
 )
 from flashkit.ops.triton.forward_hopper import gluon_declines
 from flashkit.ops.triton.hopper_common import (
@@ -137,6 +138,7 @@ if gluon is not None:  # the forward's K/V ring fill (hopper_common) serves the 
     )
     from flashkit.ops.triton.hopper_common import (
         block_listing,
+        bounds_flags,
         issue_kv_load,
         issue_kv_rows,
         kv_load_rows,
@@ -325,9 +327,8 @@ if gluon is not None:
         ring, delta ring), bars = (q, dO) ring barriers, descs = (q, dO, lse, delta) descriptors,
         ring = (n_jobs, jobs_per_head, m_first, listing, head_lists, origins, lse_row,
         lse_stride_h, start_n) as _job_tile and _issue_q_do_tile take them (start_n: the key
-        block's first key). user = (batch, query head, score_args, mask_args, packing) of a
-        user's modifiers
-        (hopper_common.user_scores).
+        block's first key). user = (batch, query head, score_args, mask_args, packing,
+        in_bounds) of a user's modifiers (hopper_common.user_scores).
         Returns (dk, dv)."""
         seqlen_q, seqlen_k, window_left, window_right, dropout_scale = geo
         k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem = smem
@@ -447,6 +448,7 @@ if gluon is not None:
                                 VARLEN: gl.constexpr,
                                 ONE_KEY_ZERO: gl.constexpr, SCORE_MOD: gl.constexpr,
                                 SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr,
+                                QUERIES_IN: gl.constexpr, KEYS_IN: gl.constexpr,
                                 HEAD_LISTS: gl.constexpr, ACROSS_HEADS: gl.constexpr,
                                 num_warps: gl.constexpr):
         """dK, dV of one key block of one (batch, kv head) (_program_tile: tile_order's grid),
@@ -574,7 +576,8 @@ if gluon is not None:
             off_h = off_hk * group + g
             mods = load_score_mods(ScoreTensors, score_values, off_b, off_h, SCORES)
             drop = (seed_lo, seed_hi, dropout_threshold, off_b, off_h)
-            user = (off_b, off_h, score_args, mask_args, packing)
+            user = (off_b, off_h, score_args, mask_args, packing,
+                    bounds_flags(QUERIES_IN, KEYS_IN))
             # Masked rows that see part of the block on its right side (HAS_RIGHT), the rows
             # that see all of it, masked rows of the window's left edge and varlen's last
             # query tile (HAS_LEFT); a masked segment is compiled only where it can exist.
@@ -728,7 +731,7 @@ if gluon is not None:
             # layout holds each column twice in a thread's registers, and an atomic add of it
             # added it twice (H200: a per-key bias's gradient came out doubled).
             rule: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [gl.num_warps(), 1], [1, 0])
-            off_b, off_h, score_args, _, packing = user
+            off_b, off_h, score_args, _, packing, in_bounds = user
             # the indices the modifier saw: with packing, each pair's sequence and positions in
             # it (pairs of two sequences have ds 0: their P is masked)
             mod_b, mod_lq, mod_lk = off_b, seqlen_q, seqlen_k
@@ -738,7 +741,8 @@ if gluon is not None:
                     off_b, mod_i, mod_j, seqlen_q, seqlen_k, packing, True)
             user_captured_grad(gl.convert_layout(ds_mod, rule), gl.convert_layout(s_in, rule),
                                mod_b, off_h, mod_i, mod_j, mod_lq, mod_lk, CAPTURED_GRAD,
-                               score_args, grad_args, True)
+                               score_args, grad_args, True, len(in_bounds[0]) > 0,
+                               len(in_bounds[1]) > 0)
         if SCORE_MOD is not None:
             ds = ds * dmod
         ds = score_grad(ds, dcap, SCORES)
@@ -796,6 +800,7 @@ if gluon is not None:
                               ONE_KEY_ZERO: gl.constexpr, SINK: gl.constexpr,
                               LSE_GRAD: gl.constexpr, SCORE_MOD: gl.constexpr,
                               SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr,
+                              QUERIES_IN: gl.constexpr, KEYS_IN: gl.constexpr,
                               CAPTURED_GRAD: gl.constexpr, ACROSS_HEADS: gl.constexpr,
                               num_warps: gl.constexpr):
         """dQ of BLOCK_M query rows of one (batch, head), heaviest causal rows first: Q and dO
@@ -828,7 +833,7 @@ if gluon is not None:
         key_row0, kv_col = view_origin(kv_geo, off_b, off_h // group, k_start, VARLEN)
         geo = (seqlen_q, seqlen_k, window_left, window_right, dropout_scale)
         drop = (seed_lo, seed_hi, dropout_threshold, off_b, off_h)
-        user = (off_b, off_h, score_args, mask_args, packing)
+        user = (off_b, off_h, score_args, mask_args, packing, bounds_flags(QUERIES_IN, KEYS_IN))
         dtype: gl.constexpr = q_desc.dtype
         gl.static_assert(not DROPOUT or (BLOCK_M == 64 and num_warps == 4),
                          "keep_tile draws for the forward's 64-row, one-warpgroup tile")
@@ -1093,7 +1098,7 @@ def _prepare_dkdv(q, k, v, dout, lse, delta, params: AttentionParams, dk, dv, bl
         f.score_values, params.softmax_scale, *f.dropout, lse.stride(-2), view_geometry(q),
         view_geometry(k), view_geometry(dout)), dict(
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=num_stages, **f.flags,
-        ONE_KEY_ZERO=one_key_zero, **_user_modifiers(variant),
+        ONE_KEY_ZERO=one_key_zero, **_user_modifiers(variant, f, params, block_m, block_n),
         HEAD_LISTS=_per_head_mask(params), ACROSS_HEADS=across_heads, num_warps=num_warps),
         _DKDV_TENSORS, descriptors, SEED)
 
@@ -1140,7 +1145,8 @@ def _prepare_dq(q, k, v, out, dout, lse, delta, dlse, params: AttentionParams, d
         *f.dropout, view_geometry(q), view_geometry(k), view_geometry(dout)), dict(
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=num_stages, **f.flags,
         ONE_KEY_ZERO=one_key_zero, SINK=params.sink is not None, LSE_GRAD=dlse is not None,
-        **_user_modifiers(variant), **captured_grad_args(params)[1],
+        **_user_modifiers(variant, f, params, block_m, block_n),
+        **captured_grad_args(params)[1],
         ACROSS_HEADS=across_heads, num_warps=num_warps), _DQ_TENSORS, descriptors, SEED)
 
 
@@ -1167,7 +1173,11 @@ def _per_head_mask(params: AttentionParams) -> bool:
     return mask is not None and mask.kv_num_blocks.shape[1] != 1
 
 
-def _user_modifiers(variant: dict) -> dict:
-    """The kernels' SCORE_MOD, SCORE_GRAD and MASK_MOD of common.variant_args' dict."""
+def _user_modifiers(variant: dict, f, params: AttentionParams, block_m: int,
+                    block_n: int) -> dict:
+    """The kernels' SCORE_MOD, SCORE_GRAD and MASK_MOD of common.variant_args' dict, and
+    QUERIES_IN, KEYS_IN (tiles_in_bounds: the positions the modifiers see need no clamp) of
+    the call's features f and a launch of block_m x block_n tiles."""
+    queries_in, keys_in = tiles_in_bounds(f, params, block_m, block_n)
     return dict(SCORE_MOD=variant["SCORE_MOD"], SCORE_GRAD=variant["SCORE_GRAD"],
-                MASK_MOD=variant["MASK_MOD"])
+                MASK_MOD=variant["MASK_MOD"], QUERIES_IN=queries_in, KEYS_IN=keys_in)

@@ -310,14 +310,30 @@ def mod_indices(off_b, i, j, seqlen_q, seqlen_k, packing, PACKED: tl.constexpr):
 
 
 @triton.jit
+def mod_positions(i, j, seqlen_q, seqlen_k, QUERIES_IN: tl.constexpr, KEYS_IN: tl.constexpr):
+    """The query and key positions a user modifier sees: i and j (broadcasting, [M, 1] and
+    [1, N] or the transpose) clamped into the sequence, so a modifier's table reads stay in
+    bounds on the padding rows and columns (which the mask drops). QUERIES_IN (KEYS_IN): the
+    caller's query (key) tiles end within seqlen_q (seqlen_k), so i (j) needs no clamp, and
+    consecutive positions along a tile's columns stay consecutive to the compiler (a
+    modifier's reads there then load several at once)."""
+    i_in = i
+    j_in = j
+    if not QUERIES_IN:
+        i_in = tl.minimum(i, seqlen_q - 1)
+    if not KEYS_IN:
+        j_in = tl.minimum(j, seqlen_k - 1)
+    return i_in, j_in
+
+
+@triton.jit
 def user_score(s, off_b, off_h, i, j, seqlen_q, seqlen_k, SCORE_MOD: tl.constexpr, score_args,
-               NATURAL: tl.constexpr = False):
+               NATURAL: tl.constexpr = False, QUERIES_IN: tl.constexpr = False,
+               KEYS_IN: tl.constexpr = False):
     """A user score_mod (flashkit.variants) on log2-unit scores s (natural with NATURAL): it
-    sees and returns the natural scaled score, as FlexAttention's. i and j broadcast ([M, 1]
-    and [1, N] or the transpose) and are clamped into the sequence, so a modifier's table reads
-    stay in bounds on the padding rows and columns (which the mask drops)."""
-    i_in = tl.minimum(i, seqlen_q - 1)
-    j_in = tl.minimum(j, seqlen_k - 1)
+    sees and returns the natural scaled score, as FlexAttention's, at the positions
+    mod_positions gives."""
+    i_in, j_in = mod_positions(i, j, seqlen_q, seqlen_k, QUERIES_IN, KEYS_IN)
     if NATURAL:
         s = SCORE_MOD(s, off_b, off_h, i_in, j_in, *score_args)
     else:
@@ -327,10 +343,11 @@ def user_score(s, off_b, off_h, i, j, seqlen_q, seqlen_k, SCORE_MOD: tl.constexp
 
 @triton.jit
 def user_score_grad(s, off_b, off_h, i, j, seqlen_q, seqlen_k, SCORE_GRAD: tl.constexpr,
-                    score_args, NATURAL: tl.constexpr = False):
-    """d score_mod / d score at the scores s (before score_mod), units as user_score."""
-    i_in = tl.minimum(i, seqlen_q - 1)
-    j_in = tl.minimum(j, seqlen_k - 1)
+                    score_args, NATURAL: tl.constexpr = False,
+                    QUERIES_IN: tl.constexpr = False, KEYS_IN: tl.constexpr = False):
+    """d score_mod / d score at the scores s (before score_mod), units and positions as
+    user_score."""
+    i_in, j_in = mod_positions(i, j, seqlen_q, seqlen_k, QUERIES_IN, KEYS_IN)
     if not NATURAL:
         s = s * LN2_JIT
     return SCORE_GRAD(s, off_b, off_h, i_in, j_in, *score_args)
@@ -339,25 +356,24 @@ def user_score_grad(s, off_b, off_h, i, j, seqlen_q, seqlen_k, SCORE_GRAD: tl.co
 @triton.jit
 def user_captured_grad(ds, s, off_b, off_h, i, j, seqlen_q, seqlen_k,
                        CAPTURED_GRAD: tl.constexpr, score_args, grad_args,
-                       NATURAL: tl.constexpr = False):
+                       NATURAL: tl.constexpr = False, QUERIES_IN: tl.constexpr = False,
+                       KEYS_IN: tl.constexpr = False):
     """A score_mod's rule for its captured tensors' gradients: CAPTURED_GRAD(ds, score, b, h,
     q_idx, kv_idx, *captured, *grads) adds into grads (float32 buffers, None for a captured
     value without one). ds [M, N] = dL / d score_mod(score) (natural units, 0 where masked),
-    s the score before score_mod, units and indices as user_score."""
-    i_in = tl.minimum(i, seqlen_q - 1)
-    j_in = tl.minimum(j, seqlen_k - 1)
+    s the score before score_mod, units and positions as user_score."""
+    i_in, j_in = mod_positions(i, j, seqlen_q, seqlen_k, QUERIES_IN, KEYS_IN)
     if not NATURAL:
         s = s * LN2_JIT
     CAPTURED_GRAD(ds, s, off_b, off_h, i_in, j_in, *score_args, *grad_args)
 
 
 @triton.jit
-def user_visible(keep, off_b, off_h, i, j, seqlen_q, seqlen_k, MASK_MOD: tl.constexpr,
-                 mask_args):
-    """keep & a user mask_mod (True = visible), indices clamped as in user_score."""
-    i_in = tl.minimum(i, seqlen_q - 1)
-    j_in = tl.minimum(j, seqlen_k - 1)
-    return keep & MASK_MOD(off_b, off_h, i_in, j_in, *mask_args)
+def user_visible(off_b, off_h, i, j, seqlen_q, seqlen_k, MASK_MOD: tl.constexpr, mask_args,
+                 QUERIES_IN: tl.constexpr = False, KEYS_IN: tl.constexpr = False):
+    """A user mask_mod's verdict (True = visible) at the positions mod_positions gives."""
+    i_in, j_in = mod_positions(i, j, seqlen_q, seqlen_k, QUERIES_IN, KEYS_IN)
+    return MASK_MOD(off_b, off_h, i_in, j_in, *mask_args)
 
 
 def variant_args(params):

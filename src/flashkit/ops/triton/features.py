@@ -31,6 +31,7 @@ one NamedTuple, no dataclasses.replace.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -168,6 +169,23 @@ def cuts_left(params: AttentionParams, seqlen_k: int) -> bool:
     """Whether a window's left side hides some of seqlen_k keys from some row (the HAS_LEFT
     flag of kernel_features: a side at least seqlen_k - 1 long reaches every key)."""
     return params.window_left is not None and params.window_left < seqlen_k - 1
+
+
+def tiles_in_bounds(f: KernelFeatures, params: AttentionParams, block_m: int,
+                    block_n: int) -> tuple[bool, bool]:
+    """(queries, keys): whether every query tile of block_m rows (key tile of block_n keys)
+    that a launch of f runs ends within the queries (keys): common.mod_positions' QUERIES_IN
+    and KEYS_IN.
+    Dense calls whose lengths fill whole tiles and, under a block mask, whole blocks (each
+    listed block runs all its tiles); never varlen (sequences end anywhere in a tile) nor a
+    block mask over packed tokens (a modifier sees positions within each sequence)."""
+    variant = params.variant
+    if f.varlen or (variant is not None and variant.packing):
+        return False, False
+    if variant is not None and variant.block_mask is not None:
+        block_q, block_kv = variant.block_mask.BLOCK_SIZE
+        block_m, block_n = math.lcm(block_m, block_q), math.lcm(block_n, block_kv)
+    return f.seqlen_q % block_m == 0, f.seqlen_k % block_n == 0
 
 
 def feature_tensors(params: AttentionParams, placeholder, float32_sink: bool = True) -> tuple:

@@ -99,8 +99,8 @@ def _fwd_tiles(acc, m_i, l_i, q_tile, kv, start, end, offs, band, mods, drop, va
             if PACKED:
                 keep = keep & same
             if MASK_MOD is not None:
-                keep = user_visible(keep, mod_b, off_h, mod_i, mod_j, mod_lq, mod_lk, MASK_MOD,
-                                    mask_args)
+                keep = keep & user_visible(mod_b, off_h, mod_i, mod_j, mod_lq, mod_lk,
+                                           MASK_MOD, mask_args)
             s = tl.where(keep, s, float("-inf"))
         p, alpha, m_i, l_i = online_softmax_update(m_i, l_i, s, MASKED,
                                                    q_tile.dtype == tl.float32)

@@ -35,7 +35,8 @@ waits for. TMA reads
 (batch * heads * seqlen, d), so a tile past a sequence's end reads the next sequence's (or
 head's) rows (or zeros past the tensor): their scores are
 masked to -inf, so P is 0 there, and with KEY_TAIL (varlen, or seqlen_k not a multiple of
-BLOCK_N) the consumers zero V's rows past the end in that last tile before their P V wgmma
+BLOCK_N or of a block mask's blocks) the consumers zero V's rows past the end in a range's last
+tile before their P V wgmma
 (hopper_common.zero_tile_tail; consumers that share the tile each zero a share of its rows and
 wait on the `tails` mbarrier for the others'), so NaN or inf there (0 * NaN) cannot reach the
 output; query rows past seqlen_q are never stored.
@@ -101,6 +102,7 @@ from flashkit.ops.triton.features import (
     dropout_seed,
     feature_tensors,
     kernel_features,
+    tiles_in_bounds,
 )
 from flashkit.ops.triton.hopper_common import (
     flash_descriptor,
@@ -144,6 +146,7 @@ if gluon is not None:
     from flashkit.ops.triton.dropout_gluon import keep_words
     from flashkit.ops.triton.hopper_common import (
         block_listing,
+        bounds_flags,
         issue_kv_load,
         kv_tile_rows,
         tile_start,
@@ -454,9 +457,12 @@ if gluon is not None:
          softcap_scale, row_max, seed_lo, seed_hi, dropout_threshold, dropout_scale, score_args,
          mask_args, packing, listing) = scalars
         geo = (seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale)
-        user = (off_b, off_h, score_args, mask_args, packing)
-        drop = (seed_lo, seed_hi, dropout_threshold, off_b, off_h)
         SPARSE: gl.constexpr = len(listing) > 0  # a block mask's tiles (tile_start)
+        # without a key tail every key column lies in the sequence: the modifiers' key
+        # positions need no clamp (common.mod_positions)
+        user = (off_b, off_h, score_args, mask_args, packing,
+                bounds_flags(False, not KEY_TAIL))
+        drop = (seed_lo, seed_hi, dropout_threshold, off_b, off_h)
         # A user's variant runs its tiles after the first in one loop, masking as a runtime
         # choice per tile: one copy of the softmax step where the built-in features' separate
         # masked and open loops take two or three. The forward's compile is a new variant's
@@ -576,7 +582,8 @@ if gluon is not None:
 
             last = (ring + n_tiles - 1) % NUM_STAGES
             mbarrier.wait(v_ready.index(last), ((ring + n_tiles - 1) // NUM_STAGES) & 1)
-            if KEY_TAIL:  # only the last tile can reach past the sequence's keys
+            if KEY_TAIL and not SPARSE:  # only the last tile can reach past the keys (a
+                # block mask's calls with a key tail are one sequence: TMA reads zeros there)
                 zero_tile_tail(v_smem.index(last), seqlen_k - lo - (n_tiles - 1) * BLOCK_N,
                                BLOCK_N, HEAD_DIM, CONSUMER, CONSUMERS)
                 if CONSUMERS > 1:  # the other consumers' shares are zero too (phase: items)
@@ -1169,8 +1176,10 @@ def _prepare(q, k, v, params: AttentionParams, out, lse, tile, seqused_k, block_
         box_rows = min(page_size, block_n)
         paging = (block_table.stride(0), page_size.bit_length() - 1)
     config = launch_config(tile)
-    # KEY_TAIL zeroes the tail of the range's last V tile; a block mask's tiles are listed, not
-    # a range, and its calls off the key tiles are one sequence, whose tail TMA reads as zeros
+    # KEY_TAIL: a key tile may reach past the keys (tiles_in_bounds); the consumers then zero
+    # the tail of a range's last V tile (a block mask's tiles are listed, not a range, and its
+    # calls off the key tiles are one sequence, whose tail TMA reads as zeros) and clamp the
+    # key positions a modifier sees
     descriptors = {0: flash_descriptor(q, BLOCK_M), 1: flash_descriptor(k, block_n, box_rows),
                    2: flash_descriptor(v, block_n, box_rows)}
     variant = variant_args(params)[3]
@@ -1183,7 +1192,7 @@ def _prepare(q, k, v, params: AttentionParams, out, lse, tile, seqused_k, block_
         HEAD_DIM=head_dim, BLOCK_N=block_n, NUM_STAGES=num_stages, CONSUMERS=consumers,
         SPECIALIZED=specialized, PINGPONG=pingpong and consumers >= 2, PERSISTENT=persistent,
         CONSUMER_REGS=config.pop("CONSUMER_REGS"), **flags, SEQUSED_K=seqused_k is not None,
-        KEY_TAIL=f.varlen or any_length or (f.seqlen_k % block_n != 0 and mask is None),
+        KEY_TAIL=any_length or not tiles_in_bounds(f, params, BLOCK_M, block_n)[1],
         PAGED=paged, SPLIT_LOADS=paged and specialized and consumers == 2,
         SCORE_MOD=variant["SCORE_MOD"], MASK_MOD=variant["MASK_MOD"],
         num_warps=config.pop("num_warps")),

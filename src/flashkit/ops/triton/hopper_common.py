@@ -279,10 +279,13 @@ if gluon is not None:
         (natural with NATURAL, which returns natural ones too) of query rows i and key columns
         j (broadcasting), and, with SCORE_GRAD, its derivative at s, which a backward
         multiplies dS by (1.0 otherwise). user = (batch, query head,
-        score_args, mask_args, packing): with packing (a block mask over varlen's packed
-        tokens, run as one sequence) the modifier sees each pair's sequence and positions in it
-        (common.mod_indices)."""
-        off_b, off_h, score_args, mask_args, packing = user
+        score_args, mask_args, packing, in_bounds): with packing (a block mask over varlen's
+        packed tokens, run as one sequence) the modifier sees each pair's sequence and positions
+        in it (common.mod_indices); in_bounds (bounds_flags) whether the positions need a clamp
+        (never with packing: positions within a sequence)."""
+        off_b, off_h, score_args, mask_args, packing, in_bounds = user
+        QUERIES_IN: gl.constexpr = len(in_bounds[0]) > 0
+        KEYS_IN: gl.constexpr = len(in_bounds[1]) > 0
         dmod = 1.0
         if SCORE_MOD is not None:
             if len(packing) > 0:
@@ -290,10 +293,24 @@ if gluon is not None:
                                                                  seqlen_k, packing, True)
             if SCORE_GRAD is not None:
                 dmod = user_score_grad(s, off_b, off_h, i, j, seqlen_q, seqlen_k, SCORE_GRAD,
-                                       score_args, NATURAL)
+                                       score_args, NATURAL, QUERIES_IN, KEYS_IN)
             s = user_score(s, off_b, off_h, i, j, seqlen_q, seqlen_k, SCORE_MOD, score_args,
-                           NATURAL)
+                           NATURAL, QUERIES_IN, KEYS_IN)
         return s, dmod
+
+    @gluon.jit
+    def bounds_flags(QUERIES_IN: gl.constexpr, KEYS_IN: gl.constexpr):
+        """`user`'s in_bounds (user_scores): whether a kernel's query (key) tiles all end within
+        the sequence, so the positions a modifier sees need no clamp (common.mod_positions). A
+        tuple turns its flags into tensors but keeps its shape, so each flag travels as a
+        tuple's length: (0,) for True, () for False."""
+        queries = ()
+        keys = ()
+        if QUERIES_IN:
+            queries = (0, )
+        if KEYS_IN:
+            keys = (0, )
+        return queries, keys
 
     @gluon.jit
     def visible_with_mod(i, j, seqlen_q, seqlen_k, window_left, window_right, user,
@@ -301,16 +318,24 @@ if gluon is not None:
                          MASK_MOD: gl.constexpr):
         """common.visible and a user's mask_mod (common.user_visible; user as in user_scores:
         with packing, pairs of two sequences are hidden and the mask_mod sees positions within
-        the query's sequence)."""
-        off_b, off_h, score_args, mask_args, packing = user
-        keep = visible(i, j, seqlen_q, seqlen_k, window_left, window_right, HAS_LEFT, HAS_RIGHT)
-        if MASK_MOD is not None:
-            if len(packing) > 0:
-                off_b, i, j, seqlen_q, seqlen_k, same = mod_indices(off_b, i, j, seqlen_q,
-                                                                    seqlen_k, packing, True)
-                keep = keep & same
-            keep = user_visible(keep, off_b, off_h, i, j, seqlen_q, seqlen_k, MASK_MOD,
-                                mask_args)
+        the query's sequence). With every key in bounds and no band, the mask_mod alone:
+        visible's one test, j < seqlen_k, holds (a select per score less)."""
+        off_b, off_h, score_args, mask_args, packing, in_bounds = user
+        QUERIES_IN: gl.constexpr = len(in_bounds[0]) > 0
+        KEYS_IN: gl.constexpr = len(in_bounds[1]) > 0
+        if MASK_MOD is not None and KEYS_IN and not HAS_LEFT and not HAS_RIGHT:
+            keep = user_visible(off_b, off_h, i, j, seqlen_q, seqlen_k, MASK_MOD, mask_args,
+                                QUERIES_IN, KEYS_IN)
+        else:
+            keep = visible(i, j, seqlen_q, seqlen_k, window_left, window_right, HAS_LEFT,
+                           HAS_RIGHT)
+            if MASK_MOD is not None:
+                if len(packing) > 0:
+                    off_b, i, j, seqlen_q, seqlen_k, same = mod_indices(off_b, i, j, seqlen_q,
+                                                                        seqlen_k, packing, True)
+                    keep = keep & same
+                keep = keep & user_visible(off_b, off_h, i, j, seqlen_q, seqlen_k, MASK_MOD,
+                                           mask_args, QUERIES_IN, KEYS_IN)
         return keep
 
     @gluon.jit
